@@ -1,0 +1,1 @@
+"""Recipe runner for large-scale LLM training on TorchTitan's building blocks."""

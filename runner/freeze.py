@@ -1,0 +1,85 @@
+"""The frozen run file: the whole resolved config plus provenance, loadable by Hydra.
+
+Torch-free. `python -m runner --config-dir <run folder> --config-name frozen` replays a
+run from this one file: it starts from the schema (`base_config`) and sets every field.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from runner.layout import Layout
+from runner.schema import RunConfig
+
+FROZEN_NAME = "frozen.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def git_commit() -> str:
+    """Commit of the project checkout, with '+dirty' for uncommitted changes; 'unknown' outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def provenance(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
+    prev = cfg.provenance or {}
+    out = {
+        "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "argv": list(sys.argv[1:]),
+        "runner_version": _version("runner"),
+        "torch_version": _version("torch"),
+        "torchtitan_version": _version("torchtitan"),
+        "torchao_version": _version("torchao"),
+        "git_commit": git_commit(),
+        "world_size": lay.world_size,
+        "layout": lay.describe(),
+        "degrees": {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep},
+        "seed": cfg.training.seed,
+    }
+    if prev.get("run_dir"):
+        out["replay_of"] = prev["run_dir"]
+    return out
+
+
+def to_container(cfg: RunConfig) -> dict[str, Any]:
+    """Plain, fully resolved dict of the config (enums as their names)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+
+
+def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
+    """Write frozen.yaml into run_dir and return its path."""
+    body = to_container(cfg)
+    body["provenance"] = {**provenance(cfg, lay), "run_dir": str(run_dir.resolve())}
+    text = OmegaConf.to_yaml(OmegaConf.create({"defaults": ["base_config", "_self_"], **body}))
+    path = run_dir / FROZEN_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("# Replay: python -m runner --config-dir <this folder> --config-name frozen\n" + text)
+    tmp.replace(path)
+    return path
+
+
+def load(path: str | Path) -> RunConfig:
+    """Read a frozen.yaml back into the typed config (used by every rank)."""
+    raw = OmegaConf.load(path)
+    raw.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), raw))

@@ -1,0 +1,37 @@
+"""Start the ranks of one node with torch's elastic agent (the engine behind torchrun)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+from runner.layout import Layout
+from runner.schema import RunConfig
+
+
+def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
+    """Run `python -m runner.worker <frozen>` on every local rank; raise if any rank fails.
+
+    Rank 0 keeps the console (progress bar); the other ranks' output goes to
+    <run folder>/logs/<run id>/attempt_<n>/<rank>/std{out,err}.log.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from runner import peak
+
+    peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    n = lay.world_size
+    run_dir = frozen.parent
+    logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects={r: Std.NONE if r == 0 else Std.ALL for r in range(n)})
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=n,
+        run_id=f"runner-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone
+        max_restarts=0, monitor_interval=0.5, logs_specs=logs,
+    )
+    elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "runner.worker", str(frozen))

@@ -1,0 +1,89 @@
+"""Metric sinks on rank 0: console with a rich progress bar, metrics.jsonl, W&B."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from runner.schema import RunConfig
+
+
+class Sink(Protocol):
+    def log(self, row: dict[str, Any]) -> None: ...
+
+    def close(self, summary: dict[str, Any]) -> None: ...
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    s = (f"step {row['step']:>4}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
+         f"tokens/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%")
+    if "hfu" in row:
+        s += f"  hfu {100 * row['hfu']:.2f}%"
+    return s + f"  step {row['step_time_s']:.2f}s"
+
+
+class ConsoleSink:
+    def __init__(self, steps: int, progress: bool, header: str):
+        self.console = Console(highlight=False)
+        self.console.print(header, markup=False)
+        self.progress = None
+        if progress:
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=steps)
+            self.progress.start()
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.console.print(_fmt(row), markup=False)
+        if self.progress:
+            self.progress.update(self.task, completed=row["step"])
+
+    def close(self, summary: dict[str, Any]) -> None:
+        if self.progress:
+            self.progress.stop()
+        self.console.print(
+            f"done: final loss {summary['final_loss']:.4f}, median {summary['tokens_per_s_median']:,.0f} tokens/s, "
+            f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']})"
+        )
+
+
+class JsonlSink:
+    """metrics.jsonl: one JSON object per logged step; summary.json at the end."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.file = open(run_dir / "metrics.jsonl", "a")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self, summary: dict[str, Any]) -> None:
+        self.file.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+class WandbSink:
+    def __init__(self, cfg: RunConfig, run_dir: Path, frozen: dict[str, Any]):
+        import wandb
+
+        w = cfg.logging.wandb
+        self.run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, dir=str(run_dir),
+                              name=f"{cfg.parallelism.name}-{run_dir.name}", config=frozen)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+        self.run.finish()
+
+
+def sinks(cfg: RunConfig, run_dir: Path, header: str, frozen: dict[str, Any]) -> list[Sink]:
+    out: list[Sink] = [ConsoleSink(cfg.training.steps, cfg.logging.progress, header), JsonlSink(run_dir)]
+    if cfg.logging.wandb.enable:
+        out.append(WandbSink(cfg, run_dir, frozen))
+    return out

@@ -1,0 +1,72 @@
+"""Dense peak FLOP/s of the device: from the cluster config, or measured on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from runner.schema import DeviceType, RunConfig
+
+# Matrix size per dtype: fp32 reaches its plateau at 1024; bf16 on AVX2-only CPUs runs
+# ~200x slower, so a smaller matrix keeps the measurement under a second.
+_SIZE = {"float32": 1024, "bfloat16": 256}
+
+
+def measure_cpu_tflops(dtype_name: str, reps: int = 5) -> float:
+    """Best matmul rate of the whole machine (all cores) in TFLOP/s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        n = _SIZE[dtype_name]
+        dtype = getattr(torch, dtype_name)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best / 1e12
+    finally:
+        torch.set_num_threads(threads)
+
+
+def source(cfg: RunConfig) -> str:
+    """"config" when the cluster declares the peak of the compute dtype, else "measured"."""
+    return "config" if cfg.precision.param_dtype.value in cfg.cluster.peak_tflops else "measured"
+
+
+def peak(cfg: RunConfig, world_size: int) -> tuple[float, float]:
+    """(peak TFLOP/s per device, peak FLOP/s of the whole job).
+
+    On CPU all ranks share one machine, so the job's peak is the machine's peak.
+    """
+    dtype = cfg.precision.param_dtype.value
+    if source(cfg) == "measured":  # validation allows a missing peak on CPU only
+        tflops = measure_cpu_tflops(dtype)
+        return tflops, tflops * 1e12
+    tflops = cfg.cluster.peak_tflops[dtype]
+    devices = 1 if cfg.cluster.device == DeviceType.cpu else world_size
+    return tflops, tflops * 1e12 * devices
+
+
+PEAK_NAME = "peak.json"
+
+
+def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
+    """Decide the peak once per run (measuring before any rank starts) and record it."""
+    tflops, total = peak(cfg, world_size)
+    rec = {"peak_tflops": tflops, "peak_flops_total": total, "peak_source": source(cfg),
+           "dtype": cfg.precision.param_dtype.value, "device": cfg.cluster.device.value}
+    if rec["peak_source"] == "measured":
+        rec["method"] = f"best of 5 square matmuls n={_SIZE[rec['dtype']]} on {os.cpu_count()} threads"
+    (run_dir / PEAK_NAME).write_text(json.dumps(rec, indent=2) + "\n")
+    return rec
+
+
+def read(run_dir: Path) -> dict:
+    return json.loads((run_dir / PEAK_NAME).read_text())

@@ -1,0 +1,165 @@
+"""The only module that knows TorchTitan's API (pinned: torchtitan 0.3.0).
+
+It turns the runner's config into TorchTitan's ParallelDims, model spec and parallelize
+call, in TorchTitan's own order (TP, activation checkpointing, FSDP), and exposes the
+few operations the step loop needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from runner.layout import Layout
+from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
+
+SPMD_BACKEND = "partial_dtensor"  # the backend that composes FSDP2 + TP here (NOTES-cpu.md)
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    parallel_dims: object
+    num_params: int
+    flops_per_token: int
+    """TorchTitan's own count (get_nparams_and_flops) for this model and seq_len."""
+    extra_inputs: dict
+    """Keyword inputs the model needs beside tokens (attention masks on the FlexAttention path)."""
+
+
+def _titan_configs(cfg: RunConfig, lay: Layout):
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+
+    t, p = cfg.training, cfg.parallelism
+    training = TrainingConfig(
+        local_batch_size=t.microbatch_size,
+        seq_len=t.seq_len,
+        steps=t.steps,
+        max_norm=t.max_norm,
+        mixed_precision_param=cfg.precision.param_dtype.value,
+        mixed_precision_reduce=cfg.precision.reduce_dtype.value,
+    )
+    parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=lay.dp_replicate,
+        data_parallel_shard_degree=lay.dp_shard,
+        tensor_parallel_degree=lay.tp,
+        enable_sequence_parallel=p.sequence_parallel,
+        pipeline_parallel_degree=lay.pp,
+        pipeline_parallel_schedule=p.pp_schedule,
+        pipeline_parallel_microbatch_size=t.microbatch_size,
+        context_parallel_degree=lay.cp,
+        expert_parallel_degree=lay.ep,
+        spmd_backend=SPMD_BACKEND,
+    )
+    return training, parallelism
+
+
+def init_distributed(cfg: RunConfig, lay: Layout):
+    """Process group, CPU adaptations and the device mesh (pp, dp_replicate, dp_shard, cp, tp)."""
+    if cfg.cluster.device == DeviceType.cpu:
+        from runner import titan_cpu
+
+        titan_cpu.patch_device_globals()
+    else:
+        import os
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(cfg.cluster.backend.value)
+    from torchtitan.distributed import ParallelDims
+
+    pd = ParallelDims(
+        dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp, pp=lay.pp, ep=lay.ep,
+        world_size=dist.get_world_size(), spmd_backend=SPMD_BACKEND,
+    )
+    pd.build_mesh()
+    import torchtitan.distributed.utils as dist_utils
+
+    dist_utils.set_spmd_backend(SPMD_BACKEND)
+    return pd
+
+
+def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
+    """Model from TorchTitan's registry on meta, parallelized, materialized and initialized."""
+    import importlib
+
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    family = importlib.import_module(f"torchtitan.models.{cfg.model.name}")
+    spec = family.model_registry(cfg.model.flavor)
+    mcfg = spec.model
+    on_cpu = cfg.cluster.device == DeviceType.cpu
+    if on_cpu:
+        from runner import titan_cpu
+
+        titan_cpu.use_sdpa(mcfg)
+    training, parallelism = _titan_configs(cfg, lay)
+    mcfg.update_from_config(config=SimpleNamespace(training=training, parallelism=parallelism))
+    with torch.device("meta"):
+        model = mcfg.build()
+    num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
+    ac = FullAC.Config() if cfg.training.activation_checkpoint == ActivationCheckpoint.full else None
+    model = spec.parallelize_fn(
+        model, parallel_dims=pd, training=training, parallelism=parallelism,
+        compile_config=CompileConfig(), ac_config=ac, dump_folder=str(run_dir),
+    )
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    model.to_empty(device=device)
+    if on_cpu:
+        titan_cpu.force_sum_reduction(model)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)  # buffers (RoPE tables); parameters follow
+        titan_cpu.init_like_one_rank(model, mcfg, cfg.training.seed)
+    else:
+        torch.manual_seed(cfg.training.seed)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+    model.train()
+    return Built(model, pd, num_params, flops_per_token, _extra_inputs(model, mcfg, cfg, device))
+
+
+def _extra_inputs(model, mcfg, cfg: RunConfig, device) -> dict:
+    """FlexAttention (the GPU default) needs a mask; one document per sample, causal."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    if not isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config):
+        return {}
+    t = cfg.training
+    positions = torch.arange(t.seq_len, device=device).expand(t.microbatch_size, t.seq_len)
+    return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
+
+
+def loss_fn(cfg: RunConfig):
+    """TorchTitan's cross-entropy: sum over tokens divided by the global token count, because
+    TorchTitan's FSDP sums (does not average) gradients over data-parallel ranks."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    return CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=cfg.model.vocab_size))
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, pd) -> float:
+    """Global gradient norm over every shard (TorchTitan's DTensor-aware clip)."""
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm, foreach=True)
+    return float(local_value(norm))
+
+
+def save_checkpoint(model, optimizer, step: int, folder: Path) -> Path:
+    """Sharded checkpoint of model and optimizer through PyTorch DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    path = folder / f"step-{step}"
+    dcp.save({"model": model_sd, "optimizer": optim_sd, "step": step}, checkpoint_id=str(path))
+    return path

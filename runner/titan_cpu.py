@@ -1,0 +1,64 @@
+"""Adaptations of TorchTitan 0.3.0 (torch 2.13) for CPU ranks on gloo. Applied only when
+cluster.device is cpu; on GPU TorchTitan's defaults (NCCL, FlexAttention) stay."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+# Modules that copied torchtitan.tools.utils.device_type / device_module by value at import.
+_DEVICE_GLOBALS = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.tools.profiler",
+)
+
+
+def patch_device_globals() -> None:
+    """TorchTitan falls back to "cuda" when no accelerator exists; meshes must be built on "cpu"."""
+    for name in _DEVICE_GLOBALS:
+        mod = importlib.import_module(name)
+        if hasattr(mod, "device_type"):
+            mod.device_type = "cpu"
+        if hasattr(mod, "device_module"):
+            mod.device_module = torch.cpu
+
+
+def use_sdpa(model_config) -> None:
+    """FlexAttention has no backward on CPU: use TorchTitan's causal SDPA inner attention."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def force_sum_reduction(model: torch.nn.Module) -> None:
+    """TorchTitan sets FSDP's gradient divide factor to 1, i.e. PREMUL_SUM, which gloo lacks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def init_like_one_rank(model: torch.nn.Module, model_config, seed: int) -> None:
+    """DTensor's RNG tracker is CUDA-only, so initializing sharded parameters on CPU would give
+    different weights for every layout. Every rank initializes the unsharded model from the
+    seed (CPU runs are small) and keeps its own shard of each parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        ref = model_config.build()
+    with torch.no_grad():
+        ref.init_weights(buffer_device=None)
+        full = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            src = full[name]
+            if isinstance(p, DTensor):
+                src = distribute_tensor(src, p.device_mesh, p.placements)
+            p.copy_(src)

@@ -1,0 +1,135 @@
+"""The step loop: data -> forward/backward per microbatch -> global-norm clip -> AdamW.
+
+Built from TorchTitan's parts (see runner/titan.py); each phase is its own function so
+monitors can time and trace it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner import flops, titan
+from runner.data import SyntheticData
+from runner.layout import Layout
+from runner.metrics import Sink
+from runner.schema import ActivationCheckpoint, RunConfig
+
+
+@dataclass
+class Accounting:
+    """What MFU is measured against, recorded in summary.json."""
+
+    peak_tflops: float
+    peak_flops_total: float
+    peak_source: str
+    flops_per_token: int
+    flops_per_token_6n: int
+
+
+@dataclass
+class History:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_optimizer(cfg: RunConfig, model: torch.nn.Module):
+    t = cfg.training
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay, foreach=True)
+    warmup = t.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    return opt, sched
+
+
+def forward_backward(model, loss_fn, microbatches, global_tokens: torch.Tensor, extra: dict) -> torch.Tensor:
+    """Accumulate gradients over this rank's microbatches; return its share of the loss."""
+    total = torch.zeros(())
+    for inputs, labels in microbatches:
+        pred = model(inputs, **extra)
+        loss, _ = loss_fn(pred, labels, global_tokens)
+        del pred
+        loss.backward()
+        total += titan.local_value(loss.detach()).cpu()
+    return total
+
+
+def global_loss(local: torch.Tensor, built: titan.Built) -> float:
+    """Sum of the per-rank shares over the data (and context) parallel ranks = mean token loss."""
+    mesh = built.parallel_dims.get_optional_mesh("loss")
+    if mesh is not None:
+        dist.all_reduce(local, group=mesh.get_group())
+    return float(local)
+
+
+def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting) -> dict[str, Any]:
+    tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / dt
+    out = {
+        "step": step, "loss": loss, "grad_norm": grad_norm, "step_time_s": dt, "tokens_per_s": tokens_per_s, "lr": lr,
+        "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
+        "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.peak_flops_total),
+    }
+    if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
+        out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.training.activation_checkpoint)
+    return out
+
+
+def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Accounting) -> dict[str, Any]:
+    """Medians skip the first step (warm-up) when there is more than one."""
+    steady = rows[1:] or rows
+    out = {
+        "final_loss": rows[-1]["loss"],
+        "first_loss": rows[0]["loss"],
+        "steps": len(rows),
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steady),
+        "step_time_s_median": statistics.median(r["step_time_s"] for r in steady),
+        "mfu_median": statistics.median(r["mfu"] for r in steady),
+        "mfu_6n_median": statistics.median(r["mfu_6n"] for r in steady),
+        "flop_convention": "titan",
+        "flops_per_token": acc.flops_per_token,
+        "flops_per_token_6n": acc.flops_per_token_6n,
+        "peak_tflops": acc.peak_tflops,
+        "peak_source": acc.peak_source,
+        "peak_dtype": cfg.precision.param_dtype.value,
+        "world_size": lay.world_size,
+        "layout": cfg.parallelism.name,
+        "degrees": lay.describe(),
+    }
+    if "hfu" in rows[0]:
+        out["hfu_median"] = statistics.median(r["hfu"] for r in steady)
+    return out
+
+
+def run(cfg: RunConfig, lay: Layout, built: titan.Built, data: SyntheticData, acc: Accounting, sinks: list[Sink], run_dir: Path) -> list[dict[str, Any]]:
+    t = cfg.training
+    model = built.model
+    opt, sched = build_optimizer(cfg, model)
+    loss_fn = titan.loss_fn(cfg)
+    global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
+    ckpt_dir = run_dir / cfg.checkpoint.folder
+    rows = []
+    for step in range(1, t.steps + 1):
+        t0 = time.perf_counter()
+        local = forward_backward(model, loss_fn, data.microbatches(step - 1), global_tokens, built.extra_inputs)
+        grad_norm = titan.clip_grad_norm(model, t.max_norm, built.parallel_dims)
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = global_loss(local, built)
+        dt = time.perf_counter() - t0
+        r = row(step, loss, grad_norm, dt, lr, cfg, acc)
+        rows.append(r)
+        if step % cfg.logging.log_every == 0 or step == t.steps:
+            for s in sinks:
+                s.log(r)
+        if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+            titan.save_checkpoint(model, opt, step, ckpt_dir)
+    summary = summarize(rows, cfg, lay, acc)
+    for s in sinks:
+        s.close(summary)
+    return rows
