@@ -66,6 +66,7 @@ def main(dcfg: DictConfig) -> None:
         lay = validate.check(cfg)
         if cfg.mode == Mode.validate:
             print(_report(cfg, lay))
+            _discard(run_dir)  # a check, not a run: leave no folder behind
             return
         validate.check_launch(cfg, lay)
     except validate.ConfigError as e:

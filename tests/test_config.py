@@ -1,0 +1,181 @@
+"""The torch-free config layer: every config file composes and validates; bad input is
+rejected with field, value and fix, exit code 2, no traceback and no run folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runner import layout, validate
+from runner.schema import Mode
+from tests.conftest import ROOT, run_cli
+
+# Options that need a context to validate (the rest validate with the defaults).
+CONTEXT = {
+    "parallelism/fsdp.yaml": ["cluster.devices_per_node=4"],
+    "parallelism/tp8_pp4.yaml": ["+recipes=llama3_70b_tp8_pp4_h100x1024"],
+    "model/llama3_8b.yaml": ["parallelism=single"],
+    "model/llama3_70b.yaml": ["+recipes=llama3_70b_tp8_pp4_h100x1024"],
+    "model/llama3_405b.yaml": ["+recipes=llama3_70b_tp8_pp4_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
+    "cluster/h100_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
+    "cluster/h100x1024.yaml": ["parallelism=fsdp", "training.global_batch_size=2048"],
+}
+
+
+def _config_files():
+    files = sorted(
+        p.relative_to(ROOT).as_posix()
+        for d in ("conf", "recipes", "sweeps")
+        for p in (ROOT / d).rglob("*.yaml")
+        if not p.relative_to(ROOT).as_posix().startswith(("conf/recipes/", "conf/sweeps/"))  # symlinks to the top-level folders
+    )
+    assert len(files) >= 25, files  # a non-recursive listing once validated 3 of 197 files
+    return files
+
+
+def _overrides(path: str) -> list[str]:
+    top, _, rest = path.partition("/")
+    if top == "conf" and rest == "config.yaml":
+        return []
+    if top == "conf":
+        group, option = rest.rsplit("/", 1)
+        ctx = CONTEXT.get(rest, [])
+        return [*ctx, f"{group}={option.removesuffix('.yaml')}"]
+    return [f"+{top}={rest.removesuffix('.yaml')}"]
+
+
+@pytest.mark.parametrize("path", _config_files())
+def test_every_config_file_composes_and_validates(compose, path):
+    cfg = compose([*_overrides(path), "mode=validate"])
+    lay = validate.check(cfg)
+    assert lay.world_size == layout.world_size(cfg.parallelism, cfg.cluster) or cfg.cluster.devices_per_node == -1
+    assert cfg.mode == Mode.validate
+
+
+def test_model_files_name_their_titan_flavor(compose):
+    flavors = {m: compose([f"model={m}", "parallelism=single"]).model.flavor for m in ("debug", "llama3_8b", "llama3_70b", "llama3_405b")}
+    assert flavors == {"debug": "debugmodel", "llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B"}
+
+
+def test_seed_layout_resolves_to_worked_example(compose):
+    cfg = compose(["+recipes=llama3_70b_tp8_pp4_h100x1024"])
+    lay = validate.check(cfg)
+    assert (lay.world_size, lay.tp, lay.pp, lay.dp) == (1024, 8, 4, 32)
+    assert cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size) == 32  # m = 32 microbatches
+
+
+BAD = [
+    (["cluster=h100_node", "parallelism.dp_shard=3"], "parallelism = pp x dp_replicate x dp_shard x cp x tp = 6: must equal the world size 8"),
+    (["cluster=h100_node", "parallelism.dp_shard=-1", "parallelism.tp=3"], "the world size 8 (cluster h100_node), so dp_shard=-1 cannot absorb"),
+    (["parallelism.tp=3"], "parallelism.tp = 3: must divide model.num_heads = 16 and model.num_kv_heads = 16. Fix: use tp in [1, 2, 4, 8, 16]"),
+    (["model=llama3_8b", "parallelism=fsdp", "cluster=h100_node", "parallelism.tp=16", "parallelism.dp_shard=1", "cluster.num_nodes=2"],
+     "parallelism.tp = 16: a TP group must fit inside one node of 8 devices"),
+    (["parallelism.pp=4", "parallelism.dp_shard=1", "parallelism.tp=1"], "model.num_layers = 6 does not split evenly into 4 pipeline stages"),
+    (["parallelism=single", "parallelism.pp=2", "training.global_batch_size=2", "training.microbatch_size=2"],
+     "gives 1 microbatches per pipeline, fewer than pp = 2 stages"),
+    (["training.global_batch_size=6"], "training.global_batch_size = 6: must be divisible by DP degree 2 x training.microbatch_size 2 = 4"),
+    (["parallelism=tp2", "training.seq_len=63"], "training.seq_len = 63: sequence parallelism splits the sequence over tp = 2"),
+    (["parallelism=single", "parallelism.cp=2", "training.seq_len=66"], "training.seq_len = 66: context parallelism with load balancing splits the sequence into 2 x cp = 4"),
+    (["cluster.backend=nccl"], "cluster.backend = nccl: NCCL needs CUDA devices; cluster.device is cpu. Fix: use cluster.backend=gloo"),
+    (["parallelism=fsdp"], "parallelism.dp_shard = -1: cluster local_cpu takes its world size from the layout"),
+    (["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16", "~cluster.peak_tflops.bfloat16", "precision=bf16"],
+     "cluster.peak_tflops = {'float32': 67.0, 'float8': 1979.0}: has no dense peak for bfloat16"),
+    (["parallelism.ep=2", "parallelism.dp_shard=1"], "parallelism.ep = 2: expert parallelism needs a mixture-of-experts model"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_validation_rejects(compose, overrides, message):
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(overrides))
+    assert message in str(e.value)
+
+
+def test_all_problems_reported_at_once(compose):
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(["parallelism.tp=3", "training.global_batch_size=7"]))
+    assert str(e.value).startswith("Invalid config (3 problems):")
+    assert [p.field for p in e.value.problems] == ["parallelism.tp", "training.seq_len", "training.global_batch_size"]
+
+
+def test_launch_rules(compose):
+    cfg = compose(["+recipes=llama3_8b_fsdp8_h100"])
+    lay = validate.check(cfg)  # a valid config for a real node ...
+    with pytest.raises(validate.ConfigError, match="this machine has no NVIDIA driver"):
+        validate.check_launch(cfg, lay)  # ... that this CPU machine cannot start
+    big = compose(["parallelism=fsdp", "cluster.devices_per_node=64", "training.global_batch_size=128"])
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check_launch(big, validate.check(big))
+    per_rank = validate.rank_memory_gb(big, validate.check(big))
+    assert f"64 ranks x {per_rank:.2f} GB estimated = {64 * per_rank:.1f} GB exceeds this machine's" in str(e.value)
+
+
+def test_rank_memory_estimate_of_debug_rank(compose):
+    cfg = compose([])
+    lay = validate.check(cfg)
+    # 6,163,712 params x 16 B / (fsdp 2 x tp 2) + activations 6 x 256 x 2 x 256 x (34 + 80) x 2 / 2 + logits 3 x 256 x 2 x 2048 x 4
+    want = 0.6 + (6_163_712 * 16 / 4 + 6 * 256 * 2 * 256 * 114 + 3 * 256 * 2 * 2048 * 4) / 1e9
+    assert validate.rank_memory_gb(cfg, lay) == pytest.approx(want)
+
+
+def test_layout_coordinates_tp_fastest():
+    lay = layout.Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)
+    assert lay.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
+    assert [lay.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def _no_traceback_exit2(proc):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["parallelism.tp=3"], "parallelism.tp = 3: must divide model.num_heads"),
+        (["training.stepz=3"], "Key 'stepz' not in 'TrainingConfig'"),
+        (["training.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+        (["parallelism=nope"], "Could not find 'parallelism/nope'"),
+        (["precision.param_dtype=float16"], "Invalid value 'float16', expected one of [float32, bfloat16]"),
+    ],
+)
+def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*args, run_dir=run_dir)
+    _no_traceback_exit2(proc)
+    assert message in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
+    proc = run_cli("+recipes=llama3_70b_tp8_pp4_h100x1024", "mode=validate", run_dir=tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert "1024 ranks, layout tp8_pp4 [pp=4 x dp_shard=32 x tp=8]" in proc.stdout
+    assert "4,194,304 tokens/step, 32 microbatches of 1 per DP rank" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_layer_is_torch_free():
+    code = (
+        "import sys; sys.argv = ['runner', '--cfg', 'job']\n"
+        "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout\n"
+        "try:\n    runpy.run_module('runner', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH_LOADED', 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "TORCH_LOADED False" in out.stdout
+    assert "name: dp2_tp2" in out.stdout  # the job config was printed
+
+
+def test_help_and_info():
+    help_ = run_cli("--help")
+    assert help_.returncode == 0
+    for line in ("model: base_model, debug, llama3_405b, llama3_70b, llama3_8b", "parallelism: base_parallelism, dp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
+                 "recipes: debug_dp2_tp2_cpu, llama3_70b_tp8_pp4_h100x1024", "python -m runner --config-dir <run folder> --config-name frozen"):
+        assert line in help_.stdout
+    info = run_cli("--info")
+    assert info.returncode == 0
+    assert "Config search path" in info.stdout and f"file://{ROOT}/conf" in info.stdout
