@@ -46,14 +46,16 @@ def _fail(msg: str, run_dir: Path) -> None:
 
 def _report(cfg: RunConfig, lay) -> str:
     t = cfg.training
-    return "\n".join([
-        f"config OK: model {cfg.model.name} {cfg.model.flavor} ({flops.num_params(cfg.model) / 1e9:.3g}B params)",
-        f"  cluster {cfg.cluster.name}: {lay.world_size} ranks, layout {cfg.parallelism.name} [{lay.describe()}]",
-        f"  global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens/step, "
-        f"{t.global_batch_size // (lay.dp * t.microbatch_size)} microbatches of {t.microbatch_size} per DP rank",
-        f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
-        f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
-    ])
+    return "\n".join(
+        [
+            f"config OK: model {cfg.model.name} {cfg.model.flavor} ({flops.num_params(cfg.model) / 1e9:.3g}B params)",
+            f"  cluster {cfg.cluster.name}: {lay.world_size} ranks, layout {cfg.parallelism.name} [{lay.describe()}]",
+            f"  global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens/step, "
+            f"{t.global_batch_size // (lay.dp * t.microbatch_size)} microbatches of {t.microbatch_size} per DP rank",
+            f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
+            f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
+        ]
+    )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

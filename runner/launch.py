@@ -29,9 +29,14 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     run_dir = frozen.parent
     logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects={r: Std.NONE if r == 0 else Std.ALL for r in range(n)})
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=n,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
         run_id=f"runner-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone
-        max_restarts=0, monitor_interval=0.5, logs_specs=logs,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone
+        max_restarts=0,
+        monitor_interval=0.5,
+        logs_specs=logs,
     )
     elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "runner.worker", str(frozen))

@@ -19,8 +19,10 @@ class Sink(Protocol):
 
 
 def _fmt(row: dict[str, Any]) -> str:
-    s = (f"step {row['step']:>4}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
-         f"tokens/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%")
+    s = (
+        f"step {row['step']:>4}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
+        f"tokens/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%"
+    )
     if "hfu" in row:
         s += f"  hfu {100 * row['hfu']:.2f}%"
     return s + f"  step {row['step_time_s']:.2f}s"
@@ -71,8 +73,9 @@ class WandbSink:
         import wandb
 
         w = cfg.logging.wandb
-        self.run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, dir=str(run_dir),
-                              name=f"{cfg.parallelism.name}-{run_dir.name}", config=frozen)
+        self.run = wandb.init(
+            project=w.project, entity=w.entity, mode=w.mode, dir=str(run_dir), name=f"{cfg.parallelism.name}-{run_dir.name}", config=frozen
+        )
 
     def log(self, row: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])

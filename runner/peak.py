@@ -36,7 +36,7 @@ def measure_cpu_tflops(dtype_name: str, reps: int = 5) -> float:
 
 
 def source(cfg: RunConfig) -> str:
-    """"config" when the cluster declares the peak of the compute dtype, else "measured"."""
+    """ "config" when the cluster declares the peak of the compute dtype, else "measured"."""
     return "config" if cfg.precision.param_dtype.value in cfg.cluster.peak_tflops else "measured"
 
 
@@ -60,8 +60,13 @@ PEAK_NAME = "peak.json"
 def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
     """Decide the peak once per run (measuring before any rank starts) and record it."""
     tflops, total = peak(cfg, world_size)
-    rec = {"peak_tflops": tflops, "peak_flops_total": total, "peak_source": source(cfg),
-           "dtype": cfg.precision.param_dtype.value, "device": cfg.cluster.device.value}
+    rec = {
+        "peak_tflops": tflops,
+        "peak_flops_total": total,
+        "peak_source": source(cfg),
+        "dtype": cfg.precision.param_dtype.value,
+        "device": cfg.cluster.device.value,
+    }
     if rec["peak_source"] == "measured":
         rec["method"] = f"best of 5 square matmuls n={_SIZE[rec['dtype']]} on {os.cpu_count()} threads"
     (run_dir / PEAK_NAME).write_text(json.dumps(rec, indent=2) + "\n")

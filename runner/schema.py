@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -145,7 +145,7 @@ class WandbConfig:
     """Log metrics to Weights & Biases from rank 0."""
     project: str = "runner"
     """W&B project."""
-    entity: Optional[str] = None
+    entity: str | None = None
     """W&B entity (team); null uses the account default."""
     mode: str = "offline"
     """W&B mode: offline (default, needs no network), online or disabled."""

@@ -72,8 +72,14 @@ def init_distributed(cfg: RunConfig, lay: Layout):
     from torchtitan.distributed import ParallelDims
 
     pd = ParallelDims(
-        dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp, pp=lay.pp, ep=lay.ep,
-        world_size=dist.get_world_size(), spmd_backend=SPMD_BACKEND,
+        dp_replicate=lay.dp_replicate,
+        dp_shard=lay.dp_shard,
+        cp=lay.cp,
+        tp=lay.tp,
+        pp=lay.pp,
+        ep=lay.ep,
+        world_size=dist.get_world_size(),
+        spmd_backend=SPMD_BACKEND,
     )
     pd.build_mesh()
     import torchtitan.distributed.utils as dist_utils
@@ -104,8 +110,13 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     ac = FullAC.Config() if cfg.training.activation_checkpoint == ActivationCheckpoint.full else None
     model = spec.parallelize_fn(
-        model, parallel_dims=pd, training=training, parallelism=parallelism,
-        compile_config=CompileConfig(), ac_config=ac, dump_folder=str(run_dir),
+        model,
+        parallel_dims=pd,
+        training=training,
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=ac,
+        dump_folder=str(run_dir),
     )
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     model.to_empty(device=device)
@@ -155,11 +166,13 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, pd) -> float:
 
 
 def save_checkpoint(model, optimizer, step: int, folder: Path) -> Path:
-    """Sharded checkpoint of model and optimizer through PyTorch DCP."""
+    """Sharded checkpoint of model and optimizer through PyTorch DCP, with TorchTitan's
+    ModelWrapper for the model (its state-dict hooks give canonical, unfused keys)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torchtitan.components.checkpointer.base import ModelWrapper
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     path = folder / f"step-{step}"
-    dcp.save({"model": model_sd, "optimizer": optim_sd, "step": step}, checkpoint_id=str(path))
+    dcp.save({"model": ModelWrapper(model).state_dict(), "optimizer": optim_sd, "step": step}, checkpoint_id=str(path))
     return path

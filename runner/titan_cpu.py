@@ -49,6 +49,7 @@ def init_like_one_rank(model: torch.nn.Module, model_config, seed: int) -> None:
     """DTensor's RNG tracker is CUDA-only, so initializing sharded parameters on CPU would give
     different weights for every layout. Every rank initializes the unsharded model from the
     seed (CPU runs are small) and keeps its own shard of each parameter."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     torch.manual_seed(seed)
@@ -58,7 +59,7 @@ def init_like_one_rank(model: torch.nn.Module, model_config, seed: int) -> None:
         ref.init_weights(buffer_device=None)
         full = dict(ref.named_parameters())
         for name, p in model.named_parameters():
-            src = full[name]
+            src = full[name.replace(_CHECKPOINT_PREFIX, "")]  # activation checkpointing wraps blocks
             if isinstance(p, DTensor):
                 src = distribute_tensor(src, p.device_mesh, p.placements)
             p.copy_(src)

@@ -69,7 +69,12 @@ def global_loss(local: torch.Tensor, built: titan.Built) -> float:
 def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting) -> dict[str, Any]:
     tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / dt
     out = {
-        "step": step, "loss": loss, "grad_norm": grad_norm, "step_time_s": dt, "tokens_per_s": tokens_per_s, "lr": lr,
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "step_time_s": dt,
+        "tokens_per_s": tokens_per_s,
+        "lr": lr,
         "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
         "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.peak_flops_total),
     }
@@ -104,7 +109,9 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
     return out
 
 
-def run(cfg: RunConfig, lay: Layout, built: titan.Built, data: SyntheticData, acc: Accounting, sinks: list[Sink], run_dir: Path) -> list[dict[str, Any]]:
+def run(
+    cfg: RunConfig, lay: Layout, built: titan.Built, data: SyntheticData, acc: Accounting, sinks: list[Sink], run_dir: Path
+) -> list[dict[str, Any]]:
     t = cfg.training
     model = built.model
     opt, sched = build_optimizer(cfg, model)

@@ -80,7 +80,11 @@ def _model(cfg: RunConfig, out: list[Problem]) -> None:
     if m.num_heads < 1 or m.dim % m.num_heads:
         out.append(Problem("model.num_heads", m.num_heads, f"must divide model.dim = {m.dim}", f"use one of {divisors(m.dim)}"))
     elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
-        out.append(Problem("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads = {m.num_heads}", f"use one of {divisors(m.num_heads)}"))
+        out.append(
+            Problem(
+                "model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads = {m.num_heads}", f"use one of {divisors(m.num_heads)}"
+            )
+        )
 
 
 def _world(cfg: RunConfig, out: list[Problem]) -> int | None:
@@ -97,21 +101,37 @@ def _world(cfg: RunConfig, out: list[Problem]) -> int | None:
     ws = layout.world_size(p, c)
     fixed = layout.fixed_product(p)
     if ws is None:
-        out.append(Problem("parallelism.dp_shard", -1, f"cluster {c.name} takes its world size from the layout, so -1 has nothing to absorb",
-                           "set parallelism.dp_shard=N, or cluster.devices_per_node=N for N ranks"))
+        out.append(
+            Problem(
+                "parallelism.dp_shard",
+                -1,
+                f"cluster {c.name} takes its world size from the layout, so -1 has nothing to absorb",
+                "set parallelism.dp_shard=N, or cluster.devices_per_node=N for N ranks",
+            )
+        )
         return None
     if fixed < 1:
         return None
     product = "pp x dp_replicate x dp_shard x cp x tp"
     if p.dp_shard == -1 and ws % fixed:
-        out.append(Problem("parallelism", f"pp={p.pp} dp_replicate={p.dp_replicate} cp={p.cp} tp={p.tp}",
-                           f"their product {fixed} does not divide the world size {ws} (cluster {c.name}), so dp_shard=-1 cannot absorb the rest",
-                           f"choose degrees whose product divides {ws}"))
+        out.append(
+            Problem(
+                "parallelism",
+                f"pp={p.pp} dp_replicate={p.dp_replicate} cp={p.cp} tp={p.tp}",
+                f"their product {fixed} does not divide the world size {ws} (cluster {c.name}), so dp_shard=-1 cannot absorb the rest",
+                f"choose degrees whose product divides {ws}",
+            )
+        )
         return None
     if p.dp_shard != -1 and fixed != ws:
-        out.append(Problem("parallelism", f"{product} = {fixed}",
-                           f"must equal the world size {ws} = cluster.num_nodes {c.num_nodes} x cluster.devices_per_node {c.devices_per_node}",
-                           "change the degrees, or set parallelism.dp_shard=-1 to absorb the remaining ranks"))
+        out.append(
+            Problem(
+                "parallelism",
+                f"{product} = {fixed}",
+                f"must equal the world size {ws} = cluster.num_nodes {c.num_nodes} x cluster.devices_per_node {c.devices_per_node}",
+                "change the degrees, or set parallelism.dp_shard=-1 to absorb the remaining ranks",
+            )
+        )
         return None
     return ws
 
@@ -120,61 +140,132 @@ def _tensor_parallel(cfg: RunConfig, ws: int, out: list[Problem]) -> None:
     p, m, c = cfg.parallelism, cfg.model, cfg.cluster
     if m.num_heads % p.tp or m.num_kv_heads % p.tp:
         ok = [d for d in divisors(m.num_kv_heads) if m.num_heads % d == 0]
-        out.append(Problem("parallelism.tp", p.tp, f"must divide model.num_heads = {m.num_heads} and model.num_kv_heads = {m.num_kv_heads}",
-                           f"use tp in {ok}"))
+        out.append(
+            Problem(
+                "parallelism.tp",
+                p.tp,
+                f"must divide model.num_heads = {m.num_heads} and model.num_kv_heads = {m.num_kv_heads}",
+                f"use tp in {ok}",
+            )
+        )
     per_node = c.devices_per_node if c.devices_per_node != -1 else ws
     if p.tp > per_node or per_node % p.tp:
-        out.append(Problem("parallelism.tp", p.tp, f"a TP group must fit inside one node of {per_node} devices (cluster {c.name}) and divide it",
-                           f"use tp in {divisors(per_node)}"))
+        out.append(
+            Problem(
+                "parallelism.tp",
+                p.tp,
+                f"a TP group must fit inside one node of {per_node} devices (cluster {c.name}) and divide it",
+                f"use tp in {divisors(per_node)}",
+            )
+        )
     if p.tp > 1 and p.sequence_parallel and cfg.training.seq_len % p.tp:
-        out.append(Problem("training.seq_len", cfg.training.seq_len, f"sequence parallelism splits the sequence over tp = {p.tp}",
-                           f"use a multiple of {p.tp}, or parallelism.sequence_parallel=false"))
+        out.append(
+            Problem(
+                "training.seq_len",
+                cfg.training.seq_len,
+                f"sequence parallelism splits the sequence over tp = {p.tp}",
+                f"use a multiple of {p.tp}, or parallelism.sequence_parallel=false",
+            )
+        )
 
 
 def _pipeline_and_batch(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
     p, t, m = cfg.parallelism, cfg.training, cfg.model
     if p.pp_schedule not in PP_SCHEDULES:
-        out.append(Problem("parallelism.pp_schedule", p.pp_schedule, "not a pipeline schedule torch provides", f"use one of {', '.join(PP_SCHEDULES)}"))
+        out.append(
+            Problem(
+                "parallelism.pp_schedule", p.pp_schedule, "not a pipeline schedule torch provides", f"use one of {', '.join(PP_SCHEDULES)}"
+            )
+        )
         return
     stages = p.pp * stages_per_rank(p.pp_schedule) if p.pp > 1 else 1
     if m.num_layers % stages:
-        out.append(Problem("parallelism.pp", p.pp, f"model.num_layers = {m.num_layers} does not split evenly into {stages} pipeline stages ({p.pp_schedule})",
-                           f"use pp with pp x stages-per-rank dividing {m.num_layers}"))
+        out.append(
+            Problem(
+                "parallelism.pp",
+                p.pp,
+                f"model.num_layers = {m.num_layers} does not split evenly into {stages} pipeline stages ({p.pp_schedule})",
+                f"use pp with pp x stages-per-rank dividing {m.num_layers}",
+            )
+        )
     unit = lay.dp * t.microbatch_size
     if t.global_batch_size % unit:
-        out.append(Problem("training.global_batch_size", t.global_batch_size,
-                           f"must be divisible by DP degree {lay.dp} x training.microbatch_size {t.microbatch_size} = {unit}",
-                           f"use a multiple of {unit}"))
+        out.append(
+            Problem(
+                "training.global_batch_size",
+                t.global_batch_size,
+                f"must be divisible by DP degree {lay.dp} x training.microbatch_size {t.microbatch_size} = {unit}",
+                f"use a multiple of {unit}",
+            )
+        )
         return
     microbatches = t.global_batch_size // unit
     if p.pp > 1 and p.pp_schedule != "GPipe" and microbatches < p.pp:
-        out.append(Problem("training.global_batch_size", t.global_batch_size,
-                           f"gives {microbatches} microbatches per pipeline, fewer than pp = {p.pp} stages ({p.pp_schedule} needs at least one per stage)",
-                           f"use global_batch_size >= {p.pp * unit} or a smaller training.microbatch_size"))
+        out.append(
+            Problem(
+                "training.global_batch_size",
+                t.global_batch_size,
+                f"gives {microbatches} microbatches per pipeline, fewer than pp = {p.pp} stages "
+                f"({p.pp_schedule} needs at least one per stage)",
+                f"use global_batch_size >= {p.pp * unit} or a smaller training.microbatch_size",
+            )
+        )
 
 
 def _sequence(cfg: RunConfig, out: list[Problem]) -> None:
     p, t = cfg.parallelism, cfg.training
     if p.cp > 1 and t.seq_len % (2 * p.cp):
-        out.append(Problem("training.seq_len", t.seq_len, f"context parallelism with load balancing splits the sequence into 2 x cp = {2 * p.cp} chunks",
-                           f"use a multiple of {2 * p.cp}"))
+        out.append(
+            Problem(
+                "training.seq_len",
+                t.seq_len,
+                f"context parallelism with load balancing splits the sequence into 2 x cp = {2 * p.cp} chunks",
+                f"use a multiple of {2 * p.cp}",
+            )
+        )
     if t.seq_len > ROPE_MAX_SEQ_LEN:
-        out.append(Problem("training.seq_len", t.seq_len, f"longer than the model's RoPE table ({ROPE_MAX_SEQ_LEN})", f"use <= {ROPE_MAX_SEQ_LEN}"))
+        out.append(
+            Problem("training.seq_len", t.seq_len, f"longer than the model's RoPE table ({ROPE_MAX_SEQ_LEN})", f"use <= {ROPE_MAX_SEQ_LEN}")
+        )
     if p.ep > 1:
-        out.append(Problem("parallelism.ep", p.ep, f"expert parallelism needs a mixture-of-experts model; {cfg.model.name} {cfg.model.flavor} is dense", "use ep=1"))
+        out.append(
+            Problem(
+                "parallelism.ep",
+                p.ep,
+                f"expert parallelism needs a mixture-of-experts model; {cfg.model.name} {cfg.model.flavor} is dense",
+                "use ep=1",
+            )
+        )
 
 
 def _device(cfg: RunConfig, out: list[Problem]) -> None:
     c, pr = cfg.cluster, cfg.precision
     want = {DeviceType.cpu: Backend.gloo, DeviceType.cuda: Backend.nccl}[c.device]
     if c.backend == Backend.nccl and c.device != DeviceType.cuda:
-        out.append(Problem("cluster.backend", "nccl", f"NCCL needs CUDA devices; cluster.device is {c.device.value}", f"use cluster.backend={want.value}"))
+        out.append(
+            Problem(
+                "cluster.backend",
+                "nccl",
+                f"NCCL needs CUDA devices; cluster.device is {c.device.value}",
+                f"use cluster.backend={want.value}",
+            )
+        )
     for field, dtype in (("param_dtype", pr.param_dtype), ("reduce_dtype", pr.reduce_dtype)):
         if dtype.value not in DEVICE_DTYPES[c.device]:
-            out.append(Problem(f"precision.{field}", dtype.value, f"{c.device.value} cannot compute in it", f"use one of {DEVICE_DTYPES[c.device]}"))
+            out.append(
+                Problem(
+                    f"precision.{field}", dtype.value, f"{c.device.value} cannot compute in it", f"use one of {DEVICE_DTYPES[c.device]}"
+                )
+            )
     if c.device == DeviceType.cuda and pr.param_dtype.value not in c.peak_tflops:
-        out.append(Problem("cluster.peak_tflops", dict(c.peak_tflops), f"has no dense peak for {pr.param_dtype.value}, which MFU needs",
-                           f"add cluster.peak_tflops.{pr.param_dtype.value}"))
+        out.append(
+            Problem(
+                "cluster.peak_tflops",
+                dict(c.peak_tflops),
+                f"has no dense peak for {pr.param_dtype.value}, which MFU needs",
+                f"add cluster.peak_tflops.{pr.param_dtype.value}",
+            )
+        )
     if cfg.logging.wandb.mode not in WANDB_MODES:
         out.append(Problem("logging.wandb.mode", cfg.logging.wandb.mode, "not a W&B mode", f"use one of {', '.join(WANDB_MODES)}"))
     if cfg.data.name != "synthetic":
@@ -225,20 +316,44 @@ def check_launch(cfg: RunConfig, lay: layout.Layout) -> None:
     out: list[Problem] = []
     c = cfg.cluster
     if c.num_nodes > 1:
-        out.append(Problem("cluster.num_nodes", c.num_nodes, "`python -m runner` launches one node; a multi-node job starts one launcher per node",
-                           "use mode=validate here, or start `torchrun --nnodes ... -m runner.worker <frozen.yaml>` on every node"))
+        out.append(
+            Problem(
+                "cluster.num_nodes",
+                c.num_nodes,
+                "`python -m runner` launches one node; a multi-node job starts one launcher per node",
+                "use mode=validate here, or start `torchrun --nnodes ... -m runner.worker <frozen.yaml>` on every node",
+            )
+        )
     if c.device == DeviceType.cuda and not os.path.exists("/proc/driver/nvidia/version"):
-        out.append(Problem("cluster.device", "cuda", f"this machine has no NVIDIA driver, so cluster {c.name} cannot start here",
-                           "use cluster=local_cpu, or mode=validate to check the config only"))
+        out.append(
+            Problem(
+                "cluster.device",
+                "cuda",
+                f"this machine has no NVIDIA driver, so cluster {c.name} cannot start here",
+                "use cluster=local_cpu, or mode=validate to check the config only",
+            )
+        )
     if lay.cp > 1:
-        out.append(Problem("parallelism.cp", lay.cp, "the training loop does not wire context parallelism yet",
-                           "use cp=1 to train; mode=validate checks CP layouts"))
+        out.append(
+            Problem(
+                "parallelism.cp",
+                lay.cp,
+                "the training loop does not wire context parallelism yet",
+                "use cp=1 to train; mode=validate checks CP layouts",
+            )
+        )
     if c.device == DeviceType.cpu:
         per_rank = rank_memory_gb(cfg, lay)
         have = machine_memory_gb()
         if per_rank * lay.world_size > have:
-            out.append(Problem("parallelism", lay.describe(),
-                               f"{lay.world_size} ranks x {per_rank:.2f} GB estimated = {per_rank * lay.world_size:.1f} GB exceeds this machine's {have:.1f} GB",
-                               "use fewer ranks or a smaller model/batch"))
+            out.append(
+                Problem(
+                    "parallelism",
+                    lay.describe(),
+                    f"{lay.world_size} ranks x {per_rank:.2f} GB estimated = {per_rank * lay.world_size:.1f} GB "
+                    f"exceeds this machine's {have:.1f} GB",
+                    "use fewer ranks or a smaller model/batch",
+                )
+            )
     if out:
         raise ConfigError(out)

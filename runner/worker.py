@@ -48,16 +48,26 @@ def main(frozen_path: str) -> None:
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
-    acc = train.Accounting(peak_tflops, pk["peak_flops_total"], source, built.flops_per_token,
-                           flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"))
+    acc = train.Accounting(
+        peak_tflops, pk["peak_flops_total"], source, built.flops_per_token, flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N")
+    )
     t = cfg.training
-    data = SyntheticData(seed=t.seed, seq_len=t.seq_len, vocab=cfg.model.vocab_size, global_batch=t.global_batch_size,
-                         microbatch=t.microbatch_size, dp_rank=dp_rank, dp=lay.dp)
+    data = SyntheticData(
+        seed=t.seed,
+        seq_len=t.seq_len,
+        vocab=cfg.model.vocab_size,
+        global_batch=t.global_batch_size,
+        microbatch=t.microbatch_size,
+        dp_rank=dp_rank,
+        dp=lay.dp,
+    )
     sinks = []
     if rank == 0:
-        header = (f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {cfg.parallelism.name} "
-                  f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s ({source}), "
-                  f"run folder {run_dir}")
+        header = (
+            f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {cfg.parallelism.name} "
+            f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s ({source}), "
+            f"run folder {run_dir}"
+        )
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir)
     dist.destroy_process_group()

@@ -13,13 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, run_dir: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m runner <args>` from the project root; `run_dir` pins Hydra's output folder."""
+def run_cli(*args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder."""
     argv = [sys.executable, "-m", "runner", *args]
     if run_dir is not None:
         argv.append(f"hydra.run.dir={run_dir}")
     env = {**os.environ, "WANDB_SILENT": "true"}
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def metrics(run_dir: Path) -> list[dict]:

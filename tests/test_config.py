@@ -67,21 +67,42 @@ def test_seed_layout_resolves_to_worked_example(compose):
 
 
 BAD = [
-    (["cluster=h100_node", "parallelism.dp_shard=3"], "parallelism = pp x dp_replicate x dp_shard x cp x tp = 6: must equal the world size 8"),
-    (["cluster=h100_node", "parallelism.dp_shard=-1", "parallelism.tp=3"], "the world size 8 (cluster h100_node), so dp_shard=-1 cannot absorb"),
-    (["parallelism.tp=3"], "parallelism.tp = 3: must divide model.num_heads = 16 and model.num_kv_heads = 16. Fix: use tp in [1, 2, 4, 8, 16]"),
-    (["model=llama3_8b", "parallelism=fsdp", "cluster=h100_node", "parallelism.tp=16", "parallelism.dp_shard=1", "cluster.num_nodes=2"],
-     "parallelism.tp = 16: a TP group must fit inside one node of 8 devices"),
-    (["parallelism.pp=4", "parallelism.dp_shard=1", "parallelism.tp=1"], "model.num_layers = 6 does not split evenly into 4 pipeline stages"),
-    (["parallelism=single", "parallelism.pp=2", "training.global_batch_size=2", "training.microbatch_size=2"],
-     "gives 1 microbatches per pipeline, fewer than pp = 2 stages"),
+    (
+        ["cluster=h100_node", "parallelism.dp_shard=3"],
+        "parallelism = pp x dp_replicate x dp_shard x cp x tp = 6: must equal the world size 8",
+    ),
+    (
+        ["cluster=h100_node", "parallelism.dp_shard=-1", "parallelism.tp=3"],
+        "the world size 8 (cluster h100_node), so dp_shard=-1 cannot absorb",
+    ),
+    (
+        ["parallelism.tp=3"],
+        "parallelism.tp = 3: must divide model.num_heads = 16 and model.num_kv_heads = 16. Fix: use tp in [1, 2, 4, 8, 16]",
+    ),
+    (
+        ["model=llama3_8b", "parallelism=fsdp", "cluster=h100_node", "parallelism.tp=16", "parallelism.dp_shard=1", "cluster.num_nodes=2"],
+        "parallelism.tp = 16: a TP group must fit inside one node of 8 devices",
+    ),
+    (
+        ["parallelism.pp=4", "parallelism.dp_shard=1", "parallelism.tp=1"],
+        "model.num_layers = 6 does not split evenly into 4 pipeline stages",
+    ),
+    (
+        ["parallelism=single", "parallelism.pp=2", "training.global_batch_size=2", "training.microbatch_size=2"],
+        "gives 1 microbatches per pipeline, fewer than pp = 2 stages",
+    ),
     (["training.global_batch_size=6"], "training.global_batch_size = 6: must be divisible by DP degree 2 x training.microbatch_size 2 = 4"),
     (["parallelism=tp2", "training.seq_len=63"], "training.seq_len = 63: sequence parallelism splits the sequence over tp = 2"),
-    (["parallelism=single", "parallelism.cp=2", "training.seq_len=66"], "training.seq_len = 66: context parallelism with load balancing splits the sequence into 2 x cp = 4"),
+    (
+        ["parallelism=single", "parallelism.cp=2", "training.seq_len=66"],
+        "training.seq_len = 66: context parallelism with load balancing splits the sequence into 2 x cp = 4",
+    ),
     (["cluster.backend=nccl"], "cluster.backend = nccl: NCCL needs CUDA devices; cluster.device is cpu. Fix: use cluster.backend=gloo"),
     (["parallelism=fsdp"], "parallelism.dp_shard = -1: cluster local_cpu takes its world size from the layout"),
-    (["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16", "~cluster.peak_tflops.bfloat16", "precision=bf16"],
-     "cluster.peak_tflops = {'float32': 67.0, 'float8': 1979.0}: has no dense peak for bfloat16"),
+    (
+        ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16", "~cluster.peak_tflops.bfloat16", "precision=bf16"],
+        "cluster.peak_tflops = {'float32': 67.0, 'float8': 1979.0}: has no dense peak for bfloat16",
+    ),
     (["parallelism.ep=2", "parallelism.dp_shard=1"], "parallelism.ep = 2: expert parallelism needs a mixture-of-experts model"),
 ]
 
@@ -173,8 +194,12 @@ def test_config_layer_is_torch_free():
 def test_help_and_info():
     help_ = run_cli("--help")
     assert help_.returncode == 0
-    for line in ("model: base_model, debug, llama3_405b, llama3_70b, llama3_8b", "parallelism: base_parallelism, dp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
-                 "recipes: debug_dp2_tp2_cpu, llama3_70b_tp8_pp4_h100x1024", "python -m runner --config-dir <run folder> --config-name frozen"):
+    for line in (
+        "model: base_model, debug, llama3_405b, llama3_70b, llama3_8b",
+        "parallelism: base_parallelism, dp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
+        "recipes: debug_dp2_tp2_cpu, llama3_70b_tp8_pp4_h100x1024",
+        "python -m runner --config-dir <run folder> --config-name frozen",
+    ):
         assert line in help_.stdout
     info = run_cli("--info")
     assert info.returncode == 0

@@ -1,0 +1,58 @@
+"""FLOPs and parameter counts equal TorchTitan's own; MFU by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import flops
+
+FLAVORS = {"debug": "debugmodel", "llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B"}
+
+
+def _titan(flavor: str):
+    from torchtitan.models.llama3 import model_registry
+
+    return model_registry(flavor).model
+
+
+@pytest.mark.parametrize("option", list(FLAVORS))
+def test_model_files_match_titan_registry(compose, option):
+    m = compose([f"model={option}", "parallelism=single"]).model
+    t = _titan(m.flavor)
+    attn, ffn = t.layers[0].attention, t.layers[0].feed_forward
+    assert (m.dim, m.num_layers, m.vocab_size, m.weight_tying) == (t.dim, len(t.layers), t.vocab_size, t.enable_weight_tying)
+    assert (m.num_heads, m.num_kv_heads) == (attn.n_heads, attn.n_kv_heads or attn.n_heads)
+    assert m.ffn_hidden_dim == ffn.w1.out_features
+
+
+@pytest.mark.parametrize("option,seq_len", [("debug", 256), ("debug", 2048), ("llama3_8b", 8192)])
+def test_flops_per_token_equals_titan(compose, option, seq_len):
+    import torch
+
+    m = compose([f"model={option}", "parallelism=single"]).model
+    cfg = _titan(m.flavor)
+    with torch.device("meta"):
+        model = cfg.build()
+    nparams, titan_flops = cfg.get_nparams_and_flops(model, seq_len)
+    assert flops.num_params(m) == nparams
+    assert flops.flops_per_token(m, seq_len, "titan") == titan_flops
+    assert flops.flops_per_token(m, seq_len, "6N") == 6 * nparams
+
+
+def test_debug_flops_by_hand(compose):
+    m = compose(["parallelism=single"]).model
+    # embedding 2048*256; per layer qkv 256*768 + wo 256*256 + ffn 3*256*768 + 2 norms; final norm; head 256*2048
+    n = 2048 * 256 + 6 * (256 * 768 + 256 * 256 + 3 * 256 * 768 + 2 * 256) + 256 + 256 * 2048
+    assert flops.num_params(m) == n == 6_163_712
+    assert flops.flops_per_token(m, 256, "titan") == 6 * (n - 2048 * 256) + 6 * 6 * 16 * 32 * 256
+
+
+def test_mfu_and_hfu():
+    from runner.schema import ActivationCheckpoint
+
+    # 1,000 tokens/s x 35,016,192 FLOPs/token on a 0.1 TFLOP/s machine = 35.0 %
+    assert flops.mfu(1000, 35_016_192, 0.1e12) == pytest.approx(0.35016192)
+    # 8 H100s at 40% of 989 TFLOP/s training 8B at seq 8192: tokens/s = 0.4 * 8 * 989e12 / FLOPs per token
+    assert flops.mfu(0.4 * 8 * 989e12 / 57_914_449_920, 57_914_449_920, 8 * 989e12) == pytest.approx(0.4)
+    assert flops.hfu_factor(ActivationCheckpoint.full) == pytest.approx(4 / 3)
+    assert flops.hfu_factor(ActivationCheckpoint.none) == 1.0
