@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import uuid
 from pathlib import Path
 
 from runner.layout import Layout
-from runner.schema import RunConfig
+from runner.schema import DeviceType, RunConfig
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
@@ -26,6 +27,8 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     n = lay.world_size
+    if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; as torchrun does, keep OpenMP from oversubscribing
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     run_dir = frozen.parent
     logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects={r: Std.NONE if r == 0 else Std.ALL for r in range(n)})
     config = LaunchConfig(

@@ -22,13 +22,20 @@ SPMD_BACKEND = "partial_dtensor"  # the backend that composes FSDP2 + TP here (N
 
 @dataclass
 class Built:
-    model: torch.nn.Module
+    parts: list[torch.nn.Module]
+    """This rank's model chunks: the whole model, or its pipeline stage(s)."""
     parallel_dims: object
     num_params: int
     flops_per_token: int
     """TorchTitan's own count (get_nparams_and_flops) for this model and seq_len."""
     extra_inputs: dict
     """Keyword inputs the model needs beside tokens (attention masks on the FlexAttention path)."""
+    schedule: object = None
+    """torch.distributed.pipelining schedule when pp > 1."""
+    has_first: bool = True
+    """This rank holds the first pipeline stage (it feeds the tokens)."""
+    has_last: bool = True
+    """This rank holds the last pipeline stage (it computes the loss)."""
 
 
 def _titan_configs(cfg: RunConfig, lay: Layout):
@@ -36,7 +43,7 @@ def _titan_configs(cfg: RunConfig, lay: Layout):
 
     t, p = cfg.training, cfg.parallelism
     training = TrainingConfig(
-        local_batch_size=t.microbatch_size,
+        local_batch_size=t.global_batch_size // lay.dp,  # pipeline_llm splits it into microbatches
         seq_len=t.seq_len,
         steps=t.steps,
         max_norm=t.max_norm,
@@ -109,28 +116,37 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
         model = mcfg.build()
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     ac = FullAC.Config() if cfg.training.activation_checkpoint == ActivationCheckpoint.full else None
-    model = spec.parallelize_fn(
-        model,
-        parallel_dims=pd,
-        training=training,
-        parallelism=parallelism,
-        compile_config=CompileConfig(),
-        ac_config=ac,
-        dump_folder=str(run_dir),
+    common = dict(
+        parallel_dims=pd, training=training, parallelism=parallelism, compile_config=CompileConfig(), ac_config=ac, dump_folder=str(run_dir)
     )
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    model.to_empty(device=device)
-    if on_cpu:
-        titan_cpu.force_sum_reduction(model)
+    schedule, has_first, has_last = None, True, True
+    if lay.pp > 1:
+        schedule, parts, has_first, has_last = spec.pipelining_fn(
+            model, **common, device=device, model_config=mcfg, parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn(cfg)
+        )
+    else:
+        parts = [spec.parallelize_fn(model, **common)]
+    for part in parts:
+        _materialize(part, mcfg, cfg, device)
+    extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
+    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last)
+
+
+def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
+    part.to_empty(device=device)
+    if device.type == "cpu":
+        from runner import titan_cpu
+
+        titan_cpu.force_sum_reduction(part)
         with torch.no_grad():
-            model.init_weights(buffer_device=None)  # buffers (RoPE tables); parameters follow
-        titan_cpu.init_like_one_rank(model, mcfg, cfg.training.seed)
+            part.init_weights(buffer_device=None)  # buffers (RoPE tables); parameters follow
+        titan_cpu.init_like_one_rank(part, mcfg, cfg.training.seed)
     else:
         torch.manual_seed(cfg.training.seed)
         with torch.no_grad():
-            model.init_weights(buffer_device=None)
-    model.train()
-    return Built(model, pd, num_params, flops_per_token, _extra_inputs(model, mcfg, cfg, device))
+            part.init_weights(buffer_device=None)
+    part.train()
 
 
 def _extra_inputs(model, mcfg, cfg: RunConfig, device) -> dict:
@@ -157,22 +173,39 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, pd) -> float:
-    """Global gradient norm over every shard (TorchTitan's DTensor-aware clip)."""
+def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
+    """Global gradient norm over every shard and pipeline stage (TorchTitan's DTensor-aware clip)."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm, foreach=True)
+    grads = [p for m in parts for p in m.parameters() if p.grad is not None]
+    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"))
     return float(local_value(norm))
 
 
-def save_checkpoint(model, optimizer, step: int, folder: Path) -> Path:
+def pipeline_step(built: Built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
+    """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage."""
+    inputs = torch.cat([i for i, _ in microbatches])
+    labels = torch.cat([lab for _, lab in microbatches])
+    losses = [] if built.has_last else None
+    built.schedule.step(
+        *((inputs,) if built.has_first else ()),
+        target=labels if built.has_last else None,
+        losses=losses,
+        loss_kwargs={"global_valid_tokens": global_tokens},
+        return_outputs=False,
+    )
+    return local_value(sum(loss.detach() for loss in losses)).cpu() if built.has_last else torch.zeros(())
+
+
+def save_checkpoint(parts: list[torch.nn.Module], optimizer, step: int, folder: Path) -> Path:
     """Sharded checkpoint of model and optimizer through PyTorch DCP, with TorchTitan's
     ModelWrapper for the model (its state-dict hooks give canonical, unfused keys)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torchtitan.components.checkpointer.base import ModelWrapper
 
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    holder = parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
+    optim_sd = get_optimizer_state_dict(holder, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     path = folder / f"step-{step}"
-    dcp.save({"model": ModelWrapper(model).state_dict(), "optimizer": optim_sd, "step": step}, checkpoint_id=str(path))
+    dcp.save({"model": ModelWrapper(parts).state_dict(), "optimizer": optim_sd, "step": step}, checkpoint_id=str(path))
     return path

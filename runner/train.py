@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +33,10 @@ class Accounting:
     flops_per_token_6n: int
 
 
-@dataclass
-class History:
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-
-def build_optimizer(cfg: RunConfig, model: torch.nn.Module):
+def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     t = cfg.training
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay, foreach=True)
+    params = [p for m in parts for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay, foreach=True)
     warmup = t.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return opt, sched
@@ -48,22 +44,22 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module):
 
 def forward_backward(model, loss_fn, microbatches, global_tokens: torch.Tensor, extra: dict) -> torch.Tensor:
     """Accumulate gradients over this rank's microbatches; return its share of the loss."""
-    total = torch.zeros(())
+    losses = []
     for inputs, labels in microbatches:
         pred = model(inputs, **extra)
         loss, _ = loss_fn(pred, labels, global_tokens)
         del pred
         loss.backward()
-        total += titan.local_value(loss.detach()).cpu()
-    return total
+        losses.append(loss.detach())
+    return titan.local_value(sum(losses)).cpu()  # one conversion per step, not per microbatch
 
 
-def global_loss(local: torch.Tensor, built: titan.Built) -> float:
-    """Sum of the per-rank shares over the data (and context) parallel ranks = mean token loss."""
-    mesh = built.parallel_dims.get_optional_mesh("loss")
-    if mesh is not None:
-        dist.all_reduce(local, group=mesh.get_group())
-    return float(local)
+def global_loss(local: torch.Tensor, lay: Layout) -> float:
+    """Sum of the per-rank shares = mean token loss. Ranks of a TP group hold the same share,
+    so only TP rank 0 contributes; non-last pipeline stages hold zero."""
+    share = local if lay.coords(dist.get_rank())["tp"] == 0 else torch.zeros_like(local)
+    dist.all_reduce(share)
+    return float(share)
 
 
 def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting) -> dict[str, Any]:
@@ -113,21 +109,24 @@ def run(
     cfg: RunConfig, lay: Layout, built: titan.Built, data: SyntheticData, acc: Accounting, sinks: list[Sink], run_dir: Path
 ) -> list[dict[str, Any]]:
     t = cfg.training
-    model = built.model
-    opt, sched = build_optimizer(cfg, model)
+    opt, sched = build_optimizer(cfg, built.parts)
     loss_fn = titan.loss_fn(cfg)
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
     ckpt_dir = run_dir / cfg.checkpoint.folder
     rows = []
     for step in range(1, t.steps + 1):
         t0 = time.perf_counter()
-        local = forward_backward(model, loss_fn, data.microbatches(step - 1), global_tokens, built.extra_inputs)
-        grad_norm = titan.clip_grad_norm(model, t.max_norm, built.parallel_dims)
+        microbatches = data.microbatches(step - 1)
+        if built.schedule is not None:
+            local = titan.pipeline_step(built, microbatches, global_tokens)
+        else:
+            local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs)
+        grad_norm = titan.clip_grad_norm(built.parts, t.max_norm, built.parallel_dims)
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        loss = global_loss(local, built)
+        loss = global_loss(local, lay)
         dt = time.perf_counter() - t0
         r = row(step, loss, grad_norm, dt, lr, cfg, acc)
         rows.append(r)
@@ -135,7 +134,7 @@ def run(
             for s in sinks:
                 s.log(r)
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-            titan.save_checkpoint(model, opt, step, ckpt_dir)
+            titan.save_checkpoint(built.parts, opt, step, ckpt_dir)
     summary = summarize(rows, cfg, lay, acc)
     for s in sinks:
         s.close(summary)

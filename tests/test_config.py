@@ -196,7 +196,7 @@ def test_help_and_info():
     assert help_.returncode == 0
     for line in (
         "model: base_model, debug, llama3_405b, llama3_70b, llama3_8b",
-        "parallelism: base_parallelism, dp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
+        "parallelism: base_parallelism, dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
         "recipes: debug_dp2_tp2_cpu, llama3_70b_tp8_pp4_h100x1024",
         "python -m runner --config-dir <run folder> --config-name frozen",
     ):

@@ -19,6 +19,7 @@ LAYOUTS = {
     "single": ["parallelism=single", "logging=wandb", "logging.progress=false"],
     "dp2": ["parallelism=dp2", "training.activation_checkpoint=full"],
     "tp2": ["parallelism=tp2", "checkpoint=local", "checkpoint.interval=2"],
+    "dp2_pp2": ["parallelism=dp2_pp2"],  # FSDP2 x 1F1B pipeline through TorchTitan's pipeline_llm
     "dp2_tp2": [],  # the default layout, run from an empty folder without hydra.run.dir
 }
 # Tolerances of the parity check: losses and grad norms agree to float32 reduction-order noise.
@@ -58,7 +59,7 @@ def test_one_output_folder_per_run(runs):
     ]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "dp2_pp2", "dp2_tp2"])
 def test_loss_parity_with_single_rank(runs, layout):
     ref, got = metrics(runs["single"]), metrics(runs[layout])
     assert [r["step"] for r in got] == [1, 2, 3]
