@@ -126,6 +126,11 @@ def test_launch_rules(compose):
     lay = validate.check(cfg)  # a valid config for a real node ...
     with pytest.raises(validate.ConfigError, match="this machine has no NVIDIA driver"):
         validate.check_launch(cfg, lay)  # ... that this CPU machine cannot start
+    seed = compose(["+recipes=llama3_70b_tp8_pp4_h100x1024"])
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check_launch(seed, validate.check(seed))
+    assert [p.field for p in e.value.problems] == ["cluster.num_nodes", "cluster.device", "parallelism.pp"]
+    assert "launches one node; a multi-node job starts one launcher per node" in str(e.value)
     big = compose(["parallelism=fsdp", "cluster.devices_per_node=64", "training.global_batch_size=128"])
     with pytest.raises(validate.ConfigError) as e:
         validate.check_launch(big, validate.check(big))
