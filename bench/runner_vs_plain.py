@@ -1,6 +1,6 @@
 """Benchmark: the runner vs a minimal plain loop over the same TorchTitan building blocks.
 
-python bench/runner_vs_plain.py [--reps 3] [--steps 8] [--seq-len 256]
+python bench/runner_vs_plain.py [--reps 5] [--steps 10] [--seq-len 256]
 Runs the debug model at dp_shard=2 x tp=2 (4 CPU ranks), alternating runner and plain loop,
 and prints each run's median tokens/s and the ratio of the medians (target >= 0.98).
 """
@@ -64,8 +64,8 @@ def plain_run(tmp: Path, i: int, a) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=256)
     a = p.parse_args()
     runner, plain = [], []

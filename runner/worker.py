@@ -6,6 +6,7 @@ it reads the rank from the environment the agent sets.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def main(frozen_path: str) -> None:
     cfg = freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     _threads(cfg)
+    if cfg.cluster.device == DeviceType.cpu:  # torchao's CUDA kernel libraries cannot load on CPU; nothing to act on
+        logging.getLogger("torchao").setLevel(logging.ERROR)
     pd = titan.init_distributed(cfg, lay)
     rank = dist.get_rank()
     dp_rank = _check_dp_rank(pd, lay, rank)
