@@ -20,7 +20,7 @@ LAYOUTS = {
     "dp2": ["parallelism=dp2", "training.activation_checkpoint=full"],
     "tp2": ["parallelism=tp2", "checkpoint=local", "checkpoint.interval=2"],
     "dp2_pp2": ["parallelism=dp2_pp2"],  # FSDP2 x 1F1B pipeline through TorchTitan's pipeline_llm
-    "dp2_tp2": [],  # the default layout, run from an empty folder without hydra.run.dir
+    "dp2_tp2": [],  # the default layout
 }
 # Tolerances of the parity check: losses and grad norms agree to float32 reduction-order noise.
 LOSS_ATOL = 1e-4
@@ -29,27 +29,21 @@ GRAD_NORM_RTOL = 1e-3
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    out = {}
+    out, procs = {}, {}
     for name, extra in LAYOUTS.items():
-        if name == "dp2_tp2":
-            cwd = tmp_path_factory.mktemp("fresh")
-            proc = run_cli(*SHORT, *extra, cwd=cwd)
-            made = [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
-            out[name] = (proc, made[0] if len(made) == 1 else None, made)
-        else:
-            run_dir = tmp_path_factory.mktemp(name) / "run"
-            out[name] = (run_cli(*SHORT, *extra, run_dir=run_dir), run_dir, [run_dir])
-    for name, (proc, _, _) in out.items():
+        out[name] = tmp_path_factory.mktemp(name) / "run"
+        procs[name] = proc = run_cli(*SHORT, *extra, run_dir=out[name])
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return {name: run_dir for name, (_, run_dir, _) in out.items()} | {
-        "_procs": {n: v[0] for n, v in out.items()},
-        "_made": out["dp2_tp2"][2],
-    }
+    return out | {"_procs": procs}
 
 
-def test_one_output_folder_per_run(runs):
-    assert len(runs["_made"]) == 1, runs["_made"]  # Hydra's outputs/<date>/<time>/, not one per rank
-    assert sorted(p.name for p in runs["dp2_tp2"].iterdir() if not p.name.startswith(".")) == [
+def test_default_command_trains_into_one_folder(tmp_path):
+    """`python -m runner` with no arguments, from an empty folder, as a newcomer types it."""
+    proc = run_cli(cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(made) == 1, made  # Hydra's outputs/<date>/<time>/, not one per rank
+    assert sorted(p.name for p in made[0].iterdir() if not p.name.startswith(".")) == [
         "frozen.yaml",
         "logs",
         "metrics.jsonl",
@@ -57,6 +51,12 @@ def test_one_output_folder_per_run(runs):
         "runner.log",
         "summary.json",
     ]
+    rows, s = metrics(made[0]), summary(made[0])
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(r["tokens_per_s"] == pytest.approx(8 * 256 / r["step_time_s"]) for r in rows)
+    assert (s["layout"], s["world_size"], s["degrees"]) == ("dp2_tp2", 4, "dp_shard=2 x tp=2")
+    assert sorted(p.name for p in (made[0] / "logs").rglob("stdout.log")) == ["stdout.log"] * 3  # ranks 1-3; rank 0 has the console
+    assert "train" in proc.stdout and f"step   10  loss {rows[-1]['loss']:.4f}" in proc.stdout
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "dp2_pp2", "dp2_tp2"])
