@@ -78,16 +78,7 @@ def init_distributed(cfg: RunConfig, lay: Layout):
     dist.init_process_group(cfg.cluster.backend.value)
     from torchtitan.distributed import ParallelDims
 
-    pd = ParallelDims(
-        dp_replicate=lay.dp_replicate,
-        dp_shard=lay.dp_shard,
-        cp=lay.cp,
-        tp=lay.tp,
-        pp=lay.pp,
-        ep=lay.ep,
-        world_size=dist.get_world_size(),
-        spmd_backend=SPMD_BACKEND,
-    )
+    pd = ParallelDims.from_config(_titan_configs(cfg, lay)[1], dist.get_world_size())
     pd.build_mesh()
     import torchtitan.distributed.utils as dist_utils
 
