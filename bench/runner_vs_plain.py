@@ -16,50 +16,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _tokens_per_s(module_argv: list[str], result: Path) -> float:
+    """Run `python -m <module_argv>` and read the median tokens/s it wrote to `result`."""
+    subprocess.run([sys.executable, "-m", *module_argv], cwd=ROOT, check=True, capture_output=True)
+    return json.loads(result.read_text())["tokens_per_s_median"]
+
+
 def runner_run(tmp: Path, i: int, a) -> float:
     run_dir = tmp / f"runner{i}"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner",
-            "parallelism=dp2_tp2",
-            f"training.steps={a.steps}",
-            f"training.seq_len={a.seq_len}",
-            "training.global_batch_size=8",
-            "training.microbatch_size=2",
-            "logging.progress=false",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    return json.loads((run_dir / "summary.json").read_text())["tokens_per_s_median"]
+    overrides = ["parallelism=dp2_tp2", f"training.steps={a.steps}", f"training.seq_len={a.seq_len}", "training.global_batch_size=8"]
+    overrides += ["training.microbatch_size=2", "logging.progress=false", f"hydra.run.dir={run_dir}"]
+    return _tokens_per_s(["runner", *overrides], run_dir / "summary.json")
 
 
 def plain_run(tmp: Path, i: int, a) -> float:
     out = tmp / f"plain{i}.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(ROOT / "bench" / "plain_loop.py"),
-            str(out),
-            str(a.steps),
-            str(a.seq_len),
-            "8",
-            "2",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    return json.loads(out.read_text())["tokens_per_s_median"]
+    script = str(ROOT / "bench" / "plain_loop.py")
+    launch = ["torch.distributed.run", "--standalone", "--nproc-per-node", "4", script]
+    return _tokens_per_s([*launch, str(out), str(a.steps), str(a.seq_len), "8", "2"], out)
 
 
 def main() -> None:
