@@ -6,16 +6,19 @@ validation never import torch.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import flops, freeze, validate
+from runner.plan import INVALID_NAME
 from runner.schema import Mode, RunConfig, register
 
 register()
@@ -44,6 +47,14 @@ def _fail(msg: str, run_dir: Path) -> None:
     sys.exit(2)
 
 
+def _invalid_sweep_point(e: Exception, run_dir: Path) -> None:
+    """In a multirun an invalid point is a result, not the end of the sweep: record why."""
+    problems = [str(p) for p in e.problems] if isinstance(e, validate.ConfigError) else [str(e)]
+    overrides = list(HydraConfig.get().overrides.task)
+    print(f"invalid sweep point {' '.join(overrides)}:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    (run_dir / INVALID_NAME).write_text(json.dumps({"overrides": overrides, "problems": problems}, indent=2) + "\n")
+
+
 def _report(cfg: RunConfig, lay) -> str:
     t = cfg.training
     return "\n".join(
@@ -58,6 +69,21 @@ def _report(cfg: RunConfig, lay) -> str:
     )
 
 
+def _plan(cfg: RunConfig, lay, run_dir: Path) -> None:
+    """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing."""
+    from runner import plan
+
+    memory = validate.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
+    budget = plan.compute(cfg, lay, device_memory_gb=memory)
+    budget["overrides"] = list(HydraConfig.get().overrides.task)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        print(plan.one_line(budget))
+    else:
+        plan.render(budget, cfg.checkpoint.interval if cfg.checkpoint.enable else None)
+    freeze.write(cfg, lay, run_dir)
+    print(f"plan written to {plan.write(budget, run_dir)}")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
     global _entered
@@ -70,11 +96,15 @@ def main(dcfg: DictConfig) -> None:
             print(_report(cfg, lay))
             _discard(run_dir)  # a check, not a run: leave no folder behind
             return
+        if cfg.mode == Mode.plan:
+            _plan(cfg, lay, run_dir)
+            return
         validate.check_launch(cfg, lay)
-    except validate.ConfigError as e:
-        _fail(str(e), run_dir)
-    except OmegaConfBaseException as e:
-        _fail(f"Invalid config: {e}", run_dir)
+    except (validate.ConfigError, OmegaConfBaseException) as e:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            _invalid_sweep_point(e, run_dir)
+            return
+        _fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
     if (run_dir / freeze.FROZEN_NAME).exists():
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
     frozen = freeze.write(cfg, lay, run_dir)

@@ -24,14 +24,17 @@ def embedding_params(m: ModelConfig) -> int:
     return m.vocab_size * m.dim
 
 
-def num_params(m: ModelConfig) -> int:
-    """Parameters of a Llama-style decoder (no biases), counting tied weights once."""
+def block_params(m: ModelConfig) -> int:
+    """Parameters of one transformer block: attention, SwiGLU MLP and two norms."""
     hd = head_dim(m)
     attention = m.dim * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.dim
-    ffn = 3 * m.dim * m.ffn_hidden_dim
-    norms = 2 * m.dim
+    return attention + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+
+
+def num_params(m: ModelConfig) -> int:
+    """Parameters of a Llama-style decoder (no biases), counting tied weights once."""
     head = 0 if m.weight_tying else m.vocab_size * m.dim
-    return embedding_params(m) + m.num_layers * (attention + ffn + norms) + m.dim + head
+    return embedding_params(m) + m.num_layers * block_params(m) + m.dim + head
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> int:

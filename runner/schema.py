@@ -18,6 +18,8 @@ class Mode(Enum):
     """Validate, freeze, launch the ranks and train."""
     validate = "validate"
     """Validate and print the resolved layout; start nothing (works for any cluster)."""
+    plan = "plan"
+    """Validate and print the step budget (memory, time, communication, bubble); write plan.json; start nothing."""
 
 
 class DeviceType(Enum):
@@ -85,6 +87,10 @@ class ParallelismConfig:
     """Pipeline schedule name as torch.distributed.pipelining knows it."""
     sequence_parallel: bool = True
     """Shard norms/dropout activations along the sequence inside the TP group."""
+    fsdp_reshard_after_forward: str = "default"
+    """TorchTitan's FSDP2 policy: always (free gathered weights after each forward), never
+    (keep them until backward ends), default (never with PP, which would otherwise gather
+    once per microbatch; always without)."""
 
 
 @dataclass
@@ -121,9 +127,11 @@ class ClusterConfig:
     backend: Backend = Backend.gloo
     """torch.distributed backend."""
     intra_node_bandwidth_gbs: float = 0.0
-    """Per-device intra-node bandwidth in GB/s (NVLink aggregate on H100: 900)."""
+    """Per-device intra-node bandwidth in GB/s, both directions together, as datasheets quote
+    NVLink (H100: 900). A ring collective sends at half of it (one direction)."""
     inter_node_bandwidth_gbs: float = 0.0
-    """Per-device scale-out bandwidth in GB/s (400 Gb/s NIC = 50 GB/s)."""
+    """Per-device scale-out bandwidth in GB/s, both directions together like the intra-node
+    figure: a 400 Gb/s full-duplex NIC is 50 GB/s each way, so 100."""
     peak_tflops: dict[str, float] = field(default_factory=dict)
     """Dense peak TFLOP/s per device by dtype name. Empty on CPU: the peak is measured
     once per run by a matmul benchmark on the whole machine."""
@@ -131,6 +139,17 @@ class ClusterConfig:
     """Memory per device in GB (0 on CPU: the machine's RAM is read at validation)."""
     rank_overhead_gb: float = 0.6
     """Resident memory of one rank before the model (torch + TorchTitan import), GB."""
+    achievable_mfu: float = 0.40
+    """MFU the planner assumes for the step time (mode=plan); 0.40 is a good dense-model result at scale."""
+    matmul_efficiency: float = 0.70
+    """Fraction of the dense peak that the model's large GEMMs reach, for the planner's
+    bottom-up step estimate (H100 SXM bf16: about 700 of 989 TFLOP/s). 1.0 on local CPU,
+    whose peak is itself measured with a matmul."""
+    mtbf_hours: float = 0.0
+    """Mean time between failures of the whole job at this size, hours; 0 = unknown (no
+    checkpoint interval suggested)."""
+    checkpoint_write_gbs: float = 0.0
+    """Aggregate write bandwidth of the checkpoint storage, GB/s; 0 = unknown."""
 
 
 @dataclass
@@ -187,6 +206,14 @@ class TrainingConfig:
 
 
 @dataclass
+class PlanConfig:
+    flops_convention: str = "6N"
+    """FLOP convention of the plan's compute and step-time rows (both are shown): 6N (6 x
+    parameters per token, the Llama 3 paper's MFU) or titan (TorchTitan's: 6 x non-embedding
+    parameters plus the attention term)."""
+
+
+@dataclass
 class RunConfig:
     mode: Mode = Mode.train
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,24 +224,12 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 
 
-GROUPS = {
-    "model": ModelConfig,
-    "parallelism": ParallelismConfig,
-    "precision": PrecisionConfig,
-    "checkpoint": CheckpointConfig,
-    "cluster": ClusterConfig,
-    "data": DataConfig,
-    "logging": LoggingConfig,
-}
-
-
 def register() -> None:
-    """Register the top-level schema and one `base_<group>` schema per group."""
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=RunConfig)
-    for group, node in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=node)
+    """Register the top-level schema. The primary config lists it first, so every group
+    option merges into a typed node: unknown keys and wrong types fail at composition."""
+    ConfigStore.instance().store(name="base_config", node=RunConfig)

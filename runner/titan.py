@@ -55,6 +55,7 @@ def _titan_configs(cfg: RunConfig, lay: Layout):
         data_parallel_shard_degree=lay.dp_shard,
         tensor_parallel_degree=lay.tp,
         enable_sequence_parallel=p.sequence_parallel,
+        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
         pipeline_parallel_degree=lay.pp,
         pipeline_parallel_schedule=p.pp_schedule,
         pipeline_parallel_microbatch_size=t.microbatch_size,

@@ -20,6 +20,7 @@ LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
 ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 RoPE table length
 WANDB_MODES = ("offline", "online", "disabled")
+RESHARD_POLICIES = ("default", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,28 @@ def _positive(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("logging.log_every", cfg.logging.log_every, "must be >= 1", "log every N >= 1 steps"))
     if cfg.checkpoint.interval < 1:
         out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
+    if p.fsdp_reshard_after_forward not in RESHARD_POLICIES:
+        out.append(
+            Problem(
+                "parallelism.fsdp_reshard_after_forward",
+                p.fsdp_reshard_after_forward,
+                "not a TorchTitan reshard policy",
+                f"use one of {', '.join(RESHARD_POLICIES)}",
+            )
+        )
+    c = cfg.cluster
+    for name, example in (("achievable_mfu", "0.40"), ("matmul_efficiency", "0.70")):
+        if not 0 < getattr(c, name) <= 1:
+            out.append(Problem(f"cluster.{name}", getattr(c, name), "is a fraction of peak", f"use a value in (0, 1], e.g. {example}"))
+    for name in ("mtbf_hours", "checkpoint_write_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
+        if getattr(c, name) < 0:
+            out.append(Problem(f"cluster.{name}", getattr(c, name), "must be >= 0", "use 0 for unknown"))
+    if cfg.plan.flops_convention not in flops.CONVENTIONS:
+        out.append(
+            Problem(
+                "plan.flops_convention", cfg.plan.flops_convention, "unknown FLOP convention", f"use one of {', '.join(flops.CONVENTIONS)}"
+            )
+        )
 
 
 def _model(cfg: RunConfig, out: list[Problem]) -> None:

@@ -15,10 +15,10 @@ from tests.conftest import ROOT, run_cli
 # Options that need a context to validate (the rest validate with the defaults).
 CONTEXT = {
     "parallelism/fsdp.yaml": ["cluster.devices_per_node=4"],
-    "parallelism/tp8_pp4.yaml": ["recipe=llama3_70b_tp8_pp4_h100x1024"],
+    "parallelism/tp8_pp4.yaml": ["recipe=llama3_70b_h100x1024"],
     "model/llama3_8b.yaml": ["parallelism=single"],
-    "model/llama3_70b.yaml": ["recipe=llama3_70b_tp8_pp4_h100x1024"],
-    "model/llama3_405b.yaml": ["recipe=llama3_70b_tp8_pp4_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
+    "model/llama3_70b.yaml": ["recipe=llama3_70b_h100x1024"],
+    "model/llama3_405b.yaml": ["recipe=llama3_70b_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
     "cluster/h100_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "cluster/h100x1024.yaml": ["parallelism=fsdp", "training.global_batch_size=2048"],
 }
@@ -61,7 +61,7 @@ def test_model_files_name_their_titan_flavor(compose):
 
 
 def test_seed_layout_resolves_to_worked_example(compose):
-    cfg = compose(["recipe=llama3_70b_tp8_pp4_h100x1024"])
+    cfg = compose(["recipe=llama3_70b_h100x1024"])
     lay = validate.check(cfg)
     assert (lay.world_size, lay.tp, lay.pp, lay.dp) == (1024, 8, 4, 32)
     assert cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size) == 32  # m = 32 microbatches
@@ -127,7 +127,7 @@ def test_launch_rules(compose):
     lay = validate.check(cfg)  # a valid config for a real node ...
     with pytest.raises(validate.ConfigError, match="this machine has no NVIDIA driver"):
         validate.check_launch(cfg, lay)  # ... that this CPU machine cannot start
-    seed = compose(["recipe=llama3_70b_tp8_pp4_h100x1024"])
+    seed = compose(["recipe=llama3_70b_h100x1024"])
     with pytest.raises(validate.ConfigError) as e:
         validate.check_launch(seed, validate.check(seed))
     assert [p.field for p in e.value.problems] == ["cluster.num_nodes", "cluster.device", "parallelism.pp"]
@@ -177,7 +177,7 @@ def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
 
 
 def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
-    proc = run_cli("recipe=llama3_70b_tp8_pp4_h100x1024", "mode=validate", run_dir=tmp_path / "run")
+    proc = run_cli("recipe=llama3_70b_h100x1024", "mode=validate", run_dir=tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert "1024 ranks, layout tp8_pp4 [pp=4 x dp_shard=32 x tp=8]" in proc.stdout
     assert "4,194,304 tokens/step, 32 microbatches of 1 per DP rank" in proc.stdout
@@ -201,9 +201,9 @@ def test_help_and_info():
     help_ = run_cli("--help")
     assert help_.returncode == 0
     for line in (
-        "model: base_model, debug, llama3_405b, llama3_70b, llama3_8b",
-        "parallelism: base_parallelism, dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
-        "recipe: debug_dp2_tp2_cpu, llama3_70b_tp8_pp4_h100x1024",
+        "model: debug, llama3_405b, llama3_70b, llama3_8b",
+        "parallelism: dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
+        "recipe: debug_dp2_tp2_cpu, llama3_70b_h100x1024",
         "python -m runner --config-dir <run folder> --config-name frozen",
     ):
         assert line in help_.stdout
