@@ -107,6 +107,9 @@ def main(dcfg: DictConfig) -> None:
         _fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
     if (run_dir / freeze.FROZEN_NAME).exists():
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
+        sweep = Path(HydraConfig.get().sweep.dir)
+        cfg.logging.wandb.group = f"{sweep.parent.name}/{sweep.name}"  # one W&B group per sweep
     frozen = freeze.write(cfg, lay, run_dir)
     from runner import launch
 

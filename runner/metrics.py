@@ -25,7 +25,7 @@ def _fmt(row: dict[str, Any]) -> str:
     )
     if "hfu" in row:
         s += f"  hfu {100 * row['hfu']:.2f}%"
-    return s + f"  step {row['step_time_s']:.2f}s"
+    return s + f"  step {row['step_time_s']:.2f}s  mem {row['memory_gb']:.2f}GB"
 
 
 class ConsoleSink:
@@ -50,6 +50,18 @@ class ConsoleSink:
             f"done: final loss {summary['final_loss']:.4f}, median {summary['tokens_per_s_median']:,.0f} tokens/s, "
             f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']})"
         )
+        cal = summary.get("calibration")
+        if cal:
+            self.console.print(
+                f"calibration: step time predicted {cal['step_time_predicted_s']:.3f} s, measured {cal['step_time_measured_s']:.3f} s "
+                f"(measured/predicted {cal['step_time_ratio']:.2f}), from the measured peak {cal['peak_tflops_per_rank']:.3g} TFLOP/s "
+                f"per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
+            )
+            if cal["bubble_measured"] is not None:
+                self.console.print(
+                    f"calibration: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
+                    f"measured idle {100 * cal['bubble_measured']:.1f} %"
+                )
 
 
 class JsonlSink:
@@ -74,7 +86,13 @@ class WandbSink:
 
         w = cfg.logging.wandb
         self.run = wandb.init(
-            project=w.project, entity=w.entity, mode=w.mode, dir=str(run_dir), name=f"{cfg.parallelism.name}-{run_dir.name}", config=frozen
+            project=w.project,
+            entity=w.entity,
+            mode=w.mode,
+            dir=str(run_dir),
+            group=w.group,
+            name=f"{cfg.parallelism.name}-{run_dir.name}",
+            config=frozen,
         )
 
     def log(self, row: dict[str, Any]) -> None:

@@ -168,6 +168,8 @@ class WandbConfig:
     """W&B entity (team); null uses the account default."""
     mode: str = "offline"
     """W&B mode: offline (default, needs no network), online or disabled."""
+    group: str | None = None
+    """W&B run group; null under a Hydra multirun = the sweep folder, so W&B compares the sweep's layouts."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ monitors can time and trace it.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner import flops, titan
+from runner import calibrate, flops, titan
 from runner.data import SyntheticData
 from runner.layout import Layout
 from runner.metrics import Sink
@@ -62,6 +63,13 @@ def global_loss(local: torch.Tensor, lay: Layout) -> float:
     return float(share)
 
 
+def memory_gb(cfg: RunConfig) -> float:
+    """Peak memory of this rank so far: resident set on CPU, allocated device memory on CUDA."""
+    if cfg.cluster.device.value == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
 def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting) -> dict[str, Any]:
     tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / dt
     out = {
@@ -73,6 +81,7 @@ def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: Run
         "lr": lr,
         "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
         "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.peak_flops_total),
+        "memory_gb": memory_gb(cfg),
     }
     if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
         out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.training.activation_checkpoint)
@@ -113,12 +122,16 @@ def run(
     loss_fn = titan.loss_fn(cfg)
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
     ckpt_dir = run_dir / cfg.checkpoint.folder
+    timer = calibrate.StageTimer(built.schedule) if built.schedule is not None else None
+    idle = []  # per step: this rank's idle fraction inside the pipeline schedule
     rows = []
     for step in range(1, t.steps + 1):
         t0 = time.perf_counter()
         microbatches = data.microbatches(step - 1)
         if built.schedule is not None:
+            t_pp = time.perf_counter()
             local = titan.pipeline_step(built, microbatches, global_tokens)
+            idle.append(1 - timer.take() / (time.perf_counter() - t_pp))
         else:
             local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs)
         grad_norm = titan.clip_grad_norm(built.parts, t.max_norm, built.parallel_dims)
@@ -136,6 +149,13 @@ def run(
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
             titan.save_checkpoint(built.parts, opt, step, ckpt_dir)
     summary = summarize(rows, cfg, lay, acc)
+    peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)])
+    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+    summary["memory_gb_max"] = float(peak_mem)
+    bubble = calibrate.mean_over_ranks(statistics.median(idle[1:] or idle)) if idle else None
+    summary["calibration"] = calibrate.compare(
+        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, calibrate.allreduce_gbs(), summary["step_time_s_median"], bubble
+    )
     for s in sinks:
         s.close(summary)
     return rows

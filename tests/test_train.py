@@ -8,11 +8,13 @@ the files every run writes, W&B offline, activation checkpointing and DCP checkp
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from tests.conftest import metrics, run_cli, summary
+from tests.conftest import ROOT, metrics, run_cli, summary
 
 SHORT = ["training.steps=3", "training.seq_len=64", "logging.progress=false"]
 LAYOUTS = {
@@ -31,8 +33,13 @@ GRAD_NORM_RTOL = 1e-3
 def runs(tmp_path_factory):
     out, procs = {}, {}
     for name, extra in LAYOUTS.items():
-        out[name] = tmp_path_factory.mktemp(name) / "run"
-        procs[name] = proc = run_cli(*SHORT, *extra, run_dir=out[name])
+        if name == "single":  # a one-point Hydra multirun, so W&B groups it by the sweep
+            sweep = tmp_path_factory.mktemp(name) / "2026-11-29" / "sweep"
+            out[name] = sweep / "0"
+            procs[name] = proc = run_cli("-m", *SHORT, *extra, f"hydra.sweep.dir={sweep}")
+        else:
+            out[name] = tmp_path_factory.mktemp(name) / "run"
+            procs[name] = proc = run_cli(*SHORT, *extra, run_dir=out[name])
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out | {"_procs": procs}
 
@@ -127,9 +134,11 @@ def test_wandb_offline_run(runs):
     (record,) = offline[0].glob("run-*.wandb")  # protobuf records; history values are stored as JSON text
     blob = record.read_bytes()
     for r in metrics(runs["single"]):
-        for key in ("loss", "mfu", "grad_norm"):
+        for key in ("loss", "mfu", "grad_norm", "memory_gb", "step_time_s"):
             assert json.dumps(r[key]).encode() in blob, (key, r[key])
     assert b"tokens_per_s_median" in blob and b"dp2_tp2" not in blob  # summary logged; config is this run's
+    assert b"2026-11-29/sweep" in blob  # grouped by the Hydra sweep folder
+    assert "group: 2026-11-29/sweep" in (runs["single"] / "frozen.yaml").read_text()
     assert "step    3  loss" in (offline[0] / "files" / "output.log").read_text()
 
 
@@ -148,3 +157,41 @@ def test_bf16_runs_on_cpu(tmp_path, runs):
     s = summary(run_dir)
     assert (s["peak_dtype"], s["peak_source"]) == ("bfloat16", "measured")
     assert 7.0 < s["final_loss"] < 9.0
+
+
+def test_memory_logged_per_step(runs):
+    rows, s = metrics(runs["dp2_tp2"]), summary(runs["dp2_tp2"])
+    assert all(0.3 < r["memory_gb"] < 4 for r in rows)  # a rank with torch + TorchTitan loaded: ~0.6 GB resident
+    assert [r["memory_gb"] for r in rows] == sorted(r["memory_gb"] for r in rows)  # a running peak
+    assert s["memory_gb_max"] >= rows[-1]["memory_gb"]
+
+
+def test_calibration_sets_prediction_beside_measurement(runs):
+    cal = summary(runs["dp2_pp2"])["calibration"]
+    assert cal["bubble_predicted"] == pytest.approx(1 / 3)  # p=2, m = 8 / (dp 2 x microbatch 2) = 2
+    assert 0 < cal["bubble_measured"] < 1
+    assert cal["allreduce_gbs_per_direction"] > 0 and cal["peak_tflops_per_rank"] > 0
+    assert cal["step_time_ratio"] == pytest.approx(cal["step_time_measured_s"] / cal["step_time_predicted_s"])
+    assert cal["step_time_measured_s"] == summary(runs["dp2_pp2"])["step_time_s_median"]
+    out = runs["_procs"]["dp2_pp2"].stdout
+    assert "calibration: pipeline bubble predicted 33.3 %, measured idle" in out
+    assert summary(runs["dp2_tp2"])["calibration"]["tp_comm_predicted_s"] > 0
+    assert summary(runs["dp2_tp2"])["calibration"]["bubble_measured"] is None  # no pipeline
+
+
+def test_compare_measured_runs_by_step_time(runs, tmp_path):
+    names = ["dp2", "tp2", "dp2_pp2", "dp2_tp2"]
+    png = tmp_path / "mfu.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.compare", *(str(runs[n]) for n in names), "--plot", str(png)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("│") and "measured" in ln]
+    assert len(table) == 4
+    times = sorted(summary(runs[n])["step_time_s_median"] for n in names)
+    assert [float(ln.split("│")[7].split()[0]) for ln in table] == [pytest.approx(t, abs=5e-4) for t in times]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,89 @@
+"""Check the planner against a measurement: predicted vs measured step time and bubble.
+
+After a run, the planner's bottom-up estimate is recomputed with what this machine
+actually offers (the measured matmul peak, shared by the ranks of one CPU machine, and an
+all-reduce bandwidth measured over the job's own process group) and set beside the
+measured medians. The measured bubble is the idle fraction of each pipeline rank: one
+minus the time inside its stages' forward/backward chunks over the schedule's wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from runner import plan
+from runner.layout import Layout
+from runner.schema import RunConfig
+
+CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class StageTimer:
+    """Seconds this rank spends computing inside its pipeline stages (wrapping the stage
+    methods the torch.distributed.pipelining schedules call)."""
+
+    def __init__(self, schedule):
+        self.busy = 0.0
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            for name in CHUNK_METHODS:
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+
+        return wrapper
+
+    def take(self) -> float:
+        busy, self.busy = self.busy, 0.0
+        return busy
+
+
+def allreduce_gbs(numel: int = 1 << 21, reps: int = 5) -> float:
+    """Per-direction bandwidth of a ring all-reduce over the world group, GB/s: bytes each
+    rank sends (2(n-1)/n x size) over the median time."""
+    n = dist.get_world_size()
+    if n == 1:
+        return 0.0
+    x = torch.ones(numel, dtype=torch.float32)
+    dist.all_reduce(x)  # warm-up: connections
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    return 2 * (n - 1) / n * x.numel() * x.element_size() / statistics.median(times) / 1e9
+
+
+def mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def compare(cfg: RunConfig, lay: Layout, peak_tflops_per_rank: float, link_gbs: float, measured_step_s: float, bubble: float | None):
+    """Predicted (planner, with measured peak and bandwidth) beside measured figures."""
+    links = {"intra-node": 2 * link_gbs, "scale-out": 2 * link_gbs}  # planner figures are both directions together
+    budget = plan.compute(cfg, lay, peak_tflops=peak_tflops_per_rank, link_gbs=links)
+    predicted = budget["estimated_step_time_s"]
+    return {
+        "peak_tflops_per_rank": peak_tflops_per_rank,
+        "allreduce_gbs_per_direction": link_gbs,
+        "step_time_predicted_s": predicted,
+        "step_time_measured_s": measured_step_s,
+        "step_time_ratio": measured_step_s / predicted if predicted else None,
+        "tp_comm_predicted_s": budget["tp_comm_s"],
+        "bubble_predicted": budget["bubble_fraction"],
+        "bubble_measured": bubble,
+    }
