@@ -17,11 +17,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import flops, freeze, validate
+from runner import flops, freeze, slurm, validate
 from runner.plan import INVALID_NAME
 from runner.schema import Mode, RunConfig, register
 
 register()
+slurm.register_resolvers()
 _entered = False  # set once Hydra hands over a composed config
 
 
@@ -84,6 +85,25 @@ def _plan(cfg: RunConfig, lay, run_dir: Path) -> None:
     print(f"plan written to {plan.write(budget, run_dir)}")
 
 
+def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
+    """Print the submission (sbatch script) and the per-node command; submit nothing."""
+    from runner import launch
+
+    frozen = freeze.write(cfg, lay, run_dir)
+    c = cfg.cluster
+    print(f"launch plan: {lay.world_size} ranks = {c.num_nodes} nodes x {lay.world_size // c.num_nodes} per node [{lay.describe()}]")
+    print(f"frozen config: {frozen}")
+    if c.launcher == "slurm":
+        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`):\n")
+        print(slurm.sbatch_script(slurm.launcher_params(dcfg)))
+        host, rdzv_id = c.rdzv_host or slurm.FIRST_NODE, "$SLURM_JOB_ID"
+        print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
+    else:
+        host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
+        print(f"\nrun on each of the {c.num_nodes} nodes:\n")
+    print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
     global _entered
@@ -99,22 +119,37 @@ def main(dcfg: DictConfig) -> None:
         if cfg.mode == Mode.plan:
             _plan(cfg, lay, run_dir)
             return
+        if cfg.mode == Mode.launch_plan:
+            _launch_plan(cfg, lay, dcfg, run_dir)
+            return
         validate.check_launch(cfg, lay)
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             _invalid_sweep_point(e, run_dir)
             return
         _fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
-    if (run_dir / freeze.FROZEN_NAME).exists():
+    if slurm.in_job():
+        node, _, first_host, job_id = slurm.job_nodes()
+    else:
+        node, first_host, job_id = 0, None, None
+    if node == 0 and (run_dir / freeze.FROZEN_NAME).exists():
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
         sweep = Path(HydraConfig.get().sweep.dir)
         cfg.logging.wandb.group = f"{sweep.parent.name}/{sweep.name}"  # one W&B group per sweep
-    frozen = freeze.write(cfg, lay, run_dir)
+    frozen = run_dir / freeze.FROZEN_NAME
+    if node == 0:
+        freeze.write(cfg, lay, run_dir)
+    else:
+        slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
     from runner import launch
 
     try:
-        launch.run(cfg, lay, frozen)
+        if job_id is None:
+            launch.run(cfg, lay, frozen)
+        else:  # a node of a SLURM job: torchrun with a c10d rendezvous on the job's first node
+            endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
+            launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
         print(f"training failed: {type(e).__name__}; rank logs in {run_dir / 'logs'}", file=sys.stderr)
         sys.exit(1)

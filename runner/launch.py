@@ -1,9 +1,21 @@
-"""Start the ranks of one node with torch's elastic agent (the engine behind torchrun)."""
+"""The runner's per-node launcher: torchrun (torch's elastic agent) around `runner.worker`.
+
+    python -m runner.launch [torchrun flags] <run folder>/frozen.yaml
+
+does the node's set-up (the CPU peak measurement when the cluster has no peak, OpenMP
+threads per rank) and then runs torchrun in-process with those flags and
+`-m runner.worker <frozen.yaml>`. One node (`python -m runner`) uses a rendezvous on
+127.0.0.1 (torchrun --standalone); several nodes use the standard multi-node recipe:
+every node starts this launcher with the same --rdzv-id and a c10d rendezvous on the
+first node, and the agents assign ranks contiguously per node. `node_command` prints
+exactly what each node runs (`mode=launch_plan`, SLURM tasks).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import uuid
 from pathlib import Path
@@ -11,35 +23,67 @@ from pathlib import Path
 from runner.layout import Layout
 from runner.schema import DeviceType, RunConfig
 
+MONITOR_INTERVAL_S = 0.5
 
-def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
-    """Run `python -m runner.worker <frozen>` on every local rank; raise if any rank fails.
 
-    Rank 0 keeps the console (progress bar); the other ranks' output goes to
-    <run folder>/logs/<run id>/attempt_<n>/<rank>/std{out,err}.log.
-    """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
+    """torchrun flags for one node of this run. Local rank 0 of each node keeps the console
+    (global rank 0 draws the progress bar); the other ranks write
+    <run folder>/logs/<rdzv id>/attempt_<n>/<rank>/std{out,err}.log."""
+    per_node = lay.world_size // cfg.cluster.num_nodes
+    flags = [
+        f"--nnodes={cfg.cluster.num_nodes}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--max-restarts={cfg.cluster.max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        f"--log-dir={run_dir / 'logs'}",
+    ]
+    if per_node > 1:
+        flags.append("--redirects=" + ",".join(f"{r}:3" for r in range(1, per_node)))
+    return flags
 
+
+def node_command(cfg: RunConfig, lay: Layout, frozen: Path, *, rdzv_endpoint: str, rdzv_id: str) -> str:
+    """The shell command every node of a multi-node run executes."""
+    flags = torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    # endpoint and id may be shell expressions evaluated on the node (SLURM variables)
+    quoted = [f if "$" in f else shlex.quote(f) for f in flags]
+    return " ".join(["python", "-m", "runner.launch", *quoted, shlex.quote(str(frozen))])
+
+
+def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     from runner import peak
 
-    peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
-
+    if not (frozen.parent / peak.PEAK_NAME).exists():
+        peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    n = lay.world_size
-    if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; as torchrun does, keep OpenMP from oversubscribing
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    run_dir = frozen.parent
-    logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects={r: Std.NONE if r == 0 else Std.ALL for r in range(n)})
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=f"runner-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone
-        max_restarts=0,
-        monitor_interval=0.5,
-        logs_specs=logs,
-    )
-    elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "runner.worker", str(frozen))
+    if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; keep OpenMP from oversubscribing
+        per_node = lay.world_size // cfg.cluster.num_nodes
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+
+
+def start(flags: list[str], frozen: Path) -> None:
+    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails."""
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    from runner import freeze, layout
+
+    cfg = freeze.load(frozen)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    _node_setup(cfg, lay, frozen)
+    torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+
+
+def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
+    """One node: every rank on this machine, rendezvous on 127.0.0.1."""
+    start(torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}"), frozen)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or not sys.argv[-1].endswith(".yaml"):
+        sys.exit("usage: python -m runner.launch [torchrun flags] <run folder>/frozen.yaml")
+    start(sys.argv[1:-1], Path(sys.argv[-1]))

@@ -43,14 +43,14 @@ def source(cfg: RunConfig) -> str:
 def peak(cfg: RunConfig, world_size: int) -> tuple[float, float]:
     """(peak TFLOP/s per device, peak FLOP/s of the whole job).
 
-    On CPU all ranks share one machine, so the job's peak is the machine's peak.
+    On CPU the ranks of a node share one machine, so the "device" is the node.
     """
     dtype = cfg.precision.param_dtype.value
+    devices = cfg.cluster.num_nodes if cfg.cluster.device == DeviceType.cpu else world_size
     if source(cfg) == "measured":  # validation allows a missing peak on CPU only
         tflops = measure_cpu_tflops(dtype)
-        return tflops, tflops * 1e12
-    tflops = cfg.cluster.peak_tflops[dtype]
-    devices = 1 if cfg.cluster.device == DeviceType.cpu else world_size
+    else:
+        tflops = cfg.cluster.peak_tflops[dtype]
     return tflops, tflops * 1e12 * devices
 
 

@@ -20,6 +20,9 @@ class Mode(Enum):
     """Validate and print the resolved layout; start nothing (works for any cluster)."""
     plan = "plan"
     """Validate and print the step budget (memory, time, communication, bubble); write plan.json; start nothing."""
+    launch_plan = "launch_plan"
+    """Validate, write frozen.yaml and print what would be launched: the sbatch script (SLURM)
+    and the command every node runs; submit nothing."""
 
 
 class DeviceType(Enum):
@@ -115,11 +118,35 @@ class CheckpointConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """sbatch parameters, passed to Hydra's submitit launcher (cluster.launcher=slurm)."""
+
+    partition: str | None = None
+    """SLURM partition (required)."""
+    account: str | None = None
+    """Account charged for the job; null = the user's default."""
+    time_min: int = 240
+    """Wall-clock limit of one job, minutes."""
+    constraint: str | None = None
+    """Node feature constraint, e.g. h100."""
+    exclusive: bool = True
+    """Whole nodes only (#SBATCH --exclusive)."""
+    container_image: str | None = None
+    """Container image for the job's steps (pyxis/enroot: #SBATCH --container-image)."""
+    gpus_per_node_max: int = 8
+    """GPUs one node of this partition has; cluster.devices_per_node may not exceed it."""
+    cpus_per_node: int | None = None
+    """CPU cores requested per node (one task per node); null = SLURM's default."""
+    mem_gb: int | None = None
+    """Memory per node, GB; null = SLURM's default."""
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local_cpu"
     """Name of the cluster description."""
-    num_nodes: int = 1
-    """Nodes in the job."""
+    num_nodes: int | None = 1
+    """Nodes in the job; null = required on the command line (SLURM clusters)."""
     devices_per_node: int = -1
     """Ranks per node; -1 takes the world size from the layout (local CPU only)."""
     device: DeviceType = DeviceType.cpu
@@ -137,6 +164,18 @@ class ClusterConfig:
     once per run by a matmul benchmark on the whole machine."""
     device_memory_gb: float = 0.0
     """Memory per device in GB (0 on CPU: the machine's RAM is read at validation)."""
+    launcher: str = "local"
+    """local: the per-node launcher runs on this machine (`python -m runner`); slurm: Hydra's
+    submitit launcher submits one job per run (`python -m runner -m ...`) and each node of the
+    job runs the per-node launcher."""
+    max_restarts: int = 0
+    """Times torch's elastic agent restarts the ranks after a failure (torchrun --max-restarts)."""
+    rdzv_host: str | None = None
+    """Host of the c10d rendezvous for hand-started multi-node runs; null = the first node
+    of the SLURM job (the only case where the runner knows it)."""
+    rdzv_port: int = 29500
+    """Port of the c10d rendezvous on the first node of a multi-node job."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     rank_overhead_gb: float = 0.6
     """Resident memory of one rank before the model (torch + TorchTitan import), GB."""
     achievable_mfu: float = 0.40

@@ -87,6 +87,16 @@ def init_distributed(cfg: RunConfig, lay: Layout):
     return pd
 
 
+def mesh_coords(pd) -> dict[str, int]:
+    """This rank's coordinate on each enabled axis of TorchTitan's mesh ('dp': the batch mesh)."""
+    out = {}
+    for axis, name in (("pp", "pp"), ("dp_replicate", "dp_replicate"), ("cp", "cp"), ("tp", "tp"), ("dp", "batch")):
+        mesh = pd.get_optional_mesh(name)
+        if mesh is not None:
+            out[axis] = mesh.get_local_rank()
+    return out
+
+
 def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     """Model from TorchTitan's registry on meta, parallelized, materialized and initialized."""
     import importlib

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner import flops, layout
+from runner import flops, layout, slurm
 from runner.schema import Backend, DeviceType, RunConfig
 
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -21,6 +21,7 @@ DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("flo
 ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 RoPE table length
 WANDB_MODES = ("offline", "online", "disabled")
 RESHARD_POLICIES = ("default", "always", "never")
+LAUNCHERS = ("local", "slurm")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ def _positive(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("logging.log_every", cfg.logging.log_every, "must be >= 1", "log every N >= 1 steps"))
     if cfg.checkpoint.interval < 1:
         out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
+
+
+def _cluster_and_plan(cfg: RunConfig, out: list[Problem]) -> None:
+    p, c = cfg.parallelism, cfg.cluster
     if p.fsdp_reshard_after_forward not in RESHARD_POLICIES:
         out.append(
             Problem(
@@ -79,13 +84,35 @@ def _positive(cfg: RunConfig, out: list[Problem]) -> None:
                 f"use one of {', '.join(RESHARD_POLICIES)}",
             )
         )
-    c = cfg.cluster
     for name, example in (("achievable_mfu", "0.40"), ("matmul_efficiency", "0.70")):
         if not 0 < getattr(c, name) <= 1:
             out.append(Problem(f"cluster.{name}", getattr(c, name), "is a fraction of peak", f"use a value in (0, 1], e.g. {example}"))
     for name in ("mtbf_hours", "checkpoint_write_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
         if getattr(c, name) < 0:
             out.append(Problem(f"cluster.{name}", getattr(c, name), "must be >= 0", "use 0 for unknown"))
+    if c.launcher not in LAUNCHERS:
+        out.append(Problem("cluster.launcher", c.launcher, "unknown launcher", f"use one of {', '.join(LAUNCHERS)}"))
+    if c.max_restarts < 0:
+        out.append(Problem("cluster.max_restarts", c.max_restarts, "must be >= 0", "use 0 to never restart"))
+    if c.launcher == "slurm":
+        s = c.slurm
+        if not s.partition:
+            out.append(
+                Problem(
+                    "cluster.slurm.partition", s.partition, "SLURM needs a partition to submit to", "set cluster.slurm.partition=<name>"
+                )
+            )
+        if c.devices_per_node > s.gpus_per_node_max:
+            out.append(
+                Problem(
+                    "cluster.devices_per_node",
+                    c.devices_per_node,
+                    f"a node of partition {s.partition} has {s.gpus_per_node_max} GPUs (cluster.slurm.gpus_per_node_max)",
+                    f"use at most {s.gpus_per_node_max} per node and more nodes",
+                )
+            )
+        if s.time_min < 1:
+            out.append(Problem("cluster.slurm.time_min", s.time_min, "must be >= 1", "set the job's wall-clock limit in minutes"))
     if cfg.plan.flops_convention not in flops.CONVENTIONS:
         out.append(
             Problem(
@@ -112,8 +139,9 @@ def _model(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _world(cfg: RunConfig, out: list[Problem]) -> int | None:
     p, c = cfg.parallelism, cfg.cluster
-    if c.num_nodes < 1:
-        out.append(Problem("cluster.num_nodes", c.num_nodes, "must be >= 1", "set the node count"))
+    if c.num_nodes is None or c.num_nodes < 1:
+        why = f"cluster {c.name} leaves the node count to the job" if c.num_nodes is None else "must be >= 1"
+        out.append(Problem("cluster.num_nodes", c.num_nodes, why, "set cluster.num_nodes=N"))
         return None
     if c.devices_per_node == -1 and c.device != DeviceType.cpu:
         out.append(Problem("cluster.devices_per_node", -1, "only a CPU cluster may take its size from the layout", "set the GPUs per node"))
@@ -308,6 +336,7 @@ def check(cfg: RunConfig) -> layout.Layout:
         _pipeline_and_batch(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
     _sequence(cfg, out)
     _device(cfg, out)
+    _cluster_and_plan(cfg, out)
     if out:
         raise ConfigError(out)
     return layout.resolve(cfg.parallelism, cfg.cluster)
@@ -338,16 +367,37 @@ def check_launch(cfg: RunConfig, lay: layout.Layout) -> None:
     """Rules about starting this config on this machine, now."""
     out: list[Problem] = []
     c = cfg.cluster
-    if c.num_nodes > 1:
+    if slurm.in_job():
+        nodes = int(os.environ.get("SLURM_NNODES", "1"))
+        if nodes != c.num_nodes:
+            out.append(
+                Problem(
+                    "cluster.num_nodes",
+                    c.num_nodes,
+                    f"this SLURM job has {nodes} nodes",
+                    f"set cluster.num_nodes={nodes} or resize the job",
+                )
+            )
+    elif c.launcher == "slurm":
+        out.append(
+            Problem(
+                "cluster.launcher",
+                "slurm",
+                "a SLURM cluster is submitted, not started on this machine",
+                f"add -m to submit through Hydra's submitit launcher (python -m runner -m cluster={c.name} ...), "
+                "or mode=launch_plan to print the sbatch script and per-node command",
+            )
+        )
+    elif c.num_nodes > 1:
         out.append(
             Problem(
                 "cluster.num_nodes",
                 c.num_nodes,
-                "`python -m runner` launches one node; a multi-node job starts one launcher per node",
-                "use mode=validate here, or start `torchrun --nnodes ... -m runner.worker <frozen.yaml>` on every node",
+                "`python -m runner` starts the ranks of one node; a multi-node job starts the per-node launcher on every node",
+                "use mode=launch_plan: it writes the frozen config and prints the command to run on each node",
             )
         )
-    if c.device == DeviceType.cuda and not os.path.exists("/proc/driver/nvidia/version"):
+    if c.device == DeviceType.cuda and not os.path.exists("/proc/driver/nvidia/version") and c.launcher != "slurm":
         out.append(
             Problem(
                 "cluster.device",

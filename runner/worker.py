@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner import flops, freeze, layout, metrics, peak, titan, train
+from runner import flops, freeze, layout, mesh, metrics, peak, titan, train
 from runner.data import SyntheticData
 from runner.schema import DeviceType
 
@@ -24,16 +24,6 @@ def _threads(cfg) -> None:
     """Ranks of one CPU machine share its cores."""
     if cfg.cluster.device == DeviceType.cpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-
-
-def _check_dp_rank(pd, lay: layout.Layout, rank: int) -> int:
-    """The data shard follows the runner's mesh order; TorchTitan's batch mesh must agree."""
-    mesh = pd.get_optional_mesh("batch")
-    got = mesh.get_local_rank() if mesh is not None else 0
-    want = lay.dp_rank(rank)
-    if got != want:
-        raise RuntimeError(f"rank {rank}: TorchTitan's batch mesh says DP rank {got}, runner's layout says {want}")
-    return want
 
 
 @record
@@ -47,7 +37,14 @@ def main(frozen_path: str) -> None:
         logging.getLogger("torchao").setLevel(logging.ERROR)
     pd = titan.init_distributed(cfg, lay)
     rank = dist.get_rank()
-    dp_rank = _check_dp_rank(pd, lay, rank)
+    try:
+        mesh.check(lay, titan.mesh_coords(pd), rank)
+    except mesh.PlacementError as e:
+        if rank == 0:
+            print(f"refusing to train: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
+    dp_rank = lay.dp_rank(rank)
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]

@@ -1,0 +1,69 @@
+"""Start-up proof that the device mesh is the layout and that every TP group sits on one node.
+
+Every rank compares its coordinates in TorchTitan's mesh with the ones the runner derives
+from its global rank (mesh order pp, dp_replicate, dp_shard, cp, tp; TP fastest), then all
+ranks gather (node, LOCAL_RANK). A TP group split over nodes would put its per-layer
+all-reduces on the scale-out network: the run refuses to train and names the group.
+
+Node identity is the hostname. For tests that simulate several nodes on one machine,
+RUNNER_NODE_NAME sets the node name of every rank an agent starts, and RUNNER_NODE_NAMES
+(comma-separated, indexed by global rank) sets the whole placement.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from runner.layout import Layout
+
+NODE_NAME_ENV = "RUNNER_NODE_NAME"
+NODE_NAMES_ENV = "RUNNER_NODE_NAMES"
+
+
+class PlacementError(RuntimeError):
+    """The launcher placed ranks so that the layout cannot run as intended."""
+
+
+def node_name(rank: int) -> str:
+    names = os.environ.get(NODE_NAMES_ENV)
+    if names:
+        return names.split(",")[rank]
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
+
+def tp_groups(lay: Layout) -> list[list[int]]:
+    """TP varies fastest, so each TP group is a block of consecutive ranks."""
+    return [list(range(start, start + lay.tp)) for start in range(0, lay.world_size, lay.tp)]
+
+
+def split_tp_groups(lay: Layout, places: list[tuple[str, int]]) -> list[str]:
+    """One line per TP group whose ranks are on more than one node."""
+    out = []
+    for group in tp_groups(lay):
+        nodes = {places[r][0] for r in group}
+        if len(nodes) > 1:
+            where = ", ".join(f"rank {r} on {places[r][0]} (local rank {places[r][1]})" for r in group)
+            out.append(f"TP group {group} spans {len(nodes)} nodes: {where}")
+    return out
+
+
+def check(lay: Layout, mesh_coords: dict[str, int], rank: int) -> list[tuple[str, int]]:
+    """Raise PlacementError on a mismatch; return every rank's (node, local rank)."""
+    import torch.distributed as dist
+
+    want = {**lay.coords(rank), "dp": lay.dp_rank(rank)}
+    wrong = [f"{axis}: mesh {got}, layout {want[axis]}" for axis, got in mesh_coords.items() if got != want[axis]]
+    if wrong:
+        raise PlacementError(f"rank {rank}: TorchTitan's mesh coordinates differ from the runner's layout ({'; '.join(wrong)})")
+    places: list = [None] * dist.get_world_size()
+    dist.all_gather_object(places, (node_name(rank), int(os.environ.get("LOCAL_RANK", "0"))))
+    split = split_tp_groups(lay, places)
+    if split:
+        raise PlacementError(
+            "ranks are placed so that tensor-parallel groups cross nodes, which would put every layer's all-reduces "
+            "on the scale-out network:\n  " + "\n  ".join(split) + "\nFix: start ranks node by node with contiguous "
+            "global ranks (torchrun's c10d rendezvous does; with srun use --distribution=block, not cyclic/round-robin), "
+            f"and keep tp <= GPUs per node ({lay.describe()})."
+        )
+    return places

@@ -1,0 +1,102 @@
+"""SLURM through Hydra's submitit launcher: the sbatch script it would submit, the job's
+nodes, and a pre-submission check.
+
+Torch-free. `conf/cluster/slurm_h100.yaml` maps cluster fields onto `hydra.launcher`
+(hydra-submitit-launcher's SlurmQueueConf); `python -m runner -m cluster=slurm_h100 ...`
+then submits one job per sweep point through the plugin, and every node of a job runs the
+task function, which starts the per-node launcher (runner/launch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+FIRST_NODE = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
+
+
+def sbatch_extra(exclusive: bool, container_image: str | None) -> dict[str, Any]:
+    """sbatch flags that SlurmQueueConf lacks, for its `additional_parameters`."""
+    out: dict[str, Any] = {}
+    if exclusive:
+        out["exclusive"] = True
+    if container_image:
+        out["container_image"] = container_image  # pyxis/enroot
+    return out
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("sbatch_extra", sbatch_extra, replace=True)
+
+
+def launcher_params(job_cfg: DictConfig) -> dict[str, Any]:
+    """hydra.launcher resolved against the job config, as the plugin receives it."""
+    root = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=False)})
+    root.merge_with({k: v for k, v in OmegaConf.to_container(job_cfg, resolve=False).items() if k != "hydra"})
+    return OmegaConf.to_container(root.hydra.launcher, resolve=True)
+
+
+def sbatch_script(launcher: dict[str, Any]) -> str:
+    """The sbatch file submitit writes for these launcher parameters (submitit's own
+    generator and name mapping, as hydra-submitit-launcher and AutoExecutor apply them)."""
+    from submitit.slurm import slurm
+
+    generic = slurm.SlurmExecutor._equivalence_dict()
+    params = {}
+    for key, value in launcher.items():
+        if key in ("_target_", "submitit_folder", "max_num_timeout") or value is None:
+            continue
+        params[generic.get(key, key)] = value
+    if "mem" in params:
+        params["mem"] = f"{params['mem']}GB"
+    folder = str(Path(launcher["submitit_folder"]).expanduser().absolute())  # as submitit's executor does
+    command = f"{sys.executable} -u -m submitit.core._submit {folder}"
+    return slurm._make_sbatch_string(command=command, folder=folder, **params)
+
+
+def in_job() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+def job_nodes() -> tuple[int, int, str, str]:
+    """(this node's index, number of nodes, first node's hostname, job id) of the running job."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    return env.node, env.num_nodes, env.hostnames[0], str(env.job_id)
+
+
+def wait_for(path: Path, timeout_s: float = 300.0) -> None:
+    """Nodes other than the first wait for the first node to write the frozen config."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s; is the run folder on a shared file system?")
+        time.sleep(1.0)
+
+
+class SubmissionCheck(Callback):
+    """Before Hydra's submitit launcher submits: is SLURM here at all? Without sbatch/srun
+    the plugin would fail with submitit's traceback; say what to do instead."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.launcher.get("_target_") != SLURM_LAUNCHER:
+            return
+        missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+        if missing:
+            print(
+                f"hydra.launcher = submitit_slurm: {' and '.join(missing)} not found on this machine, so nothing can be submitted. "
+                "Fix: run from a SLURM login node, or add mode=launch_plan to print the sbatch script and per-node command "
+                "without submitting.",
+                file=sys.stderr,
+            )
+            sys.exit(2)

@@ -1,0 +1,109 @@
+"""Multi-node launch, torch-free parts: the SLURM submission (through Hydra's submitit
+launcher) printed by mode=launch_plan, its validation, and the TP placement rule."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from runner import layout, mesh
+from tests.conftest import run_cli
+
+SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu"]
+FIRST_NODE = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
+
+
+def _no_traceback_exit2(proc):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
+    run_dir = tmp_path / "plan"
+    image = "nvcr.io/nvidia/pytorch:25.01-py3"
+    extra = ["cluster.num_nodes=2", "cluster.slurm.account=llm", f"cluster.slurm.container_image={image}", "cluster.slurm.constraint=h100"]
+    proc = run_cli(*SLURM, *extra, "parallelism=fsdp", "training.global_batch_size=32", "mode=launch_plan", run_dir=run_dir)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=llm",
+        "#SBATCH --constraint=h100",
+        "#SBATCH --exclusive",
+        "#SBATCH --time=240",
+        "#SBATCH --job-name=runner",
+        f"#SBATCH --container-image={image}",
+    ):
+        assert line in out, line
+    assert not any(ln.startswith("#SBATCH --mem") or ln.startswith("#SBATCH --cpus-per-task") for ln in out)  # unset stays unset
+    assert any(ln.startswith("srun --unbuffered") and "-m submitit.core._submit" in ln for ln in out)
+    (node,) = [ln.strip() for ln in out if "runner.launch" in ln]
+    assert node == (
+        f"python -m runner.launch --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint={FIRST_NODE}:29500 "
+        f"--rdzv-id=$SLURM_JOB_ID --max-restarts=3 --monitor-interval=0.5 --log-dir={run_dir / 'logs'} "
+        f"--redirects=1:3,2:3,3:3,4:3,5:3,6:3,7:3 {run_dir / 'frozen.yaml'}"
+    )
+    frozen = yaml.safe_load((run_dir / "frozen.yaml").read_text())
+    assert frozen["cluster"]["launcher"] == "slurm" and frozen["cluster"]["num_nodes"] == 2 and frozen["mode"] == "launch_plan"
+    assert frozen["provenance"]["world_size"] == 16
+
+
+def test_launch_plan_128_nodes_for_the_worked_example(tmp_path):
+    proc = run_cli("recipe=llama3_70b_h100x1024", *SLURM, "cluster.num_nodes=128", "mode=launch_plan", run_dir=tmp_path / "p")
+    assert proc.returncode == 0, proc.stderr
+    assert "launch plan: 1024 ranks = 128 nodes x 8 per node [pp=4 x dp_shard=32 x tp=8]" in proc.stdout
+    assert "#SBATCH --nodes=128" in proc.stdout.splitlines()
+    assert "python -m runner.launch --nnodes=128 --nproc-per-node=8 --rdzv-backend=c10d" in proc.stdout
+
+
+def test_slurm_config_missing_fields_is_rejected(tmp_path):
+    proc = run_cli("cluster=slurm_h100", "mode=launch_plan", run_dir=tmp_path / "p")
+    _no_traceback_exit2(proc)
+    assert "cluster.num_nodes = None: cluster slurm_h100 leaves the node count to the job. Fix: set cluster.num_nodes=N." in proc.stderr
+    assert "cluster.slurm.partition = None: SLURM needs a partition to submit to. Fix: set cluster.slurm.partition=<name>." in proc.stderr
+    assert not (tmp_path / "p").exists()
+    proc = run_cli(*SLURM, "cluster.num_nodes=2", "cluster.devices_per_node=16", "mode=launch_plan", run_dir=tmp_path / "q")
+    _no_traceback_exit2(proc)
+    assert "cluster.devices_per_node = 16: a node of partition gpu has 8 GPUs (cluster.slurm.gpus_per_node_max)" in proc.stderr
+
+
+def test_submission_without_sbatch_says_so(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32", f"hydra.sweep.dir={sweep}")
+    _no_traceback_exit2(proc)
+    assert "hydra.launcher = submitit_slurm: sbatch and srun not found on this machine" in proc.stderr
+    assert "add mode=launch_plan to print the sbatch script" in proc.stderr
+    assert not sweep.exists()
+
+
+def test_starting_a_cluster_run_here_points_to_the_right_command(tmp_path):
+    proc = run_cli(*SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32", run_dir=tmp_path / "a")
+    _no_traceback_exit2(proc)
+    assert "cluster.launcher = slurm: a SLURM cluster is submitted, not started on this machine. Fix: add -m" in proc.stderr
+    proc = run_cli("cluster.num_nodes=2", "cluster.devices_per_node=2", run_dir=tmp_path / "b")
+    _no_traceback_exit2(proc)
+    assert "cluster.num_nodes = 2: `python -m runner` starts the ranks of one node" in proc.stderr
+    assert "use mode=launch_plan" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_tp_groups_must_not_span_nodes():
+    lay = layout.Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)
+    assert mesh.tp_groups(lay) == [[0, 1], [2, 3]]
+    block = [("node0", 0), ("node0", 1), ("node1", 0), ("node1", 1)]
+    assert mesh.split_tp_groups(lay, block) == []
+    round_robin = [("node0", 0), ("node1", 0), ("node0", 1), ("node1", 1)]
+    assert mesh.split_tp_groups(lay, round_robin) == [
+        "TP group [0, 1] spans 2 nodes: rank 0 on node0 (local rank 0), rank 1 on node1 (local rank 0)",
+        "TP group [2, 3] spans 2 nodes: rank 2 on node0 (local rank 1), rank 3 on node1 (local rank 1)",
+    ]
+
+
+@pytest.mark.parametrize("names,expected", [("a,b,c,d", "c"), ("", None)])
+def test_node_identity_override(monkeypatch, names, expected):
+    monkeypatch.setenv(mesh.NODE_NAMES_ENV, names)
+    monkeypatch.setenv(mesh.NODE_NAME_ENV, "solo")
+    assert mesh.node_name(2) == (expected or "solo")
