@@ -48,6 +48,14 @@ def split_tp_groups(lay: Layout, places: list[tuple[str, int]]) -> list[str]:
     return out
 
 
+def describe_nodes(places: list[tuple[str, int]]) -> str:
+    """'node0 ranks [0, 1]; node1 ranks [2, 3]' in order of first rank."""
+    nodes: dict[str, list[int]] = {}
+    for rank, (node, _) in enumerate(places):
+        nodes.setdefault(node, []).append(rank)
+    return "; ".join(f"{node} ranks {ranks}" for node, ranks in nodes.items())
+
+
 def check(lay: Layout, mesh_coords: dict[str, int], rank: int) -> list[tuple[str, int]]:
     """Raise PlacementError on a mismatch; return every rank's (node, local rank)."""
     import torch.distributed as dist

@@ -38,7 +38,7 @@ def main(frozen_path: str) -> None:
     pd = titan.init_distributed(cfg, lay)
     rank = dist.get_rank()
     try:
-        mesh.check(lay, titan.mesh_coords(pd), rank)
+        places = mesh.check(lay, titan.mesh_coords(pd), rank)
     except mesh.PlacementError as e:
         if rank == 0:
             print(f"refusing to train: {e}", file=sys.stderr, flush=True)
@@ -66,7 +66,8 @@ def main(frozen_path: str) -> None:
         header = (
             f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {cfg.parallelism.name} "
             f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s ({source}), "
-            f"run folder {run_dir}"
+            f"run folder {run_dir}\n"
+            f"nodes: {mesh.describe_nodes(places)}"
         )
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir)

@@ -8,6 +8,9 @@ the files every run writes, W&B offline, activation checkpointing and DCP checkp
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import socket
 import subprocess
 import sys
 
@@ -195,3 +198,60 @@ def test_compare_measured_runs_by_step_time(runs, tmp_path):
     times = sorted(summary(runs[n])["step_time_s_median"] for n in names)
     assert [float(ln.split("│")[7].split()[0]) for ln in table] == [pytest.approx(t, abs=5e-4) for t in times]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_simulated_nodes_train_like_one(runs, tmp_path):
+    """Two per-node launchers (torchrun agents) with a c10d rendezvous on 127.0.0.1, 2 ranks
+    each: TP inside each simulated node, FSDP across them; the same losses as one node."""
+    run_dir = tmp_path / "two_nodes"
+    nodes = ["cluster.num_nodes=2", "cluster.devices_per_node=2", "cluster.rdzv_host=127.0.0.1", f"cluster.rdzv_port={_free_port()}"]
+    plan = run_cli(*SHORT, *nodes, "mode=launch_plan", run_dir=run_dir)
+    assert plan.returncode == 0, plan.stderr
+    (command,) = [ln.strip() for ln in plan.stdout.splitlines() if "runner.launch" in ln]
+    argv = [sys.executable, *shlex.split(command)[1:]]
+    agents = [
+        subprocess.Popen(
+            argv, cwd=ROOT, env={**os.environ, "RUNNER_NODE_NAME": f"node{i}"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for i in range(2)
+    ]
+    outs = [a.communicate(timeout=600)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    console = next(o for o in outs if "nodes:" in o)
+    assert "nodes: node0 ranks [0, 1]; node1 ranks [2, 3]" in console or "nodes: node1 ranks [0, 1]; node0 ranks [2, 3]" in console
+    got, ref = metrics(run_dir), metrics(runs["dp2_tp2"])
+    assert [r["loss"] for r in got] == [pytest.approx(r["loss"], abs=LOSS_ATOL) for r in ref]
+    assert summary(run_dir)["world_size"] == 4
+
+
+def test_round_robin_placement_refuses_to_train(tmp_path):
+    """A launcher that deals ranks to nodes round-robin splits every TP group over two nodes."""
+    env = {**os.environ, "RUNNER_NODE_NAMES": "node0,node1,node0,node1"}
+    argv = [sys.executable, "-m", "runner", *SHORT, f"hydra.run.dir={tmp_path / 'rr'}"]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1
+    assert "refusing to train: ranks are placed so that tensor-parallel groups cross nodes" in proc.stderr
+    assert "TP group [0, 1] spans 2 nodes: rank 0 on node0 (local rank 0), rank 1 on node1 (local rank 1)" in proc.stderr
+    assert "with srun use --distribution=block" in proc.stderr
+    assert not (tmp_path / "rr" / "metrics.jsonl").exists()
+
+
+def test_submitit_local_sweep_through_the_hydra_launcher(tmp_path):
+    """hydra-submitit-launcher's local executor runs a two-layout sweep end to end."""
+    sweep = tmp_path / "sweep"
+    sweep_args = ["-m", "hydra/launcher=submitit_local", "parallelism=single,tp2", "training.steps=2", "training.seq_len=64"]
+    proc = run_cli(*sweep_args, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layouts = {}
+    for job in ("0", "1"):
+        frozen = yaml.safe_load((sweep / job / "frozen.yaml").read_text())
+        layouts[frozen["parallelism"]["name"]] = summary(sweep / job)
+    assert sorted(layouts) == ["single", "tp2"]
+    assert layouts["tp2"]["world_size"] == 2 and layouts["tp2"]["steps"] == 2
+    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2  # each point ran as a submitit job
