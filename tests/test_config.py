@@ -21,6 +21,8 @@ CONTEXT = {
     "model/llama3_405b.yaml": ["recipe=llama3_70b_tp8_pp4_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
     "cluster/h100_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "cluster/h100x1024.yaml": ["parallelism=fsdp", "training.global_batch_size=2048"],
+    "cluster/b200_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
+    "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
 }
 
 
@@ -202,7 +204,7 @@ def test_help_and_info():
     assert help_.returncode == 0
     for line in (
         "model: base_model, debug, llama3_405b, llama3_70b, llama3_8b",
-        "parallelism: base_parallelism, dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
+        "parallelism: base_parallelism, dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp2_pp2, tp8_pp4",
         "recipe: debug_dp2_tp2_cpu, llama3_70b_tp8_pp4_h100x1024",
         "python -m runner --config-dir <run folder> --config-name frozen",
     ):
