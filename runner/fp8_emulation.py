@@ -31,7 +31,8 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def cast_saturating(y: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn has no infinity (overflow gives NaN), so clamp to +-448 before the cast."""
+    """Clamp to +-448 before the cast, as torchao's kernels do: float8_e4m3fn has no infinity, and
+    the emulation should not depend on how a backend's cast treats overflow."""
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 

@@ -189,7 +189,7 @@ def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
 def test_config_layer_is_torch_free():
     code = (
         "import sys; sys.argv = ['runner', '--cfg', 'job']\n"
-        "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout\n"
+        "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout, runner.precision\n"
         "try:\n    runpy.run_module('runner', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "print('TORCH_LOADED', 'torch' in sys.modules)"
     )
