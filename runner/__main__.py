@@ -17,9 +17,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import flops, freeze, slurm, validate
+from runner import flops, freeze, precision, slurm, validate
 from runner.plan import INVALID_NAME
-from runner.schema import Mode, RunConfig, register
+from runner.schema import Fp8Recipe, Mode, RunConfig, register
 
 register()
 slurm.register_resolvers()
@@ -56,6 +56,21 @@ def _invalid_sweep_point(e: Exception, run_dir: Path) -> None:
     (run_dir / INVALID_NAME).write_text(json.dumps({"overrides": overrides, "problems": problems}, indent=2) + "\n")
 
 
+def _precision_lines(cfg: RunConfig) -> list[str]:
+    pr = cfg.precision
+    dtype, emulated = precision.matmul_peak(cfg)
+    peak = cfg.cluster.peak_tflops.get(dtype)
+    mfu = f"  MFU against the {dtype} dense peak" + (f", {peak:g} TFLOP/s per device" if peak else " (measured at start-up)")
+    if pr.fp8 == Fp8Recipe.none:
+        return [f"  precision {pr.name}: {pr.param_dtype.value} compute, {pr.reduce_dtype.value} reduce", mfu]
+    converted, kept = precision.conversion(cfg)
+    return [
+        f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
+        f"(kept in {pr.param_dtype.value}: {', '.join(kept) or 'none'})",
+        mfu + (" (FP8 emulated on CPU)" if emulated else ""),
+    ]
+
+
 def _report(cfg: RunConfig, lay) -> str:
     t = cfg.training
     return "\n".join(
@@ -66,6 +81,7 @@ def _report(cfg: RunConfig, lay) -> str:
             f"{t.global_batch_size // (lay.dp * t.microbatch_size)} microbatches of {t.microbatch_size} per DP rank",
             f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
             f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
+            *_precision_lines(cfg),
         ]
     )
 

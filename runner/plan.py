@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner import flops
+from runner import flops, precision
 from runner.layout import MESH_ORDER, Layout
 from runner.schema import ActivationCheckpoint, RunConfig
 from runner.validate import stages_per_rank
@@ -143,7 +143,8 @@ def compute(
     other = "titan" if conv == "6N" else "6N"
     fpt = flops.flops_per_token(m, t.seq_len, conv)
     flops_step = tokens * fpt
-    peak = peak_tflops if peak_tflops is not None else c.peak_tflops.get(dtype)
+    peak_dtype = precision.matmul_peak(cfg)[0]  # FP8 GEMMs run at the float8 peak; weights and activations stay in dtype
+    peak = peak_tflops if peak_tflops is not None else c.peak_tflops.get(peak_dtype)
     ideal_s = flops_step / (lay.world_size * peak * 1e12) if peak else None
     step_s = ideal_s / c.achievable_mfu if ideal_s is not None else None
 
@@ -225,7 +226,7 @@ def compute(
         f"flops_per_token_{other}": flops.flops_per_token(m, t.seq_len, other),
         "model_flops_per_step": flops_step,
         "peak_tflops": peak,
-        "peak_dtype": dtype,
+        "peak_dtype": peak_dtype,
         "ideal_compute_s": ideal_s,
         "mfu_assumed": c.achievable_mfu,
         "step_time_s": step_s,

@@ -40,6 +40,19 @@ class DType(Enum):
     bfloat16 = "bfloat16"
 
 
+class Fp8Recipe(Enum):
+    none = "none"
+    """No FP8: every matmul in precision.param_dtype."""
+    tensorwise = "tensorwise"
+    """One dynamic scale per tensor (Transformer Engine style), torchao float8 training."""
+    rowwise = "rowwise"
+    """One dynamic scale per row of each operand, torchao float8 training."""
+    blockwise = "blockwise"
+    """DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 blocks for weights."""
+    mxfp8 = "mxfp8"
+    """OCP MX: one power-of-two (E8M0) scale per 32 consecutive elements (Blackwell hardware)."""
+
+
 class ActivationCheckpoint(Enum):
     none = "none"
     """Keep every activation."""
@@ -105,6 +118,11 @@ class PrecisionConfig:
     dtype whose dense peak MFU uses."""
     reduce_dtype: DType = DType.float32
     """Dtype of gradient reduce-scatter/all-reduce. Master weights and optimizer state stay fp32."""
+    fp8: Fp8Recipe = Fp8Recipe.none
+    """FP8 recipe for the Linear layers that keep_high_precision does not exclude."""
+    keep_high_precision: list[str] = field(default_factory=list)
+    """Module name patterns (fnmatch, on TorchTitan's module FQNs such as `lm_head` or
+    `layers.*.attention.wo`) kept in param_dtype when fp8 is on; matching Linear layers are not converted."""
 
 
 @dataclass
@@ -162,6 +180,12 @@ class ClusterConfig:
     peak_tflops: dict[str, float] = field(default_factory=dict)
     """Dense peak TFLOP/s per device by dtype name. Empty on CPU: the peak is measured
     once per run by a matmul benchmark on the whole machine."""
+    compute_capability: str = ""
+    """CUDA compute capability ("major.minor", e.g. "9.0" for H100) that FP8 recipes are checked
+    against; empty on CPU."""
+    high_precision_dtype: DType = DType.float32
+    """Dtype for the parts FP8 recipes keep out of FP8 (their precision.param_dtype): bfloat16 on
+    GPUs; float32 on AVX2-only CPUs, where bf16 matmuls are ~200x slower."""
     device_memory_gb: float = 0.0
     """Memory per device in GB (0 on CPU: the machine's RAM is read at validation)."""
     launcher: str = "local"

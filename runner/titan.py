@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from runner import precision
 from runner.layout import Layout
-from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
+from runner.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, RunConfig
 
 SPMD_BACKEND = "partial_dtensor"  # the backend that composes FSDP2 + TP here (NOTES-cpu.md)
 
@@ -36,6 +37,8 @@ class Built:
     """This rank holds the first pipeline stage (it feeds the tokens)."""
     has_last: bool = True
     """This rank holds the last pipeline stage (it computes the loss)."""
+    fp8_converted: list[str] | None = None
+    """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
 
 
 def _titan_configs(cfg: RunConfig, lay: Layout):
@@ -107,6 +110,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     family = importlib.import_module(f"torchtitan.models.{cfg.model.name}")
     spec = family.model_registry(cfg.model.flavor)
     mcfg = spec.model
+    converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
     on_cpu = cfg.cluster.device == DeviceType.cpu
     if on_cpu:
         from runner import titan_cpu
@@ -132,7 +136,82 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     for part in parts:
         _materialize(part, mcfg, cfg, device)
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
-    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last)
+    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted)
+
+
+def convert_precision(model_config, cfg: RunConfig) -> list[str]:
+    """Swap the Linear layers that runner.precision.conversion names for the recipe's FP8 Linear
+    (in the model config, before any module exists); return the converted module FQNs."""
+    from torchtitan.models.common.linear import Linear
+
+    r = cfg.precision.fp8
+    if r == Fp8Recipe.none:
+        return []
+    want, kept = precision.conversion(cfg)
+    on_cpu = cfg.cluster.device == DeviceType.cpu
+    if r in (Fp8Recipe.tensorwise, Fp8Recipe.rowwise):
+        from torchtitan.components.quantization import Float8LinearConverter
+
+        conf = Float8LinearConverter.Config(recipe_name=r.value, filter_fqns=sorted(kept))
+        if on_cpu:
+            from runner import titan_cpu
+
+            converter = titan_cpu.float8_converter(conf)
+        else:
+            converter = conf.build()
+        converter.convert(model_config)
+    elif r == Fp8Recipe.mxfp8:  # validation rejects it on CPU
+        from torchtitan.components.quantization import MXFP8LinearConverter
+
+        MXFP8LinearConverter.Config(fqns=want).build().convert(model_config)
+    else:
+        if on_cpu:
+            from runner import titan_cpu
+
+            new = titan_cpu.emulated_blockwise_linear_config()
+        else:
+            new = blockwise_linear_config()
+        _swap_linears(model_config, new, set(want))
+    got = [fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is not Linear.Config]
+    if got != want:
+        raise RuntimeError(f"FP8 conversion converted {got}, validation planned {want}: runner.precision.linear_layers is out of date")
+    return got
+
+
+def _swap_linears(model_config, new_config_cls, fqns: set[str]) -> None:
+    from torchtitan.models.common.linear import Linear
+
+    for fqn, old, parent, attr in list(model_config.traverse(Linear.Config)):
+        if fqn in fqns:
+            new = new_config_cls(in_features=old.in_features, out_features=old.out_features, bias=old.bias, param_init=old.param_init)
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+
+
+_BLOCKWISE_LINEAR = None
+
+
+def blockwise_linear_config():
+    """torchao's blockwise FP8 Linear (SM 9.0+, Triton quantization kernels) as a TorchTitan
+    module, wrapped the way TorchTitan wraps torchao's Float8Linear."""
+    global _BLOCKWISE_LINEAR
+    if _BLOCKWISE_LINEAR is None:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.protocols.module import Module
+
+        class BlockwiseFp8Linear(Float8BlockwiseLinear, Module):
+            @dataclass(kw_only=True, slots=True)
+            class Config(Linear.Config):
+                pass
+
+            def __init__(self, config: Config):
+                Float8BlockwiseLinear.__init__(self, config.in_features, config.out_features, bias=config.bias)
+
+        _BLOCKWISE_LINEAR = BlockwiseFp8Linear
+    return _BLOCKWISE_LINEAR.Config
 
 
 def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:

@@ -63,3 +63,50 @@ def init_like_one_rank(model: torch.nn.Module, model_config, seed: int) -> None:
             if isinstance(p, DTensor):
                 src = distribute_tensor(src, p.device_mesh, p.placements)
             p.copy_(src)
+
+
+def float8_converter(config):
+    """TorchTitan's Float8LinearConverter refuses anything below NVIDIA SM 8.9, but torch 2.13 has a
+    CPU torch._scaled_mm, so its torchao Float8Linear runs real FP8 matmuls here: same converter,
+    minus the capability check (its __init__ without the raise)."""
+    from functools import partial
+
+    from torchao.float8 import Float8LinearConfig
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.components.quantization.utils import module_filter_fn
+
+    class CpuFloat8LinearConverter(Float8LinearConverter):
+        def __init__(self, config):
+            self.config = config
+            self.torchao_config = Float8LinearConfig.from_recipe_name(config.recipe_name)
+            self.filter_fn = partial(module_filter_fn, filter_fqns=config.filter_fqns)
+            self.enabled = True
+
+    return CpuFloat8LinearConverter(config)
+
+
+def emulated_blockwise_linear_config():
+    """torchao's blockwise FP8 kernels are Triton-only: a TorchTitan Linear whose matmul is the
+    PyTorch-op emulation in runner/fp8_emulation.py (same tiles, blocks, scales and casts)."""
+    global _EmulatedBlockwiseLinear
+    if _EmulatedBlockwiseLinear is None:
+        from dataclasses import dataclass
+
+        from torchtitan.models.common.linear import Linear
+
+        from runner.fp8_emulation import blockwise_fp8_linear
+
+        class EmulatedBlockwiseFp8Linear(Linear):
+            @dataclass(kw_only=True, slots=True)
+            class Config(Linear.Config):
+                pass
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                out = blockwise_fp8_linear(x, self.weight)
+                return out if self.bias is None else out + self.bias
+
+        _EmulatedBlockwiseLinear = EmulatedBlockwiseFp8Linear
+    return _EmulatedBlockwiseLinear.Config
+
+
+_EmulatedBlockwiseLinear = None

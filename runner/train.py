@@ -32,6 +32,10 @@ class Accounting:
     peak_source: str
     flops_per_token: int
     flops_per_token_6n: int
+    peak_dtype: str
+    """Dtype of the matmuls whose dense peak MFU uses (float8 for FP8 recipes on GPU)."""
+    emulated: bool
+    """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
 
 
 def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
@@ -104,7 +108,9 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "flops_per_token_6n": acc.flops_per_token_6n,
         "peak_tflops": acc.peak_tflops,
         "peak_source": acc.peak_source,
-        "peak_dtype": cfg.precision.param_dtype.value,
+        "peak_dtype": acc.peak_dtype,
+        "fp8": cfg.precision.fp8.value,
+        "fp8_emulated": acc.emulated,
         "world_size": lay.world_size,
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),

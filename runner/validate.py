@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner import flops, layout, slurm
-from runner.schema import Backend, DeviceType, RunConfig
+from runner import flops, layout, precision, slurm
+from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig
 
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
@@ -308,19 +308,101 @@ def _device(cfg: RunConfig, out: list[Problem]) -> None:
                     f"precision.{field}", dtype.value, f"{c.device.value} cannot compute in it", f"use one of {DEVICE_DTYPES[c.device]}"
                 )
             )
-    if c.device == DeviceType.cuda and pr.param_dtype.value not in c.peak_tflops:
+    peak_dtype = precision.matmul_peak(cfg)[0]
+    if c.device == DeviceType.cuda and peak_dtype not in c.peak_tflops:
         out.append(
             Problem(
                 "cluster.peak_tflops",
                 dict(c.peak_tflops),
-                f"has no dense peak for {pr.param_dtype.value}, which MFU needs",
-                f"add cluster.peak_tflops.{pr.param_dtype.value}",
+                f"has no dense peak for {peak_dtype}, which MFU needs (the dtype of {pr.name}'s matmuls)",
+                f"add cluster.peak_tflops.{peak_dtype}",
             )
         )
     if cfg.logging.wandb.mode not in WANDB_MODES:
         out.append(Problem("logging.wandb.mode", cfg.logging.wandb.mode, "not a W&B mode", f"use one of {', '.join(WANDB_MODES)}"))
     if cfg.data.name != "synthetic":
         out.append(Problem("data.name", cfg.data.name, "unknown data source", "use data=synthetic"))
+
+
+def _fp8_device(cfg: RunConfig, out: list[Problem]) -> None:
+    """The cluster's device must run the recipe: SM capability on CUDA, a real or emulated path on CPU."""
+    r, c = cfg.precision.fp8, cfg.cluster
+    req = precision.RECIPES[r]
+    if c.device == DeviceType.cpu:
+        if req.on_cpu == "rejected":
+            out.append(
+                Problem(
+                    "precision.fp8",
+                    r.value,
+                    f"{cfg.precision.name} needs {req.hardware}: its E8M0-scaled 32-element-block GEMMs exist only there, "
+                    "and the runner has no CPU emulation of them",
+                    "use precision=fp8_blockwise (emulated on CPU) or fp8_rowwise, or a Blackwell cluster (mode=validate here)",
+                )
+            )
+        return
+    cc = precision.parse_capability(c.compute_capability)
+    if cc is None:
+        out.append(
+            Problem(
+                "cluster.compute_capability",
+                repr(c.compute_capability),
+                f"{cfg.precision.name} needs {req.hardware}, and the cluster does not say its GPUs' capability",
+                'set it as "major.minor", e.g. cluster.compute_capability="9.0" for H100',
+            )
+        )
+    elif cc < req.min_sm:
+        ok = [name for name, q in precision.RECIPES.items() if q.min_sm <= cc]
+        out.append(
+            Problem(
+                "precision.fp8",
+                r.value,
+                f"needs {req.hardware}; cluster {c.name} has SM {c.compute_capability}",
+                f"use a precision this GPU runs ({', '.join(f'fp8 {o.value}' for o in ok) or 'bf16'}) or a newer cluster",
+            )
+        )
+
+
+def _fp8_shapes(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
+    """Converted layers' GEMM dims, per TP shard, and the tokens per GEMM must fit the recipe's tiles."""
+    r, t = cfg.precision.fp8, cfg.training
+    div = precision.RECIPES[r].divisor
+    converted = set(precision.conversion(cfg)[0])
+    layers = [la for la in precision.linear_layers(cfg.model) if la.fqn in converted]
+
+    def fits(la: precision.LinearLayer, tp: int) -> bool:
+        k, n = precision.local_gemm_dims(la, tp)
+        return k % div == 0 and n % div == 0
+
+    good_tp = [d for d in divisors(cfg.model.num_kv_heads) if cfg.model.num_heads % d == 0 and all(fits(la, d) for la in layers)]
+    seen = set()
+    for layer in layers:
+        kind = ".".join("*" if part.isdigit() else part for part in layer.fqn.split("."))
+        if kind in seen:
+            continue
+        k, n = precision.local_gemm_dims(layer, lay.tp)
+        if not fits(layer, lay.tp):
+            seen.add(kind)
+            shard = f", {layer.tp_style} over tp={lay.tp}" if lay.tp > 1 else ""
+            out.append(
+                Problem(
+                    "precision.fp8",
+                    r.value,
+                    f"layer {layer.fqn} ({layer.in_dim} -> {layer.out_dim}{shard}) multiplies a {k} x {n} weight; "
+                    f"{r.value} FP8 GEMMs need every dimension divisible by {div}",
+                    f"keep it in high precision with precision.keep_high_precision=[..., '{kind}'], or use parallelism.tp in {good_tp}",
+                )
+            )
+    tokens = t.microbatch_size * t.seq_len // lay.cp
+    if tokens % div:
+        out.append(
+            Problem(
+                "training.seq_len",
+                t.seq_len,
+                f"training.microbatch_size {t.microbatch_size} x seq_len {t.seq_len} / cp {lay.cp} = {tokens} tokens per GEMM; "
+                f"{r.value} FP8 needs a multiple of {div}",
+                f"make microbatch_size x seq_len / cp a multiple of {div}",
+            )
+        )
 
 
 def check(cfg: RunConfig) -> layout.Layout:
@@ -331,12 +413,17 @@ def check(cfg: RunConfig) -> layout.Layout:
     if out:
         raise ConfigError(out)
     ws = _world(cfg, out)
+    fp8 = cfg.precision.fp8 != Fp8Recipe.none
     if ws is not None:
         _tensor_parallel(cfg, ws, out)
         _pipeline_and_batch(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
+        if fp8 and not out:  # shapes per TP shard need a valid layout
+            _fp8_shapes(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
     _sequence(cfg, out)
     _device(cfg, out)
     _cluster_and_plan(cfg, out)
+    if fp8:
+        _fp8_device(cfg, out)
     if out:
         raise ConfigError(out)
     return layout.resolve(cfg.parallelism, cfg.cluster)

@@ -6,6 +6,7 @@ it reads the rank from the environment the agent sets.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,15 +16,42 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner import flops, freeze, layout, mesh, metrics, peak, titan, train
+from runner import flops, freeze, layout, mesh, metrics, peak, precision, titan, train
 from runner.data import SyntheticData
-from runner.schema import DeviceType
+from runner.schema import DeviceType, Fp8Recipe
 
 
 def _threads(cfg) -> None:
     """Ranks of one CPU machine share its cores."""
     if cfg.cluster.device == DeviceType.cpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+
+
+def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
+    """precision.json: the recipe, its path here, and which Linear layers it converted or kept."""
+    kept = precision.conversion(cfg)[1]
+    req = precision.RECIPES[cfg.precision.fp8]
+    path = req.gpu_path if cfg.cluster.device == DeviceType.cuda else f"CPU: {req.on_cpu}"
+    rec = {
+        "name": cfg.precision.name,
+        "fp8": cfg.precision.fp8.value,
+        "path": path,
+        "emulated": pk["emulated"],
+        "high_precision_dtype": cfg.precision.param_dtype.value,
+        "converted": built.fp8_converted,
+        "kept_high_precision": kept,
+    }
+    (run_dir / "precision.json").write_text(json.dumps(rec, indent=2) + "\n")
+    kinds: dict[str, int] = {}
+    for fqn in built.fp8_converted:
+        kind = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    emulated = " EMULATED in PyTorch ops (torchao's blockwise kernels are Triton-only)" if pk["emulated"] else ""
+    return (
+        f"fp8 {cfg.precision.fp8.value}{emulated}: converted {len(built.fp8_converted)} Linear layers "
+        f"({', '.join(f'{k} x{n}' for k, n in kinds.items())}); kept in {cfg.precision.param_dtype.value}: "
+        + ", ".join(f"{fqn} ({pattern})" for fqn, pattern in kept.items())
+    )
 
 
 @record
@@ -49,7 +77,13 @@ def main(frozen_path: str) -> None:
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = train.Accounting(
-        peak_tflops, pk["peak_flops_total"], source, built.flops_per_token, flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N")
+        peak_tflops,
+        pk["peak_flops_total"],
+        source,
+        built.flops_per_token,
+        flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
+        pk["dtype"],
+        pk["emulated"],
     )
     t = cfg.training
     data = SyntheticData(
@@ -65,10 +99,12 @@ def main(frozen_path: str) -> None:
     if rank == 0:
         header = (
             f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {cfg.parallelism.name} "
-            f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s ({source}), "
-            f"run folder {run_dir}\n"
+            f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s "
+            f"{pk['dtype']} ({source}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
             f"nodes: {mesh.describe_nodes(places)}"
         )
+        if cfg.precision.fp8 != Fp8Recipe.none:
+            header += "\n" + _record_fp8(cfg, built, pk, run_dir)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir)
     dist.destroy_process_group()

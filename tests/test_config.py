@@ -21,6 +21,9 @@ CONTEXT = {
     "model/llama3_405b.yaml": ["recipe=llama3_70b_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
     "cluster/h100_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "cluster/h100x1024.yaml": ["parallelism=fsdp", "training.global_batch_size=2048"],
+    "cluster/slurm_h100.yaml": ["cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"],
+    "cluster/b200_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
+    "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
 }
 
 
@@ -131,7 +134,7 @@ def test_launch_rules(compose):
     with pytest.raises(validate.ConfigError) as e:
         validate.check_launch(seed, validate.check(seed))
     assert [p.field for p in e.value.problems] == ["cluster.num_nodes", "cluster.device", "parallelism.pp"]
-    assert "launches one node; a multi-node job starts one launcher per node" in str(e.value)
+    assert "starts the ranks of one node; a multi-node job starts the per-node launcher on every node" in str(e.value)
     big = compose(["parallelism=fsdp", "cluster.devices_per_node=64", "training.global_batch_size=128"])
     with pytest.raises(validate.ConfigError) as e:
         validate.check_launch(big, validate.check(big))
@@ -187,7 +190,7 @@ def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
 def test_config_layer_is_torch_free():
     code = (
         "import sys; sys.argv = ['runner', '--cfg', 'job']\n"
-        "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout\n"
+        "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout, runner.precision\n"
         "try:\n    runpy.run_module('runner', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "print('TORCH_LOADED', 'torch' in sys.modules)"
     )
@@ -202,7 +205,7 @@ def test_help_and_info():
     assert help_.returncode == 0
     for line in (
         "model: debug, llama3_405b, llama3_70b, llama3_8b",
-        "parallelism: dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp8_pp4",
+        "parallelism: dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp2_pp2, tp8_pp4",
         "recipe: debug_dp2_tp2_cpu, llama3_70b_h100x1024",
         "python -m runner --config-dir <run folder> --config-name frozen",
     ):

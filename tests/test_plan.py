@@ -98,6 +98,13 @@ def test_interleaved_bubble_and_sharded_weights_without_pp(budget):
     assert fsdp["dp_comm_gb"] == pytest.approx(n * (2 * 2 + 4) * 7 / 8 / 1e9, rel=1e-3)  # AG fwd + bwd (bf16), RS (fp32)
 
 
+def test_fp8_blockwise_plans_against_the_float8_peak(budget):
+    bf16, fp8 = budget(SEED), budget([*SEED, "precision=fp8_blockwise"])
+    assert (fp8["peak_dtype"], fp8["peak_tflops"]) == ("float8", 1979.0)
+    assert fp8["step_time_s"] == pytest.approx(bf16["step_time_s"] * 989 / 1979)  # same FLOPs at twice the peak
+    assert fp8["weights_grads_gb_per_gpu"] == bf16["weights_grads_gb_per_gpu"]  # FP8 only in the GEMMs
+
+
 def test_checkpoint_interval_is_young_daly(budget):
     b = budget(SEED)
     write_s = 70.553706496e9 * 12 / 100e9

@@ -1,0 +1,217 @@
+"""Precision recipes without launching ranks: the blockwise FP8 emulation against hand-computed
+values and torchao's own reference, the model-config conversion on each path, and the
+validation rules (device capability, GEMM shapes per TP shard, MFU peak)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner import fp8_emulation as fe
+from runner import precision, titan, validate
+from tests.conftest import run_cli
+
+E4M3 = torch.float8_e4m3fn
+H100 = ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"]
+
+
+def test_tile_quantization_by_hand():
+    x = torch.zeros(1, 256)
+    # Tile 0: amax 1.75 gives scale 448 / 1.75 = 256 exactly, so scaled values are exact in fp32.
+    x[0, :6] = torch.tensor([1.75, -1.75, 68 / 256, 76 / 256, 0.3, 1e-6])
+    # Tile 1: its own amax 0.001 (a per-tile scale, not per row).
+    x[0, 128:130] = torch.tensor([0.001, -0.0005])
+    q, inv = fe.quantize_tiles(x)
+    assert q.dtype == E4M3 and inv.shape == (1, 2)
+    assert inv[0, 0].item() == 1 / 256
+    assert inv[0, 1].item() == pytest.approx(0.001 / 448, rel=1e-6)
+    # 1.75 -> 448 (the format's max); 68 and 76 are ties between e4m3 neighbours (spacing 8 in
+    # [64, 128)) and round to the even mantissa: 68 -> 64, 76 -> 80; 0.3 * 256 = 76.8 -> 80;
+    # 1e-6 * 256 is below half the smallest subnormal (2^-9) and flushes to 0.
+    assert q[0, :6].float().tolist() == [448.0, -448.0, 64.0, 80.0, 80.0, 0.0]
+    assert q[0, 128:130].float().tolist() == [448.0, -224.0]
+    deq = fe.dequantize_tiles(q, inv)
+    assert deq[0, :6].tolist() == [1.75, -1.75, 0.25, 0.3125, 0.3125, 0.0]
+    assert deq[0, 128].item() == pytest.approx(0.001, rel=1e-6)
+
+
+def test_weight_blocks_by_hand():
+    w = torch.zeros(256, 256)
+    for i, amax in enumerate([1.0, 2.0, 4.0, 0.5]):  # one amax per 128 x 128 block
+        r, c = divmod(i, 2)
+        w[128 * r + 5, 128 * c + 7] = amax
+        w[128 * r + 100, 128 * c + 1] = amax / 3
+    q, inv = fe.quantize_blocks(w)
+    assert inv.flatten().tolist() == pytest.approx([1 / 448, 2 / 448, 4 / 448, 0.5 / 448], rel=1e-6)
+    assert q[5, 7].float().item() == q[133, 7].float().item() == 448.0
+    # amax / 3 -> 149.33 -> nearest e4m3 in [128, 256) (spacing 16): 144
+    assert q[100, 1].float().item() == q[228, 129].float().item() == 144.0
+    assert fe.dequantize_blocks(q, inv)[228, 129].item() == pytest.approx(144 * 0.5 / 448)
+
+
+def test_saturation_at_format_max():
+    y = torch.tensor([447.0, 460.0, 500.0, -1e6, float("inf")])
+    assert fe.cast_saturating(y).float().tolist() == [448.0, 448.0, 448.0, -448.0, 448.0]
+
+
+def test_bit_exact_with_torchao_reference():
+    """torchao ships PyTorch references of its Triton quantizers; the emulation must equal them."""
+    kernels = pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 384) * 3, torch.randn(256, 384)
+    for ours, ref in (
+        (fe.quantize_tiles(x), kernels.torch_blockwise_scale_act_quant_lhs(x)),
+        (fe.quantize_blocks(w), kernels.torch_blockwise_scale_weight_quant(w)),
+    ):
+        assert torch.equal(ours[0].view(torch.uint8), ref[0].view(torch.uint8))
+        assert torch.equal(ours[1], ref[1])
+    q, inv = fe.quantize_tiles(x.t().contiguous())  # 128 x 1 groups along M, as for grad_W
+    ref_q, ref_inv = kernels.torch_blockwise_scale_act_quant_rhs(x)
+    assert torch.equal(q.t().contiguous().view(torch.uint8), ref_q.contiguous().view(torch.uint8))
+    assert torch.equal(inv.t(), ref_inv)
+
+
+def test_forward_and_backward_quantize_every_operand():
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 256, requires_grad=True)
+    w = torch.randn(384, 256, requires_grad=True)
+    dy = torch.randn(2, 64, 384)
+    out = fe.BlockwiseFp8Matmul.apply(x, w)
+    out.backward(dy)
+    x2, dy2 = x.detach().reshape(128, 256), dy.reshape(128, 384)
+    assert torch.equal(out.reshape(128, 384), fe.fake_tiles(x2) @ fe.fake_blocks(w.detach()).t())
+    assert torch.equal(x.grad.reshape(128, 256), fe.fake_tiles(dy2) @ fe.fake_blocks(w.detach()))
+    assert torch.equal(w.grad, fe.fake_tiles(dy2.t().contiguous()) @ fe.fake_tiles(x2.t().contiguous()).t())
+    exact = x2 @ w.detach().t()
+    err = ((out.reshape(128, 384) - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 0.06  # e4m3 keeps 3 mantissa bits: a few percent, never exact
+
+
+def test_layer_table_equals_titan(compose):
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.llama3 import model_registry
+
+    for option in ("debug", "llama3_8b", "llama3_70b", "llama3_405b"):
+        m = compose([f"model={option}", "parallelism=single"]).model
+        titan_layers = [(f, c.in_features, c.out_features) for f, c, _, _ in model_registry(m.flavor).model.traverse(Linear.Config)]
+        assert titan_layers == [(la.fqn, la.in_dim, la.out_dim) for la in precision.linear_layers(m)], option
+
+
+def _model_config(cfg):
+    from torchtitan.models.llama3 import model_registry
+
+    return model_registry(cfg.model.flavor).model
+
+
+def test_cpu_conversion_keeps_head_and_converts_blocks(compose):
+    from torchtitan.components.quantization import Float8Linear
+
+    for name in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"):
+        cfg = compose([f"precision={name}"])
+        mcfg = _model_config(cfg)
+        converted = titan.convert_precision(mcfg, cfg)
+        assert len(converted) == 30 and not any(k in f for f in converted for k in ("lm_head", "embed", "norm", "router"))
+        assert type(mcfg.lm_head).__name__ == "Config" and type(mcfg.lm_head).__qualname__ == "Linear.Config"
+        ffn = mcfg.layers[0].feed_forward.w2
+        if name == "fp8_blockwise":
+            assert type(ffn).__qualname__.endswith("EmulatedBlockwiseFp8Linear.Config")
+        else:
+            assert isinstance(ffn, Float8Linear.Config) and ffn._torchao_config.round_scales_to_power_of_2 == (name == "fp8_rowwise")
+    keep = compose(["precision=fp8_rowwise", "precision.keep_high_precision=[lm_head,'layers.0.*','*.w2']"])
+    converted = titan.convert_precision(_model_config(keep), keep)
+    assert len(converted) == 30 - 5 - 5 and "layers.0.feed_forward.w1" not in converted and "layers.1.feed_forward.w1" in converted
+
+
+def test_gpu_paths_are_torchao_and_titan(compose):
+    """On a CUDA cluster the runner hands FP8 to TorchTitan's converters and torchao's blockwise
+    Linear; on this CPU machine their own capability checks refuse, with upstream's words."""
+    from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+
+    cfg = compose([*H100, "precision=fp8_blockwise"])
+    mcfg = _model_config(cfg)
+    titan.convert_precision(mcfg, cfg)
+    assert issubclass(type(mcfg.layers[0].attention.wo)._owner, Float8BlockwiseLinear)
+    cfg = compose([*H100, "precision=fp8_rowwise"])
+    with pytest.raises(ValueError, match="float8 is only supported on NVIDIA SM89 or later"):
+        titan.convert_precision(_model_config(cfg), cfg)
+    cfg = compose(["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16", "precision=mxfp8"])
+    with pytest.raises(ValueError, match="MXFP8 is only supported on SM100 or later architectures"):
+        titan.convert_precision(_model_config(cfg), cfg)
+
+
+def test_mfu_peak_follows_matmul_dtype(compose):
+    cases = {
+        ("precision=bf16",): ("bfloat16", False),
+        ("precision=fp8_rowwise",): ("float8", False),  # CPU: torch._scaled_mm, measured
+        ("precision=fp8_blockwise",): ("float32", True),  # CPU emulation: fp32 matmuls of dequantized values
+        (*H100, "precision=fp8_blockwise"): ("float8", False),
+    }
+    for overrides, want in cases.items():
+        assert precision.matmul_peak(compose(list(overrides))) == want, overrides
+    cfg = compose([*H100, "precision=fp8_tensorwise"])
+    assert (cfg.cluster.peak_tflops["float8"], cfg.precision.param_dtype.value) == (1979.0, "bfloat16")  # 2x the bf16 989
+
+
+BAD = [
+    (["precision=mxfp8"], "precision.fp8 = mxfp8: mxfp8 needs NVIDIA SM 10.0+ (Blackwell B200/GB200)"),
+    (
+        ["precision=mxfp8", *H100],
+        "precision.fp8 = mxfp8: needs NVIDIA SM 10.0+ (Blackwell B200/GB200); cluster h100_node has SM 9.0. "
+        "Fix: use a precision this GPU runs (fp8 tensorwise, fp8 rowwise, fp8 blockwise)",
+    ),
+    (
+        ["precision=fp8_blockwise", *H100, "cluster.compute_capability='8.9'"],
+        "precision.fp8 = blockwise: needs NVIDIA SM 9.0+ (Hopper H100/H200); cluster h100_node has SM 8.9",
+    ),
+    (
+        ["precision=fp8_tensorwise", *H100, "cluster.compute_capability='8.0'"],
+        "needs NVIDIA SM 8.9+ (Ada L4/L40S, Hopper H100/H200); cluster h100_node has SM 8.0. Fix: use a precision this GPU runs (bf16)",
+    ),
+    (
+        ["precision=fp8_rowwise", *H100, "cluster.compute_capability=''"],
+        "cluster.compute_capability = '': fp8_rowwise needs NVIDIA SM 8.9+",
+    ),
+    (
+        ["precision=fp8_blockwise", "parallelism.tp=4", "parallelism.dp_shard=1"],
+        "precision.fp8 = blockwise: layer layers.0.feed_forward.w2 (768 -> 256, rowwise over tp=4) multiplies a 192 x 256 weight; "
+        "blockwise FP8 GEMMs need every dimension divisible by 128. Fix: keep it in high precision with "
+        "precision.keep_high_precision=[..., 'layers.*.feed_forward.w2'], or use parallelism.tp in [1, 2]",
+    ),
+    (
+        ["precision=fp8_blockwise", "training.seq_len=32"],
+        "training.seq_len = 32: training.microbatch_size 2 x seq_len 32 / cp 1 = 64 tokens per GEMM; blockwise FP8 needs a multiple of 128",
+    ),
+    (
+        ["precision=fp8_tensorwise", "model.ffn_hidden_dim=770", "parallelism=single"],
+        "layer layers.0.feed_forward.w1 (256 -> 770) multiplies a 256 x 770 weight; "
+        "tensorwise FP8 GEMMs need every dimension divisible by 16",
+    ),
+    (
+        ["precision=fp8_blockwise", *H100, "~cluster.peak_tflops.float8"],
+        "cluster.peak_tflops = {'float32': 67.0, 'bfloat16': 989.0}: has no dense peak for float8",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_validation_rejects_precision(compose, overrides, message):
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(overrides))
+    assert message in str(e.value)
+
+
+def test_excluded_layer_is_not_shape_checked(compose):
+    ok = compose(["precision=fp8_blockwise", "parallelism.tp=4", "parallelism.dp_shard=1", "precision.keep_high_precision=['*']"])
+    validate.check(ok)  # nothing converted, nothing to check
+
+
+def test_cli_headline_validates_and_rejects_with_exit_2(tmp_path):
+    seed = ["model=llama3_70b", "training.seq_len=4096", "training.global_batch_size=1024", "training.microbatch_size=1"]
+    proc = run_cli("parallelism=tp8_pp4", "precision=fp8_blockwise", "cluster=h100x1024", *seed, "mode=validate", run_dir=tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr
+    assert "precision fp8_blockwise: 400 of 401 Linear layers in FP8 blockwise (kept in bfloat16: lm_head)" in proc.stdout
+    assert "MFU against the float8 dense peak, 1979 TFLOP/s per device" in proc.stdout
+    proc = run_cli("precision=mxfp8", run_dir=tmp_path / "b")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
+    assert "mxfp8 needs NVIDIA SM 10.0+ (Blackwell B200/GB200)" in proc.stderr
+    assert not (tmp_path / "b").exists()
