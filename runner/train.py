@@ -155,7 +155,7 @@ def run(
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
             titan.save_checkpoint(built.parts, opt, step, ckpt_dir)
     summary = summarize(rows, cfg, lay, acc)
-    peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)])
+    peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64)
     dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
     summary["memory_gb_max"] = float(peak_mem)
     bubble = calibrate.mean_over_ranks(statistics.median(idle[1:] or idle)) if idle else None
