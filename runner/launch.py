@@ -15,13 +15,17 @@ from runner.schema import DeviceType, RunConfig
 def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     """Run `python -m runner.worker <frozen>` on every local rank; raise if any rank fails.
 
+    The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
+    timed out after distributed.timeout_s raises) it stops the others (SIGTERM, then SIGKILL after 30 s,
+    which also ends a SIGSTOPped rank), and hang_report.json is written from the ranks' records.
     Rank 0 keeps the console (progress bar); the other ranks' output goes to
     <run folder>/logs/<run id>/attempt_<n>/<rank>/std{out,err}.log.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from runner import peak
+    from runner import forensics, peak
 
     peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
 
@@ -42,4 +46,13 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
         monitor_interval=0.5,
         logs_specs=logs,
     )
-    elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "runner.worker", str(frozen))
+    os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "runner.worker", str(frozen))
+    except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
+        timed_out = "Timed out" in str(e) or any("Timed out" in (r.get("error") or "") for r in forensics.read_records(run_dir).values())
+        cause = "collective timeout" if timed_out else "rank failure"
+        report = forensics.write_report(cfg, run_dir, n, cause)
+        if report is not None:
+            print(f"{cause}: report in {report}", file=sys.stderr)
+        raise

@@ -308,6 +308,9 @@ def check(cfg: RunConfig) -> layout.Layout:
         _pipeline_and_batch(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
     _sequence(cfg, out)
     _device(cfg, out)
+    from runner import validate_monitor  # imports Problem from here
+
+    validate_monitor.check(cfg, ws, out)
     if out:
         raise ConfigError(out)
     return layout.resolve(cfg.parallelism, cfg.cluster)

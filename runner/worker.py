@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner import flops, freeze, layout, metrics, peak, titan, train
+from runner import flops, forensics, freeze, layout, metrics, peak, startup, titan, train
 from runner.data import SyntheticData
 from runner.schema import DeviceType
 
@@ -45,8 +45,22 @@ def main(frozen_path: str) -> None:
     _threads(cfg)
     if cfg.cluster.device == DeviceType.cpu:  # torchao's CUDA kernel libraries cannot load on CPU; nothing to act on
         logging.getLogger("torchao").setLevel(logging.ERROR)
+    for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
+        os.environ.setdefault(key, value)
     pd = titan.init_distributed(cfg, lay)
     rank = dist.get_rank()
+    recorder = forensics.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
+    recorder.start()
+    try:
+        _train(cfg, lay, pd, rank, run_dir, recorder)
+    except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
+        recorder.failed(e, cfg, run_dir)
+        raise
+    recorder.done()
+    dist.destroy_process_group()
+
+
+def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder) -> None:
     dp_rank = _check_dp_rank(pd, lay, rank)
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
@@ -71,9 +85,10 @@ def main(frozen_path: str) -> None:
             f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s ({source}), "
             f"run folder {run_dir}"
         )
+        converted = getattr(built, "converted_modules", None)
+        print(startup.report(cfg, lay, run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir), converted), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
-    train.run(cfg, lay, built, data, acc, sinks, run_dir)
-    dist.destroy_process_group()
+    train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
 
 
 if __name__ == "__main__":
