@@ -108,7 +108,7 @@ class RankRecorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval = cfg.distributed.heartbeat_s
         self.use_fr = cfg.distributed.flight_recorder.enable
-        self.step, self.phase = 0, "start-up"
+        self.step, self.phase, self.since = 0, "start-up", time.time()
         self.static = {
             "rank": rank,
             "host": socket.gethostname(),
@@ -129,8 +129,8 @@ class RankRecorder:
         self._thread.start()
 
     def mark(self, phase: str, step: int | None = None) -> None:
-        """Called by the step loop at each phase boundary: two attribute writes."""
-        self.phase = phase
+        """Called by the step loop at each phase boundary: a clock read and three attribute writes."""
+        self.phase, self.since = phase, time.time()
         if step is not None:
             self.step = step
 
@@ -144,17 +144,15 @@ class RankRecorder:
         seqs = _sequence_numbers(self.groups)
         now = (self.phase, self.step, seqs)
         if now == self._last and self.stall is None:  # nothing moved for a heartbeat: stalled
-            self.stall = {"since": time.time() - self.interval, "last": self._in_flight()}
+            self.stall = {"since": time.time() - self.interval, "collectives": self._in_flight()}
         elif now != self._last:
             self.stall = None
         self._last = now
         self._write(seqs)
 
     def _in_flight(self) -> dict[str, Any] | None:
-        if not self.use_fr:
-            return None
-        last = _last_collectives()
-        return max(last.values(), key=lambda e: e["record_id"]) if last else None
+        """Last flight-recorder entry per group: with FSDP's prefetch the last one issued need not be the one waited in."""
+        return _last_collectives() if self.use_fr else None
 
     def _write(self, seqs: dict[str, int]) -> None:
         body = {
@@ -163,6 +161,7 @@ class RankRecorder:
             "state": self.state,
             "step": self.step,
             "phase": self.phase,
+            "phase_since": self.since,
             "seq": seqs,
             "groups": {n: {"desc": g["desc"], "ranks": g["ranks"]} for n, g in self.groups.items()},
             "stall": self.stall,
@@ -177,7 +176,7 @@ class RankRecorder:
         self._stop.set()
         self.state, self.error = "failed", f"{type(exc).__name__}: {str(exc)[:500]}"
         if self.stall is None:
-            self.stall = {"since": time.time(), "last": self._in_flight()}
+            self.stall = {"since": time.time(), "collectives": self._in_flight()}
         self._write(_sequence_numbers(self.groups))
         fr = cfg.distributed.flight_recorder
         if fr.enable and fr.dump_on_timeout and cfg.cluster.device == DeviceType.cpu:  # NCCL dumps by itself
@@ -198,24 +197,36 @@ def read_records(run_dir: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _behind(records: dict[int, dict], rank: int) -> list[int]:
-    """Members of the group `rank` is stalled in that have not entered that collective (lower sequence number)."""
-    last = (records[rank].get("stall") or {}).get("last")
-    if not last:
-        return []
-    group, seq = last["group"], last["seq"]
-    members = records[rank]["groups"].get(group, {}).get("ranks", [])
-    return [m for m in members if m != rank and (m not in records or records[m]["seq"].get(group, -1) < seq)]
+def _waiting_for(records: dict[int, dict], rank: int) -> dict[str, list[int]]:
+    """Per group of `rank`: the members that have not entered a collective `rank` has entered (lower sequence number)."""
+    rec, out = records[rank], {}
+    for group, seq in rec["seq"].items():
+        members = rec["groups"].get(group, {}).get("ranks", [])
+        behind = [m for m in members if m != rank and (m not in records or records[m]["seq"].get(group, -1) < seq)]
+        if behind:
+            out[group] = behind
+    return out
+
+
+def _waiting_in(rec: dict[str, Any], groups: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The collective `rec`'s rank waits in, per group: the flight-recorder entry with its sequence number."""
+    known = (rec.get("stall") or {}).get("collectives") or {}
+    out = []
+    for group in groups:
+        entry = known.get(group) if (known.get(group) or {}).get("seq") == rec["seq"][group] else None
+        base = {"group": group, "group_desc": rec["groups"][group]["desc"], "group_ranks": rec["groups"][group]["ranks"]}
+        out.append(base | {"seq": rec["seq"][group]} | ({"op": entry["op"], "input_sizes": entry["input_sizes"]} if entry else {}))
+    return out
 
 
 def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_s: float) -> dict[str, Any]:
-    """missing_ranks: ranks frozen (stale record) or absent, plus ranks that peers wait for and that wait in no collective themselves."""
+    """missing_ranks: ranks with no record or a stale one (frozen), plus ranks that peers wait for and that wait for nobody."""
     freshest = max((r["time"] for r in records.values()), default=0.0)
     stale = {r for r, rec in records.items() if rec["state"] == "running" and rec["time"] < freshest - STALE_HEARTBEATS * heartbeat_s}
-    waiting = {r: _behind(records, r) for r in records if r not in stale}
-    waiting = {r: who for r, who in waiting.items() if who}
+    waiting = {r: _waiting_for(records, r) for r in records if r not in stale}
+    waiting = {r: w for r, w in waiting.items() if w}
     missing = set(range(world_size)) - set(records) | stale
-    missing |= {m for who in waiting.values() for m in who if m not in waiting}
+    missing |= {m for w in waiting.values() for who in w.values() for m in who if m not in waiting}
     ranks = {}
     for r in range(world_size):
         rec = records.get(r)
@@ -227,9 +238,9 @@ def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_
             entry["state"] = "frozen (record stale)" if r in stale else "did not enter the collective its peers wait in"
             entry["last_seen_s_before_end"] = round(freshest - rec["time"], 1)
         elif r in waiting:
-            last = rec["stall"]["last"]
-            entry |= {"state": "waiting in collective", "waiting_in": last, "waiting_for": waiting[r]}
-            entry["waiting_in"]["group_ranks"] = rec["groups"].get(last["group"], {}).get("ranks")
+            entry["state"] = "waiting in collective" + (" (timed out)" if rec["error"] else "")
+            entry["waiting_in"] = _waiting_in(rec, waiting[r])
+            entry["waiting_for"] = sorted({m for who in waiting[r].values() for m in who})
         else:
             entry["state"] = rec["state"]
         ranks[str(r)] = entry
@@ -245,7 +256,7 @@ def write_report(cfg: RunConfig, run_dir: Path, world_size: int, cause: str) -> 
     folder = dump_folder(cfg, run_dir)
     if folder.is_dir():
         report["flight_recorder_dumps"] = str(folder)
-        report["analyse_with"] = f"torchfrtrace {folder} --prefix rank_"
+        report["analyse_with"] = f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"
     path = run_dir / REPORT_NAME
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path

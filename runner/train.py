@@ -186,7 +186,7 @@ def run(
         sched.step()
         dt = time.perf_counter() - t0
         flagged = mon.end_step()
-        r = row(step, loss, grad_norm, dt, lr, cfg, acc) | {"skipped_steps": guard.skipped}
+        r = row(step, loss, grad_norm, dt, lr, cfg, acc) | {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
         if verdict.spike:
             r |= {"spike": verdict.spike, "action": verdict.action}
         if flagged:
