@@ -123,12 +123,12 @@ def _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon
     """Forward/backward (or the pipeline schedule) and the clip; returns this rank's loss share and the global grad norm."""
     microbatches = data.microbatches(step - 1)
     if built.schedule is not None:
-        t_pp = time.perf_counter()
+        t_pp, c_pp = time.perf_counter(), mon.clock()
         with mon.phase("pipeline"):
             local = titan.pipeline_step(built, microbatches, global_tokens)
         total, busy = time.perf_counter() - t_pp, timer.take()
         idle.append(1 - busy / total)
-        mon.add("pp_compute", busy)
+        mon.add("pp_compute", mon.clock() - c_pp if mon.clock is time.process_time else busy)  # see StepMonitor.clock
         mon.add("pp_wait", total - busy)
     else:
         local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs, mon)
