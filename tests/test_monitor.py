@@ -285,3 +285,11 @@ def test_monitor_and_distributed_values_are_validated():
         "monitor.inject.corrupt_steps = [0, 99]: outside steps 1..10",
     ):
         assert text in proc.stderr, proc.stderr
+
+
+def test_monitor_config_side_is_torch_free():
+    modules = "runner.validate_monitor, runner.forensics, runner.monitor, runner.startup"
+    code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "TORCH_LOADED False" in out.stdout
