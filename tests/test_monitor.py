@@ -84,8 +84,9 @@ def clean(tmp_path_factory):
 def test_straggler_named_within_window_count(slow):
     run_dir, proc, _ = slow
     flagged = [json.loads(line) for line in (run_dir / monitor.STRAGGLERS_NAME).read_text().splitlines()]
-    assert {(f["rank"], f["phase"]) for f in flagged} == {(2, "forward")}, flagged
+    assert {f["rank"] for f in flagged} == {2}, flagged  # nobody else, in any phase
     first = flagged[0]
+    assert first["phase"] == "forward"
     assert first["step"] == 1 + 3 * 2  # step 1 is not judged; windows end at steps 4 and 7: named at the 2nd window
     assert first["windows"] == 2 and first["slowdown"] > 1.3
     assert (first["local_rank"], first["coords"]) == (2, {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0})
