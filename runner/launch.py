@@ -66,16 +66,32 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
 
 
 def start(flags: list[str], frozen: Path) -> None:
-    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails."""
+    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails.
+
+    The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
+    timed out after distributed.timeout_s raises) it stops the others (SIGTERM, then SIGKILL after 30 s,
+    which also ends a SIGSTOPped rank), and hang_report.json is written from the ranks' records.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
-    from runner import freeze, layout
+    from runner import forensics, freeze, layout
 
     cfg = freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    run_dir = frozen.parent
     _node_setup(cfg, lay, frozen)
-    torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+    os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
+    try:
+        torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+    except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
+        timed_out = "Timed out" in str(e) or any("Timed out" in (r.get("error") or "") for r in forensics.read_records(run_dir).values())
+        cause = "collective timeout" if timed_out else "rank failure"
+        report = forensics.write_report(cfg, run_dir, lay.world_size, cause)
+        if report is not None:
+            print(f"{cause}: report in {report}", file=sys.stderr)
+        raise
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:

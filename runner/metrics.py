@@ -28,6 +28,19 @@ def _fmt(row: dict[str, Any]) -> str:
     return s + f"  step {row['step_time_s']:.2f}s  mem {row['memory_gb']:.2f}GB"
 
 
+def _events(row: dict[str, Any]) -> list[str]:
+    """Monitor findings carried by a row: loss-guard verdicts and stragglers."""
+    from runner.monitor import describe
+
+    out = []
+    if "spike" in row:
+        out.append(f"loss guard: step {row['step']} {row['spike']}: {row['action']} (skipped so far: {row['skipped_steps']})")
+    if "rewound_to" in row:
+        out.append(f"loss guard: rewound to the checkpoint of step {row['rewound_to']}; batches of steps {row['bad_steps']} left out")
+    out += [describe(f) for f in row.get("stragglers", [])]
+    return out
+
+
 class ConsoleSink:
     def __init__(self, steps: int, progress: bool, header: str):
         self.console = Console(highlight=False)
@@ -40,6 +53,8 @@ class ConsoleSink:
 
     def log(self, row: dict[str, Any]) -> None:
         self.console.print(_fmt(row), markup=False)
+        for line in _events(row):
+            self.console.print(line, markup=False)
         if self.progress:
             self.progress.update(self.task, completed=row["step"])
 
@@ -96,7 +111,10 @@ class WandbSink:
         )
 
     def log(self, row: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float, str))}
+        for f in row.get("stragglers", []):  # one series per rank and phase: the slowdown when flagged
+            scalars[f"straggler/rank{f['rank']}_{f['phase']}"] = f["slowdown"]
+        self.run.log(scalars, step=row["step"])
 
     def close(self, summary: dict[str, Any]) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})

@@ -270,6 +270,93 @@ class TrainingConfig:
     """Activation recomputation; when on, HFU is logged beside MFU."""
 
 
+class GuardAction(Enum):
+    skip = "skip"
+    """Drop the batch: no optimizer step; counted and logged."""
+    rewind = "rewind"
+    """Skip single spikes; after `max_consecutive` in a row, reload the last checkpoint and skip the bad batches."""
+
+
+@dataclass
+class StragglerConfig:
+    enable: bool = True
+    """Time forward, backward and optimizer (with PP: stage compute and wait) on every rank."""
+    interval: int = 10
+    """Steps per window: every this many steps the per-rank medians are gathered and judged."""
+    factor: float = 1.3
+    """A rank is slow in a phase when its window median exceeds the median over ranks by this factor."""
+    windows: int = 3
+    """Consecutive slow windows before a rank is reported as a straggler."""
+    min_seconds: float = 0.005
+    """Phases whose median over ranks is below this many seconds are not judged (timer noise)."""
+
+
+@dataclass
+class LossGuardConfig:
+    enable: bool = True
+    """Detect loss / gradient-norm spikes. Non-finite values are always caught, even when off."""
+    factor: float = 3.0
+    """Spike: loss or global grad norm above this factor times its running median."""
+    window: int = 20
+    """Accepted steps in the running median."""
+    warmup_steps: int = 5
+    """Accepted steps before spike detection starts (non-finite values are caught from step 1)."""
+    action: GuardAction = GuardAction.skip
+    """What a spike does: skip the batch, or skip and rewind to the last checkpoint after repeated spikes."""
+    max_consecutive: int = 3
+    """With action=rewind: spikes in a row that trigger the rewind."""
+
+
+@dataclass
+class InjectConfig:
+    """TEST-ONLY fault injection; every switch is off by default. Never set these in a real run."""
+
+    delay_rank: int = -1
+    """Rank whose forward is slowed (-1: none)."""
+    delay_frac: float = 0.5
+    """Extra forward time on delay_rank, as a fraction of its measured forward time."""
+    hang_rank: int = -1
+    """Rank that sleeps at the start of a forward (-1: none), so its peers wait in a collective."""
+    hang_at_step: int = 0
+    """Step (1-based) at which hang_rank sleeps."""
+    hang_s: float = 3600.0
+    """Seconds hang_rank sleeps."""
+    corrupt_steps: list[int] = field(default_factory=list)
+    """Steps whose batch is corrupted: every rank's loss of that batch is multiplied by corrupt_scale."""
+    corrupt_scale: float = 1e4
+    """Loss multiplier of a corrupted batch (1e4: an exploding batch; nan: a non-finite one)."""
+
+
+@dataclass
+class MonitorConfig:
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    guard: LossGuardConfig = field(default_factory=LossGuardConfig)
+    inject: InjectConfig = field(default_factory=InjectConfig)
+
+
+@dataclass
+class FlightRecorderConfig:
+    enable: bool = True
+    """Record every collective in PyTorch's flight recorder (NCCL's on CUDA, the backend-generic one on gloo)."""
+    buffer_size: int = 2000
+    """Collectives kept per rank (TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_FR_BUFFER_SIZE)."""
+    dump_on_timeout: bool = True
+    """Write each rank's recorder to `folder` when a collective times out (NCCL itself; on gloo the runner)."""
+    folder: str = "flight_recorder"
+    """Dump folder; relative paths are inside the run folder. Files are `rank_<r>` (torchfrtrace's layout)."""
+    enable_timing: bool = False
+    """CUDA only: time every collective with CUDA events (TORCH_NCCL_ENABLE_TIMING); costs a little per collective."""
+
+
+@dataclass
+class DistributedConfig:
+    timeout_s: float = 600.0
+    """Process-group timeout in seconds: a collective waiting longer fails, which ends a hung job."""
+    heartbeat_s: float = 1.0
+    """Every this many seconds each rank writes its record (phase, step, collective counters) to logs/ranks/."""
+    flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
+
+
 @dataclass
 class PlanConfig:
     flops_convention: str = "6N"
@@ -290,6 +377,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 

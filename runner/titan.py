@@ -7,6 +7,7 @@ few operations the step loop needs.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,11 +80,13 @@ def init_distributed(cfg: RunConfig, lay: Layout):
         import os
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(cfg.cluster.backend.value)
+    timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
+    dist.init_process_group(cfg.cluster.backend.value, timeout=timeout)
     from torchtitan.distributed import ParallelDims
 
     pd = ParallelDims.from_config(_titan_configs(cfg, lay)[1], dist.get_world_size())
     pd.build_mesh()
+    _set_group_timeouts(timeout)
     import torchtitan.distributed.utils as dist_utils
 
     dist_utils.set_spmd_backend(SPMD_BACKEND)
@@ -98,6 +101,16 @@ def mesh_coords(pd) -> dict[str, int]:
         if mesh is not None:
             out[axis] = mesh.get_local_rank()
     return out
+
+
+def _set_group_timeouts(timeout: datetime.timedelta) -> None:
+    """DeviceMesh makes its groups with new_group(timeout=None), which is torch's backend default (30 min on gloo,
+    10 on NCCL), not the world group's: give every group the configured timeout."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    for pg in list(_world.pg_names):
+        if pg.rank() >= 0 and dist.get_backend(pg) in ("gloo", "nccl"):  # not the fake groups of size-1 mesh axes
+            _set_pg_timeout(timeout, pg)
 
 
 def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
@@ -290,3 +303,24 @@ def save_checkpoint(parts: list[torch.nn.Module], optimizer, step: int, folder: 
     path = folder / f"step-{step}"
     dcp.save({"model": ModelWrapper(parts).state_dict(), "optimizer": optim_sd, "step": step}, checkpoint_id=str(path))
     return path
+
+
+def load_checkpoint(parts: list[torch.nn.Module], optimizer, folder: Path, before: int) -> int | None:
+    """Load model and optimizer in place from the newest DCP checkpoint of a step < `before`; return its step
+    (None when there is none). The inverse of save_checkpoint: same wrapper, same flattened optimizer keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    steps = sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*") if (p / ".metadata").is_file())
+    steps = [s for s in steps if s < before]
+    if not steps:
+        return None
+    holder = parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    wrapper = ModelWrapper(parts)
+    state = {"model": wrapper.state_dict(), "optimizer": get_optimizer_state_dict(holder, optimizer, options=options)}
+    dcp.load(state, checkpoint_id=str(folder / f"step-{steps[-1]}"))
+    wrapper.load_state_dict(state["model"])
+    set_optimizer_state_dict(holder, optimizer, optim_state_dict=state["optimizer"], options=options)
+    return steps[-1]

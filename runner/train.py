@@ -16,10 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner import calibrate, flops, titan
+from runner import calibrate, flops, monitor, titan
 from runner.data import SyntheticData
 from runner.layout import Layout
 from runner.metrics import Sink
+from runner.monitor import StepMonitor
 from runner.schema import ActivationCheckpoint, RunConfig
 
 
@@ -47,14 +48,18 @@ def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     return opt, sched
 
 
-def forward_backward(model, loss_fn, microbatches, global_tokens: torch.Tensor, extra: dict) -> torch.Tensor:
+def forward_backward(model, loss_fn, microbatches, global_tokens: torch.Tensor, extra: dict, mon: StepMonitor) -> torch.Tensor:
     """Accumulate gradients over this rank's microbatches; return its share of the loss."""
     losses = []
     for inputs, labels in microbatches:
-        pred = model(inputs, **extra)
-        loss, _ = loss_fn(pred, labels, global_tokens)
+        with mon.phase("forward"):
+            pred = model(inputs, **extra)
+            mon.after_forward()
+            loss, _ = loss_fn(pred, labels, global_tokens)
+            loss = mon.corrupt(loss)
         del pred
-        loss.backward()
+        with mon.phase("backward"):
+            loss.backward()
         losses.append(loss.detach())
     return titan.local_value(sum(losses)).cpu()  # one conversion per step, not per microbatch
 
@@ -120,8 +125,42 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
     return out
 
 
+def _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon: StepMonitor) -> tuple[torch.Tensor, float]:
+    """Forward/backward (or the pipeline schedule) and the clip; returns this rank's loss share and the global grad norm."""
+    microbatches = data.microbatches(step - 1)
+    if built.schedule is not None:
+        t_pp, c_pp = time.perf_counter(), mon.clock()
+        with mon.phase("pipeline"):
+            local = titan.pipeline_step(built, microbatches, global_tokens)
+        total, busy = time.perf_counter() - t_pp, timer.take()
+        idle.append(1 - busy / total)
+        mon.add("pp_compute", mon.clock() - c_pp if mon.clock is time.process_time else busy)  # see StepMonitor.clock
+        mon.add("pp_wait", total - busy)
+    else:
+        local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs, mon)
+    with mon.phase("optimizer"):
+        grad_norm = titan.clip_grad_norm(built.parts, cfg.training.max_norm, built.parallel_dims)
+    return local, grad_norm
+
+
+def _rewind(built: titan.Built, opt, sched, guard: monitor.LossGuard, ckpt_dir: Path) -> int:
+    """Reload model + optimizer from the last checkpoint before the spike streak; the LR schedule follows the step."""
+    back = titan.load_checkpoint(built.parts, opt, ckpt_dir, before=guard.streak_start)
+    if back is None:
+        raise RuntimeError(f"loss guard: {guard.cfg.max_consecutive} spikes in a row and no checkpoint before step {guard.streak_start}")
+    sched.last_epoch = back
+    return back
+
+
 def run(
-    cfg: RunConfig, lay: Layout, built: titan.Built, data: SyntheticData, acc: Accounting, sinks: list[Sink], run_dir: Path
+    cfg: RunConfig,
+    lay: Layout,
+    built: titan.Built,
+    data: SyntheticData,
+    acc: Accounting,
+    sinks: list[Sink],
+    run_dir: Path,
+    recorder=None,
 ) -> list[dict[str, Any]]:
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
@@ -129,32 +168,49 @@ def run(
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
     ckpt_dir = run_dir / cfg.checkpoint.folder
     timer = calibrate.StageTimer(built.schedule) if built.schedule is not None else None
+    mon = StepMonitor(cfg, lay.coords, dist.get_rank(), recorder, run_dir)
+    guard = monitor.LossGuard(cfg.monitor.guard)
     idle = []  # per step: this rank's idle fraction inside the pipeline schedule
     rows = []
-    for step in range(1, t.steps + 1):
+    step = 1
+    while step <= t.steps:
+        mon.begin_step(step)
+        if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
+            sched.step()
+            step += 1
+            continue
         t0 = time.perf_counter()
-        microbatches = data.microbatches(step - 1)
-        if built.schedule is not None:
-            t_pp = time.perf_counter()
-            local = titan.pipeline_step(built, microbatches, global_tokens)
-            idle.append(1 - timer.take() / (time.perf_counter() - t_pp))
-        else:
-            local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs)
-        grad_norm = titan.clip_grad_norm(built.parts, t.max_norm, built.parallel_dims)
-        lr = sched.get_last_lr()[0]
-        opt.step()
+        local, grad_norm = _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon)
+        with mon.phase("loss"):
+            loss = global_loss(local, lay)
+        verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
+        lr = opt.param_groups[0]["lr"]
+        if verdict.action == "ok":
+            with mon.phase("optimizer"):
+                opt.step()
+        opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
         sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = global_loss(local, lay)
         dt = time.perf_counter() - t0
-        r = row(step, loss, grad_norm, dt, lr, cfg, acc)
+        flagged = mon.end_step()
+        r = row(step, loss, grad_norm, dt, lr, cfg, acc) | {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
+        if verdict.spike:
+            r |= {"spike": verdict.spike, "action": verdict.action}
+        if flagged:
+            r["stragglers"] = flagged
+        if verdict.action == "rewind":
+            r |= {"rewound_to": _rewind(built, opt, sched, guard, ckpt_dir), "bad_steps": sorted(guard.bad_steps)}
         rows.append(r)
-        if step % cfg.logging.log_every == 0 or step == t.steps:
+        if step % cfg.logging.log_every == 0 or step == t.steps or verdict.spike or flagged:
             for s in sinks:
                 s.log(r)
+        if "rewound_to" in r:
+            step = r["rewound_to"] + 1
+            continue
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
             titan.save_checkpoint(built.parts, opt, step, ckpt_dir)
+        step += 1
     summary = summarize(rows, cfg, lay, acc)
+    summary["monitor"] = mon.summary() | {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
     peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64)
     dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
     summary["memory_gb_max"] = float(peak_mem)

@@ -424,6 +424,9 @@ def check(cfg: RunConfig) -> layout.Layout:
     _cluster_and_plan(cfg, out)
     if fp8:
         _fp8_device(cfg, out)
+    from runner import validate_monitor  # imports Problem from here
+
+    validate_monitor.check(cfg, ws, out)
     if out:
         raise ConfigError(out)
     return layout.resolve(cfg.parallelism, cfg.cluster)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner import flops, freeze, layout, mesh, metrics, peak, precision, titan, train
+from runner import flops, forensics, freeze, layout, mesh, metrics, peak, precision, startup, titan, train
 from runner.data import SyntheticData
 from runner.schema import DeviceType, Fp8Recipe
 
@@ -63,6 +63,8 @@ def main(frozen_path: str) -> None:
     _threads(cfg)
     if cfg.cluster.device == DeviceType.cpu:  # torchao's CUDA kernel libraries cannot load on CPU; nothing to act on
         logging.getLogger("torchao").setLevel(logging.ERROR)
+    for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
+        os.environ.setdefault(key, value)
     pd = titan.init_distributed(cfg, lay)
     rank = dist.get_rank()
     try:
@@ -72,6 +74,18 @@ def main(frozen_path: str) -> None:
             print(f"refusing to train: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
+    recorder = forensics.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
+    recorder.start()
+    try:
+        _train(cfg, lay, pd, rank, run_dir, recorder, places)
+    except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
+        recorder.failed(e, cfg, run_dir)
+        raise
+    recorder.done()
+    dist.destroy_process_group()
+
+
+def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list) -> None:
     dp_rank = lay.dp_rank(rank)
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
@@ -105,9 +119,9 @@ def main(frozen_path: str) -> None:
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
             header += "\n" + _record_fp8(cfg, built, pk, run_dir)
+        print(startup.report(cfg, lay, run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir), built.fp8_converted), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
-    train.run(cfg, lay, built, data, acc, sinks, run_dir)
-    dist.destroy_process_group()
+    train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,262 @@
+"""Hang forensics: which collective each rank was in when the job stopped.
+
+Three pieces, so that the answer survives a rank that can no longer write (SIGSTOP, a dead node):
+- `rank_env`: the flight-recorder environment every rank receives before its process group exists
+  (NCCL's recorder on CUDA, torch's backend-generic one on gloo) and the dump folder in the run folder.
+- `RankRecorder`, inside each rank: the step loop marks its phase (a few attribute writes); a daemon
+  thread writes `logs/ranks/rank_<r>.json` every `distributed.heartbeat_s` with the phase, step and the
+  per-group collective sequence numbers (cheap counters of c10d). When neither moves for a heartbeat the
+  rank is stalled, and the thread reads the flight recorder once for the collective it is in.
+- `build_report`, in the launcher after the agent has stopped the job: reads those files and names the
+  ranks that did not enter the collective their peers wait in (`hang_report.json`).
+
+Torch-free at import: the launcher and the tests use the pure parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.schema import DeviceType, RunConfig
+
+RECORDS = Path("logs") / "ranks"
+REPORT_NAME = "hang_report.json"
+STALE_HEARTBEATS = 3  # a record older than this many heartbeats before the freshest one is a frozen rank
+
+
+def dump_folder(cfg: RunConfig, run_dir: Path) -> Path:
+    return run_dir / cfg.distributed.flight_recorder.folder
+
+
+def rank_env(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
+    """Environment for every rank, set before init_process_group (the recorders read it there)."""
+    fr = cfg.distributed.flight_recorder
+    size = str(fr.buffer_size if fr.enable else 0)
+    prefix = str(dump_folder(cfg, run_dir) / "rank_")  # torchfrtrace reads <folder>/<prefix><rank>
+    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    if cfg.cluster.device == DeviceType.cuda:
+        env |= {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if fr.enable and fr.dump_on_timeout else "0",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+            "TORCH_NCCL_ENABLE_TIMING": "1" if fr.enable_timing else "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down the communicator on timeout (default; made explicit)
+        }
+    return env
+
+
+def _groups() -> dict[str, dict[str, Any]]:
+    """This rank's process groups: name -> description, member ranks and the group object."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    out = {}
+    me = dist.get_rank()
+    for pg, name in list(_world.pg_names.items()):
+        ranks = sorted(_world.pg_group_ranks.get(pg, {}))
+        if me in ranks and dist.get_backend(pg) in ("gloo", "nccl"):  # the fake groups of size-1 mesh axes have no counters
+            out[name] = {"desc": getattr(pg, "group_desc", ""), "ranks": ranks, "pg": pg}
+    return out
+
+
+def _sequence_numbers(groups: dict[str, dict[str, Any]]) -> dict[str, int]:
+    return {name: int(g["pg"]._get_sequence_number_for_group()) for name, g in groups.items()}
+
+
+def _last_collectives() -> dict[str, dict[str, Any]]:
+    """Last flight-recorder entry per process group (on gloo every entry reads 'scheduled', so the last is the one in flight)."""
+    import torch._C._distributed_c10d as c10d
+
+    last: dict[str, dict[str, Any]] = {}
+    for e in json.loads(c10d._dump_fr_trace_json(True, False)).get("entries", []):
+        name, desc = e["process_group"]
+        last[name] = {
+            "op": e["profiling_name"],
+            "group": name,
+            "group_desc": desc,
+            "seq": e["collective_seq_id"],
+            "record_id": e["record_id"],
+            "input_sizes": e.get("input_sizes"),
+        }
+    return last
+
+
+def dump_flight_recorder(path: Path) -> None:
+    """torch's flight recorder as a pickle torchfrtrace can read. On gloo its process-group table comes
+    out empty (torchfrtrace then fails with KeyError: ('0', 0)), so fill it from c10d's own registry."""
+    import pickle
+
+    import torch._C._distributed_c10d as c10d
+
+    body = pickle.loads(c10d._dump_fr_trace())
+    body["pg_config"] = {name: {"name": name, "desc": g["desc"] or "undefined", "ranks": str(g["ranks"])} for name, g in _groups().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(body))
+
+
+class RankRecorder:
+    """Per-rank record of phase, step and collective counters, kept on disk by a daemon thread."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, coords: dict[str, int]):
+        self.path = run_dir / RECORDS / f"rank_{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.interval = cfg.distributed.heartbeat_s
+        self.use_fr = cfg.distributed.flight_recorder.enable
+        self.step, self.phase, self.since = 0, "start-up", time.time()
+        self.static = {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "pid": os.getpid(),
+            "coords": coords,
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCH_FR_", "TORCH_NCCL_"))},
+        }
+        self.groups: dict[str, dict[str, Any]] = {}
+        self.state, self.error, self.stall = "running", None, None
+        self._last = None  # (phase, step, seqs) at the previous heartbeat
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="runner-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.groups = _groups()
+        self._write(_sequence_numbers(self.groups))
+        self._thread.start()
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        """Called by the step loop at each phase boundary: a clock read and three attribute writes."""
+        self.phase, self.since = phase, time.time()
+        if step is not None:
+            self.step = step
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._beat()
+
+    def _beat(self) -> None:
+        if len(self.groups) != len(_groups()):
+            self.groups = _groups()
+        seqs = _sequence_numbers(self.groups)
+        now = (self.phase, self.step, seqs)
+        if now == self._last and self.stall is None:  # nothing moved for a heartbeat: stalled
+            self.stall = {"since": time.time() - self.interval, "collectives": self._in_flight()}
+        elif now != self._last:
+            self.stall = None
+        self._last = now
+        self._write(seqs)
+
+    def _in_flight(self) -> dict[str, Any] | None:
+        """Last flight-recorder entry per group: with FSDP's prefetch the last one issued need not be the one waited in."""
+        return _last_collectives() if self.use_fr else None
+
+    def _write(self, seqs: dict[str, int]) -> None:
+        body = {
+            **self.static,
+            "time": time.time(),
+            "state": self.state,
+            "step": self.step,
+            "phase": self.phase,
+            "phase_since": self.since,
+            "seq": seqs,
+            "groups": {n: {"desc": g["desc"], "ranks": g["ranks"]} for n, g in self.groups.items()},
+            "stall": self.stall,
+            "error": self.error,
+        }
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(self.path)
+
+    def failed(self, exc: BaseException, cfg: RunConfig, run_dir: Path) -> None:
+        """The rank is leaving with an error (e.g. a collective timed out): final record and, on gloo, the recorder dump."""
+        self._stop.set()
+        self.state, self.error = "failed", f"{type(exc).__name__}: {str(exc)[:500]}"
+        if self.stall is None:
+            self.stall = {"since": time.time(), "collectives": self._in_flight()}
+        self._write(_sequence_numbers(self.groups))
+        fr = cfg.distributed.flight_recorder
+        if fr.enable and fr.dump_on_timeout and cfg.cluster.device == DeviceType.cpu:  # NCCL dumps by itself
+            dump_flight_recorder(dump_folder(cfg, run_dir) / f"rank_{self.static['rank']}")
+
+    def done(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.state, self.phase = "done", "done"
+        self._write(_sequence_numbers(self.groups))
+
+
+def read_records(run_dir: Path) -> dict[int, dict[str, Any]]:
+    out = {}
+    for p in sorted((run_dir / RECORDS).glob("rank_*.json")):
+        body = json.loads(p.read_text())
+        out[body["rank"]] = body
+    return out
+
+
+def _waiting_for(records: dict[int, dict], rank: int) -> dict[str, list[int]]:
+    """Per group of `rank`: the members that have not entered a collective `rank` has entered (lower sequence number)."""
+    rec, out = records[rank], {}
+    for group, seq in rec["seq"].items():
+        members = rec["groups"].get(group, {}).get("ranks", [])
+        behind = [m for m in members if m != rank and (m not in records or records[m]["seq"].get(group, -1) < seq)]
+        if behind:
+            out[group] = behind
+    return out
+
+
+def _waiting_in(rec: dict[str, Any], groups: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The collective `rec`'s rank waits in, per group: the flight-recorder entry with its sequence number."""
+    known = (rec.get("stall") or {}).get("collectives") or {}
+    out = []
+    for group in groups:
+        entry = known.get(group) if (known.get(group) or {}).get("seq") == rec["seq"][group] else None
+        base = {"group": group, "group_desc": rec["groups"][group]["desc"], "group_ranks": rec["groups"][group]["ranks"]}
+        out.append(base | {"seq": rec["seq"][group]} | ({"op": entry["op"], "input_sizes": entry["input_sizes"]} if entry else {}))
+    return out
+
+
+def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_s: float) -> dict[str, Any]:
+    """missing_ranks: ranks with no record or a stale one (frozen), plus ranks that peers wait for and that wait for nobody."""
+    freshest = max((r["time"] for r in records.values()), default=0.0)
+    stale = {r for r, rec in records.items() if rec["state"] == "running" and rec["time"] < freshest - STALE_HEARTBEATS * heartbeat_s}
+    waiting = {r: _waiting_for(records, r) for r in records if r not in stale}
+    waiting = {r: w for r, w in waiting.items() if w}
+    missing = set(range(world_size)) - set(records) | stale
+    missing |= {m for w in waiting.values() for who in w.values() for m in who if m not in waiting}
+    ranks = {}
+    for r in range(world_size):
+        rec = records.get(r)
+        if rec is None:
+            ranks[str(r)] = {"state": "no record"}
+            continue
+        entry = {k: rec[k] for k in ("host", "local_rank", "pid", "coords", "step", "phase", "error")}
+        if r in missing:
+            entry["state"] = "frozen (record stale)" if r in stale else "did not enter the collective its peers wait in"
+            entry["last_seen_s_before_end"] = round(freshest - rec["time"], 1)
+        elif r in waiting:
+            entry["state"] = "waiting in collective" + (" (timed out)" if rec["error"] else "")
+            entry["waiting_in"] = _waiting_in(rec, waiting[r])
+            entry["waiting_for"] = sorted({m for who in waiting[r].values() for m in who})
+        else:
+            entry["state"] = rec["state"]
+        ranks[str(r)] = entry
+    return {"missing_ranks": sorted(missing), "ranks": ranks}
+
+
+def write_report(cfg: RunConfig, run_dir: Path, world_size: int, cause: str) -> Path | None:
+    """hang_report.json in the run folder, from the ranks' records; None when no rank left one."""
+    records = read_records(run_dir)
+    if not records:
+        return None
+    report = {"cause": cause, "timeout_s": cfg.distributed.timeout_s, **build_report(records, world_size, cfg.distributed.heartbeat_s)}
+    folder = dump_folder(cfg, run_dir)
+    if folder.is_dir():
+        report["flight_recorder_dumps"] = str(folder)
+        report["analyse_with"] = f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"
+    path = run_dir / REPORT_NAME
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path

@@ -1,0 +1,221 @@
+"""Observers of the step loop: phase timing and the straggler monitor, the loss-spike guard, test-only fault injection.
+
+`StragglerJudge` and `LossGuard` are plain Python (unit-tested without ranks); `StepMonitor` is what the
+step loop calls at its phase boundaries: it times each phase (two perf_counter reads), tells the rank's
+forensics record where the rank is, and every `monitor.straggler.interval` steps gathers the per-rank
+medians in one small all-gather.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.schema import GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+
+JUDGED = ("forward", "backward", "optimizer", "pp_compute")
+"""Phases whose slowness makes a straggler. Waiting (pp_wait, the loss all-reduce) is a symptom of someone else."""
+TIMED = (*JUDGED, "pp_wait")
+STRAGGLERS_NAME = "stragglers.jsonl"
+
+
+class StragglerJudge:
+    """Per window: which (rank, phase) are above factor x median over ranks, for `windows` windows in a row."""
+
+    def __init__(self, cfg: StragglerConfig, phases: tuple[str, ...] = JUDGED):
+        self.cfg, self.phases = cfg, phases
+        self.streak: dict[tuple[int, str], int] = {}
+
+    def update(self, window: list[dict[str, float]]) -> list[dict[str, Any]]:
+        """window[rank][phase] = that rank's median seconds in the window. Returns the flagged (rank, phase)."""
+        flagged = []
+        for phase in self.phases:
+            values = [w.get(phase, 0.0) for w in window]
+            median = statistics.median(values)
+            for rank, value in enumerate(values):
+                key = (rank, phase)
+                slow = median >= self.cfg.min_seconds and value > self.cfg.factor * median
+                self.streak[key] = self.streak.get(key, 0) + 1 if slow else 0
+                if self.streak[key] >= self.cfg.windows:
+                    f = {"rank": rank, "phase": phase, "slowdown": value / median, "windows": self.streak[key]}
+                    flagged.append(f | {"rank_s": value, "median_s": median})
+        return flagged
+
+
+@dataclass
+class Verdict:
+    spike: str | None
+    """Why the step is bad (None: it is fine)."""
+    action: str
+    """ok | skip | rewind"""
+
+
+class LossGuard:
+    """Running medians of accepted losses and grad norms; a spike is a value above factor x median, or non-finite."""
+
+    def __init__(self, cfg: LossGuardConfig):
+        self.cfg = cfg
+        self.losses: deque[float] = deque(maxlen=cfg.window)
+        self.norms: deque[float] = deque(maxlen=cfg.window)
+        self.consecutive = 0
+        self.streak_start = 0
+        self.bad_steps: set[int] = set()
+        self.skipped = 0
+        self.rewinds = 0
+
+    def _spike(self, loss: float, grad_norm: float) -> str | None:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return f"non-finite (loss {loss}, grad norm {grad_norm})"  # caught even with the guard off
+        if not self.cfg.enable or len(self.losses) < max(1, self.cfg.warmup_steps):
+            return None
+        f = self.cfg.factor
+        lm, gm = statistics.median(self.losses), statistics.median(self.norms)
+        if loss > f * lm:
+            return f"loss {loss:.4g} > {f:g} x running median {lm:.4g}"
+        if grad_norm > f * gm:
+            return f"grad norm {grad_norm:.4g} > {f:g} x running median {gm:.4g}"
+        return None
+
+    def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
+        spike = self._spike(loss, grad_norm)
+        if spike is None:
+            self.consecutive = 0
+            self.losses.append(loss)
+            self.norms.append(grad_norm)
+            return Verdict(None, "ok")
+        self.bad_steps.add(step)
+        self.skipped += 1
+        self.consecutive += 1
+        if self.consecutive == 1:
+            self.streak_start = step
+        if self.cfg.action == GuardAction.rewind and self.consecutive >= self.cfg.max_consecutive:
+            self.consecutive = 0
+            self.rewinds += 1
+            return Verdict(spike, "rewind")
+        return Verdict(spike, "skip")
+
+
+class StepMonitor:
+    """Phase hooks for the step loop (one per rank)."""
+
+    def __init__(self, cfg: RunConfig, coords_of, rank: int, recorder, run_dir: Path):
+        import torch.distributed as dist
+
+        self.cfg, self.rank, self.recorder = cfg, rank, recorder
+        self.s, self.inject = cfg.monitor.straggler, cfg.monitor.inject
+        self.judge = StragglerJudge(self.s)
+        self.step = 0
+        self.now: dict[str, float] = {}
+        self.window: list[dict[str, float]] = []
+        self.windows_judged = 0
+        self.flagged_total = 0
+        self.tables: list[dict[str, Any]] = []  # every judged window (per-rank medians), kept for the summary
+        self.all_steps: list[dict[str, float]] = []
+        self.path = run_dir / STRAGGLERS_NAME
+        self.ws = dist.get_world_size()
+        who = [None] * self.ws
+        dist.all_gather_object(who, {"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0))})
+        self.who = [{**w, "coords": coords_of(r)} for r, w in enumerate(who)]
+        self._t0 = 0.0
+        # What a phase costs this rank: on CPU the process's CPU time, which a rank blocked in a gloo collective
+        # does not accrue, so a slow rank is not hidden by the peers that wait for it (wall time would make
+        # every TP peer look as slow as the straggler) and time-sharing of the cores does not count.
+        # On CUDA the host clock (kernels are asynchronous; CUDA-event timing is not wired yet).
+        self.clock = time.process_time if cfg.cluster.device.value == "cpu" else time.perf_counter
+        self._hung = False
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.now = {}
+        self.mark("data")
+
+    def mark(self, phase: str) -> None:
+        if self.recorder is not None:
+            self.recorder.mark(phase, self.step)
+
+    @contextmanager
+    def phase(self, name: str):
+        self.mark(name)
+        if name == "forward":
+            self._maybe_hang()
+        t0 = self._t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.now[name] = self.now.get(name, 0.0) + self.clock() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        self.now[name] = self.now.get(name, 0.0) + seconds
+
+    def after_forward(self) -> None:
+        """TEST-ONLY: make this rank's forward compute delay_frac longer, as a slower device would (busy, not sleeping)."""
+        if self.rank == self.inject.delay_rank and self.inject.delay_frac > 0:
+            end = self.clock() + self.inject.delay_frac * (self.clock() - self._t0)
+            while self.clock() < end:
+                pass
+
+    def _maybe_hang(self) -> None:
+        """TEST-ONLY: sleep at the start of a forward, before its first collective, so peers wait."""
+        i = self.inject
+        if self.rank == i.hang_rank and self.step == i.hang_at_step and not self._hung:
+            self._hung = True
+            time.sleep(i.hang_s)
+
+    def corrupt(self, loss):
+        """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank."""
+        return loss * self.inject.corrupt_scale if self.step in self.inject.corrupt_steps else loss
+
+    def end_step(self) -> list[dict[str, Any]]:
+        """Close the step; at the end of a window gather and judge. Returns the stragglers flagged now (every rank)."""
+        self.mark("between steps")
+        self.all_steps.append(self.now)
+        if not self.s.enable or self.step == 1:  # step 1 carries one-time costs on every rank: not judged
+            return []
+        self.window.append(self.now)
+        if len(self.window) < self.s.interval:
+            return []
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([statistics.median(w.get(p, 0.0) for w in self.window) for p in TIMED], dtype=torch.float64)
+        out = torch.empty(self.ws * len(TIMED), dtype=torch.float64)
+        dist.all_gather_single(out, mine)
+        self.window = []
+        table = [dict(zip(TIMED, row, strict=True)) for row in out.view(self.ws, len(TIMED)).tolist()]
+        self.windows_judged += 1
+        self.tables.append({"step": self.step, "ranks": table})
+        flagged = [{"step": self.step, **f, **self.who[f["rank"]]} for f in self.judge.update(table)]
+        self.flagged_total += len(flagged)
+        if flagged and self.rank == 0:
+            with open(self.path, "a") as fh:
+                for f in flagged:
+                    fh.write(json.dumps(f) + "\n")
+        return flagged
+
+    def summary(self) -> dict[str, Any]:
+        steady = self.all_steps[1:] or self.all_steps
+        medians = {p: statistics.median(s.get(p, 0.0) for s in steady) for p in TIMED if any(p in s for s in steady)}
+        return {
+            "phase_median_s": medians,
+            "straggler_windows": self.windows_judged,
+            "stragglers_flagged": self.flagged_total,
+            "window_medians_s": self.tables,
+        }
+
+
+def describe(f: dict[str, Any]) -> str:
+    coords = " ".join(f"{a}={v}" for a, v in f["coords"].items())
+    return (
+        f"straggler: rank {f['rank']} (host {f['host']}, local rank {f['local_rank']}, mesh {coords}) "
+        f"{f['phase']} {f['slowdown']:.2f}x the median over ranks ({f['rank_s'] * 1e3:.1f} vs {f['median_s'] * 1e3:.1f} ms) "
+        f"for {f['windows']} windows, step {f['step']}"
+    )

@@ -1,0 +1,40 @@
+"""The start-up block rank 0 prints: layout, mesh groups of rank 0, links, precision, timeout, dumps, frozen file.
+
+Torch-free: everything comes from the config and the layout (the worker has already checked that
+TorchTitan's mesh agrees with the layout's coordinates).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.layout import MESH_ORDER, Layout
+from runner.plan import link
+from runner.schema import RunConfig
+
+
+def group_of(lay: Layout, rank: int, axis: str) -> list[int]:
+    """Ranks that share every coordinate with `rank` except along `axis`."""
+    me = lay.coords(rank)
+    return [r for r in range(lay.world_size) if all(v == me[a] for a, v in lay.coords(r).items() if a != axis)]
+
+
+def report(cfg: RunConfig, lay: Layout, frozen: Path, fr_folder: Path, converted: list[str] | None) -> str:
+    per_node = cfg.cluster.devices_per_node if cfg.cluster.devices_per_node != -1 else lay.world_size
+    lines = [f"layout {cfg.parallelism.name}: {lay.describe()}, {lay.world_size} ranks on {cfg.cluster.num_nodes} node(s) of {per_node}"]
+    lines.append(f"mesh {' x '.join(f'{a}={getattr(lay, a)}' for a in MESH_ORDER)} (rank 0's groups):")
+    for axis in MESH_ORDER:
+        size = getattr(lay, axis)
+        where = link(lay, axis, per_node) if size > 1 else "-"
+        lines.append(f"  {axis:<13} size {size:<4} ranks {group_of(lay, 0, axis)}  link {where}")
+    if converted:
+        conv = f"{len(converted)} converted modules: {', '.join(converted[:8])}{' ...' if len(converted) > 8 else ''}"
+    else:
+        conv = "no modules converted"
+    pr = cfg.precision
+    lines.append(f"precision {pr.name} (params {pr.param_dtype.value}, reductions {pr.reduce_dtype.value}); {conv}")
+    fr = cfg.distributed.flight_recorder
+    lines.append(f"collective timeout {cfg.distributed.timeout_s:g} s; rank records every {cfg.distributed.heartbeat_s:g} s in logs/ranks/")
+    lines.append(f"flight recorder: {'buffer ' + str(fr.buffer_size) + ' collectives, dumps to ' + str(fr_folder) if fr.enable else 'off'}")
+    lines.append(f"frozen config: {frozen}")
+    return "\n".join(lines)

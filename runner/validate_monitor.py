@@ -1,0 +1,83 @@
+"""Validation rules of the `monitor` and `distributed` groups (torch-free; called by validate.check)."""
+
+from __future__ import annotations
+
+import math
+
+from runner.schema import GuardAction, RunConfig
+from runner.validate import Problem
+
+HEARTBEATS_PER_TIMEOUT = 4  # a frozen rank's record must be visibly stale before its peers time out
+
+
+def _straggler(cfg: RunConfig, out: list[Problem]) -> None:
+    s = cfg.monitor.straggler
+    for name in ("interval", "windows"):
+        if getattr(s, name) < 1:
+            out.append(Problem(f"monitor.straggler.{name}", getattr(s, name), "must be >= 1", f"set monitor.straggler.{name} to N >= 1"))
+    if not s.factor > 1:
+        out.append(Problem("monitor.straggler.factor", s.factor, "a slowdown factor must exceed 1", "use e.g. 1.3 (30 % above the median)"))
+    if s.min_seconds < 0:
+        out.append(Problem("monitor.straggler.min_seconds", s.min_seconds, "must be >= 0", "use 0 to judge every phase"))
+
+
+def _guard(cfg: RunConfig, out: list[Problem]) -> None:
+    g = cfg.monitor.guard
+    if not g.factor > 1:
+        out.append(Problem("monitor.guard.factor", g.factor, "a spike factor must exceed 1", "use e.g. 3.0"))
+    for name, low in (("window", 1), ("warmup_steps", 0), ("max_consecutive", 1)):
+        if getattr(g, name) < low:
+            out.append(Problem(f"monitor.guard.{name}", getattr(g, name), f"must be >= {low}", f"set monitor.guard.{name} >= {low}"))
+    if g.action == GuardAction.rewind and not cfg.checkpoint.enable:
+        out.append(
+            Problem(
+                "monitor.guard.action", "rewind", "rewinding needs checkpoints to rewind to", "add checkpoint=local, or use action=skip"
+            )
+        )
+
+
+def _inject(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
+    i, steps = cfg.monitor.inject, cfg.training.steps
+    for name in ("delay_rank", "hang_rank"):
+        r = getattr(i, name)
+        if r < -1 or (ws is not None and r >= ws):
+            out.append(Problem(f"monitor.inject.{name}", r, f"not a rank of this job (world size {ws})", "use -1 (off) or a rank number"))
+    if i.delay_frac < 0:
+        out.append(Problem("monitor.inject.delay_frac", i.delay_frac, "must be >= 0", "use e.g. 0.5 for 50 % extra forward time"))
+    if i.hang_rank >= 0 and not 1 <= i.hang_at_step <= steps:
+        out.append(Problem("monitor.inject.hang_at_step", i.hang_at_step, f"outside steps 1..{steps}", f"use a step in 1..{steps}"))
+    bad = [s for s in i.corrupt_steps if not 1 <= s <= steps]
+    if bad:
+        out.append(Problem("monitor.inject.corrupt_steps", bad, f"outside steps 1..{steps}", f"use steps in 1..{steps}"))
+
+
+def _distributed(cfg: RunConfig, out: list[Problem]) -> None:
+    d = cfg.distributed
+    if not (d.timeout_s > 0 and math.isfinite(d.timeout_s)):
+        out.append(Problem("distributed.timeout_s", d.timeout_s, "must be a positive number of seconds", "use e.g. 600"))
+    elif not 0 < d.heartbeat_s * HEARTBEATS_PER_TIMEOUT <= d.timeout_s:
+        out.append(
+            Problem(
+                "distributed.heartbeat_s",
+                d.heartbeat_s,
+                f"must be > 0 and at most distributed.timeout_s / {HEARTBEATS_PER_TIMEOUT} = {d.timeout_s / HEARTBEATS_PER_TIMEOUT:g}, "
+                "so a frozen rank's record is stale before its peers time out",
+                f"use heartbeat_s <= {d.timeout_s / HEARTBEATS_PER_TIMEOUT:g} or a longer timeout",
+            )
+        )
+    if d.flight_recorder.buffer_size < 1:
+        out.append(
+            Problem(
+                "distributed.flight_recorder.buffer_size",
+                d.flight_recorder.buffer_size,
+                "must be >= 1",
+                "use e.g. 2000, or flight_recorder.enable=false",
+            )
+        )
+
+
+def check(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
+    _straggler(cfg, out)
+    _guard(cfg, out)
+    _inject(cfg, ws, out)
+    _distributed(cfg, out)

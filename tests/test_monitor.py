@@ -1,0 +1,296 @@
+"""Straggler monitor, loss guard, flight-recorder set-up and hang forensics, each proven by injecting its fault.
+
+Two 4-rank launches (imports cost ~25-45 s each, so each launch carries several checks):
+- `slow`: rank 2 computes 60 % longer in every forward, step 8's batch is corrupted to NaN (guard: skip),
+  and at step 14 rank 1 sleeps before its forward past distributed.timeout_s (the hang).
+- `clean`: 31 clean steps (nobody may be flagged), steps 12-13 corrupted x1e4 (guard: rewind to step 10's
+  checkpoint), then the test freezes rank 1 from outside with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner import forensics, layout, monitor, startup
+from runner.schema import DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from tests.conftest import ROOT, metrics, run_cli
+
+TIMEOUT_S = 20
+LIMIT_S = TIMEOUT_S + 60  # the job must end on its own within this after the hang starts
+SHORT = ["training.seq_len=64", "logging.progress=false", f"distributed.timeout_s={TIMEOUT_S}"]
+STRAGGLER = ["monitor.straggler.interval=3", "monitor.straggler.windows=2", "monitor.straggler.factor=1.3"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie runs nothing
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return forensics.read_records(run_dir)
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("slow") / "run"
+    args = [*SHORT, *STRAGGLER, "training.steps=20", "monitor.inject.delay_rank=2", "monitor.inject.delay_frac=0.6"]
+    args += ["monitor.inject.corrupt_steps=[8]", "monitor.inject.corrupt_scale=nan", "monitor.inject.hang_rank=1"]
+    args += ["monitor.inject.hang_at_step=14"]
+    proc = run_cli(*args, run_dir=run_dir)
+    return run_dir, proc, time.time()
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """31 clean steps with a rewind in the middle, then rank 1 is frozen with SIGSTOP from this process."""
+    run_dir = tmp_path_factory.mktemp("clean") / "run"
+    args = [*SHORT, *STRAGGLER, "training.steps=40", "checkpoint=local", "checkpoint.interval=5", "monitor.guard.action=rewind"]
+    args += ["monitor.guard.max_consecutive=2", "monitor.inject.corrupt_steps=[12,13]", "monitor.inject.corrupt_scale=1e4"]
+    argv = [sys.executable, "-m", "runner", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "WANDB_SILENT": "true"}
+    )
+    record = run_dir / forensics.RECORDS / "rank_1.json"
+    stopped_at = None
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        if record.exists():
+            rec = json.loads(record.read_text())
+            if rec["step"] >= 32:
+                os.kill(rec["pid"], signal.SIGSTOP)
+                stopped_at = time.time()
+                break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=900)
+    return run_dir, subprocess.CompletedProcess(argv, proc.returncode, out, err), stopped_at, time.time()
+
+
+# ---------------------------------------------------------------- straggler monitor
+
+
+def test_straggler_named_within_window_count(slow):
+    run_dir, proc, _ = slow
+    flagged = [json.loads(line) for line in (run_dir / monitor.STRAGGLERS_NAME).read_text().splitlines()]
+    assert {f["rank"] for f in flagged} == {2}, flagged  # nobody else, in any phase
+    first = flagged[0]
+    assert first["phase"] == "forward"
+    assert first["step"] == 1 + 3 * 2  # step 1 is not judged; windows end at steps 4 and 7: named at the 2nd window
+    assert first["windows"] == 2 and first["slowdown"] > 1.3
+    assert (first["local_rank"], first["coords"]) == (2, {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0})
+    assert first["host"] and first["median_s"] > 0
+    row = next(r for r in metrics(run_dir) if r["step"] == 7)
+    assert row["stragglers"][0]["rank"] == 2 and row["straggler_windows"] == 2
+    flat = " ".join(proc.stdout.split())  # rich wraps the console at its width
+    assert "straggler: rank 2 (host" in flat and "local rank 2, mesh pp=0 dp_replicate=0 dp_shard=1 cp=0 tp=0) forward" in flat
+
+
+def test_clean_run_flags_nobody_over_30_steps(clean):
+    run_dir = clean[0]
+    rows = metrics(run_dir)
+    assert max(r["step"] for r in rows) >= 31
+    assert max(r["straggler_windows"] for r in rows) >= 10  # windows ending at steps 4, 7, ..., 31 were all judged
+    assert not (run_dir / monitor.STRAGGLERS_NAME).exists()
+    assert not any("stragglers" in r for r in rows)
+
+
+def test_straggler_judge_needs_consecutive_windows():
+    judge = monitor.StragglerJudge(StragglerConfig(factor=1.3, windows=3, min_seconds=0.005))
+    even = [{"forward": 1.0, "backward": 2.0}] * 4
+    slow2 = [*even[:2], {"forward": 1.5, "backward": 2.0}, even[3]]
+    assert judge.update(slow2) == [] and judge.update(slow2) == []
+    assert judge.update(even) == []  # the streak is broken
+    assert judge.update(slow2) == [] and judge.update(slow2) == []
+    (f,) = judge.update(slow2)
+    assert (f["rank"], f["phase"], f["windows"]) == (2, "forward", 3) and f["slowdown"] == pytest.approx(1.5)
+    tiny = [{"optimizer": 0.001}, {"optimizer": 0.001}, {"optimizer": 0.004}]
+    assert all(monitor.StragglerJudge(StragglerConfig(windows=1), ("optimizer",)).update(tiny) == [] for _ in range(3))
+
+
+# ---------------------------------------------------------------- loss guard
+
+
+def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
+    run_dir, proc, _ = slow
+    rows = {r["step"]: r for r in metrics(run_dir)}
+    assert math.isnan(rows[8]["loss"]) and rows[8]["action"] == "skip" and "non-finite" in rows[8]["spike"]
+    assert rows[8]["skipped_steps"] == 1 and rows[7]["skipped_steps"] == 0
+    # one NaN update would make every later loss NaN
+    assert all(math.isfinite(rows[s]["loss"]) and math.isfinite(rows[s]["grad_norm"]) for s in range(9, 14))
+    assert "loss guard: step 8 non-finite (loss nan, grad norm nan): skip" in " ".join(proc.stdout.split())
+
+
+def test_repeated_spikes_rewind_to_last_checkpoint(clean):
+    run_dir = clean[0]
+    rows = metrics(run_dir)
+    steps = [r["step"] for r in rows]
+    assert steps[:15] == [*range(1, 14), 11, 14]  # 12 spikes (skip), 13 spikes again -> rewind to 10, replay 11, leave out 12-13
+    r12, r13 = rows[11], rows[12]
+    assert r12["action"] == "skip" and r12["spike"].startswith("loss ") and r12["loss"] > 1000
+    assert r13["action"] == "rewind" and r13["rewound_to"] == 10 and r13["bad_steps"] == [12, 13]
+    first11, replay11 = rows[10], rows[13]
+    assert (replay11["loss"], replay11["grad_norm"]) == (first11["loss"], first11["grad_norm"])  # model + optimizer restored exactly
+    assert (run_dir / "checkpoints" / "step-10" / ".metadata").is_file()
+    assert all(r["loss"] < 10 for r in rows[13:])
+
+
+def test_loss_guard_decisions():
+    g = monitor.LossGuard(LossGuardConfig(factor=3.0, window=4, warmup_steps=2, action=GuardAction.rewind, max_consecutive=2))
+    assert g.check(1, float("nan"), 1.0).action == "skip"  # non-finite is caught before any history exists
+    assert g.check(2, 50.0, 1.0).action == "ok"  # no history yet: not judged
+    assert g.check(3, 8.0, 1.0).action == "ok"
+    assert g.check(4, 8.0, 3.5).spike.startswith("grad norm 3.5 > 3 x running median")
+    v = g.check(5, 1e4, 1.0)
+    assert (v.action, g.streak_start, g.rewinds, sorted(g.bad_steps)) == ("rewind", 4, 1, [1, 4, 5])
+    assert g.check(6, 7.9, 1.0).action == "ok" and g.skipped == 3
+    off = monitor.LossGuard(LossGuardConfig(enable=False, warmup_steps=0))
+    assert off.check(1, 1.0, 1.0).action == "ok" and off.check(2, 1e9, 1.0).action == "ok"
+    assert off.check(3, float("inf"), 1.0).action == "skip"  # a non-finite loss never updates weights, guard on or off
+
+
+# ---------------------------------------------------------------- hangs
+
+
+def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_state: str) -> dict:
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "collective timeout: report in" in proc.stderr and "Traceback" not in proc.stderr.split("collective timeout")[-1]
+    assert ended - hang_started < LIMIT_S, ended - hang_started
+    report = json.loads((run_dir / forensics.REPORT_NAME).read_text())
+    assert report["missing_ranks"] == [1], report
+    assert report["ranks"]["1"]["state"] == frozen_state
+    assert report["timeout_s"] == TIMEOUT_S
+    others = [report["ranks"][str(r)] for r in (0, 2, 3)]
+    assert all(o["state"].startswith("waiting in collective") for o in others), others
+    assert any(o["waiting_for"] == [1] for o in others)  # at least one peer waits for rank 1 directly; the rest wait behind it
+    for o in others:
+        for w in o["waiting_in"]:
+            assert w["op"].startswith("gloo:") and w["group_desc"].startswith("mesh_") and w["seq"] > 0
+            assert set(o["waiting_for"]) & set(w["group_ranks"])
+    assert all(_gone(rec["pid"]) for rec in _records(run_dir).values())  # nothing left running
+    return report
+
+
+def test_sleeping_rank_hang_is_reported(slow):
+    run_dir, proc, ended = slow
+    rank1 = _records(run_dir)[1]
+    assert (rank1["step"], rank1["phase"]) == (14, "forward")
+    report = _check_hang(run_dir, proc, rank1["phase_since"], ended, "did not enter the collective its peers wait in")
+    assert any("Timed out waiting 20000ms" in (report["ranks"][str(r)]["error"] or "") for r in (0, 2, 3))
+    dumps = sorted(p.name for p in (run_dir / "flight_recorder").iterdir())
+    assert "rank_1" not in dumps and dumps  # the ranks that timed out dumped their recorder; the sleeper did not
+    body = pickle.loads((run_dir / "flight_recorder" / dumps[0]).read_bytes())
+    assert body["entries"] and all(v["ranks"].startswith("[") for v in body["pg_config"].values())  # torchfrtrace-ready
+
+
+def test_sigstopped_rank_hang_is_reported(clean):
+    run_dir, proc, stopped_at, ended = clean
+    assert stopped_at is not None, proc.stderr[-3000:]
+    report = _check_hang(run_dir, proc, stopped_at, ended, "frozen (record stale)")
+    assert report["ranks"]["1"]["last_seen_s_before_end"] >= forensics.STALE_HEARTBEATS
+
+
+def test_hang_report_follows_the_chain_to_the_missing_rank():
+    """0 waits for 1 in TP; 2 waits for 0 in FSDP (0 never got there); 1 waits for nobody."""
+    groups = {"tp01": {"desc": "mesh_tp", "ranks": [0, 1]}, "dp02": {"desc": "mesh_fsdp", "ranks": [0, 2]}}
+
+    def rec(rank, seq, t=100.0, state="running"):
+        own = {g: v for g, v in groups.items() if rank in v["ranks"]}
+        return {"rank": rank, "host": "h", "local_rank": rank, "pid": 1, "coords": {}, "step": 3, "phase": "forward", "error": None} | {
+            "time": t,
+            "state": state,
+            "seq": {g: seq[g] for g in own},
+            "groups": own,
+            "stall": {"collectives": {"tp01": {"op": "gloo:all_reduce", "seq": 8, "input_sizes": [[4]]}}},
+        }
+
+    records = {0: rec(0, {"tp01": 8, "dp02": 5}), 1: rec(1, {"tp01": 7}), 2: rec(2, {"dp02": 6})}
+    report = forensics.build_report(records, 3, heartbeat_s=1.0)
+    assert report["missing_ranks"] == [1]
+    assert report["ranks"]["0"]["waiting_for"] == [1] and report["ranks"]["0"]["waiting_in"][0]["op"] == "gloo:all_reduce"
+    assert report["ranks"]["2"]["waiting_for"] == [0] and "op" not in report["ranks"]["2"]["waiting_in"][0]
+    records[1]["time"] = 90.0  # frozen ten heartbeats ago
+    assert forensics.build_report(records, 3, 1.0)["ranks"]["1"]["state"] == "frozen (record stale)"
+    del records[1]
+    assert forensics.build_report(records, 3, 1.0)["missing_ranks"] == [1]
+
+
+# ---------------------------------------------------------------- flight recorder set-up, start-up block, config
+
+
+def test_ranks_receive_flight_recorder_environment(slow):
+    run_dir = slow[0]
+    for rec in _records(run_dir).values():
+        assert rec["env"]["TORCH_FR_BUFFER_SIZE"] == "2000"
+        assert rec["env"]["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir.resolve() / "flight_recorder" / "rank_")
+
+
+def test_cuda_flight_recorder_environment(tmp_path):
+    cfg = RunConfig()
+    cfg.cluster.device = DeviceType.cuda
+    cfg.distributed.flight_recorder.buffer_size = 5000
+    cfg.distributed.flight_recorder.enable_timing = True
+    env = forensics.rank_env(cfg, tmp_path)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "5000" and env["TORCH_FR_BUFFER_SIZE"] == "5000"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_ENABLE_TIMING"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+    cfg.distributed.flight_recorder.enable = False
+    assert forensics.rank_env(cfg, tmp_path)["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+
+
+def test_startup_block(slow):
+    out = slow[1].stdout
+    assert "layout dp2_tp2: dp_shard=2 x tp=2, 4 ranks on 1 node(s) of 4" in out
+    assert (
+        "  dp_shard      size 2    ranks [0, 2]  link intra-node" in out
+        and "  tp            size 2    ranks [0, 1]  link intra-node" in out
+    )
+    assert "precision fp32 (params float32, reductions float32); no modules converted" in out
+    assert f"collective timeout {TIMEOUT_S} s" in out and "flight recorder: buffer 2000 collectives, dumps to " in out
+    assert f"frozen config: {slow[0].resolve() / 'frozen.yaml'}" in out
+
+
+def test_startup_links_across_nodes(compose):
+    cfg = compose(["cluster=h100x1024", "parallelism=tp8_pp4", "model=llama3_70b"])
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    text = startup.report(cfg, lay, Path("f.yaml"), Path("fr"), ["layers.0.attention.wq"])
+    assert "  tp            size 8    ranks [0, 1, 2, 3, 4, 5, 6, 7]  link intra-node" in text
+    assert "link scale-out" in text.split("  pp ")[1].splitlines()[0]
+    assert "1 converted modules: layers.0.attention.wq" in text
+
+
+def test_monitor_and_distributed_values_are_validated():
+    proc = run_cli(
+        "mode=validate",
+        "monitor.straggler.factor=1.0",
+        "monitor.guard.action=rewind",
+        "distributed.timeout_s=2",
+        "monitor.inject.corrupt_steps=[0,99]",
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    for text in (
+        "monitor.straggler.factor = 1.0: a slowdown factor must exceed 1",
+        "monitor.guard.action = rewind: rewinding needs checkpoints to rewind to. Fix: add checkpoint=local",
+        "distributed.heartbeat_s = 1.0: must be > 0 and at most distributed.timeout_s / 4 = 0.5",
+        "monitor.inject.corrupt_steps = [0, 99]: outside steps 1..10",
+    ):
+        assert text in proc.stderr, proc.stderr
+
+
+def test_monitor_config_side_is_torch_free():
+    modules = "runner.validate_monitor, runner.forensics, runner.monitor, runner.startup"
+    code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "TORCH_LOADED False" in out.stdout
