@@ -39,6 +39,7 @@ def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint:
         f"--rdzv-id={rdzv_id}",
         f"--max-restarts={cfg.cluster.max_restarts}",
         f"--monitor-interval={MONITOR_INTERVAL_S}",
+        f"--shutdown-timeout={cfg.distributed.shutdown_timeout_s}",
         f"--log-dir={run_dir / 'logs'}",
     ]
     if per_node > 1:

@@ -354,6 +354,9 @@ class DistributedConfig:
     """Process-group timeout in seconds: a collective waiting longer fails, which ends a hung job."""
     heartbeat_s: float = 1.0
     """Every this many seconds each rank writes its record (phase, step, collective counters) to logs/ranks/."""
+    shutdown_timeout_s: int = 30
+    """After a rank fails, seconds the elastic agent gives the others to exit on SIGTERM before SIGKILL
+    (torchrun --shutdown-timeout); a SIGSTOPped rank only goes on SIGKILL."""
     flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
 
 

@@ -43,7 +43,7 @@ def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
     (node,) = [ln.strip() for ln in out if "runner.launch" in ln]
     assert node == (
         f"python -m runner.launch --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint={FIRST_NODE}:29500 "
-        f"--rdzv-id=$SLURM_JOB_ID --max-restarts=3 --monitor-interval=0.5 --log-dir={run_dir / 'logs'} "
+        f"--rdzv-id=$SLURM_JOB_ID --max-restarts=3 --monitor-interval=0.5 --shutdown-timeout=30 --log-dir={run_dir / 'logs'} "
         f"--redirects=1:3,2:3,3:3,4:3,5:3,6:3,7:3 {run_dir / 'frozen.yaml'}"
     )
     frozen = yaml.safe_load((run_dir / "frozen.yaml").read_text())

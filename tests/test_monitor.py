@@ -25,9 +25,9 @@ from runner import forensics, layout, monitor, startup
 from runner.schema import DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 from tests.conftest import ROOT, metrics, run_cli
 
-TIMEOUT_S = 20
+TIMEOUT_S = 12
 LIMIT_S = TIMEOUT_S + 60  # the job must end on its own within this after the hang starts
-SHORT = ["training.seq_len=64", "logging.progress=false", f"distributed.timeout_s={TIMEOUT_S}"]
+SHORT = ["training.seq_len=64", "logging.progress=false", f"distributed.timeout_s={TIMEOUT_S}", "distributed.shutdown_timeout_s=5"]
 STRAGGLER = ["monitor.straggler.interval=3", "monitor.straggler.windows=2", "monitor.straggler.factor=1.3"]
 
 
