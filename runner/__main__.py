@@ -27,8 +27,12 @@ _entered = False  # set once Hydra hands over a composed config
 
 
 def _to_object(cfg: DictConfig) -> RunConfig:
-    """Typed config with every schema check applied (unknown keys, wrong types, enums)."""
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
+    """Typed config with every schema check applied (unknown keys, wrong types, enums).
+
+    Hydra composes on top of the `base_config` schema, so the tree is already typed and
+    checked; re-merging it into a fresh structured RunConfig cost ~0.3 s per plan."""
+    if OmegaConf.get_type(cfg) is not RunConfig:  # a primary config that does not start from base_config
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
     return OmegaConf.to_object(cfg)
 
 

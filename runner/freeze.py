@@ -7,6 +7,7 @@ run from this one file: it starts from the schema (`base_config`) and sets every
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import socket
 import subprocess
@@ -23,6 +24,7 @@ FROZEN_NAME = "frozen.yaml"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache  # a multirun freezes every point in one process
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -30,6 +32,7 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+@functools.cache
 def git_commit() -> str:
     """Commit of the project checkout, with '+dirty' for uncommitted changes; 'unknown' outside git."""
     try:

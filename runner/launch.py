@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from runner.layout import Layout
-from runner.schema import DeviceType, RunConfig
+from runner.schema import DeviceType, RunConfig, WorkerStart
 
 MONITOR_INTERVAL_S = 0.5
 
@@ -85,7 +85,10 @@ def start(flags: list[str], frozen: Path) -> None:
     _node_setup(cfg, lay, frozen)
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
-        torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+        if cfg.cluster.worker_start == WorkerStart.fork:
+            _fork_ranks(flags, frozen)
+        else:
+            torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
         timed_out = "Timed out" in str(e) or any("Timed out" in (r.get("error") or "") for r in forensics.read_records(run_dir).values())
         cause = "collective timeout" if timed_out else "rank failure"
@@ -93,6 +96,18 @@ def start(flags: list[str], frozen: Path) -> None:
         if report is not None:
             print(f"{cause}: report in {report}", file=sys.stderr)
         raise
+
+
+def _fork_ranks(flags: list[str], frozen: Path) -> None:
+    """torchrun with a function entrypoint: the agent imports the worker (torch, TorchTitan) once
+    and its multiprocessing context forks every rank, and every restart, from itself."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    from runner import worker
+
+    config, _, _ = config_from_args(parse_args([*flags, "--start-method=fork", "-m", "runner.worker", str(frozen)]))
+    elastic_launch(config, worker.forked_main)(str(frozen))
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:

@@ -60,6 +60,11 @@ class ActivationCheckpoint(Enum):
     """Recompute every transformer block in backward (TorchTitan FullAC)."""
 
 
+class WorkerStart(Enum):
+    exec = "exec"
+    fork = "fork"
+
+
 @dataclass
 class ModelConfig:
     name: str = "llama3"
@@ -194,6 +199,12 @@ class ClusterConfig:
     job runs the per-node launcher."""
     max_restarts: int = 0
     """Times torch's elastic agent restarts the ranks after a failure (torchrun --max-restarts)."""
+    worker_start: WorkerStart = WorkerStart.exec
+    """How the elastic agent starts the ranks: exec (torchrun's `python -m runner.worker`, one
+    fresh interpreter per rank) or fork (the agent imports torch and TorchTitan once and forks
+    every rank from itself, torchrun's start method for function entrypoints: ~11 s of imports
+    paid once per node instead of once per rank). fork is for CPU nodes; a CUDA agent must
+    not fork."""
     rdzv_host: str | None = None
     """Host of the c10d rendezvous for hand-started multi-node runs; null = the first node
     of the SLURM job (the only case where the runner knows it)."""

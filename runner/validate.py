@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from runner import flops, layout, precision, slurm
-from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig
+from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig, WorkerStart
 
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
@@ -308,6 +308,15 @@ def _device(cfg: RunConfig, out: list[Problem]) -> None:
                     f"precision.{field}", dtype.value, f"{c.device.value} cannot compute in it", f"use one of {DEVICE_DTYPES[c.device]}"
                 )
             )
+    if c.worker_start == WorkerStart.fork and c.device == DeviceType.cuda:
+        out.append(
+            Problem(
+                "cluster.worker_start",
+                "fork",
+                "a CUDA rank forked from an agent that has imported torch cannot initialize CUDA reliably",
+                "use cluster.worker_start=exec",
+            )
+        )
     peak_dtype = precision.matmul_peak(cfg)[0]
     if c.device == DeviceType.cuda and peak_dtype not in c.peak_tflops:
         out.append(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -122,6 +123,16 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         print(startup.report(cfg, lay, run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir), built.fp8_converted), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
+
+
+def forked_main(frozen_path: str) -> None:
+    """Entry of a rank forked from the agent (cluster.worker_start=fork): drop the signal handlers
+    inherited from it (they turn the agent's SIGTERM into an exception), so that a rank ends on
+    the agent's signals as an exec-started one does."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main(frozen_path)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,11 @@ def test_seed_layout_resolves_to_worked_example(compose):
 
 BAD = [
     (
+        ["cluster=h100_node", "parallelism=fsdp", "cluster.worker_start=fork"],
+        "cluster.worker_start = fork: a CUDA rank forked from an agent that has imported torch cannot initialize CUDA reliably. "
+        "Fix: use cluster.worker_start=exec",
+    ),
+    (
         ["cluster=h100_node", "parallelism.dp_shard=3"],
         "parallelism = pp x dp_replicate x dp_shard x cp x tp = 6: must equal the world size 8",
     ),

@@ -171,3 +171,27 @@ def test_compare_rejects_a_folder_without_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "runner.compare", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"paths = {tmp_path}: no run folder below them holds summary.json, plan.json or invalid.json" in out.stderr
+
+
+def test_sweeper_composes_one_point_per_new_override_value():
+    """Hydra's basic sweeper composes all 20 points before running them; ours the 8 that bring a new value."""
+    from types import SimpleNamespace
+
+    from hydra_plugins.runner_sweeper import RunnerSweeper
+
+    composed = []
+    sweeper = RunnerSweeper(max_batch_size=None)
+    sweeper.config = SimpleNamespace()
+    sweeper.hydra_context = SimpleNamespace(
+        config_loader=SimpleNamespace(load_sweep_config=lambda master_config, sweep_overrides: composed.append(sweep_overrides))
+    )
+    sweeper.validate_batch_is_legal([[f"tp={t}", f"pp={p}"] for t in (1, 2, 4, 8) for p in (1, 2, 4, 8, 16)])
+    assert composed == [["tp=1", f"pp={p}"] for p in (1, 2, 4, 8, 16)] + [[f"tp={t}", "pp=1"] for t in (2, 4, 8)]
+
+
+def test_bad_sweep_value_fails_before_any_point_runs(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = run_cli("-m", *SEED, "mode=plan", "parallelism.tp=4,8,x", f"hydra.sweep.dir={sweep_dir}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "parallelism.tp" in proc.stderr and "'x'" in proc.stderr
+    assert not list(sweep_dir.glob("*/plan.json"))
