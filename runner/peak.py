@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -31,7 +33,17 @@ def _matmul(dtype_name: str, n: int):
 
 
 def measure_cpu_tflops(dtype_name: str, reps: int = 5) -> float:
-    """Best matmul rate of the whole machine (all cores) in TFLOP/s."""
+    """Best matmul rate of the whole machine (all cores) in TFLOP/s, measured in a child process.
+
+    The caller is the elastic agent, which may fork the ranks (cluster.worker_start=fork): a
+    process that has run an OpenMP parallel region must not fork a child that runs one (GNU
+    OpenMP then deadlocks the child in its first multi-threaded op), so the agent never does.
+    """
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(_measure, dtype_name, reps).result()
+
+
+def _measure(dtype_name: str, reps: int) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
