@@ -40,6 +40,8 @@ class Built:
     """This rank holds the last pipeline stage (it computes the loss)."""
     fp8_converted: list[str] | None = None
     """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
+    cp_load_balancer: str | None = None
+    """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
 
 
 def _titan_configs(cfg: RunConfig, lay: Layout):
@@ -129,6 +131,8 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
         from runner import titan_cpu
 
         titan_cpu.use_sdpa(mcfg)
+        if lay.cp > 1:
+            titan_cpu.enable_ring_attention()
     training, parallelism = _titan_configs(cfg, lay)
     mcfg.update_from_config(config=SimpleNamespace(training=training, parallelism=parallelism))
     with torch.device("meta"):
@@ -149,7 +153,29 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     for part in parts:
         _materialize(part, mcfg, cfg, device)
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
-    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted)
+    balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
+    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
+
+
+def _cp_load_balancer(mcfg) -> str:
+    """TorchTitan's pairing: head-tail chunks for causal SDPA, PTRR for FlexAttention block masks."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    return "ptrr" if isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config) else "headtail"
+
+
+def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Tokens, labels and keyword inputs of one microbatch; with CP, this rank's sequence chunks
+    (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+    if built.cp_load_balancer is None:
+        return inputs, labels, built.extra_inputs
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
+    extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
+    return prepare_context_parallel_input(
+        inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer
+    )
 
 
 def convert_precision(model_config, cfg: RunConfig) -> list[str]:

@@ -110,3 +110,54 @@ def emulated_blockwise_linear_config():
 
 
 _EmulatedBlockwiseLinear = None
+
+
+def enable_ring_attention() -> None:
+    """torch's CP dispatcher maps only the CUDA SDPA kernels to ring attention, and CPU SDPA lowers to
+    aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding strategy ("NotImplementedError:
+    Operator ... does not have a sharding strategy registered"). Register that op and its backward with
+    handlers that call torch's own ring-attention code (_templated_ring_attention and its backward).
+    Call before TorchTitan's apply_cp_to_forward (inside parallelize), which turns the dispatcher on."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cpa
+
+    aten = torch.ops.aten
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    seq = 2  # SDPA layout (batch, heads, seq, head_dim)
+
+    def local(x, mesh):
+        if tuple(x.placements) != (Shard(seq),):
+            x = x.redistribute(mesh, [Shard(seq)])
+        return x.to_local()
+
+    def wrap(t, mesh):
+        return DTensor.from_local(t, mesh, [Shard(seq)], run_check=False)
+
+    def forward(op_call, args, kwargs):
+        q, k, v = args[:3]
+        dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+        is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise NotImplementedError("CPU ring attention takes is_causal, not an attention mask")
+        mesh = q.device_mesh
+        out, lse = cpa._templated_ring_attention(
+            mesh.get_group(), seq, fwd_op, local(q, mesh), local(k, mesh), local(v, mesh),
+            is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
+        )  # fmt: skip
+        return wrap(out, mesh), wrap(lse, mesh)
+
+    def backward(op_call, args, kwargs):
+        names = ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal")
+        a = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        mesh = a["query"].device_mesh
+        t = {n: local(a[n], mesh) for n in names[:6]}
+        grads = cpa._templated_ring_attention_backward(
+            mesh.get_group(), seq, bwd_op, grad_out=t["grad_out"], grad_out_name="grad_out",
+            query=t["query"], key=t["key"], value=t["value"], out=t["out"], logsumexp=t["logsumexp"],
+            is_causal=a["is_causal"], dropout_p=a["dropout_p"], scale=kwargs.get("scale"),
+        )  # fmt: skip
+        return tuple(wrap(g, mesh) for g in grads[:3])
+
+    cpa.custom_ops[fwd_op] = forward
+    cpa.custom_ops[bwd_op] = backward

@@ -48,12 +48,14 @@ def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     return opt, sched
 
 
-def forward_backward(model, loss_fn, microbatches, global_tokens: torch.Tensor, extra: dict, mon: StepMonitor) -> torch.Tensor:
-    """Accumulate gradients over this rank's microbatches; return its share of the loss."""
+def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: torch.Tensor, mon: StepMonitor) -> torch.Tensor:
+    """Accumulate gradients over this rank's microbatches; return its share of the loss (with CP,
+    the share of its sequence chunks: the loss divides by the global token count either way)."""
     losses = []
-    for inputs, labels in microbatches:
+    for full_inputs, full_labels in microbatches:
+        inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)
         with mon.phase("forward"):
-            pred = model(inputs, **extra)
+            pred = built.parts[0](inputs, **extra)
             mon.after_forward()
             loss, _ = loss_fn(pred, labels, global_tokens)
             loss = mon.corrupt(loss)
@@ -137,7 +139,7 @@ def _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon
         mon.add("pp_compute", mon.clock() - c_pp if mon.clock is time.process_time else busy)  # see StepMonitor.clock
         mon.add("pp_wait", total - busy)
     else:
-        local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs, mon)
+        local = forward_backward(built, loss_fn, microbatches, global_tokens, mon)
     with mon.phase("optimizer"):
         grad_norm = titan.clip_grad_norm(built.parts, cfg.training.max_norm, built.parallel_dims)
     return local, grad_norm

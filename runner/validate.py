@@ -505,15 +505,6 @@ def check_launch(cfg: RunConfig, lay: layout.Layout) -> None:
                 "use pp=1 on GPU clusters for now; mode=validate checks PP layouts",
             )
         )
-    if lay.cp > 1:
-        out.append(
-            Problem(
-                "parallelism.cp",
-                lay.cp,
-                "the training loop does not wire context parallelism yet",
-                "use cp=1 to train; mode=validate checks CP layouts",
-            )
-        )
     if c.device == DeviceType.cpu:
         per_rank = rank_memory_gb(cfg, lay)
         have = machine_memory_gb()
