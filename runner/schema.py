@@ -81,6 +81,26 @@ class ModelConfig:
     """SwiGLU hidden size after TorchTitan's rounding."""
     weight_tying: bool = False
     """Input embedding shared with the output head."""
+    num_experts: int = 0
+    """Routed experts per mixture-of-experts block; 0 = dense model (every block a SwiGLU MLP)."""
+    num_experts_per_token: int = 0
+    """Routed experts each token is sent to (the router's top-k)."""
+    num_shared_experts: int = 0
+    """Experts every token passes through beside the routed ones (one SwiGLU of num_shared_experts x moe_hidden_dim)."""
+    moe_hidden_dim: int = 0
+    """SwiGLU hidden size of one expert."""
+    num_dense_layers: int = 0
+    """Leading blocks of an MoE model with a dense SwiGLU MLP of ffn_hidden_dim instead of experts."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3): rank of the compressed key/value projection; 0 = standard attention."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention: rank of the compressed query projection; 0 = a direct query projection."""
+    qk_nope_head_dim: int = 0
+    """Multi-head latent attention: per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """Multi-head latent attention: per-head query/key dims with RoPE (the key part is shared by all heads)."""
+    v_head_dim: int = 0
+    """Multi-head latent attention: per-head value dims."""
 
 
 @dataclass

@@ -173,9 +173,7 @@ def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tu
 
     positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
     extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
-    return prepare_context_parallel_input(
-        inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer
-    )
+    return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
 
 
 def convert_precision(model_config, cfg: RunConfig) -> list[str]:

@@ -17,6 +17,7 @@ from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
+FAMILIES = {"llama3": LLAMA3_FLAVORS, "deepseek_v3": ("debugmodel", "16B", "236B", "671B")}  # TorchTitan registries
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
 ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 RoPE table length
 WANDB_MODES = ("offline", "online", "disabled")
@@ -123,16 +124,52 @@ def _cluster_and_plan(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _model(cfg: RunConfig, out: list[Problem]) -> None:
     m = cfg.model
-    if m.name != "llama3":
-        out.append(Problem("model.name", m.name, "the runner knows TorchTitan's llama3 family", "use model=debug or a llama3_* option"))
-    elif m.flavor not in LLAMA3_FLAVORS:
-        out.append(Problem("model.flavor", m.flavor, "not a TorchTitan llama3 flavor", f"use one of {', '.join(LLAMA3_FLAVORS)}"))
+    if m.name not in FAMILIES:
+        out.append(
+            Problem(
+                "model.name",
+                m.name,
+                f"the runner knows TorchTitan's {' and '.join(FAMILIES)} families",
+                "use model=debug, debug_moe or a llama3_* option",
+            )
+        )
+    elif m.flavor not in FAMILIES[m.name]:
+        out.append(Problem("model.flavor", m.flavor, f"not a TorchTitan {m.name} flavor", f"use one of {', '.join(FAMILIES[m.name])}"))
+    _moe_model(m, out)
     if m.num_heads < 1 or m.dim % m.num_heads:
         out.append(Problem("model.num_heads", m.num_heads, f"must divide model.dim = {m.dim}", f"use one of {divisors(m.dim)}"))
     elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
         out.append(
             Problem(
                 "model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads = {m.num_heads}", f"use one of {divisors(m.num_heads)}"
+            )
+        )
+
+
+def _moe_model(m, out: list[Problem]) -> None:
+    """An MoE model's numbers must describe a router TorchTitan can build."""
+    if m.num_experts < 0:
+        out.append(Problem("model.num_experts", m.num_experts, "must be >= 0", "use 0 for a dense model"))
+    if m.num_experts == 0:
+        return
+    if not 1 <= m.num_experts_per_token <= m.num_experts:
+        out.append(
+            Problem(
+                "model.num_experts_per_token",
+                m.num_experts_per_token,
+                f"a token goes to between 1 and model.num_experts = {m.num_experts} experts",
+                "copy the router's top_k from TorchTitan's registry",
+            )
+        )
+    if m.moe_hidden_dim < 1:
+        out.append(Problem("model.moe_hidden_dim", m.moe_hidden_dim, "an MoE model's experts need a hidden size", "set it >= 1"))
+    if not 0 <= m.num_dense_layers < m.num_layers:
+        out.append(
+            Problem(
+                "model.num_dense_layers",
+                m.num_dense_layers,
+                f"must be in [0, model.num_layers = {m.num_layers}) so that some blocks hold experts",
+                "copy n_dense_layers from TorchTitan's registry",
             )
         )
 
@@ -278,13 +315,42 @@ def _sequence(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(
             Problem("training.seq_len", t.seq_len, f"longer than the model's RoPE table ({ROPE_MAX_SEQ_LEN})", f"use <= {ROPE_MAX_SEQ_LEN}")
         )
-    if p.ep > 1:
+
+
+def _experts(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
+    """TorchTitan's EP borrows its ranks from FSDP, CP and TP: ep must divide dp_shard x cp x tp
+    (the rest, efsdp, shards the experts further) and the experts must split evenly over ep."""
+    m, ep = cfg.model, cfg.parallelism.ep
+    if ep == 1:
+        return
+    if m.num_experts == 0:
         out.append(
             Problem(
                 "parallelism.ep",
-                p.ep,
-                f"expert parallelism needs a mixture-of-experts model; {cfg.model.name} {cfg.model.flavor} is dense",
-                "use ep=1",
+                ep,
+                f"expert parallelism shards the experts of a mixture-of-experts model; model {m.name} {m.flavor} is dense",
+                "use ep=1, or an MoE model (model=debug_moe)",
+            )
+        )
+        return
+    if m.num_experts % ep:
+        out.append(
+            Problem(
+                "parallelism.ep",
+                ep,
+                f"model.num_experts = {m.num_experts} must split evenly over the expert-parallel ranks",
+                f"use ep in {divisors(m.num_experts)}",
+            )
+        )
+    region = lay.dp_shard * lay.cp * lay.tp
+    if region % ep:
+        out.append(
+            Problem(
+                "parallelism.ep",
+                ep,
+                f"EP takes its ranks from dp_shard x cp x tp = {lay.dp_shard} x {lay.cp} x {lay.tp} = {region} "
+                "(TorchTitan: dp_shard * cp * tp == efsdp * ep), which it does not divide",
+                f"use ep in {divisors(region)}, or raise parallelism.dp_shard",
             )
         )
 
@@ -417,6 +483,7 @@ def check(cfg: RunConfig) -> layout.Layout:
     if ws is not None:
         _tensor_parallel(cfg, ws, out)
         _pipeline_and_batch(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
+        _experts(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
         if fp8 and not out:  # shapes per TP shard need a valid layout
             _fp8_shapes(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
     _sequence(cfg, out)
