@@ -42,6 +42,8 @@ class Built:
     """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
     cp_load_balancer: str | None = None
     """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
+    post_optimizer_build_fn: object = None
+    """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
 
 
 def _titan_configs(cfg: RunConfig, lay: Layout):
@@ -131,6 +133,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
         from runner import titan_cpu
 
         titan_cpu.use_sdpa(mcfg)
+        titan_cpu.use_float32_experts(mcfg)
         if lay.cp > 1:
             titan_cpu.enable_ring_attention()
     training, parallelism = _titan_configs(cfg, lay)
@@ -154,7 +157,16 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
         _materialize(part, mcfg, cfg, device)
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
-    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
+    built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
+    built.post_optimizer_build_fn = spec.post_optimizer_build_fn
+    return built
+
+
+def register_optimizer_hooks(built: Built, optimizer: torch.optim.Optimizer) -> None:
+    """What TorchTitan's trainer does after building the optimizer: for MoE models, a step pre-hook that
+    moves each router's expert bias toward balance from the token counts summed over the batch and CP ranks."""
+    if built.post_optimizer_build_fn is not None:
+        built.post_optimizer_build_fn(optimizer, built.parts, built.parallel_dims)
 
 
 def _cp_load_balancer(mcfg) -> str:
@@ -292,11 +304,12 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
-    """Global gradient norm over every shard and pipeline stage (TorchTitan's DTensor-aware clip)."""
+    """Global gradient norm over every shard and pipeline stage (TorchTitan's DTensor-aware clip; with EP its
+    path that adds the norms of the expert shards, on the (efsdp, ep) mesh, to the rest's)."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     grads = [p for m in parts for p in m.parameters() if p.grad is not None]
-    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"))
+    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
     return float(local_value(norm))
 
 

@@ -161,3 +161,42 @@ def enable_ring_attention() -> None:
 
     cpa.custom_ops[fwd_op] = forward
     cpa.custom_ops[bwd_op] = backward
+
+
+_CpuGroupedExperts = None
+
+
+def use_float32_experts(model_config) -> None:
+    """TorchTitan's experts cast to bfloat16 for torch._grouped_mm, and on these AVX2 CPUs bf16 GEMMs are
+    ~200x slower than fp32 (CPU _grouped_mm is slow in any dtype): swap in experts with the same parameters
+    that run one float32 matmul per expert, as every other CPU matmul here does."""
+    global _CpuGroupedExperts
+    from torchtitan.models.common.moe import GroupedExperts
+
+    if _CpuGroupedExperts is None:
+        from dataclasses import dataclass
+
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor
+
+        class CpuGroupedExperts(GroupedExperts):
+            @dataclass(kw_only=True, slots=True)
+            class Config(GroupedExperts.Config):
+                pass
+
+            def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+                w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+                counts = num_tokens_per_expert_E.tolist()
+                rest = x_RD.shape[0] - sum(counts)  # rows past the last group (padding): zero, as no expert reads them
+                outs = []
+                for e, x in enumerate(torch.split(x_RD, [*counts, rest])[: len(counts)]):
+                    outs.append((F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T)
+                return torch.cat([*outs, x_RD.new_zeros(rest, x_RD.shape[1])])
+
+        _CpuGroupedExperts = CpuGroupedExperts
+    for _, old, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        new = _CpuGroupedExperts.Config(dim=old.dim, hidden_dim=old.hidden_dim, num_experts=old.num_experts, param_init=old.param_init)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)

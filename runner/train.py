@@ -166,6 +166,7 @@ def run(
 ) -> list[dict[str, Any]]:
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
+    titan.register_optimizer_hooks(built, opt)
     loss_fn = titan.loss_fn(cfg)
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
     ckpt_dir = run_dir / cfg.checkpoint.folder
