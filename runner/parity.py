@@ -85,6 +85,7 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         dp=lay.dp,
     )
     before = full_weights(built.parts)
+    seen = _first_norm_output(built)
     sink = Collect()
     train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir)
     result = {
@@ -93,6 +94,7 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         "schedule": type(built.schedule).__name__ if built.schedule is not None else None,
         "stages": _stages(built),
         "rows": sink.rows,
+        "norm_output_shape": seen,
         "weights": fingerprint(before, full_weights(built.parts), lay),
     }
     gathered: list = [None] * dist.get_world_size()
@@ -102,6 +104,22 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         result["summary"] = sink.summary
         (run_dir / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _first_norm_output(built: titan.Built) -> list[int]:
+    """Filled during the first forward with the local shape of the first transformer block's attention_norm
+    output on this rank: [batch, seq / tp, dim] under sequence parallelism, [batch, seq, dim] without."""
+    shape: list[int] = []
+    blocks = [b for part in built.parts for b in part.layers.children()]
+    if not blocks:
+        return shape
+
+    def hook(module, args, out):
+        shape.extend((out.to_local() if hasattr(out, "to_local") else out).shape)
+        handle.remove()  # one microbatch is enough
+
+    handle = blocks[0].attention_norm.register_forward_hook(hook)
+    return shape
 
 
 def _stages(built: titan.Built) -> list[dict[str, Any]]:
