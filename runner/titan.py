@@ -298,11 +298,13 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
-    """Global gradient norm over every shard and pipeline stage (TorchTitan's DTensor-aware clip)."""
+    """Clip to the global gradient norm and return it (pre-clip), as TorchTitan's Trainer does: DTensor
+    gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware
+    variant, which sums the expert and dense parts), and the pipeline mesh sums the stages' parts."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     grads = [p for m in parts for p in m.parameters() if p.grad is not None]
-    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"))
+    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
     return float(local_value(norm))
 
 
