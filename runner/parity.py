@@ -53,13 +53,41 @@ def full_weights(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
+def exact_grad_norm(cfg: RunConfig, lay: layout.Layout, built: titan.Built, data: SyntheticData) -> float:
+    """Step 1's global gradient norm in float64 from the full gradients, then the gradients are dropped.
+
+    The logged norm is TorchTitan's clip in float32, where torch's CPU vector norm rounds at ~4e-5 relative
+    on the 0.5M-element output head, differently for each shard shape; this one compares layouts at ~1e-9."""
+    t = cfg.training
+    tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
+    microbatches = data.microbatches(0)
+    if built.schedule is not None:
+        titan.pipeline_step(built, microbatches, tokens)
+    else:
+        loss_fn = titan.loss_fn(cfg)
+        for inputs, labels in microbatches:
+            loss_fn(built.parts[0](inputs, **built.extra_inputs), labels, tokens)[0].backward()
+    grads = {n: titan.local_value(p.grad).double() for part in built.parts for n, p in part.named_parameters() if p.grad is not None}
+    for part in built.parts:
+        part.zero_grad(set_to_none=True)
+    sq = torch.zeros(1, dtype=torch.float64)
+    if _is_stage_lead(lay):
+        sq += sum(g.square().sum() for g in grads.values())
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
+def _is_stage_lead(lay: layout.Layout) -> bool:
+    """This rank is at coordinate 0 of every axis but pp: it counts its stage's full tensors once."""
+    c = lay.coords(dist.get_rank())
+    return all(c[a] == 0 for a in ("dp_replicate", "dp_shard", "cp", "tp"))
+
+
 def fingerprint(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], lay: layout.Layout) -> dict[str, float]:
     """Global sums over all parameters (each counted once: by the rank at dp/cp/tp coordinate 0 of its
     pipeline stage): sum of squares of the weights, and of the update (after - before)."""
-    c = lay.coords(dist.get_rank())
-    lead = all(c[a] == 0 for a in ("dp_replicate", "dp_shard", "cp", "tp"))
     sums = torch.zeros(3, dtype=torch.float64)
-    if lead:
+    if _is_stage_lead(lay):
         for name, w in after.items():
             sums += torch.stack([w.square().sum(), (w - before[name]).square().sum(), w.sum()])
     dist.all_reduce(sums)
@@ -84,8 +112,9 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         dp_rank=lay.dp_rank(rank),
         dp=lay.dp,
     )
-    before = full_weights(built.parts)
     seen = _first_norm_output(built)
+    exact = exact_grad_norm(cfg, lay, built, data)
+    before = full_weights(built.parts)
     sink = Collect()
     train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir)
     result = {
@@ -95,6 +124,7 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         "stages": _stages(built),
         "rows": sink.rows,
         "norm_output_shape": seen,
+        "grad_norm_fp64": exact,
         "weights": fingerprint(before, full_weights(built.parts), lay),
     }
     gathered: list = [None] * dist.get_world_size()

@@ -253,7 +253,10 @@ def _pipeline(cfg: RunConfig, m: int, unit: int, out: list[Problem]) -> None:
     rule = pipeline.microbatch_rule(p.pp_schedule, p.pp, v, m)
     if rule:
         why, least = rule
-        fix = f"use global_batch_size >= {least * unit} or a smaller training.microbatch_size" if least else "use m a multiple of pp"
+        if least:
+            fix = f"use global_batch_size >= {least * unit} or a smaller training.microbatch_size"
+        else:
+            fix = f"make m a multiple of pp = {p.pp}, e.g. training.global_batch_size={p.pp * unit * max(1, m // p.pp)}"
         out.append(
             Problem("training.global_batch_size", cfg.training.global_batch_size, f"gives m = {m} microbatches per pipeline; {why}", fix)
         )

@@ -4,10 +4,14 @@ Three launches (1, 2 and 4 ranks) of runner.parity run every preset and pipeline
 one after another inside one process group each, with clipping active (max_norm 0.01, far
 below the ~0.74 pre-clip norm), and the tests read their parity.json files.
 
-Tolerances (fp32): the step-1 pre-clip global grad norm within 1e-5 relative of one rank;
-per-step losses within 1e-5 absolute (measured: <= 1e-6 for DP/TP/HSDP; pipeline schedules
-agree with each other to 1e-6); the global sums of the trained weights within 1e-9 and of the
-update within 1e-4 relative.
+Tolerances (fp32 training): the step-1 global gradient norm from the full gradients in float64
+within 1e-8 relative of one rank (measured: <= 1e-9); the logged pre-clip norm (TorchTitan's clip in
+float32) within 1e-5 relative where the norm is taken over whole tensors (DP replicas, pipeline stages)
+and 1e-4 where it is taken over shards (FSDP, TP: measured 1.4e-5 to 5.2e-5, because torch's CPU float32
+vector norm rounds at ~4e-5 relative on the 0.5M-element output head -- one rank's own logged norm is
+4.2e-5 below the float64 norm of the same gradients); per-step losses within 1e-5 absolute (measured:
+<= 1e-6; pipeline schedules agree with each other to 1e-6); the global sums of the trained weights
+within 1e-9 relative and of the clipped update within 1e-5 (measured: <= 1.3e-6).
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ LAUNCHES = {
     },
 }
 MULTI = [name for n, presets in LAUNCHES.items() if n > 1 for name in presets]
+EXACT_NORM_RTOL = 1e-8
 GRAD_NORM_RTOL = 1e-5
+SHARDED_GRAD_NORM_RTOL = 1e-4
 LOSS_ATOL = 1e-5
 SCHEDULE_LOSS_ATOL = 1e-6
 
@@ -68,19 +74,22 @@ def trained(compose, tmp_path_factory):
 def test_global_grad_norm_loss_and_clipped_update_match_one_rank(trained, name):
     ref, got = trained["single"], trained[name]
     assert [r["step"] for r in got["rows"]] == [1, 2]
-    assert got["rows"][0]["grad_norm"] == pytest.approx(ref["rows"][0]["grad_norm"], rel=GRAD_NORM_RTOL)
+    assert got["grad_norm_fp64"] == pytest.approx(ref["grad_norm_fp64"], rel=EXACT_NORM_RTOL)
+    sharded = "tp=" in got["degrees"] or "dp_shard=" in got["degrees"]
+    rtol = SHARDED_GRAD_NORM_RTOL if sharded else GRAD_NORM_RTOL
     for a, b in zip(ref["rows"], got["rows"], strict=True):
         assert a["grad_norm"] > 50 * 0.01  # the clip is active at every step
         assert b["loss"] == pytest.approx(a["loss"], abs=LOSS_ATOL), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=10 * GRAD_NORM_RTOL), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol), a["step"]
     assert got["weights"]["weights_sq"] == pytest.approx(ref["weights"]["weights_sq"], rel=1e-9)
-    assert got["weights"]["update_sq"] == pytest.approx(ref["weights"]["update_sq"], rel=1e-4)
+    assert got["weights"]["update_sq"] == pytest.approx(ref["weights"]["update_sq"], rel=1e-5)
     assert got["weights"]["update_sq"] > 0
 
 
 def test_single_rank_reference_is_sane(trained):
     rows = trained["single"]["rows"]
     assert 7.0 < rows[0]["loss"] < 9.0 and 0.5 < rows[0]["grad_norm"] < 1.0  # ln(2048) = 7.62 at init
+    assert rows[0]["grad_norm"] == pytest.approx(trained["single"]["grad_norm_fp64"], rel=1e-4)  # float32 vs float64 norm
     assert trained["single"]["weights"]["update_sq"] > 0
 
 
