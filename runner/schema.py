@@ -120,9 +120,24 @@ class ParallelismConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
     pp_schedule: str = "1F1B"
-    """Pipeline schedule name as torch.distributed.pipelining knows it."""
+    """Pipeline schedule name as torch.distributed.pipelining knows it: 1F1B, GPipe (one stage per rank),
+    Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (looped, >= 2 stages per rank), ZBVZeroBubble,
+    DualPipeV (V-shaped, exactly 2 stages per rank)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages (model chunks) per pipeline rank, v: 1 for 1F1B/GPipe, >= 2 for the looped
+    schedules, 2 for the V schedules. The model is split into pp x v stages."""
+    pp_first_stage_less_layers: int = 1
+    """Transformer layers the first stage holds fewer than the others because it also holds the
+    embedding (TorchTitan's pipeline_parallel_first_stage_less_layers; the Llama 3 405B split)."""
+    pp_last_stage_less_layers: int = 1
+    """Transformer layers the last stage holds fewer than the others because it also holds the
+    final norm and output head (TorchTitan's pipeline_parallel_last_stage_less_layers)."""
     sequence_parallel: bool = True
-    """Shard norms/dropout activations along the sequence inside the TP group."""
+    """With tp > 1: shard norm activations along the sequence inside the TP group (reduce-scatter +
+    all-gather in place of TP's all-reduce); false keeps them replicated."""
+    async_tp: bool = False
+    """Overlap TP collectives with the matmuls (TorchTitan's async TP: Inductor's micro-pipeline TP
+    pass on symmetric memory); needs CUDA, tp > 1 and training.compile=true."""
     fsdp_reshard_after_forward: str = "default"
     """TorchTitan's FSDP2 policy: always (free gathered weights after each forward), never
     (keep them until backward ends), default (never with PP, which would otherwise gather
@@ -288,6 +303,8 @@ class TrainingConfig:
     """Clip the global gradient norm to this value."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation recomputation; when on, HFU is logged beside MFU."""
+    compile: bool = False
+    """torch.compile every transformer block (TorchTitan's CompileConfig, Inductor); async TP needs it."""
 
 
 class GuardAction(Enum):

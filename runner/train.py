@@ -39,6 +39,19 @@ class Accounting:
     """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
 
 
+def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
+    """What MFU is measured against: the run's peak (peak.json) and TorchTitan's FLOPs per token."""
+    return Accounting(
+        pk["peak_tflops"],
+        pk["peak_flops_total"],
+        pk["peak_source"],
+        built.flops_per_token,
+        flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
+        pk["dtype"],
+        pk["emulated"],
+    )
+
+
 def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     t = cfg.training
     params = [p for m in parts for p in m.parameters()]

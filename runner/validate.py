@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner import flops, layout, precision, slurm
+from runner import flops, layout, pipeline, precision, slurm
 from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig
 
-PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 FAMILIES = {"llama3": LLAMA3_FLAVORS, "deepseek_v3": ("debugmodel", "16B", "236B", "671B")}  # TorchTitan registries
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
@@ -49,11 +47,6 @@ class ConfigError(Exception):
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Virtual pipeline stages each rank holds (TorchTitan's default of 2 for looped schedules)."""
-    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
 def _positive(cfg: RunConfig, out: list[Problem]) -> None:
@@ -258,24 +251,7 @@ def _tensor_parallel(cfg: RunConfig, ws: int, out: list[Problem]) -> None:
 
 
 def _pipeline_and_batch(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
-    p, t, m = cfg.parallelism, cfg.training, cfg.model
-    if p.pp_schedule not in PP_SCHEDULES:
-        out.append(
-            Problem(
-                "parallelism.pp_schedule", p.pp_schedule, "not a pipeline schedule torch provides", f"use one of {', '.join(PP_SCHEDULES)}"
-            )
-        )
-        return
-    stages = p.pp * stages_per_rank(p.pp_schedule) if p.pp > 1 else 1
-    if m.num_layers % stages:
-        out.append(
-            Problem(
-                "parallelism.pp",
-                p.pp,
-                f"model.num_layers = {m.num_layers} does not split evenly into {stages} pipeline stages ({p.pp_schedule})",
-                f"use pp with pp x stages-per-rank dividing {m.num_layers}",
-            )
-        )
+    p, t = cfg.parallelism, cfg.training
     unit = lay.dp * t.microbatch_size
     if t.global_batch_size % unit:
         out.append(
@@ -287,15 +263,89 @@ def _pipeline_and_batch(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) 
             )
         )
         return
-    microbatches = t.global_batch_size // unit
-    if p.pp > 1 and p.pp_schedule != "GPipe" and microbatches < p.pp:
+    if p.pp > 1:
+        _pipeline(cfg, t.global_batch_size // unit, unit, out)
+
+
+def _pipeline(cfg: RunConfig, m: int, unit: int, out: list[Problem]) -> None:
+    """Schedule, stages per rank, microbatches and the layer split: what torch's schedules and
+    TorchTitan's pipeline_llm would refuse at start-up (runner/pipeline.py)."""
+    p, mo = cfg.parallelism, cfg.model
+    if p.pp_schedule not in pipeline.SCHEDULES:
         out.append(
             Problem(
-                "training.global_batch_size",
-                t.global_batch_size,
-                f"gives {microbatches} microbatches per pipeline, fewer than pp = {p.pp} stages "
-                f"({p.pp_schedule} needs at least one per stage)",
-                f"use global_batch_size >= {p.pp * unit} or a smaller training.microbatch_size",
+                "parallelism.pp_schedule",
+                p.pp_schedule,
+                "not a pipeline schedule torch.distributed.pipelining provides",
+                f"use one of {', '.join(pipeline.SCHEDULES)}",
+            )
+        )
+        return
+    v = p.pp_virtual_stages
+    why = pipeline.virtual_stages_rule(p.pp_schedule, v)
+    if why:
+        want = "1 (or a looped schedule such as Interleaved1F1B)" if pipeline.SCHEDULES[p.pp_schedule].style == "single" else "2"
+        out.append(Problem("parallelism.pp_virtual_stages", v, why, f"set parallelism.pp_virtual_stages={want}"))
+        return
+    rule = pipeline.microbatch_rule(p.pp_schedule, p.pp, v, m)
+    if rule:
+        why, least = rule
+        if least:
+            fix = f"use global_batch_size >= {least * unit} or a smaller training.microbatch_size"
+        else:
+            fix = f"make m a multiple of pp = {p.pp}, e.g. training.global_batch_size={p.pp * unit * max(1, m // p.pp)}"
+        out.append(
+            Problem("training.global_batch_size", cfg.training.global_batch_size, f"gives m = {m} microbatches per pipeline; {why}", fix)
+        )
+    first, last = p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    for name, value in (("pp_first_stage_less_layers", first), ("pp_last_stage_less_layers", last)):
+        if value < 0:
+            out.append(Problem(f"parallelism.{name}", value, "must be >= 0", "use 0 for an even split of the transformer layers"))
+    if first < 0 or last < 0:
+        return
+    try:
+        pipeline.stage_layers(mo.num_layers, p.pp * v, first, last)
+    except ValueError as e:
+        out.append(
+            Problem(
+                "parallelism.pp",
+                p.pp,
+                f"model.num_layers = {mo.num_layers} (+ {first} for the embedding, + {last} for the head) cannot be split "
+                f"into pp x pp_virtual_stages = {p.pp * v} stages: {e}",
+                "use fewer stages (pp or pp_virtual_stages), or lower parallelism.pp_first_stage_less_layers/pp_last_stage_less_layers",
+            )
+        )
+
+
+def _async_tp(cfg: RunConfig, out: list[Problem]) -> None:
+    """TorchTitan's async TP is Inductor's micro-pipeline TP pass on symmetric memory: CUDA, compile, TP."""
+    p, c = cfg.parallelism, cfg.cluster
+    if not p.async_tp:
+        return
+    if c.device != DeviceType.cuda:
+        out.append(
+            Problem(
+                "parallelism.async_tp",
+                True,
+                f"async TP overlaps TP collectives with matmuls through Inductor's micro-pipeline TP pass on CUDA symmetric "
+                f"memory (torch.distributed._symmetric_memory); cluster {c.name} computes on {c.device.value} with "
+                f"{c.backend.value}, which has neither",
+                "set parallelism.async_tp=false here (mode=validate checks it for a CUDA cluster)",
+            )
+        )
+    if not cfg.training.compile:
+        out.append(
+            Problem(
+                "parallelism.async_tp",
+                True,
+                "async TP is a torch.compile (Inductor) pass, and training.compile is false",
+                "set training.compile=true, or parallelism.async_tp=false",
+            )
+        )
+    if p.tp < 2:
+        out.append(
+            Problem(
+                "parallelism.async_tp", True, f"there is no TP collective to overlap with tp = {p.tp}", "use tp >= 2, or async_tp=false"
             )
         )
 
@@ -328,7 +378,7 @@ def _experts(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
             Problem(
                 "parallelism.ep",
                 ep,
-                f"expert parallelism shards the experts of a mixture-of-experts model; model {m.name} {m.flavor} is dense",
+                f"expert parallelism needs a mixture-of-experts model (it shards the experts); model {m.name} {m.flavor} is dense",
                 "use ep=1, or an MoE model (model=debug_moe)",
             )
         )
@@ -487,6 +537,7 @@ def check(cfg: RunConfig) -> layout.Layout:
         if fp8 and not out:  # shapes per TP shard need a valid layout
             _fp8_shapes(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
     _sequence(cfg, out)
+    _async_tp(cfg, out)
     _device(cfg, out)
     _cluster_and_plan(cfg, out)
     if fp8:
