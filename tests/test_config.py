@@ -255,8 +255,9 @@ def test_help_and_info():
     help_ = run_cli("--help")
     assert help_.returncode == 0
     for line in (
-        "model: debug, llama3_405b, llama3_70b, llama3_8b",
-        "parallelism: dp2, dp2_pp2, dp2_tp2, fsdp, hsdp2x2, pp2_interleaved, single, tp2, tp2_pp2, tp4_pp4, tp8_pp16, tp8_pp4, tp8_pp8",
+        "model: debug, debug_moe, llama3_405b, llama3_70b, llama3_8b",
+        "parallelism: cp2, dp2, dp2_pp2, dp2_tp2, ep2, fsdp, hsdp2x2, pp2_interleaved, single, tp2, tp2_pp2, tp4_pp4, tp8_pp16, "
+        "tp8_pp16_cp16, tp8_pp4, tp8_pp8",
         "recipe: debug_dp2_tp2_cpu, llama3_70b_h100x1024",
         "python -m runner --config-dir <run folder> --config-name frozen",
     ):
