@@ -94,12 +94,26 @@ def test_cp_and_ep_layouts_validate_and_launch_here(compose):
         (["parallelism=cp2", "parallelism.dp_shard=2"], "dp_shard=2 x cp=2"),
         (["parallelism=cp2", "parallelism.tp=2"], "cp=2 x tp=2"),
         (["model=debug_moe", "parallelism=ep2"], "dp_shard=2 x ep=2"),
-        (["model=debug_moe", "parallelism=ep2", "parallelism.cp=2"], "dp_shard=2 x cp=2 x ep=2"),
     ):
         cfg = compose(overrides)
         lay = validate.check(cfg)
         validate.check_launch(cfg, lay)  # CP is no longer rejected on local_cpu
         assert lay.describe() == degrees
+
+
+def test_cp_with_latent_attention_rejected_on_cpu_only(compose):
+    """Measured: cp2 with debug_moe fails in TorchTitan's CP-wrapped SDPA on CPU; the config itself is valid (GPU)."""
+    cfg = compose(["model=debug_moe", "parallelism=ep2", "parallelism.cp=2"])
+    lay = validate.check(cfg)
+    assert lay.describe() == "dp_shard=2 x cp=2 x ep=2"
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check_launch(cfg, lay)
+    assert "parallelism.cp = 2: on CPU, ring attention covers the fused SDPA kernel; deepseek_v3's latent attention has query/key " in str(
+        e.value
+    )
+    assert "heads of 192 and value heads of 128 dims" in str(e.value) and "aten.add.Tensor got mixed torch.Tensor and DTensor" in str(
+        e.value
+    )
 
 
 def test_405b_long_context_layout_world_size(compose):
