@@ -6,6 +6,8 @@ Torch-free. Two FLOP conventions, and every figure says which one it used:
   (matmul parameters; attention scores and value aggregation, forward 1 + backward 2,
   2 FLOPs per multiply-add, causal sparsity ignored; with tied embeddings N is used whole).
 - "6N": 6 * N (Kaplan et al. 2020; the convention of the Llama 3 paper's MFU).
+For mixture-of-experts models N is the ACTIVE parameter count in both conventions (TorchTitan's
+`get_moe_model_nparams_and_flops`): a token runs num_experts_per_token of num_experts routed experts.
 MFU = model FLOP/s / (number of devices x dense peak per device in the compute dtype).
 """
 
@@ -20,32 +22,86 @@ def head_dim(m: ModelConfig) -> int:
     return m.dim // m.num_heads
 
 
+def is_moe(m: ModelConfig) -> bool:
+    return m.num_experts > 0
+
+
+def is_mla(m: ModelConfig) -> bool:
+    """Multi-head latent attention (DeepSeek-V3) rather than grouped-query attention."""
+    return m.kv_lora_rank > 0
+
+
+def attention_head_dims(m: ModelConfig) -> int:
+    """Query/key plus value dims of one head: the factor of the attention-score FLOPs."""
+    if is_mla(m):
+        return m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+    return 2 * head_dim(m)
+
+
 def embedding_params(m: ModelConfig) -> int:
     return m.vocab_size * m.dim
 
 
+def attention_params(m: ModelConfig) -> int:
+    """GQA: q, k, v, o projections. MLA: query projection (direct or through a q_lora_rank bottleneck
+    with its norm), the joint compressed key/value + shared RoPE-key projection, its norm, the
+    key/value up-projection and the output projection."""
+    if not is_mla(m):
+        hd = head_dim(m)
+        return m.dim * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.dim
+    qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = m.dim * qk if m.q_lora_rank == 0 else m.dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * qk
+    kv = m.dim * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + m.num_heads * m.v_head_dim * m.dim
+
+
+def routed_expert_params(m: ModelConfig) -> int:
+    """All routed experts of one MoE block (SwiGLU each)."""
+    return m.num_experts * 3 * m.dim * m.moe_hidden_dim
+
+
+def moe_ffn_params(m: ModelConfig) -> int:
+    """Routed experts, router gate and shared experts of one MoE block."""
+    shared = 3 * m.dim * m.moe_hidden_dim * m.num_shared_experts
+    return routed_expert_params(m) + m.dim * m.num_experts + shared
+
+
+def num_moe_layers(m: ModelConfig) -> int:
+    return m.num_layers - m.num_dense_layers if is_moe(m) else 0
+
+
 def block_params(m: ModelConfig) -> int:
-    """Parameters of one transformer block: attention, SwiGLU MLP and two norms."""
-    hd = head_dim(m)
-    attention = m.dim * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.dim
-    return attention + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    """Parameters of the largest transformer block (an MoE block in an MoE model): attention, MLP or experts, two norms."""
+    ffn = moe_ffn_params(m) if is_moe(m) else 3 * m.dim * m.ffn_hidden_dim
+    return attention_params(m) + ffn + 2 * m.dim
 
 
 def num_params(m: ModelConfig) -> int:
-    """Parameters of a Llama-style decoder (no biases), counting tied weights once."""
+    """Parameters of the decoder (no biases), every expert included, tied weights counted once."""
     head = 0 if m.weight_tying else m.vocab_size * m.dim
-    return embedding_params(m) + m.num_layers * block_params(m) + m.dim + head
+    dense_block = attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    n_moe = num_moe_layers(m)
+    blocks = (m.num_layers - n_moe) * dense_block + n_moe * block_params(m)
+    return embedding_params(m) + blocks + m.dim + head
+
+
+def num_active_params(m: ModelConfig) -> int:
+    """Parameters one token uses: of the routed experts only num_experts_per_token of num_experts
+    (TorchTitan's get_moe_model_nparams_and_flops, with its integer division over all MoE blocks)."""
+    routed = num_moe_layers(m) * routed_expert_params(m)
+    return num_params(m) - routed + routed * m.num_experts_per_token // max(m.num_experts, 1)
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> int:
-    """Training FLOPs (forward + backward) per token."""
-    n = num_params(m)
+    """Training FLOPs (forward + backward) per token, from the active parameters."""
+    n = num_active_params(m)
     if convention == "6N":
         return 6 * n
     if convention != "titan":
         raise ValueError(f"unknown FLOP convention {convention!r}; use one of {CONVENTIONS}")
     matmul_params = n if m.weight_tying else n - embedding_params(m)
-    return 6 * matmul_params + 6 * m.num_layers * m.num_heads * (2 * head_dim(m)) * seq_len
+    return 6 * matmul_params + 6 * m.num_layers * m.num_heads * attention_head_dims(m) * seq_len
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:

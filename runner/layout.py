@@ -46,7 +46,7 @@ class Layout:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def describe(self) -> str:
-        parts = [f"{a}={getattr(self, a)}" for a in MESH_ORDER if getattr(self, a) > 1]
+        parts = [f"{a}={getattr(self, a)}" for a in (*MESH_ORDER, "ep") if getattr(self, a) > 1]  # ep borrows dp_shard/cp/tp ranks
         return " x ".join(parts) if parts else "single rank"
 
 

@@ -34,10 +34,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner import flops, precision
+from runner import flops, pipeline, precision
 from runner.layout import MESH_ORDER, Layout
 from runner.schema import ActivationCheckpoint, RunConfig
-from runner.validate import stages_per_rank
 
 BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
@@ -56,17 +55,9 @@ def link(lay: Layout, axis: str, devices_per_node: int) -> str:
     return "intra-node" if extent <= devices_per_node and devices_per_node % extent == 0 else "scale-out"
 
 
-def bubble_fraction(pp: int, microbatches: int, schedule: str) -> tuple[float, str]:
-    """Idle fraction of a pipeline step and the formula used."""
-    if pp == 1:
-        return 0.0, "no pipeline"
-    v = stages_per_rank(schedule)
-    if v == 1:
-        return (pp - 1) / (microbatches + pp - 1), f"(p-1)/(m+p-1) = {pp - 1}/{microbatches + pp - 1}"
-    text = f"(p-1)/(v*m+p-1) = {pp - 1}/{v * microbatches + pp - 1}, v={v}"
-    if "ZeroBubble" in schedule or schedule == "DualPipeV":
-        text += " (upper bound: the schedule fills part of it with weight-gradient work)"
-    return (pp - 1) / (v * microbatches + pp - 1), text
+def bubble_fraction(pp: int, microbatches: int, schedule: str, v: int = 1) -> tuple[float, str]:
+    """Idle fraction of a pipeline step and the formula used (runner.pipeline.bubble)."""
+    return pipeline.bubble(pp, microbatches, schedule, v)
 
 
 def keeps_weights_gathered(cfg: RunConfig, lay: Layout) -> bool:
@@ -117,8 +108,9 @@ def compute(
     n = flops.num_params(m)
     tokens = t.global_batch_size * t.seq_len
     micro = t.global_batch_size // (lay.dp * t.microbatch_size)
-    bubble, bubble_text = bubble_fraction(lay.pp, micro, p.pp_schedule)
-    v = stages_per_rank(p.pp_schedule) if lay.pp > 1 else 1
+    v = p.pp_virtual_stages if lay.pp > 1 else 1
+    bubble, bubble_text = bubble_fraction(lay.pp, micro, p.pp_schedule, v)
+    split = pipeline.stage_layers(m.num_layers, lay.pp * v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
 
     # Memory
     params_gpu = n / (lay.tp * lay.pp)
@@ -132,7 +124,7 @@ def compute(
     layers_gpu = m.num_layers / lay.pp
     act_mb = activation_bytes_per_layer(cfg, lay, recompute=False) * layers_gpu
     act_mb_ac = activation_bytes_per_layer(cfg, lay, recompute=True) * layers_gpu
-    in_flight = 1 if lay.pp == 1 else (micro if p.pp_schedule == "GPipe" else min(micro, lay.pp))
+    in_flight = pipeline.microbatches_in_flight(p.pp_schedule, lay.pp, micro)
     ac = t.activation_checkpoint != ActivationCheckpoint.none
     activations = (act_mb_ac if ac else act_mb) * in_flight
     total = weights_grads + optimizer + activations
@@ -175,15 +167,24 @@ def compute(
     cp_vol = layers_gpu * micro * (lay.cp - 1) * (6 + (2 if ac else 0)) * kv_bytes if lay.cp > 1 else 0.0
     cp_s = _collective_s(cp_vol, gbs_of[links["cp"]]) if lay.cp > 1 else 0.0
 
+    # EP: each MoE block sends every token to num_experts_per_token experts and back (dispatch + combine
+    # all-to-alls) forward and again backward (+ forward again under recomputation); (ep-1)/ep of it leaves
+    # the rank. TorchTitan's sparse mesh (pp, dp_replicate, efsdp, ep) puts an EP group on consecutive ranks.
+    ep_link = "intra-node" if lay.ep <= dpn and dpn % lay.ep == 0 else "scale-out"
+    moe_layers_gpu = flops.num_moe_layers(m) / lay.pp
+    routed_bytes = t.microbatch_size * (t.seq_len / lay.cp) * m.num_experts_per_token * m.dim * bw
+    ep_vol = moe_layers_gpu * micro * (4 + (2 if ac else 0)) * routed_bytes * (lay.ep - 1) / lay.ep if lay.ep > 1 else 0.0
+    ep_s = _collective_s(ep_vol, gbs_of[ep_link]) if lay.ep > 1 else 0.0
+
     # Bottom-up estimate: GEMMs at the cluster's matmul efficiency, stretched by the bubble,
     # plus the traffic that sits on the critical path (TP inside every layer, PP hand-offs,
-    # CP ring passes counted whole; DP only beyond what backward hides).
+    # CP ring passes and EP all-to-alls counted whole; DP only beyond what backward hides).
     eff = matmul_efficiency if matmul_efficiency is not None else c.matmul_efficiency
-    parts = [tp_s, pp_s, cp_s, dp_s]
+    parts = [tp_s, pp_s, cp_s, ep_s, dp_s]
     if ideal_s is not None and None not in parts:
         compute_s = ideal_s / eff / (1 - bubble)
         dp_exposed = max(0.0, dp_s - compute_s * 2 / 3)
-        est_s = compute_s + tp_s + pp_s + cp_s + dp_exposed
+        est_s = compute_s + tp_s + pp_s + cp_s + ep_s + dp_exposed
         est_mfu = ideal_s / est_s
     else:
         compute_s = dp_exposed = est_s = est_mfu = None
@@ -208,6 +209,7 @@ def compute(
         "tokens_per_step": tokens,
         "microbatches": micro,
         "virtual_stages_per_rank": v,
+        "layers_per_stage": split,
         "bubble_fraction": bubble,
         "bubble_formula": bubble_text,
         "params_per_gpu": params_gpu,
@@ -245,12 +247,26 @@ def compute(
         "dp_hidden_behind_backward": dp_s <= backward_s if dp_s is not None and backward_s is not None else None,
         "cp_comm_gb": cp_vol / 1e9,
         "cp_comm_s": cp_s,
+        "ep_comm_gb": ep_vol / 1e9,
+        "ep_comm_s": ep_s,
+        "ep_link": ep_link if lay.ep > 1 else None,
         "checkpoint_gb": ckpt_gb,
         "checkpoint_write_s": write_s,
         "mtbf_hours": c.mtbf_hours or None,
         "checkpoint_interval_s": interval_s,
         "checkpoint_interval_steps": interval_steps,
     }
+
+
+def _layers(split: list[int]) -> str:
+    """'0 | 1 x 6 | 0' style: stage sizes with runs collapsed."""
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " | ".join(f"{n} x {k}" if k > 1 else str(n) for n, k in runs)
 
 
 def _f(x: float | None, fmt: str, unit: str = "") -> str:
@@ -270,6 +286,7 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
         ("tokens per step", f"{plan['tokens_per_step']:,}", "global batch x seq_len"),
         ("microbatches per pipeline m", str(plan["microbatches"]), ""),
         ("pipeline bubble", pct(plan["bubble_fraction"]), plan["bubble_formula"]),
+        ("layers per stage", _layers(plan["layers_per_stage"]), f"{plan['virtual_stages_per_rank']} stage(s) per pipeline rank"),
         ("parameters per GPU", f"{plan['params_per_gpu'] / 1e9:.3f} B", "params / (tp x pp)"),
         (
             "weights + gradients",
@@ -310,6 +327,8 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
     ]
     if plan["cp_comm_gb"]:
         out.append(("CP traffic", _f(plan["cp_comm_s"], ".3f", " s"), f"{plan['cp_comm_gb']:.1f} GB ring attention K/V"))
+    if plan["ep_comm_gb"]:
+        out.append(("EP traffic", _f(plan["ep_comm_s"], ".3f", " s"), f"{plan['ep_comm_gb']:.2f} GB token all-to-all, {plan['ep_link']}"))
     note = f"write {_f(plan['checkpoint_write_s'], '.1f', ' s')}, MTBF {_f(plan['mtbf_hours'], 'g', ' h')} (Young/Daly)"
     if configured_interval:
         note += f"; configured: {configured_interval}"

@@ -86,6 +86,26 @@ class ModelConfig:
     """SwiGLU hidden size after TorchTitan's rounding."""
     weight_tying: bool = False
     """Input embedding shared with the output head."""
+    num_experts: int = 0
+    """Routed experts per mixture-of-experts block; 0 = dense model (every block a SwiGLU MLP)."""
+    num_experts_per_token: int = 0
+    """Routed experts each token is sent to (the router's top-k)."""
+    num_shared_experts: int = 0
+    """Experts every token passes through beside the routed ones (one SwiGLU of num_shared_experts x moe_hidden_dim)."""
+    moe_hidden_dim: int = 0
+    """SwiGLU hidden size of one expert."""
+    num_dense_layers: int = 0
+    """Leading blocks of an MoE model with a dense SwiGLU MLP of ffn_hidden_dim instead of experts."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3): rank of the compressed key/value projection; 0 = standard attention."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention: rank of the compressed query projection; 0 = a direct query projection."""
+    qk_nope_head_dim: int = 0
+    """Multi-head latent attention: per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """Multi-head latent attention: per-head query/key dims with RoPE (the key part is shared by all heads)."""
+    v_head_dim: int = 0
+    """Multi-head latent attention: per-head value dims."""
 
 
 @dataclass
@@ -105,9 +125,24 @@ class ParallelismConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
     pp_schedule: str = "1F1B"
-    """Pipeline schedule name as torch.distributed.pipelining knows it."""
+    """Pipeline schedule name as torch.distributed.pipelining knows it: 1F1B, GPipe (one stage per rank),
+    Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (looped, >= 2 stages per rank), ZBVZeroBubble,
+    DualPipeV (V-shaped, exactly 2 stages per rank)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages (model chunks) per pipeline rank, v: 1 for 1F1B/GPipe, >= 2 for the looped
+    schedules, 2 for the V schedules. The model is split into pp x v stages."""
+    pp_first_stage_less_layers: int = 1
+    """Transformer layers the first stage holds fewer than the others because it also holds the
+    embedding (TorchTitan's pipeline_parallel_first_stage_less_layers; the Llama 3 405B split)."""
+    pp_last_stage_less_layers: int = 1
+    """Transformer layers the last stage holds fewer than the others because it also holds the
+    final norm and output head (TorchTitan's pipeline_parallel_last_stage_less_layers)."""
     sequence_parallel: bool = True
-    """Shard norms/dropout activations along the sequence inside the TP group."""
+    """With tp > 1: shard norm activations along the sequence inside the TP group (reduce-scatter +
+    all-gather in place of TP's all-reduce); false keeps them replicated."""
+    async_tp: bool = False
+    """Overlap TP collectives with the matmuls (TorchTitan's async TP: Inductor's micro-pipeline TP
+    pass on symmetric memory); needs CUDA, tp > 1 and training.compile=true."""
     fsdp_reshard_after_forward: str = "default"
     """TorchTitan's FSDP2 policy: always (free gathered weights after each forward), never
     (keep them until backward ends), default (never with PP, which would otherwise gather
@@ -279,6 +314,8 @@ class TrainingConfig:
     """Clip the global gradient norm to this value."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation recomputation; when on, HFU is logged beside MFU."""
+    compile: bool = False
+    """torch.compile every transformer block (TorchTitan's CompileConfig, Inductor); async TP needs it."""
 
 
 class GuardAction(Enum):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from runner import precision
+from runner import pipeline, precision
 from runner.layout import Layout
 from runner.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, RunConfig
 
@@ -40,6 +40,10 @@ class Built:
     """This rank holds the last pipeline stage (it computes the loss)."""
     fp8_converted: list[str] | None = None
     """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
+    cp_load_balancer: str | None = None
+    """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
+    post_optimizer_build_fn: object = None
+    """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
 
 
 def _titan_configs(cfg: RunConfig, lay: Layout):
@@ -63,6 +67,9 @@ def _titan_configs(cfg: RunConfig, lay: Layout):
         pipeline_parallel_degree=lay.pp,
         pipeline_parallel_schedule=p.pp_schedule,
         pipeline_parallel_microbatch_size=t.microbatch_size,
+        pipeline_parallel_first_stage_less_layers=p.pp_first_stage_less_layers,
+        pipeline_parallel_last_stage_less_layers=p.pp_last_stage_less_layers,
+        module_fqns_per_model_part=stage_modules(cfg, lay) if lay.pp > 1 else None,
         context_parallel_degree=lay.cp,
         expert_parallel_degree=lay.ep,
         spmd_backend=SPMD_BACKEND,
@@ -70,8 +77,30 @@ def _titan_configs(cfg: RunConfig, lay: Layout):
     return training, parallelism
 
 
+def stage_modules(cfg: RunConfig, lay: Layout) -> list[list[str]]:
+    """Module FQNs of each of the pp x v pipeline stages, from TorchTitan's own LLM split (embedding and head
+    weighted as pp_first/last_stage_less_layers). Passed to pipeline_llm explicitly because it only infers
+    1 or 2 stages per rank; checked against the torch-free mirror that validation and the plan use."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    p, n = cfg.parallelism, cfg.model.num_layers
+    first, last = p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    fqns = _generate_llm_fqn_per_model_part(lay.pp * p.pp_virtual_stages, n, first, last)
+    got = [sum(f.startswith("layers.") for f in stage) for stage in fqns]
+    want = pipeline.stage_layers(n, lay.pp * p.pp_virtual_stages, first, last)
+    if got != want:
+        raise RuntimeError(f"TorchTitan split {n} layers as {got}, runner.pipeline.stage_layers says {want}: the mirror is out of date")
+    return fqns
+
+
 def init_distributed(cfg: RunConfig, lay: Layout):
     """Process group, CPU adaptations and the device mesh (pp, dp_replicate, dp_shard, cp, tp)."""
+    init_process_group(cfg)
+    return build_mesh(cfg, lay)
+
+
+def init_process_group(cfg: RunConfig) -> None:
+    """The default process group (and, on CPU, TorchTitan's device globals); one per process."""
     if cfg.cluster.device == DeviceType.cpu:
         from runner import titan_cpu
 
@@ -80,13 +109,17 @@ def init_distributed(cfg: RunConfig, lay: Layout):
         import os
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
-    dist.init_process_group(cfg.cluster.backend.value, timeout=timeout)
+    dist.init_process_group(cfg.cluster.backend.value, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+
+
+def build_mesh(cfg: RunConfig, lay: Layout):
+    """TorchTitan's ParallelDims and device mesh for this layout over the whole default group. Several
+    layouts may be built one after another in one process group (runner.parity)."""
     from torchtitan.distributed import ParallelDims
 
     pd = ParallelDims.from_config(_titan_configs(cfg, lay)[1], dist.get_world_size())
     pd.build_mesh()
-    _set_group_timeouts(timeout)
+    _set_group_timeouts(datetime.timedelta(seconds=cfg.distributed.timeout_s))
     import torchtitan.distributed.utils as dist_utils
 
     dist_utils.set_spmd_backend(SPMD_BACKEND)
@@ -129,14 +162,18 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
         from runner import titan_cpu
 
         titan_cpu.use_sdpa(mcfg)
+        titan_cpu.use_float32_experts(mcfg)
+        if lay.cp > 1:
+            titan_cpu.enable_ring_attention()
     training, parallelism = _titan_configs(cfg, lay)
     mcfg.update_from_config(config=SimpleNamespace(training=training, parallelism=parallelism))
     with torch.device("meta"):
         model = mcfg.build()
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     ac = FullAC.Config() if cfg.training.activation_checkpoint == ActivationCheckpoint.full else None
+    compile_config = CompileConfig(enable=cfg.training.compile, enable_async_tensor_parallel=cfg.parallelism.async_tp)
     common = dict(
-        parallel_dims=pd, training=training, parallelism=parallelism, compile_config=CompileConfig(), ac_config=ac, dump_folder=str(run_dir)
+        parallel_dims=pd, training=training, parallelism=parallelism, compile_config=compile_config, ac_config=ac, dump_folder=str(run_dir)
     )
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     schedule, has_first, has_last = None, True, True
@@ -149,7 +186,36 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     for part in parts:
         _materialize(part, mcfg, cfg, device)
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
-    return Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted)
+    balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
+    built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
+    built.post_optimizer_build_fn = spec.post_optimizer_build_fn
+    return built
+
+
+def register_optimizer_hooks(built: Built, optimizer: torch.optim.Optimizer) -> None:
+    """What TorchTitan's trainer does after building the optimizer: for MoE models, a step pre-hook that
+    moves each router's expert bias toward balance from the token counts summed over the batch and CP ranks."""
+    if built.post_optimizer_build_fn is not None:
+        built.post_optimizer_build_fn(optimizer, built.parts, built.parallel_dims)
+
+
+def _cp_load_balancer(mcfg) -> str:
+    """TorchTitan's pairing: head-tail chunks for causal SDPA, PTRR for FlexAttention block masks."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    return "ptrr" if isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config) else "headtail"
+
+
+def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Tokens, labels and keyword inputs of one microbatch; with CP, this rank's sequence chunks
+    (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+    if built.cp_load_balancer is None:
+        return inputs, labels, built.extra_inputs
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
+    extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
+    return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
 
 
 def convert_precision(model_config, cfg: RunConfig) -> list[str]:
@@ -268,11 +334,13 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
-    """Global gradient norm over every shard and pipeline stage (TorchTitan's DTensor-aware clip)."""
+    """Clip to the global gradient norm and return it (pre-clip), as TorchTitan's Trainer does: DTensor
+    gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware
+    variant, which sums the expert and dense parts), and the pipeline mesh sums the stages' parts."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     grads = [p for m in parts for p in m.parameters() if p.grad is not None]
-    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"))
+    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
     return float(local_value(norm))
 
 

@@ -110,3 +110,93 @@ def emulated_blockwise_linear_config():
 
 
 _EmulatedBlockwiseLinear = None
+
+
+def enable_ring_attention() -> None:
+    """torch's CP dispatcher maps only the CUDA SDPA kernels to ring attention, and CPU SDPA lowers to
+    aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding strategy ("NotImplementedError:
+    Operator ... does not have a sharding strategy registered"). Register that op and its backward with
+    handlers that call torch's own ring-attention code (_templated_ring_attention and its backward).
+    Call before TorchTitan's apply_cp_to_forward (inside parallelize), which turns the dispatcher on."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cpa
+
+    aten = torch.ops.aten
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    seq = 2  # SDPA layout (batch, heads, seq, head_dim)
+
+    def local(x, mesh):
+        if tuple(x.placements) != (Shard(seq),):
+            x = x.redistribute(mesh, [Shard(seq)])
+        return x.to_local()
+
+    def wrap(t, mesh):
+        return DTensor.from_local(t, mesh, [Shard(seq)], run_check=False)
+
+    def forward(op_call, args, kwargs):
+        q, k, v = args[:3]
+        dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+        is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise NotImplementedError("CPU ring attention takes is_causal, not an attention mask")
+        mesh = q.device_mesh
+        out, lse = cpa._templated_ring_attention(
+            mesh.get_group(), seq, fwd_op, local(q, mesh), local(k, mesh), local(v, mesh),
+            is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
+        )  # fmt: skip
+        return wrap(out, mesh), wrap(lse, mesh)
+
+    def backward(op_call, args, kwargs):
+        names = ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal")
+        a = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        mesh = a["query"].device_mesh
+        t = {n: local(a[n], mesh) for n in names[:6]}
+        grads = cpa._templated_ring_attention_backward(
+            mesh.get_group(), seq, bwd_op, grad_out=t["grad_out"], grad_out_name="grad_out",
+            query=t["query"], key=t["key"], value=t["value"], out=t["out"], logsumexp=t["logsumexp"],
+            is_causal=a["is_causal"], dropout_p=a["dropout_p"], scale=kwargs.get("scale"),
+        )  # fmt: skip
+        return tuple(wrap(g, mesh) for g in grads[:3])
+
+    cpa.custom_ops[fwd_op] = forward
+    cpa.custom_ops[bwd_op] = backward
+
+
+_CpuGroupedExperts = None
+
+
+def use_float32_experts(model_config) -> None:
+    """TorchTitan's experts cast to bfloat16 for torch._grouped_mm, and on these AVX2 CPUs bf16 GEMMs are
+    ~200x slower than fp32 (CPU _grouped_mm is slow in any dtype): swap in experts with the same parameters
+    that run one float32 matmul per expert, as every other CPU matmul here does."""
+    global _CpuGroupedExperts
+    from torchtitan.models.common.moe import GroupedExperts
+
+    if _CpuGroupedExperts is None:
+        from dataclasses import dataclass
+
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor
+
+        class CpuGroupedExperts(GroupedExperts):
+            @dataclass(kw_only=True, slots=True)
+            class Config(GroupedExperts.Config):
+                pass
+
+            def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+                w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+                counts = num_tokens_per_expert_E.tolist()
+                rest = x_RD.shape[0] - sum(counts)  # rows past the last group (padding): zero, as no expert reads them
+                outs = []
+                for e, x in enumerate(torch.split(x_RD, [*counts, rest])[: len(counts)]):
+                    outs.append((F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T)
+                return torch.cat([*outs, x_RD.new_zeros(rest, x_RD.shape[1])])
+
+        _CpuGroupedExperts = CpuGroupedExperts
+    for _, old, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        new = _CpuGroupedExperts.Config(dim=old.dim, hidden_dim=old.hidden_dim, num_experts=old.num_experts, param_init=old.param_init)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)

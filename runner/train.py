@@ -39,6 +39,19 @@ class Accounting:
     """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
 
 
+def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
+    """What MFU is measured against: the run's peak (peak.json) and TorchTitan's FLOPs per token."""
+    return Accounting(
+        pk["peak_tflops"],
+        pk["peak_flops_total"],
+        pk["peak_source"],
+        built.flops_per_token,
+        flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
+        pk["dtype"],
+        pk["emulated"],
+    )
+
+
 def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     t = cfg.training
     params = [p for m in parts for p in m.parameters()]
@@ -48,12 +61,14 @@ def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     return opt, sched
 
 
-def forward_backward(model, loss_fn, microbatches, global_tokens: torch.Tensor, extra: dict, mon: StepMonitor) -> torch.Tensor:
-    """Accumulate gradients over this rank's microbatches; return its share of the loss."""
+def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: torch.Tensor, mon: StepMonitor) -> torch.Tensor:
+    """Accumulate gradients over this rank's microbatches; return its share of the loss (with CP,
+    the share of its sequence chunks: the loss divides by the global token count either way)."""
     losses = []
-    for inputs, labels in microbatches:
+    for full_inputs, full_labels in microbatches:
+        inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)
         with mon.phase("forward"):
-            pred = model(inputs, **extra)
+            pred = built.parts[0](inputs, **extra)
             mon.after_forward()
             loss, _ = loss_fn(pred, labels, global_tokens)
             loss = mon.corrupt(loss)
@@ -137,7 +152,7 @@ def _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon
         mon.add("pp_compute", mon.clock() - c_pp if mon.clock is time.process_time else busy)  # see StepMonitor.clock
         mon.add("pp_wait", total - busy)
     else:
-        local = forward_backward(built.parts[0], loss_fn, microbatches, global_tokens, built.extra_inputs, mon)
+        local = forward_backward(built, loss_fn, microbatches, global_tokens, mon)
     with mon.phase("optimizer"):
         grad_norm = titan.clip_grad_norm(built.parts, cfg.training.max_norm, built.parallel_dims)
     return local, grad_norm
@@ -164,6 +179,7 @@ def run(
 ) -> list[dict[str, Any]]:
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
+    titan.register_optimizer_hooks(built, opt)
     loss_fn = titan.loss_fn(cfg)
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
     ckpt_dir = run_dir / cfg.checkpoint.folder

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner import flops, layout, precision, slurm
+from runner import flops, layout, pipeline, precision, slurm
 from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig, WorkerStart
 
-PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
+FAMILIES = {"llama3": LLAMA3_FLAVORS, "deepseek_v3": ("debugmodel", "16B", "236B", "671B")}  # TorchTitan registries
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
 ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 RoPE table length
 WANDB_MODES = ("offline", "online", "disabled")
@@ -48,11 +47,6 @@ class ConfigError(Exception):
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Virtual pipeline stages each rank holds (TorchTitan's default of 2 for looped schedules)."""
-    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
 def _positive(cfg: RunConfig, out: list[Problem]) -> None:
@@ -123,16 +117,52 @@ def _cluster_and_plan(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _model(cfg: RunConfig, out: list[Problem]) -> None:
     m = cfg.model
-    if m.name != "llama3":
-        out.append(Problem("model.name", m.name, "the runner knows TorchTitan's llama3 family", "use model=debug or a llama3_* option"))
-    elif m.flavor not in LLAMA3_FLAVORS:
-        out.append(Problem("model.flavor", m.flavor, "not a TorchTitan llama3 flavor", f"use one of {', '.join(LLAMA3_FLAVORS)}"))
+    if m.name not in FAMILIES:
+        out.append(
+            Problem(
+                "model.name",
+                m.name,
+                f"the runner knows TorchTitan's {' and '.join(FAMILIES)} families",
+                "use model=debug, debug_moe or a llama3_* option",
+            )
+        )
+    elif m.flavor not in FAMILIES[m.name]:
+        out.append(Problem("model.flavor", m.flavor, f"not a TorchTitan {m.name} flavor", f"use one of {', '.join(FAMILIES[m.name])}"))
+    _moe_model(m, out)
     if m.num_heads < 1 or m.dim % m.num_heads:
         out.append(Problem("model.num_heads", m.num_heads, f"must divide model.dim = {m.dim}", f"use one of {divisors(m.dim)}"))
     elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
         out.append(
             Problem(
                 "model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads = {m.num_heads}", f"use one of {divisors(m.num_heads)}"
+            )
+        )
+
+
+def _moe_model(m, out: list[Problem]) -> None:
+    """An MoE model's numbers must describe a router TorchTitan can build."""
+    if m.num_experts < 0:
+        out.append(Problem("model.num_experts", m.num_experts, "must be >= 0", "use 0 for a dense model"))
+    if m.num_experts == 0:
+        return
+    if not 1 <= m.num_experts_per_token <= m.num_experts:
+        out.append(
+            Problem(
+                "model.num_experts_per_token",
+                m.num_experts_per_token,
+                f"a token goes to between 1 and model.num_experts = {m.num_experts} experts",
+                "copy the router's top_k from TorchTitan's registry",
+            )
+        )
+    if m.moe_hidden_dim < 1:
+        out.append(Problem("model.moe_hidden_dim", m.moe_hidden_dim, "an MoE model's experts need a hidden size", "set it >= 1"))
+    if not 0 <= m.num_dense_layers < m.num_layers:
+        out.append(
+            Problem(
+                "model.num_dense_layers",
+                m.num_dense_layers,
+                f"must be in [0, model.num_layers = {m.num_layers}) so that some blocks hold experts",
+                "copy n_dense_layers from TorchTitan's registry",
             )
         )
 
@@ -221,24 +251,7 @@ def _tensor_parallel(cfg: RunConfig, ws: int, out: list[Problem]) -> None:
 
 
 def _pipeline_and_batch(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
-    p, t, m = cfg.parallelism, cfg.training, cfg.model
-    if p.pp_schedule not in PP_SCHEDULES:
-        out.append(
-            Problem(
-                "parallelism.pp_schedule", p.pp_schedule, "not a pipeline schedule torch provides", f"use one of {', '.join(PP_SCHEDULES)}"
-            )
-        )
-        return
-    stages = p.pp * stages_per_rank(p.pp_schedule) if p.pp > 1 else 1
-    if m.num_layers % stages:
-        out.append(
-            Problem(
-                "parallelism.pp",
-                p.pp,
-                f"model.num_layers = {m.num_layers} does not split evenly into {stages} pipeline stages ({p.pp_schedule})",
-                f"use pp with pp x stages-per-rank dividing {m.num_layers}",
-            )
-        )
+    p, t = cfg.parallelism, cfg.training
     unit = lay.dp * t.microbatch_size
     if t.global_batch_size % unit:
         out.append(
@@ -250,15 +263,89 @@ def _pipeline_and_batch(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) 
             )
         )
         return
-    microbatches = t.global_batch_size // unit
-    if p.pp > 1 and p.pp_schedule != "GPipe" and microbatches < p.pp:
+    if p.pp > 1:
+        _pipeline(cfg, t.global_batch_size // unit, unit, out)
+
+
+def _pipeline(cfg: RunConfig, m: int, unit: int, out: list[Problem]) -> None:
+    """Schedule, stages per rank, microbatches and the layer split: what torch's schedules and
+    TorchTitan's pipeline_llm would refuse at start-up (runner/pipeline.py)."""
+    p, mo = cfg.parallelism, cfg.model
+    if p.pp_schedule not in pipeline.SCHEDULES:
         out.append(
             Problem(
-                "training.global_batch_size",
-                t.global_batch_size,
-                f"gives {microbatches} microbatches per pipeline, fewer than pp = {p.pp} stages "
-                f"({p.pp_schedule} needs at least one per stage)",
-                f"use global_batch_size >= {p.pp * unit} or a smaller training.microbatch_size",
+                "parallelism.pp_schedule",
+                p.pp_schedule,
+                "not a pipeline schedule torch.distributed.pipelining provides",
+                f"use one of {', '.join(pipeline.SCHEDULES)}",
+            )
+        )
+        return
+    v = p.pp_virtual_stages
+    why = pipeline.virtual_stages_rule(p.pp_schedule, v)
+    if why:
+        want = "1 (or a looped schedule such as Interleaved1F1B)" if pipeline.SCHEDULES[p.pp_schedule].style == "single" else "2"
+        out.append(Problem("parallelism.pp_virtual_stages", v, why, f"set parallelism.pp_virtual_stages={want}"))
+        return
+    rule = pipeline.microbatch_rule(p.pp_schedule, p.pp, v, m)
+    if rule:
+        why, least = rule
+        if least:
+            fix = f"use global_batch_size >= {least * unit} or a smaller training.microbatch_size"
+        else:
+            fix = f"make m a multiple of pp = {p.pp}, e.g. training.global_batch_size={p.pp * unit * max(1, m // p.pp)}"
+        out.append(
+            Problem("training.global_batch_size", cfg.training.global_batch_size, f"gives m = {m} microbatches per pipeline; {why}", fix)
+        )
+    first, last = p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    for name, value in (("pp_first_stage_less_layers", first), ("pp_last_stage_less_layers", last)):
+        if value < 0:
+            out.append(Problem(f"parallelism.{name}", value, "must be >= 0", "use 0 for an even split of the transformer layers"))
+    if first < 0 or last < 0:
+        return
+    try:
+        pipeline.stage_layers(mo.num_layers, p.pp * v, first, last)
+    except ValueError as e:
+        out.append(
+            Problem(
+                "parallelism.pp",
+                p.pp,
+                f"model.num_layers = {mo.num_layers} (+ {first} for the embedding, + {last} for the head) cannot be split "
+                f"into pp x pp_virtual_stages = {p.pp * v} stages: {e}",
+                "use fewer stages (pp or pp_virtual_stages), or lower parallelism.pp_first_stage_less_layers/pp_last_stage_less_layers",
+            )
+        )
+
+
+def _async_tp(cfg: RunConfig, out: list[Problem]) -> None:
+    """TorchTitan's async TP is Inductor's micro-pipeline TP pass on symmetric memory: CUDA, compile, TP."""
+    p, c = cfg.parallelism, cfg.cluster
+    if not p.async_tp:
+        return
+    if c.device != DeviceType.cuda:
+        out.append(
+            Problem(
+                "parallelism.async_tp",
+                True,
+                f"async TP overlaps TP collectives with matmuls through Inductor's micro-pipeline TP pass on CUDA symmetric "
+                f"memory (torch.distributed._symmetric_memory); cluster {c.name} computes on {c.device.value} with "
+                f"{c.backend.value}, which has neither",
+                "set parallelism.async_tp=false here (mode=validate checks it for a CUDA cluster)",
+            )
+        )
+    if not cfg.training.compile:
+        out.append(
+            Problem(
+                "parallelism.async_tp",
+                True,
+                "async TP is a torch.compile (Inductor) pass, and training.compile is false",
+                "set training.compile=true, or parallelism.async_tp=false",
+            )
+        )
+    if p.tp < 2:
+        out.append(
+            Problem(
+                "parallelism.async_tp", True, f"there is no TP collective to overlap with tp = {p.tp}", "use tp >= 2, or async_tp=false"
             )
         )
 
@@ -278,13 +365,42 @@ def _sequence(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(
             Problem("training.seq_len", t.seq_len, f"longer than the model's RoPE table ({ROPE_MAX_SEQ_LEN})", f"use <= {ROPE_MAX_SEQ_LEN}")
         )
-    if p.ep > 1:
+
+
+def _experts(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
+    """TorchTitan's EP borrows its ranks from FSDP, CP and TP: ep must divide dp_shard x cp x tp
+    (the rest, efsdp, shards the experts further) and the experts must split evenly over ep."""
+    m, ep = cfg.model, cfg.parallelism.ep
+    if ep == 1:
+        return
+    if m.num_experts == 0:
         out.append(
             Problem(
                 "parallelism.ep",
-                p.ep,
-                f"expert parallelism needs a mixture-of-experts model; {cfg.model.name} {cfg.model.flavor} is dense",
-                "use ep=1",
+                ep,
+                f"expert parallelism needs a mixture-of-experts model (it shards the experts); model {m.name} {m.flavor} is dense",
+                "use ep=1, or an MoE model (model=debug_moe)",
+            )
+        )
+        return
+    if m.num_experts % ep:
+        out.append(
+            Problem(
+                "parallelism.ep",
+                ep,
+                f"model.num_experts = {m.num_experts} must split evenly over the expert-parallel ranks",
+                f"use ep in {divisors(m.num_experts)}",
+            )
+        )
+    region = lay.dp_shard * lay.cp * lay.tp
+    if region % ep:
+        out.append(
+            Problem(
+                "parallelism.ep",
+                ep,
+                f"EP takes its ranks from dp_shard x cp x tp = {lay.dp_shard} x {lay.cp} x {lay.tp} = {region} "
+                "(TorchTitan: dp_shard * cp * tp == efsdp * ep), which it does not divide",
+                f"use ep in {divisors(region)}, or raise parallelism.dp_shard",
             )
         )
 
@@ -426,9 +542,11 @@ def check(cfg: RunConfig) -> layout.Layout:
     if ws is not None:
         _tensor_parallel(cfg, ws, out)
         _pipeline_and_batch(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
+        _experts(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
         if fp8 and not out:  # shapes per TP shard need a valid layout
             _fp8_shapes(cfg, layout.resolve(cfg.parallelism, cfg.cluster), out)
     _sequence(cfg, out)
+    _async_tp(cfg, out)
     _device(cfg, out)
     _cluster_and_plan(cfg, out)
     if fp8:
@@ -514,13 +632,15 @@ def check_launch(cfg: RunConfig, lay: layout.Layout) -> None:
                 "use pp=1 on GPU clusters for now; mode=validate checks PP layouts",
             )
         )
-    if lay.cp > 1:
+    if c.device == DeviceType.cpu and lay.cp > 1 and cfg.model.kv_lora_rank > 0:
         out.append(
             Problem(
                 "parallelism.cp",
                 lay.cp,
-                "the training loop does not wire context parallelism yet",
-                "use cp=1 to train; mode=validate checks CP layouts",
+                f"on CPU, ring attention covers the fused SDPA kernel; {cfg.model.name}'s latent attention has query/key heads of "
+                f"{cfg.model.qk_nope_head_dim + cfg.model.qk_rope_head_dim} and value heads of {cfg.model.v_head_dim} dims, which CPU SDPA "
+                "computes another way, and CP fails in it (RuntimeError: aten.add.Tensor got mixed torch.Tensor and DTensor)",
+                "use cp=1 with this model here (mode=validate checks it for GPU clusters), or a llama3 model for CP",
             )
         )
     if c.device == DeviceType.cpu:

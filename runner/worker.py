@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner import flops, forensics, freeze, layout, mesh, metrics, peak, precision, startup, titan, train
+from runner import forensics, freeze, layout, mesh, metrics, peak, precision, startup, titan, train
 from runner.data import SyntheticData
 from runner.schema import DeviceType, Fp8Recipe
 
@@ -91,15 +91,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
-    acc = train.Accounting(
-        peak_tflops,
-        pk["peak_flops_total"],
-        source,
-        built.flops_per_token,
-        flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
-        pk["dtype"],
-        pk["emulated"],
-    )
+    acc = train.accounting(cfg, built, pk)
     t = cfg.training
     data = SyntheticData(
         seed=t.seed,

@@ -16,6 +16,17 @@ from tests.conftest import ROOT, run_cli
 CONTEXT = {
     "parallelism/fsdp.yaml": ["cluster.devices_per_node=4"],
     "parallelism/tp8_pp4.yaml": ["recipe=llama3_70b_h100x1024"],
+    "parallelism/tp4_pp4.yaml": ["recipe=llama3_70b_h100x1024"],
+    "parallelism/tp8_pp8.yaml": ["recipe=llama3_70b_h100x1024", "model=llama3_405b"],
+    "parallelism/tp8_pp16.yaml": ["recipe=llama3_70b_h100x1024", "model=llama3_405b"],
+    "parallelism/tp8_pp16_cp16.yaml": [
+        "recipe=llama3_70b_h100x1024",
+        "model=llama3_405b",
+        "cluster.num_nodes=2048",
+        "training.seq_len=131072",
+        "training.global_batch_size=128",
+    ],
+    "parallelism/ep2.yaml": ["model=debug_moe"],
     "model/llama3_8b.yaml": ["parallelism=single"],
     "model/llama3_70b.yaml": ["recipe=llama3_70b_h100x1024"],
     "model/llama3_405b.yaml": ["recipe=llama3_70b_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
@@ -93,12 +104,52 @@ BAD = [
         "parallelism.tp = 16: a TP group must fit inside one node of 8 devices",
     ),
     (
-        ["parallelism.pp=4", "parallelism.dp_shard=1", "parallelism.tp=1"],
-        "model.num_layers = 6 does not split evenly into 4 pipeline stages",
+        [
+            "parallelism.pp=4",
+            "parallelism.dp_shard=1",
+            "parallelism.tp=1",
+            "parallelism.pp_schedule=Interleaved1F1B",
+            "parallelism.pp_virtual_stages=3",
+        ],
+        "parallelism.pp = 4: model.num_layers = 6 (+ 1 for the embedding, + 1 for the head) cannot be split into "
+        "pp x pp_virtual_stages = 12 stages: 12 stages for 8 effective layers would leave stages empty",
     ),
     (
         ["parallelism=single", "parallelism.pp=2", "training.global_batch_size=2", "training.microbatch_size=2"],
-        "gives 1 microbatches per pipeline, fewer than pp = 2 stages",
+        "training.global_batch_size = 2: gives m = 1 microbatches per pipeline; 1F1B needs at least as many microbatches as stages (2). "
+        "Fix: use global_batch_size >= 4 or a smaller training.microbatch_size",
+    ),
+    (
+        ["parallelism=dp2_pp2", "parallelism.pp_schedule=Interleaved1F1B"],
+        "parallelism.pp_virtual_stages = 1: Interleaved1F1B is a looped schedule and needs at least 2 stages per rank. "
+        "Fix: set parallelism.pp_virtual_stages=2",
+    ),
+    (
+        ["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B"],
+        "parallelism.pp_virtual_stages = 2: 1F1B runs one stage per rank",
+    ),
+    (
+        ["parallelism=pp2_interleaved", "parallelism.pp_schedule=ZBVZeroBubble", "parallelism.pp_virtual_stages=3"],
+        "ZBVZeroBubble is a V-shaped schedule and needs exactly 2 stages per rank",
+    ),
+    (
+        ["parallelism=pp2_interleaved", "parallelism.pp_schedule=DualPipeV", "training.global_batch_size=6"],
+        "gives m = 3 microbatches per pipeline; DualPipeV needs at least as many microbatches as stages (pp x v = 4)",
+    ),
+    (
+        ["parallelism=pp2_interleaved", "training.global_batch_size=10", "training.microbatch_size=2"],
+        "gives m = 5 microbatches per pipeline; Interleaved1F1B runs m // pp = 2 rounds and needs m to be a multiple of them",
+    ),
+    (["parallelism=dp2_pp2", "parallelism.pp_schedule=Zigzag"], "parallelism.pp_schedule = Zigzag: not a pipeline schedule"),
+    (
+        ["parallelism=tp2", "parallelism.async_tp=true", "training.compile=true"],
+        "parallelism.async_tp = True: async TP overlaps TP collectives with matmuls through Inductor's micro-pipeline TP pass "
+        "on CUDA symmetric memory (torch.distributed._symmetric_memory); cluster local_cpu computes on cpu with gloo",
+    ),
+    (
+        ["recipe=llama3_70b_h100x1024", "parallelism.async_tp=true"],
+        "parallelism.async_tp = True: async TP is a torch.compile (Inductor) pass, and training.compile is false. "
+        "Fix: set training.compile=true",
     ),
     (["training.global_batch_size=6"], "training.global_batch_size = 6: must be divisible by DP degree 2 x training.microbatch_size 2 = 4"),
     (["parallelism=tp2", "training.seq_len=63"], "training.seq_len = 63: sequence parallelism splits the sequence over tp = 2"),
@@ -209,8 +260,9 @@ def test_help_and_info():
     help_ = run_cli("--help")
     assert help_.returncode == 0
     for line in (
-        "model: debug, llama3_405b, llama3_70b, llama3_8b",
-        "parallelism: dp2, dp2_pp2, dp2_tp2, fsdp, single, tp2, tp2_pp2, tp8_pp4",
+        "model: debug, debug_moe, llama3_405b, llama3_70b, llama3_8b",
+        "parallelism: cp2, dp2, dp2_pp2, dp2_tp2, ep2, fsdp, hsdp2x2, pp2_interleaved, single, tp2, tp2_pp2, tp4_pp4, tp8_pp16, "
+        "tp8_pp16_cp16, tp8_pp4, tp8_pp8",
         "recipe: debug_dp2_tp2_cpu, llama3_70b_h100x1024",
         "python -m runner --config-dir <run folder> --config-name frozen",
     ):

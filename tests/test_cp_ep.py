@@ -1,0 +1,150 @@
+"""Context and expert parallelism in the config layer: validation rules, MoE accounting with
+active parameters (equal to TorchTitan's own count), CP and EP traffic in the plan. The
+training parity of cp2 and ep2 with one rank is in tests/test_parallel.py (runner.parity)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import flops, plan, validate
+
+MOE = ["model=debug_moe", "parallelism=single"]
+LONG_405B = [
+    "recipe=llama3_70b_h100x1024",
+    "model=llama3_405b",
+    "parallelism=tp8_pp16_cp16",
+    "cluster.num_nodes=2048",  # 16,384 H100s, as Llama 3 405B's long-context stage
+    "training.seq_len=131072",
+    "training.global_batch_size=128",
+]
+
+
+def test_moe_model_file_matches_titan_registry(compose):
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    m = compose(MOE).model
+    t = model_registry(m.flavor).model
+    attn, moe = t.layers[0].attention, t.layers[-1].moe
+    dense = [i for i, layer in enumerate(t.layers) if layer.moe is None]
+    assert (m.dim, m.num_layers, m.vocab_size, m.weight_tying, m.num_heads) == (t.dim, len(t.layers), t.vocab_size, False, attn.n_heads)
+    assert (m.kv_lora_rank, m.q_lora_rank) == (attn.kv_lora_rank, attn.q_lora_rank)
+    assert (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim)
+    assert (m.num_experts, m.num_experts_per_token, m.moe_hidden_dim) == (
+        moe.num_experts,
+        moe.router.top_k,
+        moe.routed_experts.inner_experts.hidden_dim,
+    )
+    assert m.num_shared_experts * m.moe_hidden_dim == moe.shared_experts.w1.out_features
+    assert dense == list(range(m.num_dense_layers)) and m.ffn_hidden_dim == t.layers[0].feed_forward.w1.out_features
+
+
+@pytest.mark.parametrize("seq_len", [64, 4096])
+def test_moe_flops_use_active_parameters_like_titan(compose, seq_len):
+    import torch
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    m = compose(MOE).model
+    cfg = model_registry(m.flavor).model
+    with torch.device("meta"):
+        model = cfg.build()
+    nparams, titan_flops = cfg.get_nparams_and_flops(model, seq_len)
+    assert flops.num_params(m) == nparams == 33_014_016
+    assert flops.flops_per_token(m, seq_len, "titan") == titan_flops
+    # by hand: 5 MoE blocks x 8 experts x 3 x 256 x 256 routed weights, of which a token uses 3 of 8
+    routed = 5 * 8 * 3 * 256 * 256
+    assert flops.num_active_params(m) == nparams - routed + routed * 3 // 8 == 28_098_816
+    assert flops.flops_per_token(m, seq_len, "6N") == 6 * 28_098_816
+    assert flops.flops_per_token(m, seq_len, "titan") == 6 * (28_098_816 - 2048 * 256) + 6 * 6 * 16 * (128 + 64 + 128) * seq_len
+
+
+def test_dense_model_active_equals_total(compose):
+    m = compose(["parallelism=single"]).model
+    assert flops.num_active_params(m) == flops.num_params(m) == 6_163_712
+
+
+BAD = [
+    (["parallelism=ep2"], "parallelism.ep = 2: expert parallelism needs a mixture-of-experts model (it shards the experts); model llama3"),
+    (
+        [*MOE, "parallelism.ep=3", "parallelism.dp_shard=3"],
+        "parallelism.ep = 3: model.num_experts = 8 must split evenly over the expert-parallel ranks. Fix: use ep in [1, 2, 4, 8]",
+    ),
+    (
+        [*MOE, "parallelism.ep=4", "parallelism.dp_shard=2"],
+        "parallelism.ep = 4: EP takes its ranks from dp_shard x cp x tp = 2 x 1 x 1 = 2",
+    ),
+    ([*MOE, "model.num_experts_per_token=9"], "model.num_experts_per_token = 9: a token goes to between 1 and model.num_experts = 8"),
+    ([*MOE, "model.num_dense_layers=6"], "model.num_dense_layers = 6: must be in [0, model.num_layers = 6)"),
+    (
+        ["parallelism=cp2", "training.seq_len=66"],
+        "training.seq_len = 66: context parallelism with load balancing splits the sequence into 2 x cp = 4",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_validation_rejects(compose, overrides, message):
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(overrides))
+    assert message in str(e.value)
+
+
+def test_cp_and_ep_layouts_validate_and_launch_here(compose):
+    for overrides, degrees in (
+        (["parallelism=cp2"], "cp=2"),
+        (["parallelism=cp2", "parallelism.dp_shard=2"], "dp_shard=2 x cp=2"),
+        (["parallelism=cp2", "parallelism.tp=2"], "cp=2 x tp=2"),
+        (["model=debug_moe", "parallelism=ep2"], "dp_shard=2 x ep=2"),
+    ):
+        cfg = compose(overrides)
+        lay = validate.check(cfg)
+        validate.check_launch(cfg, lay)  # CP is no longer rejected on local_cpu
+        assert lay.describe() == degrees
+
+
+def test_cp_with_latent_attention_rejected_on_cpu_only(compose):
+    """Measured: cp2 with debug_moe fails in TorchTitan's CP-wrapped SDPA on CPU; the config itself is valid (GPU)."""
+    cfg = compose(["model=debug_moe", "parallelism=ep2", "parallelism.cp=2"])
+    lay = validate.check(cfg)
+    assert lay.describe() == "dp_shard=2 x cp=2 x ep=2"
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check_launch(cfg, lay)
+    assert "parallelism.cp = 2: on CPU, ring attention covers the fused SDPA kernel; deepseek_v3's latent attention has query/key " in str(
+        e.value
+    )
+    assert "heads of 192 and value heads of 128 dims" in str(e.value) and "aten.add.Tensor got mixed torch.Tensor and DTensor" in str(
+        e.value
+    )
+
+
+def test_405b_long_context_layout_world_size(compose):
+    cfg = compose(LONG_405B)
+    lay = validate.check(cfg)
+    assert (lay.tp, lay.pp, lay.cp, lay.dp_shard, lay.world_size) == (8, 16, 16, 8, 16_384)  # 8 x 16 x 16 x 8
+    bad = compose([*LONG_405B, "cluster.num_nodes=128"])  # h100x1024 as shipped: 1,024 GPUs < 2,048 = tp x pp x cp
+    with pytest.raises(validate.ConfigError, match="does not divide the world size 1024"):
+        validate.check(bad)
+
+
+def test_plan_cp_traffic_of_the_405b_long_context_layout(compose):
+    cfg = compose(LONG_405B)
+    b = plan.compute(cfg, validate.check(cfg))
+    # K and V of one 8,192-token chunk, 8 KV heads x 128 dims in bf16, over tp = 8: 8192 x 8 x 128 x 2 / 8 bytes;
+    # passed cp-1 = 15 times, 6 transfers (K, V forward; K, V, dK, dV backward), 126/16 layers, 16 microbatches
+    kv = 8192 * 8 * 128 * 2 / 8
+    assert b["cp_comm_gb"] == pytest.approx(126 / 16 * 16 * 15 * 6 * kv / 1e9)
+    assert b["links"]["cp"] == "scale-out"  # a CP group spans 16 nodes (TP fills each)
+    assert b["cp_comm_s"] == pytest.approx(b["cp_comm_gb"] / 50.0)  # 50 GB/s each way of the 100 GB/s scale-out port
+    rows = {r[0]: r for r in plan.rows(b)}
+    assert rows["CP traffic"][1] == f"{b['cp_comm_s']:.3f} s" and "ring attention K/V" in rows["CP traffic"][2]
+    assert "EP traffic" not in rows
+
+
+def test_plan_ep_traffic_of_the_moe_model(compose):
+    cfg = compose(["model=debug_moe", "parallelism=ep2", "training.seq_len=64"])
+    b = plan.compute(cfg, validate.check(cfg))
+    # 5 MoE blocks x 2 microbatches x 4 all-to-alls x (2 x 64 tokens x 3 experts x 256 dims x 4 B) x (ep-1)/ep
+    assert b["ep_comm_gb"] == pytest.approx(5 * 2 * 4 * (2 * 64 * 3 * 256 * 4) / 2 / 1e9)
+    rows = {r[0]: r for r in plan.rows(b)}
+    assert "EP traffic" in rows and "token all-to-all, intra-node" in rows["EP traffic"][2]
+    assert "CP traffic" not in rows
+    assert b["flops_per_token"] == flops.flops_per_token(cfg.model, 64, cfg.plan.flops_convention)
