@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from runner.layout import Layout
@@ -86,7 +87,9 @@ def start(flags: list[str], frozen: Path) -> None:
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
         if cfg.cluster.worker_start == WorkerStart.fork:
-            _fork_ranks(flags, frozen)
+            from runner import worker
+
+            fork_ranks(flags, worker.forked_main, str(frozen))
         else:
             torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
@@ -98,16 +101,14 @@ def start(flags: list[str], frozen: Path) -> None:
         raise
 
 
-def _fork_ranks(flags: list[str], frozen: Path) -> None:
-    """torchrun with a function entrypoint: the agent imports the worker (torch, TorchTitan) once
-    and its multiprocessing context forks every rank, and every restart, from itself."""
+def fork_ranks(flags: list[str], entry: Callable[..., None], *args: str) -> None:
+    """torchrun with a function entrypoint: the agent imports `entry`'s module (torch, TorchTitan)
+    once and its multiprocessing context forks every rank, and every restart, from itself."""
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    from runner import worker
-
-    config, _, _ = config_from_args(parse_args([*flags, "--start-method=fork", "-m", "runner.worker", str(frozen)]))
-    elastic_launch(config, worker.forked_main)(str(frozen))
+    config, _, _ = config_from_args(parse_args([*flags, "--start-method=fork", "-m", "runner.worker", *args]))
+    elastic_launch(config, entry)(*args)
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:

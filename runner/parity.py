@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner import freeze, layout, mesh, peak, titan, train
+from runner import freeze, layout, mesh, peak, titan, train, worker
+from runner import launch as launch_mod
 from runner.data import SyntheticData
-from runner.schema import DeviceType, RunConfig
+from runner.schema import DeviceType, RunConfig, WorkerStart
 
 RESULT_NAME = "parity.json"
 
@@ -186,7 +187,15 @@ def launch(nproc: int, frozen_paths: list[Path]) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log_dir = frozen_paths[0].parent / "logs"
     flags = ["--standalone", f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]
-    torchrun(parse_args([*flags, "-m", "runner.parity", *map(str, frozen_paths)]))
+    if cfg.cluster.worker_start == WorkerStart.fork:
+        launch_mod.fork_ranks(flags, forked_main, *map(str, frozen_paths))
+    else:
+        torchrun(parse_args([*flags, "-m", "runner.parity", *map(str, frozen_paths)]))
+
+
+def forked_main(*frozen_paths: str) -> None:
+    worker.drop_agent_signal_handlers()
+    main(list(frozen_paths))
 
 
 def prepare(cfgs: dict[str, RunConfig], folder: Path) -> list[Path]:

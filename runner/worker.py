@@ -117,13 +117,17 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
     train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
 
 
-def forked_main(frozen_path: str) -> None:
-    """Entry of a rank forked from the agent (cluster.worker_start=fork): drop the signal handlers
-    inherited from it (they turn the agent's SIGTERM into an exception), so that a rank ends on
-    the agent's signals as an exec-started one does."""
+def drop_agent_signal_handlers() -> None:
+    """A rank forked from the agent (cluster.worker_start=fork) inherits its signal handlers, which
+    turn the agent's SIGTERM into an exception; restore the defaults, so that a rank ends on the
+    agent's signals as an exec-started one does."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def forked_main(frozen_path: str) -> None:
+    drop_agent_signal_handlers()
     main(frozen_path)
 
 
