@@ -46,7 +46,10 @@ def report(
 
 def checkpoint_line(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> str:
     """The configured checkpoint interval beside the planner's Young/Daly suggestion (peak: measured, per rank)."""
-    budget = plan.compute(cfg, lay, peak_tflops=peak_tflops)
+    try:
+        budget = plan.compute(cfg, lay, peak_tflops=peak_tflops)
+    except ZeroDivisionError:  # a layout the planner cannot budget (no microbatch per stage): no step time, no suggestion
+        budget = {"checkpoint_interval_steps": None}
     steps = budget["checkpoint_interval_steps"]
     if steps is None:
         why = "set cluster.mtbf_hours and cluster.checkpoint_write_gbs for a suggestion"
