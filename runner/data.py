@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ def sample(seed: int, index: int, seq_len: int, vocab: int) -> torch.Tensor:
     return torch.where(noise, torch.randint(0, vocab, (seq_len + 1,), generator=g), tokens)
 
 
-class _Stream:
+class _Stream(ABC):
     """Global-sample addressing, the DP slice and the loader position shared by both sources."""
 
     def __init__(self, *, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int):
@@ -58,12 +59,13 @@ class _Stream:
     def load_state_dict(self, state: dict[str, int], steps_done: int) -> None:
         self.next_sample, self.at_step = int(state["next_sample"]), steps_done
 
+    @abstractmethod
     def sample(self, index: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Tokens (seq_len + 1) of global sample `index`."""
 
+    @abstractmethod
     def token_start(self, index: int) -> int:
         """Where sample `index` starts in the source's token stream (its position in the data)."""
-        raise NotImplementedError
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, labels) per microbatch of this rank's share of `step` (0-based)."""
