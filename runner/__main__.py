@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import flops, freeze, precision, slurm, validate
+from runner import flops, freeze, precision, slurm, validate, validate_ckpt
 from runner.plan import INVALID_NAME
 from runner.schema import Fp8Recipe, Mode, RunConfig, register
 
@@ -143,6 +143,8 @@ def main(dcfg: DictConfig) -> None:
             _launch_plan(cfg, lay, dcfg, run_dir)
             return
         validate.check_launch(cfg, lay)
+        validate_ckpt.absolute_paths(cfg)
+        validate_ckpt.check_launch(cfg, run_dir)
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             _invalid_sweep_point(e, run_dir)

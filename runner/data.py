@@ -1,22 +1,35 @@
-"""Synthetic data: a deterministic, learnable token stream derived from the seed.
+"""Training inputs: a synthetic token stream or local text files, both addressed by global sample index.
 
-Sample g (global index step * global_batch_size + i) is an arithmetic progression
-modulo the vocabulary with a random start and stride, 1 token in 10 replaced by noise.
-DP replica r reads samples [r * local, (r + 1) * local) of each step, so replicas are
-disjoint and their union is the same global batch for every layout; every rank of a
-TP/CP group has the same DP rank and so the same inputs.
+Step s (0-based) reads global samples [n + (s - s0) * B, n + (s - s0 + 1) * B), B the global batch, where
+(n, s0) is the loader position (next sample, at step s0) restored from a checkpoint, (0, 0) on a fresh
+start. DP replica r reads its contiguous slice [r * B / dp, (r + 1) * B / dp) of those, so replicas
+are disjoint and their union is the same global batch for every layout; every rank of a TP/CP/PP
+group has the same DP rank and so the same inputs (`check_inputs` proves it at start-up).
+
+synthetic: sample g is an arithmetic progression modulo the vocabulary with a random start and
+stride, 1 token in 10 replaced by noise.
+text: the documents of local files (Hugging Face datasets, from local paths only) tokenized with a
+local `tokenizers` JSON file, each followed by the EOS token, concatenated into one stream and cut
+into samples of seq_len + 1 tokens (inputs and labels overlap by one token, like TorchTitan's
+loader); sample g is piece perm_e[g mod N] of epoch e = g // N, perm_e a seeded permutation.
 """
 
 from __future__ import annotations
 
+import hashlib
+import zlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
 MAX_STRIDE = 16
 NOISE = 0.1
 
 
 def sample(seed: int, index: int, seq_len: int, vocab: int) -> torch.Tensor:
-    """Tokens (seq_len + 1) of global sample `index`."""
+    """Tokens (seq_len + 1) of synthetic global sample `index`."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     start = torch.randint(0, vocab, (1,), generator=g)
     stride = torch.randint(1, MAX_STRIDE + 1, (1,), generator=g)
@@ -25,15 +38,139 @@ def sample(seed: int, index: int, seq_len: int, vocab: int) -> torch.Tensor:
     return torch.where(noise, torch.randint(0, vocab, (seq_len + 1,), generator=g), tokens)
 
 
-class SyntheticData:
-    def __init__(self, *, seed: int, seq_len: int, vocab: int, global_batch: int, microbatch: int, dp_rank: int, dp: int):
-        self.seed, self.seq_len, self.vocab = seed, seq_len, vocab
-        self.global_batch, self.microbatch = global_batch, microbatch
+class _Stream(ABC):
+    """Global-sample addressing, the DP slice and the loader position shared by both sources."""
+
+    def __init__(self, *, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int):
+        self.seq_len, self.global_batch, self.microbatch = seq_len, global_batch, microbatch
         self.local = global_batch // dp
         self.first = dp_rank * self.local
+        self.next_sample, self.at_step = 0, 0
+
+    def indices(self, step: int) -> list[int]:
+        """Global sample indices this rank reads at `step` (0-based)."""
+        base = self.next_sample + (step - self.at_step) * self.global_batch + self.first
+        return list(range(base, base + self.local))
+
+    def state_dict(self, steps_done: int) -> dict[str, int]:
+        """Loader position after `steps_done` steps: the next global sample (layout-independent)."""
+        return {"next_sample": self.next_sample + (steps_done - self.at_step) * self.global_batch}
+
+    def load_state_dict(self, state: dict[str, int], steps_done: int) -> None:
+        self.next_sample, self.at_step = int(state["next_sample"]), steps_done
+
+    @abstractmethod
+    def sample(self, index: int) -> torch.Tensor:
+        """Tokens (seq_len + 1) of global sample `index`."""
+
+    @abstractmethod
+    def token_start(self, index: int) -> int:
+        """Where sample `index` starts in the source's token stream (its position in the data)."""
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, labels) per microbatch of this rank's share of `step` (0-based)."""
-        base = step * self.global_batch + self.first
-        rows = torch.stack([sample(self.seed, base + i, self.seq_len, self.vocab) for i in range(self.local)])
+        rows = torch.stack([self.sample(i) for i in self.indices(step)])
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.microbatch)]
+
+    def positions(self, step: int) -> torch.Tensor:
+        """(global sample index, token start) of every sample this rank reads at `step`."""
+        return torch.tensor([[i, self.token_start(i)] for i in self.indices(step)], dtype=torch.int64)
+
+
+class SyntheticData(_Stream):
+    def __init__(self, *, seed: int, seq_len: int, vocab: int, global_batch: int, microbatch: int, dp_rank: int, dp: int):
+        super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
+        self.seed, self.vocab = seed, vocab
+
+    def sample(self, index: int) -> torch.Tensor:
+        return sample(self.seed, index, self.seq_len, self.vocab)
+
+    def token_start(self, index: int) -> int:
+        return index * (self.seq_len + 1)
+
+
+def load_tokens(files: list[str], fmt: str, text_field: str, tokenizer: str, eos_token: str, cache_dir: Path) -> torch.Tensor:
+    """Every document of `files`, tokenized and concatenated (EOS after each) into one int64 stream."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is downloaded
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from datasets import load_dataset
+    from tokenizers import Tokenizer
+
+    column = "text" if fmt == "text" else text_field
+    ds = load_dataset(fmt, data_files=[str(Path(f).resolve()) for f in files], split="train", cache_dir=str(cache_dir))
+    tok = Tokenizer.from_file(tokenizer)
+    eos = tok.token_to_id(eos_token)
+    stream: list[int] = []
+    for enc in tok.encode_batch([d for d in ds[column] if d]):
+        stream.extend(enc.ids)
+        if eos is not None:
+            stream.append(eos)
+    return torch.tensor(stream, dtype=torch.int64)
+
+
+class TextData(_Stream):
+    def __init__(
+        self, tokens: torch.Tensor, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int
+    ):
+        super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
+        self.tokens, self.seed, self.shuffle = tokens, seed, shuffle
+        self.num_samples = (len(tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(f"the text data holds {len(tokens)} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _piece(self, index: int) -> int:
+        epoch, j = divmod(index, self.num_samples)
+        if not self.shuffle:
+            return j
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))}
+        return int(self._perms[epoch][j])
+
+    def token_start(self, index: int) -> int:
+        return self._piece(index) * self.seq_len
+
+    def sample(self, index: int) -> torch.Tensor:
+        s = self.token_start(index)
+        return self.tokens[s : s + self.seq_len + 1]
+
+
+def _digest(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().numpy().tobytes())
+
+
+def check_inputs(data: _Stream, dp_rank_of, step: int) -> str:
+    """Start-up proof of the input layout: every rank hashes its batch of `step`, the hashes are gathered,
+    and ranks with the same DP rank (a TP/CP/PP group) must agree while different DP ranks must differ."""
+    mbs = data.microbatches(step)
+    mine = torch.tensor([_digest(torch.cat([torch.cat([i, lab], dim=1) for i, lab in mbs]))], dtype=torch.int64)
+    got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, mine)
+    by_dp: dict[int, dict[int, list[int]]] = {}
+    for rank, h in enumerate(got):
+        by_dp.setdefault(dp_rank_of(rank), {}).setdefault(int(h), []).append(rank)
+    for dp_rank, hashes in by_dp.items():
+        if len(hashes) > 1:
+            raise RuntimeError(
+                f"ranks of DP rank {dp_rank} read different first batches: {sorted(hashes.values())} (hashes {sorted(hashes)})"
+            )
+    seen = [next(iter(h)) for h in by_dp.values()]
+    if len(set(seen)) != len(seen):
+        raise RuntimeError(f"two DP replicas read the same first batch (hashes by DP rank: {seen})")
+    return (
+        f"data check: first batch identical on the {dist.get_world_size() // len(by_dp)} ranks of each TP/CP/PP group, "
+        f"different across {len(by_dp)} DP replica(s) (crc32 {', '.join(f'{h:08x}' for h in seen)})"
+    )
+
+
+def global_digest(data: _Stream, step: int) -> str:
+    """Hash of every (sample index, token start) the whole job reads at `step`: identical for runs that consume
+    the same data, whatever their layout."""
+    mine = data.positions(step)
+    got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, mine)
+    rows = sorted({tuple(r) for t in got for r in t.tolist()})
+    return hashlib.sha1(repr(rows).encode()).hexdigest()[:16]

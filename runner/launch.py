@@ -62,6 +62,9 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     if not (frozen.parent / peak.PEAK_NAME).exists():
         peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # torch 2.13 keeps the c10d rendezvous store across restarts but no longer prefixes the ranks' keys per attempt,
+    # so restarted ranks read the dead ranks' gloo addresses (connectFullMesh: connection refused); opt out of sharing
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; keep OpenMP from oversubscribing
         per_node = lay.world_size // cfg.cluster.num_nodes
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))

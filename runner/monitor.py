@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import time
@@ -71,6 +72,27 @@ class LossGuard:
         self.bad_steps: set[int] = set()
         self.skipped = 0
         self.rewinds = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps, so a resumed run judges later steps exactly as the uninterrupted one."""
+        return {
+            "losses": list(self.losses),
+            "norms": list(self.norms),
+            "consecutive": self.consecutive,
+            "streak_start": self.streak_start,
+            "bad_steps": sorted(self.bad_steps),
+            "skipped": self.skipped,
+            "rewinds": self.rewinds,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses.clear()
+        self.losses.extend(state["losses"])
+        self.norms.clear()
+        self.norms.extend(state["norms"])
+        self.consecutive, self.streak_start = state["consecutive"], state["streak_start"]
+        self.bad_steps = set(state["bad_steps"])
+        self.skipped, self.rewinds = state["skipped"], state["rewinds"]
 
     def _spike(self, loss: float, grad_norm: float) -> str | None:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -136,7 +158,14 @@ class StepMonitor:
     def begin_step(self, step: int) -> None:
         self.step = step
         self.now = {}
+        self._maybe_kill()
         self.mark("data")
+
+    def _maybe_kill(self) -> None:
+        """TEST-ONLY: die at the start of a step as a lost node does (SIGKILL: no handler, no cleanup), first attempt only."""
+        i = self.inject
+        if self.rank == i.kill_rank and self.step == i.kill_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def mark(self, phase: str) -> None:
         if self.recorder is not None:

@@ -168,11 +168,23 @@ class PrecisionConfig:
 @dataclass
 class CheckpointConfig:
     enable: bool = False
-    """Save distributed checkpoints (PyTorch DCP) during training."""
+    """Save sharded checkpoints (PyTorch DCP): model, optimizer, LR schedule, step, RNG and data loader position."""
     folder: str = "checkpoints"
-    """Folder for checkpoints; relative paths are inside the run folder."""
+    """Folder for checkpoints (one `step-<n>` folder each); relative paths are inside the run folder."""
     interval: int = 100
     """Save every this many steps (and at the last step)."""
+    keep: int = 3
+    """Complete checkpoints kept; older complete ones are deleted after a newer one is published (0 = keep all)."""
+    async_save: bool = True
+    """Write in a background thread (torch.distributed.checkpoint.async_save): training goes on after
+    the state is copied; the checkpoint is published when every rank's write has finished."""
+    resume: bool = False
+    """Start from the newest complete checkpoint in `folder` (a restart by hand: name the stopped run's
+    folder absolutely). Ranks restarted by the elastic agent (cluster.max_restarts) always resume."""
+    export_final_model: bool = False
+    """After the last step also write the model weights alone (no optimizer) to `<folder>/model-final`."""
+    min_free_gb: float = 0.0
+    """Free space the checkpoint filesystem must keep beyond `keep` + 1 checkpoints, GB (pre-flight check)."""
 
 
 @dataclass
@@ -261,10 +273,38 @@ class ClusterConfig:
     """Aggregate write bandwidth of the checkpoint storage, GB/s; 0 = unknown."""
 
 
+class DataSource(Enum):
+    synthetic = "synthetic"
+    """A deterministic token stream derived from training.seed."""
+    text = "text"
+    """Local text files read through Hugging Face datasets, tokenized with a local tokenizers JSON file."""
+
+
+class TextFormat(Enum):
+    json = "json"
+    """JSON lines, one document per line in `text_field`."""
+    text = "text"
+    """Plain text, one document per line."""
+    parquet = "parquet"
+    """Parquet files with a string column `text_field`."""
+
+
 @dataclass
 class DataConfig:
-    name: str = "synthetic"
-    """Data source. synthetic: a deterministic token stream derived from training.seed."""
+    name: DataSource = DataSource.synthetic
+    """Data source."""
+    files: list[str] = field(default_factory=list)
+    """text: local data files (absolute, or relative to the directory `python -m runner` starts in)."""
+    format: TextFormat = TextFormat.json
+    """text: file format, as Hugging Face datasets names its builder."""
+    text_field: str = "text"
+    """text: column holding each document."""
+    tokenizer: str = ""
+    """text: path of a Hugging Face `tokenizers` JSON file (tokenizer.json)."""
+    eos_token: str = "<|end_of_text|>"
+    """text: token appended after every document when the stream is packed (skipped if the tokenizer lacks it)."""
+    shuffle: bool = True
+    """text: visit the packed samples in a new order each epoch (seeded by training.seed)."""
 
 
 @dataclass
@@ -373,6 +413,10 @@ class InjectConfig:
     """Steps whose batch is corrupted: every rank's loss of that batch is multiplied by corrupt_scale."""
     corrupt_scale: float = 1e4
     """Loss multiplier of a corrupted batch (1e4: an exploding batch; nan: a non-finite one)."""
+    kill_rank: int = -1
+    """Rank that kills itself with SIGKILL at the start of `kill_at_step` in the first attempt only (-1: none)."""
+    kill_at_step: int = 0
+    """Step (1-based) at which kill_rank dies; ranks restarted by the elastic agent do not die again."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runner import plan
 from runner.layout import MESH_ORDER, Layout
 from runner.plan import link
 from runner.schema import RunConfig
@@ -19,7 +20,9 @@ def group_of(lay: Layout, rank: int, axis: str) -> list[int]:
     return [r for r in range(lay.world_size) if all(v == me[a] for a, v in lay.coords(r).items() if a != axis)]
 
 
-def report(cfg: RunConfig, lay: Layout, frozen: Path, fr_folder: Path, converted: list[str] | None) -> str:
+def report(
+    cfg: RunConfig, lay: Layout, frozen: Path, fr_folder: Path, converted: list[str] | None, peak_tflops: float | None = None
+) -> str:
     per_node = cfg.cluster.devices_per_node if cfg.cluster.devices_per_node != -1 else lay.world_size
     lines = [f"layout {cfg.parallelism.name}: {lay.describe()}, {lay.world_size} ranks on {cfg.cluster.num_nodes} node(s) of {per_node}"]
     lines.append(f"mesh {' x '.join(f'{a}={getattr(lay, a)}' for a in MESH_ORDER)} (rank 0's groups):")
@@ -36,5 +39,25 @@ def report(cfg: RunConfig, lay: Layout, frozen: Path, fr_folder: Path, converted
     fr = cfg.distributed.flight_recorder
     lines.append(f"collective timeout {cfg.distributed.timeout_s:g} s; rank records every {cfg.distributed.heartbeat_s:g} s in logs/ranks/")
     lines.append(f"flight recorder: {'buffer ' + str(fr.buffer_size) + ' collectives, dumps to ' + str(fr_folder) if fr.enable else 'off'}")
+    lines.append(checkpoint_line(cfg, lay, peak_tflops))
     lines.append(f"frozen config: {frozen}")
     return "\n".join(lines)
+
+
+def checkpoint_line(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> str:
+    """The configured checkpoint interval beside the planner's Young/Daly suggestion (peak: measured, per rank)."""
+    try:
+        budget = plan.compute(cfg, lay, peak_tflops=peak_tflops)
+    except ZeroDivisionError:  # a layout the planner cannot budget (no microbatch per stage): no step time, no suggestion
+        budget = {"checkpoint_interval_steps": None}
+    steps = budget["checkpoint_interval_steps"]
+    if steps is None:
+        why = "set cluster.mtbf_hours and cluster.checkpoint_write_gbs for a suggestion"
+    else:
+        why = f"{budget['checkpoint_interval_s']:.0f} s: write {budget['checkpoint_write_s']:.3g} s, MTBF {cfg.cluster.mtbf_hours:g} h"
+    c = cfg.checkpoint
+    if not c.enable:
+        return f"checkpoints: off; planner suggests every {steps} steps ({why})" if steps else f"checkpoints: off ({why})"
+    mode = "async" if c.async_save else "sync"
+    suggested = f"planner suggests {steps} (Young/Daly, {why})" if steps else f"planner: no suggestion ({why})"
+    return f"checkpoints: every {c.interval} steps ({mode}, keep {c.keep or 'all'}) into {c.folder}; {suggested}"

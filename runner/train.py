@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from runner import calibrate, flops, monitor, titan
-from runner.data import SyntheticData
+from runner import data as data_mod
+from runner.checkpointer import Checkpointer, restarted
 from runner.layout import Layout
 from runner.metrics import Sink
 from runner.monitor import StepMonitor
@@ -158,20 +159,34 @@ def _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon
     return local, grad_norm
 
 
-def _rewind(built: titan.Built, opt, sched, guard: monitor.LossGuard, ckpt_dir: Path) -> int:
-    """Reload model + optimizer from the last checkpoint before the spike streak; the LR schedule follows the step."""
-    back = titan.load_checkpoint(built.parts, opt, ckpt_dir, before=guard.streak_start)
+def _rewind(built: titan.Built, opt, sched, data, guard: monitor.LossGuard, ckpt: Checkpointer) -> int:
+    """Reload the whole state from the last checkpoint before the spike streak; the guard keeps its bad steps."""
+    ckpt.wait()
+    back = ckpt.restore(built, opt, sched, data, guard, before=guard.streak_start)
     if back is None:
         raise RuntimeError(f"loss guard: {guard.cfg.max_consecutive} spikes in a row and no checkpoint before step {guard.streak_start}")
-    sched.last_epoch = back
     return back
+
+
+def _start(cfg: RunConfig, lay: Layout, built: titan.Built, opt, sched, data, guard, ckpt: Checkpointer) -> int:
+    """First step to run: after the newest complete checkpoint when resuming (by hand or after an elastic restart)."""
+    step = 1
+    if cfg.checkpoint.resume or restarted():
+        done = ckpt.restore(built, opt, sched, data, guard)
+        step = 1 if done is None else done + 1
+        if done is None and dist.get_rank() == 0:
+            print(f"checkpoint: nothing to resume in {ckpt.folder}; starting at step 1", flush=True)
+    line = data_mod.check_inputs(data, lay.dp_rank, step - 1)
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+    return step
 
 
 def run(
     cfg: RunConfig,
     lay: Layout,
     built: titan.Built,
-    data: SyntheticData,
+    data: data_mod.SyntheticData | data_mod.TextData,
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,
@@ -182,19 +197,20 @@ def run(
     titan.register_optimizer_hooks(built, opt)
     loss_fn = titan.loss_fn(cfg)
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
-    ckpt_dir = run_dir / cfg.checkpoint.folder
     timer = calibrate.StageTimer(built.schedule) if built.schedule is not None else None
     mon = StepMonitor(cfg, lay.coords, dist.get_rank(), recorder, run_dir)
     guard = monitor.LossGuard(cfg.monitor.guard)
+    ckpt = Checkpointer(cfg, lay, run_dir)
     idle = []  # per step: this rank's idle fraction inside the pipeline schedule
     rows = []
-    step = 1
+    step = _start(cfg, lay, built, opt, sched, data, guard, ckpt)
     while step <= t.steps:
         mon.begin_step(step)
         if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
             sched.step()
             step += 1
             continue
+        digest = data_mod.global_digest(data, step - 1)
         t0 = time.perf_counter()
         local, grad_norm = _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon)
         with mon.phase("loss"):
@@ -209,12 +225,16 @@ def run(
         dt = time.perf_counter() - t0
         flagged = mon.end_step()
         r = row(step, loss, grad_norm, dt, lr, cfg, acc) | {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
+        r["data_hash"] = digest
         if verdict.spike:
             r |= {"spike": verdict.spike, "action": verdict.action}
         if flagged:
             r["stragglers"] = flagged
         if verdict.action == "rewind":
-            r |= {"rewound_to": _rewind(built, opt, sched, guard, ckpt_dir), "bad_steps": sorted(guard.bad_steps)}
+            r |= {"rewound_to": _rewind(built, opt, sched, data, guard, ckpt), "bad_steps": sorted(guard.bad_steps)}
+        elif ckpt.due(step):
+            r["checkpoint_s"] = ckpt.save(step, built, opt, sched, data, guard)
+        ckpt.poll()
         rows.append(r)
         if step % cfg.logging.log_every == 0 or step == t.steps or verdict.spike or flagged:
             for s in sinks:
@@ -222,9 +242,12 @@ def run(
         if "rewound_to" in r:
             step = r["rewound_to"] + 1
             continue
-        if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-            titan.save_checkpoint(built.parts, opt, step, ckpt_dir)
         step += 1
+    ckpt.wait()  # an async save in flight is written and published before the run ends
+    if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
+        ckpt.export_model(built)
+    if not rows:
+        raise RuntimeError(f"nothing to train: the checkpoint resumed from is at step {step - 1} >= training.steps {t.steps}")
     summary = summarize(rows, cfg, lay, acc)
     summary["monitor"] = mon.summary() | {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
     peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64)

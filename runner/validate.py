@@ -445,8 +445,6 @@ def _device(cfg: RunConfig, out: list[Problem]) -> None:
         )
     if cfg.logging.wandb.mode not in WANDB_MODES:
         out.append(Problem("logging.wandb.mode", cfg.logging.wandb.mode, "not a W&B mode", f"use one of {', '.join(WANDB_MODES)}"))
-    if cfg.data.name != "synthetic":
-        out.append(Problem("data.name", cfg.data.name, "unknown data source", "use data=synthetic"))
 
 
 def _fp8_device(cfg: RunConfig, out: list[Problem]) -> None:
@@ -551,9 +549,10 @@ def check(cfg: RunConfig) -> layout.Layout:
     _cluster_and_plan(cfg, out)
     if fp8:
         _fp8_device(cfg, out)
-    from runner import validate_monitor  # imports Problem from here
+    from runner import validate_ckpt, validate_monitor  # they import Problem from here
 
     validate_monitor.check(cfg, ws, out)
+    validate_ckpt.check(cfg, out)
     if out:
         raise ConfigError(out)
     return layout.resolve(cfg.parallelism, cfg.cluster)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from runner import data as data_mod
 from runner import forensics, freeze, layout, mesh, metrics, peak, precision, startup, titan, train
-from runner.data import SyntheticData
-from runner.schema import DeviceType, Fp8Recipe
+from runner.schema import DataSource, DeviceType, Fp8Recipe
 
 
 def _threads(cfg) -> None:
@@ -86,22 +86,26 @@ def main(frozen_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _data(cfg, lay: layout.Layout, rank: int, run_dir: Path):
+    t, d = cfg.training, cfg.data
+    common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
+    if d.name == DataSource.synthetic:
+        return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, **common)
+    first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
+    if not first:
+        dist.barrier()
+    tokens = data_mod.load_tokens(d.files, d.format.value, d.text_field, d.tokenizer, d.eos_token, run_dir / "data_cache")
+    if first:
+        dist.barrier()
+    return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle, **common)
+
+
 def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list) -> None:
-    dp_rank = lay.dp_rank(rank)
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = train.accounting(cfg, built, pk)
-    t = cfg.training
-    data = SyntheticData(
-        seed=t.seed,
-        seq_len=t.seq_len,
-        vocab=cfg.model.vocab_size,
-        global_batch=t.global_batch_size,
-        microbatch=t.microbatch_size,
-        dp_rank=dp_rank,
-        dp=lay.dp,
-    )
+    data = _data(cfg, lay, rank, run_dir)
     sinks = []
     if rank == 0:
         header = (
@@ -112,7 +116,8 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
             header += "\n" + _record_fp8(cfg, built, pk, run_dir)
-        print(startup.report(cfg, lay, run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir), built.fp8_converted), flush=True)
+        frozen, fr = run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir)
+        print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
 

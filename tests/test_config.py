@@ -35,6 +35,7 @@ CONTEXT = {
     "cluster/slurm_h100.yaml": ["cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"],
     "cluster/b200_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
+    "data/text.yaml": ["data.files=[corpus.jsonl]", "data.tokenizer=tokenizer.json"],  # the files are checked at launch
 }
 
 
@@ -247,6 +248,7 @@ def test_config_layer_is_torch_free():
     code = (
         "import sys; sys.argv = ['runner', '--cfg', 'job']\n"
         "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout, runner.precision\n"
+        "import runner.checkpoint, runner.validate_ckpt, runner.startup\n"
         "try:\n    runpy.run_module('runner', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "print('TORCH_LOADED', 'torch' in sys.modules)"
     )

@@ -57,7 +57,15 @@ def slow(tmp_path_factory):
 def clean(tmp_path_factory):
     """31 clean steps with a rewind in the middle, then rank 1 is frozen with SIGSTOP from this process."""
     run_dir = tmp_path_factory.mktemp("clean") / "run"
-    args = [*SHORT, *STRAGGLER, "training.steps=40", "checkpoint=local", "checkpoint.interval=5", "monitor.guard.action=rewind"]
+    args = [
+        *SHORT,
+        *STRAGGLER,
+        "training.steps=40",
+        "checkpoint=local",
+        "checkpoint.interval=5",
+        "checkpoint.keep=0",
+        "monitor.guard.action=rewind",
+    ]
     args += ["monitor.guard.max_consecutive=2", "monitor.inject.corrupt_steps=[12,13]", "monitor.inject.corrupt_scale=1e4"]
     argv = [sys.executable, "-m", "runner", *args, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(

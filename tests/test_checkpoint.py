@@ -1,0 +1,303 @@
+"""Checkpoints and text data: atomic publishing, keep-last, corrupted-latest fallback, exact resume.
+
+Launches are shared (each costs ~25 s of imports): one uninterrupted 4-rank reference run (FSDP2 x TP,
+data=text, an async checkpoint every step) that every resume is compared with; one run whose rank 1 is
+SIGKILLed at step 4 and restarted by the elastic agent; one restart by hand (frozen-YAML replay with
+checkpoint.resume=true) from a copy of the reference checkpoints whose newest is gone and next-newest
+truncated; one 2-rank pipeline run that resumes the FSDP2 x TP checkpoint under another layout.
+The folder logic itself is unit-tested without ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runner import checkpoint, validate_ckpt
+from runner.validate import ConfigError
+from tests import text_assets
+from tests.conftest import metrics, run_cli
+
+STEPS, KILL_AT = 6, 4
+LOSS_ATOL = 1e-4  # another layout: float32 reduction-order noise (as in test_train's parity)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return text_assets.make(tmp_path_factory.mktemp("assets"))
+
+
+def _common(assets) -> list[str]:
+    corpus, tok = assets
+    return [
+        "data=text",
+        f"data.files=[{corpus}]",
+        f"data.tokenizer={tok}",
+        "checkpoint=local",
+        "checkpoint.interval=1",
+        "checkpoint.keep=3",
+        f"training.steps={STEPS}",
+        "training.seq_len=64",
+        "logging.progress=false",
+        "distributed.shutdown_timeout_s=5",
+    ]
+
+
+def _ok(proc, name: str) -> None:
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _by_step(run_dir: Path) -> dict[int, dict]:
+    """Last row logged for each step (a restarted run logs the steps after its checkpoint again)."""
+    return {r["step"]: r for r in metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, assets):
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    extra = ["checkpoint.export_final_model=true", "cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"]
+    proc = run_cli(*_common(assets), *extra, run_dir=run_dir)
+    _ok(proc, "reference")
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, assets):
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    inject = ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"]
+    proc = run_cli(*_common(assets), *inject, run_dir=run_dir)
+    _ok(proc, "killed")
+    return run_dir, proc
+
+
+# ---- with ranks -------------------------------------------------------------------------------------
+
+
+def test_reference_run_keeps_last_three_complete_and_exports_model(reference):
+    run_dir, proc = reference
+    folder = run_dir / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["model-final", "step-4", "step-5", "step-6"]
+    for step in (4, 5, 6):
+        path = folder / f"step-{step}"
+        assert checkpoint.verify(path) is None  # the async save of the last step completed before exit
+        info = checkpoint.marker(path)
+        assert (info["step"], info["world_size"], info["degrees"], info["async_save"]) == (step, 4, "dp_shard=2 x tp=2", True)
+        assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    assert (folder / "model-final" / ".metadata").is_file()
+    # model-only: its shards are a third of a full checkpoint's (weights vs weights + two AdamW moments)
+    full = sum(checkpoint.marker(folder / "step-6")["files"].values())
+    model = sum(p.stat().st_size for p in (folder / "model-final").iterdir())
+    assert 0.25 < model / full < 0.4
+    assert [f"checkpoint: deleted step-{s} (keep 3)" in proc.stdout for s in (1, 2, 3)] == [True] * 3
+    assert not list(folder.glob("*.partial"))
+
+
+def test_reference_start_up_shows_planner_interval_and_data_check(reference):
+    run_dir, proc = reference
+    assert "checkpoints: every 1 steps (async, keep 3) into checkpoints; planner suggests " in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("checkpoints:"))
+    assert "Young/Daly" in line and "MTBF 0.01 h" in line
+    assert "data check: first batch identical on the 2 ranks of each TP/CP/PP group, different across 2 DP replica(s)" in proc.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert len({r["data_hash"] for r in rows}) == STEPS  # every step reads new samples
+    assert all(r["checkpoint_s"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_sigkilled_rank_restarted_by_agent_resumes_exactly(reference, killed):
+    ref, got = _by_step(reference[0]), _by_step(killed[0])
+    out = killed[1].stdout
+    resumed = [ln for ln in out.splitlines() if ln.startswith("checkpoint: resumed from")]
+    assert len(resumed) == 1, out[-3000:]
+    back = int(resumed[0].split("(step ")[1].split(",")[0])
+    assert 1 <= back < KILL_AT
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):  # bit-identical losses and the same samples at every step
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["data_hash"]) == (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["data_hash"]), s
+    rows = metrics(killed[0])
+    assert [r["step"] for r in rows] == list(range(1, KILL_AT)) + list(range(back + 1, STEPS + 1))
+
+
+def _copy_checkpoints(reference, dest: Path, steps: list[int]) -> Path:
+    dest.mkdir(parents=True)
+    for s in steps:
+        shutil.copytree(reference[0] / "checkpoints" / f"step-{s}", dest / f"step-{s}")
+    return dest
+
+
+def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tmp_path):
+    """The job stopped after step 5 (no step 6); step-5 has a truncated shard; a leftover .partial is ignored."""
+    folder = _copy_checkpoints(reference, tmp_path / "ckpt", [4, 5])
+    shard = folder / "step-5" / "__1_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    (folder / "step-7.partial").mkdir()
+    run_dir = tmp_path / "manual"
+    replay = ["--config-dir", str(reference[0]), "--config-name", "frozen"]
+    proc = run_cli(*replay, "checkpoint.resume=true", f"checkpoint.folder={folder}", run_dir=run_dir)
+    _ok(proc, "manual resume")
+    assert f"WARNING: skipping checkpoint {folder / 'step-5'}: __1_0.distcp has {size // 2} bytes, {size} were written" in proc.stderr
+    assert f"checkpoint: resumed from {folder / 'step-4'} (step 4, layout dp2_tp2)" in proc.stdout
+    ref, got = _by_step(reference[0]), _by_step(run_dir)
+    assert sorted(got) == [5, 6]
+    for s in (5, 6):
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["data_hash"]) == (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["data_hash"])
+    assert checkpoint.verify(folder / "step-6") is None and not (folder / "step-7.partial").exists()
+
+
+def test_pipeline_run_resumes_fsdp_tp_checkpoint_and_saves_its_own(reference, assets, tmp_path):
+    """dp_shard=2 x tp=2 -> pp=2 through DCP resharding: same samples, losses within reduction-order noise."""
+    folder = _copy_checkpoints(reference, tmp_path / "ckpt", [4])
+    run_dir = tmp_path / "pp"
+    layout = ["parallelism=tp2_pp2", "parallelism.tp=1"]
+    proc = run_cli(*_common(assets), *layout, "checkpoint.resume=true", f"checkpoint.folder={folder}", run_dir=run_dir)
+    _ok(proc, "pp resume")
+    assert "RNG states not restored: saved by 4 ranks" in proc.stdout
+    ref, got = _by_step(reference[0]), _by_step(run_dir)
+    assert sorted(got) == [5, 6]
+    for s in (5, 6):
+        assert got[s]["data_hash"] == ref[s]["data_hash"]
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=LOSS_ATOL)
+    info = checkpoint.marker(folder / "step-6")
+    assert (info["world_size"], info["degrees"]) == (2, "pp=2") and checkpoint.verify(folder / "step-6") is None
+    assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard per pipeline stage
+
+
+# ---- without ranks -----------------------------------------------------------------------------------
+
+
+def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
+    """A checkpoint folder as DCP leaves it (.metadata + one shard per rank), published or still partial."""
+    part = checkpoint.partial_path(folder, step)
+    part.mkdir(parents=True)
+    (part / ".metadata").write_bytes(b"m" * 5)
+    for r, n in enumerate(sizes):
+        (part / f"__{r}_0.distcp").write_bytes(b"x" * n)
+    return checkpoint.publish(part, checkpoint.final_path(folder, step), {"step": step}) if publish else part
+
+
+def test_publish_is_a_rename_with_a_marker_of_every_file(tmp_path):
+    final = _fake(tmp_path, 3)
+    assert final == tmp_path / "step-3" and not (tmp_path / "step-3.partial").exists()
+    assert checkpoint.marker(final) == {"step": 3, "files": {".metadata": 5, "__0_0.distcp": 10, "__1_0.distcp": 20}}
+    assert checkpoint.verify(final) is None
+
+
+def test_choose_newest_complete_and_warn_about_broken_newer(tmp_path):
+    for s in (1, 2, 3, 4):
+        _fake(tmp_path, s)
+    _fake(tmp_path, 6, publish=False)  # a save in flight or killed: never chosen, never warned about
+    (tmp_path / "step-4" / "__1_0.distcp").write_bytes(b"x" * 7)  # truncated
+    (tmp_path / "step-3" / checkpoint.MARKER).unlink()  # never marked
+    (tmp_path / "step-5").mkdir()  # no marker, no files
+    pick, warnings = checkpoint.choose(tmp_path)
+    assert pick == tmp_path / "step-2"
+    assert warnings == [
+        f"skipping checkpoint {tmp_path / 'step-5'}: no COMPLETE.json (the save never finished); falling back to {pick}",
+        f"skipping checkpoint {tmp_path / 'step-4'}: __1_0.distcp has 7 bytes, 20 were written; falling back to {pick}",
+        f"skipping checkpoint {tmp_path / 'step-3'}: no COMPLETE.json (the save never finished); falling back to {pick}",
+    ]
+    assert checkpoint.choose(tmp_path, before=2) == (tmp_path / "step-1", [])
+    (tmp_path / "step-2" / ".metadata").unlink()
+    assert checkpoint.choose(tmp_path)[0] == tmp_path / "step-1"
+    assert checkpoint.choose(tmp_path / "missing") == (None, [])
+
+
+def test_keep_last_deletes_only_old_complete_checkpoints(tmp_path):
+    for s in (1, 2, 3, 5, 6):
+        _fake(tmp_path, s)
+    _fake(tmp_path, 7, publish=False)
+    (tmp_path / "step-5" / "__0_0.distcp").unlink()  # broken: not counted, not deleted
+    assert checkpoint.prune(tmp_path, keep=2) == [tmp_path / "step-2", tmp_path / "step-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-5", "step-6", "step-7.partial"]
+    assert checkpoint.prune(tmp_path, keep=0) == []
+
+
+def test_text_data_shards_are_disjoint_and_position_survives_a_batch_change(assets, tmp_path):
+    import torch
+
+    from runner import data
+
+    corpus, tok = assets
+    tokens = data.load_tokens([str(corpus)], "json", "text", str(tok), text_assets.EOS, tmp_path / "cache")
+    eos = json.loads(tok.read_text())["added_tokens"][0]["id"]
+    assert int((tokens == eos).sum()) == 300  # one EOS after each document
+
+    def shard(r, dp, gb=8):
+        return data.TextData(tokens, seed=0, shuffle=True, seq_len=64, global_batch=gb, microbatch=2, dp_rank=r, dp=dp)
+
+    whole = shard(0, 1)
+    parts = [shard(r, 4) for r in range(4)]
+    assert torch.cat([p.positions(3) for p in parts]).tolist() == whole.positions(3).tolist()
+    starts = [s for _, s in whole.positions(3).tolist()]
+    assert len(set(starts)) == 8 and all(s % 64 == 0 for s in starts)  # 8 different pieces of the stream
+    inp, lab = whole.microbatches(3)[0]
+    assert torch.equal(inp[:, 1:], lab[:, :-1]) and torch.equal(inp[0], tokens[starts[0] : starts[0] + 64])
+    # resume after 5 steps of 8 samples with a global batch of 4: the next samples are 40..43
+    resumed = shard(0, 1, gb=4)
+    resumed.load_state_dict(whole.state_dict(5), 5)
+    assert resumed.indices(5) == [40, 41, 42, 43] and resumed.indices(6) == [44, 45, 46, 47]
+    # a second epoch visits every piece again in another order
+    n = whole.num_samples
+    first, second = [whole.token_start(i) for i in range(n)], [whole.token_start(n + i) for i in range(n)]
+    assert sorted(first) == sorted(second) and first != second
+
+
+def test_checkpoint_folder_and_text_data_fail_before_launch(tmp_path, assets):
+    """Not writable (a file where a folder should be), no room, missing data: exit 2, one message, nothing written."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "checkpoint=local",
+        f"checkpoint.folder={blocker / 'ckpt'}",
+        "data=text",
+        f"data.files=[{tmp_path / 'nope.jsonl'}]",
+        f"data.tokenizer={assets[1]}",
+        run_dir=run_dir,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
+    assert "Invalid config (2 problems):" in proc.stderr
+    why = f"{blocker} is a file, so the folder cannot be made. Fix: name a folder path."
+    assert f"checkpoint.folder = {blocker / 'ckpt'}: {why}" in proc.stderr
+    assert f"data.files = ['{tmp_path / 'nope.jsonl'}']: not found" in proc.stderr
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_rejected(compose, assets, tmp_path):
+    cfg = compose(["data=text", f"data.files=[{assets[0]}]", f"data.tokenizer={assets[1]}"])
+    validate_ckpt.check_launch(cfg, tmp_path)  # 512 tokens fit the debug model's 2048
+    cfg.model.vocab_size = 256
+    with pytest.raises(ConfigError) as e:
+        validate_ckpt.check_launch(cfg, tmp_path)
+    (p,) = e.value.problems
+    assert p.field == "data.tokenizer" and p.why == "its vocabulary has 512 tokens, more than model.vocab_size 256"
+
+
+def test_full_checkpoint_filesystem_is_rejected(compose, tmp_path):
+    cfg = compose(["checkpoint=local", "checkpoint.min_free_gb=1e12", "training.steps=10", "checkpoint.interval=5"])
+    with pytest.raises(ConfigError) as e:
+        validate_ckpt.check_launch(cfg, tmp_path)
+    (p,) = e.value.problems
+    one = checkpoint.size_estimate_gb(6_163_712)
+    assert p.field == "checkpoint.folder" and f"2 checkpoint(s) of {one:.3g} GB (fp32 weights + AdamW state)" in p.why
+    assert f"checkpoint.min_free_gb 1e+12 need {2 * one + 1e12:.3g} GB" in p.why
+
+
+def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
+    _fake(tmp_path / "checkpoints", 4)
+    marker = tmp_path / "checkpoints" / "step-4" / checkpoint.MARKER
+    body = json.loads(marker.read_text())
+    body["model"] = {"name": "llama3", "flavor": "8B", "dim": 4096, "num_layers": 32, "vocab_size": 128256}
+    marker.write_text(json.dumps(body))
+    cfg = compose(["checkpoint=local", "checkpoint.resume=true"])
+    with pytest.raises(ConfigError) as e:
+        validate_ckpt.check_launch(cfg, tmp_path)
+    (p,) = e.value.problems
+    assert p.field == "checkpoint.resume" and "holds model {'name': 'llama3', 'flavor': '8B'" in p.why
+    assert "this run builds {'name': 'llama3', 'flavor': 'debugmodel'" in p.why

@@ -1,0 +1,44 @@
+"""A tiny corpus and BPE tokenizer built on the spot (nothing downloaded), for data=text runs."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+EOS = "<|end_of_text|>"
+SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "dan", "tor", "ix", "um", "ber", "sol"]
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """Sentences over a made-up vocabulary with bigram structure, so there is something to learn."""
+    rng = random.Random(seed)
+    words = sorted({"".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(300)})
+    docs = []
+    for _ in range(n):
+        sentences = []
+        for _ in range(rng.randint(2, 6)):
+            w = [rng.choice(words)]
+            for _ in range(rng.randint(3, 10)):
+                w.append(words[(words.index(w[-1]) * 7 + rng.randint(0, 5)) % len(words)])
+            sentences.append(" ".join(w).capitalize() + ".")
+        docs.append(" ".join(sentences))
+    return docs
+
+
+def make(folder: Path, n_docs: int = 300, vocab_size: int = 512) -> tuple[Path, Path]:
+    """Write corpus.jsonl and tokenizer.json into `folder`; return their paths."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = documents(n_docs)
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer=trainer)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return corpus, path
