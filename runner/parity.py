@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,8 @@ def launch(nproc: int, frozen_paths: list[Path]) -> None:
     if rec["device"] == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log_dir = frozen_paths[0].parent / "logs"
-    flags = ["--standalone", f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]
+    rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id=parity-{uuid.uuid4().hex[:8]}"]  # torchrun --standalone
+    flags = [*rdzv, f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]
     if cfg.cluster.worker_start == WorkerStart.fork:
         launch_mod.fork_ranks(flags, forked_main, *map(str, frozen_paths))
     else:
