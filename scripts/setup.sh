@@ -10,8 +10,8 @@ command -v "$PY" >/dev/null || PY=python3
 pip=(.venv/bin/python -m pip install --quiet)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   "${pip[@]}" torch==2.13.0
-elif ! "${pip[@]}" --no-index torch==2.13.0 2>/dev/null; then  # a local CPU wheel (find-links), no network
-  "${pip[@]}" torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+elif ! "${pip[@]}" torch==2.13.0+cpu; then  # the CPU wheel on local disk (pip's find-links), its dependencies from PyPI
+  "${pip[@]}" torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
 fi
 "${pip[@]}" -e ".[dev]"
 .venv/bin/python -c "import torch, torchtitan; print('torch', torch.__version__, '| cuda' if torch.cuda.is_available() else '| cpu')"
