@@ -43,3 +43,15 @@ def compose():
             return _to_object(hydra_compose(config_name=name, overrides=overrides))
 
     return _compose
+
+
+@pytest.fixture(scope="session")
+def budget(compose):
+    """budget(overrides) -> the plan's figures (runner.plan.compute) of the composed, validated config."""
+    from runner import plan, validate
+
+    def _budget(overrides: list[str]) -> dict:
+        cfg = compose(overrides)
+        return plan.compute(cfg, validate.check(cfg))
+
+    return _budget

@@ -74,15 +74,6 @@ def test_bubble_formula_per_schedule():
     assert pipeline.bubble(1, 8, "1F1B", 1) == (0.0, "no pipeline")
 
 
-@pytest.fixture(scope="module")
-def budget(compose):
-    def _budget(overrides: list[str]) -> dict:
-        cfg = compose(overrides)
-        return plan.compute(cfg, validate.check(cfg))
-
-    return _budget
-
-
 def test_405b_layouts_plan_with_the_uneven_split(budget):
     b16 = budget([*L405, "parallelism=tp8_pp16"])
     assert (b16["degrees"], b16["microbatches"]) == ("pp=16 x dp_shard=8 x tp=8", 128)

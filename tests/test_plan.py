@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from runner import plan, validate
 from tests.conftest import ROOT, run_cli
 
 SEED = ["recipe=llama3_70b_h100x1024"]
@@ -18,15 +17,6 @@ REQUIRED_KEYS = (
     "tokens_per_step microbatches bubble_fraction weights_grads_gb_per_gpu optimizer_gb_per_gpu activations_gb_per_gpu "
     "step_time_s tp_comm_s dp_comm_s pp_comm_s mfu_assumed fits_memory"
 ).split()
-
-
-@pytest.fixture(scope="module")
-def budget(compose):
-    def _budget(overrides: list[str]) -> dict:
-        cfg = compose(overrides)
-        return plan.compute(cfg, validate.check(cfg))
-
-    return _budget
 
 
 def test_worked_example_reproduces_the_published_budget(budget):
