@@ -6,7 +6,9 @@ run from this one file: it starts from the schema (`base_config`) and sets every
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import enum
 import functools
 import importlib.metadata
 import socket
@@ -15,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf._utils import get_omega_conf_dumper
 
 from runner.layout import Layout
 from runner.schema import RunConfig
@@ -66,16 +70,27 @@ def provenance(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
     return out
 
 
-def to_container(cfg: RunConfig) -> dict[str, Any]:
-    """Plain, fully resolved dict of the config (enums as their names)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+def to_container(cfg: Any) -> Any:
+    """Plain dict of the typed config, enums as their names: what `OmegaConf.to_container(
+    OmegaConf.structured(cfg), resolve=True, enum_to_str=True)` gives, without re-typing the
+    whole tree (0.1 s of a plan). The typed config is already resolved by `to_object`."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_container(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.name
+    if isinstance(cfg, dict):
+        return {k: to_container(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_container(v) for v in cfg]
+    return cfg
 
 
 def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
     """Write frozen.yaml into run_dir and return its path."""
     body = to_container(cfg)
     body["provenance"] = {**provenance(cfg, lay), "run_dir": str(run_dir.resolve())}
-    text = OmegaConf.to_yaml(OmegaConf.create({"defaults": ["base_config", "_self_"], **body}))
+    # OmegaConf's own YAML dumper (what OmegaConf.to_yaml uses): strings that read back as numbers stay quoted
+    text = yaml.dump({"defaults": ["base_config", "_self_"], **body}, Dumper=get_omega_conf_dumper(), default_flow_style=False, allow_unicode=True, sort_keys=False)
     path = run_dir / FROZEN_NAME
     tmp = path.with_suffix(".tmp")
     tmp.write_text("# Replay: python -m runner --config-dir <this folder> --config-name frozen\n" + text)
