@@ -27,7 +27,9 @@ GRID = ["parallelism.tp=1,2,4,8", "parallelism.pp=1,2,4,8,16", "parallelism.cp=1
 
 def _wall(tree: Path, argv: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "runner", *argv], cwd=tree, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    subprocess.run(
+        [sys.executable, "-m", "runner", *argv], cwd=tree, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(tree)}
+    )
     return time.perf_counter() - t0
 
 

@@ -90,7 +90,13 @@ def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
     body = to_container(cfg)
     body["provenance"] = {**provenance(cfg, lay), "run_dir": str(run_dir.resolve())}
     # OmegaConf's own YAML dumper (what OmegaConf.to_yaml uses): strings that read back as numbers stay quoted
-    text = yaml.dump({"defaults": ["base_config", "_self_"], **body}, Dumper=get_omega_conf_dumper(), default_flow_style=False, allow_unicode=True, sort_keys=False)
+    text = yaml.dump(
+        {"defaults": ["base_config", "_self_"], **body},
+        Dumper=get_omega_conf_dumper(),
+        default_flow_style=False,
+        allow_unicode=True,
+        sort_keys=False,
+    )
     path = run_dir / FROZEN_NAME
     tmp = path.with_suffix(".tmp")
     tmp.write_text("# Replay: python -m runner --config-dir <this folder> --config-name frozen\n" + text)

@@ -90,8 +90,9 @@ def start(flags: list[str], frozen: Path) -> None:
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
         if cfg.cluster.worker_start == WorkerStart.fork:
-            from runner import worker
+            from runner import titan, worker
 
+            titan.preload(cfg)
             fork_ranks(flags, worker.forked_main, str(frozen))
         else:
             torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))

@@ -7,7 +7,6 @@ it reads the rank from the environment the agent sets.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -62,8 +61,7 @@ def main(frozen_path: str) -> None:
     cfg = freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     _threads(cfg)
-    if cfg.cluster.device == DeviceType.cpu:  # torchao's CUDA kernel libraries cannot load on CPU; nothing to act on
-        logging.getLogger("torchao").setLevel(logging.ERROR)
+    titan.quiet_torchao(cfg)
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
     pd = titan.init_distributed(cfg, lay)

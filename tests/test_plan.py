@@ -213,5 +213,8 @@ def test_sweep_file_still_runs_as_a_multirun(tmp_path):
     points = sorted(p.parent.name for p in tmp_path.glob("*/plan.json")) + sorted(p.parent.name for p in tmp_path.glob("*/invalid.json"))
     assert len(points) == 12  # tp {4,8} x pp {4,8,16} x cp {1,2}
     assert json.loads((tmp_path / "0" / "plan.json").read_text())["overrides"] == [
-        "parallelism.tp=4", "parallelism.pp=4", "parallelism.cp=1", "sweep=llama3_70b_layouts"
+        "parallelism.tp=4",
+        "parallelism.pp=4",
+        "parallelism.cp=1",
+        "sweep=llama3_70b_layouts",
     ]
