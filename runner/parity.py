@@ -190,6 +190,8 @@ def launch(nproc: int, frozen_paths: list[Path]) -> None:
     rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id=parity-{uuid.uuid4().hex[:8]}"]  # torchrun --standalone
     flags = [*rdzv, f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]
     if cfg.cluster.worker_start == WorkerStart.fork:
+        for c in {freeze.load(p).model.name: freeze.load(p) for p in frozen_paths}.values():  # one per model family
+            titan.preload(c)
         launch_mod.fork_ranks(flags, forked_main, *map(str, frozen_paths))
     else:
         torchrun(parse_args([*flags, "-m", "runner.parity", *map(str, frozen_paths)]))

@@ -3,8 +3,9 @@
 Two 4-rank launches (imports cost ~25-45 s each, so each launch carries several checks):
 - `slow`: rank 2 computes 60 % longer in every forward, step 8's batch is corrupted to NaN (guard: skip),
   and at step 14 rank 1 sleeps before its forward past distributed.timeout_s (the hang).
-- `clean`: 31 clean steps (nobody may be flagged), steps 12-13 corrupted x1e4 (guard: rewind to step 10's
-  checkpoint), then the test freezes rank 1 from outside with SIGSTOP.
+- `clean`: 31 clean steps of 4-rank FSDP (nobody may be flagged; FSDP steps cost 0.4x a dp2_tp2 step here),
+  steps 12-13 corrupted x1e4 (guard: rewind to step 10's checkpoint), then the test freezes rank 1 from
+  outside with SIGSTOP.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def clean(tmp_path_factory):
     args = [
         *SHORT,
         *STRAGGLER,
+        "parallelism=fsdp",
+        "cluster.devices_per_node=4",
         "training.steps=40",
         "checkpoint=local",
         "checkpoint.interval=5",
@@ -171,7 +174,7 @@ def test_loss_guard_decisions():
 # ---------------------------------------------------------------- hangs
 
 
-def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_state: str) -> dict:
+def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_state: str, groups=("mesh_",)) -> dict:
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "collective timeout: report in" in proc.stderr and "Traceback" not in proc.stderr.split("collective timeout")[-1]
     assert ended - hang_started < LIMIT_S, ended - hang_started
@@ -184,7 +187,7 @@ def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_s
     assert any(o["waiting_for"] == [1] for o in others)  # at least one peer waits for rank 1 directly; the rest wait behind it
     for o in others:
         for w in o["waiting_in"]:
-            assert w["op"].startswith("gloo:") and w["group_desc"].startswith("mesh_") and w["seq"] > 0
+            assert w["op"].startswith("gloo:") and w["group_desc"].startswith(groups) and w["seq"] > 0
             assert set(o["waiting_for"]) & set(w["group_ranks"])
     assert all(_gone(rec["pid"]) for rec in _records(run_dir).values())  # nothing left running
     return report
@@ -205,7 +208,8 @@ def test_sleeping_rank_hang_is_reported(slow):
 def test_sigstopped_rank_hang_is_reported(clean):
     run_dir, proc, stopped_at, ended = clean
     assert stopped_at is not None, proc.stderr[-3000:]
-    report = _check_hang(run_dir, proc, stopped_at, ended, "frozen (record stale)")
+    # 1-D FSDP: the mesh's only axis is the whole world, so the peers may wait in the default group
+    report = _check_hang(run_dir, proc, stopped_at, ended, "frozen (record stale)", groups=("mesh_", "default_pg"))
     assert report["ranks"]["1"]["last_seen_s_before_end"] >= forensics.STALE_HEARTBEATS
 
 
