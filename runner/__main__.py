@@ -223,7 +223,17 @@ def cli() -> None:
         if e.code == 1 and not _entered:  # Hydra rejected the command line or a config file
             print("Fix the override or config file named above; `python -m runner --help` lists the groups.", file=sys.stderr)
             sys.exit(2)
+        if "torch" in sys.modules and isinstance(e.code, int):
+            _fast_exit(e.code)
         raise
+    if "torch" in sys.modules:  # a launch: skip the interpreter's ~3 s teardown of torch and TorchTitan
+        _fast_exit(0)
+
+
+def _fast_exit(code: int) -> None:
+    from runner import launch
+
+    launch.exit_now(code)
 
 
 if __name__ == "__main__":

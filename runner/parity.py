@@ -215,5 +215,6 @@ def prepare(cfgs: dict[str, RunConfig], folder: Path) -> list[Path]:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1].isdigit():
         launch(int(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+        launch_mod.exit_now(0)
     else:
         main(sys.argv[1:])
