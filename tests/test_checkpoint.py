@@ -1,8 +1,8 @@
 """Checkpoints and text data: atomic publishing, keep-last, corrupted-latest fallback, exact resume.
 
-Launches are shared (each costs ~25 s of imports): one uninterrupted 4-rank reference run (FSDP2 x TP,
-data=text, an async checkpoint every step) that every resume is compared with; one run whose rank 1 is
-SIGKILLed at step 4 and restarted by the elastic agent; one restart by hand (frozen-YAML replay with
+Launches are shared (each costs ~11 s of imports): one Hydra multirun trains an uninterrupted 4-rank
+reference run (FSDP2 x TP, data=text, an async checkpoint every step) that every resume is compared
+with, and a run whose rank 1 is SIGKILLed at step 4 and restarted by the elastic agent; one restart by hand (frozen-YAML replay with
 checkpoint.resume=true) from a copy of the reference checkpoints whose newest is gone and next-newest
 truncated; one 2-rank pipeline run that resumes the FSDP2 x TP checkpoint under another layout.
 The folder logic itself is unit-tested without ranks.
@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from runner import checkpoint, validate_ckpt
 from runner.validate import ConfigError
 from tests import text_assets
-from tests.conftest import metrics, run_cli
+from tests.conftest import metrics, multirun, run_cli
 
 STEPS, KILL_AT = 6, 4
 LOSS_ATOL = 1e-4  # another layout: float32 reduction-order noise (as in test_train's parity)
@@ -56,21 +57,24 @@ def _by_step(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, assets):
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    extra = ["checkpoint.export_final_model=true", "cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"]
-    proc = run_cli(*_common(assets), *extra, run_dir=run_dir)
-    _ok(proc, "reference")
-    return run_dir, proc
+def trained(tmp_path_factory, assets):
+    """The reference and the killed run, in one Hydra multirun: {name: (run folder, its console)}."""
+    points = {
+        "reference": ["checkpoint.export_final_model=true", "cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"],
+        "killed": ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"],
+    }
+    dirs, consoles = multirun(points, _common(assets), tmp_path_factory.mktemp("ckpt") / "sweep")
+    return {name: (dirs[name], SimpleNamespace(stdout=consoles[name])) for name in points}
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, assets):
-    run_dir = tmp_path_factory.mktemp("killed") / "run"
-    inject = ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"]
-    proc = run_cli(*_common(assets), *inject, run_dir=run_dir)
-    _ok(proc, "killed")
-    return run_dir, proc
+def reference(trained):
+    return trained["reference"]
+
+
+@pytest.fixture(scope="module")
+def killed(trained):
+    return trained["killed"]
 
 
 # ---- with ranks -------------------------------------------------------------------------------------

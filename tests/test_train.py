@@ -228,9 +228,9 @@ def test_two_simulated_nodes_train_like_one(runs, tmp_path):
 
 def test_round_robin_placement_refuses_to_train(tmp_path):
     """A launcher that deals ranks to nodes round-robin splits every TP group over two nodes."""
-    env = {**os.environ, "RUNNER_NODE_NAMES": "node0,node1,node0,node1"}
+    env = {**os.environ, "RUNNER_NODE_NAMES": "node0,node1"}
     # also the exec start (a fresh interpreter per rank, as on a GPU node); the other local runs fork
-    argv = [sys.executable, "-m", "runner", *SHORT, "cluster.worker_start=exec", f"hydra.run.dir={tmp_path / 'rr'}"]
+    argv = [sys.executable, "-m", "runner", *SHORT, "parallelism=tp2", "cluster.worker_start=exec", f"hydra.run.dir={tmp_path / 'rr'}"]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1
     assert "refusing to train: ranks are placed so that tensor-parallel groups cross nodes" in proc.stderr
