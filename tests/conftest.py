@@ -34,11 +34,12 @@ def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tu
     folder = sweep.parent / f"{sweep.name}-points"
     (folder / "point").mkdir(parents=True)
     for name, overrides in points.items():
-        chosen = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] in groups]
-        values = [o for o in overrides if o.split("=", 1)[0] not in groups]
-        body = {"defaults": [{f"override /{g}": v} for g, v in chosen], **OmegaConf.to_container(OmegaConf.from_dotlist(values))}
+        # the common overrides go into every point's file too: command-line values would win over the point's own
+        chosen = dict(o.split("=", 1) for o in [*common, *overrides] if o.split("=", 1)[0] in groups)
+        values = [o for o in [*common, *overrides] if o.split("=", 1)[0] not in groups]
+        body = {"defaults": [{f"override /{g}": v} for g, v in chosen.items()], **OmegaConf.to_container(OmegaConf.from_dotlist(values))}
         (folder / "point" / f"{name}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
-    proc = run_cli("-m", "--config-dir", str(folder), *common, f"+point={','.join(points)}", f"hydra.sweep.dir={sweep}")
+    proc = run_cli("-m", "--config-dir", str(folder), f"+point={','.join(points)}", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, f"multirun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     parts = re.split(r"\[HYDRA\]\s+#\d+ : ", proc.stdout)[1:]
     assert len(parts) == len(points), proc.stdout[-3000:]
