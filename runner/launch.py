@@ -57,9 +57,20 @@ def node_command(cfg: RunConfig, lay: Layout, frozen: Path, *, rdzv_endpoint: st
     return " ".join(["python", "-m", "runner.launch", *quoted, shlex.quote(str(frozen))])
 
 
+def _honour_shutdown_timeout() -> None:
+    """torch 2.13's agent stops the ranks of a failed group with `_shutdown()`, i.e. with its 30 s
+    default, not the --shutdown-timeout it was given (that one only applies when the agent itself is
+    signalled or exits). A SIGSTOPped rank ignores SIGTERM, so every such failure cost 30 s before the
+    SIGKILL; stop the ranks with the configured distributed.shutdown_timeout_s instead."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    LocalElasticAgent._stop_workers = lambda self, worker_group: self._shutdown(timeout=self._shutdown_timeout)
+
+
 def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     from runner import peak
 
+    _honour_shutdown_timeout()
     if not (frozen.parent / peak.PEAK_NAME).exists():
         peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -113,7 +124,25 @@ def fork_ranks(flags: list[str], entry: Callable[..., None], *args: str) -> None
     from torch.distributed.run import config_from_args, parse_args
 
     config, _, _ = config_from_args(parse_args([*flags, "--start-method=fork", "-m", "runner.worker", *args]))
+    _fork_grace(config.shutdown_timeout)
     elastic_launch(config, entry)(*args)
+
+
+_spawn_join = None
+
+
+def _fork_grace(seconds: float) -> None:
+    """With forked ranks, a failed rank is noticed inside torch's ProcessContext.join, which gives the
+    others a hard-coded 30 s after SIGTERM before SIGKILL (the agent's --shutdown-timeout does not reach
+    it). Give them the configured time instead: half to exit on their own, half after SIGTERM."""
+    global _spawn_join
+    from torch.multiprocessing.spawn import ProcessContext
+
+    _spawn_join = _spawn_join or ProcessContext.join
+    join = _spawn_join
+    ProcessContext.join = lambda self, timeout=None, grace_period=None: join(
+        self, timeout, seconds / 2 if grace_period is None else grace_period
+    )
 
 
 def exit_now(code: int) -> None:

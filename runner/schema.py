@@ -447,8 +447,9 @@ class DistributedConfig:
     heartbeat_s: float = 1.0
     """Every this many seconds each rank writes its record (phase, step, collective counters) to logs/ranks/."""
     shutdown_timeout_s: int = 30
-    """After a rank fails, seconds the elastic agent gives the others to exit on SIGTERM before SIGKILL
-    (torchrun --shutdown-timeout); a SIGSTOPped rank only goes on SIGKILL."""
+    """After a rank fails, seconds the elastic agent gives the others to exit before SIGKILL (torchrun
+    --shutdown-timeout; torch 2.13 itself waits 30 s there, the runner passes this value); a SIGSTOPped
+    rank only goes on SIGKILL."""
     flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
 
 
