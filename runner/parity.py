@@ -55,29 +55,30 @@ def full_weights(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def exact_grad_norm(cfg: RunConfig, lay: layout.Layout, built: titan.Built, data: SyntheticData) -> float:
-    """Step 1's global gradient norm in float64 from the full gradients, then the gradients are dropped.
+def exact_grad_norm(parts: list[torch.nn.Module], lay: layout.Layout) -> float:
+    """The global gradient norm in float64 from the full gradients (DTensor shards gathered).
 
     The logged norm is TorchTitan's clip in float32, where torch's CPU vector norm rounds at ~4e-5 relative
     on the 0.5M-element output head, differently for each shard shape; this one compares layouts at ~1e-9."""
-    t = cfg.training
-    tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
-    microbatches = data.microbatches(0)
-    if built.schedule is not None:
-        titan.pipeline_step(built, microbatches, tokens)
-    else:
-        loss_fn = titan.loss_fn(cfg)
-        for full_inputs, full_labels in microbatches:
-            inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)  # this rank's CP chunks
-            loss_fn(built.parts[0](inputs, **extra), labels, tokens)[0].backward()
-    grads = {n: titan.local_value(p.grad).double() for part in built.parts for n, p in part.named_parameters() if p.grad is not None}
-    for part in built.parts:
-        part.zero_grad(set_to_none=True)
+    grads = [titan.local_value(p.grad).double() for part in parts for p in part.parameters() if p.grad is not None]
     sq = torch.zeros(1, dtype=torch.float64)
     if _is_stage_lead(lay):
-        sq += sum(g.square().sum() for g in grads.values())
+        sq += sum(g.square().sum() for g in grads)
     dist.all_reduce(sq)
     return float(sq.sqrt())
+
+
+def _first_clip_norm(lay: layout.Layout, into: list[float]):
+    """titan.clip_grad_norm that also records step 1's exact norm (exact_grad_norm), taken from the
+    gradients the step loop itself computed, just before TorchTitan's clip."""
+    clip = titan.clip_grad_norm
+
+    def clip_and_record(parts, max_norm, parallel_dims):
+        if not into:
+            into.append(exact_grad_norm(parts, lay))
+        return clip(parts, max_norm, parallel_dims)
+
+    return clip_and_record
 
 
 def _is_stage_lead(lay: layout.Layout) -> bool:
@@ -116,10 +117,13 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         dp=lay.dp,
     )
     seen = _first_norm_output(built)
-    exact = exact_grad_norm(cfg, lay, built, data)
     before = full_weights(built.parts)
-    sink = Collect()
-    train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir)
+    sink, exact = Collect(), []
+    clip, titan.clip_grad_norm = titan.clip_grad_norm, _first_clip_norm(lay, exact)
+    try:
+        train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir)
+    finally:
+        titan.clip_grad_norm = clip
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),
@@ -127,7 +131,7 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         "stages": _stages(built),
         "rows": sink.rows,
         "norm_output_shape": seen,
-        "grad_norm_fp64": exact,
+        "grad_norm_fp64": exact[0],
         "weights": fingerprint(before, full_weights(built.parts), lay),
     }
     gathered: list = [None] * dist.get_world_size()
