@@ -231,15 +231,15 @@ def test_round_robin_placement_refuses_to_train(tmp_path):
 def test_submitit_local_sweep_through_the_hydra_launcher(tmp_path):
     """hydra-submitit-launcher's local executor runs a two-layout sweep end to end."""
     sweep = tmp_path / "sweep"
-    sweep_args = ["-m", "hydra/launcher=submitit_local", "parallelism=single,tp2", "training.steps=2", "training.seq_len=64"]
+    sweep_args = ["-m", "hydra/launcher=submitit_local", "parallelism=single,dp2", "training.steps=2", "training.seq_len=64"]
     proc = run_cli(*sweep_args, f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     layouts = {}
     for job in ("0", "1"):
         frozen = yaml.safe_load((sweep / job / "frozen.yaml").read_text())
         layouts[frozen["parallelism"]["name"]] = summary(sweep / job)
-    assert sorted(layouts) == ["single", "tp2"]
-    assert layouts["tp2"]["world_size"] == 2 and layouts["tp2"]["steps"] == 2
+    assert sorted(layouts) == ["dp2", "single"]
+    assert layouts["dp2"]["world_size"] == 2 and layouts["dp2"]["steps"] == 2
     assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2  # each point ran as a submitit job
 
 
