@@ -36,9 +36,9 @@ def hooks(interval: int) -> dict[str, float]:
     """Seconds per hook call, measured in this process on a one-rank gloo group."""
     import torch.distributed as dist
 
-    from runner import forensics, monitor
-    from runner.layout import Layout
-    from runner.schema import RunConfig
+    from runner.config.layout import Layout
+    from runner.config.schema import RunConfig
+    from runner.observe import forensics, monitor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")

@@ -45,8 +45,8 @@ PRESETS = {
 def compose_all(a) -> dict:
     from hydra import compose, initialize_config_dir
 
-    from runner import validate
-    from runner.__main__ import _to_object
+    from runner.cli import _to_object
+    from runner.config import validate
 
     common = [f"training.steps={a.steps}", f"training.seq_len={a.seq_len}", f"training.global_batch_size={a.global_batch}"]
     common += ["training.microbatch_size=1", "logging.progress=false"]
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    from runner import parity
+    from runner.run import parity
 
     folder = a.out or Path(tempfile.mkdtemp(prefix="bench_pp_"))
     table = []

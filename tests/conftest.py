@@ -60,7 +60,7 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from runner.__main__ import _to_object
+    from runner.cli import _to_object
 
     def _compose(overrides: list[str], name: str = "config"):
         with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
@@ -71,8 +71,8 @@ def compose():
 
 @pytest.fixture(scope="session")
 def budget(compose):
-    """budget(overrides) -> the plan's figures (runner.plan.compute) of the composed, validated config."""
-    from runner import plan, validate
+    """budget(overrides) -> the plan's figures (runner.config.plan.compute) of the composed, validated config."""
+    from runner.config import plan, validate
 
     def _budget(overrides: list[str]) -> dict:
         cfg = compose(overrides)

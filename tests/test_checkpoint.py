@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner import checkpoint, validate_ckpt
-from runner.validate import ConfigError
+from runner.config import checkpoint, validate_ckpt
+from runner.config.problems import ConfigError
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
 
@@ -225,7 +225,7 @@ def test_keep_last_deletes_only_old_complete_checkpoints(tmp_path):
 def test_text_data_shards_are_disjoint_and_position_survives_a_batch_change(assets, tmp_path):
     import torch
 
-    from runner import data
+    from runner.run import data
 
     corpus, tok = assets
     tokens = data.load_tokens([str(corpus)], "json", "text", str(tok), text_assets.EOS, tmp_path / "cache")

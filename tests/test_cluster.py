@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from runner import layout, mesh
+from runner.config import layout
+from runner.run import mesh
 from tests.conftest import run_cli
 
 SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu"]

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from runner import layout, validate
-from runner.schema import Mode
+from runner.config import layout, validate
+from runner.config.schema import Mode
 from tests.conftest import ROOT, run_cli
 
 # Options that need a context to validate (the rest validate with the defaults).
@@ -245,10 +245,11 @@ def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
 
 
 def test_config_layer_is_torch_free():
+    """Every module of runner.config, and `python -m runner --cfg job`, run without importing torch."""
     code = (
-        "import sys; sys.argv = ['runner', '--cfg', 'job']\n"
-        "import runpy, runner.schema, runner.validate, runner.freeze, runner.flops, runner.layout, runner.precision\n"
-        "import runner.checkpoint, runner.validate_ckpt, runner.startup\n"
+        "import sys, pkgutil, importlib, runpy, runner.config\n"
+        "for m in pkgutil.walk_packages(runner.config.__path__, 'runner.config.'): importlib.import_module(m.name)\n"
+        "sys.argv = ['runner', '--cfg', 'job']\n"
         "try:\n    runpy.run_module('runner', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "print('TORCH_LOADED', 'torch' in sys.modules)"
     )
@@ -256,6 +257,27 @@ def test_config_layer_is_torch_free():
     assert out.returncode == 0, out.stderr
     assert "TORCH_LOADED False" in out.stdout
     assert "name: dp2_tp2" in out.stdout  # the job config was printed
+
+
+def test_layers_import_only_downwards():
+    """runner.config imports neither runtime package, and only the TorchTitan adapter imports torchtitan."""
+    import ast
+
+    adapter = {"runner/run/titan.py", "runner/run/titan_cpu.py"}
+    offenders = []
+    for path in sorted((ROOT / "runner").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == "torchtitan" and rel not in adapter:
+                    offenders.append(f"{rel} imports {name}")
+                if rel.startswith("runner/config/") and name.startswith(("runner.run", "runner.observe", "runner.cli", "torch")):
+                    offenders.append(f"{rel} imports {name}")
+    assert offenders == []
 
 
 def test_help_and_info():

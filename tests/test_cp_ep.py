@@ -1,12 +1,12 @@
 """Context and expert parallelism in the config layer: validation rules, MoE accounting with
 active parameters (equal to TorchTitan's own count), CP and EP traffic in the plan. The
-training parity of cp2 and ep2 with one rank is in tests/test_parallel.py (runner.parity)."""
+training parity of cp2 and ep2 with one rank is in tests/test_parallel.py (runner.run.parity)."""
 
 from __future__ import annotations
 
 import pytest
 
-from runner import flops, plan, validate
+from runner.config import flops, plan, validate
 
 MOE = ["model=debug_moe", "parallelism=single"]
 LONG_405B = [

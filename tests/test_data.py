@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.data import SyntheticData
+from runner.run.data import SyntheticData
 
 
 def _data(dp_rank: int, dp: int, seed: int = 0) -> SyntheticData:

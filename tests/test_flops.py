@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner import flops
+from runner.config import flops
 
 FLAVORS = {"debug": "debugmodel", "llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B"}
 
@@ -48,7 +48,7 @@ def test_debug_flops_by_hand(compose):
 
 
 def test_mfu_and_hfu():
-    from runner.schema import ActivationCheckpoint
+    from runner.config.schema import ActivationCheckpoint
 
     # 1,000 tokens/s x 35,016,192 FLOPs/token on a 0.1 TFLOP/s machine = 35.0 %
     assert flops.mfu(1000, 35_016_192, 0.1e12) == pytest.approx(0.35016192)

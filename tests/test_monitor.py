@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from runner import forensics, layout, monitor, startup
-from runner.schema import DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from runner.config import layout
+from runner.config.schema import DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from runner.observe import forensics, monitor
+from runner.run import startup
 from tests.conftest import ROOT, metrics, run_cli
 
 TIMEOUT_S = 12
@@ -304,7 +306,7 @@ def test_monitor_and_distributed_values_are_validated():
 
 
 def test_monitor_config_side_is_torch_free():
-    modules = "runner.validate_monitor, runner.forensics, runner.monitor, runner.startup"
+    modules = "runner.config.validate_monitor, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
     code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -317,9 +319,9 @@ def test_agent_stops_ranks_within_the_configured_shutdown_timeout():
 
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from runner import launch
+    from runner.run import procs
 
-    launch._honour_shutdown_timeout()
+    procs.honour_shutdown_timeout()
     calls = []
     agent = SimpleNamespace(_shutdown_timeout=5, _shutdown=lambda **kw: calls.append(kw))
     LocalElasticAgent._stop_workers(agent, None)

@@ -1,6 +1,6 @@
 """Every layout that fits on this machine trains the same model as one rank (real gloo ranks).
 
-Three launches (1, 2 and 4 ranks) of runner.parity run every preset and pipeline schedule
+Three launches (1, 2 and 4 ranks) of runner.run.parity run every preset and pipeline schedule
 one after another inside one process group each, with clipping active (max_norm 0.01, far
 below the ~0.74 pre-clip norm), and the tests read their parity.json files.
 
@@ -25,7 +25,8 @@ import sys
 
 import pytest
 
-from runner import parity, pipeline, validate
+from runner.config import pipeline, validate
+from runner.run import parity
 from tests.conftest import ROOT
 
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false"]

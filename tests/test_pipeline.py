@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner import pipeline, plan, validate
+from runner.config import pipeline, plan, validate
 
 SEED = ["recipe=llama3_70b_h100x1024"]
 L405 = [*SEED, "model=llama3_405b"]

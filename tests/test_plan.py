@@ -1,5 +1,5 @@
 """mode=plan: the step budget reproduces the worked 70B / 1,024-GPU example and its two
-variants; sweeps record invalid points; runner.compare tables and plots runs."""
+variants; sweeps record invalid points; runner.config.compare tables and plots runs."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def test_bad_sweep_value_fails_before_any_point_runs(tmp_path):
 
 def test_mode_probe_is_skipped_only_when_no_config_can_set_hydra_mode(tmp_path):
     """Hydra composes once just to read hydra.mode; only the sweep files set it, so a plain plan skips that."""
-    from runner.__main__ import mode_probe_needed
+    from runner.cli import mode_probe_needed
 
     assert mode_probe_needed([*SEED, "mode=plan"]) is False
     assert mode_probe_needed(["-m", "parallelism.tp=4,8"]) is False  # -m alone decides: MULTIRUN

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner import fp8_emulation as fe
-from runner import precision, titan, validate
+from runner.config import precision, validate
+from runner.run import fp8_emulation as fe
+from runner.run import titan
 from tests.conftest import run_cli
 
 E4M3 = torch.float8_e4m3fn

@@ -94,7 +94,7 @@ def emulated_blockwise_linear_config():
 
         from torchtitan.models.common.linear import Linear
 
-        from runner.fp8_emulation import blockwise_fp8_linear
+        from runner.run.fp8_emulation import blockwise_fp8_linear
 
         class EmulatedBlockwiseFp8Linear(Linear):
             @dataclass(kw_only=True, slots=True)

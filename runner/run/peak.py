@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from runner import precision
-from runner.schema import DeviceType, RunConfig
+from runner.config import precision
+from runner.config.schema import DeviceType, RunConfig
 
 # Matrix size per dtype: fp32 reaches its plateau at 1024; bf16 on AVX2-only CPUs runs
 # ~200x slower, so a smaller matrix keeps the measurement under a second.

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from runner import pipeline, precision
-from runner.layout import Layout
-from runner.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, RunConfig
+from runner.config import pipeline, precision
+from runner.config.layout import Layout
+from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, RunConfig
 
 SPMD_BACKEND = "partial_dtensor"  # the backend that composes FSDP2 + TP here (NOTES-cpu.md)
 
@@ -89,15 +89,17 @@ def stage_modules(cfg: RunConfig, lay: Layout) -> list[list[str]]:
     got = [sum(f.startswith("layers.") for f in stage) for stage in fqns]
     want = pipeline.stage_layers(n, lay.pp * p.pp_virtual_stages, first, last)
     if got != want:
-        raise RuntimeError(f"TorchTitan split {n} layers as {got}, runner.pipeline.stage_layers says {want}: the mirror is out of date")
+        raise RuntimeError(
+            f"TorchTitan split {n} layers as {got}, runner.config.pipeline.stage_layers says {want}: the mirror is out of date"
+        )
     return fqns
 
 
 # What a rank imports while it builds and trains (measured: ~2,800 modules, about 10 s of CPU per rank);
 # importing them in the agent before it forks the ranks (cluster.worker_start=fork) pays that once.
 PRELOAD = (
-    "runner.titan_cpu",
-    "runner.checkpointer",
+    "runner.run.titan_cpu",
+    "runner.run.checkpointer",
     "torchtitan.trainer",
     "torchtitan.config",
     "torchtitan.components.loss",
@@ -140,7 +142,7 @@ def init_distributed(cfg: RunConfig, lay: Layout):
 def init_process_group(cfg: RunConfig) -> None:
     """The default process group (and, on CPU, TorchTitan's device globals); one per process."""
     if cfg.cluster.device == DeviceType.cpu:
-        from runner import titan_cpu
+        from runner.run import titan_cpu
 
         titan_cpu.patch_device_globals()
     else:
@@ -152,7 +154,7 @@ def init_process_group(cfg: RunConfig) -> None:
 
 def build_mesh(cfg: RunConfig, lay: Layout):
     """TorchTitan's ParallelDims and device mesh for this layout over the whole default group. Several
-    layouts may be built one after another in one process group (runner.parity)."""
+    layouts may be built one after another in one process group (runner.run.parity)."""
     from torchtitan.distributed import ParallelDims
 
     pd = ParallelDims.from_config(_titan_configs(cfg, lay)[1], dist.get_world_size())
@@ -197,7 +199,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
     converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
     on_cpu = cfg.cluster.device == DeviceType.cpu
     if on_cpu:
-        from runner import titan_cpu
+        from runner.run import titan_cpu
 
         titan_cpu.use_sdpa(mcfg)
         titan_cpu.use_float32_experts(mcfg)
@@ -257,7 +259,7 @@ def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tu
 
 
 def convert_precision(model_config, cfg: RunConfig) -> list[str]:
-    """Swap the Linear layers that runner.precision.conversion names for the recipe's FP8 Linear
+    """Swap the Linear layers that runner.config.precision.conversion names for the recipe's FP8 Linear
     (in the model config, before any module exists); return the converted module FQNs."""
     from torchtitan.models.common.linear import Linear
 
@@ -271,7 +273,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
 
         conf = Float8LinearConverter.Config(recipe_name=r.value, filter_fqns=sorted(kept))
         if on_cpu:
-            from runner import titan_cpu
+            from runner.run import titan_cpu
 
             converter = titan_cpu.float8_converter(conf)
         else:
@@ -283,7 +285,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
         MXFP8LinearConverter.Config(fqns=want).build().convert(model_config)
     else:
         if on_cpu:
-            from runner import titan_cpu
+            from runner.run import titan_cpu
 
             new = titan_cpu.emulated_blockwise_linear_config()
         else:
@@ -291,7 +293,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
         _swap_linears(model_config, new, set(want))
     got = [fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is not Linear.Config]
     if got != want:
-        raise RuntimeError(f"FP8 conversion converted {got}, validation planned {want}: runner.precision.linear_layers is out of date")
+        raise RuntimeError(f"FP8 conversion converted {got}, validation planned {want}: precision.linear_layers is out of date")
     return got
 
 
@@ -334,7 +336,7 @@ def blockwise_linear_config():
 def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
     part.to_empty(device=device)
     if device.type == "cpu":
-        from runner import titan_cpu
+        from runner.run import titan_cpu
 
         titan_cpu.force_sum_reduction(part)
         with torch.no_grad():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from runner.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
+from runner.config.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner import flops, pipeline, precision
-from runner.layout import MESH_ORDER, Layout
-from runner.schema import ActivationCheckpoint, RunConfig
+from runner.config import flops, pipeline, precision
+from runner.config.layout import MESH_ORDER, Layout
+from runner.config.schema import ActivationCheckpoint, RunConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
@@ -56,7 +56,7 @@ def link(lay: Layout, axis: str, devices_per_node: int) -> str:
 
 
 def bubble_fraction(pp: int, microbatches: int, schedule: str, v: int = 1) -> tuple[float, str]:
-    """Idle fraction of a pipeline step and the formula used (runner.pipeline.bubble)."""
+    """Idle fraction of a pipeline step and the formula used (runner.config.pipeline.bubble)."""
     return pipeline.bubble(pp, microbatches, schedule, v)
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner import plan
-from runner.layout import MESH_ORDER, Layout
-from runner.plan import link
-from runner.schema import RunConfig
+from runner.config import plan
+from runner.config.layout import MESH_ORDER, Layout
+from runner.config.plan import link
+from runner.config.schema import RunConfig
 
 
 def group_of(lay: Layout, rank: int, axis: str) -> list[int]:

@@ -15,9 +15,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from runner import plan
-from runner.layout import Layout
-from runner.schema import RunConfig
+from runner.config import plan
+from runner.config.layout import Layout
+from runner.config.schema import RunConfig
 
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 

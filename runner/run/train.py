@@ -16,13 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner import calibrate, flops, monitor, titan
-from runner import data as data_mod
-from runner.checkpointer import Checkpointer, restarted
-from runner.layout import Layout
-from runner.metrics import Sink
-from runner.monitor import StepMonitor
-from runner.schema import ActivationCheckpoint, RunConfig
+from runner.config import flops
+from runner.config.layout import Layout
+from runner.config.schema import ActivationCheckpoint, RunConfig
+from runner.observe import calibration as calibrate
+from runner.observe import monitor
+from runner.observe.monitor import StepMonitor
+from runner.run import data as data_mod
+from runner.run import titan
+from runner.run.checkpointer import Checkpointer, restarted
+from runner.run.metrics import Sink
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.schema import GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from runner.config.schema import GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute")
 """Phases whose slowness makes a straggler. Waiting (pp_wait, the loss all-reduce) is a symptom of someone else."""

@@ -1,4 +1,4 @@
-"""Saving and resuming a whole training state on every rank (DCP through runner.titan, folders through runner.checkpoint).
+"""Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.config.checkpoint).
 
 State: model, optimizer, LR schedule, step, loss-guard history, every rank's RNG and the data loader position.
 """
@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner import checkpoint, titan
-from runner.layout import Layout
-from runner.schema import RunConfig
+from runner.config import checkpoint
+from runner.config.layout import Layout
+from runner.config.schema import RunConfig
+from runner.run import titan
 
 
 class CheckpointMismatch(RuntimeError):

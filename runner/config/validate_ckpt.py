@@ -14,9 +14,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from runner import checkpoint, flops
-from runner.schema import DataSource, RunConfig
-from runner.validate import ConfigError, Problem
+from runner.config import checkpoint, flops
+from runner.config.problems import ConfigError, Problem
+from runner.config.schema import DataSource, RunConfig
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.schema import DeviceType, RunConfig
+from runner.config.schema import DeviceType, RunConfig
 
 RECORDS = Path("logs") / "ranks"
 REPORT_NAME = "hang_report.json"

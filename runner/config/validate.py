@@ -9,10 +9,10 @@ about starting it here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-from runner import flops, layout, pipeline, precision, slurm
-from runner.schema import Backend, DeviceType, Fp8Recipe, RunConfig, WorkerStart
+from runner.config import flops, layout, pipeline, precision, slurm, validate_ckpt, validate_monitor
+from runner.config.problems import ConfigError, Problem
+from runner.config.schema import Backend, DeviceType, Fp8Recipe, RunConfig, WorkerStart
 
 LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 FAMILIES = {"llama3": LLAMA3_FLAVORS, "deepseek_v3": ("debugmodel", "16B", "236B", "671B")}  # TorchTitan registries
@@ -21,28 +21,6 @@ ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 RoPE table length
 WANDB_MODES = ("offline", "online", "disabled")
 RESHARD_POLICIES = ("default", "always", "never")
 LAUNCHERS = ("local", "slurm")
-
-
-@dataclass(frozen=True)
-class Problem:
-    field: str
-    value: object
-    why: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.field} = {self.value}: {self.why}. Fix: {self.fix}."
-
-
-class ConfigError(Exception):
-    """A config that must not start; the message lists every problem."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        n = len(problems)
-        lines = [f"Invalid config ({n} problem{'s' if n > 1 else ''}):"]
-        lines += [f"  - {p}" for p in problems]
-        super().__init__("\n".join(lines))
 
 
 def divisors(n: int) -> list[int]:
@@ -549,8 +527,6 @@ def check(cfg: RunConfig) -> layout.Layout:
     _cluster_and_plan(cfg, out)
     if fp8:
         _fp8_device(cfg, out)
-    from runner import validate_ckpt, validate_monitor  # they import Problem from here
-
     validate_monitor.check(cfg, ws, out)
     validate_ckpt.check(cfg, out)
     if out:

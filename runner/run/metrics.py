@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from runner.schema import RunConfig
+from runner.config.schema import RunConfig
 
 
 class Sink(Protocol):
@@ -30,7 +30,7 @@ def _fmt(row: dict[str, Any]) -> str:
 
 def _events(row: dict[str, Any]) -> list[str]:
     """Monitor findings carried by a row: loss-guard verdicts and stragglers."""
-    from runner.monitor import describe
+    from runner.observe.monitor import describe
 
     out = []
     if "spike" in row:

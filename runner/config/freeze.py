@@ -21,8 +21,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 
-from runner.layout import Layout
-from runner.schema import RunConfig
+from runner.config.layout import Layout
+from runner.config.schema import RunConfig
 
 FROZEN_NAME = "frozen.yaml"
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,240 @@
+"""`python -m runner`: compose (Hydra), validate, then train or just report.
+
+Torch-free until the ranks are launched: `--cfg job`, `--help`, `--info` and
+validation never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.config import flops, freeze, precision, slurm, validate, validate_ckpt
+from runner.config.plan import INVALID_NAME
+from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
+
+register()
+slurm.register_resolvers()
+_entered = False  # set once Hydra hands over a composed config
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _to_object(cfg: DictConfig) -> RunConfig:
+    """Typed config with every schema check applied (unknown keys, wrong types, enums).
+
+    Hydra composes on top of the `base_config` schema, so the tree is already typed and
+    checked; re-merging it into a fresh structured RunConfig cost ~0.3 s per plan."""
+    if OmegaConf.get_type(cfg) is not RunConfig:  # a primary config that does not start from base_config
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
+    return OmegaConf.to_object(cfg)
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove the run folder Hydra just made, so a rejected config leaves nothing behind."""
+    ours = {".hydra", "runner.log", "__main__.log"}
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= ours:
+        shutil.rmtree(run_dir)
+        parent = run_dir.parent  # outputs/<date> left empty
+        if parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+
+
+def _fail(msg: str, run_dir: Path) -> None:
+    print(msg, file=sys.stderr)
+    _discard(run_dir)
+    sys.exit(2)
+
+
+def _invalid_sweep_point(e: Exception, run_dir: Path) -> None:
+    """In a multirun an invalid point is a result, not the end of the sweep: record why."""
+    problems = [str(p) for p in e.problems] if isinstance(e, validate.ConfigError) else [str(e)]
+    overrides = list(HydraConfig.get().overrides.task)
+    print(f"invalid sweep point {' '.join(overrides)}:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    (run_dir / INVALID_NAME).write_text(json.dumps({"overrides": overrides, "problems": problems}, indent=2) + "\n")
+
+
+def _precision_lines(cfg: RunConfig) -> list[str]:
+    pr = cfg.precision
+    dtype, emulated = precision.matmul_peak(cfg)
+    peak = cfg.cluster.peak_tflops.get(dtype)
+    mfu = f"  MFU against the {dtype} dense peak" + (f", {peak:g} TFLOP/s per device" if peak else " (measured at start-up)")
+    if pr.fp8 == Fp8Recipe.none:
+        return [f"  precision {pr.name}: {pr.param_dtype.value} compute, {pr.reduce_dtype.value} reduce", mfu]
+    converted, kept = precision.conversion(cfg)
+    return [
+        f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
+        f"(kept in {pr.param_dtype.value}: {', '.join(kept) or 'none'})",
+        mfu + (" (FP8 emulated on CPU)" if emulated else ""),
+    ]
+
+
+def _report(cfg: RunConfig, lay) -> str:
+    t = cfg.training
+    return "\n".join(
+        [
+            f"config OK: model {cfg.model.name} {cfg.model.flavor} ({flops.num_params(cfg.model) / 1e9:.3g}B params)",
+            f"  cluster {cfg.cluster.name}: {lay.world_size} ranks, layout {cfg.parallelism.name} [{lay.describe()}]",
+            f"  global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens/step, "
+            f"{t.global_batch_size // (lay.dp * t.microbatch_size)} microbatches of {t.microbatch_size} per DP rank",
+            f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
+            f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
+            *_precision_lines(cfg),
+        ]
+    )
+
+
+def _plan(cfg: RunConfig, lay, run_dir: Path) -> None:
+    """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing."""
+    from runner.config import plan
+
+    memory = validate.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
+    budget = plan.compute(cfg, lay, device_memory_gb=memory)
+    budget["overrides"] = list(HydraConfig.get().overrides.task)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        print(plan.one_line(budget))
+    else:
+        plan.render(budget, cfg.checkpoint.interval if cfg.checkpoint.enable else None)
+    freeze.write(cfg, lay, run_dir)
+    print(f"plan written to {plan.write(budget, run_dir)}")
+
+
+def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
+    """Print the submission (sbatch script) and the per-node command; submit nothing."""
+    from runner.run import launch
+
+    frozen = freeze.write(cfg, lay, run_dir)
+    c = cfg.cluster
+    print(f"launch plan: {lay.world_size} ranks = {c.num_nodes} nodes x {lay.world_size // c.num_nodes} per node [{lay.describe()}]")
+    print(f"frozen config: {frozen}")
+    if c.launcher == "slurm":
+        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`):\n")
+        print(slurm.sbatch_script(slurm.launcher_params(dcfg)))
+        host, rdzv_id = c.rdzv_host or slurm.FIRST_NODE, "$SLURM_JOB_ID"
+        print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
+    else:
+        host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
+        print(f"\nrun on each of the {c.num_nodes} nodes:\n")
+    print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
+def main(dcfg: DictConfig) -> None:
+    global _entered
+    _entered = True
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        cfg = _to_object(dcfg)
+        lay = validate.check(cfg)
+        if cfg.mode == Mode.validate:
+            print(_report(cfg, lay))
+            _discard(run_dir)  # a check, not a run: leave no folder behind
+            return
+        if cfg.mode == Mode.plan:
+            _plan(cfg, lay, run_dir)
+            return
+        if cfg.mode == Mode.launch_plan:
+            _launch_plan(cfg, lay, dcfg, run_dir)
+            return
+        validate.check_launch(cfg, lay)
+        validate_ckpt.absolute_paths(cfg)
+        validate_ckpt.check_launch(cfg, run_dir)
+    except (validate.ConfigError, OmegaConfBaseException) as e:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            _invalid_sweep_point(e, run_dir)
+            return
+        _fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
+    if slurm.in_job():
+        node, _, first_host, job_id = slurm.job_nodes()
+    else:
+        node, first_host, job_id = 0, None, None
+    if node == 0 and (run_dir / freeze.FROZEN_NAME).exists():
+        _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
+        sweep = Path(HydraConfig.get().sweep.dir)
+        cfg.logging.wandb.group = f"{sweep.parent.name}/{sweep.name}"  # one W&B group per sweep
+    frozen = run_dir / freeze.FROZEN_NAME
+    if node == 0:
+        freeze.write(cfg, lay, run_dir)
+    else:
+        slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
+    from runner.run import launch
+
+    try:
+        if job_id is None:
+            launch.run(cfg, lay, frozen)
+        else:  # a node of a SLURM job: torchrun with a c10d rendezvous on the job's first node
+            endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
+            launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen)
+    except Exception as e:  # a rank failed: the agent printed which one and where its log is
+        print(f"training failed: {type(e).__name__}; rank logs in {run_dir / 'logs'}", file=sys.stderr)
+        sys.exit(1)
+
+
+_SETS_MODE = re.compile(r"^[ \t]+mode:[ \t]*(RUN|MULTIRUN)\b|hydra\.mode", re.M)
+
+
+def mode_probe_needed(overrides: list[str], conf: Path = CONF) -> bool:
+    """Whether `hydra.mode` may be set by something other than `-m`.
+
+    Before running, Hydra composes the whole config once just to read `hydra.mode` (`Hydra.get_mode`),
+    then composes it again to run: about 0.35 s of a 1.4 s plan. Only the files that set
+    `hydra.mode` (the sweeps) can make that first composition matter, so it is needed only when
+    the command line names their group, sets `hydra.mode` itself, or picks another config folder,
+    or when a file of another group sets or pulls in such a file. Any doubt keeps Hydra's probe."""
+    if any(a.startswith(("-cd", "-cn", "-cp", "--config")) for a in overrides):
+        return True
+    files = {f: f.read_text() for f in [conf / "config.yaml", *conf.glob("*/*.yaml")]}
+    groups = {f.parent.name for f, text in files.items() if f.parent != conf and _SETS_MODE.search(text)}
+    pulls = re.compile(rf"^\s*-\s*(override\s+)?/?({'|'.join(map(re.escape, groups))})\s*:[ \t]*(?![ \t]|null\b)", re.M) if groups else None
+    for f, text in files.items():
+        if f.parent.name in groups:
+            continue
+        if _SETS_MODE.search(text) or (pulls and pulls.search(text)):
+            return True
+    for a in overrides:
+        key = a.split("=", 1)[0].lstrip("+~")
+        if key.startswith("hydra.mode") or key.split("/")[0].split(".")[0] in groups or key.startswith("hydra/"):
+            return True
+    return False
+
+
+def _skip_mode_probe() -> None:
+    """Let Hydra take the mode from `-m` alone (its answer when no file sets it) without composing."""
+    from hydra._internal.hydra import Hydra
+
+    Hydra.get_mode = lambda self, config_name, overrides: None
+
+
+def cli() -> None:
+    if not mode_probe_needed(sys.argv[1:]):
+        _skip_mode_probe()
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _entered:  # Hydra rejected the command line or a config file
+            print("Fix the override or config file named above; `python -m runner --help` lists the groups.", file=sys.stderr)
+            sys.exit(2)
+        if "torch" in sys.modules and isinstance(e.code, int):
+            _fast_exit(e.code)
+        raise
+    if "torch" in sys.modules:  # a launch: skip the interpreter's ~3 s teardown of torch and TorchTitan
+        _fast_exit(0)
+
+
+def _fast_exit(code: int) -> None:
+    from runner.run import procs
+
+    procs.exit_now(code)
+
+
+if __name__ == "__main__":
+    cli()

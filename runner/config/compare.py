@@ -1,0 +1,165 @@
+"""`python -m runner.compare <run folders or multirun folders>`: one table and one plot.
+
+Torch-free. Reads what each run folder holds: summary.json (a measured run), plan.json
+(mode=plan), invalid.json (a sweep point that failed validation). Measured runs are
+compared by their measured step time and MFU, plans by the predicted ones; invalid
+points are listed with their reason. No W&B account needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.config.plan import INVALID_NAME, PLAN_NAME
+
+SUMMARY_NAME = "summary.json"
+PLOT_NAME = "comparison.png"
+
+
+def _overrides(run: Path) -> list[str]:
+    f = run / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return []
+    lines = [ln.removeprefix("- ").strip() for ln in f.read_text().splitlines() if ln.startswith("- ")]
+    return [ln for ln in lines if not ln.startswith(("sweep=", "hydra."))]
+
+
+def load(run: Path) -> dict[str, Any] | None:
+    """One row for a run folder; None when it holds no result."""
+    label = _overrides(run)
+    if (run / SUMMARY_NAME).is_file():
+        s = json.loads((run / SUMMARY_NAME).read_text())
+        cal = s.get("calibration", {})
+        return {
+            "run": label,
+            "source": "measured",
+            "degrees": s["degrees"],
+            "memory": f"{s['memory_gb_max']:.2f} GB peak" if "memory_gb_max" in s else "-",
+            "bubble": cal.get("bubble_measured", cal.get("bubble_predicted")),
+            "tp_share": None,
+            "step_time_s": s["step_time_s_median"],
+            "mfu": s["mfu_median"],
+            "mfu_note": f"measured, {s.get('flop_convention', 'titan')}",
+        }
+    if (run / PLAN_NAME).is_file():
+        p = json.loads((run / PLAN_NAME).read_text())
+        fit = {True: "fits", False: "DOES NOT FIT", None: "?"}[p["fits_memory"]]
+        return {
+            "run": label,
+            "source": "plan",
+            "degrees": p["degrees"],
+            "memory": f"{p['total_gb_per_gpu']:.3g} GB {fit}",
+            "bubble": p["bubble_fraction"],
+            "tp_share": p["tp_comm_share"],
+            "step_time_s": p["estimated_step_time_s"],
+            "mfu": p["estimated_mfu"],
+            "mfu_note": "estimated",
+        }
+    if (run / INVALID_NAME).is_file():
+        inv = json.loads((run / INVALID_NAME).read_text())
+        return {"run": label, "source": "invalid", "problems": inv["problems"]}
+    return None
+
+
+def collect(paths: list[Path]) -> list[dict[str, Any]]:
+    """Rows for every run folder at or below the given paths."""
+    runs: list[Path] = []
+    for p in paths:
+        found = {f.parent for name in (SUMMARY_NAME, PLAN_NAME, INVALID_NAME) for f in p.rglob(name)}
+        runs += sorted(found - set(runs))
+    loaded = [(run, r) for run in runs if (r := load(run)) is not None]
+    common = set.intersection(*(set(r["run"]) for _, r in loaded)) if len(loaded) > 1 else set()
+    for run, r in loaded:  # label each run by the overrides that set it apart
+        r["run"] = " ".join(o.removeprefix("parallelism.") for o in r["run"] if o not in common) or run.name
+    return [r for _, r in loaded]
+
+
+def _sort_key(r: dict[str, Any]) -> tuple:
+    t = r.get("step_time_s")
+    return (r["source"] == "invalid", t is None, t or 0.0)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def table(rows: list[dict[str, Any]]):
+    from rich.table import Table
+
+    t = Table(title="layouts by step time", title_justify="left")
+    for col in ("run", "layout", "source", "memory / GPU", "bubble", "TP share", "step time", "MFU"):
+        t.add_column(col)
+    for r in sorted(rows, key=_sort_key):
+        if r["source"] == "invalid":
+            t.add_row(r["run"], "-", "invalid", "\n".join(r["problems"]), "", "", "", "", style="red")
+            continue
+        step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f} s"
+        t.add_row(
+            r["run"],
+            r["degrees"],
+            r["source"],
+            r["memory"],
+            _pct(r["bubble"]),
+            _pct(r["tp_share"]),
+            step,
+            f"{_pct(r['mfu'])} ({r['mfu_note']})",
+        )
+    return t
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """Horizontal bars: measured MFU when every run was measured, else step time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    valid = sorted((r for r in rows if r["source"] != "invalid" and r["step_time_s"] is not None), key=_sort_key)
+    if not valid:
+        return None
+    measured = all(r["source"] == "measured" for r in valid)
+    values = [100 * r["mfu"] if measured else r["step_time_s"] for r in valid]
+    labels = [r["run"] or r["degrees"] for r in valid]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(valid) + 1.5))
+    ax.barh(labels, values, color="tab:green" if measured else "tab:blue")
+    ax.invert_yaxis()
+    ax.set_xlabel("measured MFU (%)" if measured else "step time (s; predicted for plans, measured for runs)")
+    for y, v in enumerate(values):
+        ax.annotate(f"{v:.3g}", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.compare", description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", type=Path, help="run folders or multirun folders")
+    ap.add_argument("--plot", type=Path, default=None, help=f"PNG path (default: <first path>/{PLOT_NAME})")
+    args = ap.parse_args(argv)
+    missing = [str(p) for p in args.paths if not p.is_dir()]
+    if missing:
+        print(f"paths = {' '.join(missing)}: not a folder. Fix: pass run folders or a multirun folder.", file=sys.stderr)
+        return 2
+    rows = collect(args.paths)
+    if not rows:
+        names = f"{SUMMARY_NAME}, {PLAN_NAME} or {INVALID_NAME}"
+        print(f"paths = {' '.join(map(str, args.paths))}: no run folder below them holds {names}. Fix: point at runs.", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    console = Console(highlight=False, width=200)
+    console.print(table(rows))
+    out = plot(rows, args.plot or args.paths[0] / PLOT_NAME)
+    if out:
+        console.print(f"plot saved to {out}")
+    return 0
+
+
+def cli() -> None:
+    """`python -m runner.compare` (runner/compare.py)."""
+    sys.exit(main())

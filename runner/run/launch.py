@@ -1,0 +1,120 @@
+"""The runner's per-node launcher: torchrun (torch's elastic agent) around `runner.run.worker`.
+
+    python -m runner.launch [torchrun flags] <run folder>/frozen.yaml
+
+does the node's set-up (the CPU peak measurement when the cluster has no peak, OpenMP
+threads per rank) and then runs torchrun in-process with those flags and
+`-m runner.worker <frozen.yaml>`. One node (`python -m runner`) uses a rendezvous on
+127.0.0.1 (torchrun --standalone); several nodes use the standard multi-node recipe:
+every node starts this launcher with the same --rdzv-id and a c10d rendezvous on the
+first node, and the agents assign ranks contiguously per node. `node_command` prints
+exactly what each node runs (`mode=launch_plan`, SLURM tasks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+import uuid
+from pathlib import Path
+
+from runner.config.layout import Layout
+from runner.config.schema import DeviceType, RunConfig, WorkerStart
+from runner.run import procs
+
+MONITOR_INTERVAL_S = 0.5
+
+
+def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
+    """torchrun flags for one node of this run. Local rank 0 of each node keeps the console
+    (global rank 0 draws the progress bar); the other ranks write
+    <run folder>/logs/<rdzv id>/attempt_<n>/<rank>/std{out,err}.log."""
+    per_node = lay.world_size // cfg.cluster.num_nodes
+    flags = [
+        f"--nnodes={cfg.cluster.num_nodes}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--max-restarts={cfg.cluster.max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        f"--shutdown-timeout={cfg.distributed.shutdown_timeout_s}",
+        f"--log-dir={run_dir / 'logs'}",
+    ]
+    if per_node > 1:
+        flags.append("--redirects=" + ",".join(f"{r}:3" for r in range(1, per_node)))
+    return flags
+
+
+def node_command(cfg: RunConfig, lay: Layout, frozen: Path, *, rdzv_endpoint: str, rdzv_id: str) -> str:
+    """The shell command every node of a multi-node run executes."""
+    flags = torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    # endpoint and id may be shell expressions evaluated on the node (SLURM variables)
+    quoted = [f if "$" in f else shlex.quote(f) for f in flags]
+    return " ".join(["python", "-m", "runner.launch", *quoted, shlex.quote(str(frozen))])
+
+
+def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
+    from runner.run import peak
+
+    procs.honour_shutdown_timeout()
+    if not (frozen.parent / peak.PEAK_NAME).exists():
+        peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # torch 2.13 keeps the c10d rendezvous store across restarts but no longer prefixes the ranks' keys per attempt,
+    # so restarted ranks read the dead ranks' gloo addresses (connectFullMesh: connection refused); opt out of sharing
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; keep OpenMP from oversubscribing
+        per_node = lay.world_size // cfg.cluster.num_nodes
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+
+
+def start(flags: list[str], frozen: Path) -> None:
+    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails.
+
+    The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
+    timed out after distributed.timeout_s raises) it stops the others (SIGTERM, then SIGKILL after 30 s,
+    which also ends a SIGSTOPped rank), and hang_report.json is written from the ranks' records.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    from runner.config import freeze, layout
+    from runner.observe import forensics
+
+    cfg = freeze.load(frozen)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    run_dir = frozen.parent
+    _node_setup(cfg, lay, frozen)
+    os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
+    try:
+        if cfg.cluster.worker_start == WorkerStart.fork:
+            from runner.run import titan, worker
+
+            titan.preload(cfg)
+            procs.fork_ranks(flags, worker.forked_main, str(frozen))
+        else:
+            torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+    except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
+        timed_out = "Timed out" in str(e) or any("Timed out" in (r.get("error") or "") for r in forensics.read_records(run_dir).values())
+        cause = "collective timeout" if timed_out else "rank failure"
+        report = forensics.write_report(cfg, run_dir, lay.world_size, cause)
+        if report is not None:
+            print(f"{cause}: report in {report}", file=sys.stderr)
+        raise
+
+
+def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
+    """One node: every rank on this machine, rendezvous on 127.0.0.1."""
+    start(torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}"), frozen)
+
+
+def cli() -> None:
+    """`python -m runner.launch` (runner/launch.py)."""
+    if len(sys.argv) < 2 or not sys.argv[-1].endswith(".yaml"):
+        sys.exit("usage: python -m runner.launch [torchrun flags] <run folder>/frozen.yaml")
+    start(sys.argv[1:-1], Path(sys.argv[-1]))
+    procs.exit_now(0)

@@ -1,0 +1,225 @@
+"""Several layouts trained one after another inside one process group.
+
+    python -m runner.parity <nproc> <run folder>/frozen.yaml [<run folder>/frozen.yaml ...]
+
+starts `nproc` ranks with torch's elastic agent (like runner.run.launch), and every rank then
+builds, for each frozen config in turn, TorchTitan's mesh, model and schedule and trains it
+with the runner's own step loop (runner.run.train.run). Each run folder gets `parity.json`:
+per-step rows (loss, pre-clip global grad norm, tokens/s), the summary (with the measured
+pipeline idle fraction), the stage split, and a fingerprint of the weights before and after
+training, gathered as full tensors. Imports cost ~10 s per rank, so tests and the benchmark
+check many layouts in one launch instead of one launch each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner.config import freeze, layout
+from runner.config.schema import DeviceType, RunConfig, WorkerStart
+from runner.run import mesh, peak, procs, titan, train
+from runner.run.data import SyntheticData
+
+RESULT_NAME = "parity.json"
+
+
+class Collect:
+    """A metrics sink that keeps the rows and the summary in memory."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] = {}
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        self.summary = summary
+
+
+def full_weights(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every parameter of this rank's stage(s) as a full float64 tensor (DTensor shards gathered)."""
+    out = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            out[name] = titan.local_value(p.detach()).double().clone()
+    return out
+
+
+def exact_grad_norm(parts: list[torch.nn.Module], lay: layout.Layout) -> float:
+    """The global gradient norm in float64 from the full gradients (DTensor shards gathered).
+
+    The logged norm is TorchTitan's clip in float32, where torch's CPU vector norm rounds at ~4e-5 relative
+    on the 0.5M-element output head, differently for each shard shape; this one compares layouts at ~1e-9."""
+    grads = [titan.local_value(p.grad).double() for part in parts for p in part.parameters() if p.grad is not None]
+    sq = torch.zeros(1, dtype=torch.float64)
+    if _is_stage_lead(lay):
+        sq += sum(g.square().sum() for g in grads)
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
+def _first_clip_norm(lay: layout.Layout, into: list[float]):
+    """titan.clip_grad_norm that also records step 1's exact norm (exact_grad_norm), taken from the
+    gradients the step loop itself computed, just before TorchTitan's clip."""
+    clip = titan.clip_grad_norm
+
+    def clip_and_record(parts, max_norm, parallel_dims):
+        if not into:
+            into.append(exact_grad_norm(parts, lay))
+        return clip(parts, max_norm, parallel_dims)
+
+    return clip_and_record
+
+
+def _is_stage_lead(lay: layout.Layout) -> bool:
+    """This rank is at coordinate 0 of every axis but pp: it counts its stage's full tensors once."""
+    c = lay.coords(dist.get_rank())
+    return all(c[a] == 0 for a in ("dp_replicate", "dp_shard", "cp", "tp"))
+
+
+def fingerprint(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], lay: layout.Layout) -> dict[str, float]:
+    """Global sums over all parameters (each counted once: by the rank at dp/cp/tp coordinate 0 of its
+    pipeline stage): sum of squares of the weights, and of the update (after - before)."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    if _is_stage_lead(lay):
+        for name, w in after.items():
+            sums += torch.stack([w.square().sum(), (w - before[name]).square().sum(), w.sum()])
+    dist.all_reduce(sums)
+    return {"weights_sq": float(sums[0]), "update_sq": float(sums[1]), "weights_sum": float(sums[2])}
+
+
+def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    if lay.world_size != dist.get_world_size():
+        raise ValueError(f"{cfg.parallelism.name} needs {lay.world_size} ranks; this group has {dist.get_world_size()}")
+    pd = titan.build_mesh(cfg, lay)
+    rank = dist.get_rank()
+    mesh.check(lay, titan.mesh_coords(pd), rank)
+    built = titan.build(cfg, lay, pd, run_dir)
+    t = cfg.training
+    data = SyntheticData(
+        seed=t.seed,
+        seq_len=t.seq_len,
+        vocab=cfg.model.vocab_size,
+        global_batch=t.global_batch_size,
+        microbatch=t.microbatch_size,
+        dp_rank=lay.dp_rank(rank),
+        dp=lay.dp,
+    )
+    seen = _first_norm_output(built)
+    before = full_weights(built.parts)
+    sink, exact = Collect(), []
+    clip, titan.clip_grad_norm = titan.clip_grad_norm, _first_clip_norm(lay, exact)
+    try:
+        train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir)
+    finally:
+        titan.clip_grad_norm = clip
+    result = {
+        "layout": cfg.parallelism.name,
+        "degrees": lay.describe(),
+        "schedule": type(built.schedule).__name__ if built.schedule is not None else None,
+        "stages": _stages(built),
+        "rows": sink.rows,
+        "norm_output_shape": seen,
+        "grad_norm_fp64": exact[0],
+        "weights": fingerprint(before, full_weights(built.parts), lay),
+    }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result["stages"])
+    result["stages"] = gathered
+    if rank == 0:
+        result["summary"] = sink.summary
+        (run_dir / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _first_norm_output(built: titan.Built) -> list[int]:
+    """Filled during the first forward with the local shape of the first transformer block's attention_norm
+    output on this rank: [batch, seq / tp, dim] under sequence parallelism, [batch, seq, dim] without."""
+    shape: list[int] = []
+    blocks = [b for part in built.parts for b in part.layers.children()]
+    if not blocks:
+        return shape
+
+    def hook(module, args, out):
+        shape.extend((out.to_local() if hasattr(out, "to_local") else out).shape)
+        handle.remove()  # one microbatch is enough
+
+    handle = blocks[0].attention_norm.register_forward_hook(hook)
+    return shape
+
+
+def _stages(built: titan.Built) -> list[dict[str, Any]]:
+    """This rank's pipeline stages: index and transformer layers held."""
+    if built.schedule is None:
+        return []
+    stages = getattr(built.schedule, "_stages", None) or [built.schedule._stage]
+    return [{"index": s.stage_index, "layers": len(s.submod.layers)} for s in stages]
+
+
+def main(frozen_paths: list[str]) -> None:
+    cfgs = [(freeze.load(p), Path(p).parent) for p in frozen_paths]
+    first = cfgs[0][0]
+    if first.cluster.device == DeviceType.cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    titan.init_process_group(first)
+    for cfg, run_dir in cfgs:
+        run_one(cfg, run_dir)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(nproc: int, frozen_paths: list[Path]) -> None:
+    """Start `nproc` local ranks running main(frozen_paths); the CPU peak is measured once, before they start."""
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    cfg = freeze.load(frozen_paths[0])
+    rec = peak.write(cfg, nproc, frozen_paths[0].parent)
+    for p in frozen_paths[1:]:
+        shutil.copy(frozen_paths[0].parent / peak.PEAK_NAME, p.parent / peak.PEAK_NAME)
+    if rec["device"] == "cpu":
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    log_dir = frozen_paths[0].parent / "logs"
+    rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id=parity-{uuid.uuid4().hex[:8]}"]  # torchrun --standalone
+    flags = [*rdzv, f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]
+    if cfg.cluster.worker_start == WorkerStart.fork:
+        for c in {freeze.load(p).model.name: freeze.load(p) for p in frozen_paths}.values():  # one per model family
+            titan.preload(c)
+        procs.fork_ranks(flags, forked_main, *map(str, frozen_paths))
+    else:
+        torchrun(parse_args([*flags, "-m", "runner.parity", *map(str, frozen_paths)]))
+
+
+def forked_main(*frozen_paths: str) -> None:
+    procs.drop_agent_signal_handlers()
+    main(list(frozen_paths))
+
+
+def prepare(cfgs: dict[str, RunConfig], folder: Path) -> list[Path]:
+    """One run folder with frozen.yaml per named config; returns the frozen paths in order."""
+    paths = []
+    for name, cfg in cfgs.items():
+        run_dir = folder / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        paths.append(freeze.write(cfg, layout.resolve(cfg.parallelism, cfg.cluster), run_dir))
+    return paths
+
+
+def cli() -> None:
+    """`python -m runner.parity` (runner/parity.py)."""
+    if len(sys.argv) > 2 and sys.argv[1].isdigit():
+        launch(int(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+        procs.exit_now(0)
+    else:
+        main(sys.argv[1:])

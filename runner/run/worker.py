@@ -1,0 +1,132 @@
+"""Per-rank entry: `python -m runner.worker <run folder>/frozen.yaml`.
+
+Started by torch's elastic agent (runner/launch.py locally, or torchrun on a cluster);
+it reads the rank from the environment the agent sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from runner.config import freeze, layout, precision
+from runner.config.schema import DataSource, DeviceType, Fp8Recipe
+from runner.observe import forensics
+from runner.run import data as data_mod
+from runner.run import mesh, metrics, peak, procs, startup, titan, train
+
+
+def _threads(cfg) -> None:
+    """Ranks of one CPU machine share its cores."""
+    if cfg.cluster.device == DeviceType.cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+
+
+def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
+    """precision.json: the recipe, its path here, and which Linear layers it converted or kept."""
+    kept = precision.conversion(cfg)[1]
+    req = precision.RECIPES[cfg.precision.fp8]
+    path = req.gpu_path if cfg.cluster.device == DeviceType.cuda else f"CPU: {req.on_cpu}"
+    rec = {
+        "name": cfg.precision.name,
+        "fp8": cfg.precision.fp8.value,
+        "path": path,
+        "emulated": pk["emulated"],
+        "high_precision_dtype": cfg.precision.param_dtype.value,
+        "converted": built.fp8_converted,
+        "kept_high_precision": kept,
+    }
+    (run_dir / "precision.json").write_text(json.dumps(rec, indent=2) + "\n")
+    kinds: dict[str, int] = {}
+    for fqn in built.fp8_converted:
+        kind = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    emulated = " EMULATED in PyTorch ops (torchao's blockwise kernels are Triton-only)" if pk["emulated"] else ""
+    return (
+        f"fp8 {cfg.precision.fp8.value}{emulated}: converted {len(built.fp8_converted)} Linear layers "
+        f"({', '.join(f'{k} x{n}' for k, n in kinds.items())}); kept in {cfg.precision.param_dtype.value}: "
+        + ", ".join(f"{fqn} ({pattern})" for fqn, pattern in kept.items())
+    )
+
+
+@record
+def main(frozen_path: str) -> None:
+    frozen = Path(frozen_path)
+    run_dir = frozen.parent
+    cfg = freeze.load(frozen)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    _threads(cfg)
+    titan.quiet_torchao(cfg)
+    for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
+        os.environ.setdefault(key, value)
+    pd = titan.init_distributed(cfg, lay)
+    rank = dist.get_rank()
+    try:
+        places = mesh.check(lay, titan.mesh_coords(pd), rank)
+    except mesh.PlacementError as e:
+        if rank == 0:
+            print(f"refusing to train: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
+    recorder = forensics.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
+    recorder.start()
+    try:
+        _train(cfg, lay, pd, rank, run_dir, recorder, places)
+    except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
+        recorder.failed(e, cfg, run_dir)
+        raise
+    recorder.done()
+    dist.destroy_process_group()
+
+
+def _data(cfg, lay: layout.Layout, rank: int, run_dir: Path):
+    t, d = cfg.training, cfg.data
+    common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
+    if d.name == DataSource.synthetic:
+        return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, **common)
+    first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
+    if not first:
+        dist.barrier()
+    tokens = data_mod.load_tokens(d.files, d.format.value, d.text_field, d.tokenizer, d.eos_token, run_dir / "data_cache")
+    if first:
+        dist.barrier()
+    return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle, **common)
+
+
+def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list) -> None:
+    built = titan.build(cfg, lay, pd, run_dir)
+    pk = peak.read(run_dir)
+    peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
+    acc = train.accounting(cfg, built, pk)
+    data = _data(cfg, lay, rank, run_dir)
+    sinks = []
+    if rank == 0:
+        header = (
+            f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {cfg.parallelism.name} "
+            f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s "
+            f"{pk['dtype']} ({source}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
+            f"nodes: {mesh.describe_nodes(places)}"
+        )
+        if cfg.precision.fp8 != Fp8Recipe.none:
+            header += "\n" + _record_fp8(cfg, built, pk, run_dir)
+        frozen, fr = run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir)
+        print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
+        sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
+    train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
+
+
+def forked_main(frozen_path: str) -> None:
+    procs.drop_agent_signal_handlers()
+    main(frozen_path)
+
+
+def cli() -> None:
+    """`python -m runner.worker` (runner/worker.py)."""
+    main(sys.argv[1])
+    procs.exit_now(0)  # an exec-started rank: skip the interpreter's teardown
