@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runner.config import runfiles
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -77,7 +79,7 @@ def main() -> None:
         paths = parity.prepare({slug[n]: c for n, c in cfgs.items()}, folder / f"ranks{nproc}")
         subprocess.run([sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)], cwd=ROOT, check=True)
         for name, path in zip(cfgs, paths, strict=True):
-            res = json.loads((path.parent / parity.RESULT_NAME).read_text())
+            res = json.loads((path.parent / runfiles.PARITY).read_text())
             s, cal = res["summary"], res["summary"]["calibration"]
             table.append(
                 {

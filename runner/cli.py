@@ -18,8 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import flops, freeze, precision, slurm, validate, validate_ckpt
-from runner.config.plan import INVALID_NAME
+from runner.config import flops, freeze, precision, runfiles, slurm, validate, validate_ckpt
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
 
 register()
@@ -40,7 +39,7 @@ def _to_object(cfg: DictConfig) -> RunConfig:
 
 def _discard(run_dir: Path) -> None:
     """Remove the run folder Hydra just made, so a rejected config leaves nothing behind."""
-    ours = {".hydra", "runner.log", "__main__.log"}
+    ours = set(runfiles.HYDRA_LOGS)
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= ours:
         shutil.rmtree(run_dir)
         parent = run_dir.parent  # outputs/<date> left empty
@@ -59,7 +58,7 @@ def _invalid_sweep_point(e: Exception, run_dir: Path) -> None:
     problems = [str(p) for p in e.problems] if isinstance(e, validate.ConfigError) else [str(e)]
     overrides = list(HydraConfig.get().overrides.task)
     print(f"invalid sweep point {' '.join(overrides)}:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-    (run_dir / INVALID_NAME).write_text(json.dumps({"overrides": overrides, "problems": problems}, indent=2) + "\n")
+    (run_dir / runfiles.INVALID).write_text(json.dumps({"overrides": overrides, "problems": problems}, indent=2) + "\n")
 
 
 def _precision_lines(cfg: RunConfig) -> list[str]:
@@ -156,12 +155,12 @@ def main(dcfg: DictConfig) -> None:
         node, _, first_host, job_id = slurm.job_nodes()
     else:
         node, first_host, job_id = 0, None, None
-    if node == 0 and (run_dir / freeze.FROZEN_NAME).exists():
+    if node == 0 and (run_dir / runfiles.FROZEN).exists():
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
         sweep = Path(HydraConfig.get().sweep.dir)
         cfg.logging.wandb.group = f"{sweep.parent.name}/{sweep.name}"  # one W&B group per sweep
-    frozen = run_dir / freeze.FROZEN_NAME
+    frozen = run_dir / runfiles.FROZEN
     if node == 0:
         freeze.write(cfg, lay, run_dir)
     else:

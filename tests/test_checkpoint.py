@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, validate_ckpt
+from runner.config import checkpoint, runfiles, validate_ckpt
 from runner.config.problems import ConfigError
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
@@ -197,7 +197,7 @@ def test_choose_newest_complete_and_warn_about_broken_newer(tmp_path):
         _fake(tmp_path, s)
     _fake(tmp_path, 6, publish=False)  # a save in flight or killed: never chosen, never warned about
     (tmp_path / "step-4" / "__1_0.distcp").write_bytes(b"x" * 7)  # truncated
-    (tmp_path / "step-3" / checkpoint.MARKER).unlink()  # never marked
+    (tmp_path / "step-3" / runfiles.CHECKPOINT_MARKER).unlink()  # never marked
     (tmp_path / "step-5").mkdir()  # no marker, no files
     pick, warnings = checkpoint.choose(tmp_path)
     assert pick == tmp_path / "step-2"
@@ -295,7 +295,7 @@ def test_full_checkpoint_filesystem_is_rejected(compose, tmp_path):
 
 def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
     _fake(tmp_path / "checkpoints", 4)
-    marker = tmp_path / "checkpoints" / "step-4" / checkpoint.MARKER
+    marker = tmp_path / "checkpoints" / "step-4" / runfiles.CHECKPOINT_MARKER
     body = json.loads(marker.read_text())
     body["model"] = {"name": "llama3", "flavor": "8B", "dim": 4096, "num_layers": 32, "vocab_size": 128256}
     marker.write_text(json.dumps(body))

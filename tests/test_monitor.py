@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import layout
+from runner.config import layout, runfiles
 from runner.config.schema import DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 from runner.observe import forensics, monitor
 from runner.run import startup
@@ -79,7 +79,7 @@ def clean(tmp_path_factory):
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "WANDB_SILENT": "true"}
     )
-    record = run_dir / forensics.RECORDS / "rank_1.json"
+    record = run_dir / runfiles.RANK_RECORDS / "rank_1.json"
     stopped_at = None
     deadline = time.time() + 900
     while time.time() < deadline and proc.poll() is None:
@@ -99,7 +99,7 @@ def clean(tmp_path_factory):
 
 def test_straggler_named_within_window_count(slow):
     run_dir, proc, _ = slow
-    flagged = [json.loads(line) for line in (run_dir / monitor.STRAGGLERS_NAME).read_text().splitlines()]
+    flagged = [json.loads(line) for line in (run_dir / runfiles.STRAGGLERS).read_text().splitlines()]
     assert {f["rank"] for f in flagged} == {2}, flagged  # nobody else, in any phase
     first = flagged[0]
     assert first["phase"] == "forward"
@@ -118,7 +118,7 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
     rows = metrics(run_dir)
     assert max(r["step"] for r in rows) >= 31
     assert max(r["straggler_windows"] for r in rows) >= 10  # windows ending at steps 4, 7, ..., 31 were all judged
-    assert not (run_dir / monitor.STRAGGLERS_NAME).exists()
+    assert not (run_dir / runfiles.STRAGGLERS).exists()
     assert not any("stragglers" in r for r in rows)
 
 
@@ -183,7 +183,7 @@ def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_s
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "collective timeout: report in" in proc.stderr and "Traceback" not in proc.stderr.split("collective timeout")[-1]
     assert ended - hang_started < LIMIT_S, ended - hang_started
-    report = json.loads((run_dir / forensics.REPORT_NAME).read_text())
+    report = json.loads((run_dir / runfiles.HANG_REPORT).read_text())
     assert report["missing_ranks"] == [1], report
     assert report["ranks"]["1"]["state"] == frozen_state
     assert report["timeout_s"] == TIMEOUT_S

@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from runner.config import pipeline, validate
+from runner.config import pipeline, runfiles, validate
 from runner.run import parity
 from tests.conftest import ROOT
 
@@ -79,7 +79,7 @@ def trained(compose, tmp_path_factory):
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         for name, path in zip(presets, paths, strict=True):
-            out[name] = json.loads((path.parent / parity.RESULT_NAME).read_text())
+            out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
     return out
 
 

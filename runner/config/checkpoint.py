@@ -18,18 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MARKER = "COMPLETE.json"
-PARTIAL = ".partial"
-PREFIX = "step-"
-FINAL_MODEL = "model-final"
+from runner.config import runfiles
+
+MARKER = runfiles.CHECKPOINT_MARKER
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name[len(runfiles.CHECKPOINT_PREFIX) :])
 
 
 def partial_path(folder: Path, step: int) -> Path:
-    return folder / f"{PREFIX}{step}{PARTIAL}"
+    return folder / f"{runfiles.CHECKPOINT_PREFIX}{step}{runfiles.CHECKPOINT_PARTIAL}"
 
 
 def final_path(folder: Path, step: int) -> Path:
-    return folder / f"{PREFIX}{step}"
+    return folder / f"{runfiles.CHECKPOINT_PREFIX}{step}"
 
 
 def _files(path: Path) -> dict[str, int]:
@@ -39,12 +42,12 @@ def _files(path: Path) -> dict[str, int]:
 def publish(partial: Path, final: Path, info: dict[str, Any]) -> Path:
     """Mark a fully written checkpoint complete and make it visible under its final name in one rename."""
     body = {**info, "files": _files(partial)}
-    tmp = partial / (MARKER + ".tmp")
+    tmp = partial / (runfiles.CHECKPOINT_MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(partial / MARKER)
+    tmp.replace(partial / runfiles.CHECKPOINT_MARKER)
     if final.exists():  # a rewound run saving the same step again
         shutil.rmtree(final)
     partial.rename(final)
@@ -61,7 +64,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def marker(path: Path) -> dict[str, Any]:
-    return json.loads((path / MARKER).read_text())
+    return json.loads((path / runfiles.CHECKPOINT_MARKER).read_text())
 
 
 def verify(path: Path) -> str | None:
@@ -69,11 +72,11 @@ def verify(path: Path) -> str | None:
     try:
         body = marker(path)
     except FileNotFoundError:
-        return f"no {MARKER} (the save never finished)"
+        return f"no {runfiles.CHECKPOINT_MARKER} (the save never finished)"
     except (OSError, ValueError) as e:
-        return f"unreadable {MARKER} ({e})"
+        return f"unreadable {runfiles.CHECKPOINT_MARKER} ({e})"
     if ".metadata" not in body.get("files", {}):
-        return f"{MARKER} lists no DCP .metadata"
+        return f"{runfiles.CHECKPOINT_MARKER} lists no DCP .metadata"
     for name, size in body["files"].items():
         f = path / name
         if not f.is_file():
@@ -95,15 +98,15 @@ def scan(folder: Path) -> Scan:
     complete, skipped = [], []
     if folder.is_dir():
         for p in folder.iterdir():
-            if not (p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()):
+            if not (p.is_dir() and p.name.startswith(runfiles.CHECKPOINT_PREFIX) and p.name[len(runfiles.CHECKPOINT_PREFIX) :].isdigit()):
                 continue
             why = verify(p)
             if why is None:
-                complete.append((int(p.name[len(PREFIX) :]), p))
+                complete.append((_step_of(p), p))
             else:
                 skipped.append((p, why))
     complete.sort(reverse=True)
-    skipped.sort(key=lambda x: -int(x[0].name[len(PREFIX) :]))
+    skipped.sort(key=lambda x: -_step_of(x[0]))
     return Scan(complete, skipped)
 
 
@@ -111,11 +114,11 @@ def choose(folder: Path, before: int | None = None) -> tuple[Path | None, list[s
     """Newest complete checkpoint (of a step < `before` when given) and a warning per newer unusable one."""
     s = scan(folder)
     pick = next((p for step, p in s.complete if before is None or step < before), None)
-    newest = int(pick.name[len(PREFIX) :]) if pick else -1
+    newest = _step_of(pick) if pick else -1
     warnings = [
         f"skipping checkpoint {p}: {why}; falling back to {pick or 'a fresh start'}"
         for p, why in s.skipped
-        if int(p.name[len(PREFIX) :]) > newest and (before is None or int(p.name[len(PREFIX) :]) < before)
+        if _step_of(p) > newest and (before is None or _step_of(p) < before)
     ]
     return pick, warnings
 

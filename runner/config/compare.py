@@ -14,14 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.config.plan import INVALID_NAME, PLAN_NAME
-
-SUMMARY_NAME = "summary.json"
-PLOT_NAME = "comparison.png"
+from runner.config import runfiles
 
 
 def _overrides(run: Path) -> list[str]:
-    f = run / ".hydra" / "overrides.yaml"
+    f = run / runfiles.HYDRA_OVERRIDES
     if not f.is_file():
         return []
     lines = [ln.removeprefix("- ").strip() for ln in f.read_text().splitlines() if ln.startswith("- ")]
@@ -31,8 +28,8 @@ def _overrides(run: Path) -> list[str]:
 def load(run: Path) -> dict[str, Any] | None:
     """One row for a run folder; None when it holds no result."""
     label = _overrides(run)
-    if (run / SUMMARY_NAME).is_file():
-        s = json.loads((run / SUMMARY_NAME).read_text())
+    if (run / runfiles.SUMMARY).is_file():
+        s = json.loads((run / runfiles.SUMMARY).read_text())
         cal = s.get("calibration", {})
         return {
             "run": label,
@@ -45,8 +42,8 @@ def load(run: Path) -> dict[str, Any] | None:
             "mfu": s["mfu_median"],
             "mfu_note": f"measured, {s.get('flop_convention', 'titan')}",
         }
-    if (run / PLAN_NAME).is_file():
-        p = json.loads((run / PLAN_NAME).read_text())
+    if (run / runfiles.PLAN).is_file():
+        p = json.loads((run / runfiles.PLAN).read_text())
         fit = {True: "fits", False: "DOES NOT FIT", None: "?"}[p["fits_memory"]]
         return {
             "run": label,
@@ -59,8 +56,8 @@ def load(run: Path) -> dict[str, Any] | None:
             "mfu": p["estimated_mfu"],
             "mfu_note": "estimated",
         }
-    if (run / INVALID_NAME).is_file():
-        inv = json.loads((run / INVALID_NAME).read_text())
+    if (run / runfiles.INVALID).is_file():
+        inv = json.loads((run / runfiles.INVALID).read_text())
         return {"run": label, "source": "invalid", "problems": inv["problems"]}
     return None
 
@@ -69,7 +66,7 @@ def collect(paths: list[Path]) -> list[dict[str, Any]]:
     """Rows for every run folder at or below the given paths."""
     runs: list[Path] = []
     for p in paths:
-        found = {f.parent for name in (SUMMARY_NAME, PLAN_NAME, INVALID_NAME) for f in p.rglob(name)}
+        found = {f.parent for name in (runfiles.SUMMARY, runfiles.PLAN, runfiles.INVALID) for f in p.rglob(name)}
         runs += sorted(found - set(runs))
     loaded = [(run, r) for run in runs if (r := load(run)) is not None]
     common = set.intersection(*(set(r["run"]) for _, r in loaded)) if len(loaded) > 1 else set()
@@ -139,7 +136,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runner.compare", description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", type=Path, help="run folders or multirun folders")
-    ap.add_argument("--plot", type=Path, default=None, help=f"PNG path (default: <first path>/{PLOT_NAME})")
+    ap.add_argument("--plot", type=Path, default=None, help=f"PNG path (default: <first path>/{runfiles.PLOT})")
     args = ap.parse_args(argv)
     missing = [str(p) for p in args.paths if not p.is_dir()]
     if missing:
@@ -147,14 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = collect(args.paths)
     if not rows:
-        names = f"{SUMMARY_NAME}, {PLAN_NAME} or {INVALID_NAME}"
+        names = f"{runfiles.SUMMARY}, {runfiles.PLAN} or {runfiles.INVALID}"
         print(f"paths = {' '.join(map(str, args.paths))}: no run folder below them holds {names}. Fix: point at runs.", file=sys.stderr)
         return 2
     from rich.console import Console
 
     console = Console(highlight=False, width=200)
     console.print(table(rows))
-    out = plot(rows, args.plot or args.paths[0] / PLOT_NAME)
+    out = plot(rows, args.plot or args.paths[0] / runfiles.PLOT)
     if out:
         console.print(f"plot saved to {out}")
     return 0

@@ -21,10 +21,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 
+from runner.config import runfiles
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 
-FROZEN_NAME = "frozen.yaml"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -97,7 +97,7 @@ def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
         allow_unicode=True,
         sort_keys=False,
     )
-    path = run_dir / FROZEN_NAME
+    path = run_dir / runfiles.FROZEN
     tmp = path.with_suffix(".tmp")
     tmp.write_text("# Replay: python -m runner --config-dir <this folder> --config-name frozen\n" + text)
     tmp.replace(path)

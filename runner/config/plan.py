@@ -34,14 +34,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import flops, pipeline, precision
+from runner.config import flops, pipeline, precision, runfiles
 from runner.config.layout import MESH_ORDER, Layout
 from runner.config.schema import ActivationCheckpoint, RunConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
-PLAN_NAME = "plan.json"
-INVALID_NAME = "invalid.json"  # a sweep point that failed validation: its overrides and problems
 
 
 def link(lay: Layout, axis: str, devices_per_node: int) -> str:
@@ -359,6 +357,6 @@ def render(plan: dict[str, Any], configured_interval: int | None = None) -> None
 
 
 def write(plan: dict[str, Any], run_dir: Path) -> Path:
-    path = run_dir / PLAN_NAME
+    path = run_dir / runfiles.PLAN
     path.write_text(json.dumps(plan, indent=2) + "\n")
     return path

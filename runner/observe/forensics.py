@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runner.config import runfiles
 from runner.config.schema import DeviceType, RunConfig
 
-RECORDS = Path("logs") / "ranks"
-REPORT_NAME = "hang_report.json"
 STALE_HEARTBEATS = 3  # a record older than this many heartbeats before the freshest one is a frozen rank
 
 
@@ -104,7 +103,7 @@ class RankRecorder:
     """Per-rank record of phase, step and collective counters, kept on disk by a daemon thread."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, coords: dict[str, int]):
-        self.path = run_dir / RECORDS / f"rank_{rank}.json"
+        self.path = run_dir / runfiles.RANK_RECORDS / f"rank_{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval = cfg.distributed.heartbeat_s
         self.use_fr = cfg.distributed.flight_recorder.enable
@@ -191,7 +190,7 @@ class RankRecorder:
 
 def read_records(run_dir: Path) -> dict[int, dict[str, Any]]:
     out = {}
-    for p in sorted((run_dir / RECORDS).glob("rank_*.json")):
+    for p in sorted((run_dir / runfiles.RANK_RECORDS).glob("rank_*.json")):
         body = json.loads(p.read_text())
         out[body["rank"]] = body
     return out
@@ -257,6 +256,6 @@ def write_report(cfg: RunConfig, run_dir: Path, world_size: int, cause: str) -> 
     if folder.is_dir():
         report["flight_recorder_dumps"] = str(folder)
         report["analyse_with"] = f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"
-    path = run_dir / REPORT_NAME
+    path = run_dir / runfiles.HANG_REPORT
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.config import runfiles
 from runner.config.schema import GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute")
 """Phases whose slowness makes a straggler. Waiting (pp_wait, the loss all-reduce) is a symptom of someone else."""
 TIMED = (*JUDGED, "pp_wait")
-STRAGGLERS_NAME = "stragglers.jsonl"
 
 
 class StragglerJudge:
@@ -142,7 +142,7 @@ class StepMonitor:
         self.flagged_total = 0
         self.tables: list[dict[str, Any]] = []  # every judged window (per-rank medians), kept for the summary
         self.all_steps: list[dict[str, float]] = []
-        self.path = run_dir / STRAGGLERS_NAME
+        self.path = run_dir / runfiles.STRAGGLERS
         self.ws = dist.get_world_size()
         who = [None] * self.ws
         dist.all_gather_object(who, {"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0))})

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint
+from runner.config import checkpoint, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.run import titan
@@ -116,7 +116,7 @@ class Checkpointer:
                 print(f"checkpoint: deleted {old.name} (keep {self.cfg.checkpoint.keep})", flush=True)
 
     def export_model(self, built: titan.Built) -> None:
-        path = self.folder / checkpoint.FINAL_MODEL
+        path = self.folder / runfiles.FINAL_MODEL
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)
         dist.barrier()
@@ -132,7 +132,7 @@ class Checkpointer:
             for w in warnings:
                 print(f"WARNING: {w}", file=sys.stderr, flush=True)
             if before is None:  # a fresh start of the job: no save is in flight, leftovers are from a crash
-                for p in self.folder.glob(f"{checkpoint.PREFIX}*{checkpoint.PARTIAL}"):
+                for p in self.folder.glob(f"{runfiles.CHECKPOINT_PREFIX}*{runfiles.CHECKPOINT_PARTIAL}"):
                     shutil.rmtree(p)
             box = [str(pick) if pick else None, checkpoint.marker(pick) if pick else None]
         dist.broadcast_object_list(box, src=0)

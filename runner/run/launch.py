@@ -20,6 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from runner.config import runfiles
 from runner.config.layout import Layout
 from runner.config.schema import DeviceType, RunConfig, WorkerStart
 from runner.run import procs
@@ -41,7 +42,7 @@ def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint:
         f"--max-restarts={cfg.cluster.max_restarts}",
         f"--monitor-interval={MONITOR_INTERVAL_S}",
         f"--shutdown-timeout={cfg.distributed.shutdown_timeout_s}",
-        f"--log-dir={run_dir / 'logs'}",
+        f"--log-dir={run_dir / runfiles.LOGS}",
     ]
     if per_node > 1:
         flags.append("--redirects=" + ",".join(f"{r}:3" for r in range(1, per_node)))
@@ -60,7 +61,7 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     from runner.run import peak
 
     procs.honour_shutdown_timeout()
-    if not (frozen.parent / peak.PEAK_NAME).exists():
+    if not (frozen.parent / runfiles.PEAK).exists():
         peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     # torch 2.13 keeps the c10d rendezvous store across restarts but no longer prefixes the ranks' keys per attempt,

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from runner.config import runfiles
 from runner.config.schema import RunConfig
 
 
@@ -84,7 +85,7 @@ class JsonlSink:
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.file = open(run_dir / runfiles.METRICS, "a")
 
     def log(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -92,7 +93,7 @@ class JsonlSink:
 
     def close(self, summary: dict[str, Any]) -> None:
         self.file.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 class WandbSink:

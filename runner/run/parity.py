@@ -24,12 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import freeze, layout
+from runner.config import freeze, layout, runfiles
 from runner.config.schema import DeviceType, RunConfig, WorkerStart
 from runner.run import mesh, peak, procs, titan, train
 from runner.run.data import SyntheticData
-
-RESULT_NAME = "parity.json"
 
 
 class Collect:
@@ -139,7 +137,7 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     result["stages"] = gathered
     if rank == 0:
         result["summary"] = sink.summary
-        (run_dir / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
+        (run_dir / runfiles.PARITY).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -187,10 +185,10 @@ def launch(nproc: int, frozen_paths: list[Path]) -> None:
     cfg = freeze.load(frozen_paths[0])
     rec = peak.write(cfg, nproc, frozen_paths[0].parent)
     for p in frozen_paths[1:]:
-        shutil.copy(frozen_paths[0].parent / peak.PEAK_NAME, p.parent / peak.PEAK_NAME)
+        shutil.copy(frozen_paths[0].parent / runfiles.PEAK, p.parent / runfiles.PEAK)
     if rec["device"] == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    log_dir = frozen_paths[0].parent / "logs"
+    log_dir = frozen_paths[0].parent / runfiles.LOGS
     rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id=parity-{uuid.uuid4().hex[:8]}"]  # torchrun --standalone
     flags = [*rdzv, f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]
     if cfg.cluster.worker_start == WorkerStart.fork:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from runner.config import precision
+from runner.config import precision, runfiles
 from runner.config.schema import DeviceType, RunConfig
 
 # Matrix size per dtype: fp32 reaches its plateau at 1024; bf16 on AVX2-only CPUs runs
@@ -79,7 +79,6 @@ def peak(cfg: RunConfig, world_size: int) -> tuple[float, float]:
     return tflops, tflops * 1e12 * devices
 
 
-PEAK_NAME = "peak.json"
 
 
 def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
@@ -97,9 +96,9 @@ def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
     if rec["peak_source"] == "measured":
         op = "torch._scaled_mm (e4m3)" if rec["dtype"] == "float8" else "torch.mm"
         rec["method"] = f"best of 5 square {op} n={_SIZE[rec['dtype']]} on {os.cpu_count()} threads"
-    (run_dir / PEAK_NAME).write_text(json.dumps(rec, indent=2) + "\n")
+    (run_dir / runfiles.PEAK).write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 
 
 def read(run_dir: Path) -> dict:
-    return json.loads((run_dir / PEAK_NAME).read_text())
+    return json.loads((run_dir / runfiles.PEAK).read_text())

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision
+from runner.config import freeze, layout, precision, runfiles
 from runner.config.schema import DataSource, DeviceType, Fp8Recipe
 from runner.observe import forensics
 from runner.run import data as data_mod
@@ -42,7 +42,7 @@ def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
         "converted": built.fp8_converted,
         "kept_high_precision": kept,
     }
-    (run_dir / "precision.json").write_text(json.dumps(rec, indent=2) + "\n")
+    (run_dir / runfiles.PRECISION).write_text(json.dumps(rec, indent=2) + "\n")
     kinds: dict[str, int] = {}
     for fqn in built.fp8_converted:
         kind = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
@@ -93,7 +93,7 @@ def _data(cfg, lay: layout.Layout, rank: int, run_dir: Path):
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:
         dist.barrier()
-    tokens = data_mod.load_tokens(d.files, d.format.value, d.text_field, d.tokenizer, d.eos_token, run_dir / "data_cache")
+    tokens = data_mod.load_tokens(d.files, d.format.value, d.text_field, d.tokenizer, d.eos_token, run_dir / runfiles.DATA_CACHE)
     if first:
         dist.barrier()
     return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle, **common)
@@ -115,7 +115,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
             header += "\n" + _record_fp8(cfg, built, pk, run_dir)
-        frozen, fr = run_dir / freeze.FROZEN_NAME, forensics.dump_folder(cfg, run_dir)
+        frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)

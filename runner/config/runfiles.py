@@ -1,0 +1,45 @@
+"""Every name a run writes into its run folder, for writers and readers alike (like Hydra's `.hydra/`).
+
+    <run folder>/
+      frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
+      plan.json            the step budget (mode=plan, and every launched run)
+      invalid.json         a sweep point that failed validation: its overrides and problems
+      peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
+      precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
+      metrics.jsonl        one row per step (rank 0)
+      summary.json         the run's medians (rank 0); runner.compare reads it
+      stragglers.jsonl     the straggler monitor's per-window tables
+      hang_report.json     which collective each rank was in when the job stopped
+      parity.json          losses and norms of a runner.parity launch
+      comparison.png       runner.compare's plot (in the first folder given)
+      logs/ranks/          each rank's last state (the forensics records)
+      logs/<rdzv id>/      torchrun's per-rank stdout/stderr
+      data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
+      checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
+      flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FROZEN = "frozen.yaml"
+PLAN = "plan.json"
+INVALID = "invalid.json"
+PEAK = "peak.json"
+PRECISION = "precision.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+STRAGGLERS = "stragglers.jsonl"
+HANG_REPORT = "hang_report.json"
+PARITY = "parity.json"
+PLOT = "comparison.png"
+LOGS = "logs"
+RANK_RECORDS = Path(LOGS) / "ranks"
+DATA_CACHE = "data_cache"
+HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
+HYDRA_LOGS = (".hydra", "runner.log", "__main__.log", "cli.log")  # what Hydra itself puts in a run folder
+CHECKPOINT_MARKER = "COMPLETE.json"  # inside a checkpoint folder: written last, so its presence means complete
+CHECKPOINT_PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
+CHECKPOINT_PREFIX = "step-"
+FINAL_MODEL = "model-final"
