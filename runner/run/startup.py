@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runner.config import plan
 from runner.config.layout import MESH_ORDER, Layout
-from runner.config.plan import link
+from runner.config.plan_comm import link
 from runner.config.schema import RunConfig
 
 

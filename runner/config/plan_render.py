@@ -1,0 +1,105 @@
+"""The step budget as a table (`mode=plan`) and as one line per sweep point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _layers(split: list[int]) -> str:
+    """'0 | 1 x 6 | 0' style: stage sizes with runs collapsed."""
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " | ".join(f"{n} x {k}" if k > 1 else str(n) for n, k in runs)
+
+
+def _f(x: float | None, fmt: str, unit: str = "") -> str:
+    return "n/a" if x is None else format(x, fmt) + unit
+
+
+def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
+    """(row, value, note) lines of the printed table."""
+    pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
+    mem = plan["device_memory_gb"]
+    fit = {True: "fits", False: "DOES NOT FIT", None: "device memory unknown"}[plan["fits_memory"]]
+    conv = plan["flops_convention"]
+    out = [
+        ("model", f"{plan['model']}, {plan['params'] / 1e9:.2f} B params", ""),
+        ("layout", f"{plan['layout']} [{plan['degrees']}]", f"{plan['world_size']} GPUs"),
+        ("links", ", ".join(f"{a}: {lk}" for a, lk in plan["links"].items()) or "-", "ranks placed TP fastest"),
+        ("tokens per step", f"{plan['tokens_per_step']:,}", "global batch x seq_len"),
+        ("microbatches per pipeline m", str(plan["microbatches"]), ""),
+        ("pipeline bubble", pct(plan["bubble_fraction"]), plan["bubble_formula"]),
+        ("layers per stage", _layers(plan["layers_per_stage"]), f"{plan['virtual_stages_per_rank']} stage(s) per pipeline rank"),
+        ("parameters per GPU", f"{plan['params_per_gpu'] / 1e9:.3f} B", "params / (tp x pp)"),
+        (
+            "weights + gradients",
+            _f(plan["weights_grads_gb_per_gpu"], ".3g", " GB"),
+            "whole on each GPU of the stage (FSDP keeps them gathered)" if plan["weights_gathered_during_step"] else "FSDP-sharded",
+        ),
+        ("optimizer state", _f(plan["optimizer_gb_per_gpu"], ".3g", " GB"), "fp32 master + Adam moments / dp_shard"),
+        (
+            "activations per microbatch",
+            _f(plan["activations_gb_per_microbatch"], ".3g", " GB"),
+            f"{plan['activations_gb_per_microbatch_recompute']:.3g} GB with full recomputation (Korthikanti 2022)",
+        ),
+        ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), f"{plan['microbatches_in_flight']} microbatch(es)"),
+        ("total memory", _f(plan["total_gb_per_gpu"], ".3g", " GB"), f"{fit}" + (f" in {mem:.3g} GB" if mem else "")),
+        ("model FLOPs per step", f"{plan['model_flops_per_step']:.3e}", f"{conv} convention"),
+        (
+            "ideal compute",
+            _f(plan["ideal_compute_s"], ".3f", " s"),
+            f"at {plan['peak_tflops']:g} TFLOP/s {plan['peak_dtype']} dense peak"
+            if plan["peak_tflops"]
+            else "no peak in the cluster config (a CPU peak is measured at launch)",
+        ),
+        ("step time", _f(plan["step_time_s"], ".3f", " s"), f"at {100 * plan['mfu_assumed']:.0f} % MFU ({conv})"),
+        (
+            "bottom-up step estimate",
+            _f(plan["estimated_step_time_s"], ".3f", " s"),
+            f"GEMMs at {100 * plan['matmul_efficiency']:.0f} % of peak / (1 - bubble) + TP + PP + CP + exposed DP; "
+            f"MFU {pct(plan['estimated_mfu'])}",
+        ),
+        ("TP traffic", _f(plan["tp_comm_s"], ".3f", " s"), f"{plan['tp_comm_gb']:.1f} GB, {pct(plan['tp_comm_share'])} of the step"),
+        ("PP traffic", _f(plan["pp_comm_s"], ".4f", " s"), f"{plan['pp_comm_gb']:.2f} GB point-to-point"),
+        (
+            "DP traffic",
+            _f(plan["dp_comm_s"], ".3f", " s"),
+            f"{plan['dp_comm_gb']:.1f} GB; "
+            + {True: "hides behind backward", False: "LONGER THAN BACKWARD", None: "overlap unknown"}[plan["dp_hidden_behind_backward"]],
+        ),
+    ]
+    if plan["cp_comm_gb"]:
+        out.append(("CP traffic", _f(plan["cp_comm_s"], ".3f", " s"), f"{plan['cp_comm_gb']:.1f} GB ring attention K/V"))
+    if plan["ep_comm_gb"]:
+        out.append(("EP traffic", _f(plan["ep_comm_s"], ".3f", " s"), f"{plan['ep_comm_gb']:.2f} GB token all-to-all, {plan['ep_link']}"))
+    note = f"write {_f(plan['checkpoint_write_s'], '.1f', ' s')}, MTBF {_f(plan['mtbf_hours'], 'g', ' h')} (Young/Daly)"
+    if configured_interval:
+        note += f"; configured: {configured_interval}"
+    out.append(("checkpoint interval", _f(plan["checkpoint_interval_steps"], "d", " steps"), note))
+    return out
+
+
+def one_line(plan: dict[str, Any]) -> str:
+    fit = {True: "fits", False: "DOES NOT FIT", None: "fit unknown"}[plan["fits_memory"]]
+    return (
+        f"plan [{plan['degrees']}]: estimated step {_f(plan['estimated_step_time_s'], '.3f', ' s')} "
+        f"(MFU {_f(plan['estimated_mfu'] and 100 * plan['estimated_mfu'], '.1f', ' %')}), m={plan['microbatches']}, "
+        f"bubble {100 * plan['bubble_fraction']:.1f} %, TP {_f(plan['tp_comm_s'], '.3f', ' s')}, "
+        f"memory {plan['total_gb_per_gpu']:.3g} GB ({fit})"
+    )
+
+
+def render(plan: dict[str, Any], configured_interval: int | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"step budget: {plan['model']} on {plan['world_size']} GPUs", title_justify="left")
+    for col in ("", "per GPU", "note"):
+        table.add_column(col)
+    for r in rows(plan, configured_interval):
+        table.add_row(*r, style="bold red" if "NOT" in r[2] or "LONGER" in r[2] else None)
+    Console(highlight=False, width=160).print(table)
