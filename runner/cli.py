@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import flops, freeze, precision, runfiles, slurm, validate, validate_ckpt
+from runner.config import flops, freeze, precision, preflight, runfiles, slurm, validate
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
 
 register()
@@ -143,9 +143,7 @@ def main(dcfg: DictConfig) -> None:
         if cfg.mode == Mode.launch_plan:
             _launch_plan(cfg, lay, dcfg, run_dir)
             return
-        validate.check_launch(cfg, lay)
-        validate_ckpt.absolute_paths(cfg)
-        validate_ckpt.check_launch(cfg, run_dir)
+        preflight.run(cfg, lay, run_dir)
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             _invalid_sweep_point(e, run_dir)
@@ -169,10 +167,10 @@ def main(dcfg: DictConfig) -> None:
 
     try:
         if job_id is None:
-            launch.run(cfg, lay, frozen)
+            launch.run(cfg, lay, frozen, checked=True)
         else:  # a node of a SLURM job: torchrun with a c10d rendezvous on the job's first node
             endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
-            launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen)
+            launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
         print(f"training failed: {type(e).__name__}; rank logs in {run_dir / 'logs'}", file=sys.stderr)
         sys.exit(1)

@@ -3,12 +3,15 @@ launcher) printed by mode=launch_plan, its validation, and the TP placement rule
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
 from runner.config import layout
 from runner.run import mesh
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu"]
 FIRST_NODE = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
@@ -108,3 +111,19 @@ def test_node_identity_override(monkeypatch, names, expected):
     monkeypatch.setenv(mesh.NODE_NAMES_ENV, names)
     monkeypatch.setenv(mesh.NODE_NAME_ENV, "solo")
     assert mesh.node_name(2) == (expected or "solo")
+
+
+def test_the_node_command_runs_the_same_preflight(tmp_path):
+    """`python -m runner.launch` (what mode=launch_plan prints for each node) refuses what `python -m runner` refuses."""
+    huge = "cluster.rank_overhead_gb=1000000"  # no machine holds 4 ranks of a million GB
+    direct = run_cli(huge, run_dir=tmp_path / "direct")
+    _no_traceback_exit2(direct)
+    assert "4 ranks x 1000000." in direct.stderr
+    run_dir = tmp_path / "plan"
+    proc = run_cli(huge, "mode=launch_plan", run_dir=run_dir)
+    assert proc.returncode == 0, proc.stderr
+    (node,) = [ln.split() for ln in proc.stdout.splitlines() if "runner.launch" in ln]
+    launched = subprocess.run([sys.executable, *node[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    _no_traceback_exit2(launched)
+    assert "4 ranks x 1000000." in launched.stderr
+    assert not (run_dir / "logs").exists()  # no rank was started

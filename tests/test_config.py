@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from runner.config import layout, validate
+from runner.config import layout, preflight, validate
 from runner.config.schema import Mode
 from tests.conftest import ROOT, run_cli
 
@@ -182,19 +182,19 @@ def test_all_problems_reported_at_once(compose):
     assert [p.field for p in e.value.problems] == ["parallelism.tp", "training.seq_len", "training.global_batch_size"]
 
 
-def test_launch_rules(compose):
+def test_launch_rules(compose, tmp_path):
     cfg = compose(["recipe=llama3_8b_fsdp8_h100"])
     lay = validate.check(cfg)  # a valid config for a real node ...
     with pytest.raises(validate.ConfigError, match="this machine has no NVIDIA driver"):
-        validate.check_launch(cfg, lay)  # ... that this CPU machine cannot start
+        preflight.run(cfg, lay, tmp_path)  # ... that this CPU machine cannot start
     seed = compose(["recipe=llama3_70b_h100x1024"])
     with pytest.raises(validate.ConfigError) as e:
-        validate.check_launch(seed, validate.check(seed))
+        preflight.run(seed, validate.check(seed), tmp_path)
     assert [p.field for p in e.value.problems] == ["cluster.num_nodes", "cluster.device", "parallelism.pp"]
     assert "starts the ranks of one node; a multi-node job starts the per-node launcher on every node" in str(e.value)
     big = compose(["parallelism=fsdp", "cluster.devices_per_node=64", "training.global_batch_size=128"])
     with pytest.raises(validate.ConfigError) as e:
-        validate.check_launch(big, validate.check(big))
+        preflight.run(big, validate.check(big), tmp_path)
     per_rank = validate.rank_memory_gb(big, validate.check(big))
     assert f"64 ranks x {per_rank:.2f} GB estimated = {64 * per_rank:.1f} GB exceeds this machine's" in str(e.value)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config import flops, plan, validate
+from runner.config import flops, plan, preflight, validate
 
 MOE = ["model=debug_moe", "parallelism=single"]
 LONG_405B = [
@@ -88,7 +88,7 @@ def test_validation_rejects(compose, overrides, message):
     assert message in str(e.value)
 
 
-def test_cp_and_ep_layouts_validate_and_launch_here(compose):
+def test_cp_and_ep_layouts_validate_and_launch_here(compose, tmp_path):
     for overrides, degrees in (
         (["parallelism=cp2"], "cp=2"),
         (["parallelism=cp2", "parallelism.dp_shard=2"], "dp_shard=2 x cp=2"),
@@ -97,17 +97,17 @@ def test_cp_and_ep_layouts_validate_and_launch_here(compose):
     ):
         cfg = compose(overrides)
         lay = validate.check(cfg)
-        validate.check_launch(cfg, lay)  # CP is no longer rejected on local_cpu
+        preflight.run(cfg, lay, tmp_path)  # CP is no longer rejected on local_cpu
         assert lay.describe() == degrees
 
 
-def test_cp_with_latent_attention_rejected_on_cpu_only(compose):
+def test_cp_with_latent_attention_rejected_on_cpu_only(compose, tmp_path):
     """Measured: cp2 with debug_moe fails in TorchTitan's CP-wrapped SDPA on CPU; the config itself is valid (GPU)."""
     cfg = compose(["model=debug_moe", "parallelism=ep2", "parallelism.cp=2"])
     lay = validate.check(cfg)
     assert lay.describe() == "dp_shard=2 x cp=2 x ep=2"
     with pytest.raises(validate.ConfigError) as e:
-        validate.check_launch(cfg, lay)
+        preflight.run(cfg, lay, tmp_path)
     assert "parallelism.cp = 2: on CPU, ring attention covers the fused SDPA kernel; deepseek_v3's latent attention has query/key " in str(
         e.value
     )

@@ -8,9 +8,7 @@ about starting it here.
 
 from __future__ import annotations
 
-import os
-
-from runner.config import flops, layout, pipeline, precision, slurm, validate_ckpt, validate_monitor
+from runner.config import flops, layout, pipeline, precision, validate_ckpt, validate_monitor
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import Backend, DeviceType, Fp8Recipe, RunConfig, WorkerStart
 
@@ -553,83 +551,3 @@ def rank_memory_gb(cfg: RunConfig, lay: layout.Layout) -> float:
     acts = m.num_layers / lay.pp * s * b * h * (34 + 5 * a * s / h) * 2 / lay.tp
     logits = 3 * s * b * m.vocab_size * 4
     return cfg.cluster.rank_overhead_gb + (state + acts + logits) / 1e9
-
-
-def check_launch(cfg: RunConfig, lay: layout.Layout) -> None:
-    """Rules about starting this config on this machine, now."""
-    out: list[Problem] = []
-    c = cfg.cluster
-    if slurm.in_job():
-        nodes = int(os.environ.get("SLURM_NNODES", "1"))
-        if nodes != c.num_nodes:
-            out.append(
-                Problem(
-                    "cluster.num_nodes",
-                    c.num_nodes,
-                    f"this SLURM job has {nodes} nodes",
-                    f"set cluster.num_nodes={nodes} or resize the job",
-                )
-            )
-    elif c.launcher == "slurm":
-        out.append(
-            Problem(
-                "cluster.launcher",
-                "slurm",
-                "a SLURM cluster is submitted, not started on this machine",
-                f"add -m to submit through Hydra's submitit launcher (python -m runner -m cluster={c.name} ...), "
-                "or mode=launch_plan to print the sbatch script and per-node command",
-            )
-        )
-    elif c.num_nodes > 1:
-        out.append(
-            Problem(
-                "cluster.num_nodes",
-                c.num_nodes,
-                "`python -m runner` starts the ranks of one node; a multi-node job starts the per-node launcher on every node",
-                "use mode=launch_plan: it writes the frozen config and prints the command to run on each node",
-            )
-        )
-    if c.device == DeviceType.cuda and not os.path.exists("/proc/driver/nvidia/version") and c.launcher != "slurm":
-        out.append(
-            Problem(
-                "cluster.device",
-                "cuda",
-                f"this machine has no NVIDIA driver, so cluster {c.name} cannot start here",
-                "use cluster=local_cpu, or mode=validate to check the config only",
-            )
-        )
-    if lay.pp > 1 and c.device == DeviceType.cuda:
-        out.append(
-            Problem(
-                "parallelism.pp",
-                lay.pp,
-                "on CUDA the model uses FlexAttention, whose per-microbatch masks the pipeline step does not pass yet",
-                "use pp=1 on GPU clusters for now; mode=validate checks PP layouts",
-            )
-        )
-    if c.device == DeviceType.cpu and lay.cp > 1 and cfg.model.kv_lora_rank > 0:
-        out.append(
-            Problem(
-                "parallelism.cp",
-                lay.cp,
-                f"on CPU, ring attention covers the fused SDPA kernel; {cfg.model.name}'s latent attention has query/key heads of "
-                f"{cfg.model.qk_nope_head_dim + cfg.model.qk_rope_head_dim} and value heads of {cfg.model.v_head_dim} dims, which CPU SDPA "
-                "computes another way, and CP fails in it (RuntimeError: aten.add.Tensor got mixed torch.Tensor and DTensor)",
-                "use cp=1 with this model here (mode=validate checks it for GPU clusters), or a llama3 model for CP",
-            )
-        )
-    if c.device == DeviceType.cpu:
-        per_rank = rank_memory_gb(cfg, lay)
-        have = machine_memory_gb()
-        if per_rank * lay.world_size > have:
-            out.append(
-                Problem(
-                    "parallelism",
-                    lay.describe(),
-                    f"{lay.world_size} ranks x {per_rank:.2f} GB estimated = {per_rank * lay.world_size:.1f} GB "
-                    f"exceeds this machine's {have:.1f} GB",
-                    "use fewer ranks or a smaller model/batch",
-                )
-            )
-    if out:
-        raise ConfigError(out)

@@ -20,8 +20,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.config import runfiles
+from runner.config import preflight, runfiles
 from runner.config.layout import Layout
+from runner.config.problems import ConfigError
 from runner.config.schema import DeviceType, RunConfig, WorkerStart
 from runner.run import procs
 
@@ -72,8 +73,9 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
 
 
-def start(flags: list[str], frozen: Path) -> None:
-    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails.
+def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
+    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails. Unless `checked`
+    (`python -m runner` ran it), the preflight runs first and a problem ends the launch with exit code 2.
 
     The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
     timed out after distributed.timeout_s raises) it stops the others (SIGTERM, then SIGKILL after 30 s,
@@ -89,6 +91,12 @@ def start(flags: list[str], frozen: Path) -> None:
     cfg = freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     run_dir = frozen.parent
+    if not checked:
+        try:
+            preflight.run(cfg, lay, run_dir, node=True)
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            procs.exit_now(2)
     _node_setup(cfg, lay, frozen)
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
@@ -108,9 +116,10 @@ def start(flags: list[str], frozen: Path) -> None:
         raise
 
 
-def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
+def run(cfg: RunConfig, lay: Layout, frozen: Path, *, checked: bool = False) -> None:
     """One node: every rank on this machine, rendezvous on 127.0.0.1."""
-    start(torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}"), frozen)
+    flags = torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}")
+    start(flags, frozen, checked=checked)
 
 
 def cli() -> None:

@@ -1,0 +1,119 @@
+"""The preflight: every check of starting a validated config on this machine, now (torch-free).
+
+One function for both entry points: `python -m runner` runs it before it freezes and launches a run,
+and `python -m runner.launch` (the per-node command that `mode=launch_plan` prints and SLURM tasks
+run) runs it on every node before torchrun starts. It absolutizes the data paths, then checks how
+the run is started, this machine (driver, device kernels, memory for this node's ranks), the data
+files and tokenizer, the checkpoint storage and what there is to resume (runner.config.validate_ckpt).
+All problems are raised together.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from runner.config import slurm, validate, validate_ckpt
+from runner.config.layout import Layout
+from runner.config.problems import ConfigError, Problem
+from runner.config.schema import ClusterConfig, DeviceType, RunConfig
+
+
+def run(cfg: RunConfig, lay: Layout, run_dir: Path, *, node: bool = False) -> None:
+    """Raise ConfigError with every problem of starting `cfg` here. `node`: called by the per-node launcher,
+    which is how a multi-node or SLURM run is meant to start, so the rules about how to start it are skipped."""
+    validate_ckpt.absolute_paths(cfg)
+    out = [] if node else _how_started(cfg.cluster)
+    out += _this_machine(cfg, lay, node)
+    try:
+        validate_ckpt.check_launch(cfg, run_dir)
+    except ConfigError as e:
+        out += e.problems
+    if out:
+        raise ConfigError(out)
+
+
+def _how_started(c: ClusterConfig) -> list[Problem]:
+    """`python -m runner` starts the ranks of one node, or submits through SLURM with -m."""
+    out: list[Problem] = []
+    if slurm.in_job():
+        nodes = int(os.environ.get("SLURM_NNODES", "1"))
+        if nodes != c.num_nodes:
+            out.append(
+                Problem(
+                    "cluster.num_nodes",
+                    c.num_nodes,
+                    f"this SLURM job has {nodes} nodes",
+                    f"set cluster.num_nodes={nodes} or resize the job",
+                )
+            )
+    elif c.launcher == "slurm":
+        out.append(
+            Problem(
+                "cluster.launcher",
+                "slurm",
+                "a SLURM cluster is submitted, not started on this machine",
+                f"add -m to submit through Hydra's submitit launcher (python -m runner -m cluster={c.name} ...), "
+                "or mode=launch_plan to print the sbatch script and per-node command",
+            )
+        )
+    elif c.num_nodes > 1:
+        out.append(
+            Problem(
+                "cluster.num_nodes",
+                c.num_nodes,
+                "`python -m runner` starts the ranks of one node; a multi-node job starts the per-node launcher on every node",
+                "use mode=launch_plan: it writes the frozen config and prints the command to run on each node",
+            )
+        )
+    return out
+
+
+def _this_machine(cfg: RunConfig, lay: Layout, node: bool) -> list[Problem]:
+    """What this machine can start: its driver, the kernels its device has, its memory for the ranks of this node."""
+    out: list[Problem] = []
+    c = cfg.cluster
+    no_driver = c.device == DeviceType.cuda and not os.path.exists("/proc/driver/nvidia/version")
+    if no_driver and (node or c.launcher != "slurm"):  # `python -m runner -m` submits a SLURM run from a login node
+        out.append(
+            Problem(
+                "cluster.device",
+                "cuda",
+                f"this machine has no NVIDIA driver, so cluster {c.name} cannot start here",
+                "use cluster=local_cpu, or mode=validate to check the config only",
+            )
+        )
+    if lay.pp > 1 and c.device == DeviceType.cuda:
+        out.append(
+            Problem(
+                "parallelism.pp",
+                lay.pp,
+                "on CUDA the model uses FlexAttention, whose per-microbatch masks the pipeline step does not pass yet",
+                "use pp=1 on GPU clusters for now; mode=validate checks PP layouts",
+            )
+        )
+    if c.device == DeviceType.cpu and lay.cp > 1 and cfg.model.kv_lora_rank > 0:
+        out.append(
+            Problem(
+                "parallelism.cp",
+                lay.cp,
+                f"on CPU, ring attention covers the fused SDPA kernel; {cfg.model.name}'s latent attention has query/key heads of "
+                f"{cfg.model.qk_nope_head_dim + cfg.model.qk_rope_head_dim} and value heads of {cfg.model.v_head_dim} dims, which CPU SDPA "
+                "computes another way, and CP fails in it (RuntimeError: aten.add.Tensor got mixed torch.Tensor and DTensor)",
+                "use cp=1 with this model here (mode=validate checks it for GPU clusters), or a llama3 model for CP",
+            )
+        )
+    if c.device == DeviceType.cpu:
+        per_rank, ranks = validate.rank_memory_gb(cfg, lay), lay.world_size // c.num_nodes
+        have = validate.machine_memory_gb()
+        if per_rank * ranks > have:
+            out.append(
+                Problem(
+                    "parallelism",
+                    lay.describe(),
+                    f"{ranks} ranks x {per_rank:.2f} GB estimated = {per_rank * ranks:.1f} GB "
+                    f"exceeds this machine's {have:.1f} GB",
+                    "use fewer ranks or a smaller model/batch",
+                )
+            )
+    return out
