@@ -70,7 +70,7 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; keep OpenMP from oversubscribing
         per_node = lay.world_size // cfg.cluster.num_nodes
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(procs.threads_per_rank(per_node)))
 
 
 def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:

@@ -169,7 +169,7 @@ def main(frozen_paths: list[str]) -> None:
     cfgs = [(freeze.load(p), Path(p).parent) for p in frozen_paths]
     first = cfgs[0][0]
     if first.cluster.device == DeviceType.cpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        torch.set_num_threads(procs.threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
     titan.init_process_group(first)
     for cfg, run_dir in cfgs:
         run_one(cfg, run_dir)
@@ -187,7 +187,7 @@ def launch(nproc: int, frozen_paths: list[Path]) -> None:
     for p in frozen_paths[1:]:
         shutil.copy(frozen_paths[0].parent / runfiles.PEAK, p.parent / runfiles.PEAK)
     if rec["device"] == "cpu":
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(procs.threads_per_rank(nproc)))
     log_dir = frozen_paths[0].parent / runfiles.LOGS
     rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id=parity-{uuid.uuid4().hex[:8]}"]  # torchrun --standalone
     flags = [*rdzv, f"--nproc-per-node={nproc}", f"--log-dir={log_dir}", "--monitor-interval=0.5"]

@@ -11,6 +11,11 @@ import sys
 from collections.abc import Callable
 
 
+def threads_per_rank(ranks_on_this_machine: int) -> int:
+    """CPU ranks of one machine share its cores: each gets an equal share, at least one (OpenMP and torch)."""
+    return max(1, (os.cpu_count() or 1) // ranks_on_this_machine)
+
+
 def honour_shutdown_timeout() -> None:
     """torch 2.13's agent stops the ranks of a failed group with `_shutdown()`, i.e. with its 30 s
     default, not the --shutdown-timeout it was given (that one only applies when the agent itself is

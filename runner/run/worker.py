@@ -25,7 +25,7 @@ from runner.run import mesh, metrics, peak, procs, startup, titan, train
 def _threads(cfg) -> None:
     """Ranks of one CPU machine share its cores."""
     if cfg.cluster.device == DeviceType.cpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        torch.set_num_threads(procs.threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
 
 
 def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
