@@ -46,7 +46,7 @@ def hooks(interval: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         rec = forensics.RankRecorder(cfg, Path(d), 0, lay.coords(0))
         rec.groups = forensics._groups()
-        mon = monitor.StepMonitor(cfg, lay.coords, 0, rec, Path(d))
+        mon = monitor.StepMonitor(cfg.monitor, cfg.cluster.device, lay.coords, 0, rec, Path(d))
         n = 20000
         t0 = time.perf_counter()
         for _ in range(n):

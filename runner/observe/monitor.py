@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
-from runner.config.schema import GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from runner.config.schema import DeviceType, GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute")
 """Phases whose slowness makes a straggler. Waiting (pp_wait, the loss all-reduce) is a symptom of someone else."""
@@ -129,11 +129,11 @@ class LossGuard:
 class StepMonitor:
     """Phase hooks for the step loop (one per rank)."""
 
-    def __init__(self, cfg: RunConfig, coords_of, rank: int, recorder, run_dir: Path):
+    def __init__(self, cfg: MonitorConfig, device: DeviceType, coords_of, rank: int, recorder, run_dir: Path):
         import torch.distributed as dist
 
-        self.cfg, self.rank, self.recorder = cfg, rank, recorder
-        self.s, self.inject = cfg.monitor.straggler, cfg.monitor.inject
+        self.rank, self.recorder = rank, recorder
+        self.s, self.inject = cfg.straggler, cfg.inject
         self.judge = StragglerJudge(self.s)
         self.step = 0
         self.now: dict[str, float] = {}
@@ -152,7 +152,7 @@ class StepMonitor:
         # does not accrue, so a slow rank is not hidden by the peers that wait for it (wall time would make
         # every TP peer look as slow as the straggler) and time-sharing of the cores does not count.
         # On CUDA the host clock (kernels are asynchronous; CUDA-event timing is not wired yet).
-        self.clock = time.process_time if cfg.cluster.device.value == "cpu" else time.perf_counter
+        self.clock = time.process_time if device == DeviceType.cpu else time.perf_counter
         self._hung = False
 
     def begin_step(self, step: int) -> None:

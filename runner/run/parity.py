@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 
 from runner.config import freeze, layout, runfiles
-from runner.config.schema import DeviceType, RunConfig, WorkerStart
-from runner.run import mesh, peak, procs, titan, train
-from runner.run.data import SyntheticData
+from runner.config.schema import RunConfig, WorkerStart
+from runner.run import peak, procs, titan, train, worker
 
 
 class Collect:
@@ -66,19 +65,6 @@ def exact_grad_norm(parts: list[torch.nn.Module], lay: layout.Layout) -> float:
     return float(sq.sqrt())
 
 
-def _first_clip_norm(lay: layout.Layout, into: list[float]):
-    """titan.clip_grad_norm that also records step 1's exact norm (exact_grad_norm), taken from the
-    gradients the step loop itself computed, just before TorchTitan's clip."""
-    clip = titan.clip_grad_norm
-
-    def clip_and_record(parts, max_norm, parallel_dims):
-        if not into:
-            into.append(exact_grad_norm(parts, lay))
-        return clip(parts, max_norm, parallel_dims)
-
-    return clip_and_record
-
-
 def _is_stage_lead(lay: layout.Layout) -> bool:
     """This rank is at coordinate 0 of every axis but pp: it counts its stage's full tensors once."""
     c = lay.coords(dist.get_rank())
@@ -100,28 +86,16 @@ def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     if lay.world_size != dist.get_world_size():
         raise ValueError(f"{cfg.parallelism.name} needs {lay.world_size} ranks; this group has {dist.get_world_size()}")
-    pd = titan.build_mesh(cfg, lay)
+    pd, _ = worker.build_mesh(cfg, lay)
     rank = dist.get_rank()
-    mesh.check(lay, titan.mesh_coords(pd), rank)
     built = titan.build(cfg, lay, pd, run_dir)
-    t = cfg.training
-    data = SyntheticData(
-        seed=t.seed,
-        seq_len=t.seq_len,
-        vocab=cfg.model.vocab_size,
-        global_batch=t.global_batch_size,
-        microbatch=t.microbatch_size,
-        dp_rank=lay.dp_rank(rank),
-        dp=lay.dp,
-    )
+    data = worker.data_for(cfg, lay, rank, run_dir)
     seen = _first_norm_output(built)
     before = full_weights(built.parts)
     sink, exact = Collect(), []
-    clip, titan.clip_grad_norm = titan.clip_grad_norm, _first_clip_norm(lay, exact)
-    try:
-        train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir)
-    finally:
-        titan.clip_grad_norm = clip
+    # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
+    hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None)
+    train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir, hooks=hooks)
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),
@@ -168,9 +142,7 @@ def _stages(built: titan.Built) -> list[dict[str, Any]]:
 def main(frozen_paths: list[str]) -> None:
     cfgs = [(freeze.load(p), Path(p).parent) for p in frozen_paths]
     first = cfgs[0][0]
-    if first.cluster.device == DeviceType.cpu:
-        torch.set_num_threads(procs.threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
-    titan.init_process_group(first)
+    worker.start_rank(first)
     for cfg, run_dir in cfgs:
         run_one(cfg, run_dir)
         dist.barrier()

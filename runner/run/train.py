@@ -9,7 +9,8 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -144,45 +145,165 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
     return out
 
 
-def _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon: StepMonitor) -> tuple[torch.Tensor, float]:
+@dataclass
+class Hooks:
+    """What a caller may observe inside the step loop (the parity harness does)."""
+
+    before_clip: Callable[[int, list[torch.nn.Module]], None] | None = None
+    """Called with the step and the model parts once the gradients are complete, before the global-norm clip."""
+
+
+@dataclass
+class _Loop:
+    """What one run of the step loop holds: the model and data, the optimizer, the observers."""
+
+    cfg: RunConfig
+    lay: Layout
+    built: titan.Built
+    data: Any
+    acc: Accounting
+    sinks: list[Sink]
+    hooks: Hooks
+    opt: Any
+    sched: Any
+    loss_fn: Any
+    global_tokens: torch.Tensor
+    timer: Any
+    mon: StepMonitor
+    guard: monitor.LossGuard
+    ckpt: Checkpointer
+    idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
     """Forward/backward (or the pipeline schedule) and the clip; returns this rank's loss share and the global grad norm."""
-    microbatches = data.microbatches(step - 1)
+    built, mon = loop.built, loop.mon
+    microbatches = loop.data.microbatches(step - 1)
     if built.schedule is not None:
         t_pp, c_pp = time.perf_counter(), mon.clock()
         with mon.phase("pipeline"):
-            local = titan.pipeline_step(built, microbatches, global_tokens)
-        total, busy = time.perf_counter() - t_pp, timer.take()
-        idle.append(1 - busy / total)
+            local = titan.pipeline_step(built, microbatches, loop.global_tokens)
+        total, busy = time.perf_counter() - t_pp, loop.timer.take()
+        loop.idle.append(1 - busy / total)
         mon.add("pp_compute", mon.clock() - c_pp if mon.clock is time.process_time else busy)  # see StepMonitor.clock
         mon.add("pp_wait", total - busy)
     else:
-        local = forward_backward(built, loss_fn, microbatches, global_tokens, mon)
+        local = forward_backward(built, loop.loss_fn, microbatches, loop.global_tokens, mon)
+    if loop.hooks.before_clip is not None:
+        loop.hooks.before_clip(step, built.parts)
     with mon.phase("optimizer"):
-        grad_norm = titan.clip_grad_norm(built.parts, cfg.training.max_norm, built.parallel_dims)
+        grad_norm = titan.clip_grad_norm(built.parts, loop.cfg.training.max_norm, built.parallel_dims)
     return local, grad_norm
 
 
-def _rewind(built: titan.Built, opt, sched, data, guard: monitor.LossGuard, ckpt: Checkpointer) -> int:
+def _rewind(loop: _Loop) -> int:
     """Reload the whole state from the last checkpoint before the spike streak; the guard keeps its bad steps."""
-    ckpt.wait()
-    back = ckpt.restore(built, opt, sched, data, guard, before=guard.streak_start)
+    guard = loop.guard
+    loop.ckpt.wait()
+    back = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, guard, before=guard.streak_start)
     if back is None:
         raise RuntimeError(f"loss guard: {guard.cfg.max_consecutive} spikes in a row and no checkpoint before step {guard.streak_start}")
     return back
 
 
-def _start(cfg: RunConfig, lay: Layout, built: titan.Built, opt, sched, data, guard, ckpt: Checkpointer) -> int:
+def _start(loop: _Loop) -> int:
     """First step to run: after the newest complete checkpoint when resuming (by hand or after an elastic restart)."""
     step = 1
-    if cfg.checkpoint.resume or restarted():
-        done = ckpt.restore(built, opt, sched, data, guard)
+    if loop.cfg.checkpoint.resume or restarted():
+        done = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, loop.guard)
         step = 1 if done is None else done + 1
         if done is None and dist.get_rank() == 0:
-            print(f"checkpoint: nothing to resume in {ckpt.folder}; starting at step 1", flush=True)
-    line = data_mod.check_inputs(data, lay.dp_rank, step - 1)
+            print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
+    line = data_mod.check_inputs(loop.data, loop.lay.dp_rank, step - 1)
     if dist.get_rank() == 0:
         print(line, flush=True)
     return step
+
+
+def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks) -> _Loop:
+    t = cfg.training
+    opt, sched = build_optimizer(cfg, built.parts)
+    titan.register_optimizer_hooks(built, opt)
+    return _Loop(
+        cfg=cfg,
+        lay=lay,
+        built=built,
+        data=data,
+        acc=acc,
+        sinks=sinks,
+        hooks=hooks or Hooks(),
+        opt=opt,
+        sched=sched,
+        loss_fn=titan.loss_fn(cfg),
+        global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
+        timer=calibrate.StageTimer(built.schedule) if built.schedule is not None else None,
+        mon=StepMonitor(cfg.monitor, cfg.cluster.device, lay.coords, dist.get_rank(), recorder, run_dir),
+        guard=monitor.LossGuard(cfg.monitor.guard),
+        ckpt=Checkpointer(cfg, lay, run_dir),
+    )
+
+
+def _step(loop: _Loop, step: int) -> int:
+    """Train `step` (or leave it out after a rewind); returns the next step."""
+    mon, guard, opt = loop.mon, loop.guard, loop.opt
+    mon.begin_step(step)
+    if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
+        loop.sched.step()
+        return step + 1
+    digest = data_mod.global_digest(loop.data, step - 1)
+    t0 = time.perf_counter()
+    local, grad_norm = _train_step(loop, step)
+    with mon.phase("loss"):
+        loss = global_loss(local, loop.lay)
+    verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
+    lr = opt.param_groups[0]["lr"]
+    if verdict.action == "ok":
+        with mon.phase("optimizer"):
+            opt.step()
+    opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
+    loop.sched.step()
+    dt = time.perf_counter() - t0
+    flagged = mon.end_step()
+    r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc) | {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
+    r["data_hash"] = digest
+    if verdict.spike:
+        r |= {"spike": verdict.spike, "action": verdict.action}
+    if flagged:
+        r["stragglers"] = flagged
+    if verdict.action == "rewind":
+        r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
+    elif loop.ckpt.due(step):
+        r["checkpoint_s"] = loop.ckpt.save(step, loop.built, opt, loop.sched, loop.data, guard)
+    loop.ckpt.poll()
+    loop.rows.append(r)
+    if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged:
+        for s in loop.sinks:
+            s.log(r)
+    return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
+
+
+def _finish(loop: _Loop, step: int) -> dict[str, Any]:
+    """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
+    cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
+    loop.ckpt.wait()  # an async save in flight is written and published before the run ends
+    if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
+        loop.ckpt.export_model(loop.built)
+    if not rows:
+        raise RuntimeError(f"nothing to train: the checkpoint resumed from is at step {step - 1} >= training.steps {cfg.training.steps}")
+    guard = loop.guard
+    summary = summarize(rows, cfg, lay, acc)
+    guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
+    summary["monitor"] = loop.mon.summary() | guarded
+    peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64)
+    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+    summary["memory_gb_max"] = float(peak_mem)
+    idle = loop.idle
+    bubble = calibrate.mean_over_ranks(statistics.median(idle[1:] or idle)) if idle else None
+    summary["calibration"] = calibrate.compare(
+        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, calibrate.allreduce_gbs(), summary["step_time_s_median"], bubble
+    )
+    return summary
 
 
 def run(
@@ -194,72 +315,14 @@ def run(
     sinks: list[Sink],
     run_dir: Path,
     recorder=None,
+    hooks: Hooks | None = None,
 ) -> list[dict[str, Any]]:
-    t = cfg.training
-    opt, sched = build_optimizer(cfg, built.parts)
-    titan.register_optimizer_hooks(built, opt)
-    loss_fn = titan.loss_fn(cfg)
-    global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
-    timer = calibrate.StageTimer(built.schedule) if built.schedule is not None else None
-    mon = StepMonitor(cfg, lay.coords, dist.get_rank(), recorder, run_dir)
-    guard = monitor.LossGuard(cfg.monitor.guard)
-    ckpt = Checkpointer(cfg, lay, run_dir)
-    idle = []  # per step: this rank's idle fraction inside the pipeline schedule
-    rows = []
-    step = _start(cfg, lay, built, opt, sched, data, guard, ckpt)
-    while step <= t.steps:
-        mon.begin_step(step)
-        if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
-            sched.step()
-            step += 1
-            continue
-        digest = data_mod.global_digest(data, step - 1)
-        t0 = time.perf_counter()
-        local, grad_norm = _train_step(cfg, built, data, step, loss_fn, global_tokens, timer, idle, mon)
-        with mon.phase("loss"):
-            loss = global_loss(local, lay)
-        verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
-        lr = opt.param_groups[0]["lr"]
-        if verdict.action == "ok":
-            with mon.phase("optimizer"):
-                opt.step()
-        opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
-        sched.step()
-        dt = time.perf_counter() - t0
-        flagged = mon.end_step()
-        r = row(step, loss, grad_norm, dt, lr, cfg, acc) | {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
-        r["data_hash"] = digest
-        if verdict.spike:
-            r |= {"spike": verdict.spike, "action": verdict.action}
-        if flagged:
-            r["stragglers"] = flagged
-        if verdict.action == "rewind":
-            r |= {"rewound_to": _rewind(built, opt, sched, data, guard, ckpt), "bad_steps": sorted(guard.bad_steps)}
-        elif ckpt.due(step):
-            r["checkpoint_s"] = ckpt.save(step, built, opt, sched, data, guard)
-        ckpt.poll()
-        rows.append(r)
-        if step % cfg.logging.log_every == 0 or step == t.steps or verdict.spike or flagged:
-            for s in sinks:
-                s.log(r)
-        if "rewound_to" in r:
-            step = r["rewound_to"] + 1
-            continue
-        step += 1
-    ckpt.wait()  # an async save in flight is written and published before the run ends
-    if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
-        ckpt.export_model(built)
-    if not rows:
-        raise RuntimeError(f"nothing to train: the checkpoint resumed from is at step {step - 1} >= training.steps {t.steps}")
-    summary = summarize(rows, cfg, lay, acc)
-    summary["monitor"] = mon.summary() | {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
-    peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64)
-    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
-    summary["memory_gb_max"] = float(peak_mem)
-    bubble = calibrate.mean_over_ranks(statistics.median(idle[1:] or idle)) if idle else None
-    summary["calibration"] = calibrate.compare(
-        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, calibrate.allreduce_gbs(), summary["step_time_s_median"], bubble
-    )
+    """Train cfg.training.steps steps (from a checkpoint when resuming); every rank returns its rows."""
+    loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks)
+    step = _start(loop)
+    while step <= cfg.training.steps:
+        step = _step(loop, step)
+    summary = _finish(loop, step)
     for s in sinks:
         s.close(summary)
-    return rows
+    return loop.rows

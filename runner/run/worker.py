@@ -22,10 +22,19 @@ from runner.run import data as data_mod
 from runner.run import mesh, metrics, peak, procs, startup, titan, train
 
 
-def _threads(cfg) -> None:
-    """Ranks of one CPU machine share its cores."""
+def start_rank(cfg) -> None:
+    """What every rank does first (here and in the parity harness): its share of the cores, torchao's
+    logging, the default process group."""
     if cfg.cluster.device == DeviceType.cpu:
         torch.set_num_threads(procs.threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
+    titan.quiet_torchao(cfg)
+    titan.init_process_group(cfg)
+
+
+def build_mesh(cfg, lay: layout.Layout):
+    """TorchTitan's mesh for this layout, and the proof that it is the layout (mesh.check)."""
+    pd = titan.build_mesh(cfg, lay)
+    return pd, mesh.check(lay, titan.mesh_coords(pd), dist.get_rank())
 
 
 def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
@@ -61,14 +70,12 @@ def main(frozen_path: str) -> None:
     run_dir = frozen.parent
     cfg = freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
-    _threads(cfg)
-    titan.quiet_torchao(cfg)
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
-    pd = titan.init_distributed(cfg, lay)
+    start_rank(cfg)
     rank = dist.get_rank()
     try:
-        places = mesh.check(lay, titan.mesh_coords(pd), rank)
+        pd, places = build_mesh(cfg, lay)
     except mesh.PlacementError as e:
         if rank == 0:
             print(f"refusing to train: {e}", file=sys.stderr, flush=True)
@@ -85,7 +92,8 @@ def main(frozen_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _data(cfg, lay: layout.Layout, rank: int, run_dir: Path):
+def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path):
+    """This rank's training inputs: the synthetic stream or the tokenized text files."""
     t, d = cfg.training, cfg.data
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
     if d.name == DataSource.synthetic:
@@ -104,7 +112,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = train.accounting(cfg, built, pk)
-    data = _data(cfg, lay, rank, run_dir)
+    data = data_for(cfg, lay, rank, run_dir)
     sinks = []
     if rank == 0:
         header = (
