@@ -39,6 +39,7 @@ def hooks(interval: int) -> dict[str, float]:
     from runner.config.layout import Layout
     from runner.config.schema import RunConfig
     from runner.observe import forensics, monitor
+    from runner.run.device import DevicePolicy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
@@ -46,7 +47,7 @@ def hooks(interval: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         rec = forensics.RankRecorder(cfg, Path(d), 0, lay.coords(0))
         rec.groups = forensics._groups()
-        mon = monitor.StepMonitor(cfg.monitor, cfg.cluster.device, lay.coords, 0, rec, Path(d))
+        mon = monitor.StepMonitor(cfg.monitor, DevicePolicy.of(cfg.cluster, cfg.distributed), lay.coords, 0, rec, Path(d))
         n = 20000
         t0 = time.perf_counter()
         for _ in range(n):

@@ -13,6 +13,7 @@
       parity.json          losses and norms of a runner.parity launch
       comparison.png       runner.compare's plot (in the first folder given)
       logs/ranks/          each rank's last state (the forensics records)
+      logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
       logs/<rdzv id>/      torchrun's per-rank stdout/stderr
       data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
       checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
@@ -36,6 +37,7 @@ PARITY = "parity.json"
 PLOT = "comparison.png"
 LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"
+COLLECTIVES = Path(LOGS) / "collectives"  # distributed.audit_collectives (tests)
 DATA_CACHE = "data_cache"
 HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
 HYDRA_LOGS = (".hydra", "runner.log", "__main__.log", "cli.log")  # what Hydra itself puts in a run folder

@@ -35,6 +35,11 @@ class Backend(Enum):
     nccl = "nccl"
 
 
+class HostGroup(Enum):
+    auto = "auto"
+    dedicated = "dedicated"
+
+
 class DType(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -451,6 +456,13 @@ class DistributedConfig:
     --shutdown-timeout; torch 2.13 itself waits 30 s there, the runner passes this value); a SIGSTOPped
     rank only goes on SIGKILL."""
     flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
+    host_group: HostGroup = HostGroup.auto
+    """Process group of the runner's host collectives (losses, data hashes, monitor windows): auto = the
+    default group on CPU, a gloo group of their own on CUDA (NCCL rejects CPU tensors); dedicated = their
+    own gloo group on any device (how CPU tests check the CUDA arrangement)."""
+    audit_collectives: bool = False
+    """TEST-ONLY: record every torch.distributed collective the runner's modules call, with its group and
+    tensor device, in logs/collectives/rank_<r>.json."""
 
 
 @dataclass

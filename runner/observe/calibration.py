@@ -49,26 +49,27 @@ class StageTimer:
         return busy
 
 
-def allreduce_gbs(numel: int = 1 << 21, reps: int = 5) -> float:
+def allreduce_gbs(policy, numel: int = 1 << 21, reps: int = 5) -> float:
     """Per-direction bandwidth of a ring all-reduce over the world group, GB/s: bytes each
-    rank sends (2(n-1)/n x size) over the median time."""
+    rank sends (2(n-1)/n x size) over the median time. Device tensors on the default group: the
+    links the model's own collectives use."""
     n = dist.get_world_size()
     if n == 1:
         return 0.0
-    x = torch.ones(numel, dtype=torch.float32)
+    x = policy.probe_tensor(numel)
     dist.all_reduce(x)  # warm-up: connections
     times = []
     for _ in range(reps):
-        dist.barrier()
+        policy.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(x)
+        policy.sync()
         times.append(time.perf_counter() - t0)
     return 2 * (n - 1) / n * x.numel() * x.element_size() / statistics.median(times) / 1e9
 
 
-def mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
+def mean_over_ranks(policy, value: float) -> float:
+    t = policy.all_reduce(torch.tensor([value], dtype=torch.float64))
     return float(t) / dist.get_world_size()
 
 

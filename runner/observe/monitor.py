@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
-from runner.config.schema import DeviceType, GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
+from runner.config.schema import GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute")
 """Phases whose slowness makes a straggler. Waiting (pp_wait, the loss all-reduce) is a symptom of someone else."""
@@ -129,35 +129,32 @@ class LossGuard:
 class StepMonitor:
     """Phase hooks for the step loop (one per rank)."""
 
-    def __init__(self, cfg: MonitorConfig, device: DeviceType, coords_of, rank: int, recorder, run_dir: Path):
-        import torch.distributed as dist
-
-        self.rank, self.recorder = rank, recorder
+    def __init__(self, cfg: MonitorConfig, policy, coords_of, rank: int, recorder, run_dir: Path):
+        self.rank, self.recorder, self.policy = rank, recorder, policy
         self.s, self.inject = cfg.straggler, cfg.inject
         self.judge = StragglerJudge(self.s)
         self.step = 0
         self.now: dict[str, float] = {}
+        self._pending: list[tuple[str, Any]] = []  # phases whose time the clock resolves at the end of the step
         self.window: list[dict[str, float]] = []
         self.windows_judged = 0
         self.flagged_total = 0
         self.tables: list[dict[str, Any]] = []  # every judged window (per-rank medians), kept for the summary
         self.all_steps: list[dict[str, float]] = []
         self.path = run_dir / runfiles.STRAGGLERS
-        self.ws = dist.get_world_size()
-        who = [None] * self.ws
-        dist.all_gather_object(who, {"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0))})
+        who = policy.all_gather_object({"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0))})
+        self.ws = len(who)
         self.who = [{**w, "coords": coords_of(r)} for r, w in enumerate(who)]
         self._t0 = 0.0
-        # What a phase costs this rank: on CPU the process's CPU time, which a rank blocked in a gloo collective
-        # does not accrue, so a slow rank is not hidden by the peers that wait for it (wall time would make
-        # every TP peer look as slow as the straggler) and time-sharing of the cores does not count.
-        # On CUDA the host clock (kernels are asynchronous; CUDA-event timing is not wired yet).
-        self.clock = time.process_time if device == DeviceType.cpu else time.perf_counter
+        # What a phase costs this rank, by the device policy's clock: on CPU the process's CPU time (a rank
+        # blocked in a gloo collective accrues none, so the peers that wait for a slow rank do not look as slow
+        # as it), on CUDA events around the phase's kernels.
+        self.clock = policy.clock()
         self._hung = False
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.now = {}
+        self.now, self._pending = {}, []
         self._maybe_kill()
         self.mark("data")
 
@@ -176,11 +173,12 @@ class StepMonitor:
         self.mark(name)
         if name == "forward":
             self._maybe_hang()
-        t0 = self._t0 = self.clock()
+        self._t0 = self.clock.now()
+        started = self.clock.start()
         try:
             yield
         finally:
-            self.now[name] = self.now.get(name, 0.0) + self.clock() - t0
+            self._pending.append((name, self.clock.stop(started)))
 
     def add(self, name: str, seconds: float) -> None:
         self.now[name] = self.now.get(name, 0.0) + seconds
@@ -188,8 +186,8 @@ class StepMonitor:
     def after_forward(self) -> None:
         """TEST-ONLY: make this rank's forward compute delay_frac longer, as a slower device would (busy, not sleeping)."""
         if self.rank == self.inject.delay_rank and self.inject.delay_frac > 0:
-            end = self.clock() + self.inject.delay_frac * (self.clock() - self._t0)
-            while self.clock() < end:
+            end = self.clock.now() + self.inject.delay_frac * (self.clock.now() - self._t0)
+            while self.clock.now() < end:
                 pass
 
     def _maybe_hang(self) -> None:
@@ -206,6 +204,9 @@ class StepMonitor:
     def end_step(self) -> list[dict[str, Any]]:
         """Close the step; at the end of a window gather and judge. Returns the stragglers flagged now (every rank)."""
         self.mark("between steps")
+        for name, value in self._pending:
+            self.now[name] = self.now.get(name, 0.0) + self.clock.resolve(value)
+        self._pending = []
         self.all_steps.append(self.now)
         if not self.s.enable or self.step == 1:  # step 1 carries one-time costs on every rank: not judged
             return []
@@ -213,13 +214,11 @@ class StepMonitor:
         if len(self.window) < self.s.interval:
             return []
         import torch
-        import torch.distributed as dist
 
         mine = torch.tensor([statistics.median(w.get(p, 0.0) for w in self.window) for p in TIMED], dtype=torch.float64)
-        out = torch.empty(self.ws * len(TIMED), dtype=torch.float64)
-        dist.all_gather_single(out, mine)
+        rows = self.policy.all_gather(mine)
         self.window = []
-        table = [dict(zip(TIMED, row, strict=True)) for row in out.view(self.ws, len(TIMED)).tolist()]
+        table = [dict(zip(TIMED, row.tolist(), strict=True)) for row in rows]
         self.windows_judged += 1
         self.tables.append({"step": self.step, "ranks": table})
         flagged = [{"step": self.step, **f, **self.who[f["rank"]]} for f in self.judge.update(table)]

@@ -56,16 +56,14 @@ def describe_nodes(places: list[tuple[str, int]]) -> str:
     return "; ".join(f"{node} ranks {ranks}" for node, ranks in nodes.items())
 
 
-def check(lay: Layout, mesh_coords: dict[str, int], rank: int) -> list[tuple[str, int]]:
-    """Raise PlacementError on a mismatch; return every rank's (node, local rank)."""
-    import torch.distributed as dist
-
+def check(lay: Layout, mesh_coords: dict[str, int], rank: int, policy) -> list[tuple[str, int]]:
+    """Raise PlacementError on a mismatch; return every rank's (node, local rank), gathered over the
+    device policy's host group."""
     want = {**lay.coords(rank), "dp": lay.dp_rank(rank)}
     wrong = [f"{axis}: mesh {got}, layout {want[axis]}" for axis, got in mesh_coords.items() if got != want[axis]]
     if wrong:
         raise PlacementError(f"rank {rank}: TorchTitan's mesh coordinates differ from the runner's layout ({'; '.join(wrong)})")
-    places: list = [None] * dist.get_world_size()
-    dist.all_gather_object(places, (node_name(rank), int(os.environ.get("LOCAL_RANK", "0"))))
+    places = policy.all_gather_object((node_name(rank), int(os.environ.get("LOCAL_RANK", "0"))))
     split = split_tp_groups(lay, places)
     if split:
         raise PlacementError(

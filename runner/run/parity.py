@@ -82,20 +82,20 @@ def fingerprint(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
     return {"weights_sq": float(sums[0]), "update_sq": float(sums[1]), "weights_sum": float(sums[2])}
 
 
-def run_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     if lay.world_size != dist.get_world_size():
         raise ValueError(f"{cfg.parallelism.name} needs {lay.world_size} ranks; this group has {dist.get_world_size()}")
-    pd, _ = worker.build_mesh(cfg, lay)
+    pd, _ = worker.build_mesh(cfg, lay, policy)
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir)
-    data = worker.data_for(cfg, lay, rank, run_dir)
+    data = worker.data_for(cfg, lay, rank, run_dir, policy)
     seen = _first_norm_output(built)
     before = full_weights(built.parts)
     sink, exact = Collect(), []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
     hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None)
-    train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir, hooks=hooks)
+    train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir, policy, hooks=hooks)
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),
@@ -142,9 +142,9 @@ def _stages(built: titan.Built) -> list[dict[str, Any]]:
 def main(frozen_paths: list[str]) -> None:
     cfgs = [(freeze.load(p), Path(p).parent) for p in frozen_paths]
     first = cfgs[0][0]
-    worker.start_rank(first)
+    policy = worker.start_rank(first)
     for cfg, run_dir in cfgs:
-        run_one(cfg, run_dir)
+        run_one(cfg, run_dir, policy)
         dist.barrier()
     dist.destroy_process_group()
 

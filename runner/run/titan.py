@@ -133,23 +133,14 @@ def preload(cfg: RunConfig) -> None:
         importlib.import_module(name)
 
 
-def init_distributed(cfg: RunConfig, lay: Layout):
-    """Process group, CPU adaptations and the device mesh (pp, dp_replicate, dp_shard, cp, tp)."""
-    init_process_group(cfg)
-    return build_mesh(cfg, lay)
-
-
-def init_process_group(cfg: RunConfig) -> None:
-    """The default process group (and, on CPU, TorchTitan's device globals); one per process."""
-    if cfg.cluster.device == DeviceType.cpu:
+def init_process_group(cfg: RunConfig, policy) -> None:
+    """The default process group and the host group (runner.run.device), after TorchTitan's device
+    globals on CPU; one per process."""
+    if policy.cpu:
         from runner.run import titan_cpu
 
         titan_cpu.patch_device_globals()
-    else:
-        import os
-
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(cfg.cluster.backend.value, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+    policy.start_group(cfg.distributed.timeout_s)
 
 
 def build_mesh(cfg: RunConfig, lay: Layout):

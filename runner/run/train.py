@@ -6,7 +6,6 @@ monitors can time and trace it.
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from runner.observe.monitor import StepMonitor
 from runner.run import data as data_mod
 from runner.run import titan
 from runner.run.checkpointer import Checkpointer, restarted
+from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
 
 
@@ -84,22 +84,14 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
     return titan.local_value(sum(losses)).cpu()  # one conversion per step, not per microbatch
 
 
-def global_loss(local: torch.Tensor, lay: Layout) -> float:
+def global_loss(local: torch.Tensor, lay: Layout, policy: DevicePolicy) -> float:
     """Sum of the per-rank shares = mean token loss. Ranks of a TP group hold the same share,
     so only TP rank 0 contributes; non-last pipeline stages hold zero."""
     share = local if lay.coords(dist.get_rank())["tp"] == 0 else torch.zeros_like(local)
-    dist.all_reduce(share)
-    return float(share)
+    return float(policy.all_reduce(share))
 
 
-def memory_gb(cfg: RunConfig) -> float:
-    """Peak memory of this rank so far: resident set on CPU, allocated device memory on CUDA."""
-    if cfg.cluster.device.value == "cuda":
-        return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
-
-
-def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting) -> dict[str, Any]:
+def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting, memory_gb: float) -> dict:
     tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / dt
     out = {
         "step": step,
@@ -110,7 +102,7 @@ def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: Run
         "lr": lr,
         "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
         "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.peak_flops_total),
-        "memory_gb": memory_gb(cfg),
+        "memory_gb": memory_gb,
     }
     if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
         out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.training.activation_checkpoint)
@@ -164,6 +156,7 @@ class _Loop:
     acc: Accounting
     sinks: list[Sink]
     hooks: Hooks
+    policy: DevicePolicy
     opt: Any
     sched: Any
     loss_fn: Any
@@ -181,12 +174,12 @@ def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
     built, mon = loop.built, loop.mon
     microbatches = loop.data.microbatches(step - 1)
     if built.schedule is not None:
-        t_pp, c_pp = time.perf_counter(), mon.clock()
+        t_pp, c_pp = time.perf_counter(), mon.clock.now()
         with mon.phase("pipeline"):
             local = titan.pipeline_step(built, microbatches, loop.global_tokens)
         total, busy = time.perf_counter() - t_pp, loop.timer.take()
         loop.idle.append(1 - busy / total)
-        mon.add("pp_compute", mon.clock() - c_pp if mon.clock is time.process_time else busy)  # see StepMonitor.clock
+        mon.add("pp_compute", mon.clock.now() - c_pp if mon.clock.measures_cpu_time else busy)  # see StepMonitor.clock
         mon.add("pp_wait", total - busy)
     else:
         local = forward_backward(built, loop.loss_fn, microbatches, loop.global_tokens, mon)
@@ -221,7 +214,7 @@ def _start(loop: _Loop) -> int:
     return step
 
 
-def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks) -> _Loop:
+def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy) -> _Loop:
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
     titan.register_optimizer_hooks(built, opt)
@@ -233,12 +226,13 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks) -> _Loop
         acc=acc,
         sinks=sinks,
         hooks=hooks or Hooks(),
+        policy=policy,
         opt=opt,
         sched=sched,
         loss_fn=titan.loss_fn(cfg),
         global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
         timer=calibrate.StageTimer(built.schedule) if built.schedule is not None else None,
-        mon=StepMonitor(cfg.monitor, cfg.cluster.device, lay.coords, dist.get_rank(), recorder, run_dir),
+        mon=StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir),
         guard=monitor.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(cfg, lay, run_dir),
     )
@@ -255,7 +249,7 @@ def _step(loop: _Loop, step: int) -> int:
     t0 = time.perf_counter()
     local, grad_norm = _train_step(loop, step)
     with mon.phase("loss"):
-        loss = global_loss(local, loop.lay)
+        loss = global_loss(local, loop.lay, loop.policy)
     verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
     lr = opt.param_groups[0]["lr"]
     if verdict.action == "ok":
@@ -265,7 +259,8 @@ def _step(loop: _Loop, step: int) -> int:
     loop.sched.step()
     dt = time.perf_counter() - t0
     flagged = mon.end_step()
-    r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc) | {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
+    r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
+    r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
     r["data_hash"] = digest
     if verdict.spike:
         r |= {"spike": verdict.spike, "action": verdict.action}
@@ -295,13 +290,13 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     summary = summarize(rows, cfg, lay, acc)
     guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
     summary["monitor"] = loop.mon.summary() | guarded
-    peak_mem = torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64)
-    dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+    policy = loop.policy
+    peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
     summary["memory_gb_max"] = float(peak_mem)
     idle = loop.idle
-    bubble = calibrate.mean_over_ranks(statistics.median(idle[1:] or idle)) if idle else None
+    bubble = calibrate.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
     summary["calibration"] = calibrate.compare(
-        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, calibrate.allreduce_gbs(), summary["step_time_s_median"], bubble
+        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, calibrate.allreduce_gbs(policy), summary["step_time_s_median"], bubble
     )
     return summary
 
@@ -314,11 +309,12 @@ def run(
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,
+    policy: DevicePolicy,
     recorder=None,
     hooks: Hooks | None = None,
 ) -> list[dict[str, Any]]:
     """Train cfg.training.steps steps (from a checkpoint when resuming); every rank returns its rows."""
-    loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks)
+    loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy)
     step = _start(loop)
     while step <= cfg.training.steps:
         step = _step(loop, step)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -19,22 +19,24 @@ from runner.config import freeze, layout, precision, runfiles
 from runner.config.schema import DataSource, DeviceType, Fp8Recipe
 from runner.observe import forensics
 from runner.run import data as data_mod
-from runner.run import mesh, metrics, peak, procs, startup, titan, train
+from runner.run import device, mesh, metrics, peak, procs, startup, titan, train
+from runner.run.device import DevicePolicy
 
 
-def start_rank(cfg) -> None:
-    """What every rank does first (here and in the parity harness): its share of the cores, torchao's
-    logging, the default process group."""
-    if cfg.cluster.device == DeviceType.cpu:
-        torch.set_num_threads(procs.threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
+def start_rank(cfg) -> DevicePolicy:
+    """What every rank does first (here and in the parity harness): the device policy, its threads,
+    torchao's logging, the process groups."""
+    policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    policy.set_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     titan.quiet_torchao(cfg)
-    titan.init_process_group(cfg)
+    titan.init_process_group(cfg, policy)
+    return policy
 
 
-def build_mesh(cfg, lay: layout.Layout):
+def build_mesh(cfg, lay: layout.Layout, policy: DevicePolicy):
     """TorchTitan's mesh for this layout, and the proof that it is the layout (mesh.check)."""
     pd = titan.build_mesh(cfg, lay)
-    return pd, mesh.check(lay, titan.mesh_coords(pd), dist.get_rank())
+    return pd, mesh.check(lay, titan.mesh_coords(pd), dist.get_rank(), policy)
 
 
 def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
@@ -72,10 +74,19 @@ def main(frozen_path: str) -> None:
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
-    start_rank(cfg)
+    policy = start_rank(cfg)
+    audited = cfg.distributed.audit_collectives
+    with device.audit(policy, run_dir / runfiles.COLLECTIVES / f"rank_{dist.get_rank()}.json") if audited else nullcontext():
+        recorder = _start_and_train(cfg, lay, run_dir, policy)
+    recorder.done()
+    dist.destroy_process_group()
+
+
+def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolicy):
+    """Mesh and placement check, then training under this rank's forensics recorder (returned)."""
     rank = dist.get_rank()
     try:
-        pd, places = build_mesh(cfg, lay)
+        pd, places = build_mesh(cfg, lay, policy)
     except mesh.PlacementError as e:
         if rank == 0:
             print(f"refusing to train: {e}", file=sys.stderr, flush=True)
@@ -84,15 +95,14 @@ def main(frozen_path: str) -> None:
     recorder = forensics.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
     recorder.start()
     try:
-        _train(cfg, lay, pd, rank, run_dir, recorder, places)
+        _train(cfg, lay, pd, rank, run_dir, recorder, places, policy)
     except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
         recorder.failed(e, cfg, run_dir)
         raise
-    recorder.done()
-    dist.destroy_process_group()
+    return recorder
 
 
-def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path):
+def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):
     """This rank's training inputs: the synthetic stream or the tokenized text files."""
     t, d = cfg.training, cfg.data
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
@@ -100,19 +110,19 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path):
         return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, **common)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:
-        dist.barrier()
+        policy.barrier()
     tokens = data_mod.load_tokens(d.files, d.format.value, d.text_field, d.tokenizer, d.eos_token, run_dir / runfiles.DATA_CACHE)
     if first:
-        dist.barrier()
+        policy.barrier()
     return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle, **common)
 
 
-def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list) -> None:
+def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list, policy: DevicePolicy) -> None:
     built = titan.build(cfg, lay, pd, run_dir)
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = train.accounting(cfg, built, pk)
-    data = data_for(cfg, lay, rank, run_dir)
+    data = data_for(cfg, lay, rank, run_dir, policy)
     sinks = []
     if rank == 0:
         header = (
@@ -126,7 +136,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
-    train.run(cfg, lay, built, data, acc, sinks, run_dir, recorder)
+    train.run(cfg, lay, built, data, acc, sinks, run_dir, policy, recorder)
 
 
 def forked_main(frozen_path: str) -> None:

@@ -1,0 +1,202 @@
+"""The device policy: every difference between a CPU rank and a CUDA rank, decided here once.
+
+|                                   | CPU                                | CUDA                                         |
+|-----------------------------------|------------------------------------|----------------------------------------------|
+| compute device                    | cpu                                | cuda:<local rank>                            |
+| process-group backend             | gloo                               | nccl                                         |
+| host collectives (losses, hashes, | the default group                  | a gloo group of their own: NCCL rejects CPU  |
+| monitor windows, calibration)     |                                    | tensors                                      |
+| bandwidth probe                   | the default group, CPU tensors     | the default group, CUDA tensors              |
+| phase clock                       | the process's CPU time             | CUDA events around the phase                 |
+| memory probe                      | peak resident set                  | peak allocated device memory                 |
+| threads per rank                  | cores / ranks on the machine       | torch's default                              |
+
+`distributed.host_group=dedicated` gives CPU runs the CUDA arrangement of host collectives (their
+own gloo group), which is how the test suite proves on CPU that no runner collective bypasses the
+policy (`audit`). Nothing else in the runtime branches on the device; the TorchTitan adapter's CPU
+adaptations ask `policy.cpu`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner.config.schema import ClusterConfig, DeviceType, DistributedConfig, HostGroup
+from runner.run import procs
+
+RUNNER_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CpuClock:
+    """Phase times from the process's CPU time: a rank blocked in a gloo collective accrues none, so a
+    slow rank is not hidden by the peers that wait for it, and time-sharing of the cores does not count."""
+
+    measures_cpu_time = True
+
+    def now(self) -> float:
+        return time.process_time()
+
+    def start(self) -> float:
+        return time.process_time()
+
+    def stop(self, started: float) -> float:
+        return time.process_time() - started
+
+    def resolve(self, value: Any) -> float:
+        return value
+
+
+class CudaEventClock:
+    """Phase times from CUDA events recorded on the current stream: kernels run asynchronously, so the
+    host clock would time the launches, not the work. Elapsed times are read at the end of each step (`resolve`)."""
+
+    measures_cpu_time = False
+
+    def now(self) -> float:
+        return time.perf_counter()  # host time, for the test-only busy loop only
+
+    def start(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return started, end
+
+    def resolve(self, value: Any) -> float:
+        if isinstance(value, float):
+            return value
+        start, end = value
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
+@dataclass
+class DevicePolicy:
+    device: DeviceType
+    backend: str
+    dedicated_host_group: bool
+    host_group: Any = field(default=None, repr=False)
+    """The group of host collectives; None means the default group."""
+
+    @classmethod
+    def of(cls, cluster: ClusterConfig, distributed: DistributedConfig) -> DevicePolicy:
+        cuda = cluster.device == DeviceType.cuda
+        dedicated = cuda or distributed.host_group == HostGroup.dedicated
+        return cls(cluster.device, cluster.backend.value, dedicated)
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == DeviceType.cpu
+
+    def compute_device(self) -> torch.device:
+        return torch.device("cpu") if self.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+    def set_threads(self, ranks_on_machine: int) -> None:
+        if self.cpu:  # ranks of one CPU machine share its cores
+            torch.set_num_threads(procs.threads_per_rank(ranks_on_machine))
+
+    def start_group(self, timeout_s: float) -> None:
+        """The default process group, then (collectively, on every rank) the host group when it is its own."""
+        import datetime
+
+        if not self.cpu:
+            torch.cuda.set_device(self.compute_device())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(self.backend, timeout=timeout)
+        if self.dedicated_host_group:
+            self.host_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def clock(self) -> CpuClock | CudaEventClock:
+        return CpuClock() if self.cpu else CudaEventClock()
+
+    def max_memory_gb(self) -> float:
+        """Peak memory of this rank so far: resident set on CPU, allocated device memory on CUDA."""
+        if self.cpu:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+        return torch.cuda.max_memory_allocated() / 1e9
+
+    # Host collectives: small CPU tensors (losses, hashes, timings) on the host group.
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(t, op=op, group=self.host_group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        got = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(got, t, group=self.host_group)
+        return got
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        got: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(got, obj, group=self.host_group)
+        return got
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.host_group)
+
+    # The bandwidth probe: device tensors on the default group, the links the model's collectives use.
+    def probe_tensor(self, numel: int) -> torch.Tensor:
+        return torch.ones(numel, dtype=torch.float32, device=self.compute_device())
+
+    def sync(self) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+
+AUDITED = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
+
+
+@contextmanager
+def audit(policy: DevicePolicy, out: Path):
+    """TEST-ONLY (distributed.audit_collectives): record every torch.distributed collective the runner's own
+    modules call, with the group and tensor device it used, into `out` (one JSON list per rank)."""
+    calls: list[dict[str, Any]] = []
+    originals = {name: getattr(dist, name) for name in AUDITED}
+
+    here = Path(__file__).resolve()
+
+    def wrap(name: str, fn):
+        def recorded(*args, **kwargs):
+            frames = [Path(f.filename).resolve() for f in inspect.stack(0)[1:4]]
+            via_policy = frames[0] == here
+            caller = inspect.stack(0)[2 if via_policy else 1]
+            path = Path(caller.filename).resolve()
+            if path.is_relative_to(RUNNER_ROOT):
+                group = kwargs.get("group")
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                tensors += [x for a in args if isinstance(a, list) for x in a if isinstance(x, torch.Tensor)]
+                calls.append(
+                    {
+                        "op": name,
+                        "caller": f"{path.relative_to(RUNNER_ROOT.parent).as_posix()}:{caller.function}",
+                        "via_policy": via_policy,
+                        "group": "host" if group is not None and group is policy.host_group else "default" if group is None else "other",
+                        "devices": sorted({t.device.type for t in tensors}),
+                    }
+                )
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(calls, indent=1) + "\n")
