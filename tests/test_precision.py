@@ -59,6 +59,7 @@ def test_bit_exact_with_torchao_reference():
     """torchao ships PyTorch references of its Triton quantizers; the emulation must equal them. The module
     imports on a CPU machine (Triton is installed; only launching its kernels needs a GPU)."""
     from torchao.prototype.blockwise_fp8_training import kernels
+
     torch.manual_seed(0)
     x, w = torch.randn(256, 384) * 3, torch.randn(256, 384)
     for ours, ref in (
