@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from runner.run import titan_cpu
+from runner.run.titan import cpu as titan_cpu
 
 out, steps, seq, gbs, mbs = sys.argv[1], *map(int, sys.argv[2:6])
 torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))

@@ -56,8 +56,10 @@ def test_saturation_at_format_max():
 
 
 def test_bit_exact_with_torchao_reference():
-    """torchao ships PyTorch references of its Triton quantizers; the emulation must equal them."""
-    kernels = pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    """torchao ships PyTorch references of its Triton quantizers; the emulation must equal them. The module
+    imports on a CPU machine (Triton is installed; only launching its kernels needs a GPU)."""
+    from torchao.prototype.blockwise_fp8_training import kernels
+
     torch.manual_seed(0)
     x, w = torch.randn(256, 384) * 3, torch.randn(256, 384)
     for ours, ref in (
@@ -121,6 +123,71 @@ def test_cpu_conversion_keeps_head_and_converts_blocks(compose):
     keep = compose(["precision=fp8_rowwise", "precision.keep_high_precision=[lm_head,'layers.0.*','*.w2']"])
     converted = titan.convert_precision(_model_config(keep), keep)
     assert len(converted) == 30 - 5 - 5 and "layers.0.feed_forward.w1" not in converted and "layers.1.feed_forward.w1" in converted
+
+
+def _small_fp8_model(compose, name: str):
+    """The debug model cut to 2 blocks (10 Linear layers beside the head), converted as a CPU run converts it."""
+    from runner.run.titan import cpu
+
+    cfg = compose([f"precision={name}", "model.num_layers=2", "parallelism=single"])
+    mcfg = titan.model_spec(cfg.model).model
+    converted = titan.convert_precision(mcfg, cfg)
+    cpu.use_sdpa(mcfg)
+    torch.manual_seed(0)
+    model = mcfg.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model, converted
+
+
+def _train_step(model) -> None:
+    tokens = torch.randint(0, 2048, (2, 64))  # 128 tokens per GEMM: one blockwise tile row
+    model(tokens).float().square().mean().backward()
+
+
+def _count_scaled_mm(monkeypatch) -> list[tuple[torch.dtype, torch.dtype]]:
+    """Record the operand dtypes of every torch._scaled_mm call (torchao's float8 matmul calls it by that name)."""
+    calls, real = [], torch._scaled_mm
+
+    def counting(a, b, *args, **kwargs):
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_rowwise", "fp32"])
+def test_every_converted_layer_runs_its_three_gemms_in_fp8(compose, monkeypatch, name):
+    """Forward (x @ W.T), backward grad_x (dy @ W) and grad_W (dy.T @ x): three torch._scaled_mm per layer and step."""
+    model, converted = _small_fp8_model(compose, name)
+    calls = _count_scaled_mm(monkeypatch)
+    _train_step(model)
+    assert len(converted) == (0 if name == "fp32" else 10)
+    assert len(calls) == 3 * len(converted)
+    assert calls[: len(converted)] == [(E4M3, E4M3)] * len(converted)  # forward: activations and weights in e4m3
+    grads_e5m2 = {"fp8_tensorwise": 2 * len(converted), "fp8_rowwise": 0, "fp32": 0}[name]  # torchao's recipes
+    assert sum(torch.float8_e5m2 in c for c in calls) == grads_e5m2 and all({a, b} <= {E4M3, torch.float8_e5m2} for a, b in calls)
+
+
+def test_emulated_blockwise_quantizes_every_gemm_operand(compose, monkeypatch):
+    """Per layer and step: 1x128 tiles of x, dy, dy.T and x.T, 128x128 blocks of W in forward and backward."""
+    model, converted = _small_fp8_model(compose, "fp8_blockwise")
+    calls = {"tiles": 0, "blocks": 0}
+
+    def counting(kind, fn):
+        def wrapped(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(fe, "quantize_tiles", counting("tiles", fe.quantize_tiles))
+    monkeypatch.setattr(fe, "quantize_blocks", counting("blocks", fe.quantize_blocks))
+    scaled_mm = _count_scaled_mm(monkeypatch)
+    _train_step(model)
+    assert len(converted) == 10 and scaled_mm == []  # emulated: no FP8 GEMM kernel, dequantized float32 matmuls
+    assert calls == {"tiles": 4 * len(converted), "blocks": 2 * len(converted)}
 
 
 def test_gpu_paths_are_torchao_and_titan(compose):
@@ -202,8 +269,17 @@ def test_validation_rejects_precision(compose, overrides, message):
 
 
 def test_excluded_layer_is_not_shape_checked(compose):
-    ok = compose(["precision=fp8_blockwise", "parallelism.tp=4", "parallelism.dp_shard=1", "precision.keep_high_precision=['*']"])
-    validate.check(ok)  # nothing converted, nothing to check
+    """At tp=4 every debug-model Linear shards below blockwise FP8's 128 tiles: each converted one is
+    reported, each kept one is not checked at all."""
+    tp4 = ["precision=fp8_blockwise", "parallelism.tp=4", "parallelism.dp_shard=1"]
+    only_w2 = compose([*tp4, "precision.keep_high_precision=[lm_head,'*.wqkv','*.wo','*.w1','*.w3']"])
+    assert precision.conversion(only_w2)[0] == [f"layers.{i}.feed_forward.w2" for i in range(6)]
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(only_w2)
+    assert "(1 problem" in str(e.value) and "layer layers.0.feed_forward.w2 (768 -> 256, rowwise over tp=4)" in str(e.value)
+    keep_all = compose([*tp4, "precision.keep_high_precision=['*']"])
+    assert validate.check(keep_all).tp == 4
+    assert precision.conversion(keep_all) == ([], {la.fqn: "*" for la in precision.linear_layers(keep_all.model)})
 
 
 def test_cli_headline_validates_and_rejects_with_exit_2(tmp_path):

@@ -2,7 +2,7 @@
 
 The rules mirror what torch.distributed.pipelining (torch 2.13) and TorchTitan 0.3.0's
 pipeline_llm enforce at start-up, so validation rejects a layout before any process starts
-instead of a rank failing in the schedule's constructor. runner/titan.py checks at build
+instead of a rank failing in the schedule's constructor. runner/run/titan/ checks at build
 time that `stage_layers` agrees with TorchTitan's own split.
 """
 

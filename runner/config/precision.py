@@ -1,8 +1,10 @@
 """FP8 recipes as plain data: what each needs from the device and the GEMM shapes, which
 Linear layers it converts, and which dense peak MFU is measured against.
 
-Torch-free: validation reads it before launch, and runner/titan.py converts the model with
-the same name filter, so the converted-layer list a run logs is the one validated here.
+Torch-free: validation reads it before launch; the adapter (runner/run/titan/fp8.py) picks the layers
+to convert by walking TorchTitan's model config with the same keep_high_precision patterns, and
+refuses to build if that model's Linear layers differ from `linear_layers`, so the converted-layer
+list a run logs is the one validated here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from runner.config import flops
 from runner.config.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
 
 
@@ -22,7 +25,7 @@ class Requirement:
     divisor: int
     """Every GEMM dimension of a converted layer, after TP sharding, must be a multiple of this."""
     on_cpu: str
-    """"real" (torch._scaled_mm has a CPU kernel), "emulated" (runner/fp8_emulation.py) or "rejected"."""
+    """"real" (torch._scaled_mm has a CPU kernel), "emulated" (runner/run/fp8_emulation.py) or "rejected"."""
     gpu_path: str
     """What runs on GPU."""
 
@@ -46,28 +49,58 @@ RECIPES = {
 @dataclass(frozen=True)
 class LinearLayer:
     fqn: str
-    """TorchTitan's module name (a test keeps these equal to its model config)."""
+    """TorchTitan's module name (the adapter checks this table against its model config at build)."""
     in_dim: int
     out_dim: int
     tp_style: str
-    """"colwise" (output dim sharded over TP) or "rowwise" (input dim sharded)."""
+    """"colwise" (output dim sharded over TP), "rowwise" (input dim sharded) or "replicate" (whole on every TP rank)."""
 
 
 def linear_layers(m: ModelConfig) -> list[LinearLayer]:
-    """Every Linear of TorchTitan's llama3 in module order (fused QKV, SwiGLU FFN, lm_head)."""
-    hd = m.dim // m.num_heads
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    out = []
+    """Every Linear of the TorchTitan model m describes, in the order of its config's traverse: the head,
+    then per block the attention projections and the FFN (a dense SwiGLU, or in an MoE block the router
+    gate and the shared experts; routed experts are grouped GEMMs, not Linear layers). Mirrors TorchTitan's
+    llama3 (fused QKV) and deepseek_v3 (multi-head latent attention) configs and their TP plans."""
+    out = [LinearLayer("lm_head", m.dim, m.vocab_size, "colwise")]
     for i in range(m.num_layers):
-        p = f"layers.{i}"
-        out += [
-            LinearLayer(f"{p}.attention.qkv_linear.wqkv", m.dim, q + 2 * kv, "colwise"),
-            LinearLayer(f"{p}.attention.wo", q, m.dim, "rowwise"),
-            LinearLayer(f"{p}.feed_forward.w1", m.dim, m.ffn_hidden_dim, "colwise"),
-            LinearLayer(f"{p}.feed_forward.w2", m.ffn_hidden_dim, m.dim, "rowwise"),
-            LinearLayer(f"{p}.feed_forward.w3", m.dim, m.ffn_hidden_dim, "colwise"),
-        ]
-    return [LinearLayer("lm_head", m.dim, m.vocab_size, "colwise"), *out]
+        out += _attention_linears(m, f"layers.{i}.attention") + _ffn_linears(m, i)
+    return out
+
+
+def _attention_linears(m: ModelConfig, p: str) -> list[LinearLayer]:
+    """GQA: one fused QKV projection and the output projection. MLA: the query projection (direct, or
+    down to q_lora_rank and up again), the joint key/value + RoPE-key down-projection, its up-projection
+    and the output projection; the down-projections stay whole on every TP rank."""
+    if not flops.is_mla(m):
+        hd = flops.head_dim(m)
+        q, kv = m.num_heads * hd, m.num_kv_heads * hd
+        return [LinearLayer(f"{p}.qkv_linear.wqkv", m.dim, q + 2 * kv, "colwise"), LinearLayer(f"{p}.wo", q, m.dim, "rowwise")]
+    qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    if m.q_lora_rank == 0:
+        query = [LinearLayer(f"{p}.wq", m.dim, qk, "colwise")]
+    else:
+        query = [LinearLayer(f"{p}.wq_a", m.dim, m.q_lora_rank, "replicate"), LinearLayer(f"{p}.wq_b", m.q_lora_rank, qk, "colwise")]
+    return [
+        *query,
+        LinearLayer(f"{p}.wkv_a", m.dim, m.kv_lora_rank + m.qk_rope_head_dim, "replicate"),
+        LinearLayer(f"{p}.wkv_b", m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "colwise"),
+        LinearLayer(f"{p}.wo", m.num_heads * m.v_head_dim, m.dim, "rowwise"),
+    ]
+
+
+def _ffn_linears(m: ModelConfig, i: int) -> list[LinearLayer]:
+    if flops.is_moe(m) and i >= m.num_dense_layers:
+        gate = LinearLayer(f"layers.{i}.moe.router.gate", m.dim, m.num_experts, "replicate")
+        return [gate, *_swiglu(f"layers.{i}.moe.shared_experts", m.dim, m.moe_hidden_dim * m.num_shared_experts)]
+    return _swiglu(f"layers.{i}.feed_forward", m.dim, m.ffn_hidden_dim)
+
+
+def _swiglu(p: str, dim: int, hidden: int) -> list[LinearLayer]:
+    return [
+        LinearLayer(f"{p}.w1", dim, hidden, "colwise"),
+        LinearLayer(f"{p}.w2", hidden, dim, "rowwise"),
+        LinearLayer(f"{p}.w3", dim, hidden, "colwise"),
+    ]
 
 
 def kept_by(fqn: str, patterns: list[str]) -> str | None:
@@ -93,7 +126,9 @@ def local_gemm_dims(layer: LinearLayer, tp: int) -> tuple[int, int]:
     """(in, out) of the weight shard one TP rank multiplies."""
     if layer.tp_style == "rowwise":
         return layer.in_dim // tp, layer.out_dim
-    return layer.in_dim, layer.out_dim // tp
+    if layer.tp_style == "colwise":
+        return layer.in_dim, layer.out_dim // tp
+    return layer.in_dim, layer.out_dim
 
 
 def matmul_peak(cfg: RunConfig) -> tuple[str, bool]:

@@ -1,6 +1,6 @@
 """The step loop: data -> forward/backward per microbatch -> global-norm clip -> AdamW.
 
-Built from TorchTitan's parts (see runner/titan.py); each phase is its own function so
+Built from TorchTitan's parts (see runner/run/titan/); each phase is its own function so
 monitors can time and trace it.
 """
 
@@ -42,6 +42,8 @@ class Accounting:
     """Dtype of the matmuls whose dense peak MFU uses (float8 for FP8 recipes on GPU)."""
     emulated: bool
     """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
+    num_params: int
+    """Parameters of the model that was built (TorchTitan's count, checked equal to runner.config.flops.num_params)."""
 
 
 def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
@@ -54,6 +56,7 @@ def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
         flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
         pk["dtype"],
         pk["emulated"],
+        built.num_params,
     )
 
 
@@ -120,6 +123,7 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "step_time_s_median": statistics.median(r["step_time_s"] for r in steady),
         "mfu_median": statistics.median(r["mfu"] for r in steady),
         "mfu_6n_median": statistics.median(r["mfu_6n"] for r in steady),
+        "num_params": acc.num_params,
         "flop_convention": "titan",
         "flops_per_token": acc.flops_per_token,
         "flops_per_token_6n": acc.flops_per_token_6n,

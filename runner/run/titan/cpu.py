@@ -1,5 +1,6 @@
 """Adaptations of TorchTitan 0.3.0 (torch 2.13) for CPU ranks on gloo. Applied only when
-cluster.device is cpu; on GPU TorchTitan's defaults (NCCL, FlexAttention) stay."""
+cluster.device is cpu; on GPU TorchTitan's defaults (NCCL, FlexAttention) stay. docs/CPU.md says
+which upstream error each one avoids."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def float8_converter(config):
 
 def emulated_blockwise_linear_config():
     """torchao's blockwise FP8 kernels are Triton-only: a TorchTitan Linear whose matmul is the
-    PyTorch-op emulation in runner/fp8_emulation.py (same tiles, blocks, scales and casts)."""
+    PyTorch-op emulation in runner/run/fp8_emulation.py (same tiles, blocks, scales and casts)."""
     global _EmulatedBlockwiseLinear
     if _EmulatedBlockwiseLinear is None:
         from dataclasses import dataclass
@@ -167,9 +168,9 @@ _CpuGroupedExperts = None
 
 
 def use_float32_experts(model_config) -> None:
-    """TorchTitan's experts cast to bfloat16 for torch._grouped_mm, and on these AVX2 CPUs bf16 GEMMs are
-    ~200x slower than fp32 (CPU _grouped_mm is slow in any dtype): swap in experts with the same parameters
-    that run one float32 matmul per expert, as every other CPU matmul here does."""
+    """TorchTitan's experts cast to bfloat16 for torch._grouped_mm; CPU _grouped_mm is slow in any dtype, and
+    on AVX2-only CPUs bf16 GEMMs are ~200x slower than fp32 (docs/CPU.md): swap in experts with the same
+    parameters that run one float32 matmul per expert, as every other CPU matmul here does."""
     global _CpuGroupedExperts
     from torchtitan.models.common.moe import GroupedExperts
 

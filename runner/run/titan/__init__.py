@@ -1,0 +1,60 @@
+"""The only package that knows TorchTitan's API (pinned: torchtitan 0.3.0).
+
+It turns the runner's config into TorchTitan's ParallelDims, model config and parallelize call,
+in TorchTitan's own order (TP, activation checkpointing, FSDP), and exposes the few operations
+the step loop needs:
+
+- distributed: process group, ParallelDims and mesh, the modules ranks preload;
+- model: TorchTitan's model config with the config's architecture (dim, layers, heads, experts, ...);
+- fp8: which Linear layers run in FP8 and the recipe's module for them;
+- build: the parallelized, initialized model (Built);
+- step, state: loss, clipping, pipeline step; DCP checkpoints;
+- cpu: the adaptations for CPU ranks on gloo (docs/CPU.md).
+"""
+
+from runner.run.titan.build import Built, build, model_config, model_inputs, register_optimizer_hooks
+from runner.run.titan.distributed import (
+    PRELOAD,
+    SPMD_BACKEND,
+    build_mesh,
+    init_process_group,
+    mesh_coords,
+    preload,
+    quiet_torchao,
+    stage_modules,
+    titan_configs,
+)
+from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
+from runner.run.titan.model import check_size, model_spec
+from runner.run.titan.state import load_state, save_model, save_state
+from runner.run.titan.step import clip_grad_norm, local_value, loss_fn, pipeline_step
+
+__all__ = [
+    "PRELOAD",
+    "SPMD_BACKEND",
+    "Built",
+    "blockwise_linear_config",
+    "build",
+    "build_mesh",
+    "check_layer_table",
+    "check_size",
+    "clip_grad_norm",
+    "convert_precision",
+    "fp8_layers",
+    "init_process_group",
+    "load_state",
+    "local_value",
+    "loss_fn",
+    "mesh_coords",
+    "model_config",
+    "model_inputs",
+    "model_spec",
+    "pipeline_step",
+    "preload",
+    "quiet_torchao",
+    "register_optimizer_hooks",
+    "save_model",
+    "save_state",
+    "stage_modules",
+    "titan_configs",
+]

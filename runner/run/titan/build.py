@@ -1,0 +1,149 @@
+"""The model: TorchTitan's config from the runner's, built on meta, parallelized in TorchTitan's order
+(TP, activation checkpointing, compile, FSDP; or its pipeline split), materialized and initialized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from runner.config.layout import Layout
+from runner.config.schema import ActivationCheckpoint, DeviceType, RunConfig
+from runner.run.titan.distributed import titan_configs
+from runner.run.titan.fp8 import convert_precision
+from runner.run.titan.model import check_size, model_spec
+from runner.run.titan.step import loss_fn
+
+
+@dataclass
+class Built:
+    parts: list[torch.nn.Module]
+    """This rank's model chunks: the whole model, or its pipeline stage(s)."""
+    parallel_dims: object
+    num_params: int
+    flops_per_token: int
+    """TorchTitan's own count (get_nparams_and_flops) for this model and seq_len."""
+    extra_inputs: dict
+    """Keyword inputs the model needs beside tokens (attention masks on the FlexAttention path)."""
+    schedule: object = None
+    """torch.distributed.pipelining schedule when pp > 1."""
+    has_first: bool = True
+    """This rank holds the first pipeline stage (it feeds the tokens)."""
+    has_last: bool = True
+    """This rank holds the last pipeline stage (it computes the loss)."""
+    fp8_converted: list[str] | None = None
+    """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
+    cp_load_balancer: str | None = None
+    """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
+    post_optimizer_build_fn: object = None
+    """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
+
+
+def model_config(cfg: RunConfig, lay: Layout):
+    """(TorchTitan's ModelSpec, the FP8 layers converted): the config's architecture, its FP8 recipe, the CPU
+    adaptations and TorchTitan's own sharding settings for the layout, ready to build."""
+    spec = model_spec(cfg.model)
+    mcfg = spec.model
+    converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
+    if cfg.cluster.device == DeviceType.cpu:
+        from runner.run.titan import cpu
+
+        cpu.use_sdpa(mcfg)
+        cpu.use_float32_experts(mcfg)
+        if lay.cp > 1:
+            cpu.enable_ring_attention()
+    training, parallelism = titan_configs(cfg, lay)
+    mcfg.update_from_config(config=SimpleNamespace(training=training, parallelism=parallelism))
+    return spec, converted
+
+
+def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
+    """The model of cfg.model on meta, checked against runner.config.flops, parallelized, materialized and initialized."""
+    spec, converted = model_config(cfg, lay)
+    mcfg = spec.model
+    with torch.device("meta"):
+        model = mcfg.build()
+    num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
+    check_size(cfg.model, cfg.training.seq_len, num_params, flops_per_token)
+    device = torch.device("cpu") if cfg.cluster.device == DeviceType.cpu else torch.device("cuda", torch.cuda.current_device())
+    schedule, parts, has_first, has_last = _parallelize(cfg, lay, pd, run_dir, spec, model, device)
+    for part in parts:
+        _materialize(part, mcfg, cfg, device)
+    extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
+    balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
+    built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
+    built.post_optimizer_build_fn = spec.post_optimizer_build_fn
+    return built
+
+
+def _parallelize(cfg: RunConfig, lay: Layout, pd, run_dir: Path, spec, model, device):
+    """(schedule, parts, has_first, has_last) from the spec's parallelize_fn, or its pipelining_fn when pp > 1."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    training, parallelism = titan_configs(cfg, lay)
+    ac = FullAC.Config() if cfg.training.activation_checkpoint == ActivationCheckpoint.full else None
+    compile_config = CompileConfig(enable=cfg.training.compile, enable_async_tensor_parallel=cfg.parallelism.async_tp)
+    common = dict(
+        parallel_dims=pd, training=training, parallelism=parallelism, compile_config=compile_config, ac_config=ac, dump_folder=str(run_dir)
+    )
+    if lay.pp > 1:
+        return spec.pipelining_fn(
+            model, **common, device=device, model_config=spec.model, parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn(cfg)
+        )
+    return None, [spec.parallelize_fn(model, **common)], True, True
+
+
+def register_optimizer_hooks(built: Built, optimizer: torch.optim.Optimizer) -> None:
+    """What TorchTitan's trainer does after building the optimizer: for MoE models, a step pre-hook that
+    moves each router's expert bias toward balance from the token counts summed over the batch and CP ranks."""
+    if built.post_optimizer_build_fn is not None:
+        built.post_optimizer_build_fn(optimizer, built.parts, built.parallel_dims)
+
+
+def _cp_load_balancer(mcfg) -> str:
+    """TorchTitan's pairing: head-tail chunks for causal SDPA, PTRR for FlexAttention block masks."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    return "ptrr" if isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config) else "headtail"
+
+
+def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Tokens, labels and keyword inputs of one microbatch; with CP, this rank's sequence chunks
+    (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+    if built.cp_load_balancer is None:
+        return inputs, labels, built.extra_inputs
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
+    extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
+    return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
+
+
+def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
+    part.to_empty(device=device)
+    if device.type == "cpu":
+        from runner.run.titan import cpu
+
+        cpu.force_sum_reduction(part)
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)  # buffers (RoPE tables); parameters follow
+        cpu.init_like_one_rank(part, mcfg, cfg.training.seed)
+    else:
+        torch.manual_seed(cfg.training.seed)
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+    part.train()
+
+
+def _extra_inputs(model, mcfg, cfg: RunConfig, device) -> dict:
+    """FlexAttention (the GPU default) needs a mask; one document per sample, causal."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    if not isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config):
+        return {}
+    t = cfg.training
+    positions = torch.arange(t.seq_len, device=device).expand(t.microbatch_size, t.seq_len)
+    return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}

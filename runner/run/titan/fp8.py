@@ -1,0 +1,115 @@
+"""FP8 Linear layers: which ones (TorchTitan's model config, walked with keep_high_precision) and the
+recipe's module for each path (TorchTitan's converters and torchao on GPU, runner.run.titan.cpu on CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.config import precision
+from runner.config.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
+
+
+def check_layer_table(model_config, m: ModelConfig) -> None:
+    """TorchTitan's Linear layers must be the ones runner.config.precision.linear_layers lists, which is
+    what validation shape-checked and `mode=validate` counted."""
+    from torchtitan.models.common.linear import Linear
+
+    got = [(fqn, c.in_features, c.out_features) for fqn, c, _, _ in model_config.traverse(Linear.Config)]
+    want = [(la.fqn, la.in_dim, la.out_dim) for la in precision.linear_layers(m)]
+    if got != want:
+        diff = next((g, w) for g, w in zip([*got, None], [*want, None], strict=False) if g != w)
+        raise RuntimeError(
+            f"{m.name}'s TorchTitan config has {len(got)} Linear layers, runner.config.precision.linear_layers lists {len(want)}; "
+            f"first difference (fqn, in, out): TorchTitan {diff[0]}, table {diff[1]}: the table is out of date"
+        )
+
+
+def fp8_layers(model_config, cfg: RunConfig) -> list[str]:
+    """The Linear layers (module FQNs, in model order) that no keep_high_precision pattern matches."""
+    from torchtitan.models.common.linear import Linear
+
+    patterns = cfg.precision.keep_high_precision
+    return [fqn for fqn, _, _, _ in model_config.traverse(Linear.Config) if precision.kept_by(fqn, patterns) is None]
+
+
+def convert_precision(model_config, cfg: RunConfig) -> list[str]:
+    """Swap the chosen Linear layers for the recipe's FP8 Linear (in the model config, before any module
+    exists); return the converted module FQNs."""
+    from torchtitan.models.common.linear import Linear
+
+    r = cfg.precision.fp8
+    if r == Fp8Recipe.none:
+        return []
+    check_layer_table(model_config, cfg.model)
+    chosen = fp8_layers(model_config, cfg)
+    on_cpu = cfg.cluster.device == DeviceType.cpu
+    if r in (Fp8Recipe.tensorwise, Fp8Recipe.rowwise):
+        _float8(model_config, r, set(chosen), on_cpu)
+    elif r == Fp8Recipe.mxfp8:  # validation rejects it on CPU
+        from torchtitan.components.quantization import MXFP8LinearConverter
+
+        MXFP8LinearConverter.Config(fqns=chosen).build().convert(model_config)
+    else:
+        if on_cpu:
+            from runner.run.titan import cpu
+
+            new = cpu.emulated_blockwise_linear_config()
+        else:
+            new = blockwise_linear_config()
+        _swap_linears(model_config, new, set(chosen))
+    got = [fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is not Linear.Config]
+    if got != chosen:
+        raise RuntimeError(f"FP8 conversion converted {got}, keep_high_precision leaves {chosen}")
+    return got
+
+
+def _float8(model_config, recipe: Fp8Recipe, chosen: set[str], on_cpu: bool) -> None:
+    """TorchTitan's Float8LinearConverter with the runner's choice of layers: its own filter matches
+    names as substrings and silently skips dims not divisible by 16 (validation rejects those instead)."""
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    conf = Float8LinearConverter.Config(recipe_name=recipe.value)
+    if on_cpu:
+        from runner.run.titan import cpu
+
+        converter = cpu.float8_converter(conf)
+    else:
+        converter = conf.build()
+    converter.filter_fn = lambda _config, fqn: fqn in chosen
+    converter.convert(model_config)
+
+
+def _swap_linears(model_config, new_config_cls, fqns: set[str]) -> None:
+    from torchtitan.models.common.linear import Linear
+
+    for fqn, old, parent, attr in list(model_config.traverse(Linear.Config)):
+        if fqn in fqns:
+            new = new_config_cls(in_features=old.in_features, out_features=old.out_features, bias=old.bias, param_init=old.param_init)
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+
+
+_BLOCKWISE_LINEAR = None
+
+
+def blockwise_linear_config():
+    """torchao's blockwise FP8 Linear (SM 9.0+, Triton quantization kernels) as a TorchTitan
+    module, wrapped the way TorchTitan wraps torchao's Float8Linear."""
+    global _BLOCKWISE_LINEAR
+    if _BLOCKWISE_LINEAR is None:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.protocols.module import Module
+
+        class BlockwiseFp8Linear(Float8BlockwiseLinear, Module):
+            @dataclass(kw_only=True, slots=True)
+            class Config(Linear.Config):
+                pass
+
+            def __init__(self, config: Config):
+                Float8BlockwiseLinear.__init__(self, config.in_features, config.out_features, bias=config.bias)
+
+        _BLOCKWISE_LINEAR = BlockwiseFp8Linear
+    return _BLOCKWISE_LINEAR.Config

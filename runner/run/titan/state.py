@@ -1,0 +1,58 @@
+"""Checkpoints through PyTorch DCP with TorchTitan's ModelWrapper (canonical, unfused keys)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _optim_io():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    return StateDictOptions(flatten_optimizer_state_dict=True), get_optimizer_state_dict, set_optimizer_state_dict
+
+
+def _holder(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    return parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
+
+
+def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path, async_group=None):
+    """Sharded checkpoint through PyTorch DCP: the model with TorchTitan's ModelWrapper (canonical,
+    unfused keys, so another layout can load it), the optimizer with flattened FQN keys, and `extra`
+    (step, LR schedule, RNG, data position). With `async_group` (a gloo group kept for checkpoints,
+    so the writer thread's collectives never interleave with training's) DCP copies the state and
+    writes it in a background thread; the returned future resolves when every rank has written."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    options, get_optim, _ = _optim_io()
+    state = {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), optimizer, options=options), **extra}
+    if async_group is not None:
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=async_group)
+    dcp.save(state, checkpoint_id=str(path))
+    return None
+
+
+def save_model(parts: list[torch.nn.Module], path: Path) -> None:
+    """The weights alone (the model-only export), sharded like a full checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    dcp.save({"model": ModelWrapper(parts).state_dict()}, checkpoint_id=str(path))
+
+
+def load_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path) -> dict:
+    """Load model and optimizer in place from a checkpoint written by save_state; DCP reshards
+    DTensors onto this run's layout. `extra` gives the other entries to read (their current values
+    as templates); returns them as loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    options, get_optim, set_optim = _optim_io()
+    holder, wrapper = _holder(parts), ModelWrapper(parts)
+    state = {"model": wrapper.state_dict(), "optimizer": get_optim(holder, optimizer, options=options), **extra}
+    dcp.load(state, checkpoint_id=str(path))
+    wrapper.load_state_dict(state["model"])
+    set_optim(holder, optimizer, optim_state_dict=state["optimizer"], options=options)
+    return {k: state[k] for k in extra}

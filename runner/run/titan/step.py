@@ -1,0 +1,46 @@
+"""The step loop's TorchTitan operations: loss, gradient clipping, a pipeline step."""
+
+from __future__ import annotations
+
+import torch
+
+from runner.config.schema import RunConfig
+
+
+def loss_fn(cfg: RunConfig):
+    """TorchTitan's cross-entropy: sum over tokens divided by the global token count, because
+    TorchTitan's FSDP sums (does not average) gradients over data-parallel ranks."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    return CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=cfg.model.vocab_size))
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
+    """Clip to the global gradient norm and return it (pre-clip), as TorchTitan's Trainer does: DTensor
+    gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware
+    variant, which sums the expert and dense parts), and the pipeline mesh sums the stages' parts."""
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    grads = [p for m in parts for p in m.parameters() if p.grad is not None]
+    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
+    return float(local_value(norm))
+
+
+def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
+    """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage."""
+    inputs = torch.cat([i for i, _ in microbatches])
+    labels = torch.cat([lab for _, lab in microbatches])
+    losses = [] if built.has_last else None
+    built.schedule.step(
+        *((inputs,) if built.has_first else ()),
+        target=labels if built.has_last else None,
+        losses=losses,
+        loss_kwargs={"global_valid_tokens": global_tokens},
+        return_outputs=False,
+    )
+    return local_value(sum(loss.detach() for loss in losses)).cpu() if built.has_last else torch.zeros(())
