@@ -34,11 +34,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import flops, pipeline, precision, runfiles
+from runner.config import flops, layout, pipeline, precision, runfiles
 from runner.config.layout import MESH_ORDER, Layout
+from runner.config.memory import BYTES, activation_bytes_per_layer  # one activation model, shared with validation
 from runner.config.schema import ActivationCheckpoint, RunConfig
 
-BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
 
 
@@ -66,19 +66,6 @@ def keeps_weights_gathered(cfg: RunConfig, lay: Layout) -> bool:
     return policy == "never" or (policy == "default" and lay.pp > 1)
 
 
-def activation_bytes_per_layer(cfg: RunConfig, lay: Layout, recompute: bool) -> float:
-    """Korthikanti et al. 2022 (module docstring), scaled to the activation dtype."""
-    t = cfg.training
-    s, b, h, tp = t.seq_len / lay.cp, t.microbatch_size, cfg.model.dim, lay.tp
-    sp = cfg.parallelism.sequence_parallel and tp > 1
-    scale = BYTES[cfg.precision.param_dtype.value] / 2
-    if recompute:
-        per = 2 * s * b * h / (tp if sp else 1)
-    else:
-        per = s * b * h * (34 / tp if sp else 10 + 24 / tp)
-    return per * scale
-
-
 def _collective_s(nbytes: float, gbs: float) -> float | None:
     """Seconds to send `nbytes` per device over a link of `gbs` (both directions together)."""
     return nbytes / (gbs / 2 * 1e9) if gbs > 0 else None
@@ -99,7 +86,7 @@ def compute(
     m, t, p, c = cfg.model, cfg.training, cfg.parallelism, cfg.cluster
     dtype, rdtype = cfg.precision.param_dtype.value, cfg.precision.reduce_dtype.value
     bw, br = BYTES[dtype], BYTES[rdtype]
-    dpn = c.devices_per_node if c.devices_per_node != -1 else lay.world_size
+    dpn = layout.devices_per_node(c, lay.world_size)
     links = {a: link(lay, a, dpn) for a in MESH_ORDER}
     gbs_of = link_gbs or {"intra-node": c.intra_node_bandwidth_gbs, "scale-out": c.inter_node_bandwidth_gbs}
 
