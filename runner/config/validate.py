@@ -14,7 +14,7 @@ import os
 from runner.config import layout, memory, slurm, validate_ckpt, validate_fields, validate_layout, validate_model, validate_monitor
 from runner.config import validate_pipeline as pipeline_rules
 from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, RunConfig
+from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
 
 __all__ = ["ConfigError", "check", "check_launch", "machine_memory_gb", "rank_memory_gb"]
 
@@ -71,7 +71,7 @@ def _device_memory(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> No
         fixes.append("set training.activation_checkpoint=full")
     if cfg.training.microbatch_size > 1:
         fixes.append("lower training.microbatch_size")
-    if cfg.parallelism.fsdp_reshard_after_forward != "always" and b["weights_gathered_during_step"] and lay.dp_shard > 1:
+    if cfg.parallelism.fsdp_reshard_after_forward != ReshardPolicy.always and b["weights_gathered_during_step"] and lay.dp_shard > 1:
         fixes.append("set parallelism.fsdp_reshard_after_forward=always")
     out.append(
         Problem(

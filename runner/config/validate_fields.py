@@ -14,9 +14,6 @@ from runner.config.schema import Backend, DeviceType, RunConfig, WorkerStart
 from runner.config.validate_layout import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
-WANDB_MODES = ("offline", "online", "disabled")
-RESHARD_POLICIES = ("default", "always", "never")
-LAUNCHERS = ("local", "slurm")
 SEED_LIMIT = 2**32  # runner.run.data seeds torch.Generator with seed x 1,000,003 + sample index, which must fit 64 bits
 PORTS = range(1, 65536)
 
@@ -50,9 +47,7 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("logging.log_every", cfg.logging.log_every, "must be >= 1", "log every N >= 1 steps"))
     if cfg.checkpoint.interval < 1:
         out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
-    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, RESHARD_POLICIES, "a TorchTitan reshard policy", out)
     _choice("plan.flops_convention", cfg.plan.flops_convention, flops.CONVENTIONS, "a FLOP convention", out)
-    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES, "a W&B mode", out)
 
 
 def cluster(cfg: RunConfig, out: list[Problem]) -> None:
@@ -74,7 +69,6 @@ def cluster(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("cluster.compute_capability", repr(c.compute_capability), 'not "major.minor"', 'use e.g. "9.0" for H100'))
     if c.rdzv_port not in PORTS:
         out.append(Problem("cluster.rdzv_port", c.rdzv_port, "not a TCP port", "use a free port in 1..65535, e.g. 29500"))
-    _choice("cluster.launcher", c.launcher, LAUNCHERS, "a launcher", out)
     if c.max_restarts < 0:
         out.append(Problem("cluster.max_restarts", c.max_restarts, "must be >= 0", "use 0 to never restart"))
     if c.launcher == "slurm":
