@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import flops, freeze, precision, preflight, runfiles, slurm, validate
+from runner.config import flops, freeze, precision, preflight, runfiles, slurm, validate, validate_keys
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
 
 register()
@@ -31,9 +31,13 @@ def _to_object(cfg: DictConfig) -> RunConfig:
     """Typed config with every schema check applied (unknown keys, wrong types, enums).
 
     Hydra composes on top of the `base_config` schema, so the tree is already typed and
-    checked; re-merging it into a fresh structured RunConfig cost ~0.3 s per plan."""
+    checked; re-merging it into a fresh structured RunConfig cost ~0.3 s per plan. Only keys
+    added with `+` slip past the typed nodes (runner.config.validate_keys)."""
     if OmegaConf.get_type(cfg) is not RunConfig:  # a primary config that does not start from base_config
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
+    stray = validate_keys.unknown(cfg)
+    if stray:
+        raise validate.ConfigError(stray)
     return OmegaConf.to_object(cfg)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from runner.config import layout, preflight, validate
+from runner.config import layout, memory, plan, preflight, validate
 from runner.config.schema import Mode
 from tests.conftest import ROOT, run_cli
 
@@ -25,11 +25,12 @@ CONTEXT = {
         "cluster.num_nodes=2048",
         "training.seq_len=131072",
         "training.global_batch_size=128",
+        "training.activation_checkpoint=full",  # 16 microbatches in flight x 4.5 GB of activations do not fit in 80 GB without it
     ],
     "parallelism/ep2.yaml": ["model=debug_moe"],
     "model/llama3_8b.yaml": ["parallelism=single"],
     "model/llama3_70b.yaml": ["recipe=llama3_70b_h100x1024"],
-    "model/llama3_405b.yaml": ["recipe=llama3_70b_h100x1024", "parallelism.pp=2", "training.global_batch_size=2048"],
+    "model/llama3_405b.yaml": ["recipe=llama3_70b_h100x1024", "parallelism=tp8_pp16"],  # pp=2 would need 142 GB per GPU
     "cluster/h100_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "cluster/h100x1024.yaml": ["parallelism=fsdp", "training.global_batch_size=2048"],
     "cluster/slurm_h100.yaml": ["cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"],
@@ -66,7 +67,13 @@ def _overrides(path: str) -> list[str]:
 def test_every_config_file_composes_and_validates(compose, path):
     cfg = compose([*_overrides(path), "mode=validate"])
     lay = validate.check(cfg)
-    assert lay.world_size == layout.world_size(cfg.parallelism, cfg.cluster) or cfg.cluster.devices_per_node == -1
+    p, c = cfg.parallelism, cfg.cluster
+    assert (lay.pp, lay.dp_replicate, lay.cp, lay.tp, lay.ep) == (p.pp, p.dp_replicate, p.cp, p.tp, p.ep)
+    if c.devices_per_node == -1:  # local CPU: the layout sizes the job, so every degree is given
+        assert (c.num_nodes, lay.dp_shard, lay.world_size) == (1, p.dp_shard, p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp)
+    else:
+        assert lay.world_size == c.num_nodes * c.devices_per_node
+        assert lay.dp_shard == (p.dp_shard if p.dp_shard != -1 else lay.world_size // (p.pp * p.dp_replicate * p.cp * p.tp))
     assert cfg.mode == Mode.validate
 
 
@@ -200,11 +207,19 @@ def test_launch_rules(compose, tmp_path):
 
 
 def test_rank_memory_estimate_of_debug_rank(compose):
+    """The CPU estimate uses the plan's activation model: Korthikanti's s*b*h*34/tp with SP at fp32 (x 4/2),
+    no attention-score term (CPU SDPA is the fused flash kernel), and recomputation's 2*s*b*h/tp with AC."""
     cfg = compose([])
     lay = validate.check(cfg)
-    # 6,163,712 params x 16 B / (fsdp 2 x tp 2) + activations 6 x 256 x 2 x 256 x (34 + 80) x 2 / 2 + logits 3 x 256 x 2 x 2048 x 4
-    want = 0.6 + (6_163_712 * 16 / 4 + 6 * 256 * 2 * 256 * 114 + 3 * 256 * 2 * 2048 * 4) / 1e9
+    # 6,163,712 params x 16 B / (fsdp 2 x tp 2) + activations 6 layers x 256 x 2 x 256 x 34 / 2 x 2 + logits 3 x 256 x 2 x 2048 x 4
+    want = 0.6 + (6_163_712 * 16 / 4 + 6 * 256 * 2 * 256 * 34 + 3 * 256 * 2 * 2048 * 4) / 1e9
     assert validate.rank_memory_gb(cfg, lay) == pytest.approx(want)
+    ac = compose(["training.activation_checkpoint=full"])
+    want_ac = want - 6 * 256 * 2 * 256 * (34 - 2) / 1e9
+    assert validate.rank_memory_gb(ac, validate.check(ac)) == pytest.approx(want_ac)
+    per_layer = memory.activation_bytes_per_layer(cfg, lay, recompute=False)
+    assert per_layer == 256 * 2 * 256 * 34 / 2 * 2
+    assert plan.compute(cfg, lay)["activations_gb_per_microbatch"] == pytest.approx(6 * per_layer / 1e9)  # the plan uses the same model
 
 
 def test_layout_coordinates_tp_fastest():
@@ -283,14 +298,16 @@ def test_layers_import_only_downwards():
 def test_help_and_info():
     help_ = run_cli("--help")
     assert help_.returncode == 0
+    lines = help_.stdout.splitlines()
     for line in (
         "model: debug, debug_moe, llama3_405b, llama3_70b, llama3_8b",
         "parallelism: cp2, dp2, dp2_pp2, dp2_tp2, ep2, fsdp, hsdp2x2, pp2_interleaved, single, tp2, tp2_pp2, tp4_pp4, tp8_pp16, "
         "tp8_pp16_cp16, tp8_pp4, tp8_pp8",
-        "recipe: debug_dp2_tp2_cpu, llama3_70b_h100x1024",
-        "python -m runner --config-dir <run folder> --config-name frozen",
+        "recipe: debug_dp2_tp2_cpu, llama3_70b_h100x1024, llama3_8b_fsdp8_h100",
+        "sweep: cpu_layouts, llama3_70b_layouts",
     ):
-        assert line in help_.stdout
+        assert line in lines  # whole lines: a prefix would hide a missing or extra option
+    assert any(ln.strip().startswith("python -m runner --config-dir <run folder> --config-name frozen") for ln in lines)
     info = run_cli("--info")
     assert info.returncode == 0
     assert "Config search path" in info.stdout and f"file://{ROOT}/conf" in info.stdout

@@ -105,7 +105,7 @@ def test_checkpoint_interval_is_young_daly(budget):
 
 def test_titan_convention_on_request(budget):
     b = budget([*SEED, "plan.flops_convention=titan"])
-    assert b["flops_per_token"] == b["flops_per_token"] > budget(SEED)["flops_per_token"]
+    assert b["flops_per_token"] == budget(SEED)["flops_per_token_titan"] > budget(SEED)["flops_per_token"]
     assert b["flops_per_token_6N"] == 6 * b["params"]
 
 

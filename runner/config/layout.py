@@ -56,9 +56,19 @@ def fixed_product(p: ParallelismConfig) -> int:
     return n * (p.dp_shard if p.dp_shard != -1 else 1)
 
 
+def sized_by_layout(c: ClusterConfig) -> bool:
+    """A cluster (local CPU, one node) whose ranks per node are whatever the layout asks for."""
+    return c.devices_per_node == -1
+
+
+def devices_per_node(c: ClusterConfig, world_size: int) -> int:
+    """Ranks on one node: the cluster's figure, or the whole job on a cluster sized by its layout."""
+    return world_size if sized_by_layout(c) else c.devices_per_node
+
+
 def world_size(p: ParallelismConfig, c: ClusterConfig) -> int | None:
     """Ranks in the job; None when neither the cluster nor the layout fixes it."""
-    if c.devices_per_node != -1:
+    if not sized_by_layout(c):
         return c.num_nodes * c.devices_per_node
     if p.dp_shard == -1:
         return None

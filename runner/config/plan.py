@@ -34,10 +34,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import checkpoint, flops, pipeline, precision, runfiles
+from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles
 from runner.config.layout import Layout
+from runner.config.memory import memory
 from runner.config.plan_comm import communication
-from runner.config.plan_memory import memory
 from runner.config.plan_render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
 from runner.config.schema import ClusterConfig, RunConfig
 
@@ -123,7 +123,7 @@ def compute(
     v = p.pp_virtual_stages if lay.pp > 1 else 1
     bubble, bubble_text = pipeline.bubble(lay.pp, micro, p.pp_schedule, v)
     gbs_of = link_gbs or {"intra-node": c.intra_node_bandwidth_gbs, "scale-out": c.inter_node_bandwidth_gbs}
-    dpn = c.devices_per_node if c.devices_per_node != -1 else lay.world_size
+    dpn = layout.devices_per_node(c, lay.world_size)
     ct = _compute_time(cfg, lay, peak_tflops)
     comm = communication(cfg, lay, micro, v, dpn, gbs_of)
     eff = matmul_efficiency if matmul_efficiency is not None else c.matmul_efficiency

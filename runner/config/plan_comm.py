@@ -7,7 +7,7 @@ from typing import Any
 
 from runner.config import flops
 from runner.config.layout import MESH_ORDER, Layout
-from runner.config.plan_memory import BYTES, keeps_weights_gathered
+from runner.config.memory import BYTES, keeps_weights_gathered
 from runner.config.schema import ActivationCheckpoint, RunConfig
 
 

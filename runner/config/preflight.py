@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.config import slurm, validate, validate_ckpt
+from runner.config import memory, slurm, validate, validate_ckpt
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ClusterConfig, DeviceType, RunConfig
@@ -104,7 +104,7 @@ def _this_machine(cfg: RunConfig, lay: Layout, node: bool) -> list[Problem]:
             )
         )
     if c.device == DeviceType.cpu:
-        per_rank, ranks = validate.rank_memory_gb(cfg, lay), lay.world_size // c.num_nodes
+        per_rank, ranks = memory.cpu_rank_gb(cfg, lay), lay.world_size // c.num_nodes
         have = validate.machine_memory_gb()
         if per_rank * ranks > have:
             out.append(

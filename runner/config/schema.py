@@ -7,7 +7,7 @@ Every default lives here so that the frozen YAML shows it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -63,6 +63,33 @@ class ActivationCheckpoint(Enum):
     """Keep every activation."""
     full = "full"
     """Recompute every transformer block in backward (TorchTitan FullAC)."""
+
+
+class ReshardPolicy(StrEnum):
+    """TorchTitan's FSDP2 reshard_after_forward policy (a str, as TorchTitan's config takes it)."""
+
+    default = "default"
+    """never with PP (which would otherwise gather once per microbatch); always without."""
+    always = "always"
+    """Free the gathered weights after each forward."""
+    never = "never"
+    """Keep the gathered weights until backward ends."""
+
+
+class Launcher(StrEnum):
+    local = "local"
+    """The per-node launcher runs on this machine (`python -m runner`)."""
+    slurm = "slurm"
+    """Hydra's submitit launcher submits one job per run (`python -m runner -m ...`); each node runs the per-node launcher."""
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    """Write to the run folder; needs no network (`wandb sync` uploads later)."""
+    online = "online"
+    """Stream to the W&B server."""
+    disabled = "disabled"
+    """W&B calls do nothing."""
 
 
 class WorkerStart(Enum):
@@ -148,7 +175,7 @@ class ParallelismConfig:
     async_tp: bool = False
     """Overlap TP collectives with the matmuls (TorchTitan's async TP: Inductor's micro-pipeline TP
     pass on symmetric memory); needs CUDA, tp > 1 and training.compile=true."""
-    fsdp_reshard_after_forward: str = "default"
+    fsdp_reshard_after_forward: ReshardPolicy = ReshardPolicy.default
     """TorchTitan's FSDP2 policy: always (free gathered weights after each forward), never
     (keep them until backward ends), default (never with PP, which would otherwise gather
     once per microbatch; always without)."""
@@ -245,7 +272,7 @@ class ClusterConfig:
     GPUs; float32 on AVX2-only CPUs, where bf16 matmuls are ~200x slower."""
     device_memory_gb: float = 0.0
     """Memory per device in GB (0 on CPU: the machine's RAM is read at validation)."""
-    launcher: str = "local"
+    launcher: Launcher = Launcher.local
     """local: the per-node launcher runs on this machine (`python -m runner`); slurm: Hydra's
     submitit launcher submits one job per run (`python -m runner -m ...`) and each node of the
     job runs the per-node launcher."""
@@ -261,7 +288,7 @@ class ClusterConfig:
     """Host of the c10d rendezvous for hand-started multi-node runs; null = the first node
     of the SLURM job (the only case where the runner knows it)."""
     rdzv_port: int = 29500
-    """Port of the c10d rendezvous on the first node of a multi-node job."""
+    """Port of the c10d rendezvous on the first node of a multi-node job (1..65535)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     rank_overhead_gb: float = 0.6
     """Resident memory of one rank before the model (torch + TorchTitan import), GB."""
@@ -320,7 +347,7 @@ class WandbConfig:
     """W&B project."""
     entity: str | None = None
     """W&B entity (team); null uses the account default."""
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
     """W&B mode: offline (default, needs no network), online or disabled."""
     group: str | None = None
     """W&B run group; null under a Hydra multirun = the sweep folder, so W&B compares the sweep's layouts."""
@@ -342,7 +369,7 @@ class TrainingConfig:
     steps: int = 10
     """Optimizer steps."""
     seed: int = 0
-    """Seed for weights and synthetic data (0 is a valid seed)."""
+    """Seed for weights and synthetic data, in [0, 2**32) (0 is a valid seed)."""
     seq_len: int = 256
     """Tokens per sample."""
     global_batch_size: int = 8
@@ -350,13 +377,13 @@ class TrainingConfig:
     microbatch_size: int = 2
     """Samples per forward/backward pass on one rank (gradient accumulation or pipeline microbatch)."""
     lr: float = 8e-4
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW), > 0."""
     weight_decay: float = 0.1
-    """AdamW weight decay."""
+    """AdamW weight decay, >= 0."""
     warmup_steps: int = 2
     """Linear warm-up steps, then constant."""
     max_norm: float = 1.0
-    """Clip the global gradient norm to this value."""
+    """Clip the global gradient norm to this value (> 0)."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation recomputation; when on, HFU is logged beside MFU."""
     compile: bool = False
@@ -393,7 +420,8 @@ class LossGuardConfig:
     window: int = 20
     """Accepted steps in the running median."""
     warmup_steps: int = 5
-    """Accepted steps before spike detection starts (non-finite values are caught from step 1)."""
+    """Accepted steps before spike detection starts (non-finite values are caught from step 1); at most
+    `window`, since the running median never holds more."""
     action: GuardAction = GuardAction.skip
     """What a spike does: skip the batch, or skip and rewind to the last checkpoint after repeated spikes."""
     max_consecutive: int = 3

@@ -28,6 +28,16 @@ def _guard(cfg: RunConfig, out: list[Problem]) -> None:
     for name, low in (("window", 1), ("warmup_steps", 0), ("max_consecutive", 1)):
         if getattr(g, name) < low:
             out.append(Problem(f"monitor.guard.{name}", getattr(g, name), f"must be >= {low}", f"set monitor.guard.{name} >= {low}"))
+    if g.enable and g.window >= 1 and g.warmup_steps > g.window:  # the median holds at most `window` steps (runner.observe.monitor)
+        out.append(
+            Problem(
+                "monitor.guard.warmup_steps",
+                g.warmup_steps,
+                f"exceeds monitor.guard.window = {g.window}: the running median never holds more than window accepted steps, "
+                "so it never reaches warmup_steps and spike detection never starts",
+                f"use monitor.guard.warmup_steps <= {g.window}, or monitor.guard.window >= {g.warmup_steps}",
+            )
+        )
     if g.action == GuardAction.rewind and not cfg.checkpoint.enable:
         out.append(
             Problem(
@@ -38,14 +48,17 @@ def _guard(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _inject(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     i, steps = cfg.monitor.inject, cfg.training.steps
-    for name in ("delay_rank", "hang_rank"):
+    for name in ("delay_rank", "hang_rank", "kill_rank"):
         r = getattr(i, name)
         if r < -1 or (ws is not None and r >= ws):
             out.append(Problem(f"monitor.inject.{name}", r, f"not a rank of this job (world size {ws})", "use -1 (off) or a rank number"))
     if i.delay_frac < 0:
         out.append(Problem("monitor.inject.delay_frac", i.delay_frac, "must be >= 0", "use e.g. 0.5 for 50 % extra forward time"))
-    if i.hang_rank >= 0 and not 1 <= i.hang_at_step <= steps:
-        out.append(Problem("monitor.inject.hang_at_step", i.hang_at_step, f"outside steps 1..{steps}", f"use a step in 1..{steps}"))
+    for rank, step in (("hang_rank", "hang_at_step"), ("kill_rank", "kill_at_step")):
+        if getattr(i, rank) >= 0 and not 1 <= getattr(i, step) <= steps:
+            out.append(Problem(f"monitor.inject.{step}", getattr(i, step), f"outside steps 1..{steps}", f"use a step in 1..{steps}"))
+    if i.hang_s < 0:
+        out.append(Problem("monitor.inject.hang_s", i.hang_s, "time.sleep refuses a negative time", "use e.g. 3600"))
     bad = [s for s in i.corrupt_steps if not 1 <= s <= steps]
     if bad:
         out.append(Problem("monitor.inject.corrupt_steps", bad, f"outside steps 1..{steps}", f"use steps in 1..{steps}"))
@@ -65,6 +78,8 @@ def _distributed(cfg: RunConfig, out: list[Problem]) -> None:
                 f"use heartbeat_s <= {d.timeout_s / HEARTBEATS_PER_TIMEOUT:g} or a longer timeout",
             )
         )
+    if d.shutdown_timeout_s < 0:
+        out.append(Problem("distributed.shutdown_timeout_s", d.shutdown_timeout_s, "must be >= 0", "use e.g. 30 (torch's own wait)"))
     if d.flight_recorder.buffer_size < 1:
         out.append(
             Problem(

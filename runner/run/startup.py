@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runner.config import plan
-from runner.config.layout import MESH_ORDER, Layout
+from runner.config.layout import MESH_ORDER, Layout, devices_per_node
 from runner.config.plan_comm import link
 from runner.config.schema import RunConfig
 
@@ -23,7 +23,7 @@ def group_of(lay: Layout, rank: int, axis: str) -> list[int]:
 def report(
     cfg: RunConfig, lay: Layout, frozen: Path, fr_folder: Path, converted: list[str] | None, peak_tflops: float | None = None
 ) -> str:
-    per_node = cfg.cluster.devices_per_node if cfg.cluster.devices_per_node != -1 else lay.world_size
+    per_node = devices_per_node(cfg.cluster, lay.world_size)
     lines = [f"layout {cfg.parallelism.name}: {lay.describe()}, {lay.world_size} ranks on {cfg.cluster.num_nodes} node(s) of {per_node}"]
     lines.append(f"mesh {' x '.join(f'{a}={getattr(lay, a)}' for a in MESH_ORDER)} (rank 0's groups):")
     for axis in MESH_ORDER:

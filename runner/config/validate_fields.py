@@ -1,0 +1,139 @@
+"""Range and choice rules of single fields (training, logging, cluster, plan) and the device rules.
+
+Torch-free; called by validate.check. Each bound is what torch, TorchTitan or torchao would
+refuse at start-up, or what would silently turn a feature off.
+"""
+
+from __future__ import annotations
+
+import math
+
+from runner.config import flops, precision
+from runner.config.problems import Problem
+from runner.config.schema import Backend, DeviceType, RunConfig, WorkerStart
+from runner.config.validate_layout import DEGREES
+
+DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
+SEED_LIMIT = 2**32  # runner.run.data seeds torch.Generator with seed x 1,000,003 + sample index, which must fit 64 bits
+PORTS = range(1, 65536)
+
+
+def _choice(field: str, value: object, choices: tuple[str, ...], what: str, out: list[Problem]) -> None:
+    if value not in choices:
+        out.append(Problem(field, value, f"not {what}", f"use one of {', '.join(choices)}"))
+
+
+def training(cfg: RunConfig, out: list[Problem]) -> None:
+    p, t = cfg.parallelism, cfg.training
+    for name in DEGREES:
+        if getattr(p, name) < 1:
+            out.append(Problem(f"parallelism.{name}", getattr(p, name), "a degree must be >= 1", "use 1 to turn the axis off"))
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        out.append(Problem("parallelism.dp_shard", p.dp_shard, "must be >= 1 or -1", "use -1 to absorb the remaining ranks"))
+    for name in ("steps", "seq_len", "global_batch_size", "microbatch_size"):
+        if getattr(t, name) < 1:
+            out.append(Problem(f"training.{name}", getattr(t, name), "must be >= 1", f"set training.{name} to a positive integer"))
+    if t.warmup_steps < 0:
+        out.append(Problem("training.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
+    if not 0 <= t.seed < SEED_LIMIT:
+        out.append(Problem("training.seed", t.seed, "must be in [0, 2**32) (the data seeds torch generators from it)", "use e.g. 0"))
+    if not (t.lr > 0 and math.isfinite(t.lr)):
+        out.append(Problem("training.lr", t.lr, "AdamW needs a positive learning rate (0 trains nothing)", "use e.g. 3e-4"))
+    if not t.weight_decay >= 0:
+        out.append(Problem("training.weight_decay", t.weight_decay, "AdamW rejects a negative weight decay", "use 0 for none, e.g. 0.1"))
+    if not t.max_norm > 0:
+        out.append(Problem("training.max_norm", t.max_norm, "clipping to a norm <= 0 zeroes every gradient", "use e.g. 1.0"))
+    if cfg.logging.log_every < 1:
+        out.append(Problem("logging.log_every", cfg.logging.log_every, "must be >= 1", "log every N >= 1 steps"))
+    if cfg.checkpoint.interval < 1:
+        out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
+    _choice("plan.flops_convention", cfg.plan.flops_convention, flops.CONVENTIONS, "a FLOP convention", out)
+
+
+def cluster(cfg: RunConfig, out: list[Problem]) -> None:
+    c = cfg.cluster
+    for name, example in (("achievable_mfu", "0.40"), ("matmul_efficiency", "0.70")):
+        if not 0 < getattr(c, name) <= 1:
+            out.append(Problem(f"cluster.{name}", getattr(c, name), "is a fraction of peak", f"use a value in (0, 1], e.g. {example}"))
+    for name in ("mtbf_hours", "checkpoint_write_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs", "device_memory_gb"):
+        if getattr(c, name) < 0:
+            out.append(Problem(f"cluster.{name}", getattr(c, name), "must be >= 0", "use 0 for unknown"))
+    if c.rank_overhead_gb < 0:
+        out.append(
+            Problem("cluster.rank_overhead_gb", c.rank_overhead_gb, "must be >= 0", "use the resident GB of a rank before the model")
+        )
+    bad_peaks = {k: v for k, v in c.peak_tflops.items() if not v > 0}
+    if bad_peaks:
+        out.append(Problem("cluster.peak_tflops", bad_peaks, "a dense peak must be > 0 TFLOP/s", "copy the datasheet's dense figure"))
+    if c.compute_capability and precision.parse_capability(c.compute_capability) is None:
+        out.append(Problem("cluster.compute_capability", repr(c.compute_capability), 'not "major.minor"', 'use e.g. "9.0" for H100'))
+    if c.rdzv_port not in PORTS:
+        out.append(Problem("cluster.rdzv_port", c.rdzv_port, "not a TCP port", "use a free port in 1..65535, e.g. 29500"))
+    if c.max_restarts < 0:
+        out.append(Problem("cluster.max_restarts", c.max_restarts, "must be >= 0", "use 0 to never restart"))
+    if c.launcher == "slurm":
+        _slurm(cfg, out)
+
+
+def _slurm(cfg: RunConfig, out: list[Problem]) -> None:
+    c, s = cfg.cluster, cfg.cluster.slurm
+    if not s.partition:
+        out.append(
+            Problem("cluster.slurm.partition", s.partition, "SLURM needs a partition to submit to", "set cluster.slurm.partition=<name>")
+        )
+    if s.gpus_per_node_max < 1:
+        out.append(Problem("cluster.slurm.gpus_per_node_max", s.gpus_per_node_max, "must be >= 1", "set the GPUs of one node"))
+    elif c.devices_per_node > s.gpus_per_node_max:
+        out.append(
+            Problem(
+                "cluster.devices_per_node",
+                c.devices_per_node,
+                f"a node of partition {s.partition} has {s.gpus_per_node_max} GPUs (cluster.slurm.gpus_per_node_max)",
+                f"use at most {s.gpus_per_node_max} per node and more nodes",
+            )
+        )
+    if s.time_min < 1:
+        out.append(Problem("cluster.slurm.time_min", s.time_min, "must be >= 1", "set the job's wall-clock limit in minutes"))
+    for name in ("cpus_per_node", "mem_gb"):
+        if getattr(s, name) is not None and getattr(s, name) < 1:
+            out.append(Problem(f"cluster.slurm.{name}", getattr(s, name), "must be >= 1", "or null for SLURM's default"))
+
+
+def device(cfg: RunConfig, out: list[Problem]) -> None:
+    c, pr = cfg.cluster, cfg.precision
+    want = {DeviceType.cpu: Backend.gloo, DeviceType.cuda: Backend.nccl}[c.device]
+    if c.backend == Backend.nccl and c.device != DeviceType.cuda:
+        out.append(
+            Problem(
+                "cluster.backend",
+                "nccl",
+                f"NCCL needs CUDA devices; cluster.device is {c.device.value}",
+                f"use cluster.backend={want.value}",
+            )
+        )
+    for field, dtype in (("param_dtype", pr.param_dtype), ("reduce_dtype", pr.reduce_dtype)):
+        if dtype.value not in DEVICE_DTYPES[c.device]:
+            out.append(
+                Problem(
+                    f"precision.{field}", dtype.value, f"{c.device.value} cannot compute in it", f"use one of {DEVICE_DTYPES[c.device]}"
+                )
+            )
+    if c.worker_start == WorkerStart.fork and c.device == DeviceType.cuda:
+        out.append(
+            Problem(
+                "cluster.worker_start",
+                "fork",
+                "a CUDA rank forked from an agent that has imported torch cannot initialize CUDA reliably",
+                "use cluster.worker_start=exec",
+            )
+        )
+    peak_dtype = precision.matmul_peak(cfg)[0]
+    if c.device == DeviceType.cuda and peak_dtype not in c.peak_tflops:
+        out.append(
+            Problem(
+                "cluster.peak_tflops",
+                dict(c.peak_tflops),
+                f"has no dense peak for {peak_dtype}, which MFU needs (the dtype of {pr.name}'s matmuls)",
+                f"add cluster.peak_tflops.{peak_dtype}",
+            )
+        )

@@ -1,0 +1,42 @@
+"""Keys the schema does not have, however they got into the composed config.
+
+Hydra's `+key=value` (and `++key=value`) appends with `OmegaConf.update(..., force_add=True)`,
+which opens the struct flag of a typed node for that one key; `OmegaConf.to_object` then sets
+the stray key as an attribute of the dataclass, and nothing reads it. Composition cannot stop
+it, so the composed tree is walked once against the dataclasses' own fields. Config-group
+additions (`+point=a`) and `hydra.*` keys are not in the task config, so they are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config.problems import Problem
+
+
+def _suggest(key: str, fields: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.5)
+    if close:
+        return f"did you mean {' or '.join(prefix + c for c in close)}? (the fields here: {', '.join(fields)})"
+    return f"remove it; the fields here are {', '.join(fields)}"
+
+
+def unknown(cfg: DictConfig, prefix: str = "") -> list[Problem]:
+    """One Problem per key of a typed (dataclass) node that its dataclass does not declare."""
+    out: list[Problem] = []
+    kind = OmegaConf.get_type(cfg)
+    fields = [f.name for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else None
+    for key in cfg.keys():
+        name = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            value = OmegaConf.to_container(cfg, resolve=False)[key]
+            why = f"not a field of {kind.__name__} (a `+` override adds keys the schema does not have, and nothing reads them)"
+            out.append(Problem(name, value, why, _suggest(str(key), fields, prefix)))
+            continue
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            out += unknown(child, f"{name}.")
+    return out

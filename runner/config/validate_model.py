@@ -1,0 +1,153 @@
+"""Model and precision rules: shapes TorchTitan can build, FP8 recipes the device and the
+GEMM shapes can run. Torch-free; called by validate.check."""
+
+from __future__ import annotations
+
+from runner.config import precision
+from runner.config.problems import Problem
+from runner.config.schema import DeviceType, ModelConfig, RunConfig
+from runner.config.validate_layout import divisors
+
+LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
+FAMILIES = {"llama3": LLAMA3_FLAVORS, "deepseek_v3": ("debugmodel", "16B", "236B", "671B")}  # TorchTitan registries
+SIZES = ("dim", "num_layers", "vocab_size", "ffn_hidden_dim")  # >= 1
+OPTIONAL_SIZES = ("num_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # >= 0
+
+
+def check(cfg: RunConfig, out: list[Problem]) -> None:
+    m = cfg.model
+    if m.name not in FAMILIES:
+        out.append(
+            Problem(
+                "model.name",
+                m.name,
+                f"the runner knows TorchTitan's {' and '.join(FAMILIES)} families",
+                "use model=debug, debug_moe or a llama3_* option",
+            )
+        )
+    elif m.flavor not in FAMILIES[m.name]:
+        out.append(Problem("model.flavor", m.flavor, f"not a TorchTitan {m.name} flavor", f"use one of {', '.join(FAMILIES[m.name])}"))
+    for name in SIZES:
+        if getattr(m, name) < 1:
+            out.append(Problem(f"model.{name}", getattr(m, name), "must be >= 1", "copy it from TorchTitan's registry for the flavor"))
+    for name in OPTIONAL_SIZES:
+        if getattr(m, name) < 0:
+            out.append(Problem(f"model.{name}", getattr(m, name), "must be >= 0", "use 0 for off, or copy it from TorchTitan's registry"))
+    _moe(m, out)
+    if m.num_heads < 1 or m.dim % m.num_heads:
+        out.append(Problem("model.num_heads", m.num_heads, f"must divide model.dim = {m.dim}", f"use one of {divisors(max(m.dim, 1))}"))
+    elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
+        out.append(
+            Problem(
+                "model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads = {m.num_heads}", f"use one of {divisors(m.num_heads)}"
+            )
+        )
+
+
+def _moe(m: ModelConfig, out: list[Problem]) -> None:
+    """An MoE model's numbers must describe a router TorchTitan can build."""
+    if m.num_experts < 0:
+        out.append(Problem("model.num_experts", m.num_experts, "must be >= 0", "use 0 for a dense model"))
+    if m.num_experts <= 0:
+        return
+    if not 1 <= m.num_experts_per_token <= m.num_experts:
+        out.append(
+            Problem(
+                "model.num_experts_per_token",
+                m.num_experts_per_token,
+                f"a token goes to between 1 and model.num_experts = {m.num_experts} experts",
+                "copy the router's top_k from TorchTitan's registry",
+            )
+        )
+    if m.moe_hidden_dim < 1:
+        out.append(Problem("model.moe_hidden_dim", m.moe_hidden_dim, "an MoE model's experts need a hidden size", "set it >= 1"))
+    if not 0 <= m.num_dense_layers < m.num_layers:
+        out.append(
+            Problem(
+                "model.num_dense_layers",
+                m.num_dense_layers,
+                f"must be in [0, model.num_layers = {m.num_layers}) so that some blocks hold experts",
+                "copy n_dense_layers from TorchTitan's registry",
+            )
+        )
+
+
+def fp8_device(cfg: RunConfig, out: list[Problem]) -> None:
+    """The cluster's device must run the recipe: SM capability on CUDA, a real or emulated path on CPU."""
+    r, c = cfg.precision.fp8, cfg.cluster
+    req = precision.RECIPES[r]
+    if c.device == DeviceType.cpu:
+        if req.on_cpu == "rejected":
+            out.append(
+                Problem(
+                    "precision.fp8",
+                    r.value,
+                    f"{cfg.precision.name} needs {req.hardware}: its E8M0-scaled 32-element-block GEMMs exist only there, "
+                    "and the runner has no CPU emulation of them",
+                    "use precision=fp8_blockwise (emulated on CPU) or fp8_rowwise, or a Blackwell cluster (mode=validate here)",
+                )
+            )
+        return
+    cc = precision.parse_capability(c.compute_capability)
+    if cc is None:
+        out.append(
+            Problem(
+                "cluster.compute_capability",
+                repr(c.compute_capability),
+                f"{cfg.precision.name} needs {req.hardware}, and the cluster does not say its GPUs' capability",
+                'set it as "major.minor", e.g. cluster.compute_capability="9.0" for H100',
+            )
+        )
+    elif cc < req.min_sm:
+        ok = [name for name, q in precision.RECIPES.items() if q.min_sm <= cc]
+        out.append(
+            Problem(
+                "precision.fp8",
+                r.value,
+                f"needs {req.hardware}; cluster {c.name} has SM {c.compute_capability}",
+                f"use a precision this GPU runs ({', '.join(f'fp8 {o.value}' for o in ok) or 'bf16'}) or a newer cluster",
+            )
+        )
+
+
+def fp8_shapes(cfg: RunConfig, out: list[Problem]) -> None:
+    """Converted layers' GEMM dims, per TP shard, and the tokens per GEMM must fit the recipe's tiles.
+    Needs only tp and cp, which the layout takes from the config as they are."""
+    r, t, tp, cp = cfg.precision.fp8, cfg.training, cfg.parallelism.tp, cfg.parallelism.cp
+    div = precision.RECIPES[r].divisor
+    converted = set(precision.conversion(cfg)[0])
+    layers = [la for la in precision.linear_layers(cfg.model) if la.fqn in converted]
+
+    def fits(la: precision.LinearLayer, d: int) -> bool:
+        k, n = precision.local_gemm_dims(la, d)
+        return k % div == 0 and n % div == 0
+
+    good_tp = [d for d in divisors(cfg.model.num_kv_heads) if cfg.model.num_heads % d == 0 and all(fits(la, d) for la in layers)]
+    seen = set()
+    for layer in layers:
+        kind = ".".join("*" if part.isdigit() else part for part in layer.fqn.split("."))
+        if kind in seen or fits(layer, tp):
+            continue
+        seen.add(kind)
+        k, n = precision.local_gemm_dims(layer, tp)
+        shard = f", {layer.tp_style} over tp={tp}" if tp > 1 else ""
+        out.append(
+            Problem(
+                "precision.fp8",
+                r.value,
+                f"layer {layer.fqn} ({layer.in_dim} -> {layer.out_dim}{shard}) multiplies a {k} x {n} weight; "
+                f"{r.value} FP8 GEMMs need every dimension divisible by {div}",
+                f"keep it in high precision with precision.keep_high_precision=[..., '{kind}'], or use parallelism.tp in {good_tp}",
+            )
+        )
+    tokens = t.microbatch_size * t.seq_len // cp
+    if tokens % div:
+        out.append(
+            Problem(
+                "training.seq_len",
+                t.seq_len,
+                f"training.microbatch_size {t.microbatch_size} x seq_len {t.seq_len} / cp {cp} = {tokens} tokens per GEMM; "
+                f"{r.value} FP8 needs a multiple of {div}",
+                f"make microbatch_size x seq_len / cp a multiple of {div}",
+            )
+        )

@@ -1,0 +1,189 @@
+"""Audit of every schema field: one bad value per field that has one (what torch, TorchTitan or
+torchao would refuse at start-up, or what would silently switch a feature off), each refused
+with its field named; and, with a reason each, the fields that have no bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from runner.config import schema, validate
+
+GPU = ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"]
+SLURM = ["cluster=slurm_h100", "cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"]
+MOE = ["model=debug_moe", "parallelism=single"]
+PP2 = ["parallelism=dp2_pp2"]
+
+# (overrides, the field the error must name). Enum fields are refused by OmegaConf at composition.
+BAD = [
+    (["mode=fly"], "mode"),
+    (["model.name=gpt2"], "model.name"),
+    (["model.flavor=9B"], "model.flavor"),
+    (["model.dim=0"], "model.dim"),
+    (["model.num_layers=0"], "model.num_layers"),
+    (["model.num_heads=7"], "model.num_heads"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads"),
+    (["model.vocab_size=0"], "model.vocab_size"),
+    (["model.ffn_hidden_dim=0"], "model.ffn_hidden_dim"),
+    (["model.num_experts=-1"], "model.num_experts"),
+    ([*MOE, "model.num_experts_per_token=9"], "model.num_experts_per_token"),
+    ([*MOE, "model.num_shared_experts=-1"], "model.num_shared_experts"),
+    ([*MOE, "model.moe_hidden_dim=0"], "model.moe_hidden_dim"),
+    ([*MOE, "model.num_dense_layers=6"], "model.num_dense_layers"),
+    ([*MOE, "model.kv_lora_rank=-1"], "model.kv_lora_rank"),
+    (["model.q_lora_rank=-1"], "model.q_lora_rank"),
+    (["model.qk_nope_head_dim=-1"], "model.qk_nope_head_dim"),
+    (["model.qk_rope_head_dim=-1"], "model.qk_rope_head_dim"),
+    (["model.v_head_dim=-1"], "model.v_head_dim"),
+    (["parallelism.dp_replicate=0"], "parallelism.dp_replicate"),
+    (["parallelism.dp_shard=-2"], "parallelism.dp_shard"),
+    (["parallelism.tp=0"], "parallelism.tp"),
+    (["parallelism.pp=0"], "parallelism.pp"),
+    (["parallelism.cp=0"], "parallelism.cp"),
+    (["parallelism.ep=0"], "parallelism.ep"),
+    (["parallelism=single", "parallelism.pp_schedule=Zigzag"], "parallelism.pp_schedule"),  # refused at pp=1 too
+    ([*PP2, "parallelism.pp_virtual_stages=0"], "parallelism.pp_virtual_stages"),
+    ([*PP2, "parallelism.pp_first_stage_less_layers=-1"], "parallelism.pp_first_stage_less_layers"),
+    ([*PP2, "parallelism.pp_last_stage_less_layers=-1"], "parallelism.pp_last_stage_less_layers"),
+    (["parallelism.async_tp=true"], "parallelism.async_tp"),
+    (["parallelism.fsdp_reshard_after_forward=sometimes"], "parallelism.fsdp_reshard_after_forward"),
+    (["precision.param_dtype=float16"], "precision.param_dtype"),
+    (["precision.reduce_dtype=float64"], "precision.reduce_dtype"),
+    (["precision=mxfp8"], "precision.fp8"),  # no CPU path
+    (["checkpoint.interval=0"], "checkpoint.interval"),
+    (["checkpoint.keep=-1"], "checkpoint.keep"),
+    (["checkpoint.resume=true"], "checkpoint.resume"),  # with checkpoints off
+    (["checkpoint.min_free_gb=-1"], "checkpoint.min_free_gb"),
+    ([*SLURM, "cluster.slurm.partition=null"], "cluster.slurm.partition"),
+    ([*SLURM, "cluster.slurm.time_min=0"], "cluster.slurm.time_min"),
+    ([*SLURM, "cluster.slurm.gpus_per_node_max=0"], "cluster.slurm.gpus_per_node_max"),
+    ([*SLURM, "cluster.slurm.cpus_per_node=0"], "cluster.slurm.cpus_per_node"),
+    ([*SLURM, "cluster.slurm.mem_gb=0"], "cluster.slurm.mem_gb"),
+    (["cluster.num_nodes=0"], "cluster.num_nodes"),
+    (["cluster.devices_per_node=0"], "cluster.devices_per_node"),
+    (["cluster.device=tpu"], "cluster.device"),
+    (["cluster.backend=nccl"], "cluster.backend"),
+    (["cluster.intra_node_bandwidth_gbs=-1"], "cluster.intra_node_bandwidth_gbs"),
+    (["cluster.inter_node_bandwidth_gbs=-1"], "cluster.inter_node_bandwidth_gbs"),
+    ([*GPU, "cluster.peak_tflops.bfloat16=0", "precision=bf16"], "cluster.peak_tflops"),
+    ([*GPU, "cluster.compute_capability=nine"], "cluster.compute_capability"),
+    (["cluster.high_precision_dtype=float16"], "cluster.high_precision_dtype"),
+    (["cluster.device_memory_gb=-1"], "cluster.device_memory_gb"),
+    (["cluster.launcher=pbs"], "cluster.launcher"),
+    (["cluster.max_restarts=-1"], "cluster.max_restarts"),
+    ([*GPU, "cluster.worker_start=fork"], "cluster.worker_start"),
+    (["cluster.rdzv_port=70000"], "cluster.rdzv_port"),
+    (["cluster.rank_overhead_gb=-1"], "cluster.rank_overhead_gb"),
+    (["cluster.achievable_mfu=0"], "cluster.achievable_mfu"),
+    (["cluster.matmul_efficiency=1.5"], "cluster.matmul_efficiency"),
+    (["cluster.mtbf_hours=-1"], "cluster.mtbf_hours"),
+    (["cluster.checkpoint_write_gbs=-1"], "cluster.checkpoint_write_gbs"),
+    (["data.name=web"], "data.name"),
+    (["data=text", "data.tokenizer=tokenizer.json"], "data.files"),  # text with no files
+    (["data.format=csv"], "data.format"),
+    (["data=text", "data.files=[corpus.jsonl]"], "data.tokenizer"),  # text with no tokenizer
+    (["logging.wandb.mode=cloud"], "logging.wandb.mode"),
+    (["logging.log_every=0"], "logging.log_every"),
+    (["training.steps=0"], "training.steps"),
+    (["training.seed=-1"], "training.seed"),
+    (["training.seq_len=0"], "training.seq_len"),
+    (["training.global_batch_size=0"], "training.global_batch_size"),
+    (["training.microbatch_size=0"], "training.microbatch_size"),
+    (["training.lr=0"], "training.lr"),
+    (["training.weight_decay=-0.1"], "training.weight_decay"),
+    (["training.warmup_steps=-1"], "training.warmup_steps"),
+    (["training.max_norm=0"], "training.max_norm"),
+    (["training.activation_checkpoint=selective"], "training.activation_checkpoint"),
+    (["monitor.straggler.interval=0"], "monitor.straggler.interval"),
+    (["monitor.straggler.factor=1"], "monitor.straggler.factor"),
+    (["monitor.straggler.windows=0"], "monitor.straggler.windows"),
+    (["monitor.straggler.min_seconds=-1"], "monitor.straggler.min_seconds"),
+    (["monitor.guard.factor=0.5"], "monitor.guard.factor"),
+    (["monitor.guard.window=0"], "monitor.guard.window"),
+    (["monitor.guard.warmup_steps=25"], "monitor.guard.warmup_steps"),  # > window 20: detection never starts
+    (["monitor.guard.action=rewind"], "monitor.guard.action"),  # with checkpoints off
+    (["monitor.guard.max_consecutive=0"], "monitor.guard.max_consecutive"),
+    (["monitor.inject.delay_rank=4"], "monitor.inject.delay_rank"),  # 4 ranks: 0..3
+    (["monitor.inject.delay_frac=-1"], "monitor.inject.delay_frac"),
+    (["monitor.inject.hang_rank=-2"], "monitor.inject.hang_rank"),
+    (["monitor.inject.hang_rank=0", "monitor.inject.hang_at_step=11"], "monitor.inject.hang_at_step"),
+    (["monitor.inject.hang_s=-1"], "monitor.inject.hang_s"),
+    (["monitor.inject.corrupt_steps=[0]"], "monitor.inject.corrupt_steps"),
+    (["monitor.inject.kill_rank=9"], "monitor.inject.kill_rank"),
+    (["monitor.inject.kill_rank=0", "monitor.inject.kill_at_step=0"], "monitor.inject.kill_at_step"),
+    (["distributed.timeout_s=0"], "distributed.timeout_s"),
+    (["distributed.heartbeat_s=1000"], "distributed.heartbeat_s"),
+    (["distributed.host_group=nccl"], "distributed.host_group"),
+    (["distributed.shutdown_timeout_s=-1"], "distributed.shutdown_timeout_s"),
+    (["distributed.flight_recorder.buffer_size=0"], "distributed.flight_recorder.buffer_size"),
+    (["plan.flops_convention=8N"], "plan.flops_convention"),
+]
+
+# Fields with no value the config layer can call wrong, and why.
+NO_BAD_VALUE = [
+    ("model.weight_tying", "the model is built from TorchTitan's registry flavor; a test keeps the copied numbers equal to it"),
+    ("parallelism.name", "a label for reports"),
+    ("parallelism.sequence_parallel", "both settings run with any tp (validation checks seq_len against tp when it is on)"),
+    ("precision.name", "a label for reports"),
+    ("precision.keep_high_precision", "presets list non-Linear modules on purpose; a pattern that matches nothing keeps nothing"),
+    ("checkpoint.enable", "either setting runs"),
+    ("checkpoint.folder", "any path; whether it can be written is a launch-time check (validate_ckpt.check_launch)"),
+    ("checkpoint.async_save", "either setting runs"),
+    ("checkpoint.export_final_model", "either setting runs"),
+    ("cluster.name", "a label for reports"),
+    ("cluster.rdzv_host", "any host name; reachability is the rendezvous's own check"),
+    ("cluster.slurm.account", "free text passed to sbatch; null = the user's default"),
+    ("cluster.slurm.constraint", "free text passed to sbatch"),
+    ("cluster.slurm.exclusive", "either setting submits"),
+    ("cluster.slurm.container_image", "free text passed to pyxis"),
+    ("data.text_field", "any column name; its presence is checked when the files are read"),
+    ("data.eos_token", "skipped when the tokenizer lacks it"),
+    ("data.shuffle", "either setting runs"),
+    ("logging.name", "a label for reports"),
+    ("logging.progress", "either setting runs"),
+    ("logging.wandb.enable", "either setting runs"),
+    ("logging.wandb.project", "any name W&B accepts"),
+    ("logging.wandb.entity", "null = the account default"),
+    ("logging.wandb.group", "null = the sweep folder"),
+    ("training.compile", "either setting runs (async TP's need for it is checked under parallelism.async_tp)"),
+    ("monitor.straggler.enable", "either setting runs"),
+    ("monitor.guard.enable", "off is a documented choice; non-finite values are caught either way"),
+    ("monitor.inject.corrupt_scale", "any float is a corruption, nan included"),
+    ("distributed.flight_recorder.enable", "either setting runs"),
+    ("distributed.flight_recorder.dump_on_timeout", "either setting runs"),
+    ("distributed.flight_recorder.folder", "any path inside or outside the run folder"),
+    ("distributed.flight_recorder.enable_timing", "CUDA-only by its docstring; ignored on gloo"),
+    ("distributed.audit_collectives", "test-only; either setting runs"),
+    ("provenance", "filled by the runner, ignored on input"),
+]
+
+
+def _leaves(kind: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(kind)
+    out = []
+    for f in dataclasses.fields(kind):
+        t = hints[f.name]
+        out += _leaves(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [f"{prefix}{f.name}"]
+    return out
+
+
+def test_every_schema_field_is_audited():
+    bad = [field for _, field in BAD]
+    assert len(bad) == len(set(bad))
+    assert sorted(bad + [f for f, _ in NO_BAD_VALUE]) == sorted(_leaves(schema.RunConfig))
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=[f for _, f in BAD])
+def test_bad_value_is_refused_naming_its_field(compose, overrides, field):
+    try:
+        cfg = compose(overrides)
+    except validate.ConfigError as e:
+        pytest.fail(f"an unknown key instead of {field}: {e}")
+    except Exception as e:  # OmegaConf refuses a wrong enum name at composition and names the full key
+        assert f"full_key: {field}" in f"{e} {e.__cause__}"
+        return
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(cfg)
+    assert field in [p.field for p in e.value.problems], str(e.value)

@@ -1,0 +1,92 @@
+"""Validation reports every problem at once, refuses keys the schema lacks and layouts the plan
+says do not fit, and catches settings that silently switch a feature off."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.config import validate
+from tests.conftest import run_cli
+
+BIG_405B = ["model=llama3_405b", "parallelism=tp8_pp16", "cluster=h100x1024", "training.seq_len=8192", "training.global_batch_size=2048"]
+
+
+def _problems(compose, overrides: list[str]) -> list:
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(overrides))
+    return e.value.problems
+
+
+@pytest.mark.parametrize(
+    "overrides,fields",
+    [
+        (
+            ["model=llama3_8b", "parallelism.tp=3", "cluster=h100_node"],  # the world size used to hide the three TP problems
+            ["parallelism", "parallelism.tp", "parallelism.tp", "training.seq_len"],
+        ),
+        (
+            ["training.steps=0", "precision=mxfp8", "parallelism=tp2_pp2", "training.global_batch_size=3"],  # a bad range used to stop here
+            ["training.steps", "training.global_batch_size", "precision.fp8"],
+        ),
+    ],
+)
+def test_every_problem_is_reported_at_once(compose, overrides, fields):
+    assert [p.field for p in _problems(compose, overrides)] == fields
+
+
+def test_world_size_problem_does_not_hide_head_divisibility(compose):
+    by_why = {p.why for p in _problems(compose, ["model=llama3_8b", "parallelism.tp=3", "cluster=h100_node"])}
+    assert "must divide model.num_heads = 32 and model.num_kv_heads = 8" in by_why
+    assert "a TP group must fit inside one node of 8 devices (cluster h100_node) and divide it" in by_why
+
+
+@pytest.mark.parametrize(
+    "override,field,fix",
+    [
+        ("+parallelism.bogus_field=1", "parallelism.bogus_field", "remove it; the fields here are name, dp_replicate, dp_shard"),
+        ("+training.lr_warmup=100", "training.lr_warmup", "did you mean training.warmup_steps?"),
+        ("++monitor.guard.windw=5", "monitor.guard.window", None),
+    ],
+)
+def test_keys_added_with_plus_are_rejected(compose, override, field, fix):
+    with pytest.raises(validate.ConfigError) as e:
+        compose([override])
+    (p,) = e.value.problems
+    if fix is None:  # the typo'd key is named; the close match is suggested
+        assert p.field == "monitor.guard.windw" and "did you mean monitor.guard.window" in p.fix
+    else:
+        assert p.field == field and p.fix.startswith(fix)
+        assert "a `+` override adds keys the schema does not have" in p.why
+
+
+def test_cli_rejects_a_plus_key_but_keeps_plus_groups_and_hydra_keys(tmp_path):
+    proc = run_cli("+training.lr_warmup=100", "mode=validate", run_dir=tmp_path / "bad")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "training.lr_warmup = 100: not a field of TrainingConfig" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+    (tmp_path / "conf" / "point").mkdir(parents=True)
+    (tmp_path / "conf" / "point" / "a.yaml").write_text("# @package _global_\ntraining:\n  steps: 3\n")
+    ok = run_cli("--config-dir", str(tmp_path / "conf"), "+point=a", "+hydra.job.env_set.RUNNER_PROBE=1", "mode=validate")
+    assert ok.returncode == 0, ok.stderr
+    assert "config OK" in ok.stdout
+
+
+def test_guard_warmup_longer_than_window_is_refused(compose):
+    (p,) = _problems(compose, ["monitor.guard.warmup_steps=21", "monitor.guard.window=20"])
+    assert p.field == "monitor.guard.warmup_steps" and "exceeds monitor.guard.window = 20" in p.why
+    assert p.fix == "use monitor.guard.warmup_steps <= 20, or monitor.guard.window >= 21"
+    validate.check(compose(["monitor.guard.warmup_steps=20", "monitor.guard.window=20"]))  # equal: detection starts at step 21
+    validate.check(compose(["monitor.guard.warmup_steps=50", "monitor.guard.enable=false"]))  # off on purpose: nothing to warn about
+
+
+def test_validation_applies_the_plans_memory_verdict(compose, budget):
+    (p,) = _problems(compose, [*BIG_405B, "mode=validate"])
+    b = budget([*BIG_405B, "mode=plan"])  # mode=plan prints the verdict as its memory row instead of refusing
+    assert b["fits_memory"] is False
+    assert p.field == "parallelism" and p.value == "pp=16 x dp_shard=8 x tp=8"
+    assert p.why.startswith(f"needs {b['total_gb_per_gpu']:.1f} GB per GPU (weights + gradients 25.4, optimizer 4.8, activations 287.5")
+    assert "more than the 80 GB of a h100x1024 GPU (cluster.device_memory_gb)" in p.why
+    for fix in ("raise parallelism.pp or parallelism.tp", "training.activation_checkpoint=full", "lower training.microbatch_size"):
+        assert fix in p.fix
+    fitted = compose([*BIG_405B, "precision=bf16", "training.microbatch_size=1", "training.activation_checkpoint=full", "mode=validate"])
+    assert validate.check(fitted).world_size == 1024
