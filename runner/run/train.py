@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import flops
+from runner.config import checkpoint, flops
 from runner.config.layout import Layout
 from runner.config.schema import ActivationCheckpoint, RunConfig
 from runner.observe import calibration as calibrate
@@ -203,7 +203,7 @@ def run(
     timer = calibrate.StageTimer(built.schedule) if built.schedule is not None else None
     mon = StepMonitor(cfg, lay.coords, dist.get_rank(), recorder, run_dir)
     guard = monitor.LossGuard(cfg.monitor.guard)
-    ckpt = Checkpointer(cfg, lay, run_dir)
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay))
     idle = []  # per step: this rank's idle fraction inside the pipeline schedule
     rows = []
     step = _start(cfg, lay, built, opt, sched, data, guard, ckpt)
