@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, runfiles, validate_ckpt
+from runner.config import checkpoint, freeze, runfiles, validate_ckpt
 from runner.config.problems import ConfigError
+from runner.config.schema import ModelConfig
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
 
@@ -90,9 +92,11 @@ def test_reference_run_keeps_last_three_complete_and_exports_model(reference):
         info = checkpoint.marker(path)
         assert (info["step"], info["world_size"], info["degrees"], info["async_save"]) == (step, 4, "dp_shard=2 x tp=2", True)
         assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+        assert info["files"] == checkpoint.file_records(path)  # sizes and CRC-32s of the files as they are on disk
+        assert info["model"] == checkpoint.model_identity(ModelConfig())  # every architecture field of the debug model
     assert (folder / "model-final" / ".metadata").is_file()
     # model-only: its shards are a third of a full checkpoint's (weights vs weights + two AdamW moments)
-    full = sum(checkpoint.marker(folder / "step-6")["files"].values())
+    full = sum(f["bytes"] for f in checkpoint.marker(folder / "step-6")["files"].values())
     model = sum(p.stat().st_size for p in (folder / "model-final").iterdir())
     assert 0.25 < model / full < 0.4
     assert [f"checkpoint: deleted step-{s} (keep 3)" in proc.stdout for s in (1, 2, 3)] == [True] * 3
@@ -104,7 +108,9 @@ def test_reference_start_up_shows_planner_interval_and_data_check(reference):
     assert "checkpoints: every 1 steps (async, keep 3) into checkpoints; planner suggests " in proc.stdout
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("checkpoints:"))
     assert "Young/Daly" in line and "MTBF 0.01 h" in line
-    assert "data check: first batch identical on the 2 ranks of each TP/CP/PP group, different across 2 DP replica(s)" in proc.stdout
+    # global batch 8 over 2 DP replicas: samples 0-3 and 4-7
+    check = "data check: first batch identical on the 2 ranks of each TP/CP/PP group, disjoint samples across 2 DP replica(s)"
+    assert f"{check} (global samples 0-3, 4-7)" in proc.stdout
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert len({r["data_hash"] for r in rows}) == STEPS  # every step reads new samples
@@ -133,25 +139,43 @@ def _copy_checkpoints(reference, dest: Path, steps: list[int]) -> Path:
     return dest
 
 
-def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tmp_path):
-    """The job stopped after step 5 (no step 6); step-5 has a truncated shard; a leftover .partial is ignored."""
-    folder = _copy_checkpoints(reference, tmp_path / "ckpt", [4, 5])
-    shard = folder / "step-5" / "__1_0.distcp"
-    size = shard.stat().st_size
+def _corrupt(shard: Path) -> tuple[str, str]:
+    """Flip one byte in the middle of a file (its size unchanged); return its CRC-32 before and after."""
+    before = checkpoint.crc32(shard)
     with open(shard, "r+b") as f:
-        f.truncate(size // 2)
+        f.seek(shard.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return before, checkpoint.crc32(shard)
+
+
+def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tmp_path):
+    """The job stopped after step 5 (no step 6); step-5 has a shard corrupted in place (same size); a leftover
+    .partial is ignored. The resumed run's frozen.yaml replays it: from the same step-4, not from the newest."""
+    folder = _copy_checkpoints(reference, tmp_path / "ckpt", [4, 5])
+    written, now = _corrupt(folder / "step-5" / "__1_0.distcp")
     (folder / "step-7.partial").mkdir()
     run_dir = tmp_path / "manual"
     replay = ["--config-dir", str(reference[0]), "--config-name", "frozen"]
     proc = run_cli(*replay, "checkpoint.resume=true", f"checkpoint.folder={folder}", "checkpoint.export_final_model=false", run_dir=run_dir)
     _ok(proc, "manual resume")
-    assert f"WARNING: skipping checkpoint {folder / 'step-5'}: __1_0.distcp has {size // 2} bytes, {size} were written" in proc.stderr
+    why = f"__1_0.distcp has crc32 {now}, {written} was written (its content changed after the save)"
+    assert f"WARNING: skipping checkpoint {folder / 'step-5'}: {why}; falling back to {folder / 'step-4'}" in proc.stderr
     assert f"checkpoint: resumed from {folder / 'step-4'} (step 4, layout dp2_tp2)" in proc.stdout
     ref, got = _by_step(reference[0]), _by_step(run_dir)
     assert sorted(got) == [5, 6]
     for s in (5, 6):
         assert (got[s]["loss"], got[s]["grad_norm"], got[s]["data_hash"]) == (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["data_hash"])
     assert checkpoint.verify(folder / "step-6") is None and not (folder / "step-7.partial").exists()
+    # the frozen file names the checkpoint the run started from; its replay resumes from it although step-6 is newer
+    text = (run_dir / runfiles.FROZEN).read_text()
+    assert f"# This run resumed from {folder / 'step-4'} (checkpoint.resume_from)." in text
+    frozen = freeze.load(run_dir / runfiles.FROZEN)
+    assert (frozen.checkpoint.resume, frozen.checkpoint.resume_from) == (True, str(folder / "step-4"))
+    assert frozen.provenance["resumed_from"] == str(folder / "step-4")
+    validate_ckpt.check_launch(frozen, tmp_path / "replay")  # before the fix: "step-6 is already at step 6"
+    assert frozen.checkpoint.resume_from == str(folder / "step-4")
 
 
 def test_pipeline_run_resumes_fsdp_tp_checkpoint_and_saves_its_own(reference, assets, tmp_path):
@@ -182,14 +206,49 @@ def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
     (part / ".metadata").write_bytes(b"m" * 5)
     for r, n in enumerate(sizes):
         (part / f"__{r}_0.distcp").write_bytes(b"x" * n)
-    return checkpoint.publish(part, checkpoint.final_path(folder, step), {"step": step}) if publish else part
+    if not publish:
+        return part
+    return checkpoint.publish(part, checkpoint.final_path(folder, step), {"step": step}, checkpoint.file_records(part))
 
 
 def test_publish_is_a_rename_with_a_marker_of_every_file(tmp_path):
     final = _fake(tmp_path, 3)
     assert final == tmp_path / "step-3" and not (tmp_path / "step-3.partial").exists()
-    assert checkpoint.marker(final) == {"step": 3, "files": {".metadata": 5, "__0_0.distcp": 10, "__1_0.distcp": 20}}
+    crc = {n: f"{zlib.crc32(c * k):08x}" for n, c, k in ((".metadata", b"m", 5), ("__0_0.distcp", b"x", 10), ("__1_0.distcp", b"x", 20))}
+    assert checkpoint.marker(final) == {
+        "step": 3,
+        "files": {
+            ".metadata": {"bytes": 5, "crc32": crc[".metadata"]},
+            "__0_0.distcp": {"bytes": 10, "crc32": crc["__0_0.distcp"]},
+            "__1_0.distcp": {"bytes": 20, "crc32": crc["__1_0.distcp"]},
+        },
+    }
     assert checkpoint.verify(final) is None
+    assert checkpoint.file_records(final, checksum=False) == {
+        ".metadata": {"bytes": 5},
+        "__0_0.distcp": {"bytes": 10},
+        "__1_0.distcp": {"bytes": 20},
+    }
+
+
+def test_shard_changed_in_place_falls_back_like_a_truncated_one(tmp_path):
+    """Same size, other content: only the checksum tells. Keep-last judges by size (it runs after every save)."""
+    for s in (1, 2):
+        _fake(tmp_path, s)
+    (tmp_path / "step-2" / "__0_0.distcp").write_bytes(b"y" * 10)
+    pick, warnings = checkpoint.choose(tmp_path)
+    want = f"{zlib.crc32(b'x' * 10):08x}"
+    assert pick == tmp_path / "step-1"
+    assert warnings == [
+        f"skipping checkpoint {tmp_path / 'step-2'}: __0_0.distcp has crc32 {zlib.crc32(b'y' * 10):08x}, {want} was written "
+        f"(its content changed after the save); falling back to {pick}"
+    ]
+    assert checkpoint.verify(tmp_path / "step-2", deep=False) is None
+    # a checkpoint saved with checkpoint.checksum=false is judged by its sizes
+    part = _fake(tmp_path, 3, publish=False)
+    checkpoint.publish(part, checkpoint.final_path(tmp_path, 3), {"step": 3}, checkpoint.file_records(part, checksum=False))
+    (tmp_path / "step-3" / "__0_0.distcp").write_bytes(b"y" * 10)
+    assert checkpoint.choose(tmp_path) == (tmp_path / "step-3", [])
 
 
 def test_choose_newest_complete_and_warn_about_broken_newer(tmp_path):
@@ -293,15 +352,66 @@ def test_full_checkpoint_filesystem_is_rejected(compose, tmp_path):
     assert f"checkpoint.min_free_gb 1e+12 need {2 * one + 1e12:.3g} GB" in p.why
 
 
-def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
-    _fake(tmp_path / "checkpoints", 4)
-    marker = tmp_path / "checkpoints" / "step-4" / runfiles.CHECKPOINT_MARKER
+def _with_model(path: Path, **changes) -> None:
+    marker = path / runfiles.CHECKPOINT_MARKER
     body = json.loads(marker.read_text())
-    body["model"] = {"name": "llama3", "flavor": "8B", "dim": 4096, "num_layers": 32, "vocab_size": 128256}
+    body["model"] = {**checkpoint.model_identity(ModelConfig()), **changes}
     marker.write_text(json.dumps(body))
-    cfg = compose(["checkpoint=local", "checkpoint.resume=true"])
+
+
+def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
+    """Any architecture field counts: the same name, flavor, dim, layers and vocabulary with another FFN width is another model."""
+    _with_model(_fake(tmp_path / "checkpoints", 4), ffn_hidden_dim=1024)
+    cfg = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"])
     with pytest.raises(ConfigError) as e:
         validate_ckpt.check_launch(cfg, tmp_path)
     (p,) = e.value.problems
-    assert p.field == "checkpoint.resume" and "holds model {'name': 'llama3', 'flavor': '8B'" in p.why
-    assert "this run builds {'name': 'llama3', 'flavor': 'debugmodel'" in p.why
+    assert (p.field, p.why) == (
+        "checkpoint.resume",
+        f"the checkpoint {tmp_path / 'checkpoints' / 'step-4'} holds another model: ffn_hidden_dim 1024 (this run 768)",
+    )
+    assert cfg.checkpoint.resume_from == ""  # nothing pinned
+
+
+def test_resume_pins_the_checkpoint_it_starts_from(compose, tmp_path):
+    for s in (2, 4):
+        _with_model(_fake(tmp_path / "checkpoints", s))
+    cfg = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"])
+    validate_ckpt.check_launch(cfg, tmp_path)
+    assert cfg.checkpoint.resume_from == str(tmp_path / "checkpoints" / "step-4")
+    # a replay names it: the newest is not taken, and a pinned checkpoint that is gone is an error, not a fresh start
+    _with_model(_fake(tmp_path / "checkpoints", 6))
+    validate_ckpt.check_launch(cfg, tmp_path)
+    assert cfg.checkpoint.resume_from == str(tmp_path / "checkpoints" / "step-4")
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    with pytest.raises(ConfigError) as e:
+        validate_ckpt.check_launch(cfg, tmp_path)
+    (p,) = e.value.problems
+    assert (p.field, p.value, p.why) == (
+        "checkpoint.resume_from",
+        str(tmp_path / "checkpoints" / "step-4"),
+        "cannot be resumed from: no such folder",
+    )
+
+
+@pytest.mark.parametrize("state", ["missing", "empty", "broken"])
+def test_resume_with_nothing_to_resume_fails_before_launch(compose, tmp_path, state):
+    where = tmp_path / "stopped" / "checkpoints"
+    if state != "missing":
+        where.mkdir(parents=True)
+    if state == "broken":
+        (_fake(where, 3) / "__0_0.distcp").unlink()
+    cfg = compose(["checkpoint=local", "checkpoint.resume=true", f"checkpoint.folder={where}"])
+    with pytest.raises(ConfigError) as e:
+        validate_ckpt.check_launch(cfg, tmp_path / "run")
+    (p,) = e.value.problems
+    held = "does not exist" if state == "missing" else "holds no intact checkpoint"
+    assert (p.field, p.why) == ("checkpoint.resume", f"nothing to resume: the checkpoint folder {where} {held}")
+
+
+def test_resume_from_needs_resume(compose):
+    from runner.config import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(["checkpoint=local", "checkpoint.resume_from=/x/step-3"]))
+    assert [(p.field, p.why) for p in e.value.problems] == [("checkpoint.resume_from", "is read only when resuming")]

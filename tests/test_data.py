@@ -1,6 +1,10 @@
-"""Synthetic data: DP shards are disjoint and together equal the single-rank batch."""
+"""Synthetic data: DP shards are disjoint and together equal the single-rank batch; the start-up data check."""
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import torch
 
@@ -41,3 +45,53 @@ def test_stream_is_learnable_progression():
     # most steps repeat the sample's stride (1 token in 10 is noise)
     mode = torch.mode(diffs, dim=1).values  # per-sample stride
     assert ((diffs == mode[:, None]).float().mean() > 0.7).item()
+
+
+def _check_inputs_on_threads(shards: list, dp_rank_of) -> list:
+    """runner.run.data.check_inputs on one thread per rank, with all_gather done by hand between the threads."""
+    from runner.run import data
+
+    n, box, barrier = len(shards), [None] * len(shards), threading.Barrier(len(shards))
+    local = threading.local()
+
+    def all_gather(got, mine):
+        box[local.rank] = mine
+        barrier.wait()
+        for i, t in enumerate(box):
+            got[i].copy_(t)
+
+    def rank(r):
+        local.rank = r
+        try:
+            return data.check_inputs(shards[r], dp_rank_of, 0)
+        except RuntimeError as e:
+            return e
+
+    with mock.patch.object(data.dist, "all_gather", all_gather), mock.patch.object(data.dist, "get_world_size", lambda: n):
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(rank, range(n)))
+
+
+def test_data_check_judges_replicas_by_sample_not_content():
+    """One short document repeated: DP replicas read the same tokens from different samples, which is fine."""
+    from runner.run.data import TextData
+
+    tokens = torch.tensor([5, 6, 7, 8] * 200)  # every 64-token piece starts at a multiple of 4: all identical
+
+    def shard(r, dp):
+        return TextData(tokens, seed=0, shuffle=True, seq_len=64, global_batch=8, microbatch=2, dp_rank=r, dp=dp)
+
+    got = _check_inputs_on_threads([shard(0, 2), shard(1, 2)], lambda r: r)
+    line = "data check: first batch identical on the 1 ranks of each TP/CP/PP group, disjoint samples across 2 DP replica(s)"
+    assert got == [f"{line} (global samples 0-3, 4-7)"] * 2  # before the fix: "two DP replicas read the same first batch"
+    # dp2 x tp2 (rank // 2 is the DP rank): agreeing TP pairs pass
+    assert _check_inputs_on_threads([shard(0, 2), shard(0, 2), shard(1, 2), shard(1, 2)], lambda r: r // 2)[0].startswith(
+        "data check: first batch identical on the 2 ranks of each TP/CP/PP group"
+    )
+
+
+def test_data_check_catches_overlapping_replicas_and_disagreeing_tp_ranks():
+    overlap = _check_inputs_on_threads([_data(0, 2), _data(0, 2)], lambda r: r)  # both think they are DP rank 0
+    assert all(str(e).startswith("DP replicas 0 and 1 both read global sample 0") for e in overlap)
+    split = _check_inputs_on_threads([_data(0, 2), _data(0, 2, seed=1)], lambda r: 0)  # one TP group, other seeds
+    assert all(str(e).startswith("ranks of DP rank 0 read different first batches: ranks [") for e in split)

@@ -1,4 +1,4 @@
-"""A tiny corpus and BPE tokenizer built on the spot (nothing downloaded), for data=text runs."""
+"""A tiny corpus and tokenizers (BPE, WordPiece, WordLevel, Unigram) built on the spot (nothing downloaded), for data=text runs."""
 
 from __future__ import annotations
 
@@ -42,3 +42,22 @@ def make(folder: Path, n_docs: int = 300, vocab_size: int = 512) -> tuple[Path, 
     path = folder / "tokenizer.json"
     tok.save(str(path))
     return corpus, path
+
+
+def tokenizer(kind: str, path: Path, vocab_size: int = 200, n_docs: int = 50) -> Path:
+    """Train a `tokenizers` model of type `kind` (BPE, WordPiece, WordLevel or Unigram) on the corpus and save it to `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    model, trainer = {
+        "BPE": (models.BPE(unk_token="[UNK]"), trainers.BpeTrainer),
+        "WordPiece": (models.WordPiece(unk_token="[UNK]"), trainers.WordPieceTrainer),
+        "WordLevel": (models.WordLevel(unk_token="[UNK]"), trainers.WordLevelTrainer),
+        "Unigram": (models.Unigram(), trainers.UnigramTrainer),
+    }[kind]
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    extra = {"show_progress": False, **({"unk_token": "[UNK]"} if kind == "Unigram" else {})}
+    tok.train_from_iterator(documents(n_docs), trainer=trainer(vocab_size=vocab_size, special_tokens=["[UNK]", EOS], **extra))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path

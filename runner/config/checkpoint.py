@@ -3,28 +3,65 @@
 Torch-free (validation reads it). A checkpoint of step n is written by DCP into `step-<n>.partial`;
 when every rank's shard is on disk (DCP's finish step gathers every rank's write result before the
 coordinator writes `.metadata`, so the save returning on rank 0 is that barrier), rank 0 writes
-`COMPLETE.json` (every file with its size, plus what the state was saved from) into it and renames
-the folder to `step-<n>`: a crash at any moment leaves either a `.partial` folder, which resume
-ignores, or a whole checkpoint. A `step-<n>` folder whose files no longer match its marker
-(truncated or missing shard) is reported and skipped.
+`COMPLETE.json` (every file with its size and CRC-32, plus what the state was saved from) into it and
+renames the folder to `step-<n>`: a crash at any moment leaves either a `.partial` folder, which resume
+ignores, or a whole checkpoint. A `step-<n>` folder whose files no longer match its marker (missing,
+truncated or changed shard) is reported and skipped.
+
+CRC-32 (zlib) rather than a cryptographic hash: it guards against storage corruption, not tampering, and
+reads files about twice as fast as hashlib's SHA-256 here (2.9 vs 1.45 GB/s through `hashlib.file_digest`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
+from runner.config.layout import Layout
+from runner.config.schema import CheckpointConfig, ModelConfig, RunConfig
 
 MARKER = runfiles.CHECKPOINT_MARKER
+CHECKSUM = "crc32"
+"""Key of a file's checksum in COMPLETE.json (8 hex digits)."""
+_CHUNK = 1 << 22
+_NONE = object()
 
 
-def _step_of(folder: Path) -> int:
-    return int(folder.name[len(runfiles.CHECKPOINT_PREFIX) :])
+def folder(c: CheckpointConfig, run_dir: Path) -> Path:
+    """Where a run's checkpoints go: `c.folder`, relative to the run folder unless absolute."""
+    f = Path(c.folder)
+    return f if f.is_absolute() else run_dir / f
+
+
+def model_identity(m: ModelConfig) -> dict[str, Any]:
+    """Every architecture field of the model: a checkpoint resumes only into a model equal in all of them."""
+    return dataclasses.asdict(m)
+
+
+def identity_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """The fields in which a checkpoint's model differs from this run's (None: the same model)."""
+    keys = sorted(set(saved) | set(want))
+    differ = [k for k in keys if saved.get(k, _NONE) != want.get(k, _NONE)]
+    diff = [f"{k} {saved.get(k, '(not recorded)')} (this run {want.get(k, '(none)')})" for k in differ]
+    return ", ".join(diff) or None
+
+
+def size_estimate_gb(num_params: int) -> float:
+    """One checkpoint: fp32 weights + AdamW's two fp32 moments (12 bytes per parameter)."""
+    return num_params * 12 / 1e9
+
+
+def step_of(path: Path) -> int:
+    """The step of a `step-<n>` checkpoint folder."""
+    return int(path.name[len(runfiles.CHECKPOINT_PREFIX) :])
 
 
 def partial_path(folder: Path, step: int) -> Path:
@@ -35,19 +72,32 @@ def final_path(folder: Path, step: int) -> Path:
     return folder / f"{runfiles.CHECKPOINT_PREFIX}{step}"
 
 
-def _files(path: Path) -> dict[str, int]:
-    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file() and p.name != MARKER}
+def crc32(path: Path) -> str:
+    c = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            c = zlib.crc32(chunk, c)  # releases the GIL: an async save hashes beside the step loop
+    return f"{c:08x}"
 
 
-def publish(partial: Path, final: Path, info: dict[str, Any]) -> Path:
-    """Mark a fully written checkpoint complete and make it visible under its final name in one rename."""
-    body = {**info, "files": _files(partial)}
-    tmp = partial / (runfiles.CHECKPOINT_MARKER + ".tmp")
+def file_records(path: Path, checksum: bool = True) -> dict[str, dict[str, Any]]:
+    """Every file of a written checkpoint with its size (and CRC-32): the `files` of COMPLETE.json."""
+    out = {}
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and not p.name.startswith(MARKER):
+            out[str(p.relative_to(path))] = {"bytes": p.stat().st_size, **({CHECKSUM: crc32(p)} if checksum else {})}
+    return out
+
+
+def publish(partial: Path, final: Path, info: dict[str, Any], files: dict[str, dict[str, Any]]) -> Path:
+    """Mark a fully written checkpoint complete (`files` from `file_records`) and make it visible under its final name in one rename."""
+    body = {**info, "files": files}
+    tmp = partial / (MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(partial / runfiles.CHECKPOINT_MARKER)
+    tmp.replace(partial / MARKER)
     if final.exists():  # a rewound run saving the same step again
         shutil.rmtree(final)
     partial.rename(final)
@@ -55,8 +105,8 @@ def publish(partial: Path, final: Path, info: dict[str, Any]) -> Path:
     return final
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -64,26 +114,42 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def marker(path: Path) -> dict[str, Any]:
-    return json.loads((path / runfiles.CHECKPOINT_MARKER).read_text())
+    return json.loads((path / MARKER).read_text())
 
 
-def verify(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be used (None: it is complete and its files are intact)."""
+def verify(path: Path, deep: bool = True) -> str | None:
+    """Why the checkpoint at `path` cannot be used (None: it is complete and its files are intact).
+    `deep` also recomputes every file's CRC-32 (reads the whole checkpoint); otherwise sizes only."""
+    if not path.is_dir():
+        return "no such folder"
     try:
         body = marker(path)
+        files = {name: (int(rec["bytes"]), rec.get(CHECKSUM)) for name, rec in body["files"].items()}
     except FileNotFoundError:
-        return f"no {runfiles.CHECKPOINT_MARKER} (the save never finished)"
-    except (OSError, ValueError) as e:
-        return f"unreadable {runfiles.CHECKPOINT_MARKER} ({e})"
-    if ".metadata" not in body.get("files", {}):
-        return f"{runfiles.CHECKPOINT_MARKER} lists no DCP .metadata"
-    for name, size in body["files"].items():
+        return f"no {MARKER} (the save never finished)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable {MARKER} ({type(e).__name__}: {e})"
+    if ".metadata" not in files:
+        return f"{MARKER} lists no DCP .metadata"
+    for name, (size, _) in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    for name, (_, crc) in files.items() if deep else ():
+        if crc is not None and (got := crc32(path / name)) != crc:
+            return f"{name} has {CHECKSUM} {got}, {crc} was written (its content changed after the save)"
     return None
+
+
+def _candidates(folder: Path) -> Iterator[Path]:
+    """`step-<n>` folders, newest first (`.partial` ones are not candidates)."""
+    if not folder.is_dir():
+        return iter(())
+    prefix = runfiles.CHECKPOINT_PREFIX
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(prefix) and p.name[len(prefix) :].isdigit()]
+    return iter(sorted(found, key=step_of, reverse=True))
 
 
 @dataclass
@@ -94,33 +160,30 @@ class Scan:
     """`step-<n>` folders that are not usable, with the reason (partial `.partial` folders are not listed)."""
 
 
-def scan(folder: Path) -> Scan:
+def scan(folder: Path, deep: bool = False) -> Scan:
+    """Every checkpoint folder judged (by sizes only unless `deep`: keep-last runs it after every save)."""
     complete, skipped = [], []
-    if folder.is_dir():
-        for p in folder.iterdir():
-            if not (p.is_dir() and p.name.startswith(runfiles.CHECKPOINT_PREFIX) and p.name[len(runfiles.CHECKPOINT_PREFIX) :].isdigit()):
-                continue
-            why = verify(p)
-            if why is None:
-                complete.append((_step_of(p), p))
-            else:
-                skipped.append((p, why))
-    complete.sort(reverse=True)
-    skipped.sort(key=lambda x: -_step_of(x[0]))
+    for p in _candidates(folder):
+        why = verify(p, deep)
+        if why is None:
+            complete.append((step_of(p), p))
+        else:
+            skipped.append((p, why))
     return Scan(complete, skipped)
 
 
 def choose(folder: Path, before: int | None = None) -> tuple[Path | None, list[str]]:
-    """Newest complete checkpoint (of a step < `before` when given) and a warning per newer unusable one."""
-    s = scan(folder)
-    pick = next((p for step, p in s.complete if before is None or step < before), None)
-    newest = _step_of(pick) if pick else -1
-    warnings = [
-        f"skipping checkpoint {p}: {why}; falling back to {pick or 'a fresh start'}"
-        for p, why in s.skipped
-        if _step_of(p) > newest and (before is None or _step_of(p) < before)
-    ]
-    return pick, warnings
+    """Newest intact checkpoint (checksums verified; of a step < `before` when given) and a warning per newer unusable one."""
+    pick, bad = None, []
+    for p in _candidates(folder):
+        if before is not None and step_of(p) >= before:
+            continue
+        why = verify(p, deep=True)
+        if why is None:
+            pick = p
+            break
+        bad.append((p, why))
+    return pick, [f"skipping checkpoint {p}: {why}; falling back to {pick or 'a fresh start'}" for p, why in bad]
 
 
 def prune(folder: Path, keep: int) -> list[Path]:
@@ -134,6 +197,15 @@ def prune(folder: Path, keep: int) -> list[Path]:
     return old
 
 
-def size_estimate_gb(num_params: int) -> float:
-    """One checkpoint: fp32 weights + AdamW's two fp32 moments."""
-    return num_params * 12 / 1e9
+def origin(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
+    """What a run's checkpoints are saved from (recorded in each COMPLETE.json; the model part must match to resume)."""
+    t = cfg.training
+    return {
+        "world_size": lay.world_size,
+        "layout": cfg.parallelism.name,
+        "degrees": lay.describe(),
+        "model": model_identity(cfg.model),
+        "seq_len": t.seq_len,
+        "global_batch_size": t.global_batch_size,
+        "data": cfg.data.name.value,
+    }

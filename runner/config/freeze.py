@@ -2,6 +2,8 @@
 
 Torch-free. `python -m runner --config-dir <run folder> --config-name frozen` replays a
 run from this one file: it starts from the schema (`base_config`) and sets every field.
+A resumed run is frozen with the checkpoint it started from (`checkpoint.resume_from`,
+also `provenance.resumed_from` and a comment), so its replay resumes from that same step.
 """
 
 from __future__ import annotations
@@ -67,7 +69,20 @@ def provenance(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
     }
     if prev.get("run_dir"):
         out["replay_of"] = prev["run_dir"]
+    if cfg.checkpoint.resume and cfg.checkpoint.resume_from:
+        out["resumed_from"] = cfg.checkpoint.resume_from
     return out
+
+
+def _header(cfg: RunConfig) -> str:
+    lines = ["# Replay: python -m runner --config-dir <this folder> --config-name frozen"]
+    c = cfg.checkpoint
+    if c.resume and c.resume_from:  # pinned by the pre-launch check (runner.config.validate_ckpt)
+        lines += [
+            f"# This run resumed from {c.resume_from} (checkpoint.resume_from). Replaying it resumes from that same",
+            "# checkpoint, which must still exist and be intact, and writes its checkpoints into checkpoint.folder again.",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def to_container(cfg: Any) -> Any:
@@ -99,7 +114,7 @@ def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
     )
     path = run_dir / runfiles.FROZEN
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("# Replay: python -m runner --config-dir <this folder> --config-name frozen\n" + text)
+    tmp.write_text(_header(cfg) + text)
     tmp.replace(path)
     return path
 

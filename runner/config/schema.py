@@ -211,8 +211,15 @@ class CheckpointConfig:
     """Write in a background thread (torch.distributed.checkpoint.async_save): training goes on after
     the state is copied; the checkpoint is published when every rank's write has finished."""
     resume: bool = False
-    """Start from the newest complete checkpoint in `folder` (a restart by hand: name the stopped run's
-    folder absolutely). Ranks restarted by the elastic agent (cluster.max_restarts) always resume."""
+    """Start from a checkpoint: `resume_from` when set, else the newest intact one in `folder` (a restart by
+    hand: name the stopped run's folder absolutely); with none to resume from the run stops before launch.
+    Ranks restarted by the elastic agent (cluster.max_restarts) always resume from the newest in `folder`."""
+    resume_from: str = ""
+    """With resume: the checkpoint folder (`<folder>/step-<n>`) to start from instead of the newest. The runner
+    sets it before freezing a resumed run, so its frozen.yaml replays from the same step."""
+    checksum: bool = True
+    """Record every checkpoint file's CRC-32 in COMPLETE.json and verify it before resuming (reads the whole
+    checkpoint once more per save and per resume)."""
     export_final_model: bool = False
     """After the last step also write the model weights alone (no optimizer) to `<folder>/model-final`."""
     min_free_gb: float = 0.0

@@ -1,6 +1,7 @@
 """Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.config.checkpoint).
 
 State: model, optimizer, LR schedule, step, loss-guard history, every rank's RNG and the data loader position.
+Like TorchTitan's CheckpointManager, the Checkpointer takes its own config section plus the few run values it needs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from runner.config import checkpoint, runfiles
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.config.schema import CheckpointConfig
 from runner.run import titan
 
 
@@ -26,44 +27,26 @@ class CheckpointMismatch(RuntimeError):
     """The checkpoint cannot be loaded into this run; raised on every rank before training starts."""
 
 
-def folder_of(cfg: RunConfig, run_dir: Path) -> Path:
-    f = Path(cfg.checkpoint.folder)
-    return f if f.is_absolute() else run_dir / f
-
-
 def restarted() -> bool:
     """This rank was started again by the elastic agent after a failure."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def _info(cfg: RunConfig, lay: Layout, step: int) -> dict[str, Any]:
-    m, t = cfg.model, cfg.training
-    return {
-        "step": step,
-        "world_size": lay.world_size,
-        "layout": cfg.parallelism.name,
-        "degrees": lay.describe(),
-        "model": {"name": m.name, "flavor": m.flavor, "dim": m.dim, "num_layers": m.num_layers, "vocab_size": m.vocab_size},
-        "seq_len": t.seq_len,
-        "global_batch_size": t.global_batch_size,
-        "data": cfg.data.name.value,
-        "async_save": cfg.checkpoint.async_save,
-        "published": time.time(),
-    }
-
-
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, lay: Layout, run_dir: Path):
-        self.cfg, self.lay = cfg, lay
-        self.folder = folder_of(cfg, run_dir)
+    def __init__(self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any]):
+        """`folder`: where checkpoints go (runner.config.checkpoint.folder); `num_steps`: the run's last step (always
+        saved); `origin`: what the state is saved from (runner.config.checkpoint.origin), its model checked on resume."""
+        self.cfg, self.folder, self.num_steps, self.origin = c, folder, num_steps, origin
         self.rank = dist.get_rank()
-        self.enabled = cfg.checkpoint.enable
+        self.enabled = c.enable
         # async saves run their collectives on a group of their own (every rank creates it, in the same order)
-        self.group = dist.new_group(backend="gloo") if self.enabled and cfg.checkpoint.async_save else None
-        self.pending: tuple[Any, int] | None = None
+        self.group = dist.new_group(backend="gloo") if self.enabled and c.async_save else None
+        # rank 0 checksums an async save's files in a thread of its own, once DCP has written them
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") if self.group is not None and self.rank == 0 else None
+        self.pending: tuple[Future | None, int] | None = None
         self.published: list[int] = []
         self.blocked_s: list[float] = []
-        """Seconds each save held the step loop (the copy for async saves, the whole write for sync ones)."""
+        """Seconds each save held the step loop (the copy for async saves, the whole write and checksums for sync ones)."""
 
     def _extra(self, step: int, sched, data, guard, rng: bool = True) -> dict[str, Any]:
         extra = {
@@ -75,7 +58,7 @@ class Checkpointer:
         return extra
 
     def due(self, step: int) -> bool:
-        return self.enabled and (step % self.cfg.checkpoint.interval == 0 or step == self.cfg.training.steps)
+        return self.enabled and (step % self.cfg.interval == 0 or step == self.num_steps)
 
     def save(self, step: int, built: titan.Built, opt, sched, data, guard) -> float:
         """Start (async) or write (sync) the checkpoint of the state after `step`; return the seconds the loop was held."""
@@ -84,12 +67,18 @@ class Checkpointer:
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = checkpoint.partial_path(self.folder, step)
         fut = titan.save_state(built.parts, opt, self._extra(step, sched, data, guard), partial, self.group)
+        if fut is not None and self.hasher is not None:
+            fut = self.hasher.submit(self._records, fut, partial)
         self.pending = (fut, step)
         if fut is None:
             self._done()
         held = time.perf_counter() - t0
         self.blocked_s.append(held)
         return held
+
+    def _records(self, written: Future, partial: Path) -> dict[str, dict[str, Any]]:
+        written.result()  # every rank's shard is on disk (see runner.config.checkpoint)
+        return checkpoint.file_records(partial, self.cfg.checksum)
 
     def poll(self) -> None:
         """Publish an async save as soon as it has finished (rank 0; the others only collect their futures)."""
@@ -104,16 +93,16 @@ class Checkpointer:
     def _done(self) -> None:
         fut, step = self.pending
         self.pending = None
-        if fut is not None:
-            fut.result()  # raises the writer's error, if any
+        got = fut.result() if fut is not None else None  # raises the writer's error, if any
         if self.rank == 0:
-            final = checkpoint.publish(
-                checkpoint.partial_path(self.folder, step), checkpoint.final_path(self.folder, step), _info(self.cfg, self.lay, step)
-            )
+            partial = checkpoint.partial_path(self.folder, step)
+            files = got if self.hasher is not None else checkpoint.file_records(partial, self.cfg.checksum)
+            info = {"step": step, **self.origin, "async_save": self.cfg.async_save, "published": time.time()}
+            final = checkpoint.publish(partial, checkpoint.final_path(self.folder, step), info, files)
             self.published.append(step)
             print(f"checkpoint: published {final}", flush=True)
-            for old in checkpoint.prune(self.folder, self.cfg.checkpoint.keep):
-                print(f"checkpoint: deleted {old.name} (keep {self.cfg.checkpoint.keep})", flush=True)
+            for old in checkpoint.prune(self.folder, self.cfg.keep):
+                print(f"checkpoint: deleted {old.name} (keep {self.cfg.keep})", flush=True)
 
     def export_model(self, built: titan.Built) -> None:
         path = self.folder / runfiles.FINAL_MODEL
@@ -124,44 +113,57 @@ class Checkpointer:
         if self.rank == 0:
             print(f"checkpoint: model-only export in {path}", flush=True)
 
+    def _pick(self, before: int | None) -> tuple[Path | None, str | None]:
+        """Rank 0: the checkpoint to load, or why there is none that may be loaded."""
+        if before is None and self.cfg.resume_from and not restarted():
+            # pinned (and checksummed) by the pre-launch check, so a replay starts from the same step; sizes suffice here
+            pick = Path(self.cfg.resume_from)
+            why = checkpoint.verify(pick, deep=False)
+            return (None, f"checkpoint.resume_from {pick} cannot be resumed from: {why}") if why else (pick, None)
+        pick, warnings = checkpoint.choose(self.folder, before)
+        for w in warnings:
+            print(f"WARNING: {w}", file=sys.stderr, flush=True)
+        if pick is None and before is None and self.cfg.resume and not restarted():
+            return None, f"checkpoint.resume=true but {self.folder} holds no intact checkpoint"
+        return pick, None
+
     def _choose(self, before: int | None) -> tuple[str | None, dict | None]:
-        """Rank 0 picks (and warns about what it skips); every rank gets the same answer."""
-        box: list[Any] = [None, None]
+        """Rank 0 picks (and warns about what it skips); every rank gets the same answer or the same error."""
+        box: list[Any] = [None, None, None]
         if self.rank == 0:
-            pick, warnings = checkpoint.choose(self.folder, before)
-            for w in warnings:
-                print(f"WARNING: {w}", file=sys.stderr, flush=True)
+            pick, error = self._pick(before)
             if before is None:  # a fresh start of the job: no save is in flight, leftovers are from a crash
                 for p in self.folder.glob(f"{runfiles.CHECKPOINT_PREFIX}*{runfiles.CHECKPOINT_PARTIAL}"):
                     shutil.rmtree(p)
-            box = [str(pick) if pick else None, checkpoint.marker(pick) if pick else None]
+            box = [str(pick) if pick else None, checkpoint.marker(pick) if pick else None, error]
         dist.broadcast_object_list(box, src=0)
+        if box[2] is not None:
+            raise CheckpointMismatch(box[2])
         return box[0], box[1]
 
     def _check(self, path: str, info: dict) -> None:
-        m = self.cfg.model
-        want = {"name": m.name, "flavor": m.flavor, "dim": m.dim, "num_layers": m.num_layers, "vocab_size": m.vocab_size}
-        if info["model"] != want:
+        diff = checkpoint.identity_mismatch(info["model"], self.origin["model"])
+        if diff:
             raise CheckpointMismatch(
-                f"checkpoint {path} holds model {info['model']}, this run builds {want}. "
+                f"checkpoint {path} holds another model ({diff}). "
                 "Fix: resume with the model it was saved from, or start without checkpoint.resume"
             )
 
     def restore(self, built: titan.Built, opt, sched, data, guard, *, before: int | None = None) -> int | None:
-        """Load the newest complete checkpoint (of a step < `before`); return its step, None when there is none.
-        A rewind (`before` given) keeps the guard's own record of the bad steps."""
+        """Load the checkpoint to resume from (pinned, else the newest intact one; of a step < `before` when given);
+        return its step, None when there is none. A rewind (`before` given) keeps the guard's own record of the bad steps."""
         path, info = self._choose(before)
         if path is None:
             return None
         self._check(path, info)
-        same_ranks = info["world_size"] == self.lay.world_size
+        same_ranks = info["world_size"] == self.origin["world_size"]
         template = self._extra(0, sched, data, guard, rng=same_ranks)
         try:
             got = titan.load_state(built.parts, opt, template, Path(path))
         except Exception as e:  # DCP names the first key or shape it could not map
             raise CheckpointMismatch(
                 f"checkpoint {path} (layout {info['layout']}: {info['degrees']}, {info['world_size']} ranks) cannot be loaded into "
-                f"layout {self.cfg.parallelism.name} ({self.lay.describe()}): {type(e).__name__}: {e}. "
+                f"layout {self.origin['layout']} ({self.origin['degrees']}): {type(e).__name__}: {e}. "
                 "Fix: resume with the layout it was saved from"
             ) from e
         step = int(got["train"]["step"])

@@ -4,7 +4,7 @@ Step s (0-based) reads global samples [n + (s - s0) * B, n + (s - s0 + 1) * B), 
 (n, s0) is the loader position (next sample, at step s0) restored from a checkpoint, (0, 0) on a fresh
 start. DP replica r reads its contiguous slice [r * B / dp, (r + 1) * B / dp) of those, so replicas
 are disjoint and their union is the same global batch for every layout; every rank of a TP/CP/PP
-group has the same DP rank and so the same inputs (`check_inputs` proves it at start-up).
+group has the same DP rank and so the same inputs (`check_inputs` checks both at start-up).
 
 synthetic: sample g is an arithmetic progression modulo the vocabulary with a random start and
 stride, 1 token in 10 replaced by noise.
@@ -143,26 +143,36 @@ def _digest(t: torch.Tensor) -> int:
 
 
 def check_inputs(data: _Stream, dp_rank_of, step: int) -> str:
-    """Start-up proof of the input layout: every rank hashes its batch of `step`, the hashes are gathered,
-    and ranks with the same DP rank (a TP/CP/PP group) must agree while different DP ranks must differ."""
+    """Start-up proof of the input layout at `step`: every rank's (content hash, global sample indices) are gathered;
+    ranks with the same DP rank (a TP/CP/PP group) must read the same samples with the same tokens, and different
+    DP ranks disjoint samples. Disjointness is judged by sample index, not content: a corpus may repeat itself."""
     mbs = data.microbatches(step)
-    mine = torch.tensor([_digest(torch.cat([torch.cat([i, lab], dim=1) for i, lab in mbs]))], dtype=torch.int64)
+    content = _digest(torch.cat([torch.cat([i, lab], dim=1) for i, lab in mbs]))
+    mine = torch.tensor([content, *data.indices(step)], dtype=torch.int64)
     got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(got, mine)
-    by_dp: dict[int, dict[int, list[int]]] = {}
-    for rank, h in enumerate(got):
-        by_dp.setdefault(dp_rank_of(rank), {}).setdefault(int(h), []).append(rank)
-    for dp_rank, hashes in by_dp.items():
-        if len(hashes) > 1:
-            raise RuntimeError(
-                f"ranks of DP rank {dp_rank} read different first batches: {sorted(hashes.values())} (hashes {sorted(hashes)})"
-            )
-    seen = [next(iter(h)) for h in by_dp.values()]
-    if len(set(seen)) != len(seen):
-        raise RuntimeError(f"two DP replicas read the same first batch (hashes by DP rank: {seen})")
+    return judge_inputs([(int(t[0]), t[1:].tolist()) for t in got], dp_rank_of)
+
+
+def judge_inputs(per_rank: list[tuple[int, list[int]]], dp_rank_of) -> str:
+    """The verdict of `check_inputs` on every rank's (content hash, sample indices), indexed by rank."""
+    by_dp: dict[int, dict[tuple[int, tuple[int, ...]], list[int]]] = {}
+    for rank, (h, idx) in enumerate(per_rank):
+        by_dp.setdefault(dp_rank_of(rank), {}).setdefault((h, tuple(idx)), []).append(rank)
+    for dp_rank, reads in by_dp.items():
+        if len(reads) > 1:
+            what = "; ".join(f"ranks {ranks}: samples {list(idx)} (crc32 {h:08x})" for (h, idx), ranks in sorted(reads.items()))
+            raise RuntimeError(f"ranks of DP rank {dp_rank} read different first batches: {what}")
+    samples = {dp_rank: next(iter(reads))[1] for dp_rank, reads in sorted(by_dp.items())}
+    owner: dict[int, int] = {}
+    for dp_rank, idx in samples.items():
+        for i in idx:
+            if owner.setdefault(i, dp_rank) != dp_rank:
+                raise RuntimeError(f"DP replicas {owner[i]} and {dp_rank} both read global sample {i} (samples by DP rank: {samples})")
+    spans = ", ".join(f"{idx[0]}-{idx[-1]}" if idx else "none" for idx in samples.values())
     return (
-        f"data check: first batch identical on the {dist.get_world_size() // len(by_dp)} ranks of each TP/CP/PP group, "
-        f"different across {len(by_dp)} DP replica(s) (crc32 {', '.join(f'{h:08x}' for h in seen)})"
+        f"data check: first batch identical on the {len(per_rank) // len(by_dp)} ranks of each TP/CP/PP group, "
+        f"disjoint samples across {len(by_dp)} DP replica(s) (global samples {spans})"
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import flops
+from runner.config import checkpoint, flops
 from runner.config.layout import Layout
 from runner.config.schema import ActivationCheckpoint, RunConfig
 from runner.observe import calibration as calibrate
@@ -238,7 +238,9 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy) 
         timer=calibrate.StageTimer(built.schedule) if built.schedule is not None else None,
         mon=StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir),
         guard=monitor.LossGuard(cfg.monitor.guard),
-        ckpt=Checkpointer(cfg, lay, run_dir),
+        ckpt=Checkpointer(
+            cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay)
+        ),
     )
 
 
