@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from unittest import mock
 
 import torch
 
@@ -48,28 +47,27 @@ def test_stream_is_learnable_progression():
 
 
 def _check_inputs_on_threads(shards: list, dp_rank_of) -> list:
-    """runner.run.data.check_inputs on one thread per rank, with all_gather done by hand between the threads."""
+    """runner.run.data.check_inputs on one thread per rank; the policy's host all_gather is done by hand between the threads."""
     from runner.run import data
 
     n, box, barrier = len(shards), [None] * len(shards), threading.Barrier(len(shards))
     local = threading.local()
 
-    def all_gather(got, mine):
-        box[local.rank] = mine
-        barrier.wait()
-        for i, t in enumerate(box):
-            got[i].copy_(t)
+    class ThreadPolicy:
+        def all_gather(self, mine):
+            box[local.rank] = mine
+            barrier.wait()
+            return list(box)
 
     def rank(r):
         local.rank = r
         try:
-            return data.check_inputs(shards[r], dp_rank_of, 0)
+            return data.check_inputs(shards[r], dp_rank_of, 0, ThreadPolicy())
         except RuntimeError as e:
             return e
 
-    with mock.patch.object(data.dist, "all_gather", all_gather), mock.patch.object(data.dist, "get_world_size", lambda: n):
-        with ThreadPoolExecutor(n) as pool:
-            return list(pool.map(rank, range(n)))
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(rank, range(n)))
 
 
 def test_data_check_judges_replicas_by_sample_not_content():

@@ -25,7 +25,15 @@ SHORT = ["training.steps=3", "training.seq_len=64", "logging.progress=false"]
 LAYOUTS = {
     "single": ["parallelism=single", "logging=wandb", "logging.progress=false"],
     "dp2": ["parallelism=dp2", "training.activation_checkpoint=full"],
-    "dp2_pp2": ["parallelism=dp2_pp2", "checkpoint=local", "checkpoint.interval=2"],  # FSDP2 x 1F1B through TorchTitan's pipeline_llm
+    # FSDP2 x 1F1B through TorchTitan's pipeline_llm; host collectives on their own group, as on CUDA, and audited
+    "dp2_pp2": [
+        "parallelism=dp2_pp2",
+        "checkpoint=local",
+        "checkpoint.interval=2",
+        "distributed.host_group=dedicated",
+        "distributed.audit_collectives=true",
+        "monitor.straggler.interval=2",
+    ],
     "dp2_tp2": [],  # the default layout
     "bf16": ["parallelism=single", "precision=bf16", "training.steps=2", "training.seq_len=32", "training.global_batch_size=2"],
 }
@@ -281,3 +289,28 @@ def test_fp8_converted_layers_and_accounting(runs):
         for r in metrics(run_dir):
             assert r["mfu"] == pytest.approx(r["tokens_per_s"] * s["flops_per_token"] / (peak["peak_tflops"] * 1e12))
     assert summary(runs["fp8_blockwise_tp2_pp2"])["degrees"] == "pp=2 x tp=2"
+
+
+def test_runner_collectives_follow_the_device_policy(runs):
+    """With host collectives on a group of their own (how CUDA runs them: NCCL rejects CPU tensors), every
+    collective the runner's own modules issue goes through the device policy onto that group with CPU tensors;
+    the only exception is the bandwidth probe, which measures the model's links on the default group."""
+    probe = "runner/observe/calibration.py:allreduce_gbs"
+    want = {
+        "runner/run/mesh.py:check",
+        "runner/run/data.py:check_inputs",
+        "runner/run/data.py:global_digest",
+        "runner/run/train.py:global_loss",
+        "runner/run/train.py:_finish",
+        "runner/observe/monitor.py:__init__",
+        "runner/observe/monitor.py:end_step",
+        "runner/observe/calibration.py:mean_over_ranks",
+        probe,
+    }
+    for rank in range(4):
+        calls = json.loads((runs["dp2_pp2"] / "logs" / "collectives" / f"rank_{rank}.json").read_text())
+        direct = [c for c in calls if not c["via_policy"]]
+        assert direct and all(c["caller"] == probe and c["op"] == "all_reduce" and c["group"] == "default" for c in direct), direct
+        host = [c for c in calls if c["via_policy"]]
+        assert [c for c in host if c["group"] != "host" or c["devices"] not in ([], ["cpu"])] == []
+        assert {c["caller"] for c in calls} == want, rank

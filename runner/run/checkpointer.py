@@ -33,10 +33,11 @@ def restarted() -> bool:
 
 
 class Checkpointer:
-    def __init__(self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any]):
+    def __init__(self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any], policy):
         """`folder`: where checkpoints go (runner.config.checkpoint.folder); `num_steps`: the run's last step (always
-        saved); `origin`: what the state is saved from (runner.config.checkpoint.origin), its model checked on resume."""
-        self.cfg, self.folder, self.num_steps, self.origin = c, folder, num_steps, origin
+        saved); `origin`: what the state is saved from (runner.config.checkpoint.origin), its model checked on resume;
+        `policy`: the device policy, whose host group carries the choice of checkpoint and the export barrier."""
+        self.cfg, self.folder, self.num_steps, self.origin, self.policy = c, folder, num_steps, origin, policy
         self.rank = dist.get_rank()
         self.enabled = c.enable
         # async saves run their collectives on a group of their own (every rank creates it, in the same order)
@@ -108,7 +109,7 @@ class Checkpointer:
         path = self.folder / runfiles.FINAL_MODEL
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)
-        dist.barrier()
+        self.policy.barrier()
         titan.save_model(built.parts, path)
         if self.rank == 0:
             print(f"checkpoint: model-only export in {path}", flush=True)
@@ -136,7 +137,7 @@ class Checkpointer:
                 for p in self.folder.glob(f"{runfiles.CHECKPOINT_PREFIX}*{runfiles.CHECKPOINT_PARTIAL}"):
                     shutil.rmtree(p)
             box = [str(pick) if pick else None, checkpoint.marker(pick) if pick else None, error]
-        dist.broadcast_object_list(box, src=0)
+        box = self.policy.broadcast_object(box, src=0)
         if box[2] is not None:
             raise CheckpointMismatch(box[2])
         return box[0], box[1]

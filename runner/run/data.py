@@ -22,7 +22,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 MAX_STRIDE = 16
 NOISE = 0.1
@@ -142,15 +141,14 @@ def _digest(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().numpy().tobytes())
 
 
-def check_inputs(data: _Stream, dp_rank_of, step: int) -> str:
+def check_inputs(data: _Stream, dp_rank_of, step: int, policy) -> str:
     """Start-up proof of the input layout at `step`: every rank's (content hash, global sample indices) are gathered;
     ranks with the same DP rank (a TP/CP/PP group) must read the same samples with the same tokens, and different
     DP ranks disjoint samples. Disjointness is judged by sample index, not content: a corpus may repeat itself."""
     mbs = data.microbatches(step)
     content = _digest(torch.cat([torch.cat([i, lab], dim=1) for i, lab in mbs]))
     mine = torch.tensor([content, *data.indices(step)], dtype=torch.int64)
-    got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, mine)
+    got = policy.all_gather(mine)  # the device policy's host collectives
     return judge_inputs([(int(t[0]), t[1:].tolist()) for t in got], dp_rank_of)
 
 
@@ -176,11 +174,9 @@ def judge_inputs(per_rank: list[tuple[int, list[int]]], dp_rank_of) -> str:
     )
 
 
-def global_digest(data: _Stream, step: int) -> str:
+def global_digest(data: _Stream, step: int, policy) -> str:
     """Hash of every (sample index, token start) the whole job reads at `step`: identical for runs that consume
     the same data, whatever their layout."""
-    mine = data.positions(step)
-    got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, mine)
+    got = policy.all_gather(data.positions(step))
     rows = sorted({tuple(r) for t in got for r in t.tolist()})
     return hashlib.sha1(repr(rows).encode()).hexdigest()[:16]

@@ -144,6 +144,11 @@ class DevicePolicy:
         dist.all_gather_object(got, obj, group=self.host_group)
         return got
 
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.host_group)
+        return box[0]
+
     def barrier(self) -> None:
         dist.barrier(group=self.host_group)
 

@@ -212,7 +212,7 @@ def _start(loop: _Loop) -> int:
         step = 1 if done is None else done + 1
         if done is None and dist.get_rank() == 0:
             print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
-    line = data_mod.check_inputs(loop.data, loop.lay.dp_rank, step - 1)
+    line = data_mod.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     if dist.get_rank() == 0:
         print(line, flush=True)
     return step
@@ -239,7 +239,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy) 
         mon=StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir),
         guard=monitor.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(
-            cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay)
+            cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay), policy=policy
         ),
     )
 
@@ -251,7 +251,7 @@ def _step(loop: _Loop, step: int) -> int:
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
         loop.sched.step()
         return step + 1
-    digest = data_mod.global_digest(loop.data, step - 1)
+    digest = data_mod.global_digest(loop.data, step - 1, loop.policy)
     t0 = time.perf_counter()
     local, grad_norm = _train_step(loop, step)
     with mon.phase("loss"):
