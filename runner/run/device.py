@@ -105,6 +105,10 @@ class DevicePolicy:
     def compute_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
+    def agent_env(self, ranks_on_machine: int) -> dict[str, str]:
+        """Environment the elastic agent passes to its ranks: on CPU, OpenMP threads that do not oversubscribe the cores."""
+        return {"OMP_NUM_THREADS": str(procs.threads_per_rank(ranks_on_machine))} if self.cpu else {}
+
     def set_threads(self, ranks_on_machine: int) -> None:
         if self.cpu:  # ranks of one CPU machine share its cores
             torch.set_num_threads(procs.threads_per_rank(ranks_on_machine))

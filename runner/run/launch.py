@@ -23,7 +23,7 @@ from pathlib import Path
 from runner.config import preflight, runfiles
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
-from runner.config.schema import DeviceType, RunConfig, WorkerStart
+from runner.config.schema import RunConfig, WorkerStart
 from runner.run import procs
 
 MONITOR_INTERVAL_S = 0.5
@@ -68,9 +68,10 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     # torch 2.13 keeps the c10d rendezvous store across restarts but no longer prefixes the ranks' keys per attempt,
     # so restarted ranks read the dead ranks' gloo addresses (connectFullMesh: connection refused); opt out of sharing
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if cfg.cluster.device == DeviceType.cpu:  # ranks share the cores; keep OpenMP from oversubscribing
-        per_node = lay.world_size // cfg.cluster.num_nodes
-        os.environ.setdefault("OMP_NUM_THREADS", str(procs.threads_per_rank(per_node)))
+    from runner.run.device import DevicePolicy
+
+    for key, value in DevicePolicy.of(cfg.cluster, cfg.distributed).agent_env(lay.world_size // cfg.cluster.num_nodes).items():
+        os.environ.setdefault(key, value)
 
 
 def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:

@@ -88,7 +88,7 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
         raise ValueError(f"{cfg.parallelism.name} needs {lay.world_size} ranks; this group has {dist.get_world_size()}")
     pd, _ = worker.build_mesh(cfg, lay, policy)
     rank = dist.get_rank()
-    built = titan.build(cfg, lay, pd, run_dir)
+    built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
     data = worker.data_for(cfg, lay, rank, run_dir, policy)
     seen = _first_norm_output(built)
     before = full_weights(built.parts)

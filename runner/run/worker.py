@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.config import freeze, layout, precision, runfiles
-from runner.config.schema import DataSource, DeviceType, Fp8Recipe
+from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
 from runner.run import data as data_mod
 from runner.run import device, mesh, metrics, peak, procs, startup, titan, train
@@ -39,11 +39,11 @@ def build_mesh(cfg, lay: layout.Layout, policy: DevicePolicy):
     return pd, mesh.check(lay, titan.mesh_coords(pd), dist.get_rank(), policy)
 
 
-def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path) -> str:
+def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: DevicePolicy) -> str:
     """precision.json: the recipe, its path here, and which Linear layers it converted or kept."""
     kept = precision.conversion(cfg)[1]
     req = precision.RECIPES[cfg.precision.fp8]
-    path = req.gpu_path if cfg.cluster.device == DeviceType.cuda else f"CPU: {req.on_cpu}"
+    path = f"CPU: {req.on_cpu}" if policy.cpu else req.gpu_path
     rec = {
         "name": cfg.precision.name,
         "fp8": cfg.precision.fp8.value,
@@ -118,7 +118,7 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
 
 
 def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list, policy: DevicePolicy) -> None:
-    built = titan.build(cfg, lay, pd, run_dir)
+    built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = train.accounting(cfg, built, pk)
@@ -132,7 +132,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
             f"nodes: {mesh.describe_nodes(places)}"
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
-            header += "\n" + _record_fp8(cfg, built, pk, run_dir)
+            header += "\n" + _record_fp8(cfg, built, pk, run_dir, policy)
         frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))

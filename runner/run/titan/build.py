@@ -59,15 +59,15 @@ def model_config(cfg: RunConfig, lay: Layout):
     return spec, converted
 
 
-def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
-    """The model of cfg.model on meta, checked against runner.config.flops, parallelized, materialized and initialized."""
+def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device) -> Built:
+    """The model of cfg.model on meta, checked against runner.config.flops, parallelized, materialized on `device`
+    (the device policy's compute device) and initialized."""
     spec, converted = model_config(cfg, lay)
     mcfg = spec.model
     with torch.device("meta"):
         model = mcfg.build()
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     check_size(cfg.model, cfg.training.seq_len, num_params, flops_per_token)
-    device = torch.device("cpu") if cfg.cluster.device == DeviceType.cpu else torch.device("cuda", torch.cuda.current_device())
     schedule, parts, has_first, has_last = _parallelize(cfg, lay, pd, run_dir, spec, model, device)
     for part in parts:
         _materialize(part, mcfg, cfg, device)
