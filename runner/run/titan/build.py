@@ -48,7 +48,7 @@ def model_config(cfg: RunConfig, lay: Layout):
     mcfg = spec.model
     converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
     if cfg.cluster.device == DeviceType.cpu:
-        from runner.run.titan import cpu
+        import runner.run.titan.cpu as cpu
 
         cpu.use_sdpa(mcfg)
         cpu.use_float32_experts(mcfg)
@@ -125,7 +125,7 @@ def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tu
 def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
     part.to_empty(device=device)
     if device.type == "cpu":
-        from runner.run.titan import cpu
+        import runner.run.titan.cpu as cpu
 
         cpu.force_sum_reduction(part)
         with torch.no_grad():

@@ -106,7 +106,7 @@ def init_process_group(cfg: RunConfig, policy) -> None:
     """The default process group and the host group (runner.run.device), after TorchTitan's device
     globals on CPU; one per process."""
     if policy.cpu:
-        from runner.run.titan import cpu
+        import runner.run.titan.cpu as cpu
 
         cpu.patch_device_globals()
     policy.start_group(cfg.distributed.timeout_s)

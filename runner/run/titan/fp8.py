@@ -51,7 +51,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
         MXFP8LinearConverter.Config(fqns=chosen).build().convert(model_config)
     else:
         if on_cpu:
-            from runner.run.titan import cpu
+            import runner.run.titan.cpu as cpu
 
             new = cpu.emulated_blockwise_linear_config()
         else:
@@ -70,7 +70,7 @@ def _float8(model_config, recipe: Fp8Recipe, chosen: set[str], on_cpu: bool) -> 
 
     conf = Float8LinearConverter.Config(recipe_name=recipe.value)
     if on_cpu:
-        from runner.run.titan import cpu
+        import runner.run.titan.cpu as cpu
 
         converter = cpu.float8_converter(conf)
     else:
