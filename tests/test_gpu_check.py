@@ -1,0 +1,184 @@
+"""scripts/gpu_check.py: what can be checked without a GPU (its assets, command lines, TorchTitan config,
+table and exit status). The GPU runs themselves are for a user's machine (README: Check the GPU path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 128
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # gpu_check_titan imports gpu_check by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load("gpu_check")
+H100 = gc.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 85.0)
+CASES = {c.name: c for c in gc.GPU_CASES}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return gc.make_assets(tmp_path_factory.mktemp("gpu_check") / "assets", SEQ, num_docs=4)
+
+
+def test_no_gpu_exits_2_with_the_reason():
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "gpu_check: no GPU: torch 2.13.0+cpu is the CPU build" in proc.stderr
+    assert "scripts/setup.sh installs" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_probe_messages():
+    with pytest.raises(gc.NoGpu, match=r"torch 2\.13\.0 \(CUDA 12\.8\) sees no CUDA device .*CUDA_VISIBLE_DEVICES"):
+        gc.gpu_from_probe({"torch": "2.13.0", "cuda": "12.8", "available": False})
+    got = gc.gpu_from_probe(
+        {"torch": "2.13.0", "cuda": "12.8", "available": True, "name": "NVIDIA H200", "capability": [9, 0], "memory_gb": 150.0}
+    )
+    assert got == gc.Gpu("NVIDIA H200", (9, 0), 150.0)
+
+
+def test_cluster_by_gpu_name_and_fp8_support():
+    assert gc.cluster_for("NVIDIA H100 80GB HBM3") == ("h100_node", "")
+    assert gc.cluster_for("NVIDIA B200")[0] == "b200_node"
+    assert gc.cluster_for("NVIDIA H200")[0] == "h100_node" and "H200" in gc.cluster_for("NVIDIA H200")[1]
+    assert gc.cluster_for("NVIDIA L40S") == (
+        "h100_node",
+        "unknown GPU 'NVIDIA L40S': MFU against the H100 SXM's dense peaks (conf/cluster/h100_node.yaml)",
+    )
+    ada = gc.Gpu("NVIDIA L40S", (8, 9), 48.0)
+    assert gc.unsupported(CASES["fp8_rowwise"], ada) == ""
+    assert gc.unsupported(CASES["fp8_blockwise"], ada) == "needs SM 9.0 (NVIDIA SM 9.0+ (Hopper H100/H200)); this GPU is SM 8.9"
+    assert gc.unsupported(CASES["fp8_blockwise"], H100) == ""
+
+
+def test_assets_one_document_per_titan_sample(assets, tmp_path, monkeypatch):
+    """TorchTitan's loader (BOS + words + EOS, per-document positions) yields exactly one document per sample,
+    so its FlexAttention mask is the plain causal one the runner uses."""
+    import datasets
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    tok = HuggingFaceTokenizer(tokenizer_path=str(assets.tokenizer_dir))
+    doc = json.loads(assets.corpus.read_text().splitlines()[0])["text"]
+    assert len(tok.encode(doc, add_bos=True, add_eos=True)) == SEQ + 1
+    assert tok.get_vocab_size() <= 2048  # model=debug's vocabulary
+    ds = HuggingFaceTextDataset("c4_test", str(assets.corpus_dir), tok, seq_len=SEQ, infinite=False)
+    samples = list(ds)
+    assert len(samples) == 4
+    for inputs, labels in samples:
+        assert inputs["positions"].tolist() == list(range(SEQ))
+        assert inputs["input"][0].item() == tok.bos_id and labels[-1].item() == tok.eos_id
+
+
+def test_runner_commands_validate_for_one_h100(assets, tmp_path, compose):
+    """The exact overrides of every GPU case, and the runner accepts each for one H100 (mode=validate on this machine)."""
+    from runner.config import validate
+
+    argv = gc.runner_command(CASES["fp8_rowwise"], assets, tmp_path / "run", gpu=H100, steps=30, seq_len=SEQ)
+    assert argv[:3] == [sys.executable, "-m", "runner"]
+    assert argv[3:] == [
+        "mode=train",
+        "model=debug",
+        "parallelism=single",
+        "cluster=h100_node",
+        "cluster.devices_per_node=1",
+        "cluster.compute_capability='9.0'",
+        "cluster.device_memory_gb=85.0",
+        "precision=fp8_rowwise",
+        "training.compile=true",
+        "training.steps=30",
+        f"training.seq_len={SEQ}",
+        "training.global_batch_size=8",
+        "training.microbatch_size=8",
+        "data=text",
+        f"data.files=['{assets.corpus}']",
+        f"data.tokenizer='{assets.tokenizer}'",
+        "logging.progress=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    for case in gc.GPU_CASES:
+        overrides = gc.runner_command(case, assets, tmp_path / "run", gpu=H100, steps=30, seq_len=SEQ, mode="validate")[3:-1]
+        cfg = compose(overrides)
+        lay = validate.check(cfg)
+        assert (lay.world_size, cfg.cluster.device.value, cfg.precision.fp8, cfg.training.compile) == (1, "cuda", case.fp8, case.compile)
+
+
+def test_titan_config_matches_the_runner_run(assets, tmp_path):
+    """TorchTitan's Trainer.Config for a case: the runner's model, batch, steps, optimizer, schedule and recipe."""
+    from torchtitan.models.llama3 import model_registry
+
+    gct = _load("gpu_check_titan")
+    spec = gc.titan_spec(CASES["bf16 compiled"], assets, tmp_path, steps=30, seq_len=SEQ)
+    cfg = gct.trainer_config(spec)
+    t = cfg.training
+    assert (t.local_batch_size, t.seq_len, t.steps, t.max_norm, t.mixed_precision_param, t.disable_cuda_graphs) == (
+        8,
+        SEQ,
+        30,
+        1.0,
+        "bfloat16",
+        True,
+    )
+    assert cfg.compile.enable and cfg.activation_checkpoint is None and not cfg.checkpoint.enable and not cfg.validator.enable
+    assert cfg.optimizer.param_groups[0].optimizer_kwargs | {} == {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    assert (cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay_ratio) == (2, 0.0)
+    assert (cfg.dataloader.dataset, cfg.dataloader.dataset_path, cfg.hf_assets_path) == (
+        "c4_test",
+        str(assets.corpus_dir),
+        str(assets.tokenizer_dir),
+    )
+    assert cfg.parallelism.spmd_backend == "partial_dtensor" and cfg.loss.global_vocab_size == 2048
+    assert type(cfg.model_spec.model) is type(model_registry("debugmodel").model)
+    fp8 = gct.converters(gc.titan_spec(CASES["fp8_tensorwise"], assets, tmp_path, steps=30, seq_len=SEQ))
+    assert [(c.recipe_name, c.filter_fqns, c.model_compile_enabled) for c in fp8] == [("tensorwise", ["lm_head"], True)]
+    assert gct.converters(spec) == []
+
+
+def _summary(tps: float, mfu: float) -> dict:
+    return {"tokens_per_s_median": tps, "mfu_median": mfu, "peak_tflops": 989.0, "peak_dtype": "bfloat16"}
+
+
+def test_table_ratio_and_verdict():
+    rows = [{"step": s, "tokens_per_s": v, "mfu": m} for s, v, m in [(1, 10.0, 0.01), (2, 400.0, 0.2), (3, 500.0, 0.3), (4, 600.0, 0.4)]]
+    assert gc.titan_medians(rows) == {"tokens_per_s_median": 500.0, "mfu_median": 0.3, "steps": 4}
+    assert gc.titan_medians([{**r, "mfu": None} for r in rows])["mfu_median"] is None
+    done = gc.Result(
+        CASES["bf16 eager"],
+        runner=_summary(450_000, 0.1234),
+        titan={"tokens_per_s_median": 500_000, "mfu_median": 0.137, "peak_tflops": 989.0},
+    )
+    fp8 = gc.Result(CASES["fp8_tensorwise"], runner=_summary(600_000, 0.08) | {"peak_tflops": 1979.0, "peak_dtype": "float8"})
+    fp8.titan = {"tokens_per_s_median": 500_000, "mfu_median": None, "peak_tflops": 989.0}
+    block = gc.Result(CASES["fp8_blockwise"], runner=_summary(300_000, 0.05))
+    failed = gc.Result(CASES["fp8_rowwise"], errors=["runner: exit status 1"])
+    skipped = gc.Result(CASES["bf16 compiled"], skipped="needs SM 9.0")
+    got = gc.table_rows([done, fp8, block, failed, skipped])
+    assert got[0] == ("bf16 eager", "450,000", "12.34% of 989 TFLOP/s bfloat16", "500,000", "13.70% of 989 TFLOP/s", "0.90", "ok")
+    assert got[1][2:] == ("8.00% of 1979 TFLOP/s float8", "500,000", "n/a (none with FP8)", "1.20", "ok")
+    assert got[2][3:] == ("n/a", "n/a", "n/a (TorchTitan has no blockwise FP8 recipe)", "ok")
+    assert got[3] == ("fp8_rowwise", "-", "-", "-", "-", "-", "FAILED")
+    assert got[4][-1] == "skipped: needs SM 9.0"
+    assert gc.verdict([done, fp8, block, skipped]) == (True, "PASS: 3 cases trained; 1 skipped (this GPU lacks the recipe's hardware)")
+    assert gc.verdict([done, failed]) == (False, "FAIL: 1 of 2 cases failed (fp8_rowwise)")
+
+
+def test_time_budget_spent_is_a_failure(tmp_path, assets):
+    r = gc.Result(CASES["bf16 eager"])
+    gc.run_case(r, assets, tmp_path, deadline=0.0, gpu=H100, steps=30, seq_len=SEQ)
+    assert r.runner is None and r.titan is None
+    assert r.errors == [f"not run: less than 30 s of the {gc.BUDGET_S:.0f} s budget left"]
+    assert gc.verdict([r])[0] is False
