@@ -87,6 +87,12 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
     return titan.local_value(sum(losses)).cpu()  # one conversion per step, not per microbatch
 
 
+def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The data streams produce CPU tensors; the model, the loss and the pipeline schedule take them on the
+    compute device (TorchTitan's own train step moves its labels the same way)."""
+    return [(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)) for inputs, labels in microbatches]
+
+
 def global_loss(local: torch.Tensor, lay: Layout, policy: DevicePolicy) -> float:
     """Sum of the per-rank shares = mean token loss. Ranks of a TP group hold the same share,
     so only TP rank 0 contributes; non-last pipeline stages hold zero."""
@@ -176,7 +182,7 @@ class _Loop:
 def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
     """Forward/backward (or the pipeline schedule) and the clip; returns this rank's loss share and the global grad norm."""
     built, mon = loop.built, loop.mon
-    microbatches = loop.data.microbatches(step - 1)
+    microbatches = on_device(loop.data.microbatches(step - 1), loop.policy.compute_device())
     if built.schedule is not None:
         t_pp, c_pp = time.perf_counter(), mon.clock.now()
         with mon.phase("pipeline"):
