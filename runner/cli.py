@@ -115,8 +115,12 @@ def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
     print(f"launch plan: {lay.world_size} ranks = {c.num_nodes} nodes x {lay.world_size // c.num_nodes} per node [{lay.describe()}]")
     print(f"frozen config: {frozen}")
     if c.launcher == "slurm":
-        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`):\n")
-        print(slurm.sbatch_script(slurm.launcher_params(dcfg)))
+        params, job_dir = slurm.submission(dcfg)
+        if job_dir != run_dir:
+            print(f"submitted with -m, this command runs as job 0 in {job_dir}; the paths below are that job's")
+        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`; nothing is submitted):\n")
+        print(slurm.sbatch_script(params))
+        frozen = job_dir / runfiles.FROZEN
         host, rdzv_id = c.rdzv_host or slurm.FIRST_NODE, "$SLURM_JOB_ID"
         print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
     else:
