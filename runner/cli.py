@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import flops, freeze, precision, runfiles, slurm, validate, validate_ckpt
+from runner.config.layout import label
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
+from runner.config.wording import count
 
 register()
 slurm.register_resolvers()
@@ -78,12 +80,13 @@ def _precision_lines(cfg: RunConfig) -> list[str]:
 
 def _report(cfg: RunConfig, lay) -> str:
     t = cfg.training
+    micro = t.global_batch_size // (lay.dp * t.microbatch_size)
     return "\n".join(
         [
             f"config OK: model {cfg.model.name} {cfg.model.flavor} ({flops.num_params(cfg.model) / 1e9:.3g}B params)",
-            f"  cluster {cfg.cluster.name}: {lay.world_size} ranks, layout {cfg.parallelism.name} [{lay.describe()}]",
+            f"  cluster {cfg.cluster.name}: {count(lay.world_size, 'rank')}, layout {label(lay, cfg.parallelism)} [{lay.describe()}]",
             f"  global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens/step, "
-            f"{t.global_batch_size // (lay.dp * t.microbatch_size)} microbatches of {t.microbatch_size} per DP rank",
+            f"{count(micro, 'microbatch')} of {t.microbatch_size} per DP rank",
             f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
             f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
             *_precision_lines(cfg),
@@ -112,7 +115,8 @@ def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
 
     frozen = freeze.write(cfg, lay, run_dir)
     c = cfg.cluster
-    print(f"launch plan: {lay.world_size} ranks = {c.num_nodes} nodes x {lay.world_size // c.num_nodes} per node [{lay.describe()}]")
+    per_node = lay.world_size // c.num_nodes
+    print(f"launch plan: {count(lay.world_size, 'rank')} = {count(c.num_nodes, 'node')} x {per_node} per node [{lay.describe()}]")
     print(f"frozen config: {frozen}")
     if c.launcher == "slurm":
         params, job_dir = slurm.submission(dcfg)
@@ -125,7 +129,7 @@ def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
         print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
     else:
         host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
-        print(f"\nrun on each of the {c.num_nodes} nodes:\n")
+        print(f"\nrun on each of the {count(c.num_nodes, 'node')}:\n")
     print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
 
 

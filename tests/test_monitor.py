@@ -268,7 +268,7 @@ def test_cuda_flight_recorder_environment(tmp_path):
 
 def test_startup_block(slow):
     out = slow[1].stdout
-    assert "layout dp2_tp2: dp_shard=2 x tp=2, 4 ranks on 1 node(s) of 4" in out
+    assert "layout tp2_dp2: dp_shard=2 x tp=2, 4 ranks on 1 node of 4" in out
     assert (
         "  dp_shard      size 2    ranks [0, 2]  link intra-node" in out
         and "  tp            size 2    ranks [0, 1]  link intra-node" in out

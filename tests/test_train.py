@@ -59,7 +59,7 @@ def test_default_command_trains_into_one_folder(tmp_path):
     rows, s = metrics(made[0]), summary(made[0])
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["tokens_per_s"] == pytest.approx(8 * 256 / r["step_time_s"]) for r in rows)
-    assert (s["layout"], s["world_size"], s["degrees"]) == ("dp2_tp2", 4, "dp_shard=2 x tp=2")
+    assert (s["layout"], s["preset"], s["world_size"], s["degrees"]) == ("tp2_dp2", "dp2_tp2", 4, "dp_shard=2 x tp=2")
     assert sorted(p.name for p in (made[0] / "logs").rglob("stdout.log")) == ["stdout.log"] * 3  # ranks 1-3; rank 0 has the console
     assert "train" in proc.stdout and f"step   10  loss {rows[-1]['loss']:.4f}" in proc.stdout
 
@@ -97,7 +97,7 @@ def test_metrics_and_summary_accounting(runs):
     rows, s = metrics(run_dir), summary(run_dir)
     peak = json.loads((run_dir / "peak.json").read_text())
     assert peak["peak_source"] == "measured" and peak["dtype"] == "float32" and peak["peak_tflops"] > 0
-    assert (s["peak_source"], s["peak_tflops"], s["world_size"], s["layout"]) == ("measured", peak["peak_tflops"], 4, "dp2_tp2")
+    assert (s["peak_source"], s["peak_tflops"], s["world_size"], s["layout"]) == ("measured", peak["peak_tflops"], 4, "tp2_dp2")
     assert s["flops_per_token"] == 6 * (6_163_712 - 2048 * 256) + 6 * 6 * 16 * 32 * 64  # TorchTitan's convention at seq 64
     for r in rows:
         assert set(r) >= {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s"}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runner.config import checkpoint, runfiles
-from runner.config.layout import Layout
+from runner.config.layout import Layout, label
 from runner.config.schema import RunConfig
 from runner.run import titan
 
@@ -41,7 +41,7 @@ def _info(cfg: RunConfig, lay: Layout, step: int) -> dict[str, Any]:
     return {
         "step": step,
         "world_size": lay.world_size,
-        "layout": cfg.parallelism.name,
+        "layout": label(lay, cfg.parallelism),
         "degrees": lay.describe(),
         "model": {"name": m.name, "flavor": m.flavor, "dim": m.dim, "num_layers": m.num_layers, "vocab_size": m.vocab_size},
         "seq_len": t.seq_len,
@@ -161,7 +161,7 @@ class Checkpointer:
         except Exception as e:  # DCP names the first key or shape it could not map
             raise CheckpointMismatch(
                 f"checkpoint {path} (layout {info['layout']}: {info['degrees']}, {info['world_size']} ranks) cannot be loaded into "
-                f"layout {self.cfg.parallelism.name} ({self.lay.describe()}): {type(e).__name__}: {e}. "
+                f"layout {label(self.lay, self.cfg.parallelism)} ({self.lay.describe()}): {type(e).__name__}: {e}. "
                 "Fix: resume with the layout it was saved from"
             ) from e
         step = int(got["train"]["step"])

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from runner.config import runfiles
+from runner.config import layout, runfiles
 from runner.config.schema import RunConfig
 
 
@@ -96,6 +96,11 @@ class JsonlSink:
         (self.run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def run_label(cfg: RunConfig) -> str:
+    """The layout that ran (not the preset it started from), as summary.json and plan.json name it."""
+    return layout.label(layout.resolve(cfg.parallelism, cfg.cluster), cfg.parallelism)
+
+
 class WandbSink:
     def __init__(self, cfg: RunConfig, run_dir: Path, frozen: dict[str, Any]):
         import wandb
@@ -107,7 +112,7 @@ class WandbSink:
             mode=w.mode,
             dir=str(run_dir),
             group=w.group,
-            name=f"{cfg.parallelism.name}-{run_dir.name}",
+            name=f"{run_label(cfg)}-{run_dir.name}",
             config=frozen,
         )
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runner.config import flops
-from runner.config.layout import Layout
+from runner.config.layout import Layout, label
 from runner.config.schema import ActivationCheckpoint, RunConfig
 from runner.observe import calibration as calibrate
 from runner.observe import monitor
@@ -136,7 +136,8 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "fp8": cfg.precision.fp8.value,
         "fp8_emulated": acc.emulated,
         "world_size": lay.world_size,
-        "layout": cfg.parallelism.name,
+        "layout": label(lay, cfg.parallelism),
+        "preset": cfg.parallelism.name,
         "degrees": lay.describe(),
     }
     if "hfu" in rows[0]:
