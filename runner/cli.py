@@ -26,6 +26,7 @@ from runner.config.wording import count
 register()
 slurm.register_resolvers()
 _entered = False  # set once Hydra hands over a composed config
+_failed: list[str] = []  # overrides of the sweep points whose ranks failed
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -182,8 +183,43 @@ def main(dcfg: DictConfig) -> None:
             endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
             launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
-        print(f"training failed: {type(e).__name__}; rank logs in {run_dir / 'logs'}", file=sys.stderr)
-        sys.exit(1)
+        record = _failed_point(e, run_dir)
+        where = f"rank logs in {record['logs']}; recorded in {run_dir / runfiles.FAILED}"
+        print(f"training failed: {record['error']}; {where}", file=sys.stderr)
+        if HydraConfig.get().mode != RunMode.MULTIRUN or job_id is not None:  # a SLURM job reports its own failure
+            sys.exit(1)
+        _failed.append(" ".join(record["overrides"]))  # the sweep goes on; cli() exits 1 at its end
+
+
+def _failed_point(e: Exception, run_dir: Path) -> dict:
+    """failed.json: a run whose ranks failed is a result too (runner.compare lists it)."""
+    from runner.observe import forensics
+
+    failures = getattr(e, "failures", {})  # torch's ChildFailedError: rank -> ProcessFailure
+    records = forensics.read_records(run_dir)  # each rank's own exception line, when it could write one
+    ranks = {
+        str(r): {"exit_code": f.exitcode, "error": (records.get(r) or {}).get("error") or _first_line(f.message)}
+        for r, f in sorted(failures.items())
+    }
+    first = next(iter(ranks.values()), {"exit_code": 1, "error": f"{type(e).__name__}: {e}"})
+    record = {
+        "overrides": list(HydraConfig.get().overrides.task),
+        "exit_code": first["exit_code"],
+        "error": first["error"],
+        "failed_ranks": ranks,
+        "logs": str(run_dir / runfiles.LOGS),
+        "report": next((str(run_dir / n) for n in (runfiles.FAILURE_REPORT, runfiles.HANG_REPORT) if (run_dir / n).is_file()), None),
+    }
+    (run_dir / runfiles.FAILED).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _first_line(message: str | dict) -> str:
+    """The exception line of a rank's error (torch's error file, a dict when the rank was forked, holds the whole traceback)."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "unknown error"
 
 
 _SETS_MODE = re.compile(r"^[ \t]+mode:[ \t]*(RUN|MULTIRUN)\b|hydra\.mode", re.M)
@@ -233,8 +269,13 @@ def cli() -> None:
         if "torch" in sys.modules and isinstance(e.code, int):
             _fast_exit(e.code)
         raise
+    code = 0
+    if _failed:
+        print(f"{count(len(_failed), 'sweep point')} failed (failed.json in each run folder): " + "; ".join(_failed), file=sys.stderr)
+        code = 1
     if "torch" in sys.modules:  # a launch: skip the interpreter's ~3 s teardown of torch and TorchTitan
-        _fast_exit(0)
+        _fast_exit(code)
+    sys.exit(code)
 
 
 def _fast_exit(code: int) -> None:

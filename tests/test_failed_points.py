@@ -1,0 +1,43 @@
+"""A sweep point whose ranks fail is recorded (failed.json, failure_report.json) and the sweep goes on;
+runner.compare lists it and keeps its plot out of the failed run's folder."""
+
+from __future__ import annotations
+
+import json
+
+from runner.config import compare, runfiles
+from tests.conftest import run_cli
+
+
+def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
+    sweep = tmp_path / "lr"
+    # AdamW rejects lr=-1 inside every rank (validation does not check lr): a run-time failure
+    args = ["-m", "parallelism=single", "training.steps=1", "training.global_batch_size=2", "training.lr=-1,0.0008"]
+    proc = run_cli(*args, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "1 sweep point failed (failed.json in each run folder): parallelism=single training.steps=1" in proc.stderr
+    bad, good = sweep / "0", sweep / "1"
+    assert (good / runfiles.SUMMARY).is_file()  # the point after the failure ran
+    failed = json.loads((bad / runfiles.FAILED).read_text())
+    assert failed["overrides"][-1] == "training.lr=-1" and failed["exit_code"] == 1
+    assert failed["error"] == "ValueError: Invalid learning rate: -1.0"
+    assert failed["failed_ranks"] == {"0": {"exit_code": 1, "error": "ValueError: Invalid learning rate: -1.0"}}
+    assert failed["logs"] == str(bad / runfiles.LOGS) and failed["report"] == str(bad / runfiles.FAILURE_REPORT)
+    report = json.loads((bad / runfiles.FAILURE_REPORT).read_text())
+    assert report["cause"] == "rank failure" and report["raised"] == {"0": "ValueError: Invalid learning rate: -1.0"}
+    assert not (bad / runfiles.HANG_REPORT).exists() and not (bad / "flight_recorder").exists()  # a raise is no hang
+
+    capsys.readouterr()
+    assert compare.main([str(bad), str(good)]) == 0  # the failed run first: the plot still goes to the sweep folder
+    out = capsys.readouterr().out
+    assert "training.lr=-1" in out and "failed" in out and "exit code 1: ValueError: Invalid learning rate: -1.0" in out
+    assert f"plot saved to {sweep / runfiles.PLOT}" in out and not (bad / runfiles.PLOT).exists()
+
+
+def test_plot_folder_is_never_a_failed_run(tmp_path):
+    run = tmp_path / "sweep" / "0"
+    run.mkdir(parents=True)
+    (run / runfiles.FAILED).write_text("{}")
+    assert compare.plot_folder([run]) == tmp_path / "sweep"
+    assert compare.plot_folder([tmp_path / "sweep"]) == tmp_path / "sweep"
+    assert compare.plot_folder([run, tmp_path / "other"]) == tmp_path
