@@ -158,6 +158,7 @@ def test_repeated_spikes_rewind_to_last_checkpoint(clean):
     assert r13["action"] == "rewind" and r13["rewound_to"] == 10 and r13["bad_steps"] == [12, 13]
     first11, replay11 = rows[10], rows[13]
     assert (replay11["loss"], replay11["grad_norm"]) == (first11["loss"], first11["grad_norm"])  # model + optimizer restored exactly
+    assert replay11["repeat"] is True and "repeat" not in first11 and replay11["attempt"] == 0
     assert (run_dir / "checkpoints" / "step-10" / ".metadata").is_file()
     assert all(r["loss"] < 10 for r in rows[13:])
 
