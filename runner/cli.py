@@ -6,7 +6,9 @@ validation never import torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -167,8 +169,9 @@ def main(dcfg: DictConfig) -> None:
     if node == 0 and (run_dir / runfiles.FROZEN).exists():
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
-        sweep = Path(HydraConfig.get().sweep.dir)
-        cfg.logging.wandb.group = f"{sweep.parent.name}/{sweep.name}"  # one W&B group per sweep
+        # one W&B group per sweep, passed to the ranks through wandb's own variable rather than frozen,
+        # so that a replay of frozen.yaml gets a group of its own instead of joining this sweep's
+        os.environ["WANDB_RUN_GROUP"] = wandb_group(Path(HydraConfig.get().sweep.dir))
     frozen = run_dir / runfiles.FROZEN
     if node == 0:
         freeze.write(cfg, lay, run_dir)
@@ -189,6 +192,15 @@ def main(dcfg: DictConfig) -> None:
         if HydraConfig.get().mode != RunMode.MULTIRUN or job_id is not None:  # a SLURM job reports its own failure
             sys.exit(1)
         _failed.append(" ".join(record["overrides"]))  # the sweep goes on; cli() exits 1 at its end
+
+
+def wandb_group(sweep_dir: Path) -> str:
+    """The sweep folder's full path names the sweep unambiguously (the last two parts repeat across
+    roots); W&B allows 128 characters, so a longer path keeps its end and a hash of the whole."""
+    full = str(sweep_dir.resolve())
+    if len(full) <= 128:
+        return full
+    return f"...{full[-110:]}-{hashlib.sha1(full.encode()).hexdigest()[:10]}"
 
 
 def _failed_point(e: Exception, run_dir: Path) -> dict:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
+from runner.cli import wandb_group
 from runner.config import compare, runfiles
 from tests.conftest import run_cli
 
@@ -18,6 +21,8 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     assert "1 sweep point failed (failed.json in each run folder): parallelism=single training.steps=1" in proc.stderr
     bad, good = sweep / "0", sweep / "1"
     assert (good / runfiles.SUMMARY).is_file()  # the point after the failure ran
+    frozen = yaml.safe_load((good / runfiles.FROZEN).read_text())
+    assert frozen["logging"]["wandb"]["group"] is None  # the sweep's W&B group is not frozen: a replay gets its own
     failed = json.loads((bad / runfiles.FAILED).read_text())
     assert failed["overrides"][-1] == "training.lr=-1" and failed["exit_code"] == 1
     assert failed["error"] == "ValueError: Invalid learning rate: -1.0"
@@ -41,3 +46,11 @@ def test_plot_folder_is_never_a_failed_run(tmp_path):
     assert compare.plot_folder([run]) == tmp_path / "sweep"
     assert compare.plot_folder([tmp_path / "sweep"]) == tmp_path / "sweep"
     assert compare.plot_folder([run, tmp_path / "other"]) == tmp_path
+
+
+def test_wandb_group_names_the_whole_sweep_folder(tmp_path):
+    a, b = tmp_path / "one" / "x" / "wbm", tmp_path / "two" / "x" / "wbm"
+    assert wandb_group(a) == str(a) and wandb_group(a) != wandb_group(b)  # not "x/wbm" for both
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "wbm"
+    long_a, long_b = wandb_group(deep), wandb_group(tmp_path / ("f" * 60) / ("e" * 60) / "wbm")
+    assert len(long_a) <= 128 and long_a.startswith("...") and long_a != long_b

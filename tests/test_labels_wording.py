@@ -77,3 +77,17 @@ def test_startup_block_counts(compose, tmp_path):
     text = startup.report(cfg, lay, tmp_path / "frozen.yaml", tmp_path / "fr", None)
     assert text.splitlines()[0] == "layout single: single rank, 1 rank on 1 node of 1"
     assert "checkpoints: every 1 step (" in text
+
+
+def test_compare_shows_a_cpu_plan_with_the_rank_overhead(compose, tmp_path):
+    from runner.config import compare
+
+    cfg = compose(["parallelism=single"])
+    b = plan.compute(cfg, validate.check(cfg))
+    plan.write(b, tmp_path)
+    row = compare.load(tmp_path)
+    model, over = b["total_gb_per_gpu"], cfg.cluster.rank_overhead_gb
+    assert row["memory"] == f"{model + over:.3g} GB ? ({model:.3g} model + {over:g} rank overhead)"
+    gpu = compose(["recipe=llama3_70b_h100x1024"])
+    plan.write(plan.compute(gpu, validate.check(gpu)), tmp_path)
+    assert "overhead" not in compare.load(tmp_path)["memory"]  # device memory on GPU: no host overhead

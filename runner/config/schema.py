@@ -318,7 +318,8 @@ class WandbConfig:
     mode: str = "offline"
     """W&B mode: offline (default, needs no network), online or disabled."""
     group: str | None = None
-    """W&B run group; null under a Hydra multirun = the sweep folder, so W&B compares the sweep's layouts."""
+    """W&B run group; null under a Hydra multirun = the sweep folder's full path (set for the ranks as
+    WANDB_RUN_GROUP, not frozen, so a replay gets a group of its own), so W&B compares the sweep's layouts."""
 
 
 @dataclass
