@@ -65,7 +65,9 @@ class ConsoleSink:
             self.progress.stop()
         self.console.print(
             f"done: final loss {summary['final_loss']:.4f}, median {summary['tokens_per_s_median']:,.0f} tokens/s, "
-            f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']})"
+            f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']}"
+            + ("" if summary["peak_spread"] is None else f", spread {100 * summary['peak_spread']:.1f} %")
+            + ")"
         )
         cal = summary.get("calibration")
         if cal:

@@ -41,6 +41,8 @@ class Accounting:
     """Dtype of the matmuls whose dense peak MFU uses (float8 for FP8 recipes on GPU)."""
     emulated: bool
     """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
+    peak_spread: float | None
+    """(max - min) / median of the measured peak's rounds; None for a peak from the cluster config."""
 
 
 def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
@@ -53,6 +55,7 @@ def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
         flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
         pk["dtype"],
         pk["emulated"],
+        pk["peak_spread"],
     )
 
 
@@ -132,6 +135,7 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "flops_per_token_6n": acc.flops_per_token_6n,
         "peak_tflops": acc.peak_tflops,
         "peak_source": acc.peak_source,
+        "peak_spread": acc.peak_spread,
         "peak_dtype": acc.peak_dtype,
         "fp8": cfg.precision.fp8.value,
         "fp8_emulated": acc.emulated,

@@ -110,7 +110,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         header = (
             f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {layout.label(lay, cfg.parallelism)} "
             f"[{lay.describe()}], {wording.count(lay.world_size, 'rank')}, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s "
-            f"{pk['dtype']} ({source}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
+            f"{pk['dtype']} ({source}{peak.spread_text(pk)}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
             f"nodes: {mesh.describe_nodes(places)}"
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
