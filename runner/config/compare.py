@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = collect(args.paths)
     if not rows:
-        names = ", ".join(RESULTS)
+        names = f"{runfiles.SUMMARY}, {runfiles.PLAN}, {runfiles.INVALID} or {runfiles.FAILED}"
         print(f"paths = {' '.join(map(str, args.paths))}: no run folder below them holds {names}. Fix: point at runs.", file=sys.stderr)
         return 2
     from rich.console import Console
