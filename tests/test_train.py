@@ -108,7 +108,8 @@ def test_metrics_and_summary_accounting(runs):
     assert s["mfu_median"] == pytest.approx((steady[0] + steady[1]) / 2)
     assert s["final_loss"] == rows[-1]["loss"]
     console = runs["_console"]["dp2_tp2"]
-    assert "layout dp2_tp2 [dp_shard=2 x tp=2], 4 ranks" in console
+    assert "layout tp2_dp2 [dp_shard=2 x tp=2], 4 ranks" in console
+    assert f"float32 (measured, spread {100 * peak['peak_spread']:.1f} %)" in console and s["peak_spread"] == peak["peak_spread"]
     assert f"step    3  loss {rows[-1]['loss']:.4f}" in console
 
 
@@ -136,8 +137,8 @@ def test_wandb_offline_run(runs):
             assert json.dumps(r[key]).encode() in blob, (key, r[key])
     assert b"tokens_per_s_median" in blob  # summary logged
     assert re.search(rb'parallelism[^{]{1,8}\{"name":"single",', blob) and b'{"name":"dp2_tp2"' not in blob  # the config is this run's
-    assert b"2026-11-29/sweep" in blob  # grouped by the Hydra sweep folder
-    assert "group: 2026-11-29/sweep" in (runs["single"] / "frozen.yaml").read_text()
+    assert str(runs["single"].parent.resolve()).encode() in blob  # grouped by the Hydra sweep folder's full path
+    assert yaml.safe_load((runs["single"] / "frozen.yaml").read_text())["logging"]["wandb"]["group"] is None  # not frozen
     assert "step    3  loss" in (offline[0] / "files" / "output.log").read_text()
 
 

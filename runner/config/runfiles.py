@@ -13,7 +13,7 @@
       hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
       failure_report.json  a rank that raised: each rank's exception and last state
       parity.json          losses and norms of a runner.parity launch
-      comparison.png       runner.compare's plot (in the first folder given)
+      comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
       logs/ranks/          each rank's last state (the forensics records)
       logs/<rdzv id>/      torchrun's per-rank stdout/stderr
       data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
