@@ -6,7 +6,9 @@ validation never import torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -19,11 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import flops, freeze, precision, preflight, runfiles, slurm, validate, validate_keys
+from runner.config.layout import label
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
+from runner.config.wording import count
 
 register()
 slurm.register_resolvers()
 _entered = False  # set once Hydra hands over a composed config
+_failed: list[str] = []  # overrides of the sweep points whose ranks failed
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -82,12 +87,13 @@ def _precision_lines(cfg: RunConfig) -> list[str]:
 
 def _report(cfg: RunConfig, lay) -> str:
     t = cfg.training
+    micro = t.global_batch_size // (lay.dp * t.microbatch_size)
     return "\n".join(
         [
             f"config OK: model {cfg.model.name} {cfg.model.flavor} ({flops.num_params(cfg.model) / 1e9:.3g}B params)",
-            f"  cluster {cfg.cluster.name}: {lay.world_size} ranks, layout {cfg.parallelism.name} [{lay.describe()}]",
+            f"  cluster {cfg.cluster.name}: {count(lay.world_size, 'rank')}, layout {label(lay, cfg.parallelism)} [{lay.describe()}]",
             f"  global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens/step, "
-            f"{t.global_batch_size // (lay.dp * t.microbatch_size)} microbatches of {t.microbatch_size} per DP rank",
+            f"{count(micro, 'microbatch')} of {t.microbatch_size} per DP rank",
             f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
             f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
             *_precision_lines(cfg),
@@ -116,16 +122,21 @@ def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
 
     frozen = freeze.write(cfg, lay, run_dir)
     c = cfg.cluster
-    print(f"launch plan: {lay.world_size} ranks = {c.num_nodes} nodes x {lay.world_size // c.num_nodes} per node [{lay.describe()}]")
+    per_node = lay.world_size // c.num_nodes
+    print(f"launch plan: {count(lay.world_size, 'rank')} = {count(c.num_nodes, 'node')} x {per_node} per node [{lay.describe()}]")
     print(f"frozen config: {frozen}")
     if c.launcher == "slurm":
-        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`):\n")
-        print(slurm.sbatch_script(slurm.launcher_params(dcfg)))
+        params, job_dir = slurm.submission(dcfg)
+        if job_dir != run_dir:
+            print(f"submitted with -m, this command runs as job 0 in {job_dir}; the paths below are that job's")
+        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`; nothing is submitted):\n")
+        print(slurm.sbatch_script(params))
+        frozen = job_dir / runfiles.FROZEN
         host, rdzv_id = c.rdzv_host or slurm.FIRST_NODE, "$SLURM_JOB_ID"
         print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
     else:
         host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
-        print(f"\nrun on each of the {c.num_nodes} nodes:\n")
+        print(f"\nrun on each of the {count(c.num_nodes, 'node')}:\n")
     print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
 
 
@@ -160,8 +171,9 @@ def main(dcfg: DictConfig) -> None:
     if node == 0 and (run_dir / runfiles.FROZEN).exists():
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
-        sweep = Path(HydraConfig.get().sweep.dir)
-        cfg.logging.wandb.group = f"{sweep.parent.name}/{sweep.name}"  # one W&B group per sweep
+        # one W&B group per sweep, passed to the ranks through wandb's own variable rather than frozen,
+        # so that a replay of frozen.yaml gets a group of its own instead of joining this sweep's
+        os.environ["WANDB_RUN_GROUP"] = wandb_group(Path(HydraConfig.get().sweep.dir))
     frozen = run_dir / runfiles.FROZEN
     if node == 0:
         freeze.write(cfg, lay, run_dir)
@@ -176,8 +188,52 @@ def main(dcfg: DictConfig) -> None:
             endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
             launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
-        print(f"training failed: {type(e).__name__}; rank logs in {run_dir / 'logs'}", file=sys.stderr)
-        sys.exit(1)
+        record = _failed_point(e, run_dir)
+        where = f"rank logs in {record['logs']}; recorded in {run_dir / runfiles.FAILED}"
+        print(f"training failed: {record['error']}; {where}", file=sys.stderr)
+        if HydraConfig.get().mode != RunMode.MULTIRUN or job_id is not None:  # a SLURM job reports its own failure
+            sys.exit(1)
+        _failed.append(" ".join(record["overrides"]))  # the sweep goes on; cli() exits 1 at its end
+
+
+def wandb_group(sweep_dir: Path) -> str:
+    """The sweep folder's full path names the sweep unambiguously (the last two parts repeat across
+    roots); W&B allows 128 characters, so a longer path keeps its end and a hash of the whole."""
+    full = str(sweep_dir.resolve())
+    if len(full) <= 128:
+        return full
+    return f"...{full[-110:]}-{hashlib.sha1(full.encode()).hexdigest()[:10]}"
+
+
+def _failed_point(e: Exception, run_dir: Path) -> dict:
+    """failed.json: a run whose ranks failed is a result too (runner.compare lists it)."""
+    from runner.observe import forensics
+
+    failures = getattr(e, "failures", {})  # torch's ChildFailedError: rank -> ProcessFailure
+    records = forensics.read_records(run_dir)  # each rank's own exception line, when it could write one
+    ranks = {
+        str(r): {"exit_code": f.exitcode, "error": (records.get(r) or {}).get("error") or _first_line(f.message)}
+        for r, f in sorted(failures.items())
+    }
+    first = next(iter(ranks.values()), {"exit_code": 1, "error": f"{type(e).__name__}: {e}"})
+    record = {
+        "overrides": list(HydraConfig.get().overrides.task),
+        "exit_code": first["exit_code"],
+        "error": first["error"],
+        "failed_ranks": ranks,
+        "logs": str(run_dir / runfiles.LOGS),
+        "report": next((str(run_dir / n) for n in (runfiles.FAILURE_REPORT, runfiles.HANG_REPORT) if (run_dir / n).is_file()), None),
+    }
+    (run_dir / runfiles.FAILED).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _first_line(message: str | dict) -> str:
+    """The exception line of a rank's error (torch's error file, a dict when the rank was forked, holds the whole traceback)."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "unknown error"
 
 
 _SETS_MODE = re.compile(r"^[ \t]+mode:[ \t]*(RUN|MULTIRUN)\b|hydra\.mode", re.M)
@@ -227,8 +283,13 @@ def cli() -> None:
         if "torch" in sys.modules and isinstance(e.code, int):
             _fast_exit(e.code)
         raise
+    code = 0
+    if _failed:
+        print(f"{count(len(_failed), 'sweep point')} failed (failed.json in each run folder): " + "; ".join(_failed), file=sys.stderr)
+        code = 1
     if "torch" in sys.modules:  # a launch: skip the interpreter's ~3 s teardown of torch and TorchTitan
-        _fast_exit(0)
+        _fast_exit(code)
+    sys.exit(code)
 
 
 def _fast_exit(code: int) -> None:

@@ -130,6 +130,9 @@ def test_sigkilled_rank_restarted_by_agent_resumes_exactly(reference, killed):
         assert (got[s]["loss"], got[s]["grad_norm"], got[s]["data_hash"]) == (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["data_hash"]), s
     rows = metrics(killed[0])
     assert [r["step"] for r in rows] == list(range(1, KILL_AT)) + list(range(back + 1, STEPS + 1))
+    assert [(r["attempt"], r.get("repeat", False)) for r in rows] == [(0, False)] * (KILL_AT - 1) + [
+        (1, s < KILL_AT) for s in range(back + 1, STEPS + 1)
+    ]
 
 
 def _copy_checkpoints(reference, dest: Path, steps: list[int]) -> Path:

@@ -3,8 +3,10 @@ launcher) printed by mode=launch_plan, its validation, and the TP placement rule
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -23,12 +25,15 @@ def _no_traceback_exit2(proc):
 
 
 def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
-    run_dir = tmp_path / "plan"
+    run_dir, sweep = tmp_path / "plan", tmp_path / "sweep"
     image = "nvcr.io/nvidia/pytorch:25.01-py3"
     extra = ["cluster.num_nodes=2", "cluster.slurm.account=llm", f"cluster.slurm.container_image={image}", "cluster.slurm.constraint=h100"]
-    proc = run_cli(*SLURM, *extra, "parallelism=fsdp", "training.global_batch_size=32", "mode=launch_plan", run_dir=run_dir)
+    args = [*SLURM, *extra, "parallelism=fsdp", "training.global_batch_size=32", "mode=launch_plan", f"hydra.sweep.dir={sweep}"]
+    proc = run_cli(*args, run_dir=run_dir)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
+    job = sweep / "0"  # what `-m` would submit: job 0 of the sweep folder, submitit's files beside it
+    assert f"submitted with -m, this command runs as job 0 in {job}; the paths below are that job's" in out
     for line in (
         "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=1",
@@ -43,12 +48,13 @@ def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
     ):
         assert line in out, line
     assert not any(ln.startswith("#SBATCH --mem") or ln.startswith("#SBATCH --cpus-per-task") for ln in out)  # unset stays unset
-    assert any(ln.startswith("srun --unbuffered") and "-m submitit.core._submit" in ln for ln in out)
+    assert f"#SBATCH --output={sweep}/.submitit/%j/%j_0_log.out" in out
+    assert any(ln.startswith("srun --unbuffered") and f"-m submitit.core._submit {sweep}/.submitit/%j" in ln for ln in out)
     (node,) = [ln.strip() for ln in out if "runner.launch" in ln]
     assert node == (
         f"python -m runner.launch --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint={FIRST_NODE}:29500 "
-        f"--rdzv-id=$SLURM_JOB_ID --max-restarts=3 --monitor-interval=0.5 --shutdown-timeout=30 --log-dir={run_dir / 'logs'} "
-        f"--redirects=1:3,2:3,3:3,4:3,5:3,6:3,7:3 {run_dir / 'frozen.yaml'}"
+        f"--rdzv-id=$SLURM_JOB_ID --max-restarts=3 --monitor-interval=0.5 --shutdown-timeout=30 --log-dir={job / 'logs'} "
+        f"--redirects=1:3,2:3,3:3,4:3,5:3,6:3,7:3 {job / 'frozen.yaml'}"
     )
     frozen = yaml.safe_load((run_dir / "frozen.yaml").read_text())
     assert frozen["cluster"]["launcher"] == "slurm" and frozen["cluster"]["num_nodes"] == 2 and frozen["mode"] == "launch_plan"
@@ -61,6 +67,41 @@ def test_launch_plan_128_nodes_for_the_worked_example(tmp_path):
     assert "launch plan: 1024 ranks = 128 nodes x 8 per node [pp=4 x dp_shard=32 x tp=8]" in proc.stdout
     assert "#SBATCH --nodes=128" in proc.stdout.splitlines()
     assert "python -m runner.launch --nnodes=128 --nproc-per-node=8 --rdzv-backend=c10d" in proc.stdout
+
+
+def _fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """sbatch and srun on PATH that only record that they were called."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 1\n')
+        (bin_dir / tool).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, calls
+
+
+def test_launch_plan_under_multirun_submits_nothing(tmp_path):
+    env, calls = _fake_slurm(tmp_path)
+    sweep = tmp_path / "sweep"
+    args = [*SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32,64", "mode=launch_plan"]
+    argv = [sys.executable, "-m", "runner", "-m", *args, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not calls.exists(), calls.read_text()
+    for num in (0, 1):  # each point prints its own job's paths, all in the one sweep folder
+        assert f"--log-dir={sweep / str(num) / 'logs'} " in proc.stdout
+        assert (sweep / str(num) / "frozen.yaml").is_file()
+    assert proc.stdout.count(f"#SBATCH --output={sweep}/.submitit/%j/%j_0_log.out") == 2
+    assert not (sweep / ".submitit").exists()
+
+
+def test_slurm_sweep_mixing_previews_and_submissions_is_refused(tmp_path):
+    env, calls = _fake_slurm(tmp_path)
+    sweep = f"hydra.sweep.dir={tmp_path / 's'}"
+    argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "mode=launch_plan,train", sweep]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    _no_traceback_exit2(proc)
+    assert "mixes mode=launch_plan previews with points to submit" in proc.stderr
+    assert not calls.exists() and not (tmp_path / "s").exists()
 
 
 def test_slurm_config_missing_fields_is_rejected(tmp_path):

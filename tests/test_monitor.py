@@ -158,6 +158,7 @@ def test_repeated_spikes_rewind_to_last_checkpoint(clean):
     assert r13["action"] == "rewind" and r13["rewound_to"] == 10 and r13["bad_steps"] == [12, 13]
     first11, replay11 = rows[10], rows[13]
     assert (replay11["loss"], replay11["grad_norm"]) == (first11["loss"], first11["grad_norm"])  # model + optimizer restored exactly
+    assert replay11["repeat"] is True and "repeat" not in first11 and replay11["attempt"] == 0
     assert (run_dir / "checkpoints" / "step-10" / ".metadata").is_file()
     assert all(r["loss"] < 10 for r in rows[13:])
 
@@ -268,7 +269,7 @@ def test_cuda_flight_recorder_environment(tmp_path):
 
 def test_startup_block(slow):
     out = slow[1].stdout
-    assert "layout dp2_tp2: dp_shard=2 x tp=2, 4 ranks on 1 node(s) of 4" in out
+    assert "layout tp2_dp2: dp_shard=2 x tp=2, 4 ranks on 1 node of 4" in out
     assert (
         "  dp_shard      size 2    ranks [0, 2]  link intra-node" in out
         and "  tp            size 2    ranks [0, 1]  link intra-node" in out

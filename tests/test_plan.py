@@ -160,7 +160,7 @@ def test_sweep_records_invalid_points_and_compare_tables_them(tmp_path):
 def test_compare_rejects_a_folder_without_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "runner.compare", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"paths = {tmp_path}: no run folder below them holds summary.json, plan.json or invalid.json" in out.stderr
+    assert f"paths = {tmp_path}: no run folder below them holds summary.json, plan.json, invalid.json or failed.json" in out.stderr
 
 
 def test_sweeper_composes_one_point_per_new_override_value():

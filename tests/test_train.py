@@ -67,7 +67,7 @@ def test_default_command_trains_into_one_folder(tmp_path):
     rows, s = metrics(made[0]), summary(made[0])
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["tokens_per_s"] == pytest.approx(8 * 256 / r["step_time_s"]) for r in rows)
-    assert (s["layout"], s["world_size"], s["degrees"]) == ("dp2_tp2", 4, "dp_shard=2 x tp=2")
+    assert (s["layout"], s["preset"], s["world_size"], s["degrees"]) == ("tp2_dp2", "dp2_tp2", 4, "dp_shard=2 x tp=2")
     assert sorted(p.name for p in (made[0] / "logs").rglob("stdout.log")) == ["stdout.log"] * 3  # ranks 1-3; rank 0 has the console
     assert "train" in proc.stdout and f"step   10  loss {rows[-1]['loss']:.4f}" in proc.stdout
 
@@ -105,7 +105,7 @@ def test_metrics_and_summary_accounting(runs):
     rows, s = metrics(run_dir), summary(run_dir)
     peak = json.loads((run_dir / "peak.json").read_text())
     assert peak["peak_source"] == "measured" and peak["dtype"] == "float32" and peak["peak_tflops"] > 0
-    assert (s["peak_source"], s["peak_tflops"], s["world_size"], s["layout"]) == ("measured", peak["peak_tflops"], 4, "dp2_tp2")
+    assert (s["peak_source"], s["peak_tflops"], s["world_size"], s["layout"]) == ("measured", peak["peak_tflops"], 4, "tp2_dp2")
     assert s["flops_per_token"] == 6 * (6_163_712 - 2048 * 256) + 6 * 6 * 16 * 32 * 64  # TorchTitan's convention at seq 64
     for r in rows:
         assert set(r) >= {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s"}
@@ -116,7 +116,9 @@ def test_metrics_and_summary_accounting(runs):
     assert s["mfu_median"] == pytest.approx((steady[0] + steady[1]) / 2)
     assert s["final_loss"] == rows[-1]["loss"]
     console = runs["_console"]["dp2_tp2"]
-    assert "layout dp2_tp2 [dp_shard=2 x tp=2], 4 ranks" in console
+    assert "layout tp2_dp2 [dp_shard=2 x tp=2], 4 ranks" in console
+    words = " ".join(console.split())  # rich wraps the header at the console width
+    assert f"float32 (measured, spread {100 * peak['peak_spread']:.1f} %)" in words and s["peak_spread"] == peak["peak_spread"]
     assert f"step    3  loss {rows[-1]['loss']:.4f}" in console
 
 
@@ -144,8 +146,8 @@ def test_wandb_offline_run(runs):
             assert json.dumps(r[key]).encode() in blob, (key, r[key])
     assert b"tokens_per_s_median" in blob  # summary logged
     assert re.search(rb'parallelism[^{]{1,8}\{"name":"single",', blob) and b'{"name":"dp2_tp2"' not in blob  # the config is this run's
-    assert b"2026-11-29/sweep" in blob  # grouped by the Hydra sweep folder
-    assert "group: 2026-11-29/sweep" in (runs["single"] / "frozen.yaml").read_text()
+    assert str(runs["single"].parent.resolve()).encode() in blob  # grouped by the Hydra sweep folder's full path
+    assert yaml.safe_load((runs["single"] / "frozen.yaml").read_text())["logging"]["wandb"]["group"] is None  # not frozen
     assert "step    3  loss" in (offline[0] / "files" / "output.log").read_text()
 
 

@@ -1,14 +1,21 @@
-"""Hydra's basic sweeper, composing each point of a sweep once instead of twice.
+"""Hydra's basic sweeper, composing each point of a sweep once instead of twice, and never
+submitting a SLURM preview.
 
 Select it with `hydra/sweeper=runner` (conf/config.yaml does). Hydra finds plugins only in the
 `hydra_plugins` namespace package, hence this folder beside `runner/`.
 """
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from runner.config import slurm
 
 
 class RunnerSweeper(BasicSweeper):
@@ -18,7 +25,50 @@ class RunnerSweeper(BasicSweeper):
     on one override's own value (unknown option, key or type); a bad combination of values is
     the runner's validation, which records the point as invalid and lets the sweep go on. So
     composing one point per new override value keeps the early failure at a fraction of the cost.
+
+    Hydra's submitit launcher submits in its `launch()`, before the task function (and so before
+    `mode=launch_plan`) is seen. With that launcher the sweeper reads each point's mode first: a
+    sweep of previews runs them here with Hydra's basic launcher (same sweep folder, same job
+    numbers, so the printed paths are those of the real submission); a real submission is checked
+    for sbatch/srun before anything is written.
     """
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self._task_function = task_function
+
+    def sweep(self, arguments: list[str]) -> Any:
+        if self.config.hydra.launcher.get("_target_") == slurm.SLURM_LAUNCHER:
+            self._choose_slurm_launcher(arguments)
+        return super().sweep(arguments)
+
+    def _modes(self, arguments: list[str]) -> list[str]:
+        """Each point's `mode`, from its composed config (the launcher composes it again to run)."""
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        overrides = parser.parse_overrides([*self._parse_config(), *arguments])
+        points = [p for batch in self.split_arguments(overrides, None) for p in batch]
+        loader = self.hydra_context.config_loader
+        return [loader.load_sweep_config(self.config, list(p)).mode.value for p in points]
+
+    def _choose_slurm_launcher(self, arguments: list[str]) -> None:
+        modes = self._modes(arguments)
+        previews = sum(m == "launch_plan" for m in modes)
+        if previews and previews < len(modes):
+            print(
+                f"mode = {sorted(set(modes))}: this SLURM sweep mixes mode=launch_plan previews with points to submit. "
+                "Fix: preview and submit in two commands (the preview submits nothing).",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        if previews:  # print each point's sbatch script and node command here; submit nothing
+            launcher = BasicLauncher()
+            launcher.setup(hydra_context=self.hydra_context, task_function=self._task_function, config=self.config)
+            self.launcher = launcher
+            return
+        problem = slurm.submission_problem()
+        if problem:
+            print(problem, file=sys.stderr)
+            sys.exit(2)
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         seen: set[str] = set()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
-from runner.config.layout import Layout
+from runner.config.layout import Layout, label
 from runner.config.schema import CheckpointConfig, ModelConfig, RunConfig
 
 MARKER = runfiles.CHECKPOINT_MARKER
@@ -202,7 +202,7 @@ def origin(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
     t = cfg.training
     return {
         "world_size": lay.world_size,
-        "layout": cfg.parallelism.name,
+        "layout": label(lay, cfg.parallelism),
         "degrees": lay.describe(),
         "model": model_identity(cfg.model),
         "seq_len": t.seq_len,

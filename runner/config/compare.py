@@ -1,15 +1,16 @@
 """`python -m runner.compare <run folders or multirun folders>`: one table and one plot.
 
 Torch-free. Reads what each run folder holds: summary.json (a measured run), plan.json
-(mode=plan), invalid.json (a sweep point that failed validation). Measured runs are
-compared by their measured step time and MFU, plans by the predicted ones; invalid
-points are listed with their reason. No W&B account needed.
+(mode=plan), invalid.json (a sweep point that failed validation), failed.json (a run whose
+ranks failed). Measured runs are compared by their measured step time and MFU, plans by the
+predicted ones; invalid and failed points are listed with their reason. No W&B account needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,26 @@ def _overrides(run: Path) -> list[str]:
     return [ln for ln in lines if not ln.startswith(("sweep=", "hydra."))]
 
 
+RESULTS = (runfiles.FAILED, runfiles.SUMMARY, runfiles.PLAN, runfiles.INVALID)  # what a run folder's result is, first match wins
+
+
+def _plan_memory(p: dict[str, Any]) -> str:
+    """The plan's model memory per rank; on CPU plus the rank's own resident memory (torch, TorchTitan),
+    which the measured figure (the rank's peak RSS) includes."""
+    fit = {True: "fits", False: "DOES NOT FIT", None: "?"}[p["fits_memory"]]
+    if p.get("device") != "cpu":  # plans written before the device was recorded: GPU figures
+        return f"{p['total_gb_per_gpu']:.3g} GB {fit}"
+    over = p["rank_overhead_gb"]
+    return f"{p['total_gb_per_gpu'] + over:.3g} GB {fit} ({p['total_gb_per_gpu']:.3g} model + {over:g} rank overhead)"
+
+
 def load(run: Path) -> dict[str, Any] | None:
     """One row for a run folder; None when it holds no result."""
     label = _overrides(run)
+    if (run / runfiles.FAILED).is_file():
+        f = json.loads((run / runfiles.FAILED).read_text())
+        why = [f"exit code {f['exit_code']}: {f['error']}", f"rank logs: {f['logs']}"] + ([f"report: {f['report']}"] if f["report"] else [])
+        return {"run": label or f["overrides"], "source": "failed", "problems": why}
     if (run / runfiles.SUMMARY).is_file():
         s = json.loads((run / runfiles.SUMMARY).read_text())
         cal = s.get("calibration", {})
@@ -44,12 +62,11 @@ def load(run: Path) -> dict[str, Any] | None:
         }
     if (run / runfiles.PLAN).is_file():
         p = json.loads((run / runfiles.PLAN).read_text())
-        fit = {True: "fits", False: "DOES NOT FIT", None: "?"}[p["fits_memory"]]
         return {
             "run": label,
             "source": "plan",
             "degrees": p["degrees"],
-            "memory": f"{p['total_gb_per_gpu']:.3g} GB {fit}",
+            "memory": _plan_memory(p),
             "bubble": p["bubble_fraction"],
             "tp_share": p["tp_comm_share"],
             "step_time_s": p["estimated_step_time_s"],
@@ -66,7 +83,7 @@ def collect(paths: list[Path]) -> list[dict[str, Any]]:
     """Rows for every run folder at or below the given paths."""
     runs: list[Path] = []
     for p in paths:
-        found = {f.parent for name in (runfiles.SUMMARY, runfiles.PLAN, runfiles.INVALID) for f in p.rglob(name)}
+        found = {f.parent for name in RESULTS for f in p.rglob(name)}
         runs += sorted(found - set(runs))
     loaded = [(run, r) for run in runs if (r := load(run)) is not None]
     common = set.intersection(*(set(r["run"]) for _, r in loaded)) if len(loaded) > 1 else set()
@@ -77,7 +94,7 @@ def collect(paths: list[Path]) -> list[dict[str, Any]]:
 
 def _sort_key(r: dict[str, Any]) -> tuple:
     t = r.get("step_time_s")
-    return (r["source"] == "invalid", t is None, t or 0.0)
+    return (r["source"] in ("invalid", "failed"), t is None, t or 0.0)
 
 
 def _pct(x: float | None) -> str:
@@ -88,11 +105,11 @@ def table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     t = Table(title="layouts by step time", title_justify="left")
-    for col in ("run", "layout", "source", "memory / GPU", "bubble", "TP share", "step time", "MFU"):
+    for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "MFU"):
         t.add_column(col)
     for r in sorted(rows, key=_sort_key):
-        if r["source"] == "invalid":
-            t.add_row(r["run"], "-", "invalid", "\n".join(r["problems"]), "", "", "", "", style="red")
+        if r["source"] in ("invalid", "failed"):
+            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", style="red")
             continue
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f} s"
         t.add_row(
@@ -115,7 +132,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    valid = sorted((r for r in rows if r["source"] != "invalid" and r["step_time_s"] is not None), key=_sort_key)
+    valid = sorted((r for r in rows if r["source"] not in ("invalid", "failed") and r["step_time_s"] is not None), key=_sort_key)
     if not valid:
         return None
     measured = all(r["source"] == "measured" for r in valid)
@@ -133,10 +150,19 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
     return out
 
 
+def plot_folder(paths: list[Path]) -> Path:
+    """Where the plot goes by default: the folder the paths share (the sweep folder of its runs, a run
+    folder given alone), but never a failed or invalid point's folder: its parent instead."""
+    folder = Path(os.path.commonpath([p.resolve() for p in paths]))
+    if (folder / runfiles.FAILED).is_file() or (folder / runfiles.INVALID).is_file():
+        return folder.parent
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runner.compare", description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", type=Path, help="run folders or multirun folders")
-    ap.add_argument("--plot", type=Path, default=None, help=f"PNG path (default: <first path>/{runfiles.PLOT})")
+    ap.add_argument("--plot", type=Path, default=None, help=f"PNG path (default: <common folder of the paths>/{runfiles.PLOT})")
     args = ap.parse_args(argv)
     missing = [str(p) for p in args.paths if not p.is_dir()]
     if missing:
@@ -144,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = collect(args.paths)
     if not rows:
-        names = f"{runfiles.SUMMARY}, {runfiles.PLAN} or {runfiles.INVALID}"
+        names = f"{runfiles.SUMMARY}, {runfiles.PLAN}, {runfiles.INVALID} or {runfiles.FAILED}"
         print(f"paths = {' '.join(map(str, args.paths))}: no run folder below them holds {names}. Fix: point at runs.", file=sys.stderr)
         return 2
     from rich.console import Console
 
     console = Console(highlight=False, width=200)
     console.print(table(rows))
-    out = plot(rows, args.plot or args.paths[0] / runfiles.PLOT)
+    out = plot(rows, args.plot or plot_folder(args.paths) / runfiles.PLOT)
     if out:
         console.print(f"plot saved to {out}")
     return 0

@@ -50,6 +50,17 @@ class Layout:
         return " x ".join(parts) if parts else "single rank"
 
 
+def label(lay: Layout, p: ParallelismConfig) -> str:
+    """Compact name of the layout that ran, for run names and tables: degrees > 1 (dpr = replicas,
+    dp = FSDP shards) and, with pp, the schedule and the stages per rank when more than one, e.g.
+    `tp8_pp4_1F1B_dp32`, `pp2_DualPipeV_v2`, `dpr2`. The preset the config started from is `p.name`."""
+    parts = [f"{axis}{n}" for axis, n in (("tp", lay.tp), ("cp", lay.cp), ("ep", lay.ep)) if n > 1]
+    if lay.pp > 1:
+        parts.append(f"pp{lay.pp}_{p.pp_schedule}" + (f"_v{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
+    parts += [f"{axis}{n}" for axis, n in (("dpr", lay.dp_replicate), ("dp", lay.dp_shard)) if n > 1]
+    return "_".join(parts) or "single"
+
+
 def fixed_product(p: ParallelismConfig) -> int:
     """Product of every degree except a -1 dp_shard."""
     n = p.pp * p.dp_replicate * p.cp * p.tp

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles
-from runner.config.layout import Layout
+from runner.config.layout import Layout, label
 from runner.config.memory import memory
 from runner.config.plan_comm import communication
 from runner.config.plan_render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
@@ -130,7 +130,10 @@ def compute(
     return {
         "model": f"{m.name} {m.flavor}",
         "params": flops.num_params(m),
-        "layout": p.name,
+        "layout": label(lay, p),
+        "preset": p.name,
+        "device": c.device.value,
+        "rank_overhead_gb": c.rank_overhead_gb,
         "degrees": lay.describe(),
         "world_size": lay.world_size,
         "precision": cfg.precision.name,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from runner.config import wording
+from runner.config.wording import count
+
 
 def _layers(split: list[int]) -> str:
     """'0 | 1 x 6 | 0' style: stage sizes with runs collapsed."""
@@ -26,19 +29,20 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
     mem = plan["device_memory_gb"]
     fit = {True: "fits", False: "DOES NOT FIT", None: "device memory unknown"}[plan["fits_memory"]]
     conv = plan["flops_convention"]
+    unit = wording.device_unit(plan["device"])
     out = [
         ("model", f"{plan['model']}, {plan['params'] / 1e9:.2f} B params", ""),
-        ("layout", f"{plan['layout']} [{plan['degrees']}]", f"{plan['world_size']} GPUs"),
+        ("layout", f"{plan['layout']} [{plan['degrees']}]", count(plan["world_size"], unit)),
         ("links", ", ".join(f"{a}: {lk}" for a, lk in plan["links"].items()) or "-", "ranks placed TP fastest"),
         ("tokens per step", f"{plan['tokens_per_step']:,}", "global batch x seq_len"),
         ("microbatches per pipeline m", str(plan["microbatches"]), ""),
         ("pipeline bubble", pct(plan["bubble_fraction"]), plan["bubble_formula"]),
-        ("layers per stage", _layers(plan["layers_per_stage"]), f"{plan['virtual_stages_per_rank']} stage(s) per pipeline rank"),
-        ("parameters per GPU", f"{plan['params_per_gpu'] / 1e9:.3f} B", "params / (tp x pp)"),
+        ("layers per stage", _layers(plan["layers_per_stage"]), f"{count(plan['virtual_stages_per_rank'], 'stage')} per pipeline rank"),
+        (f"parameters per {unit}", f"{plan['params_per_gpu'] / 1e9:.3f} B", "params / (tp x pp)"),
         (
             "weights + gradients",
             _f(plan["weights_grads_gb_per_gpu"], ".3g", " GB"),
-            "whole on each GPU of the stage (FSDP keeps them gathered)" if plan["weights_gathered_during_step"] else "FSDP-sharded",
+            f"whole on each {unit} of the stage (FSDP keeps them gathered)" if plan["weights_gathered_during_step"] else "FSDP-sharded",
         ),
         ("optimizer state", _f(plan["optimizer_gb_per_gpu"], ".3g", " GB"), "fp32 master + Adam moments / dp_shard"),
         (
@@ -46,7 +50,7 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
             _f(plan["activations_gb_per_microbatch"], ".3g", " GB"),
             f"{plan['activations_gb_per_microbatch_recompute']:.3g} GB with full recomputation (Korthikanti 2022)",
         ),
-        ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), f"{plan['microbatches_in_flight']} microbatch(es)"),
+        ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), count(plan["microbatches_in_flight"], "microbatch")),
         ("total memory", _f(plan["total_gb_per_gpu"], ".3g", " GB"), f"{fit}" + (f" in {mem:.3g} GB" if mem else "")),
         ("model FLOPs per step", f"{plan['model_flops_per_step']:.3e}", f"{conv} convention"),
         (
@@ -97,8 +101,9 @@ def render(plan: dict[str, Any], configured_interval: int | None = None) -> None
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"step budget: {plan['model']} on {plan['world_size']} GPUs", title_justify="left")
-    for col in ("", "per GPU", "note"):
+    unit = wording.device_unit(plan["device"])
+    table = Table(title=f"step budget: {plan['model']} on {count(plan['world_size'], unit)}", title_justify="left")
+    for col in ("", f"per {unit}", "note"):
         table.add_column(col)
     for r in rows(plan, configured_interval):
         table.add_row(*r, style="bold red" if "NOT" in r[2] or "LONGER" in r[2] else None)

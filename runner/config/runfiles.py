@@ -4,14 +4,16 @@
       frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
       plan.json            the step budget (mode=plan, and every launched run)
       invalid.json         a sweep point that failed validation: its overrides and problems
+      failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
       peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
       precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
       metrics.jsonl        one row per step (rank 0)
       summary.json         the run's medians (rank 0); runner.compare reads it
       stragglers.jsonl     the straggler monitor's per-window tables
-      hang_report.json     which collective each rank was in when the job stopped
+      hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
+      failure_report.json  a rank that raised: each rank's exception and last state
       parity.json          losses and norms of a runner.parity launch
-      comparison.png       runner.compare's plot (in the first folder given)
+      comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
       logs/ranks/          each rank's last state (the forensics records)
       logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
       logs/<rdzv id>/      torchrun's per-rank stdout/stderr
@@ -27,12 +29,14 @@ from pathlib import Path
 FROZEN = "frozen.yaml"
 PLAN = "plan.json"
 INVALID = "invalid.json"
+FAILED = "failed.json"
 PEAK = "peak.json"
 PRECISION = "precision.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"
+FAILURE_REPORT = "failure_report.json"
 PARITY = "parity.json"
 PLOT = "comparison.png"
 LOGS = "logs"

@@ -269,8 +269,12 @@ class ClusterConfig:
     """Per-device scale-out bandwidth in GB/s, both directions together like the intra-node
     figure: a 400 Gb/s full-duplex NIC is 50 GB/s each way, so 100."""
     peak_tflops: dict[str, float] = field(default_factory=dict)
-    """Dense peak TFLOP/s per device by dtype name. Empty on CPU: the peak is measured
-    once per run by a matmul benchmark on the whole machine."""
+    """Dense peak TFLOP/s per device by dtype name. Empty on CPU: the peak is measured by a matmul
+    benchmark of one rank's thread share at its plateau size (runner/run/peak.py), once per machine,
+    dtype and thread layout (cached in peak_cache_dir)."""
+    peak_cache_dir: str | None = "~/.cache/runner"
+    """Folder of the measured CPU peaks (peak-<cpu model>-<dtype>.json, keyed by cores, torch version
+    and threads per rank); null = measure every run and cache nothing."""
     compute_capability: str = ""
     """CUDA compute capability ("major.minor", e.g. "9.0" for H100) that FP8 recipes are checked
     against; empty on CPU."""
@@ -357,7 +361,8 @@ class WandbConfig:
     mode: WandbMode = WandbMode.offline
     """W&B mode: offline (default, needs no network), online or disabled."""
     group: str | None = None
-    """W&B run group; null under a Hydra multirun = the sweep folder, so W&B compares the sweep's layouts."""
+    """W&B run group; null under a Hydra multirun = the sweep folder's full path (set for the ranks as
+    WANDB_RUN_GROUP, not frozen, so a replay gets a group of its own), so W&B compares the sweep's layouts."""
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -38,11 +37,17 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("sbatch_extra", sbatch_extra, replace=True)
 
 
-def launcher_params(job_cfg: DictConfig) -> dict[str, Any]:
-    """hydra.launcher resolved against the job config, as the plugin receives it."""
+def submission(job_cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    """(hydra.launcher resolved against the job config, as the plugin receives it; the job's run folder).
+
+    Under `-m` these are this point's own. Without it they are those of job 0 of the same command
+    submitted with `-m` (the sweep folder of now), so a preview never points at a folder no job uses."""
     root = OmegaConf.create({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=False)})
     root.merge_with({k: v for k, v in OmegaConf.to_container(job_cfg, resolve=False).items() if k != "hydra"})
-    return OmegaConf.to_container(root.hydra.launcher, resolve=True)
+    if OmegaConf.is_missing(root.hydra.job, "num"):  # not a multirun: the first job of the submission
+        root.hydra.job.num = 0
+    job_dir = (Path(str(root.hydra.sweep.dir)) / str(root.hydra.sweep.subdir)).absolute()
+    return OmegaConf.to_container(root.hydra.launcher, resolve=True), job_dir
 
 
 def sbatch_script(launcher: dict[str, Any]) -> str:
@@ -84,19 +89,14 @@ def wait_for(path: Path, timeout_s: float = 300.0) -> None:
         time.sleep(1.0)
 
 
-class SubmissionCheck(Callback):
-    """Before Hydra's submitit launcher submits: is SLURM here at all? Without sbatch/srun
-    the plugin would fail with submitit's traceback; say what to do instead."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if config.hydra.launcher.get("_target_") != SLURM_LAUNCHER:
-            return
-        missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
-        if missing:
-            print(
-                f"hydra.launcher = submitit_slurm: {' and '.join(missing)} not found on this machine, so nothing can be submitted. "
-                "Fix: run from a SLURM login node, or add mode=launch_plan to print the sbatch script and per-node command "
-                "without submitting.",
-                file=sys.stderr,
-            )
-            sys.exit(2)
+def submission_problem() -> str | None:
+    """Before Hydra's submitit launcher submits: is SLURM here at all? Without sbatch/srun the
+    plugin would fail with submitit's traceback; say what to do instead (the sweeper asks)."""
+    missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+    if not missing:
+        return None
+    return (
+        f"hydra.launcher = submitit_slurm: {' and '.join(missing)} not found on this machine, so nothing can be submitted. "
+        "Fix: run from a SLURM login node, or add mode=launch_plan to print the sbatch script and per-node command "
+        "without submitting."
+    )

@@ -8,7 +8,8 @@ Three pieces, so that the answer survives a rank that can no longer write (SIGST
   per-group collective sequence numbers (cheap counters of c10d). When neither moves for a heartbeat the
   rank is stalled, and the thread reads the flight recorder once for the collective it is in.
 - `build_report`, in the launcher after the agent has stopped the job: reads those files and names the
-  ranks that did not enter the collective their peers wait in (`hang_report.json`).
+  ranks that did not enter the collective their peers wait in (`hang_report.json`), or, when no
+  collective timed out, which ranks raised what (`failure_report.json`).
 
 Torch-free at import: the launcher and the tests use the pure parts.
 """
@@ -178,7 +179,8 @@ class RankRecorder:
             self.stall = {"since": time.time(), "collectives": self._in_flight()}
         self._write(_sequence_numbers(self.groups))
         fr = cfg.distributed.flight_recorder
-        if fr.enable and fr.dump_on_timeout and cfg.cluster.device == DeviceType.cpu:  # NCCL dumps by itself
+        hang = "timed out" in str(exc).lower()  # a rank that raised on its own is no hang: its traceback says it all
+        if hang and fr.enable and fr.dump_on_timeout and cfg.cluster.device == DeviceType.cpu:  # NCCL dumps by itself
             dump_flight_recorder(dump_folder(cfg, run_dir) / f"rank_{self.static['rank']}")
 
     def done(self) -> None:
@@ -246,16 +248,34 @@ def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_
     return {"missing_ranks": sorted(missing), "ranks": ranks}
 
 
-def write_report(cfg: RunConfig, run_dir: Path, world_size: int, cause: str) -> Path | None:
-    """hang_report.json in the run folder, from the ranks' records; None when no rank left one."""
+def timed_out(agent_error: str, records: dict[int, dict[str, Any]]) -> bool:
+    """A hang: a collective timed out (the agent's error or a rank's own), as opposed to a rank that raised."""
+    errors = [agent_error, *((r.get("error") or "") for r in records.values())]
+    return any("timed out" in e.lower() for e in errors)
+
+
+def write_report(cfg: RunConfig, run_dir: Path, world_size: int, agent_error: str) -> tuple[str, Path] | None:
+    """After the agent stopped a failed job: (cause, report path) from the ranks' records; None when no rank left one.
+
+    A hang (collective timeout) gets hang_report.json with the collective each rank was in and the
+    flight-recorder dumps; a rank that raised gets failure_report.json with each rank's exception."""
     records = read_records(run_dir)
     if not records:
         return None
-    report = {"cause": cause, "timeout_s": cfg.distributed.timeout_s, **build_report(records, world_size, cfg.distributed.heartbeat_s)}
+    if not timed_out(agent_error, records):
+        raised = {str(r): rec["error"] for r, rec in sorted(records.items()) if rec.get("error")}
+        keys = ("host", "local_rank", "pid", "coords", "step", "phase", "state", "error")
+        ranks = {str(r): {k: rec[k] for k in keys} for r, rec in sorted(records.items())}
+        report = {"cause": "rank failure", "raised": raised, "ranks": ranks, "no_record": sorted(set(range(world_size)) - set(records))}
+        path = run_dir / runfiles.FAILURE_REPORT
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        return "rank failure", path
+    report = {"cause": "collective timeout", "timeout_s": cfg.distributed.timeout_s}
+    report |= build_report(records, world_size, cfg.distributed.heartbeat_s)
     folder = dump_folder(cfg, run_dir)
     if folder.is_dir():
         report["flight_recorder_dumps"] = str(folder)
         report["analyse_with"] = f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"
     path = run_dir / runfiles.HANG_REPORT
     path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    return "collective timeout", path

@@ -80,7 +80,8 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
 
     The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
     timed out after distributed.timeout_s raises) it stops the others (SIGTERM, then SIGKILL after 30 s,
-    which also ends a SIGSTOPped rank), and hang_report.json is written from the ranks' records.
+    which also ends a SIGSTOPped rank), and hang_report.json (a hang) or failure_report.json (a rank that
+    raised) is written from the ranks' records.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
@@ -109,11 +110,9 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
         else:
             torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
-        timed_out = "Timed out" in str(e) or any("Timed out" in (r.get("error") or "") for r in forensics.read_records(run_dir).values())
-        cause = "collective timeout" if timed_out else "rank failure"
-        report = forensics.write_report(cfg, run_dir, lay.world_size, cause)
-        if report is not None:
-            print(f"{cause}: report in {report}", file=sys.stderr)
+        written = forensics.write_report(cfg, run_dir, lay.world_size, str(e))
+        if written is not None:
+            print(f"{written[0]}: report in {written[1]}", file=sys.stderr)
         raise
 
 

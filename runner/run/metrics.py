@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from runner.config import runfiles
+from runner.config import layout, runfiles
 from runner.config.schema import RunConfig
 
 
@@ -64,7 +65,9 @@ class ConsoleSink:
             self.progress.stop()
         self.console.print(
             f"done: final loss {summary['final_loss']:.4f}, median {summary['tokens_per_s_median']:,.0f} tokens/s, "
-            f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']})"
+            f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']}"
+            + ("" if summary["peak_spread"] is None else f", spread {100 * summary['peak_spread']:.1f} %")
+            + ")"
         )
         cal = summary.get("calibration")
         if cal:
@@ -81,19 +84,33 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """metrics.jsonl: one JSON object per logged step; summary.json at the end."""
+    """metrics.jsonl: one JSON object per logged step; summary.json at the end.
+
+    Every row carries `attempt` (the elastic agent's restart count, TORCHELASTIC_RESTART_COUNT); a step
+    logged before (by an earlier attempt, or before a loss-guard rewind) is logged again with
+    `"repeat": true`, so a reader that wants one row per step keeps the last."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.file = open(run_dir / runfiles.METRICS, "a")
+        path = run_dir / runfiles.METRICS
+        self.seen = {json.loads(line)["step"] for line in path.read_text().splitlines()} if path.is_file() else set()
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # unset outside torch's agent: the first attempt
+        self.file = open(path, "a")
 
     def log(self, row: dict[str, Any]) -> None:
+        row = row | {"attempt": self.attempt} | ({"repeat": True} if row["step"] in self.seen else {})
+        self.seen.add(row["step"])
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
 
     def close(self, summary: dict[str, Any]) -> None:
         self.file.close()
         (self.run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def run_label(cfg: RunConfig) -> str:
+    """The layout that ran (not the preset it started from), as summary.json and plan.json name it."""
+    return layout.label(layout.resolve(cfg.parallelism, cfg.cluster), cfg.parallelism)
 
 
 class WandbSink:
@@ -107,7 +124,7 @@ class WandbSink:
             mode=w.mode,
             dir=str(run_dir),
             group=w.group,
-            name=f"{cfg.parallelism.name}-{run_dir.name}",
+            name=f"{run_label(cfg)}-{run_dir.name}",
             config=frozen,
         )
 
@@ -118,8 +135,23 @@ class WandbSink:
         self.run.log(scalars, step=row["step"])
 
     def close(self, summary: dict[str, Any]) -> None:
-        self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+        self.run.summary.update(flatten(summary))
         self.run.finish()
+
+
+def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """W&B summary keys for nested values: {"calibration": {"step_time_ratio": r}} -> {"calibration/step_time_ratio": r}.
+    Scalars, None and lists of scalars are kept; W&B would store a nested dict as one opaque value."""
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= flatten(value, f"{name}/")
+        elif value is None or isinstance(value, (int, float, str)):
+            out[name] = value
+        elif isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value):
+            out[name] = value
+    return out
 
 
 def sinks(cfg: RunConfig, run_dir: Path, header: str, frozen: dict[str, Any]) -> list[Sink]:

@@ -1,4 +1,17 @@
-"""Dense peak FLOP/s of the device: from the cluster config, or measured on CPU."""
+"""Dense peak FLOP/s of the device: from the cluster config, or measured on CPU (and cached).
+
+The CPU measurement (one rank's share of the node, as the ranks will run):
+- threads: each rank gets cores // ranks-per-node OpenMP threads (the launcher's OMP_NUM_THREADS), so
+  one share is measured with that many threads and the node's peak is the share's rate times the
+  shares that run at once, min(ranks per node, cores // threads);
+- size: square matmuls of growing size until the rate stops rising by PLATEAU_GAIN (or one matmul
+  takes MAX_MATMUL_S): the size with the best rate is the plateau;
+- rounds: ROUNDS rounds at that size, each the best of >= MIN_REPS matmuls (the fastest matmul of a
+  round is the one no other process slowed); the peak is the median round, a round more than
+  OUTLIER from it is refused, and `spread` = (max - min) / median of the rounds kept;
+- cache: `<cluster.peak_cache_dir>/peak-<cpu model>-<dtype>.json`, keyed by the core count, torch
+  version and thread layout, so runs on one machine share one figure instead of each drawing its own.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +19,24 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import re
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from runner.config import precision, runfiles
 from runner.config.schema import DeviceType, RunConfig
+from runner.config.wording import count
 
-# Matrix size per dtype: fp32 reaches its plateau at 1024; bf16 on AVX2-only CPUs runs
-# ~200x slower, so a smaller matrix keeps the measurement under a second.
-_SIZE = {"float32": 1024, "bfloat16": 256, "float8": 1024}
+SIZES = (128, 256, 512, 1024, 2048)
+PLATEAU_GAIN = 0.05  # a size whose rate rises less than this over the previous one: the plateau is reached
+MAX_MATMUL_S = 0.2  # stop growing once one matmul takes this long (bf16 on AVX2-only CPUs: ~200x slower than fp32)
+ROUNDS = 5
+MIN_REPS, MIN_ROUND_S = 8, 0.15  # matmuls per round: at least this many and this long
+OUTLIER = 0.15  # a round more than 15 % from the median round is refused
 
 
 def _matmul(dtype_name: str, n: int):
@@ -32,32 +52,104 @@ def _matmul(dtype_name: str, n: int):
     return lambda: torch.mm(a, b)
 
 
-def measure_cpu_tflops(dtype_name: str, reps: int = 5) -> float:
-    """Best matmul rate of the whole machine (all cores) in TFLOP/s, measured in a child process.
+def _round(mm, n: int) -> tuple[float, float]:
+    """(best rate in TFLOP/s, seconds of one matmul at that rate) over >= MIN_REPS matmuls and >= MIN_ROUND_S."""
+    best, reps, t_end = float("inf"), 0, time.perf_counter() + MIN_ROUND_S
+    while reps < MIN_REPS or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        mm()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2 * n**3 / best / 1e12, best
+
+
+def robust(rounds: list[float]) -> dict[str, Any]:
+    """Median of the rounds with those far from it refused, and the spread of the rest."""
+    med = statistics.median(rounds)
+    kept = [r for r in rounds if abs(r - med) <= OUTLIER * med]
+    peak = statistics.median(kept)
+    return {"tflops": peak, "spread": (max(kept) - min(kept)) / peak, "rounds": rounds, "refused": [r for r in rounds if r not in kept]}
+
+
+def measure_share(dtype_name: str, threads: int) -> dict[str, Any]:
+    """One rank's share: the plateau size, then ROUNDS rounds there (in this process, with `threads` threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best_n, best_rate = SIZES[0], 0.0
+        for n in SIZES:
+            mm = _matmul(dtype_name, n)
+            mm()  # warm-up: allocation, kernel selection
+            rate, seconds = _round(mm, n)
+            rising = rate > best_rate * (1 + PLATEAU_GAIN)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+            if not rising or seconds > MAX_MATMUL_S:
+                break
+        mm = _matmul(dtype_name, best_n)
+        mm()
+        return robust([_round(mm, best_n)[0] for _ in range(ROUNDS)]) | {"size": best_n, "threads": threads}
+    finally:
+        torch.set_num_threads(before)
+
+
+def layout(ranks_per_node: int) -> tuple[int, int]:
+    """(threads per rank, shares running at once) as the launcher sets them: cores // ranks threads each."""
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // ranks_per_node)
+    return threads, min(ranks_per_node, cores // threads)
+
+
+def measure_cpu(dtype_name: str, ranks_per_node: int) -> dict[str, Any]:
+    """The node's peak from one rank's share, measured in a child process.
 
     The caller is the elastic agent, which may fork the ranks (cluster.worker_start=fork): a
     process that has run an OpenMP parallel region must not fork a child that runs one (GNU
     OpenMP then deadlocks the child in its first multi-threaded op), so the agent never does.
     """
+    threads, shares = layout(ranks_per_node)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        return pool.submit(_measure, dtype_name, reps).result()
+        share = pool.submit(measure_share, dtype_name, threads).result()
+    return share | {"shares": shares, "tflops": share["tflops"] * shares, "share_tflops": share["tflops"]}
 
 
-def _measure(dtype_name: str, reps: int) -> float:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        n = _SIZE[dtype_name]
-        mm = _matmul(dtype_name, n)
-        mm()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mm()
-            best = min(best, time.perf_counter() - t0)
-        return 2 * n**3 / best / 1e12
-    finally:
-        torch.set_num_threads(threads)
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux)."""
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _cache_file(folder: str, dtype_name: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-") or "cpu"
+    return Path(folder).expanduser() / f"peak-{slug}-{dtype_name}.json"
+
+
+def _cache_key(ranks_per_node: int) -> str:
+    threads, shares = layout(ranks_per_node)
+    return f"{os.cpu_count()} cores, torch {torch.__version__}, {threads} threads x {shares} ranks"
+
+
+def cpu_peak(cfg: RunConfig, dtype_name: str, ranks_per_node: int) -> dict[str, Any]:
+    """The cached measurement for this machine, dtype and thread layout; measured (and cached) when there is none."""
+    folder = cfg.cluster.peak_cache_dir
+    key = _cache_key(ranks_per_node)
+    path = _cache_file(folder, dtype_name) if folder else None
+    cached = json.loads(path.read_text()) if path and path.is_file() else {}
+    if key in cached:
+        return cached[key] | {"cache": str(path), "cached": True}
+    rec = measure_cpu(dtype_name, ranks_per_node) | {"cpu_model": cpu_model(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs starting at once: the last complete file wins
+        tmp.write_text(json.dumps(cached | {key: rec}, indent=2) + "\n")
+        tmp.replace(path)
+    return rec | {"cache": str(path) if path else None, "cached": False}
 
 
 def source(cfg: RunConfig) -> str:
@@ -65,39 +157,34 @@ def source(cfg: RunConfig) -> str:
     return "config" if precision.matmul_peak(cfg)[0] in cfg.cluster.peak_tflops else "measured"
 
 
-def peak(cfg: RunConfig, world_size: int) -> tuple[float, float]:
-    """(peak TFLOP/s per device, peak FLOP/s of the whole job).
-
-    On CPU the ranks of a node share one machine, so the "device" is the node.
-    """
-    dtype = precision.matmul_peak(cfg)[0]
-    devices = cfg.cluster.num_nodes if cfg.cluster.device == DeviceType.cpu else world_size
-    if source(cfg) == "measured":  # validation allows a missing peak on CPU only
-        tflops = measure_cpu_tflops(dtype)
-    else:
-        tflops = cfg.cluster.peak_tflops[dtype]
-    return tflops, tflops * 1e12 * devices
-
-
-
-
 def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
-    """Decide the peak once per run (measuring before any rank starts) and record it."""
-    tflops, total = peak(cfg, world_size)
-    rec = {
-        "peak_tflops": tflops,
-        "peak_flops_total": total,
-        "peak_source": source(cfg),
-        "dtype": precision.matmul_peak(cfg)[0],
-        "emulated": precision.matmul_peak(cfg)[1],
-        "fp8": cfg.precision.fp8.value,
-        "device": cfg.cluster.device.value,
-    }
-    if rec["peak_source"] == "measured":
-        op = "torch._scaled_mm (e4m3)" if rec["dtype"] == "float8" else "torch.mm"
-        rec["method"] = f"best of 5 square {op} n={_SIZE[rec['dtype']]} on {os.cpu_count()} threads"
+    """Decide the peak once per run (measuring before any rank starts) and record it.
+
+    On CPU the ranks of a node share one machine, so the "device" is the node."""
+    dtype, emulated = precision.matmul_peak(cfg)
+    rec: dict[str, Any] = {"peak_source": source(cfg), "dtype": dtype, "emulated": emulated}
+    if rec["peak_source"] == "measured":  # validation allows a missing peak on CPU only
+        m = cpu_peak(cfg, dtype, world_size // cfg.cluster.num_nodes)
+        op = "torch._scaled_mm (e4m3)" if dtype == "float8" else "torch.mm"
+        rec |= {
+            "peak_tflops": m["tflops"],
+            "peak_spread": m["spread"],
+            "method": f"one rank's share ({count(m['threads'], 'thread')}), square {op} n={m['size']} (plateau), median of "
+            f"{len(m['rounds'])} rounds of best-of-{MIN_REPS}+ ({len(m['refused'])} refused as outliers), x {count(m['shares'], 'rank')} "
+            "running at once",
+            "measurement": m,
+        }
+    else:
+        rec |= {"peak_tflops": cfg.cluster.peak_tflops[dtype], "peak_spread": None}
+    devices = cfg.cluster.num_nodes if cfg.cluster.device == DeviceType.cpu else world_size
+    rec |= {"peak_flops_total": rec["peak_tflops"] * 1e12 * devices, "fp8": cfg.precision.fp8.value, "device": cfg.cluster.device.value}
     (run_dir / runfiles.PEAK).write_text(json.dumps(rec, indent=2) + "\n")
     return rec
+
+
+def spread_text(pk: dict) -> str:
+    """', spread 6.2 %' beside a measured peak ((max - min) / median of its rounds); empty for a datasheet peak."""
+    return "" if pk["peak_spread"] is None else f", spread {100 * pk['peak_spread']:.1f} %"
 
 
 def read(run_dir: Path) -> dict:

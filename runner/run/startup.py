@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from runner.config import plan
-from runner.config.layout import MESH_ORDER, Layout, devices_per_node
+from runner.config.layout import MESH_ORDER, Layout, devices_per_node, label
 from runner.config.plan_comm import link
 from runner.config.schema import RunConfig
+from runner.config.wording import count
 
 
 def group_of(lay: Layout, rank: int, axis: str) -> list[int]:
@@ -24,7 +25,8 @@ def report(
     cfg: RunConfig, lay: Layout, frozen: Path, fr_folder: Path, converted: list[str] | None, peak_tflops: float | None = None
 ) -> str:
     per_node = devices_per_node(cfg.cluster, lay.world_size)
-    lines = [f"layout {cfg.parallelism.name}: {lay.describe()}, {lay.world_size} ranks on {cfg.cluster.num_nodes} node(s) of {per_node}"]
+    where = f"{count(lay.world_size, 'rank')} on {count(cfg.cluster.num_nodes, 'node')} of {per_node}"
+    lines = [f"layout {label(lay, cfg.parallelism)}: {lay.describe()}, {where}"]
     lines.append(f"mesh {' x '.join(f'{a}={getattr(lay, a)}' for a in MESH_ORDER)} (rank 0's groups):")
     for axis in MESH_ORDER:
         size = getattr(lay, axis)
@@ -57,7 +59,7 @@ def checkpoint_line(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> s
         why = f"{budget['checkpoint_interval_s']:.0f} s: write {budget['checkpoint_write_s']:.3g} s, MTBF {cfg.cluster.mtbf_hours:g} h"
     c = cfg.checkpoint
     if not c.enable:
-        return f"checkpoints: off; planner suggests every {steps} steps ({why})" if steps else f"checkpoints: off ({why})"
+        return f"checkpoints: off; planner suggests every {count(steps, 'step')} ({why})" if steps else f"checkpoints: off ({why})"
     mode = "async" if c.async_save else "sync"
     suggested = f"planner suggests {steps} (Young/Daly, {why})" if steps else f"planner: no suggestion ({why})"
-    return f"checkpoints: every {c.interval} steps ({mode}, keep {c.keep or 'all'}) into {c.folder}; {suggested}"
+    return f"checkpoints: every {count(c.interval, 'step')} ({mode}, keep {c.keep or 'all'}) into {c.folder}; {suggested}"

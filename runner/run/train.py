@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runner.config import checkpoint, flops
-from runner.config.layout import Layout
+from runner.config.layout import Layout, label
 from runner.config.schema import ActivationCheckpoint, RunConfig
 from runner.observe import calibration as calibrate
 from runner.observe import monitor
@@ -44,6 +44,8 @@ class Accounting:
     """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
     num_params: int
     """Parameters of the model that was built (TorchTitan's count, checked equal to runner.config.flops.num_params)."""
+    peak_spread: float | None
+    """(max - min) / median of the measured peak's rounds; None for a peak from the cluster config."""
 
 
 def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
@@ -57,6 +59,7 @@ def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
         pk["dtype"],
         pk["emulated"],
         built.num_params,
+        pk["peak_spread"],
     )
 
 
@@ -135,11 +138,13 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "flops_per_token_6n": acc.flops_per_token_6n,
         "peak_tflops": acc.peak_tflops,
         "peak_source": acc.peak_source,
+        "peak_spread": acc.peak_spread,
         "peak_dtype": acc.peak_dtype,
         "fp8": cfg.precision.fp8.value,
         "fp8_emulated": acc.emulated,
         "world_size": lay.world_size,
-        "layout": cfg.parallelism.name,
+        "layout": label(lay, cfg.parallelism),
+        "preset": cfg.parallelism.name,
         "degrees": lay.describe(),
     }
     if "hfu" in rows[0]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision, runfiles
+from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
 from runner.run import data as data_mod
@@ -126,9 +126,9 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
     sinks = []
     if rank == 0:
         header = (
-            f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {cfg.parallelism.name} "
-            f"[{lay.describe()}], {lay.world_size} ranks, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s "
-            f"{pk['dtype']} ({source}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
+            f"runner: {cfg.model.flavor} ({built.num_params / 1e6:.1f}M params), layout {layout.label(lay, cfg.parallelism)} "
+            f"[{lay.describe()}], {wording.count(lay.world_size, 'rank')}, {cfg.precision.name}, peak {peak_tflops:.3g} TFLOP/s "
+            f"{pk['dtype']} ({source}{peak.spread_text(pk)}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
             f"nodes: {mesh.describe_nodes(places)}"
         )
         if cfg.precision.fp8 != Fp8Recipe.none:

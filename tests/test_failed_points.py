@@ -1,0 +1,59 @@
+"""A sweep point whose ranks fail is recorded (failed.json, failure_report.json) and the sweep goes on;
+runner.compare lists it and keeps its plot out of the failed run's folder."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from runner.cli import wandb_group
+from runner.config import compare, runfiles
+from tests.conftest import run_cli
+
+ERROR = "RuntimeError: loss guard: 1 spikes in a row and no checkpoint before step 1"
+
+
+def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
+    sweep = tmp_path / "lr"
+    # a NaN loss at step 1 with the guard set to rewind and no checkpoint before it: every rank raises at run time
+    guard = ["checkpoint=local", "monitor.guard.action=rewind", "monitor.guard.max_consecutive=1", "monitor.inject.corrupt_steps=[1]"]
+    args = ["-m", "parallelism=single", "training.steps=1", "training.global_batch_size=2", *guard, "monitor.inject.corrupt_scale=nan,1.0"]
+    proc = run_cli(*args, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "1 sweep point failed (failed.json in each run folder): parallelism=single training.steps=1" in proc.stderr
+    bad, good = sweep / "0", sweep / "1"
+    assert (good / runfiles.SUMMARY).is_file()  # the point after the failure ran
+    frozen = yaml.safe_load((good / runfiles.FROZEN).read_text())
+    assert frozen["logging"]["wandb"]["group"] is None  # the sweep's W&B group is not frozen: a replay gets its own
+    failed = json.loads((bad / runfiles.FAILED).read_text())
+    assert failed["overrides"][-1] == "monitor.inject.corrupt_scale=nan" and failed["exit_code"] == 1
+    assert failed["error"] == ERROR
+    assert failed["failed_ranks"] == {"0": {"exit_code": 1, "error": ERROR}}
+    assert failed["logs"] == str(bad / runfiles.LOGS) and failed["report"] == str(bad / runfiles.FAILURE_REPORT)
+    report = json.loads((bad / runfiles.FAILURE_REPORT).read_text())
+    assert report["cause"] == "rank failure" and report["raised"] == {"0": ERROR}
+    assert not (bad / runfiles.HANG_REPORT).exists() and not (bad / "flight_recorder").exists()  # a raise is no hang
+
+    capsys.readouterr()
+    assert compare.main([str(bad), str(good)]) == 0  # the failed run first: the plot still goes to the sweep folder
+    out = capsys.readouterr().out
+    assert "monitor.inject.corrupt_scale=nan" in out and "failed" in out and "exit code 1: RuntimeError: loss guard: 1 spikes" in out
+    assert f"plot saved to {sweep / runfiles.PLOT}" in out and not (bad / runfiles.PLOT).exists()
+
+
+def test_plot_folder_is_never_a_failed_run(tmp_path):
+    run = tmp_path / "sweep" / "0"
+    run.mkdir(parents=True)
+    (run / runfiles.FAILED).write_text("{}")
+    assert compare.plot_folder([run]) == tmp_path / "sweep"
+    assert compare.plot_folder([tmp_path / "sweep"]) == tmp_path / "sweep"
+    assert compare.plot_folder([run, tmp_path / "other"]) == tmp_path
+
+
+def test_wandb_group_names_the_whole_sweep_folder(tmp_path):
+    a, b = tmp_path / "one" / "x" / "wbm", tmp_path / "two" / "x" / "wbm"
+    assert wandb_group(a) == str(a) and wandb_group(a) != wandb_group(b)  # not "x/wbm" for both
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "wbm"
+    long_a, long_b = wandb_group(deep), wandb_group(tmp_path / ("f" * 60) / ("e" * 60) / "wbm")
+    assert len(long_a) <= 128 and long_a.startswith("...") and long_a != long_b

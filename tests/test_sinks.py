@@ -1,0 +1,83 @@
+"""metrics.jsonl marks the attempt and repeated steps; the W&B summary keeps nested values under flat keys."""
+
+from __future__ import annotations
+
+from runner.run import metrics
+from tests.conftest import metrics as read_metrics
+
+
+def _row(step: int) -> dict:
+    return {"step": step, "loss": 1.0 / step}
+
+
+def test_rows_after_an_elastic_restart_are_marked(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    first = metrics.JsonlSink(tmp_path)
+    for s in (1, 2, 3):
+        first.log(_row(s))
+    first.file.close()  # the rank died after step 3; the checkpoint was at step 1
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = metrics.JsonlSink(tmp_path)
+    for s in (2, 3, 4):
+        second.log(_row(s))
+    second.close({"final_loss": 0.25})
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["attempt"], r.get("repeat", False)) for r in rows] == [
+        (1, 0, False),
+        (2, 0, False),
+        (3, 0, False),
+        (2, 1, True),
+        (3, 1, True),
+        (4, 1, False),
+    ]
+    last = {r["step"]: r for r in rows}  # one row per step: the last attempt's
+    assert sorted(last) == [1, 2, 3, 4] and last[3]["attempt"] == 1
+
+
+def test_rewound_step_in_one_attempt_is_a_repeat(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    sink = metrics.JsonlSink(tmp_path)
+    for s in (10, 11, 12, 11, 12):  # the loss guard rewound to step 10
+        sink.log(_row(s))
+    sink.file.close()
+    assert [r.get("repeat", False) for r in read_metrics(tmp_path)] == [False, False, False, True, True]
+
+
+SUMMARY = {  # the shape train.run writes (keys abridged), nested parts included
+    "final_loss": 7.9,
+    "layout": "tp2_dp2",
+    "calibration": {"step_time_ratio": 1.7, "bubble_measured": None, "peak_tflops_per_rank": 0.05},
+    "monitor": {"skipped_steps": 0, "bad_steps": [12, 13], "stragglers": {"windows": 3}},
+}
+
+
+def test_wandb_summary_keeps_nested_values():
+    flat = metrics.flatten(SUMMARY)
+    assert flat == {
+        "final_loss": 7.9,
+        "layout": "tp2_dp2",
+        "calibration/step_time_ratio": 1.7,
+        "calibration/bubble_measured": None,
+        "calibration/peak_tflops_per_rank": 0.05,
+        "monitor/skipped_steps": 0,
+        "monitor/bad_steps": [12, 13],
+        "monitor/stragglers/windows": 3,
+    }
+
+
+def test_wandb_sink_writes_the_flat_summary(tmp_path, monkeypatch, compose):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    cfg = compose(["logging=wandb", "logging.wandb.mode=offline", "parallelism=single"])
+    sink = metrics.WandbSink(cfg, tmp_path, {"model": {"name": "llama3"}})
+    assert sink.run.name.startswith("single-")  # the layout that ran
+    finish, seen = sink.run.finish, {}
+
+    def finish_after_reading():  # offline runs keep the summary in a binary log; read it from the run first
+        seen.update({k: sink.run.summary[k] for k in sink.run.summary.keys()})
+        finish()
+
+    monkeypatch.setattr(sink.run, "finish", finish_after_reading)
+    sink.close(SUMMARY)
+    assert seen["calibration/step_time_ratio"] == 1.7 and list(seen["monitor/bad_steps"]) == [12, 13]
+    assert "calibration" not in seen
