@@ -79,7 +79,7 @@ def test_405b_layouts_plan_with_the_uneven_split(budget):
     assert (b16["degrees"], b16["microbatches"]) == ("pp=16 x dp_shard=8 x tp=8", 128)
     assert b16["layers_per_stage"] == [7] + [8] * 14 + [7]
     assert b16["bubble_fraction"] == pytest.approx(15 / 143)
-    assert ("layers per stage", "7 | 8 x 14 | 7", "1 stage(s) per pipeline rank") in plan.rows(b16)
+    assert ("layers per stage", "7 | 8 x 14 | 7", "1 stage per pipeline rank") in plan.rows(b16)
     b8 = budget([*L405, "parallelism=tp8_pp8"])
     assert (b8["microbatches"], b8["layers_per_stage"]) == (64, [15] + [16] * 6 + [15])
     vi = budget([*L405, "parallelism=tp8_pp16", "parallelism.pp_schedule=Interleaved1F1B", "parallelism.pp_virtual_stages=2"])
