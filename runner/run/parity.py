@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from runner.config import freeze, layout, runfiles
 from runner.config.schema import RunConfig, WorkerStart
-from runner.run import peak, procs, titan, train, worker
+from runner.run import accounting, peak, procs, titan, train, worker
 
 
 class Collect:
@@ -95,7 +95,7 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     sink, exact = Collect(), []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
     hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None)
-    train.run(cfg, lay, built, data, train.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir, policy, hooks=hooks)
+    train.run(cfg, lay, built, data, accounting.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir, policy, hooks=hooks)
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),

@@ -16,51 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint, flops
-from runner.config.layout import Layout, label
-from runner.config.schema import ActivationCheckpoint, RunConfig
+from runner.config import checkpoint
+from runner.config.layout import Layout
+from runner.config.schema import RunConfig
 from runner.observe import calibration as calibrate
 from runner.observe import monitor
 from runner.observe.monitor import StepMonitor
 from runner.run import data as data_mod
 from runner.run import titan
+from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
-
-
-@dataclass
-class Accounting:
-    """What MFU is measured against, recorded in summary.json."""
-
-    peak_tflops: float
-    peak_flops_total: float
-    peak_source: str
-    flops_per_token: int
-    flops_per_token_6n: int
-    peak_dtype: str
-    """Dtype of the matmuls whose dense peak MFU uses (float8 for FP8 recipes on GPU)."""
-    emulated: bool
-    """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
-    num_params: int
-    """Parameters of the model that was built (TorchTitan's count, checked equal to runner.config.flops.num_params)."""
-    peak_spread: float | None
-    """(max - min) / median of the measured peak's rounds; None for a peak from the cluster config."""
-
-
-def accounting(cfg: RunConfig, built: titan.Built, pk: dict) -> Accounting:
-    """What MFU is measured against: the run's peak (peak.json) and TorchTitan's FLOPs per token."""
-    return Accounting(
-        pk["peak_tflops"],
-        pk["peak_flops_total"],
-        pk["peak_source"],
-        built.flops_per_token,
-        flops.flops_per_token(cfg.model, cfg.training.seq_len, "6N"),
-        pk["dtype"],
-        pk["emulated"],
-        built.num_params,
-        pk["peak_spread"],
-    )
 
 
 def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
@@ -101,55 +68,6 @@ def global_loss(local: torch.Tensor, lay: Layout, policy: DevicePolicy) -> float
     so only TP rank 0 contributes; non-last pipeline stages hold zero."""
     share = local if lay.coords(dist.get_rank())["tp"] == 0 else torch.zeros_like(local)
     return float(policy.all_reduce(share))
-
-
-def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting, memory_gb: float) -> dict:
-    tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / dt
-    out = {
-        "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "step_time_s": dt,
-        "tokens_per_s": tokens_per_s,
-        "lr": lr,
-        "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
-        "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.peak_flops_total),
-        "memory_gb": memory_gb,
-    }
-    if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
-        out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.training.activation_checkpoint)
-    return out
-
-
-def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Accounting) -> dict[str, Any]:
-    """Medians skip the first step (warm-up) when there is more than one."""
-    steady = rows[1:] or rows
-    out = {
-        "final_loss": rows[-1]["loss"],
-        "first_loss": rows[0]["loss"],
-        "steps": len(rows),
-        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steady),
-        "step_time_s_median": statistics.median(r["step_time_s"] for r in steady),
-        "mfu_median": statistics.median(r["mfu"] for r in steady),
-        "mfu_6n_median": statistics.median(r["mfu_6n"] for r in steady),
-        "num_params": acc.num_params,
-        "flop_convention": "titan",
-        "flops_per_token": acc.flops_per_token,
-        "flops_per_token_6n": acc.flops_per_token_6n,
-        "peak_tflops": acc.peak_tflops,
-        "peak_source": acc.peak_source,
-        "peak_spread": acc.peak_spread,
-        "peak_dtype": acc.peak_dtype,
-        "fp8": cfg.precision.fp8.value,
-        "fp8_emulated": acc.emulated,
-        "world_size": lay.world_size,
-        "layout": label(lay, cfg.parallelism),
-        "preset": cfg.parallelism.name,
-        "degrees": lay.describe(),
-    }
-    if "hfu" in rows[0]:
-        out["hfu_median"] = statistics.median(r["hfu"] for r in steady)
-    return out
 
 
 @dataclass

@@ -18,8 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
+from runner.run import accounting, device, mesh, metrics, peak, procs, startup, titan, train
 from runner.run import data as data_mod
-from runner.run import device, mesh, metrics, peak, procs, startup, titan, train
 from runner.run.device import DevicePolicy
 
 
@@ -121,7 +121,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
-    acc = train.accounting(cfg, built, pk)
+    acc = accounting.accounting(cfg, built, pk)
     data = data_for(cfg, lay, rank, run_dir, policy)
     sinks = []
     if rank == 0:
