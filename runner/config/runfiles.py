@@ -33,6 +33,7 @@ SUMMARY = "summary.json"
 STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"
 PARITY = "parity.json"
+DRYRUN = "dryrun.json"  # mode=dryrun: per simulated rank, measured memory by category beside the plan
 PLOT = "comparison.png"
 LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"

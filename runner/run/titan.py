@@ -186,8 +186,9 @@ def _set_group_timeouts(timeout: datetime.timedelta) -> None:
             _set_pg_timeout(timeout, pg)
 
 
-def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
-    """Model from TorchTitan's registry on meta, parallelized, materialized and initialized."""
+def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, materialize: bool = True) -> Built:
+    """Model from TorchTitan's registry on meta, parallelized, materialized and initialized
+    (materialize=False leaves it on meta: the dry run materializes it on fake tensors)."""
     import importlib
 
     from torchtitan.config import CompileConfig
@@ -223,7 +224,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path) -> Built:
         )
     else:
         parts = [spec.parallelize_fn(model, **common)]
-    for part in parts:
+    for part in parts if materialize else ():
         _materialize(part, mcfg, cfg, device)
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
@@ -377,11 +378,15 @@ def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
     """Clip to the global gradient norm and return it (pre-clip), as TorchTitan's Trainer does: DTensor
     gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware
     variant, which sums the expert and dense parts), and the pipeline mesh sums the stages' parts."""
+    return float(local_value(clip_grad_norm_tensor(parts, max_norm, pd)))
+
+
+def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> torch.Tensor:
+    """clip_grad_norm without reading the norm back (the dry run's fake tensors hold no value)."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     grads = [p for m in parts for p in m.parameters() if p.grad is not None]
-    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
-    return float(local_value(norm))
+    return clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
 
 
 def pipeline_step(built: Built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
