@@ -26,8 +26,8 @@ def test_default_ranks_and_reduced_batch(compose):
     cfg = compose(["recipe=llama3_70b_h100x1024"])
     lay = validate.check(cfg)
     assert dryrun_report.ranks(cfg, lay) == [0, 512, 1023]  # stage 0, stage 2 (of 4), the last rank
-    assert dryrun_report.microbatches(cfg, lay) == (32, 4)  # 1F1B: stage s keeps pp - s in flight, pp = 4 suffice
-    assert "global batch 1024 reduced to 128" in dryrun_report.batch_note(cfg, lay)
+    assert dryrun_report.microbatches(cfg, lay) == (32, 5)  # 1F1B: pp forwards, a backward, a forward beside its gradients
+    assert "global batch 1024 reduced to 160" in dryrun_report.batch_note(cfg, lay)
     cfg.dryrun.full_batch = True
     assert dryrun_report.microbatches(cfg, lay) == (32, 32)
     single = compose(["recipe=llama3_8b_fsdp8_h100"])

@@ -470,8 +470,8 @@ class DryrunConfig:
     """Ranks of the full layout that mode=dryrun simulates; empty = one per distinct pipeline stage
     (the first rank, a rank of the middle stage, the last rank)."""
     full_batch: bool = False
-    """Run the configured global batch; false runs the fewest microbatches per DP rank that keep every
-    stage's microbatches in flight (pp with 1F1B, 2 without a pipeline): the same peak, a shorter step."""
+    """Run the configured global batch; false runs the fewest microbatches per DP rank that reach the
+    step's peak (pp + 1 with 1F1B, 2 without a pipeline; all of them with other schedules): a shorter step."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ CATEGORIES = {
     "collective_buffers": ("collective",),
 }
 
-_NO_MEMORY_COLLECTIVES = ("wait_tensor", "barrier", "monitored_barrier")
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # ops of the collective namespaces that send nothing
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -172,7 +172,7 @@ class Ledger(TorchDispatchMode):
 
     def _collective(self, func, args) -> None:
         name = func._schema.name.split("::")[-1]
-        if name in _NO_MEMORY_COLLECTIVES:
+        if name in _NOT_COLLECTIVES:
             return
         if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
             for t in tree_flatten(args[:2])[0]:  # FSDP's flat all-gather / reduce-scatter buffers
