@@ -40,8 +40,11 @@ def substitutions(cfg: RunConfig) -> list[str]:
             "attention: TorchTitan's causal SDPA in place of FlexAttention, which has no backward on the (CPU) fake tensors; "
             "both save out + logsumexp"
         )
-        if cfg.model.num_experts:
-            out.append("MoE experts: one matmul per expert in place of torch._grouped_mm (the CPU path the runner's ranks take)")
+    if cfg.model.num_experts and cfg.parallelism.ep > 1:
+        out.append(
+            "MoE routing: perfectly balanced (tokens x top-k / ep to every EP rank); the real all-to-all sizes follow the "
+            "router's values, which fake tensors do not have"
+        )
     if cfg.precision.fp8 == Fp8Recipe.blockwise:
         out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.fp8_emulation) in place of torchao's Triton kernels")
     return out
@@ -109,6 +112,37 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
         schedules._PipelineSchedule._warmup_p2p, stage_mod.PipelineStage._recv_meta = saved
 
 
+@contextmanager
+def _balanced_routing(parts: list[torch.nn.Module], ep: int):
+    """Expert parallelism sizes its all-to-all from the router's token counts, values fake tensors do not have:
+    send and receive tokens x top-k / ep to and from every EP rank (perfectly balanced routing). The dispatcher's
+    class is taken from the built model, so that only runner.run.titan imports TorchTitan."""
+    kinds = {type(m.token_dispatcher) for p in parts for m in p.modules() if getattr(m, "token_dispatcher", None) is not None}
+    kinds = {k for k in kinds if hasattr(k, "_sync_token_count_exchange")}
+    saved = {k: (k._local_reorder, k._sync_token_count_exchange) for k in kinds}
+
+    def patched(reorder):
+        def local_reorder(self, x, scores, ids):
+            out = reorder(self, x, scores, ids)
+            self._dryrun_routed = out[0].shape[0]  # tokens x top-k leaving this rank
+            return out
+
+        return local_reorder
+
+    def sync(self, local_counts, global_counts, ep_size):
+        n = self._dryrun_routed
+        splits = [n // ep_size + (1 if i < n % ep_size else 0) for i in range(ep_size)]
+        return global_counts.reshape(-1), splits, list(splits)
+
+    for k, (reorder, _) in saved.items():
+        k._local_reorder, k._sync_token_count_exchange = patched(reorder), sync
+    try:
+        yield
+    finally:
+        for k, (reorder, exchange) in saved.items():
+            k._local_reorder, k._sync_token_count_exchange = reorder, exchange
+
+
 def _one_step(cfg: RunConfig, lay: Layout, built, opt, led: ledger_mod.Ledger | None) -> None:
     """One training step of this rank: the pipeline schedule or forward/backward per microbatch, clip, AdamW."""
     t = cfg.training
@@ -159,7 +193,9 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode or nullcontext(), _fake_pipeline(cfg, lay, pd) if fake and built.schedule is not None else nullcontext():
+    pipe = _fake_pipeline(cfg, lay, pd) if fake and built.schedule is not None else nullcontext()
+    routing = _balanced_routing(built.parts, lay.ep) if fake and lay.ep > 1 else nullcontext()
+    with fake_mode or nullcontext(), pipe, routing:
         if fake:
             for part in built.parts:  # no init_weights: it draws data-dependently (trunc_normal_), and values do not change memory
                 part.to_empty(device="cpu")

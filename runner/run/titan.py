@@ -203,7 +203,8 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, materialize: bool = Tr
         from runner.run import titan_cpu
 
         titan_cpu.use_sdpa(mcfg)
-        titan_cpu.use_float32_experts(mcfg)
+        if materialize:  # the dry run keeps the GPU's grouped GEMM (it reads no token counts)
+            titan_cpu.use_float32_experts(mcfg)
         if lay.cp > 1:
             titan_cpu.enable_ring_attention()
     training, parallelism = _titan_configs(cfg, lay)
