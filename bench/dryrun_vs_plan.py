@@ -89,6 +89,7 @@ def run(name: str, overrides: list[str], folder: Path) -> None:
 
 def main() -> None:
     names = sys.argv[1:] or list(CONFIGS)
+    sys.stdout.reconfigure(line_buffering=True)  # each config's table as it completes, also into a file
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             run(name, CONFIGS[name], Path(folder))

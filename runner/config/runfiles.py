@@ -11,6 +11,7 @@
       stragglers.jsonl     the straggler monitor's per-window tables
       hang_report.json     which collective each rank was in when the job stopped
       parity.json          losses and norms of a runner.parity launch
+      dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
       comparison.png       runner.compare's plot (in the first folder given)
       logs/ranks/          each rank's last state (the forensics records)
       logs/<rdzv id>/      torchrun's per-rank stdout/stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -182,45 +183,50 @@ def _shards(parts: list[torch.nn.Module]) -> list[dict[str, Any]]:
     return out
 
 
+def _materialize_fake(parts: list[torch.nn.Module]) -> None:
+    """On fake tensors (inside FakeTensorMode). No init_weights: it draws data-dependently (trunc_normal_),
+    and values do not change memory."""
+    for part in parts:
+        part.to_empty(device="cpu")
+        titan_cpu.force_sum_reduction(part)
+        part.train()
+
+
+def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], list[float]]:
+    """Step 1 unmeasured (lazy optimizer state, pipeline shape inference), step 2 under the ledger."""
+    t1 = time.perf_counter()
+    _one_step(cfg, lay, built, opt, None)
+    t2 = time.perf_counter()
+    led = ledger_mod.Ledger()
+    ledger_mod.label_state(led, built.parts, opt)
+    with ledger_mod.fsdp_labels(led), led:
+        _one_step(cfg, lay, built, opt, led)
+    return led.sweep(), [t2 - t1, time.perf_counter() - t2]
+
+
 def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str, Any]:
     """Build this rank (the default process group is up), run two steps, return the second one's ledger."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     t0 = time.perf_counter()
     pd = titan.build_mesh(cfg, lay)
     torch.manual_seed(cfg.training.seed)
     built = titan.build(cfg, lay, pd, run_dir, materialize=not fake)
-    fake_mode = None
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     pipe = _fake_pipeline(cfg, lay, pd) if fake and built.schedule is not None else nullcontext()
     routing = _balanced_routing(built.parts, lay.ep) if fake and lay.ep > 1 else nullcontext()
-    with fake_mode or nullcontext(), pipe, routing:
+    with fake_mode, pipe, routing:
         if fake:
-            for part in built.parts:  # no init_weights: it draws data-dependently (trunc_normal_), and values do not change memory
-                part.to_empty(device="cpu")
-                titan_cpu.force_sum_reduction(part)
-                part.train()
+            _materialize_fake(built.parts)
         opt, _ = train.build_optimizer(cfg, built.parts)
         titan.register_optimizer_hooks(built, opt)
         build_s = time.perf_counter() - t0
-        step_s = []
-        t1 = time.perf_counter()
-        _one_step(cfg, lay, built, opt, None)
-        step_s.append(time.perf_counter() - t1)
-        led = ledger_mod.Ledger()
-        ledger_mod.label_state(led, built.parts, opt)
-        t1 = time.perf_counter()
-        with ledger_mod.fsdp_labels(led), led:
-            _one_step(cfg, lay, built, opt, led)
-        step_s.append(time.perf_counter() - t1)
-        result = led.sweep()
+        result, step_s = _two_steps(cfg, lay, built, opt)
         shards = _shards(built.parts)
     rank = dist.get_rank()
-    coords = {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1}
     return {
         "rank": rank,
-        "coords": coords,
+        "coords": {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1},
         "has_first_stage": built.has_first,
         "has_last_stage": built.has_last,
         "fake": fake,
@@ -230,16 +236,9 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         **result,
         "categories_at_peak": ledger_mod.by_category(result["at_peak"]),
         "categories_max": ledger_mod.by_category(result["max_each"]),
-        "num_params_local": sum(_numel(s["shape"]) for s in shards),
+        "num_params_local": sum(math.prod(s["shape"]) for s in shards),
         "param_shards": shards,
     }
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def rehearse_rank(cfg: RunConfig, lay: Layout, rank: int, run_dir: Path) -> dict[str, Any]:
@@ -256,8 +255,9 @@ def rehearse_rank(cfg: RunConfig, lay: Layout, rank: int, run_dir: Path) -> dict
 
 
 def _forked(fn, *args) -> Any:
-    """fn(*args) in a child forked from this process, its JSON result read back through a pipe. A second
-    fake world in one process fails: TorchTitan's model configs keep the first world's meshes."""
+    """fn(*args) in a child forked from this process, its JSON result read back through a pipe. A second fake
+    world in one process fails: state from the first leaks in ("Could not resolve the process group registered
+    under the name ..." in the second rank's first DTensor redistribute)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
