@@ -91,6 +91,8 @@ def test_8b_fsdp_dry_run_writes_the_expected_shards(tmp_path, compose):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads((tmp_path / runfiles.DRYRUN).read_text())
     assert "plan GB" in proc.stdout and "total (peak)" in proc.stdout
+    assert "substituted: attention: TorchTitan's causal SDPA in place of FlexAttention" in proc.stdout  # a CUDA config, named
+    assert rep["substitutions"] == [line.removeprefix("  substituted: ") for line in proc.stdout.splitlines() if "substituted:" in line]
     r = rep["ranks"][0]
     n = flops.num_params(compose(["recipe=llama3_8b_fsdp8_h100"]).model)
     assert r["num_params_local"] * 8 == n  # every 8B dimension splits evenly over 8 FSDP ranks
