@@ -140,6 +140,19 @@ def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
     print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
 
 
+def _dryrun(cfg: RunConfig, lay, run_dir: Path) -> None:
+    """Play the chosen ranks of the layout on fake tensors in this process; print and write dryrun.json beside the plan."""
+    from runner.config import dryrun_report, plan
+
+    ranks = dryrun_report.ranks(cfg, lay)
+    freeze.write(cfg, lay, run_dir)
+    from runner.run import dryrun
+
+    rep = dryrun_report.report(cfg, lay, plan.compute(cfg, lay), dryrun.rehearse(cfg, lay, ranks, run_dir))
+    print(dryrun_report.render(rep))
+    print(f"dry run written to {dryrun_report.write(rep, run_dir)}")
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
 def main(dcfg: DictConfig) -> None:
     global _entered
@@ -157,6 +170,9 @@ def main(dcfg: DictConfig) -> None:
             return
         if cfg.mode == Mode.launch_plan:
             _launch_plan(cfg, lay, dcfg, run_dir)
+            return
+        if cfg.mode == Mode.dryrun:
+            _dryrun(cfg, lay, run_dir)
             return
         preflight.run(cfg, lay, run_dir)
     except (validate.ConfigError, OmegaConfBaseException) as e:

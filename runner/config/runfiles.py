@@ -13,6 +13,7 @@
       hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
       failure_report.json  a rank that raised: each rank's exception and last state
       parity.json          losses and norms of a runner.parity launch
+      dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
       comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
       logs/ranks/          each rank's last state (the forensics records)
       logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
@@ -38,6 +39,7 @@ STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"
 FAILURE_REPORT = "failure_report.json"
 PARITY = "parity.json"
+DRYRUN = "dryrun.json"  # mode=dryrun: per simulated rank, measured memory by category beside the plan
 PLOT = "comparison.png"
 LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"

@@ -23,6 +23,9 @@ class Mode(Enum):
     launch_plan = "launch_plan"
     """Validate, write frozen.yaml and print what would be launched: the sbatch script (SLURM)
     and the command every node runs; submit nothing."""
+    dryrun = "dryrun"
+    """Validate, then in this one CPU process play chosen ranks of the real layout on fake tensors and
+    fake collectives, and measure each one's memory for a training step beside the plan; write dryrun.json."""
 
 
 class DeviceType(Enum):
@@ -514,6 +517,16 @@ class PlanConfig:
 
 
 @dataclass
+class DryrunConfig:
+    ranks: list[int] = field(default_factory=list)
+    """Ranks of the full layout that mode=dryrun simulates; empty = one per distinct pipeline stage
+    (the first rank, a rank of the middle stage, the last rank)."""
+    full_batch: bool = False
+    """Run the configured global batch; false runs the fewest microbatches per DP rank that reach the
+    step's peak (pp + 1 with 1F1B, 2 without a pipeline; all of them with other schedules): a shorter step."""
+
+
+@dataclass
 class RunConfig:
     mode: Mode = Mode.train
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -527,6 +540,7 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 

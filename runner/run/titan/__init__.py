@@ -27,7 +27,7 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.state import load_state, save_model, save_state
-from runner.run.titan.step import clip_grad_norm, local_value, loss_fn, pipeline_step
+from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, pipeline_step
 
 __all__ = [
     "PRELOAD",
@@ -39,6 +39,7 @@ __all__ = [
     "check_layer_table",
     "check_size",
     "clip_grad_norm",
+    "clip_grad_norm_tensor",
     "convert_precision",
     "fp8_layers",
     "init_process_group",

@@ -41,7 +41,7 @@ class Built:
     """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
 
 
-def model_config(cfg: RunConfig, lay: Layout):
+def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
     """(TorchTitan's ModelSpec, the FP8 layers converted): the config's architecture, its FP8 recipe, the CPU
     adaptations and TorchTitan's own sharding settings for the layout, ready to build."""
     spec = model_spec(cfg.model)
@@ -51,7 +51,8 @@ def model_config(cfg: RunConfig, lay: Layout):
         import runner.run.titan.cpu as cpu
 
         cpu.use_sdpa(mcfg)
-        cpu.use_float32_experts(mcfg)
+        if materialize:  # the dry run keeps the GPU's grouped GEMM (it reads no token counts)
+            cpu.use_float32_experts(mcfg)
         if lay.cp > 1:
             cpu.enable_ring_attention()
     training, parallelism = titan_configs(cfg, lay)
@@ -59,17 +60,18 @@ def model_config(cfg: RunConfig, lay: Layout):
     return spec, converted
 
 
-def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device) -> Built:
+def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, materialize: bool = True) -> Built:
     """The model of cfg.model on meta, checked against runner.config.flops, parallelized, materialized on `device`
-    (the device policy's compute device) and initialized."""
-    spec, converted = model_config(cfg, lay)
+    (the device policy's compute device) and initialized; materialize=False leaves it on meta (the dry run
+    materializes it on fake tensors)."""
+    spec, converted = model_config(cfg, lay, materialize)
     mcfg = spec.model
     with torch.device("meta"):
         model = mcfg.build()
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     check_size(cfg.model, cfg.training.seq_len, num_params, flops_per_token)
     schedule, parts, has_first, has_last = _parallelize(cfg, lay, pd, run_dir, spec, model, device)
-    for part in parts:
+    for part in parts if materialize else ():
         _materialize(part, mcfg, cfg, device)
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None

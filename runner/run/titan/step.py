@@ -24,11 +24,15 @@ def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
     """Clip to the global gradient norm and return it (pre-clip), as TorchTitan's Trainer does: DTensor
     gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware
     variant, which sums the expert and dense parts), and the pipeline mesh sums the stages' parts."""
+    return float(local_value(clip_grad_norm_tensor(parts, max_norm, pd)))
+
+
+def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> torch.Tensor:
+    """clip_grad_norm without reading the norm back (the dry run's fake tensors hold no value)."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     grads = [p for m in parts for p in m.parameters() if p.grad is not None]
-    norm = clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
-    return float(local_value(norm))
+    return clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
 
 
 def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,310 @@
+"""mode=dryrun: one CPU process plays a rank of the real layout and measures its memory for one step.
+
+The rank runs the same set-up the real ranks run, with torch's fake process group of the cluster's world size:
+TorchTitan's ParallelDims and mesh, the model from its registry, the precision converters, TP/SP/FSDP/HSDP/CP/EP
+parallelize and its pipeline stage (runner.run.titan.build, on meta). It is then materialized on fake tensors
+(FakeTensorMode: building under it fails inside FSDP's set-up), and runs two training steps of the runner's own
+step parts; the second is measured by the ledger (runner.run.ledger). The first is not representative: AdamW
+creates its state lazily and the pipeline schedule infers shapes with an extra forward/backward.
+
+`python -m runner.run.dryrun OUT FROZEN` under torchrun does the same on real ranks (the ledger's ground truth).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner.config import dryrun_report, freeze, layout
+from runner.config.layout import Layout
+from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
+from runner.run import ledger as ledger_mod
+from runner.run import titan, train
+from runner.run.device import DevicePolicy
+from runner.run.titan import cpu as titan_cpu
+
+
+def substitutions(cfg: RunConfig) -> list[str]:
+    """What the rehearsal runs in place of the cluster's own kernels; every one is printed and recorded."""
+    out = []
+    if cfg.cluster.device == DeviceType.cuda:
+        out.append(
+            "attention: TorchTitan's causal SDPA in place of FlexAttention, which has no backward on the (CPU) fake tensors; "
+            "both save out + logsumexp"
+        )
+    if cfg.model.num_experts and cfg.parallelism.ep > 1:
+        out.append(
+            "MoE routing: perfectly balanced (tokens x top-k / ep to every EP rank); the real all-to-all sizes follow the "
+            "router's values, which fake tensors do not have"
+        )
+    if cfg.precision.fp8 == Fp8Recipe.blockwise:
+        out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.fp8_emulation) in place of torchao's Triton kernels")
+    return out
+
+
+def rank_config(cfg: RunConfig, lay: Layout) -> RunConfig:
+    """The rehearsed config: the CPU build path (no CUDA here) and the batch runner.config.dryrun_report chose."""
+    dry = copy.deepcopy(cfg)
+    dry.cluster.device = DeviceType.cpu
+    _, m = dryrun_report.microbatches(cfg, lay)
+    dry.training.global_batch_size = m * lay.dp * cfg.training.microbatch_size
+    return dry
+
+
+class _Silent:
+    """The step monitor's interface (train.forward_backward), observing nothing."""
+
+    @contextmanager
+    def phase(self, name: str):
+        yield
+
+    def after_forward(self) -> None:
+        pass
+
+    def corrupt(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+@contextmanager
+def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
+    """The fake process group delivers no message, so answer locally what stages would tell each other in the
+    first step: the static-vs-dynamic vote (all stages vote alike: same model, fixed microbatch shapes) and, for
+    shape inference, the metadata of the gradient from the next stage (this stage's outputs) and of the hidden
+    state from the previous one (what every Llama stage passes on: (mb, seq [/tp with SP]), dim) in param_dtype)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import stage as stage_mod
+    from torch.distributed.pipelining._utils import InferenceMode, _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    t = cfg.training
+    sp = cfg.parallelism.sequence_parallel and lay.tp > 1
+    h = torch.empty(
+        t.microbatch_size, t.seq_len // lay.tp if sp else t.seq_len, cfg.model.dim, dtype=getattr(torch, cfg.precision.param_dtype.value)
+    )
+    tp_mesh = pd.get_optional_mesh("tp")
+    if tp_mesh is not None:
+        h = DTensor.from_local(h, tp_mesh, [Shard(1) if sp else Replicate()], run_check=False)
+    hidden = extract_tensor_metas((h,))
+
+    def warmup_p2p(self, stages, has_backward, p2p_done):
+        for st in stages:
+            dynamic = InferenceMode.needs_dynamic(st._user_meta, has_backward)
+            st._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    def recv_meta(self, src_stage):
+        if src_stage == self.stage_index + 1:
+            return _StageBackwardMeta(backward_metas=tuple(self._stage_meta.outputs))
+        return _StageForwardMeta(forward_metas=hidden)
+
+    saved = schedules._PipelineSchedule._warmup_p2p, stage_mod.PipelineStage._recv_meta
+    schedules._PipelineSchedule._warmup_p2p, stage_mod.PipelineStage._recv_meta = warmup_p2p, recv_meta
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p, stage_mod.PipelineStage._recv_meta = saved
+
+
+@contextmanager
+def _balanced_routing(parts: list[torch.nn.Module], ep: int):
+    """Expert parallelism sizes its all-to-all from the router's token counts, values fake tensors do not have:
+    send and receive tokens x top-k / ep to and from every EP rank (perfectly balanced routing). The dispatcher's
+    class is taken from the built model, so that only runner.run.titan imports TorchTitan."""
+    kinds = {type(m.token_dispatcher) for p in parts for m in p.modules() if getattr(m, "token_dispatcher", None) is not None}
+    kinds = {k for k in kinds if hasattr(k, "_sync_token_count_exchange")}
+    saved = {k: (k._local_reorder, k._sync_token_count_exchange) for k in kinds}
+
+    def patched(reorder):
+        def local_reorder(self, x, scores, ids):
+            out = reorder(self, x, scores, ids)
+            self._dryrun_routed = out[0].shape[0]  # tokens x top-k leaving this rank
+            return out
+
+        return local_reorder
+
+    def sync(self, local_counts, global_counts, ep_size):
+        n = self._dryrun_routed
+        splits = [n // ep_size + (1 if i < n % ep_size else 0) for i in range(ep_size)]
+        return global_counts.reshape(-1), splits, list(splits)
+
+    for k, (reorder, _) in saved.items():
+        k._local_reorder, k._sync_token_count_exchange = patched(reorder), sync
+    try:
+        yield
+    finally:
+        for k, (reorder, exchange) in saved.items():
+            k._local_reorder, k._sync_token_count_exchange = reorder, exchange
+
+
+def _one_step(cfg: RunConfig, lay: Layout, built, opt, led: ledger_mod.Ledger | None) -> None:
+    """One training step of this rank: the pipeline schedule or forward/backward per microbatch, clip, AdamW."""
+    t = cfg.training
+    local_batch = t.global_batch_size // lay.dp
+    inputs = torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len))
+    labels = torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len))
+    microbatches = list(zip(inputs.split(t.microbatch_size), labels.split(t.microbatch_size), strict=True))
+    global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
+    mark = led.phase if led is not None else (lambda name: None)
+    mark("forward/backward")
+    if built.schedule is not None:
+        titan.pipeline_step(built, microbatches, global_tokens)
+    else:
+        train.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, _Silent())
+    mark("clip")
+    titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims)
+    mark("optimizer")
+    if led is not None:
+        led.in_optimizer = True
+    opt.step()
+    if led is not None:
+        led.in_optimizer = False
+    mark("zero_grad")
+    opt.zero_grad(set_to_none=True)
+
+
+def _shards(parts: list[torch.nn.Module]) -> list[dict[str, Any]]:
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for m in parts:
+        for name, p in m.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out.append(
+                {"name": name, "shape": list(local.shape), "global_shape": list(p.shape), "dtype": str(local.dtype).removeprefix("torch.")}
+            )
+    return out
+
+
+def _materialize_fake(parts: list[torch.nn.Module]) -> None:
+    """On fake tensors (inside FakeTensorMode). No init_weights: it draws data-dependently (trunc_normal_),
+    and values do not change memory."""
+    for part in parts:
+        part.to_empty(device="cpu")
+        titan_cpu.force_sum_reduction(part)
+        part.train()
+
+
+def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], list[float]]:
+    """Step 1 unmeasured (lazy optimizer state, pipeline shape inference), step 2 under the ledger."""
+    t1 = time.perf_counter()
+    _one_step(cfg, lay, built, opt, None)
+    t2 = time.perf_counter()
+    led = ledger_mod.Ledger()
+    ledger_mod.label_state(led, built.parts, opt)
+    with ledger_mod.fsdp_labels(led), led:
+        _one_step(cfg, lay, built, opt, led)
+    return led.sweep(), [t2 - t1, time.perf_counter() - t2]
+
+
+def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str, Any]:
+    """Build this rank (the default process group is up), run two steps, return the second one's ledger."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t0 = time.perf_counter()
+    pd = titan.build_mesh(cfg, lay)
+    torch.manual_seed(cfg.training.seed)
+    # CPU tensors (fake ones in a dry run) whatever the cluster: the layout is the cluster's, the device this machine's
+    built = titan.build(cfg, lay, pd, run_dir, torch.device("cpu"), materialize=not fake)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    pipe = _fake_pipeline(cfg, lay, pd) if fake and built.schedule is not None else nullcontext()
+    routing = _balanced_routing(built.parts, lay.ep) if fake and lay.ep > 1 else nullcontext()
+    with fake_mode, pipe, routing:
+        if fake:
+            _materialize_fake(built.parts)
+        opt, _ = train.build_optimizer(cfg, built.parts)
+        titan.register_optimizer_hooks(built, opt)
+        build_s = time.perf_counter() - t0
+        result, step_s = _two_steps(cfg, lay, built, opt)
+        shards = _shards(built.parts)
+    rank = dist.get_rank()
+    return {
+        "rank": rank,
+        "coords": {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1},
+        "has_first_stage": built.has_first,
+        "has_last_stage": built.has_last,
+        "fake": fake,
+        "build_s": build_s,
+        "step_s": step_s,
+        "wall_s": time.perf_counter() - t0,
+        **result,
+        "categories_at_peak": ledger_mod.by_category(result["at_peak"]),
+        "categories_max": ledger_mod.by_category(result["max_each"]),
+        "num_params_local": sum(math.prod(s["shape"]) for s in shards),
+        "param_shards": shards,
+    }
+
+
+def rehearse_rank(cfg: RunConfig, lay: Layout, rank: int, run_dir: Path) -> dict[str, Any]:
+    """One simulated rank in this process: a fake process group of the layout's world size, torn down after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    titan.quiet_torchao(cfg)
+    titan_cpu.patch_device_globals()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+    try:
+        return measure(cfg, lay, run_dir, fake=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _forked(fn, *args) -> Any:
+    """fn(*args) in a child forked from this process, its JSON result read back through a pipe. A second fake
+    world in one process fails: state from the first leaks in ("Could not resolve the process group registered
+    under the name ..." in the second rank's first DTensor redistribute)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            out = {"result": fn(*args)}
+        except BaseException:  # noqa: BLE001 - the parent re-raises it with this text
+            out = {"error": traceback.format_exc()}
+        with os.fdopen(write, "w") as f:
+            json.dump(out, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # not the parent's exit handlers
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    out = json.loads(text) if text else {"error": "the simulated rank died without a result"}
+    if "error" in out:
+        raise RuntimeError(f"dry run of {args[2] if len(args) > 2 else '?'} failed:\n{out['error']}")
+    return out["result"]
+
+
+def rehearse(cfg: RunConfig, lay: Layout, ranks: list[int], run_dir: Path) -> dict[str, Any]:
+    """Every chosen rank of the layout, one after another, each in a child forked after the imports
+    (about 1 s each; re-importing in a fresh interpreter costs ~10 s)."""
+    dry = rank_config(cfg, lay)
+    titan.preload(dry)
+    out = []
+    for r in ranks:
+        out.append(_forked(rehearse_rank, dry, lay, r, run_dir))
+        print(f"rank {r}: simulated in {out[-1]['wall_s']:.1f} s", flush=True)
+    return {"substitutions": substitutions(cfg), "ranks": out}
+
+
+def main(out_dir: str, frozen: str) -> None:
+    """Real ranks (under torchrun): the same two steps, measured by the same ledger; one JSON per rank."""
+    cfg = freeze.load(Path(frozen))
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    titan.init_process_group(cfg, DevicePolicy.of(cfg.cluster, cfg.distributed))
+    res = measure(rank_config(cfg, lay), lay, Path(out_dir), fake=False)
+    Path(out_dir, f"ledger_rank{res['rank']}.json").write_text(json.dumps(res, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
