@@ -5,7 +5,7 @@ one after another inside one process group each, with clipping active (max_norm 
 below the ~0.74 pre-clip norm), and the tests read their parity.json files.
 
 cp2 (ring attention through TorchTitan's CP) and ep2 (deepseek_v3 debugmodel experts over 2 ranks, compared
-with the same MoE model on one rank) ride in the 2-rank launch, cp2 x tp2 in the 4-rank one.
+with the same MoE model on one rank) ride in the 2-rank launch, cp2 x tp2 and cp2 x pp2 in the 4-rank one.
 
 Tolerances (fp32 training): the step-1 global gradient norm from the full gradients in float64
 within 1e-8 relative of one rank (measured: <= 1e-9); the logged pre-clip norm (TorchTitan's clip in
@@ -55,6 +55,7 @@ LAUNCHES = {
         "dp2_pp2": ["parallelism=dp2_pp2"],
         "hsdp2x2": ["parallelism=hsdp2x2"],
         "cp2_tp2": ["parallelism=cp2", "parallelism.name=cp2_tp2", "parallelism.tp=2"],  # ring attention x TP + SP
+        "cp2_pp2": ["parallelism=cp2", "parallelism.name=cp2_pp2", "parallelism.pp=2"],  # every stage on the CP chunks
     },
 }
 MULTI = [name for n, presets in LAUNCHES.items() if n > 1 for name in presets]
@@ -103,6 +104,9 @@ def test_cp_and_ep_parallelize_through_torchtitan(trained):
     """cp2 ran ring attention on half-sequences (head-tail chunks); ep2 kept 4 of the 8 experts of each MoE block per rank."""
     assert trained["cp2"]["degrees"] == "cp=2" and trained["ep2"]["degrees"] == "dp_shard=2 x ep=2"
     assert trained["cp2_tp2"]["degrees"] == "cp=2 x tp=2"
+    assert trained["cp2_pp2"]["degrees"] == "pp=2 x cp=2"
+    # each CP rank's first block sees its half of the 64-token sequences, under the pipeline schedule too
+    assert trained["cp2"]["norm_output_shape"][1] == trained["cp2_pp2"]["norm_output_shape"][1] == 32
     moe = trained["moe_single"]["rows"][0]
     assert 7.0 < moe["loss"] < 9.0 and moe["grad_norm"] > 1.0  # ln(2048) = 7.62 at init
 

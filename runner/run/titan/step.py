@@ -36,12 +36,16 @@ def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> 
 
 
 def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
-    """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage."""
-    inputs = torch.cat([i for i, _ in microbatches])
-    labels = torch.cat([lab for _, lab in microbatches])
+    """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage. With CP every
+    stage gets this rank's sequence chunks and their RoPE positions (TorchTitan's trainer prepares each
+    microbatch the same way before its schedule step); the schedule splits them into microbatches."""
+    from runner.run.titan.build import model_inputs
+
+    inputs, labels, extra = model_inputs(built, torch.cat([i for i, _ in microbatches]), torch.cat([lab for _, lab in microbatches]))
     losses = [] if built.has_last else None
     built.schedule.step(
         *((inputs,) if built.has_first else ()),
+        **extra,
         target=labels if built.has_last else None,
         losses=losses,
         loss_kwargs={"global_valid_tokens": global_tokens},
