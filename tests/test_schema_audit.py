@@ -116,6 +116,7 @@ BAD = [
     (["distributed.timeout_s=0"], "distributed.timeout_s"),
     (["distributed.heartbeat_s=1000"], "distributed.heartbeat_s"),
     (["distributed.host_group=nccl"], "distributed.host_group"),
+    (["dryrun.ranks=[4]"], "dryrun.ranks"),
     (["checkpoint=local", "checkpoint.resume_from=/nonexistent/step-4"], "checkpoint.resume_from"),
     (["distributed.shutdown_timeout_s=-1"], "distributed.shutdown_timeout_s"),
     (["distributed.flight_recorder.buffer_size=0"], "distributed.flight_recorder.buffer_size"),
@@ -158,6 +159,7 @@ NO_BAD_VALUE = [
     ("distributed.flight_recorder.enable_timing", "CUDA-only by its docstring; ignored on gloo"),
     ("distributed.audit_collectives", "test-only; either setting runs"),
     ("checkpoint.checksum", "either setting runs (off: completeness by file size only)"),
+    ("dryrun.full_batch", "either setting runs (the reduced batch reaches the same peak)"),
     ("cluster.peak_cache_dir", "any folder, created when the peak is cached; null turns the cache off"),
     ("provenance", "filled by the runner, ignored on input"),
 ]

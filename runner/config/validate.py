@@ -46,6 +46,8 @@ def check(cfg: RunConfig) -> layout.Layout:
         validate_model.fp8_device(cfg, out)
     validate_monitor.check(cfg, lay.world_size if lay else None, out)
     validate_ckpt.check(cfg, out)
+    if lay is not None:
+        _dryrun_ranks(cfg, lay, out)
     if not out and lay is not None:
         _device_memory(cfg, lay, out)
     if out:
@@ -53,11 +55,24 @@ def check(cfg: RunConfig) -> layout.Layout:
     return lay
 
 
+def _dryrun_ranks(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
+    bad = [r for r in cfg.dryrun.ranks if not 0 <= r < lay.world_size]
+    if bad:
+        out.append(
+            Problem(
+                "dryrun.ranks",
+                cfg.dryrun.ranks,
+                f"{bad} outside the layout's {lay.world_size} ranks",
+                f"pick ranks in 0..{lay.world_size - 1}",
+            )
+        )
+
+
 def _device_memory(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
     """The plan's memory verdict, for a GPU cluster that states its memory. mode=plan prints the
     verdict as its memory row instead, so that a sweep tabulates the layouts that do not fit."""
     c = cfg.cluster
-    if c.device != DeviceType.cuda or c.device_memory_gb <= 0 or cfg.mode == Mode.plan:
+    if c.device != DeviceType.cuda or c.device_memory_gb <= 0 or cfg.mode in (Mode.plan, Mode.dryrun):
         return
     from runner.config import plan  # the plan's own memory model; imported here, as only GPU configs need it
 

@@ -12,7 +12,7 @@ the step loop needs:
 - cpu: the adaptations for CPU ranks on gloo (docs/CPU.md).
 """
 
-from runner.run.titan.build import Built, build, model_config, model_inputs, register_optimizer_hooks
+from runner.run.titan.build import Built, build, model_config, register_optimizer_hooks
 from runner.run.titan.distributed import (
     PRELOAD,
     SPMD_BACKEND,
@@ -27,7 +27,7 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.state import load_state, save_model, save_state
-from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, pipeline_step
+from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_step
 
 __all__ = [
     "PRELOAD",

@@ -112,18 +112,6 @@ def _cp_load_balancer(mcfg) -> str:
     return "ptrr" if isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config) else "headtail"
 
 
-def model_inputs(built: Built, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Tokens, labels and keyword inputs of one microbatch; with CP, this rank's sequence chunks
-    (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
-    if built.cp_load_balancer is None:
-        return inputs, labels, built.extra_inputs
-    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
-
-    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
-    extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
-    return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
-
-
 def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
     part.to_empty(device=device)
     if device.type == "cpu":

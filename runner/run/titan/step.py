@@ -35,12 +35,22 @@ def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> 
     return clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
 
 
+def model_inputs(built, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Tokens, labels and keyword inputs of one microbatch; with CP, this rank's sequence chunks
+    (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+    if built.cp_load_balancer is None:
+        return inputs, labels, built.extra_inputs
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
+    extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
+    return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
+
+
 def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
     """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage. With CP every
     stage gets this rank's sequence chunks and their RoPE positions (TorchTitan's trainer prepares each
     microbatch the same way before its schedule step); the schedule splits them into microbatches."""
-    from runner.run.titan.build import model_inputs
-
     inputs, labels, extra = model_inputs(built, torch.cat([i for i, _ in microbatches]), torch.cat([lab for _, lab in microbatches]))
     losses = [] if built.has_last else None
     built.schedule.step(

@@ -1,0 +1,113 @@
+"""Typed schema of every config group, registered in Hydra's ConfigStore.
+
+Torch-free: this module is imported by `--cfg job`, validation and planning.
+Every default lives here so that the frozen YAML shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from runner.config.schema.choices import (
+    ActivationCheckpoint,
+    Backend,
+    DataSource,
+    DeviceType,
+    DType,
+    Fp8Recipe,
+    GuardAction,
+    HostGroup,
+    Launcher,
+    Mode,
+    ReshardPolicy,
+    TextFormat,
+    WandbMode,
+    WorkerStart,
+)
+from runner.config.schema.operations import (
+    CheckpointConfig,
+    ClusterConfig,
+    DistributedConfig,
+    FlightRecorderConfig,
+    InjectConfig,
+    LoggingConfig,
+    LossGuardConfig,
+    MonitorConfig,
+    SlurmConfig,
+    StragglerConfig,
+    WandbConfig,
+)
+from runner.config.schema.training import (
+    DataConfig,
+    DryrunConfig,
+    ModelConfig,
+    ParallelismConfig,
+    PlanConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
+
+__all__ = [
+    "ActivationCheckpoint",
+    "Backend",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "DType",
+    "DataConfig",
+    "DataSource",
+    "DeviceType",
+    "DistributedConfig",
+    "DryrunConfig",
+    "FlightRecorderConfig",
+    "Fp8Recipe",
+    "GuardAction",
+    "HostGroup",
+    "InjectConfig",
+    "Launcher",
+    "LoggingConfig",
+    "LossGuardConfig",
+    "Mode",
+    "ModelConfig",
+    "MonitorConfig",
+    "ParallelismConfig",
+    "PlanConfig",
+    "PrecisionConfig",
+    "ReshardPolicy",
+    "RunConfig",
+    "SlurmConfig",
+    "StragglerConfig",
+    "TextFormat",
+    "TrainingConfig",
+    "WandbConfig",
+    "WandbMode",
+    "WorkerStart",
+    "register",
+]
+
+
+@dataclass
+class RunConfig:
+    mode: Mode = Mode.train
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    dryrun: DryrunConfig = field(default_factory=DryrunConfig)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
+
+
+def register() -> None:
+    """Register the top-level schema. The primary config lists it first, so every group
+    option merges into a typed node: unknown keys and wrong types fail at composition."""
+    ConfigStore.instance().store(name="base_config", node=RunConfig)

@@ -1,0 +1,115 @@
+"""The choice fields of the schema, as Enums: OmegaConf refuses any other value at composition."""
+
+from __future__ import annotations
+
+from enum import Enum, StrEnum
+
+
+class Mode(Enum):
+    train = "train"
+    """Validate, freeze, launch the ranks and train."""
+    validate = "validate"
+    """Validate and print the resolved layout; start nothing (works for any cluster)."""
+    plan = "plan"
+    """Validate and print the step budget (memory, time, communication, bubble); write plan.json; start nothing."""
+    launch_plan = "launch_plan"
+    """Validate, write frozen.yaml and print what would be launched: the sbatch script (SLURM)
+    and the command every node runs; submit nothing."""
+    dryrun = "dryrun"
+    """Validate, then in this one CPU process play chosen ranks of the real layout on fake tensors and
+    fake collectives, and measure each one's memory for a training step beside the plan; write dryrun.json."""
+
+
+class DeviceType(Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(Enum):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class HostGroup(Enum):
+    auto = "auto"
+    dedicated = "dedicated"
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Fp8Recipe(Enum):
+    none = "none"
+    """No FP8: every matmul in precision.param_dtype."""
+    tensorwise = "tensorwise"
+    """One dynamic scale per tensor (Transformer Engine style), torchao float8 training."""
+    rowwise = "rowwise"
+    """One dynamic scale per row of each operand, torchao float8 training."""
+    blockwise = "blockwise"
+    """DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 blocks for weights."""
+    mxfp8 = "mxfp8"
+    """OCP MX: one power-of-two (E8M0) scale per 32 consecutive elements (Blackwell hardware)."""
+
+
+class ActivationCheckpoint(Enum):
+    none = "none"
+    """Keep every activation."""
+    full = "full"
+    """Recompute every transformer block in backward (TorchTitan FullAC)."""
+
+
+class ReshardPolicy(StrEnum):
+    """TorchTitan's FSDP2 reshard_after_forward policy (a str, as TorchTitan's config takes it)."""
+
+    default = "default"
+    """never with PP (which would otherwise gather once per microbatch); always without."""
+    always = "always"
+    """Free the gathered weights after each forward."""
+    never = "never"
+    """Keep the gathered weights until backward ends."""
+
+
+class Launcher(StrEnum):
+    local = "local"
+    """The per-node launcher runs on this machine (`python -m runner`)."""
+    slurm = "slurm"
+    """Hydra's submitit launcher submits one job per run (`python -m runner -m ...`); each node runs the per-node launcher."""
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    """Write to the run folder; needs no network (`wandb sync` uploads later)."""
+    online = "online"
+    """Stream to the W&B server."""
+    disabled = "disabled"
+    """W&B calls do nothing."""
+
+
+class WorkerStart(Enum):
+    exec = "exec"
+    fork = "fork"
+
+
+class DataSource(Enum):
+    synthetic = "synthetic"
+    """A deterministic token stream derived from training.seed."""
+    text = "text"
+    """Local text files read through Hugging Face datasets, tokenized with a local tokenizers JSON file."""
+
+
+class TextFormat(Enum):
+    json = "json"
+    """JSON lines, one document per line in `text_field`."""
+    text = "text"
+    """Plain text, one document per line."""
+    parquet = "parquet"
+    """Parquet files with a string column `text_field`."""
+
+
+class GuardAction(Enum):
+    skip = "skip"
+    """Drop the batch: no optimizer step; counted and logged."""
+    rewind = "rewind"
+    """Skip single spikes; after `max_consecutive` in a row, reload the last checkpoint and skip the bad batches."""

@@ -1,0 +1,248 @@
+"""Where and how a run is operated: checkpoints, the cluster and its scheduler, logging, monitors and the process groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runner.config.schema.choices import Backend, DeviceType, DType, GuardAction, HostGroup, Launcher, WandbMode, WorkerStart
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    """Save sharded checkpoints (PyTorch DCP): model, optimizer, LR schedule, step, RNG and data loader position."""
+    folder: str = "checkpoints"
+    """Folder for checkpoints (one `step-<n>` folder each); relative paths are inside the run folder."""
+    interval: int = 100
+    """Save every this many steps (and at the last step)."""
+    keep: int = 3
+    """Complete checkpoints kept; older complete ones are deleted after a newer one is published (0 = keep all)."""
+    async_save: bool = True
+    """Write in a background thread (torch.distributed.checkpoint.async_save): training goes on after
+    the state is copied; the checkpoint is published when every rank's write has finished."""
+    resume: bool = False
+    """Start from a checkpoint: `resume_from` when set, else the newest intact one in `folder` (a restart by
+    hand: name the stopped run's folder absolutely); with none to resume from the run stops before launch.
+    Ranks restarted by the elastic agent (cluster.max_restarts) always resume from the newest in `folder`."""
+    resume_from: str = ""
+    """With resume: the checkpoint folder (`<folder>/step-<n>`) to start from instead of the newest. The runner
+    sets it before freezing a resumed run, so its frozen.yaml replays from the same step."""
+    checksum: bool = True
+    """Record every checkpoint file's CRC-32 in COMPLETE.json and verify it before resuming (reads the whole
+    checkpoint once more per save and per resume)."""
+    export_final_model: bool = False
+    """After the last step also write the model weights alone (no optimizer) to `<folder>/model-final`."""
+    min_free_gb: float = 0.0
+    """Free space the checkpoint filesystem must keep beyond `keep` + 1 checkpoints, GB (pre-flight check)."""
+
+
+@dataclass
+class SlurmConfig:
+    """sbatch parameters, passed to Hydra's submitit launcher (cluster.launcher=slurm)."""
+
+    partition: str | None = None
+    """SLURM partition (required)."""
+    account: str | None = None
+    """Account charged for the job; null = the user's default."""
+    time_min: int = 240
+    """Wall-clock limit of one job, minutes."""
+    constraint: str | None = None
+    """Node feature constraint, e.g. h100."""
+    exclusive: bool = True
+    """Whole nodes only (#SBATCH --exclusive)."""
+    container_image: str | None = None
+    """Container image for the job's steps (pyxis/enroot: #SBATCH --container-image)."""
+    gpus_per_node_max: int = 8
+    """GPUs one node of this partition has; cluster.devices_per_node may not exceed it."""
+    cpus_per_node: int | None = None
+    """CPU cores requested per node (one task per node); null = SLURM's default."""
+    mem_gb: int | None = None
+    """Memory per node, GB; null = SLURM's default."""
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local_cpu"
+    """Name of the cluster description."""
+    num_nodes: int | None = 1
+    """Nodes in the job; null = required on the command line (SLURM clusters)."""
+    devices_per_node: int = -1
+    """Ranks per node; -1 takes the world size from the layout (local CPU only)."""
+    device: DeviceType = DeviceType.cpu
+    """Device every rank computes on."""
+    backend: Backend = Backend.gloo
+    """torch.distributed backend."""
+    intra_node_bandwidth_gbs: float = 0.0
+    """Per-device intra-node bandwidth in GB/s, both directions together, as datasheets quote
+    NVLink (H100: 900). A ring collective sends at half of it (one direction)."""
+    inter_node_bandwidth_gbs: float = 0.0
+    """Per-device scale-out bandwidth in GB/s, both directions together like the intra-node
+    figure: a 400 Gb/s full-duplex NIC is 50 GB/s each way, so 100."""
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    """Dense peak TFLOP/s per device by dtype name. Empty on CPU: the peak is measured by a matmul
+    benchmark of one rank's thread share at its plateau size (runner/run/peak.py), once per machine,
+    dtype and thread layout (cached in peak_cache_dir)."""
+    peak_cache_dir: str | None = "~/.cache/runner"
+    """Folder of the measured CPU peaks (peak-<cpu model>-<dtype>.json, keyed by cores, torch version
+    and threads per rank); null = measure every run and cache nothing."""
+    compute_capability: str = ""
+    """CUDA compute capability ("major.minor", e.g. "9.0" for H100) that FP8 recipes are checked
+    against; empty on CPU."""
+    high_precision_dtype: DType = DType.float32
+    """Dtype for the parts FP8 recipes keep out of FP8 (their precision.param_dtype): bfloat16 on
+    GPUs; float32 on AVX2-only CPUs, where bf16 matmuls are ~200x slower."""
+    device_memory_gb: float = 0.0
+    """Memory per device in GB (0 on CPU: the machine's RAM is read at validation)."""
+    launcher: Launcher = Launcher.local
+    """local: the per-node launcher runs on this machine (`python -m runner`); slurm: Hydra's
+    submitit launcher submits one job per run (`python -m runner -m ...`) and each node of the
+    job runs the per-node launcher."""
+    max_restarts: int = 0
+    """Times torch's elastic agent restarts the ranks after a failure (torchrun --max-restarts)."""
+    worker_start: WorkerStart = WorkerStart.exec
+    """How the elastic agent starts the ranks: exec (torchrun's `python -m runner.worker`, one
+    fresh interpreter per rank) or fork (the agent imports torch and TorchTitan once and forks
+    every rank from itself, torchrun's start method for function entrypoints: ~11 s of imports
+    paid once per node instead of once per rank). fork is for CPU nodes; a CUDA agent must
+    not fork."""
+    rdzv_host: str | None = None
+    """Host of the c10d rendezvous for hand-started multi-node runs; null = the first node
+    of the SLURM job (the only case where the runner knows it)."""
+    rdzv_port: int = 29500
+    """Port of the c10d rendezvous on the first node of a multi-node job (1..65535)."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    rank_overhead_gb: float = 0.6
+    """Resident memory of one rank before the model (torch + TorchTitan import), GB."""
+    achievable_mfu: float = 0.40
+    """MFU the planner assumes for the step time (mode=plan); 0.40 is a good dense-model result at scale."""
+    matmul_efficiency: float = 0.70
+    """Fraction of the dense peak that the model's large GEMMs reach, for the planner's
+    bottom-up step estimate (H100 SXM bf16: about 700 of 989 TFLOP/s). 1.0 on local CPU,
+    whose peak is itself measured with a matmul."""
+    mtbf_hours: float = 0.0
+    """Mean time between failures of the whole job at this size, hours; 0 = unknown (no
+    checkpoint interval suggested)."""
+    checkpoint_write_gbs: float = 0.0
+    """Aggregate write bandwidth of the checkpoint storage, GB/s; 0 = unknown."""
+
+
+@dataclass
+class WandbConfig:
+    enable: bool = False
+    """Log metrics to Weights & Biases from rank 0."""
+    project: str = "runner"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team); null uses the account default."""
+    mode: WandbMode = WandbMode.offline
+    """W&B mode: offline (default, needs no network), online or disabled."""
+    group: str | None = None
+    """W&B run group; null under a Hydra multirun = the sweep folder's full path (set for the ranks as
+    WANDB_RUN_GROUP, not frozen, so a replay gets a group of its own), so W&B compares the sweep's layouts."""
+
+
+@dataclass
+class LoggingConfig:
+    name: str = "default"
+    """Name of the logging option."""
+    log_every: int = 1
+    """Log every this many steps (console, metrics.jsonl, W&B)."""
+    progress: bool = True
+    """Show a rich progress bar on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class StragglerConfig:
+    enable: bool = True
+    """Time forward, backward and optimizer (with PP: stage compute and wait) on every rank."""
+    interval: int = 10
+    """Steps per window: every this many steps the per-rank medians are gathered and judged."""
+    factor: float = 1.3
+    """A rank is slow in a phase when its window median exceeds the median over ranks by this factor."""
+    windows: int = 3
+    """Consecutive slow windows before a rank is reported as a straggler."""
+    min_seconds: float = 0.005
+    """Phases whose median over ranks is below this many seconds are not judged (timer noise)."""
+
+
+@dataclass
+class LossGuardConfig:
+    enable: bool = True
+    """Detect loss / gradient-norm spikes. Non-finite values are always caught, even when off."""
+    factor: float = 3.0
+    """Spike: loss or global grad norm above this factor times its running median."""
+    window: int = 20
+    """Accepted steps in the running median."""
+    warmup_steps: int = 5
+    """Accepted steps before spike detection starts (non-finite values are caught from step 1); at most
+    `window`, since the running median never holds more."""
+    action: GuardAction = GuardAction.skip
+    """What a spike does: skip the batch, or skip and rewind to the last checkpoint after repeated spikes."""
+    max_consecutive: int = 3
+    """With action=rewind: spikes in a row that trigger the rewind."""
+
+
+@dataclass
+class InjectConfig:
+    """TEST-ONLY fault injection; every switch is off by default. Never set these in a real run."""
+
+    delay_rank: int = -1
+    """Rank whose forward is slowed (-1: none)."""
+    delay_frac: float = 0.5
+    """Extra forward time on delay_rank, as a fraction of its measured forward time."""
+    hang_rank: int = -1
+    """Rank that sleeps at the start of a forward (-1: none), so its peers wait in a collective."""
+    hang_at_step: int = 0
+    """Step (1-based) at which hang_rank sleeps."""
+    hang_s: float = 3600.0
+    """Seconds hang_rank sleeps."""
+    corrupt_steps: list[int] = field(default_factory=list)
+    """Steps whose batch is corrupted: every rank's loss of that batch is multiplied by corrupt_scale."""
+    corrupt_scale: float = 1e4
+    """Loss multiplier of a corrupted batch (1e4: an exploding batch; nan: a non-finite one)."""
+    kill_rank: int = -1
+    """Rank that kills itself with SIGKILL at the start of `kill_at_step` in the first attempt only (-1: none)."""
+    kill_at_step: int = 0
+    """Step (1-based) at which kill_rank dies; ranks restarted by the elastic agent do not die again."""
+
+
+@dataclass
+class MonitorConfig:
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    guard: LossGuardConfig = field(default_factory=LossGuardConfig)
+    inject: InjectConfig = field(default_factory=InjectConfig)
+
+
+@dataclass
+class FlightRecorderConfig:
+    enable: bool = True
+    """Record every collective in PyTorch's flight recorder (NCCL's on CUDA, the backend-generic one on gloo)."""
+    buffer_size: int = 2000
+    """Collectives kept per rank (TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_FR_BUFFER_SIZE)."""
+    dump_on_timeout: bool = True
+    """Write each rank's recorder to `folder` when a collective times out (NCCL itself; on gloo the runner)."""
+    folder: str = "flight_recorder"
+    """Dump folder; relative paths are inside the run folder. Files are `rank_<r>` (torchfrtrace's layout)."""
+    enable_timing: bool = False
+    """CUDA only: time every collective with CUDA events (TORCH_NCCL_ENABLE_TIMING); costs a little per collective."""
+
+
+@dataclass
+class DistributedConfig:
+    timeout_s: float = 600.0
+    """Process-group timeout in seconds: a collective waiting longer fails, which ends a hung job."""
+    heartbeat_s: float = 1.0
+    """Every this many seconds each rank writes its record (phase, step, collective counters) to logs/ranks/."""
+    shutdown_timeout_s: int = 30
+    """After a rank fails, seconds the elastic agent gives the others to exit before SIGKILL (torchrun
+    --shutdown-timeout; torch 2.13 itself waits 30 s there, the runner passes this value); a SIGSTOPped
+    rank only goes on SIGKILL."""
+    flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
+    host_group: HostGroup = HostGroup.auto
+    """Process group of the runner's host collectives (losses, data hashes, monitor windows): auto = the
+    default group on CPU, a gloo group of their own on CUDA (NCCL rejects CPU tensors); dedicated = their
+    own gloo group on any device (how CPU tests check the CUDA arrangement)."""
+    audit_collectives: bool = False
+    """TEST-ONLY: record every torch.distributed collective the runner's modules call, with its group and
+    tensor device, in logs/collectives/rank_<r>.json."""
