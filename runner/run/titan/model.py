@@ -1,4 +1,4 @@
-"""TorchTitan's model config built from the runner's ModelConfig (runner/config/schema.py).
+"""TorchTitan's model config built from the runner's ModelConfig (runner/config/schema/training.py).
 
 The flavor in TorchTitan's registry gives everything the schema does not name (initializers,
 RoPE scaling, router scoring, attention backend); every architecture number the schema names
