@@ -105,7 +105,7 @@ def test_reference_run_keeps_last_three_complete_and_exports_model(reference):
 
 def test_reference_start_up_shows_planner_interval_and_data_check(reference):
     run_dir, proc = reference
-    assert "checkpoints: every 1 steps (async, keep 3) into checkpoints; planner suggests " in proc.stdout
+    assert "checkpoints: every 1 step (async, keep 3) into checkpoints; planner suggests " in proc.stdout
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("checkpoints:"))
     assert "Young/Daly" in line and "MTBF 0.01 h" in line
     # global batch 8 over 2 DP replicas: samples 0-3 and 4-7
@@ -165,7 +165,7 @@ def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tm
     _ok(proc, "manual resume")
     why = f"__1_0.distcp has crc32 {now}, {written} was written (its content changed after the save)"
     assert f"WARNING: skipping checkpoint {folder / 'step-5'}: {why}; falling back to {folder / 'step-4'}" in proc.stderr
-    assert f"checkpoint: resumed from {folder / 'step-4'} (step 4, layout dp2_tp2)" in proc.stdout
+    assert f"checkpoint: resumed from {folder / 'step-4'} (step 4, layout tp2_dp2)" in proc.stdout
     ref, got = _by_step(reference[0]), _by_step(run_dir)
     assert sorted(got) == [5, 6]
     for s in (5, 6):

@@ -287,7 +287,7 @@ def test_fp8_converted_layers_and_accounting(runs):
         emulated = name.startswith("fp8_blockwise")
         assert (s["peak_dtype"], s["fp8_emulated"], rec["emulated"]) == ("float32" if emulated else "float8", emulated, emulated)
         assert ("EMULATED in PyTorch ops" in console) == emulated
-        assert peak["method"].startswith("best of 5 square torch.mm" if emulated else "best of 5 square torch._scaled_mm (e4m3)")
+        assert ("square torch.mm " if emulated else "square torch._scaled_mm (e4m3) ") in peak["method"], peak["method"]
         for r in metrics(run_dir):
             assert r["mfu"] == pytest.approx(r["tokens_per_s"] * s["flops_per_token"] / (peak["peak_tflops"] * 1e12))
     assert summary(runs["fp8_blockwise_tp2_pp2"])["degrees"] == "pp=2 x tp=2"
