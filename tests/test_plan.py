@@ -24,7 +24,7 @@ def test_worked_example_reproduces_the_published_budget(budget):
     assert b["params"] == pytest.approx(70.6e9, rel=0.001)
     assert b["tokens_per_step"] == 4_194_304
     assert b["microbatches"] == 32
-    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 2 * 2 / 1e9)  # bf16 weights + grads of one stage/TP shard
+    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 2 * 2 / 1e9)  # bf16 weights + grads, seed
     assert b["weights_grads_gb_per_gpu_seed"] < 10
     assert b["optimizer_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 12 / 32 / 1e9)  # 12 B/param over DP=32
     assert b["optimizer_gb_per_gpu_seed"] < 1
