@@ -77,4 +77,4 @@ def test_fits_memory_follows_titans_allocation(budget, compose):
     no_ac = budget([*p405, "training.activation_checkpoint=none"])
     assert no_ac["fits_memory"] is False and no_ac["total_gb_per_gpu"] > 100
     assert budget(["recipe=llama3_8b_fsdp8_h100"])["fits_memory"] is True
-    validate.check(compose([*p405[:-1], "training.activation_checkpoint=none", "mode=dryrun"]))  # the dry run measures what the plan refuses
+    validate.check(compose([*p405[:-1], "training.activation_checkpoint=none", "mode=dryrun"]))  # dryrun measures it
