@@ -4,8 +4,10 @@
 
 Each config runs `python -m runner mode=dryrun` (its default ranks: first, middle and last stage; rank 0
 alone for the 16,384-GPU long-context layout) in a
-folder of its own and prints, per rank, plan GB, measured GB and their ratio by category, and the wall
-time per simulated rank.
+folder of its own and prints, per rank, plan GB (the rank's pipeline stage, on the rehearsal's CPU kernels),
+measured GB, their ratio by category and PASS/FAIL on the rows the plan is held to (weights + gradients and
+optimizer within 2 %, activations within 15 %), the wall time per simulated rank, and whether the plan's
+fits_memory (on the cluster's kernels) agrees with the largest measured peak against the device's memory.
 """
 
 from __future__ import annotations
@@ -84,7 +86,15 @@ def run(name: str, overrides: list[str], folder: Path) -> None:
         for row in r["rows"]:
             plan = "-" if row["plan_gb"] is None else f"{row['plan_gb']:.2f}"
             ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-            print(f"     {row['row']:30}{plan:>9}{row['measured_gb']:>10.2f}{ratio:>7}")
+            held = "" if row["tolerance"] is None else f"  {100 * row['tolerance']:.0f} % " + ("PASS" if row["within"] else "FAIL")
+            print(f"     {row['row']:30}{plan:>9}{row['measured_gb']:>10.2f}{ratio:>7}{held}")
+    f = rep["fits"]
+    if f["device_memory_gb"]:
+        agree = "agree" if f["plan"] == f["measured"] else "DISAGREE"
+        print(
+            f"   fits_memory: plan {f['plan']} ({rep['plan']['total_gb_per_gpu']:.2f} GB), dry run {f['measured']} "
+            f"(largest peak {f['largest_peak_gb']:.2f} GB) in {f['device_memory_gb']:g} GB: {agree}"
+        )
 
 
 def main() -> None:

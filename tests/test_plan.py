@@ -24,10 +24,10 @@ def test_worked_example_reproduces_the_published_budget(budget):
     assert b["params"] == pytest.approx(70.6e9, rel=0.001)
     assert b["tokens_per_step"] == 4_194_304
     assert b["microbatches"] == 32
-    assert b["weights_grads_gb_per_gpu"] == pytest.approx(70.553706496e9 / 32 * 2 * 2 / 1e9)  # bf16 weights + grads of one stage/TP shard
-    assert b["weights_grads_gb_per_gpu"] < 10
-    assert b["optimizer_gb_per_gpu"] == pytest.approx(70.553706496e9 / 32 * 12 / 32 / 1e9)  # 12 B/param over DP=32
-    assert b["optimizer_gb_per_gpu"] < 1
+    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 2 * 2 / 1e9)  # bf16 weights + grads, seed
+    assert b["weights_grads_gb_per_gpu_seed"] < 10
+    assert b["optimizer_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 12 / 32 / 1e9)  # 12 B/param over DP=32
+    assert b["optimizer_gb_per_gpu_seed"] < 1
     assert b["step_time_s"] == pytest.approx(4.35, rel=0.02)  # 6N at 40 % of 989 TFLOP/s
     assert b["flops_convention"] == "6N" and b["peak_tflops"] == 989.0
     assert b["tp_comm_gb"] == pytest.approx(300.6, abs=0.1)
@@ -41,7 +41,7 @@ def test_worked_example_reproduces_the_published_budget(budget):
 def test_pp8_halves_weights_and_raises_bubble_to_9_9_percent(budget):
     base, b = budget(SEED), budget([*SEED, "parallelism.pp=8"])
     assert (b["degrees"], b["microbatches"]) == ("pp=8 x dp_shard=16 x tp=8", 64)
-    assert b["weights_grads_gb_per_gpu"] == pytest.approx(base["weights_grads_gb_per_gpu"] / 2)
+    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(base["weights_grads_gb_per_gpu_seed"] / 2)
     assert b["bubble_fraction"] == pytest.approx(7 / 71) and round(100 * b["bubble_fraction"], 1) == 9.9
 
 
@@ -49,21 +49,21 @@ def test_tp4_cuts_tp_traffic_doubles_weights_and_bubble_16_percent(budget):
     base, b = budget(SEED), budget([*SEED, "parallelism.tp=4"])
     assert (b["degrees"], b["microbatches"]) == ("pp=4 x dp_shard=64 x tp=4", 16)
     assert b["tp_comm_s"] == pytest.approx(0.29, abs=0.005)
-    assert b["weights_grads_gb_per_gpu"] == pytest.approx(2 * base["weights_grads_gb_per_gpu"])
+    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(2 * base["weights_grads_gb_per_gpu_seed"])
     assert b["bubble_fraction"] == pytest.approx(3 / 19) and round(100 * b["bubble_fraction"]) == 16
 
 
-def test_activation_memory_follows_korthikanti(budget):
+def test_seed_activation_memory_follows_korthikanti(budget):
     sbh = 4096 * 1 * 8192
     with_sp = budget(SEED)
-    assert with_sp["activations_gb_per_microbatch"] == pytest.approx(20 * sbh * 34 / 8 / 1e9)
-    assert with_sp["activations_gb_per_microbatch_recompute"] == pytest.approx(20 * 2 * sbh / 8 / 1e9)
+    assert with_sp["activations_gb_per_microbatch_seed"] == pytest.approx(20 * sbh * 34 / 8 / 1e9)
+    assert with_sp["activations_gb_per_microbatch_recompute_seed"] == pytest.approx(20 * 2 * sbh / 8 / 1e9)
     assert with_sp["microbatches_in_flight"] == 4  # 1F1B: the first stage holds p microbatches
-    assert with_sp["activations_gb_per_gpu"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch"])
+    assert with_sp["activations_gb_per_gpu_seed"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch_seed"])
     no_sp = budget([*SEED, "parallelism.sequence_parallel=false"])
-    assert no_sp["activations_gb_per_microbatch"] == pytest.approx(20 * sbh * (10 + 24 / 8) / 1e9)
+    assert no_sp["activations_gb_per_microbatch_seed"] == pytest.approx(20 * sbh * (10 + 24 / 8) / 1e9)
     ac = budget([*SEED, "training.activation_checkpoint=full"])
-    assert ac["activations_gb_per_gpu"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch_recompute"])
+    assert ac["activations_gb_per_gpu_seed"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch_recompute_seed"])
     assert ac["tp_comm_gb"] == pytest.approx(with_sp["tp_comm_gb"] * 6 / 4)  # the recomputed forward repeats 2 all-reduces
 
 
@@ -84,7 +84,7 @@ def test_interleaved_bubble_and_sharded_weights_without_pp(budget):
     n = 8.030261248e9
     layer = (4096 * 128 * (32 + 2 * 8) + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096) * 4  # two gathered bf16 blocks
     assert fsdp["weights_gathered_during_step"] is False  # no PP: TorchTitan reshards after forward
-    assert fsdp["weights_grads_gb_per_gpu"] == pytest.approx((n * 4 / 8 + layer) / 1e9, rel=1e-3)
+    assert fsdp["weights_grads_gb_per_gpu_seed"] == pytest.approx((n * 4 / 8 + layer) / 1e9, rel=1e-3)
     assert fsdp["dp_comm_gb"] == pytest.approx(n * (2 * 2 + 4) * 7 / 8 / 1e9, rel=1e-3)  # AG fwd + bwd (bf16), RS (fp32)
 
 

@@ -1,15 +1,18 @@
 """mode=dryrun in plain numbers (torch-free): which ranks to simulate, the batch the rehearsal runs, and
-the table of the plan's analytic memory beside the measured one."""
+the table of the plan's analytic memory (runner.config.memory, for the rank's own pipeline stage) beside the
+measured one, each held row marked PASS/FAIL against its tolerance, and whether the plan's fits_memory agrees
+with the largest measured peak."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
-from runner.config import pipeline, runfiles
+from runner.config import memory, pipeline, runfiles
 from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.config.schema import DeviceType, RunConfig
 
 GB = 1e9  # the plan's unit
 
@@ -53,24 +56,40 @@ def batch_note(cfg: RunConfig, lay: Layout) -> str | None:
     )
 
 
-def rows(budget: dict[str, Any], measured: dict[str, Any]) -> list[dict[str, Any]]:
-    """Plan beside measurement (GB, at the rank's peak). The plan counts the fp32 master weights in the optimizer
-    (12 bytes per parameter) and the compute-dtype weights with the gradients; the measured rows are grouped the same way."""
+TOLERANCE = {"weights + gradients": 0.02, "optimizer (master + moments)": 0.02, "activations": 0.15}
+"""How far the plan may be from the measurement, relative, on the rows it is held to (issue 14)."""
+
+
+def rehearsal_budget(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
+    """The plan's figures (GB) for a rank of pipeline stage `stage` as the rehearsal runs it: on CPU kernels, whose
+    RMSNorm saves more than CUDA's fused one (runner.config.memory)."""
+    dry = copy.deepcopy(cfg)
+    dry.cluster.device = DeviceType.cpu
+    m = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+    return memory.stage_gb(dry, lay, m, stage)
+
+
+def rows(plan: dict[str, float], measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """Plan beside measurement (GB, at the rank's peak). The fp32 master shard counts with the optimizer (12 bytes
+    per parameter), the gathered weights with the gradients, as in runner.config.memory."""
     at = measured["at_peak"]
     pairs = [
-        ("weights + gradients", "weights_grads_gb_per_gpu", at["param_gathered"] + at["grad_shard"] + at["grad_unsharded"]),
-        ("optimizer (master + moments)", "optimizer_gb_per_gpu", at["param_shard"] + at["optimizer_state"]),
-        ("activations", "activations_gb_per_gpu", at["activation"]),
-        ("temporaries", None, at["backward_temp"] + at["optimizer_temp"]),
-        ("buffers", None, at["buffer"]),
+        ("weights + gradients", "weights_grads", at["param_gathered"] + at["grad_shard"] + at["grad_unsharded"]),
+        ("optimizer (master + moments)", "optimizer", at["param_shard"] + at["optimizer_state"]),
+        ("activations", "activations", at["activation"]),
+        ("temporaries", "temporaries", at["backward_temp"] + at["optimizer_temp"]),
+        ("buffers", "buffers", at["buffer"]),
         ("collective buffers", None, at["collective"]),
-        ("total (peak)", "total_gb_per_gpu", measured["peak_bytes"]),
+        ("total (peak)", "total", measured["peak_bytes"]),
     ]
     out = []
     for name, key, got in pairs:
-        plan = budget[key] if key else None
+        want = plan[key] if key else None
         meas = got / GB
-        out.append({"row": name, "plan_gb": plan, "measured_gb": meas, "ratio": meas / plan if plan else None})
+        ratio = meas / want if want else None
+        tol = TOLERANCE.get(name)
+        within = None if tol is None or ratio is None else abs(ratio - 1) <= tol
+        out.append({"row": name, "plan_gb": want, "measured_gb": meas, "ratio": ratio, "tolerance": tol, "within": within})
     return out
 
 
@@ -85,9 +104,10 @@ def render_rank(r: dict[str, Any], microbatches: int) -> str:
         f"{r['num_params_local']:,} parameters in {len(r['param_shards'])} shards; wall {r['wall_s']:.1f} s "
         f"(build {r['build_s']:.1f} s, steps {', '.join(f'{s:.1f}' for s in r['step_s'])} s)"
     )
-    lines = [head, f"  {'':30}{'plan GB':>10}{'measured GB':>13}{'ratio':>8}"]
+    lines = [head, f"  {'':30}{'plan GB':>10}{'measured GB':>13}{'ratio':>8}  held to"]
     for row in r["rows"]:
-        lines.append(f"  {row['row']:30}{_num(row['plan_gb'], 10)}{row['measured_gb']:13.2f}{_num(row['ratio'], 8)}")
+        held = "" if row["tolerance"] is None else f"  {100 * row['tolerance']:.0f} %: " + ("PASS" if row["within"] else "FAIL")
+        lines.append(f"  {row['row']:30}{_num(row['plan_gb'], 10)}{row['measured_gb']:13.2f}{_num(row['ratio'], 8)}{held}")
     lines.append(
         f"  collectives of the rehearsed step ({microbatches} microbatches): "
         + (", ".join(f"{c['op']} on {c['group']} x{c['count']} {c['bytes'] / GB:.3g} GB" for c in r["collectives"]) or "none")
@@ -102,12 +122,22 @@ def render(report: dict[str, Any]) -> str:
     for s in report["substitutions"]:
         lines.append(f"  substituted: {s}")
     lines += [render_rank(r, report["microbatches"]["rehearsed"]) for r in report["ranks"]]
+    f = report["fits"]
+    if f["device_memory_gb"]:
+        verdict = {True: "fits", False: "does not fit"}
+        lines.append(
+            f"fits_memory: plan {verdict[f['plan']]} ({report['plan']['total_gb_per_gpu']:.2f} GB per device, cluster kernels), "
+            f"dry run {verdict[f['measured']]} (largest peak {f['largest_peak_gb']:.2f} GB) in {f['device_memory_gb']:g} GB: "
+            + ("agree" if f["plan"] == f["measured"] else "DISAGREE")
+        )
     return "\n".join(lines)
 
 
 def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """What dryrun.json holds: the run, the substitutions made, and per rank the plan-vs-measured rows and the ledger."""
-    ranks_out = [r | {"rows": rows(budget, r)} for r in measured["ranks"]]
+    ranks_out = [r | {"rows": rows(rehearsal_budget(cfg, lay, lay.coords(r["rank"])["pp"]), r)} for r in measured["ranks"]]
+    peak = max(r["peak_bytes"] for r in measured["ranks"]) / GB
+    capacity = budget["device_memory_gb"]
     return {
         "model": budget["model"],
         "world_size": lay.world_size,
@@ -116,7 +146,14 @@ def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[s
         "batch_note": batch_note(cfg, lay),
         "microbatches": dict(zip(("configured", "rehearsed"), microbatches(cfg, lay), strict=True)),
         "substitutions": measured["substitutions"],
+        "device": cfg.cluster.device.value,
         "plan": {k: budget[k] for k in ("weights_grads_gb_per_gpu", "optimizer_gb_per_gpu", "activations_gb_per_gpu", "total_gb_per_gpu")},
+        "fits": {
+            "device_memory_gb": capacity or None,
+            "plan": budget["fits_memory"],
+            "measured": peak <= capacity if capacity else None,
+            "largest_peak_gb": peak,
+        },
         "ranks": ranks_out,
     }
 

@@ -1,13 +1,33 @@
 """Memory of one device or CPU rank: the one model that planning (per GPU), validation's memory verdict
 and the CPU rank estimate share (torch-free).
 
-Activations: Korthikanti et al. 2022, Table 2, bytes per layer per microbatch at 2-byte
-activations: s*b*h*(10 + 24/t) with TP, s*b*h*34/t with TP + sequence parallelism, and
-2*s*b*h (/t with SP) with full recomputation. TorchTitan's attention is fused on every
-device (FlexAttention/SDPA on CUDA, aten._scaled_dot_product_flash_attention_for_cpu on
-CPU), which stores no attention scores, so the paper's 5*a*s/h term is dropped. The
-constants are for a GPT block (4h MLP); Llama's SwiGLU MLP and grouped-query attention
-shift them by a few percent.
+The default figures follow what TorchTitan allocates, category by category as the dry run's ledger
+(runner/run/ledger.py) measures them, at the step's peak on each pipeline stage:
+
+- weights: FSDP2 keeps an fp32 shard of every parameter (over dp_shard x cp, TorchTitan's FSDP mesh) and
+  gathers param_dtype copies: the whole stage while `fsdp_reshard_after_forward` keeps them (TorchTitan's
+  default with PP), else only the module being run (at the peak, the start of backward: norm + head).
+- gradients: with PP the schedule turns gradient sync off until the last microbatch, so FSDP2 accumulates
+  unsharded gradients in reduce_dtype for the whole stage; without PP each is reduce-scattered to an fp32
+  shard right after its backward (present at the peak from the second microbatch on).
+- optimizer: AdamW's two fp32 moments on the same shard; with the fp32 master shard, 12 B per parameter.
+- activations per layer and token, what TorchTitan's llama3 block saves for backward: two RMSNorms (on CPU,
+  the composite kernel saves the fp32 upcast and the normalized fp32 input, 8h B; CUDA's fused kernel saves
+  the input and rstd), the two linear inputs (param_dtype, the whole sequence after SP's all-gather),
+  q, k, v after RoPE, the attention output and its fp32 logsumexp (SDPA/flash: no scores), and the SwiGLU
+  w1, w3, silu and product outputs; per TP rank heads and FFN are / tp, norms / tp with SP. Full activation
+  checkpointing keeps each block's input; one block is recomputed at a time during backward (a temporary).
+- temporaries: that recomputed block, or on the last stage the loss's backward (the logits and their fp32 and
+  param_dtype gradients), whichever is larger.
+  The last stage adds the final norm, the head's input and the fp32 log-softmax of the loss (vocab / tp);
+  a pipeline stage also keeps each in-flight microbatch's output (and input, after the first stage).
+- buffers: one RoPE table per layer (complex64, head_dim / 2 per position) at TorchTitan's llama3
+  max_seq_len, which the runner keeps whatever training.seq_len.
+
+The seed documents' budget is kept beside it, labelled `*_seed`: weights and gradients both in the training
+dtype, 12 B of optimizer state per parameter over dp_shard, and Korthikanti et al. 2022 (Table 2) for
+activations: s*b*h*(10 + 24/t) per layer with TP, s*b*h*34/t with TP + SP, 2*s*b*h (/t with SP) with full
+recomputation, the 5*a*s/h score term dropped (fused attention).
 """
 
 from __future__ import annotations
@@ -16,12 +36,17 @@ from typing import Any
 
 from runner.config import flops, pipeline
 from runner.config.layout import Layout
-from runner.config.schema import ActivationCheckpoint, RunConfig
+from runner.config.schema import ActivationCheckpoint, DeviceType, RunConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
+MOMENT_BYTES = 8  # Adam first and second moments in fp32
+MASTER_BYTES = 4  # FSDP2's fp32 parameter shard
 CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, per parameter
 CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
+ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 and deepseek_v3 flavors: the RoPE table's positions
+ROPE_ENTRY_BYTES = 8  # complex64 per (position, head_dim / 2)
+LOSS_BACKWARD_BYTES = 8  # per token and vocabulary entry: the param_dtype logits, the fp32 gradient of the loss and its param_dtype cast
 
 
 def keeps_weights_gathered(cfg: RunConfig, lay: Layout) -> bool:
@@ -33,7 +58,7 @@ def keeps_weights_gathered(cfg: RunConfig, lay: Layout) -> bool:
 
 
 def activation_bytes_per_layer(cfg: RunConfig, lay: Layout, recompute: bool) -> float:
-    """Bytes one transformer layer keeps for one microbatch, scaled to the activation dtype."""
+    """Korthikanti's bytes per layer per microbatch, scaled to the activation dtype (the seed's convention)."""
     t = cfg.training
     s, b, h, tp = t.seq_len / lay.cp, t.microbatch_size, cfg.model.dim, lay.tp
     sp = cfg.parallelism.sequence_parallel and tp > 1
@@ -43,6 +68,125 @@ def activation_bytes_per_layer(cfg: RunConfig, lay: Layout, recompute: bool) -> 
     else:
         per = s * b * h * (34 / tp if sp else 10 + 24 / tp)
     return per * scale
+
+
+def _attention_bytes_per_token(cfg: RunConfig, tp: int) -> float:
+    """q, k, v after RoPE, the attention output and its fp32 logsumexp, per TP rank."""
+    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
+    a = m.num_heads / tp
+    if flops.is_mla(m):  # compressed kv (+ its norm's fp32 input) and the expanded q, k, v of each head
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return bw * (m.kv_lora_rank + m.qk_rope_head_dim) + 8 * m.kv_lora_rank + bw * a * (2 * qk + 2 * m.v_head_dim) + 4 * a
+    hd = flops.head_dim(m)
+    return bw * hd * (a + 2 * m.num_kv_heads / tp) + bw * hd * a + 4 * a
+
+
+def _ffn_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool) -> float:
+    """SwiGLU's w1, w3, silu and product outputs; an MoE block's top-k routed copies of each token and its shared experts."""
+    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
+    if not moe:
+        return 4 * bw * m.ffn_hidden_dim / lay.tp
+    k, shared = m.num_experts_per_token, m.num_shared_experts
+    return bw * k * (2 * m.dim + 4 * m.moe_hidden_dim) + 4 * bw * shared * m.moe_hidden_dim + 4 * m.num_experts
+
+
+def _norm_bytes(cfg: RunConfig, width: int) -> float:
+    """One RMSNorm per token: CUDA's fused kernel saves its input and rstd; the CPU composite the fp32 upcast and result."""
+    if cfg.cluster.device == DeviceType.cuda:
+        return BYTES[cfg.precision.param_dtype.value] * width + 4
+    return 8 * width + 4
+
+
+def layer_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool = False) -> float:
+    """Bytes one transformer block saves for backward per token of the local sequence (seq_len / cp)."""
+    h, bw, tp = cfg.model.dim, BYTES[cfg.precision.param_dtype.value], lay.tp
+    norms = 2 * _norm_bytes(cfg, h) / (tp if cfg.parallelism.sequence_parallel else 1)
+    return norms + 2 * bw * h + _attention_bytes_per_token(cfg, tp) + _ffn_bytes_per_token(cfg, lay, moe)
+
+
+def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
+    """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
+    m = cfg.model
+    dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    moe_block = flops.attention_params(m) + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
+    head = (m.dim + flops.embedding_params(m)) if last else 0
+    emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
+    return layers[0] * dense_block + layers[1] * moe_block + emb + head, head
+
+
+def _stage_blocks(cfg: RunConfig, lay: Layout) -> list[tuple[int, int]]:
+    """(dense, moe) blocks held by each pipeline rank (its virtual stages together)."""
+    m, p = cfg.model, cfg.parallelism
+    v = p.pp_virtual_stages if lay.pp > 1 else 1
+    split = pipeline.stage_layers(m.num_layers, lay.pp * v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+    dense_left, out = m.num_dense_layers if flops.is_moe(m) else m.num_layers, [[0, 0] for _ in range(lay.pp)]
+    for i, n in enumerate(split):
+        rank = i % lay.pp if v == 1 or p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV") else min(i, 2 * lay.pp - 1 - i)
+        d = min(n, dense_left)
+        dense_left -= d
+        out[rank][0] += d
+        out[rank][1] += n - d
+    return [tuple(x) for x in out]
+
+
+def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
+    """Microbatches whose activations pipeline stage `stage` holds at its peak (1F1B family: pp - stage)."""
+    if lay.pp == 1:
+        return 1
+    if cfg.parallelism.pp_schedule in ("GPipe", "LoopedBFS"):
+        return micro
+    return min(micro, lay.pp - stage)
+
+
+def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
+    """Bytes by category on a rank of pipeline stage `st`, at its peak (the start of the backward that frees
+    the most activations, every earlier microbatch's gradients accumulated)."""
+    m, t = cfg.model, cfg.training
+    bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
+    first, last = st == 0, st == lay.pp - 1
+    blocks = _stage_blocks(cfg, lay)[st]
+    params, head = _stage_params(cfg, blocks, first, last)
+    ep_share = 0.0
+    if flops.is_moe(m) and lay.ep > 1:  # routed experts are split over ep before FSDP shards the rest
+        ep_share = blocks[1] * flops.routed_expert_params(m) * (1 - 1 / lay.ep)
+    local = (params - ep_share) / lay.tp  # embedding and head are split over tp as well (vocab- and column-wise)
+    shard = lay.dp_shard * lay.cp
+    if keeps_weights_gathered(cfg, lay) and lay.pp > 1:
+        weights_grads = local * (bw + rw)
+    else:
+        weights_grads = head / lay.tp * bw + (local * MASTER_BYTES / shard if micro > 1 else 0)
+    tokens = t.microbatch_size * t.seq_len / lay.cp
+    sp = cfg.parallelism.sequence_parallel and lay.tp > 1
+    ac = t.activation_checkpoint != ActivationCheckpoint.none
+    full_layer = layer_bytes_per_token(cfg, lay) * tokens
+    moe_layer = layer_bytes_per_token(cfg, lay, moe=True) * tokens
+    hidden = bw * m.dim * tokens / (lay.tp if sp else 1)  # one hidden state: a block's input, a stage's output
+    layers = (blocks[0] + blocks[1]) * hidden if ac else blocks[0] * full_layer + blocks[1] * moe_layer
+    extras = 8 * tokens if first else 0  # the embedding's token ids
+    if last:  # final norm, the head's input, the loss's fp32 log-softmax and labels
+        extras += (_norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim + 4 * m.vocab_size / lay.tp + 8) * tokens
+    if lay.pp > 1:
+        extras += hidden * ((not last) + (not first))  # the stage's output, and its input from the previous stage
+    activations = in_flight(cfg, lay, micro, st) * (layers + extras)
+    recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
+    loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
+    head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
+    buffers = (blocks[0] + blocks[1]) * ROPE_MAX_SEQ_LEN * head_dim / 2 * ROPE_ENTRY_BYTES
+    optimizer = local * (MASTER_BYTES + MOMENT_BYTES) / shard
+    return {
+        "params": local,
+        "weights_grads": weights_grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "activations_per_microbatch": layers + extras,
+        "temporaries": max(recompute, loss_backward),
+        "buffers": buffers,
+        "total": weights_grads + optimizer + activations + max(recompute, loss_backward) + buffers,
+    }
+
+
+def stage_gb(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
+    return {k: v / 1e9 if k != "params" else v for k, v in stage(cfg, lay, micro, st).items()}
 
 
 def cpu_rank_gb(cfg: RunConfig, lay: Layout) -> float:
@@ -56,13 +200,12 @@ def cpu_rank_gb(cfg: RunConfig, lay: Layout) -> float:
     return cfg.cluster.rank_overhead_gb + (state + acts + logits) / 1e9
 
 
-def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | None) -> dict[str, Any]:
-    """Weights + gradients, optimizer state and activations in flight per device (bytes), and the verdict."""
+def _seed(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
+    """The seed documents' budget: training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti."""
     m, p = cfg.model, cfg.parallelism
     bw = BYTES[cfg.precision.param_dtype.value]
     params_gpu = flops.num_params(m) / (lay.tp * lay.pp)
-    gathered = keeps_weights_gathered(cfg, lay)
-    if gathered:
+    if keeps_weights_gathered(cfg, lay):
         weights_grads = params_gpu * 2 * bw
     else:
         weights_grads = params_gpu * 2 * bw / lay.dp_shard + 2 * flops.block_params(m) / lay.tp * bw
@@ -70,21 +213,41 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
     layers_gpu = m.num_layers / lay.pp
     act_mb = activation_bytes_per_layer(cfg, lay, recompute=False) * layers_gpu
     act_mb_ac = activation_bytes_per_layer(cfg, lay, recompute=True) * layers_gpu
-    in_flight = pipeline.microbatches_in_flight(p.pp_schedule, lay.pp, micro)
+    flight = pipeline.microbatches_in_flight(p.pp_schedule, lay.pp, micro)
     ac = cfg.training.activation_checkpoint != ActivationCheckpoint.none
-    activations = (act_mb_ac if ac else act_mb) * in_flight
-    total = weights_grads + optimizer + activations
-    capacity = device_memory_gb if device_memory_gb is not None else cfg.cluster.device_memory_gb
+    activations = (act_mb_ac if ac else act_mb) * flight
     return {
         "params_per_gpu": params_gpu,
-        "weights_gathered_during_step": gathered,
-        "weights_grads_gb_per_gpu": weights_grads / 1e9,
-        "optimizer_gb_per_gpu": optimizer / 1e9,
-        "activations_gb_per_microbatch": act_mb / 1e9,
-        "activations_gb_per_microbatch_recompute": act_mb_ac / 1e9,
-        "microbatches_in_flight": in_flight,
-        "activations_gb_per_gpu": activations / 1e9,
-        "total_gb_per_gpu": total / 1e9,
+        "weights_grads_gb_per_gpu_seed": weights_grads / 1e9,
+        "optimizer_gb_per_gpu_seed": optimizer / 1e9,
+        "activations_gb_per_microbatch_seed": act_mb / 1e9,
+        "activations_gb_per_microbatch_recompute_seed": act_mb_ac / 1e9,
+        "microbatches_in_flight": flight,
+        "activations_gb_per_gpu_seed": activations / 1e9,
+        "total_gb_per_gpu_seed": (weights_grads + optimizer + activations) / 1e9,
+    }
+
+
+def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | None) -> dict[str, Any]:
+    """Per device: the stage with the largest total (TorchTitan's allocation), the seed's budget beside it, the verdicts."""
+    stages = [stage_gb(cfg, lay, micro, s) for s in range(lay.pp)]
+    worst = max(range(lay.pp), key=lambda s: stages[s]["total"])
+    w = stages[worst]
+    seed = _seed(cfg, lay, micro)
+    capacity = device_memory_gb if device_memory_gb is not None else cfg.cluster.device_memory_gb
+    return {
+        **seed,
+        "weights_gathered_during_step": keeps_weights_gathered(cfg, lay),
+        "memory_stage": worst,
+        "weights_grads_gb_per_gpu": w["weights_grads"],
+        "optimizer_gb_per_gpu": w["optimizer"],
+        "activations_gb_per_microbatch": w["activations_per_microbatch"],
+        "activations_gb_per_gpu": w["activations"],
+        "temporaries_gb_per_gpu": w["temporaries"],
+        "buffers_gb_per_gpu": w["buffers"],
+        "total_gb_per_gpu": w["total"],
+        "total_gb_per_stage": [s["total"] for s in stages],
         "device_memory_gb": capacity,
-        "fits_memory": total / 1e9 <= capacity if capacity else None,
+        "fits_memory": w["total"] <= capacity if capacity else None,
+        "fits_memory_seed": seed["total_gb_per_gpu_seed"] <= capacity if capacity else None,
     }

@@ -13,18 +13,13 @@ Conventions, stated once and used throughout:
   the same bytes.
 - Ranks are placed in mesh order (pp, dp_replicate, dp_shard, cp, tp), TP fastest, so an
   axis whose group fits inside a node uses the intra-node link and the others scale-out.
-- Memory follows TorchTitan's FSDP2: optimizer state (fp32 master + Adam moments, 12 B per
-  parameter) is sharded over dp_shard (replicated over dp_replicate, i.e. HSDP). Weights
-  and gradients (in the training dtype) are whole on every GPU of a stage while
-  `fsdp_reshard_after_forward` keeps them (TorchTitan's default with PP), else sharded
-  plus two gathered blocks (current and prefetched).
-- Activations: Korthikanti et al. 2022, Table 2, bytes per layer per microbatch at 2-byte
-  activations: s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP, s*b*h*(34/t + 5*a*s/(h*t)) with
-  TP + sequence parallelism, 2*s*b*h (/t with SP) with full recomputation. TorchTitan uses
-  fused attention (SDPA/FlexAttention), which stores no attention scores, so the 5*a*s/h
-  term is dropped. The constants are for a GPT block (4h MLP); Llama's SwiGLU MLP and
-  grouped-query attention shift them by a few percent. With 1F1B-type schedules the first
-  stage holds min(m, p) microbatches in flight, with GPipe all m.
+- Memory (runner.config.memory): what TorchTitan allocates on each pipeline stage at its peak (fp32
+  master shards and Adam moments over dp_shard x cp, gathered param_dtype weights, fp32 gradients
+  unsharded under PP, the activations its blocks save for backward, the loss's logits, RoPE tables);
+  the keys describe the stage with the largest total, which mode=dryrun measures. The seed documents'
+  budget (training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti et al. 2022
+  activations) stays beside it under keys ending in `_seed`. With 1F1B-type schedules stage s holds
+  min(m, p - s) microbatches in flight, with GPipe all m.
 """
 
 from __future__ import annotations

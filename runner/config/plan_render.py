@@ -23,6 +23,10 @@ def _f(x: float | None, fmt: str, unit: str = "") -> str:
     return "n/a" if x is None else format(x, fmt) + unit
 
 
+def _pp(plan: dict[str, Any]) -> bool:
+    return len(plan["total_gb_per_stage"]) > 1
+
+
 def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
     """(row, value, note) lines of the printed table."""
     pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
@@ -42,16 +46,38 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
         (
             "weights + gradients",
             _f(plan["weights_grads_gb_per_gpu"], ".3g", " GB"),
-            f"whole on each {unit} of the stage (FSDP keeps them gathered)" if plan["weights_gathered_during_step"] else "FSDP-sharded",
+            "bf16 gathered + fp32 unsharded gradients of the stage (no sync until the last microbatch)"
+            if plan["weights_gathered_during_step"] and _pp(plan)
+            else "fp32 gradient shard + the head gathered",
         ),
-        ("optimizer state", _f(plan["optimizer_gb_per_gpu"], ".3g", " GB"), "fp32 master + Adam moments / dp_shard"),
+        ("  seed's convention", _f(plan["weights_grads_gb_per_gpu_seed"], ".3g", " GB"), "weights and gradients in the training dtype"),
+        ("optimizer state", _f(plan["optimizer_gb_per_gpu"], ".3g", " GB"), "fp32 master + Adam moments / (dp_shard x cp)"),
+        ("  seed's convention", _f(plan["optimizer_gb_per_gpu_seed"], ".3g", " GB"), "12 B per parameter / dp_shard"),
         (
             "activations per microbatch",
             _f(plan["activations_gb_per_microbatch"], ".3g", " GB"),
-            f"{plan['activations_gb_per_microbatch_recompute']:.3g} GB with full recomputation (Korthikanti 2022)",
+            "what TorchTitan's blocks save for backward, with the loss's on the last stage",
+        ),
+        (
+            "  Korthikanti 2022 (seed)",
+            _f(plan["activations_gb_per_microbatch_seed"], ".3g", " GB"),
+            f"{plan['activations_gb_per_microbatch_recompute_seed']:.3g} GB with full recomputation",
         ),
         ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), count(plan["microbatches_in_flight"], "microbatch")),
-        ("total memory", _f(plan["total_gb_per_gpu"], ".3g", " GB"), f"{fit}" + (f" in {mem:.3g} GB" if mem else "")),
+        (
+            "temporaries + buffers",
+            _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"], ".3g", " GB"),
+            f"recomputed block or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
+        ),
+        (
+            "total memory",
+            _f(plan["total_gb_per_gpu"], ".3g", " GB"),
+            f"{fit}"
+            + (f" in {mem:.3g} GB" if mem else "")
+            + (f"; stage {plan['memory_stage']}" if _pp(plan) else "")
+            + "; checked by mode=dryrun",
+        ),
+        ("  seed's convention", _f(plan["total_gb_per_gpu_seed"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
         ("model FLOPs per step", f"{plan['model_flops_per_step']:.3e}", f"{conv} convention"),
         (
             "ideal compute",

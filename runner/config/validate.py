@@ -69,10 +69,10 @@ def _dryrun_ranks(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> Non
 
 
 def _device_memory(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
-    """The plan's memory verdict, for a GPU cluster that states its memory. mode=plan prints the
+    """The plan's memory verdict, for a GPU cluster that states its memory. mode=plan (and mode=dryrun) print the
     verdict as its memory row instead, so that a sweep tabulates the layouts that do not fit."""
     c = cfg.cluster
-    if c.device != DeviceType.cuda or c.device_memory_gb <= 0 or cfg.mode in (Mode.plan, Mode.dryrun):
+    if c.device != DeviceType.cuda or c.device_memory_gb <= 0 or cfg.mode in (Mode.plan, Mode.dryrun):  # those two measure it
         return
     from runner.config import plan  # the plan's own memory model; imported here, as only GPU configs need it
 
