@@ -27,22 +27,11 @@ def _pp(plan: dict[str, Any]) -> bool:
     return len(plan["total_gb_per_stage"]) > 1
 
 
-def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
-    """(row, value, note) lines of the printed table."""
-    pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
+def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The memory rows: the default figures (what TorchTitan allocates, checked by mode=dryrun) and the seed's."""
     mem = plan["device_memory_gb"]
     fit = {True: "fits", False: "DOES NOT FIT", None: "device memory unknown"}[plan["fits_memory"]]
-    conv = plan["flops_convention"]
-    unit = wording.device_unit(plan["device"])
-    out = [
-        ("model", f"{plan['model']}, {plan['params'] / 1e9:.2f} B params", ""),
-        ("layout", f"{plan['layout']} [{plan['degrees']}]", count(plan["world_size"], unit)),
-        ("links", ", ".join(f"{a}: {lk}" for a, lk in plan["links"].items()) or "-", "ranks placed TP fastest"),
-        ("tokens per step", f"{plan['tokens_per_step']:,}", "global batch x seq_len"),
-        ("microbatches per pipeline m", str(plan["microbatches"]), ""),
-        ("pipeline bubble", pct(plan["bubble_fraction"]), plan["bubble_formula"]),
-        ("layers per stage", _layers(plan["layers_per_stage"]), f"{count(plan['virtual_stages_per_rank'], 'stage')} per pipeline rank"),
-        (f"parameters per {unit}", f"{plan['params_per_gpu'] / 1e9:.3f} B", "params / (tp x pp)"),
+    return [
         (
             "weights + gradients",
             _f(plan["weights_grads_gb_per_gpu"], ".3g", " GB"),
@@ -78,6 +67,24 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
             + "; checked by mode=dryrun",
         ),
         ("  seed's convention", _f(plan["total_gb_per_gpu_seed"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
+    ]
+
+
+def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
+    """(row, value, note) lines of the printed table."""
+    pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
+    conv = plan["flops_convention"]
+    unit = wording.device_unit(plan["device"])
+    out = [
+        ("model", f"{plan['model']}, {plan['params'] / 1e9:.2f} B params", ""),
+        ("layout", f"{plan['layout']} [{plan['degrees']}]", count(plan["world_size"], unit)),
+        ("links", ", ".join(f"{a}: {lk}" for a, lk in plan["links"].items()) or "-", "ranks placed TP fastest"),
+        ("tokens per step", f"{plan['tokens_per_step']:,}", "global batch x seq_len"),
+        ("microbatches per pipeline m", str(plan["microbatches"]), ""),
+        ("pipeline bubble", pct(plan["bubble_fraction"]), plan["bubble_formula"]),
+        ("layers per stage", _layers(plan["layers_per_stage"]), f"{count(plan['virtual_stages_per_rank'], 'stage')} per pipeline rank"),
+        (f"parameters per {unit}", f"{plan['params_per_gpu'] / 1e9:.3f} B", "params / (tp x pp)"),
+        *_memory_rows(plan),
         ("model FLOPs per step", f"{plan['model_flops_per_step']:.3e}", f"{conv} convention"),
         (
             "ideal compute",
