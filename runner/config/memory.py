@@ -8,7 +8,8 @@ The default figures follow what TorchTitan allocates, category by category as th
   gathers param_dtype copies: the whole stage while `fsdp_reshard_after_forward` keeps them (TorchTitan's
   default with PP), else only the module being run (at the peak, the start of backward: norm + head).
 - gradients: with PP the schedule turns gradient sync off until the last microbatch, so FSDP2 accumulates
-  unsharded gradients in reduce_dtype for the whole stage; without PP each is reduce-scattered to an fp32
+  unsharded gradients in reduce_dtype for the whole stage (without AC, the peak of a stage other than the last
+  is inside a block's backward, beside FFN gradients still in param_dtype); without PP each is reduce-scattered to an fp32
   shard right after its backward (present at the peak from the second microbatch on).
 - optimizer: AdamW's two fp32 moments on the same shard; with the fp32 master shard, 12 B per parameter.
 - activations per layer and token, what TorchTitan's llama3 block saves for backward: two RMSNorms (on CPU,
@@ -46,6 +47,8 @@ CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, 
 CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
 ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 and deepseek_v3 flavors: the RoPE table's positions
 ROPE_ENTRY_BYTES = 8  # complex64 per (position, head_dim / 2)
+FFN_GRADS_AT_PEAK = 2  # of the FFN's 3 weights, those with a param_dtype gradient at a stage's peak without AC: w2 and w3
+# (the dry run finds 2 on the debug model, all 3 on the 405B whose activations dwarf the weights; 2 is within 2 % of both)
 LOSS_BACKWARD_BYTES = 8  # per token and vocabulary entry: the param_dtype logits, the fp32 gradient of the loss and its param_dtype cast
 
 
@@ -104,6 +107,15 @@ def layer_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool = False) -> flo
     return norms + 2 * bw * h + _attention_bytes_per_token(cfg, tp) + _ffn_bytes_per_token(cfg, lay, moe)
 
 
+def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
+    """Parameters of one block's FFN on this rank (routed experts / ep), whose gradients autograd makes in param_dtype
+    before FSDP2's post-backward casts them to reduce_dtype and accumulates them."""
+    m = cfg.model
+    if not moe:
+        return 3 * m.dim * m.ffn_hidden_dim / lay.tp
+    return (flops.moe_ffn_params(m) - flops.routed_expert_params(m) * (1 - 1 / lay.ep)) / lay.tp
+
+
 def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
     """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
     m = cfg.model
@@ -151,13 +163,15 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         ep_share = blocks[1] * flops.routed_expert_params(m) * (1 - 1 / lay.ep)
     local = (params - ep_share) / lay.tp  # embedding and head are split over tp as well (vocab- and column-wise)
     shard = lay.dp_shard * lay.cp
+    ac = t.activation_checkpoint != ActivationCheckpoint.none
     if keeps_weights_gathered(cfg, lay) and lay.pp > 1:
         weights_grads = local * (bw + rw)
+        if not ac and not last:  # the peak is inside a block's backward: FFN gradients in param_dtype, not yet reduced
+            weights_grads += FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
     else:
         weights_grads = head / lay.tp * bw + (local * MASTER_BYTES / shard if micro > 1 else 0)
     tokens = t.microbatch_size * t.seq_len / lay.cp
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
-    ac = t.activation_checkpoint != ActivationCheckpoint.none
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
     moe_layer = layer_bytes_per_token(cfg, lay, moe=True) * tokens
     hidden = bw * m.dim * tokens / (lay.tp if sp else 1)  # one hidden state: a block's input, a stage's output
