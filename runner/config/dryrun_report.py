@@ -62,11 +62,11 @@ TOLERANCE = {"weights + gradients": 0.02, "optimizer (master + moments)": 0.02, 
 
 def rehearsal_budget(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     """The plan's figures (GB) for a rank of pipeline stage `stage` as the rehearsal runs it: on CPU kernels, whose
-    RMSNorm saves more than CUDA's fused one (runner.config.memory)."""
+    RMSNorm saves more than CUDA's fused one, and its microbatches (a pipeline stage keeps a receive buffer for each;
+    runner.config.memory)."""
     dry = copy.deepcopy(cfg)
     dry.cluster.device = DeviceType.cpu
-    m = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
-    return memory.stage_gb(dry, lay, m, stage)
+    return memory.stage_gb(dry, lay, microbatches(cfg, lay)[1], stage)
 
 
 def rows(plan: dict[str, float], measured: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,8 +20,11 @@ The default figures follow what TorchTitan allocates, category by category as th
   checkpointing keeps each block's input; one block is recomputed at a time during backward (a temporary).
 - temporaries: that recomputed block, or on the last stage the loss's backward (the logits and their fp32 and
   param_dtype gradients), whichever is larger.
-  The last stage adds the final norm, the head's input and the fp32 log-softmax of the loss (vocab / tp);
-  a pipeline stage also keeps each in-flight microbatch's output (and input, after the first stage).
+  The last stage adds the final norm, the head's input, its output (the param_dtype logits, kept for backward
+  as every stage's output is) and the fp32 log-softmax of the loss (vocab / tp); other stages keep each
+  in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
+  the input of every stage after the first, kept across steps (and one for the gradient of every stage before
+  the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
 - buffers: one RoPE table per layer (complex64, head_dim / 2 per position) at TorchTitan's llama3
   max_seq_len, which the runner keeps whatever training.seq_len.
 
@@ -175,13 +178,19 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
     moe_layer = layer_bytes_per_token(cfg, lay, moe=True) * tokens
     hidden = bw * m.dim * tokens / (lay.tp if sp else 1)  # one hidden state: a block's input, a stage's output
-    layers = (blocks[0] + blocks[1]) * hidden if ac else blocks[0] * full_layer + blocks[1] * moe_layer
+    # with full AC each block keeps its input; on a later stage the first block's is the receive buffer, counted below
+    layers = (blocks[0] + blocks[1] - (not first)) * hidden if ac else blocks[0] * full_layer + blocks[1] * moe_layer
     extras = 8 * tokens if first else 0  # the embedding's token ids
-    if last:  # final norm, the head's input, the loss's fp32 log-softmax and labels
-        extras += (_norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim + 4 * m.vocab_size / lay.tp + 8) * tokens
-    if lay.pp > 1:
-        extras += hidden * ((not last) + (not first))  # the stage's output, and its input from the previous stage
-    activations = in_flight(cfg, lay, micro, st) * (layers + extras)
+    if last:  # final norm, the head's input and output (the stage's output, kept for backward), the loss's fp32 log-softmax, labels
+        head_in = _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim
+        logits = bw * m.vocab_size / lay.tp if lay.pp > 1 else 0  # without PP the loss's backward frees them (a temporary)
+        extras += (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens
+    else:
+        extras += hidden  # the stage's output, kept for backward
+    # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (and one for its
+    # gradient, not counted: the dry run's ledger sees each only once its backward has used it)
+    receive = micro * hidden * (not first)
+    activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
@@ -192,7 +201,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "weights_grads": weights_grads,
         "optimizer": optimizer,
         "activations": activations,
-        "activations_per_microbatch": layers + extras,
+        "activations_per_microbatch": layers + extras + receive / micro,
         "temporaries": max(recompute, loss_backward),
         "buffers": buffers,
         "total": weights_grads + optimizer + activations + max(recompute, loss_backward) + buffers,
