@@ -123,3 +123,31 @@ def test_405b_pipeline_activations_match_the_dry_run(compose):
     hidden = 2 * cfg.model.dim * cfg.training.seq_len / 8  # bf16, sequence-parallel over tp 8
     more = memory.stage(cfg, lay, 32, 8)["activations"] - memory.stage(cfg, lay, 17, 8)["activations"]
     assert more == pytest.approx(15 * hidden)  # a middle stage: input buffers for 15 more microbatches
+
+
+MOE_EP8 = [
+    "model=debug_moe",
+    "parallelism=ep2",
+    "parallelism.name=ep8",
+    "parallelism.dp_shard=8",
+    "parallelism.ep=8",
+    "cluster=h100_node",
+    "precision=bf16",
+    "training.global_batch_size=8",
+    "training.microbatch_size=1",
+]
+
+
+def test_moe_optimizer_shard_and_rope_tables_match_the_dry_run(compose):
+    """EP takes its ranks from FSDP: routed experts are split over ep, then sharded over dp_shard / ep, so every
+    parameter's fp32 shard is / dp_shard (dry run, debug_moe with ep 8 on 8 ranks: 49.5 MB of master + moments, 4,126,752
+    local parameters; the plan had 39 MB dividing the experts by ep twice). DeepSeek-V3's RoPE tables have 16,384
+    positions (TorchTitan's flavors), not llama3's 131,072: 6 x 16,384 x 32 complex64 = 25.2 MB measured."""
+    from runner.config import layout, memory
+
+    cfg = compose(MOE_EP8)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    got = memory.stage(cfg, lay, 8, 0)
+    assert got["optimizer"] == pytest.approx(flops.num_params(cfg.model) / 8 * 12)
+    assert got["optimizer"] / 1e9 == pytest.approx(0.0495, rel=0.02)
+    assert got["buffers"] == 6 * 16384 * 32 * 8

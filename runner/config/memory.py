@@ -25,8 +25,8 @@ The default figures follow what TorchTitan allocates, category by category as th
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
   the input of every stage after the first, kept across steps (and one for the gradient of every stage before
   the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
-- buffers: one RoPE table per layer (complex64, head_dim / 2 per position) at TorchTitan's llama3
-  max_seq_len, which the runner keeps whatever training.seq_len.
+- buffers: one RoPE table per layer (complex64, head_dim / 2 per position) at the max_seq_len of TorchTitan's
+  flavors (llama3 131,072, deepseek_v3 16,384), which the runner keeps whatever training.seq_len.
 
 The seed documents' budget is kept beside it, labelled `*_seed`: weights and gradients both in the training
 dtype, 12 B of optimizer state per parameter over dp_shard, and Korthikanti et al. 2022 (Table 2) for
@@ -48,7 +48,7 @@ MOMENT_BYTES = 8  # Adam first and second moments in fp32
 MASTER_BYTES = 4  # FSDP2's fp32 parameter shard
 CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, per parameter
 CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
-ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 and deepseek_v3 flavors: the RoPE table's positions
+ROPE_MAX_SEQ_LEN = {"llama3": 131072, "deepseek_v3": 16384}  # the RoPE table's positions in TorchTitan's flavors of each family
 ROPE_ENTRY_BYTES = 8  # complex64 per (position, head_dim / 2)
 FFN_GRADS_AT_PEAK = 2  # of the FFN's 3 weights, those with a param_dtype gradient at a stage's peak without AC: w2 and w3
 # (the dry run finds 2 on the debug model, all 3 on the 405B whose activations dwarf the weights; 2 is within 2 % of both)
@@ -166,13 +166,15 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         ep_share = blocks[1] * flops.routed_expert_params(m) * (1 - 1 / lay.ep)
     local = (params - ep_share) / lay.tp  # embedding and head are split over tp as well (vocab- and column-wise)
     shard = lay.dp_shard * lay.cp
+    # routed experts are split over ep, then FSDP-sharded over dp_shard x cp / ep: every parameter's shard is / shard
+    sharded = params / lay.tp / shard
     ac = t.activation_checkpoint != ActivationCheckpoint.none
     if keeps_weights_gathered(cfg, lay) and lay.pp > 1:
         weights_grads = local * (bw + rw)
         if not ac and not last:  # the peak is inside a block's backward: FFN gradients in param_dtype, not yet reduced
             weights_grads += FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
     else:
-        weights_grads = head / lay.tp * bw + (local * MASTER_BYTES / shard if micro > 1 else 0)
+        weights_grads = head / lay.tp * bw + (sharded * MASTER_BYTES if micro > 1 else 0)
     tokens = t.microbatch_size * t.seq_len / lay.cp
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
@@ -194,8 +196,8 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
-    buffers = (blocks[0] + blocks[1]) * ROPE_MAX_SEQ_LEN * head_dim / 2 * ROPE_ENTRY_BYTES
-    optimizer = local * (MASTER_BYTES + MOMENT_BYTES) / shard
+    buffers = (blocks[0] + blocks[1]) * ROPE_MAX_SEQ_LEN[m.name] * head_dim / 2 * ROPE_ENTRY_BYTES
+    optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
     return {
         "params": local,
         "weights_grads": weights_grads,
