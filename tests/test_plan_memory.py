@@ -5,11 +5,13 @@ configs of issue 14 are checked by bench/dryrun_vs_plan.py (minutes), whose outp
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
 from runner.config import flops, runfiles, validate
+from runner.config.schema import DeviceType
 from tests.conftest import run_cli
 
 DEBUG = ["precision=bf16", "training.seq_len=512", "training.microbatch_size=1", "model.num_kv_heads=4", "model.num_layers=12"]
@@ -151,3 +153,20 @@ def test_moe_optimizer_shard_and_rope_tables_match_the_dry_run(compose):
     assert got["optimizer"] == pytest.approx(flops.num_params(cfg.model) / 8 * 12)
     assert got["optimizer"] / 1e9 == pytest.approx(0.0495, rel=0.02)
     assert got["buffers"] == 6 * 16384 * 32 * 8
+
+
+def test_moe_mla_activations_on_the_rehearsals_cpu_kernels(compose):
+    """On CPU, SDPA has no fused kernel for MLA's value head (128) narrower than its query head (192): the math path
+    saves fp32 q, k, v and the fp32 probabilities (16 heads x 256 keys per token); routed copies keep their input and
+    the fp32 output the scores weight. Dry run (debug_moe, ep 8, 256 tokens): 0.113 GB of activations at the peak,
+    which falls inside the last block's backward (the plan, counting every block, had 0.069). The cluster's
+    FlexAttention saves no probabilities: the plan on CUDA keeps them out."""
+    from runner.config import dryrun_report, layout, memory
+
+    cfg = compose(MOE_EP8)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    assert dryrun_report.rehearsal_budget(cfg, lay, 0)["activations"] == pytest.approx(0.1133, rel=0.15)
+    cpu, cuda = copy.deepcopy(cfg), cfg
+    cpu.cluster.device = DeviceType.cpu
+    probabilities = 4 * cfg.model.num_heads * cfg.training.seq_len * cfg.training.seq_len * cfg.model.num_layers
+    assert memory.stage(cpu, lay, 8, 0)["activations"] - memory.stage(cuda, lay, 8, 0)["activations"] > probabilities

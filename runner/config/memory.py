@@ -82,9 +82,20 @@ def _attention_bytes_per_token(cfg: RunConfig, tp: int) -> float:
     a = m.num_heads / tp
     if flops.is_mla(m):  # compressed kv (+ its norm's fp32 input) and the expanded q, k, v of each head
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if cfg.cluster.device == DeviceType.cpu and qk != m.v_head_dim:
+            return _mla_cpu_math_bytes_per_token(cfg, a, qk)
         return bw * (m.kv_lora_rank + m.qk_rope_head_dim) + 8 * m.kv_lora_rank + bw * a * (2 * qk + 2 * m.v_head_dim) + 4 * a
     hd = flops.head_dim(m)
     return bw * hd * (a + 2 * m.num_kv_heads / tp) + bw * hd * a + 4 * a
+
+
+def _mla_cpu_math_bytes_per_token(cfg: RunConfig, a: float, qk: int) -> float:
+    """MLA on CPU: SDPA has no fused kernel for a value head narrower than the query's, so its math path runs (under
+    DeepSeek-V3's fp32 autocast) and saves the scaled q and k and v in fp32, the fp32 probabilities (a x seq per token)
+    and the output; the compressed kv's RMSNorm (the CPU composite) and its param_dtype output."""
+    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
+    seq = cfg.training.seq_len
+    return _norm_bytes(cfg, m.kv_lora_rank) + bw * m.kv_lora_rank + 4 * a * (2 * qk + m.v_head_dim + seq) + bw * a * m.v_head_dim
 
 
 def _ffn_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool) -> float:
@@ -93,7 +104,10 @@ def _ffn_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool) -> float:
     if not moe:
         return 4 * bw * m.ffn_hidden_dim / lay.tp
     k, shared = m.num_experts_per_token, m.num_shared_experts
-    return bw * k * (2 * m.dim + 4 * m.moe_hidden_dim) + 4 * bw * shared * m.moe_hidden_dim + 4 * m.num_experts
+    # each routed copy: its gathered input, the fp32 expert output the scores weight, the experts' SwiGLU; the router's
+    # scores (param_dtype) and, per routed copy, four int64 index tensors (top-k, sort, expert and offset) and its score
+    routed = (bw + 4) * m.dim + 4 * bw * m.moe_hidden_dim
+    return k * routed + 4 * bw * shared * m.moe_hidden_dim + bw * m.num_experts + k * (4 * 8 + bw)
 
 
 def _norm_bytes(cfg: RunConfig, width: int) -> float:
