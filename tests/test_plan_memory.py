@@ -18,6 +18,18 @@ DEBUG = ["precision=bf16", "training.seq_len=512", "training.microbatch_size=1",
 HELD = ("weights + gradients", "optimizer (master + moments)", "activations")
 
 
+P405 = [
+    "model=llama3_405b",
+    "parallelism=tp8_pp16",
+    "cluster=h100x1024",
+    "cluster.num_nodes=1024",
+    "precision=bf16",
+    "training.global_batch_size=2048",
+    "training.seq_len=8192",
+    "training.microbatch_size=1",
+]
+
+
 def _dryrun(tmp_path, *overrides) -> dict:
     proc = run_cli("mode=dryrun", *DEBUG, *overrides, run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,34 +78,12 @@ def test_70b_first_stage_figures_are_titans_allocation(budget, compose):
 def test_fits_memory_follows_titans_allocation(budget, compose):
     """The 405B tp8_pp16 layout on 8,192 H100s fits only with full activation checkpointing (dry run: 25.9 GB with,
     168 GB without, on the first stage); the 8B FSDP node fits (dry run 30.3 GB)."""
-    p405 = [
-        "model=llama3_405b",
-        "parallelism=tp8_pp16",
-        "cluster=h100x1024",
-        "cluster.num_nodes=1024",
-        "precision=bf16",
-        "training.global_batch_size=2048",
-        "training.seq_len=8192",
-        "training.microbatch_size=1",
-        "mode=plan",
-    ]
+    p405 = [*P405, "mode=plan"]
     assert budget([*p405, "training.activation_checkpoint=full"])["fits_memory"] is True
     no_ac = budget([*p405, "training.activation_checkpoint=none"])
     assert no_ac["fits_memory"] is False and no_ac["total_gb_per_gpu"] > 100
     assert budget(["recipe=llama3_8b_fsdp8_h100"])["fits_memory"] is True
     validate.check(compose([*p405[:-1], "training.activation_checkpoint=none", "mode=dryrun"]))  # dryrun measures it
-
-
-P405 = [
-    "model=llama3_405b",
-    "parallelism=tp8_pp16",
-    "cluster=h100x1024",
-    "cluster.num_nodes=1024",
-    "precision=bf16",
-    "training.global_batch_size=2048",
-    "training.seq_len=8192",
-    "training.microbatch_size=1",
-]
 
 
 def test_405b_weights_and_gradients_per_stage_match_the_dry_run(compose):
