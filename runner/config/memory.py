@@ -189,6 +189,10 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
             weights_grads += FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
     else:
         weights_grads = head / lay.tp * bw + (sharded * MASTER_BYTES if micro > 1 else 0)
+    # FSDP resharding after forward: the step peaks either in the loss's backward (its temporaries) or inside the
+    # stage's last block's backward, beside that block's gathered weights, its FFN gradients in param_dtype and the
+    # head's gradients (param_dtype and their reduce_dtype shard): the larger total is the peak (debug_moe ep8 dry run)
+    in_block = _last_block_backward(cfg, lay, blocks, head, shard) if not keeps_weights_gathered(cfg, lay) else None
     tokens = t.microbatch_size * t.seq_len / lay.cp
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
@@ -212,16 +216,30 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
     buffers = (blocks[0] + blocks[1]) * ROPE_MAX_SEQ_LEN[m.name] * head_dim / 2 * ROPE_ENTRY_BYTES
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
+    temporaries = max(recompute, loss_backward)
+    if in_block is not None and in_block > temporaries:
+        weights_grads, temporaries = weights_grads + in_block, recompute
     return {
         "params": local,
         "weights_grads": weights_grads,
         "optimizer": optimizer,
         "activations": activations,
         "activations_per_microbatch": layers + extras + receive / micro,
-        "temporaries": max(recompute, loss_backward),
+        "temporaries": temporaries,
         "buffers": buffers,
-        "total": weights_grads + optimizer + activations + max(recompute, loss_backward) + buffers,
+        "total": weights_grads + optimizer + activations + temporaries + buffers,
     }
+
+
+def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int) -> float:
+    """Bytes beyond the loss-backward peak's weights and gradients that a rank holds inside its last block's backward:
+    the block's gathered weights and its FFN's gradients in param_dtype, and the head's gradient shard in reduce_dtype."""
+    m = cfg.model
+    bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
+    moe = blocks[1] > 0  # the stage's last block is an MoE block when it holds any (dense blocks come first)
+    ffn = _ffn_weight_params(cfg, lay, moe)
+    block = flops.attention_params(m) / lay.tp + ffn + 2 * m.dim
+    return block * bw + ffn * bw + head / lay.tp / shard * rw
 
 
 def stage_gb(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
