@@ -54,12 +54,12 @@ def batch_note(cfg: RunConfig, lay: Layout) -> str | None:
         f"the same microbatches in flight on every stage ({pipeline.microbatches_in_flight(cfg.parallelism.pp_schedule, lay.pp, m)}) "
         "beside the accumulated gradients"
     )
-    # a later pipeline stage keeps a receive buffer per microbatch of the step (runner.config.memory.stage)
+    # pipeline stages keep receive buffers per microbatch of the step (runner.config.memory.stage)
     more = max(memory.stage_gb(cfg, lay, m, st)["total"] - memory.stage_gb(cfg, lay, dry, st)["total"] for st in range(lay.pp))
     if more < 0.0005:
         return note + ", so the same peak; dryrun.full_batch=true runs them all"
     return (
-        note + f"; each later pipeline stage also keeps a receive buffer per microbatch, so the full batch peaks up to "
+        note + f"; pipeline stages also keep receive buffers per microbatch, so the full batch peaks up to "
         f"{more:.2f} GB higher (planned); dryrun.full_batch=true runs them all"
     )
 

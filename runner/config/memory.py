@@ -207,9 +207,9 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         extras += (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens
     else:
         extras += hidden  # the stage's output, kept for backward
-    # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (and one for its
-    # gradient, not counted: the dry run's ledger sees each only once its backward has used it)
-    receive = micro * hidden * (not first)
+    # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
+    # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
+    receive = micro * hidden * ((not first) + (not last))
     activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0

@@ -206,6 +206,8 @@ def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any],
     t2 = time.perf_counter()
     led = ledger_mod.Ledger()
     ledger_mod.label_state(led, built.parts, opt)
+    if built.schedule is not None:
+        ledger_mod.label_pipeline(led, built.schedule)
     with ledger_mod.fsdp_labels(led), led:
         _one_step(cfg, lay, built, opt, led)
     return led.sweep(), [t2 - t1, time.perf_counter() - t2]
