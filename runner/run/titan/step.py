@@ -1,4 +1,4 @@
-"""The step loop's TorchTitan operations: loss, gradient clipping, a pipeline step."""
+"""The step loop's TorchTitan operations: loss, gradient clipping, a pipeline step (training or forward-only)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,19 @@ def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Ten
     """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage. With CP every
     stage gets this rank's sequence chunks and their RoPE positions (TorchTitan's trainer prepares each
     microbatch the same way before its schedule step); the schedule splits them into microbatches."""
+    return _schedule(built, built.schedule.step, microbatches, global_tokens)
+
+
+def pipeline_eval(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
+    """The schedule's forward-only step (`eval`, as TorchTitan's Validator runs it; call it under torch.no_grad)
+    over this DP rank's batch: the loss share as pipeline_step's, on the last stage."""
+    return _schedule(built, built.schedule.eval, microbatches, global_tokens)
+
+
+def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
     inputs, labels, extra = model_inputs(built, torch.cat([i for i, _ in microbatches]), torch.cat([lab for _, lab in microbatches]))
     losses = [] if built.has_last else None
-    built.schedule.step(
+    run(
         *((inputs,) if built.has_first else ()),
         **extra,
         target=labels if built.has_last else None,
