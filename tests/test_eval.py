@@ -123,9 +123,13 @@ def one_rank(compose, tmp_path_factory):
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     store = tmp_path_factory.mktemp("store") / "store"
     titan.quiet_torchao(cfg)
+    import importlib
+
     import runner.run.titan.cpu as cpu
 
-    cpu.patch_device_globals()
+    mods = [importlib.import_module(name) for name in cpu._DEVICE_GLOBALS]
+    saved = [(m, k, getattr(m, k)) for m in mods for k in ("device_type", "device_module") if hasattr(m, k)]
+    cpu.patch_device_globals()  # as every CPU rank does; undone below for the tests that share this process
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         built = titan.build(cfg, lay, titan.build_mesh(cfg, lay), tmp_path_factory.mktemp("run"), torch.device("cpu"))
@@ -136,6 +140,8 @@ def one_rank(compose, tmp_path_factory):
         yield cfg, lay, built, DevicePolicy.of(cfg.cluster, cfg.distributed)
     finally:
         dist.destroy_process_group()
+        for m, k, v in saved:
+            setattr(m, k, v)
 
 
 def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank):
