@@ -29,7 +29,8 @@ from runner.config import pipeline, runfiles, validate
 from runner.run import parity
 from tests.conftest import ROOT
 
-COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false"]
+# eval: one held-out batch after the last step (forward only; under PP the schedule's eval step), in every layout
+COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false", "eval.interval=2", "eval.steps=1"]
 PP2 = ["parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"]
 LOOPED = ["parallelism=pp2_interleaved"]
 MOE = [
@@ -100,6 +101,18 @@ def test_global_grad_norm_loss_and_clipped_update_match_one_rank(trained, name):
     assert got["weights"]["update_sq"] > 0
 
 
+@pytest.mark.parametrize("name", MULTI)
+def test_held_out_loss_matches_one_rank(trained, name):
+    """The eval loss of the trained weights on the held-out batch is one rank's in every layout and pipeline schedule
+    (the forward-only schedule step, the DP slices of the eval batch and the loss reduction agree), and is what
+    summary.json reports as the final eval loss."""
+    ref, got = trained[REFERENCE.get(name, "single")], trained[name]
+    assert ["eval_loss" in r for r in got["rows"]] == [False, True]
+    assert got["rows"][1]["eval_loss"] == pytest.approx(ref["rows"][1]["eval_loss"], abs=LOSS_ATOL)
+    assert got["summary"]["eval_loss_final"] == got["rows"][1]["eval_loss"]
+    assert got["summary"]["eval_step_final"] == 2
+
+
 def test_cp_and_ep_parallelize_through_torchtitan(trained):
     """cp2 ran ring attention on half-sequences (head-tail chunks); ep2 kept 4 of the 8 experts of each MoE block per rank."""
     assert trained["cp2"]["degrees"] == "cp=2" and trained["ep2"]["degrees"] == "dp_shard=2 x ep=2"
@@ -116,6 +129,8 @@ def test_single_rank_reference_is_sane(trained):
     assert 7.0 < rows[0]["loss"] < 9.0 and 0.5 < rows[0]["grad_norm"] < 1.0  # ln(2048) = 7.62 at init
     assert rows[0]["grad_norm"] == pytest.approx(trained["single"]["grad_norm_fp64"], rel=1e-4)  # float32 vs float64 norm
     assert trained["single"]["weights"]["update_sq"] > 0
+    held_out = rows[1]["eval_loss"]  # other samples than training's, so not its loss
+    assert 7.0 < held_out < 9.0 and abs(held_out - rows[1]["loss"]) > 1e-3
 
 
 def test_pipeline_schedules_give_the_same_loss(trained):

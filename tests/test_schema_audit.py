@@ -121,6 +121,10 @@ BAD = [
     (["distributed.shutdown_timeout_s=-1"], "distributed.shutdown_timeout_s"),
     (["distributed.flight_recorder.buffer_size=0"], "distributed.flight_recorder.buffer_size"),
     (["plan.flops_convention=8N"], "plan.flops_convention"),
+    (["eval.interval=-1"], "eval.interval"),
+    (["eval.steps=0"], "eval.steps"),
+    (["data.eval_fraction=1.0"], "data.eval_fraction"),
+    (["data=text", "data.files=[a.jsonl]", "data.tokenizer=tok.json", "eval.interval=5"], "data.eval_files"),  # no held-out split
 ]
 
 # Fields with no value the config layer can call wrong, and why.

@@ -59,6 +59,7 @@ def load(run: Path) -> dict[str, Any] | None:
             "step_time_s": s["step_time_s_median"],
             "mfu": s["mfu_median"],
             "mfu_note": f"measured, {s.get('flop_convention', 'titan')}",
+            "eval_loss": s.get("eval_loss_final"),  # None for runs without evaluation (eval.interval=0)
         }
     if (run / runfiles.PLAN).is_file():
         p = json.loads((run / runfiles.PLAN).read_text())
@@ -105,11 +106,11 @@ def table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     t = Table(title="layouts by step time", title_justify="left")
-    for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "MFU"):
+    for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "MFU", "eval loss"):
         t.add_column(col)
     for r in sorted(rows, key=_sort_key):
         if r["source"] in ("invalid", "failed"):
-            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", style="red")
+            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", "", style="red")
             continue
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f} s"
         t.add_row(
@@ -121,6 +122,7 @@ def table(rows: list[dict[str, Any]]):
             _pct(r["tp_share"]),
             step,
             f"{_pct(r['mfu'])} ({r['mfu_note']})",
+            "-" if r.get("eval_loss") is None else f"{r['eval_loss']:.4f}",
         )
     return t
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.config import memory, slurm, validate, validate_ckpt
+from runner.config import memory, slurm, validate, validate_ckpt, validate_eval
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ClusterConfig, DeviceType, RunConfig
@@ -23,8 +23,10 @@ def run(cfg: RunConfig, lay: Layout, run_dir: Path, *, node: bool = False) -> No
     """Raise ConfigError with every problem of starting `cfg` here. `node`: called by the per-node launcher,
     which is how a multi-node or SLURM run is meant to start, so the rules about how to start it are skipped."""
     validate_ckpt.absolute_paths(cfg)
+    validate_eval.absolute_paths(cfg)
     out = [] if node else _how_started(cfg.cluster)
     out += _this_machine(cfg, lay, node)
+    out += validate_eval.check_launch(cfg)
     try:
         validate_ckpt.check_launch(cfg, run_dir)
     except ConfigError as e:

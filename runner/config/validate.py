@@ -9,7 +9,7 @@ cannot run); runner.config.preflight adds the rules about starting it here.
 
 from __future__ import annotations
 
-from runner.config import layout, memory, validate_ckpt, validate_fields, validate_layout, validate_model, validate_monitor
+from runner.config import layout, memory, validate_ckpt, validate_eval, validate_fields, validate_layout, validate_model, validate_monitor
 from runner.config import validate_pipeline as pipeline_rules
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
@@ -46,6 +46,7 @@ def check(cfg: RunConfig) -> layout.Layout:
         validate_model.fp8_device(cfg, out)
     validate_monitor.check(cfg, lay.world_size if lay else None, out)
     validate_ckpt.check(cfg, out)
+    validate_eval.check(cfg, out)
     if lay is not None:
         _dryrun_ranks(cfg, lay, out)
     if not out and lay is not None:

@@ -12,6 +12,11 @@ text: the documents of local files (Hugging Face datasets, from local paths only
 local `tokenizers` JSON file, each followed by the EOS token, concatenated into one stream and cut
 into samples of seq_len + 1 tokens (inputs and labels overlap by one token, like TorchTitan's
 loader); sample g is piece perm_e[g mod N] of epoch e = g // N, perm_e a seeded permutation.
+
+The held-out split (split="eval", read by runner.run.evaluate) is addressed the same way, from sample 0 at every
+evaluation pass, with no loader position: synthetic eval sample j is synthetic sample -(j + 1), a negative index
+training (which counts from 0 up) never reads; text reads data.eval_files, or the documents of data.files that
+`held_out` picks (which the training split then leaves out), packed in file order without shuffling.
 """
 
 from __future__ import annotations
@@ -76,20 +81,48 @@ class _Stream(ABC):
         return torch.tensor([[i, self.token_start(i)] for i in self.indices(step)], dtype=torch.int64)
 
 
+SPLITS = ("train", "eval")
+
+
 class SyntheticData(_Stream):
-    def __init__(self, *, seed: int, seq_len: int, vocab: int, global_batch: int, microbatch: int, dp_rank: int, dp: int):
+    def __init__(
+        self, *, seed: int, seq_len: int, vocab: int, global_batch: int, microbatch: int, dp_rank: int, dp: int, split: str = "train"
+    ):
         super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
-        self.seed, self.vocab = seed, vocab
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} is not one of {SPLITS}")
+        self.seed, self.vocab, self.split = seed, vocab, split
+
+    def _source_index(self, index: int) -> int:
+        """The synthetic sample behind sample `index` of this split: eval sample j is -(j + 1), disjoint from training's."""
+        return index if self.split == "train" else -(index + 1)
 
     def sample(self, index: int) -> torch.Tensor:
-        return sample(self.seed, index, self.seq_len, self.vocab)
+        return sample(self.seed, self._source_index(index), self.seq_len, self.vocab)
 
     def token_start(self, index: int) -> int:
-        return index * (self.seq_len + 1)
+        return self._source_index(index) * (self.seq_len + 1)
 
 
-def load_tokens(files: list[str], fmt: str, text_field: str, tokenizer: str, eos_token: str, cache_dir: Path) -> torch.Tensor:
-    """Every document of `files`, tokenized and concatenated (EOS after each) into one int64 stream."""
+def held_out(document: str, fraction: float) -> bool:
+    """Whether a document belongs to the held-out split of data.eval_fraction: by a hash of its text, so the split
+    does not move when files are added or reordered, or with training.seed, and repeated documents stay together."""
+    h = int.from_bytes(hashlib.sha1(document.encode("utf-8")).digest()[:8], "big")
+    return h < fraction * 2**64
+
+
+def load_tokens(
+    files: list[str],
+    fmt: str,
+    text_field: str,
+    tokenizer: str,
+    eos_token: str,
+    cache_dir: Path,
+    split: str = "train",
+    eval_fraction: float = 0.0,
+) -> torch.Tensor:
+    """The documents of `files` in `split` (all of them when eval_fraction is 0; else those `held_out` picks for
+    "eval" and the others for "train"), tokenized and concatenated (EOS after each) into one int64 stream."""
     import os
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is downloaded
@@ -103,7 +136,10 @@ def load_tokens(files: list[str], fmt: str, text_field: str, tokenizer: str, eos
     tok = Tokenizer.from_file(tokenizer)
     eos = tok.token_to_id(eos_token)
     stream: list[int] = []
-    for enc in tok.encode_batch([d for d in ds[column] if d]):
+    docs = [d for d in ds[column] if d]
+    if eval_fraction > 0:
+        docs = [d for d in docs if held_out(d, eval_fraction) == (split == "eval")]
+    for enc in tok.encode_batch(docs):
         stream.extend(enc.ids)
         if eos is not None:
             stream.append(eos)

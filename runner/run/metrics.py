@@ -27,7 +27,10 @@ def _fmt(row: dict[str, Any]) -> str:
     )
     if "hfu" in row:
         s += f"  hfu {100 * row['hfu']:.2f}%"
-    return s + f"  step {row['step_time_s']:.2f}s  mem {row['memory_gb']:.2f}GB"
+    s += f"  step {row['step_time_s']:.2f}s  mem {row['memory_gb']:.2f}GB"
+    if "eval_loss" in row:  # an evaluation pass on held-out data ran after this step (runner.run.evaluate)
+        s += f"  eval_loss {row['eval_loss']:.4f}  eval_ppl {row['eval_ppl']:.2f}  eval {row['eval_s']:.2f}s"
+    return s
 
 
 def _events(row: dict[str, Any]) -> list[str]:
@@ -69,6 +72,11 @@ class ConsoleSink:
             + ("" if summary["peak_spread"] is None else f", spread {100 * summary['peak_spread']:.1f} %")
             + ")"
         )
+        if summary.get("eval_loss_final") is not None:
+            self.console.print(
+                f"eval: held-out loss {summary['eval_loss_final']:.4f}, perplexity {summary['eval_ppl_final']:.2f} "
+                f"(after step {summary['eval_step_final']})"
+            )
         cal = summary.get("calibration")
         if cal:
             self.console.print(

@@ -90,12 +90,14 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
     data = worker.data_for(cfg, lay, rank, run_dir, policy)
+    eval_data = worker.eval_data_for(cfg, lay, rank, run_dir, policy)
     seen = _first_norm_output(built)
     before = full_weights(built.parts)
     sink, exact = Collect(), []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
     hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None)
-    train.run(cfg, lay, built, data, accounting.accounting(cfg, built, peak.read(run_dir)), [sink], run_dir, policy, hooks=hooks)
+    acc = accounting.accounting(cfg, built, peak.read(run_dir))
+    train.run(cfg, lay, built, data, acc, [sink], run_dir, policy, hooks=hooks, eval_data=eval_data)
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),

@@ -23,7 +23,7 @@ from runner.observe import calibration as calibrate
 from runner.observe import monitor
 from runner.observe.monitor import StepMonitor
 from runner.run import data as data_mod
-from runner.run import titan
+from runner.run import evaluate, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -98,6 +98,8 @@ class _Loop:
     mon: StepMonitor
     guard: monitor.LossGuard
     ckpt: Checkpointer
+    eval_data: Any = None
+    """The held-out split (runner.run.data, split="eval"); None when eval.interval is 0."""
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -147,7 +149,7 @@ def _start(loop: _Loop) -> int:
     return step
 
 
-def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy) -> _Loop:
+def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data=None) -> _Loop:
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
     titan.register_optimizer_hooks(built, opt)
@@ -170,6 +172,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy) 
         ckpt=Checkpointer(
             cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay), policy=policy
         ),
+        eval_data=eval_data,
     )
 
 
@@ -203,14 +206,24 @@ def _step(loop: _Loop, step: int) -> int:
         r["stragglers"] = flagged
     if verdict.action == "rewind":
         r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
-    elif loop.ckpt.due(step):
+    elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
+        r |= _evaluate(loop)
+    if "rewound_to" not in r and loop.ckpt.due(step):
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, opt, loop.sched, loop.data, guard)
     loop.ckpt.poll()
     loop.rows.append(r)
-    if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged:
+    if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged or "eval_loss" in r:
         for s in loop.sinks:
             s.log(r)
     return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
+
+
+def _evaluate(loop: _Loop) -> dict[str, float]:
+    """One evaluation pass (runner.run.evaluate) on the weights after this step's update: its loss, perplexity and time."""
+    t0, device = time.perf_counter(), loop.policy.compute_device()
+    batches = (on_device(loop.eval_data.microbatches(k), device) for k in range(loop.cfg.eval.steps))
+    local = evaluate.local_loss(loop.built, loop.loss_fn, batches, loop.global_tokens)  # the eval batch is the training batch
+    return evaluate.row(global_loss(local, loop.lay, loop.policy) / loop.cfg.eval.steps, time.perf_counter() - t0)
 
 
 def _finish(loop: _Loop, step: int) -> dict[str, Any]:
@@ -225,6 +238,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     summary = summarize(rows, cfg, lay, acc)
     guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
     summary["monitor"] = loop.mon.summary() | guarded
+    summary |= evaluate.summary(rows)
     policy = loop.policy
     peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
     summary["memory_gb_max"] = float(peak_mem)
@@ -247,9 +261,11 @@ def run(
     policy: DevicePolicy,
     recorder=None,
     hooks: Hooks | None = None,
+    eval_data: data_mod.SyntheticData | data_mod.TextData | None = None,
 ) -> list[dict[str, Any]]:
-    """Train cfg.training.steps steps (from a checkpoint when resuming); every rank returns its rows."""
-    loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy)
+    """Train cfg.training.steps steps (from a checkpoint when resuming), evaluating on `eval_data` (the held-out split)
+    every eval.interval steps; every rank returns its rows."""
+    loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
     step = _start(loop)
     while step <= cfg.training.steps:
         step = _step(loop, step)

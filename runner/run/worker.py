@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
-from runner.run import accounting, device, mesh, metrics, peak, procs, startup, titan, train
+from runner.run import accounting, device, evaluate, mesh, metrics, peak, procs, startup, titan, train
 from runner.run import data as data_mod
 from runner.run.device import DevicePolicy
 
@@ -102,19 +102,31 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
     return recorder
 
 
-def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):
-    """This rank's training inputs: the synthetic stream or the tokenized text files."""
+def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy, split: str = "train"):
+    """This rank's inputs of `split`: the synthetic stream or the tokenized text files ("eval": the held-out split,
+    from data.eval_files or the documents data.eval_fraction holds out of data.files, never shuffled)."""
     t, d = cfg.training, cfg.data
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
     if d.name == DataSource.synthetic:
-        return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, **common)
+        return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
+    files, fraction = (d.eval_files, 0.0) if split == "eval" and d.eval_files else (d.files, d.eval_fraction)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:
         policy.barrier()
-    tokens = data_mod.load_tokens(d.files, d.format.value, d.text_field, d.tokenizer, d.eos_token, run_dir / runfiles.DATA_CACHE)
+    cache = run_dir / runfiles.DATA_CACHE
+    tokens = data_mod.load_tokens(files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache, split=split, eval_fraction=fraction)
     if first:
         policy.barrier()
-    return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle, **common)
+    return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
+
+
+def eval_data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):
+    """This rank's held-out inputs (runner.run.evaluate), checked to hold eval.steps batches; None when eval is off."""
+    if cfg.eval.interval == 0:
+        return None
+    data = data_for(cfg, lay, rank, run_dir, policy, split="eval")
+    evaluate.check_split(data, cfg.eval.steps)
+    return data
 
 
 def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list, policy: DevicePolicy) -> None:
@@ -123,6 +135,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = accounting.accounting(cfg, built, pk)
     data = data_for(cfg, lay, rank, run_dir, policy)
+    eval_data = eval_data_for(cfg, lay, rank, run_dir, policy)
     sinks = []
     if rank == 0:
         header = (
@@ -136,7 +149,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
-    train.run(cfg, lay, built, data, acc, sinks, run_dir, policy, recorder)
+    train.run(cfg, lay, built, data, acc, sinks, run_dir, policy, recorder, eval_data=eval_data)
 
 
 def forked_main(frozen_path: str) -> None:

@@ -43,6 +43,7 @@ from runner.config.schema.operations import (
 from runner.config.schema.training import (
     DataConfig,
     DryrunConfig,
+    EvalConfig,
     ModelConfig,
     ParallelismConfig,
     PlanConfig,
@@ -61,6 +62,7 @@ __all__ = [
     "DeviceType",
     "DistributedConfig",
     "DryrunConfig",
+    "EvalConfig",
     "FlightRecorderConfig",
     "Fp8Recipe",
     "GuardAction",
@@ -103,6 +105,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 

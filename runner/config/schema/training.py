@@ -149,6 +149,20 @@ class DataConfig:
     """text: token appended after every document when the stream is packed (skipped if the tokenizer lacks it)."""
     shuffle: bool = True
     """text: visit the packed samples in a new order each epoch (seeded by training.seed)."""
+    eval_files: list[str] = field(default_factory=list)
+    """text: local files of the held-out split (same format, text field and tokenizer as data.files); empty = none."""
+    eval_fraction: float = 0.0
+    """text: fraction in [0, 1) of the documents of data.files held out for evaluation, chosen by a hash of each
+    document's text (stable when files are added or reordered); training never reads them. 0 = none."""
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Compute the loss on held-out data every this many optimizer steps, and after the last step; 0 = off."""
+    steps: int = 4
+    """Batches per evaluation pass, each of training.global_batch_size samples (sliced over DP like training's):
+    every pass reads the same first eval.steps batches of the held-out split, so passes are comparable."""
 
 
 @dataclass

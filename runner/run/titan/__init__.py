@@ -27,7 +27,7 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.state import load_state, save_model, save_state
-from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_step
+from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
 
 __all__ = [
     "PRELOAD",
@@ -50,6 +50,7 @@ __all__ = [
     "model_config",
     "model_inputs",
     "model_spec",
+    "pipeline_eval",
     "pipeline_step",
     "preload",
     "quiet_torchao",

@@ -1,6 +1,8 @@
-"""The step loop's TorchTitan operations: loss, gradient clipping, a pipeline step."""
+"""The step loop's TorchTitan operations: loss, gradient clipping, a pipeline step (training or forward-only)."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -51,9 +53,48 @@ def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Ten
     """One pipeline schedule over this DP rank's batch; the loss share lives on the last stage. With CP every
     stage gets this rank's sequence chunks and their RoPE positions (TorchTitan's trainer prepares each
     microbatch the same way before its schedule step); the schedule splits them into microbatches."""
+    return _schedule(built, built.schedule.step, microbatches, global_tokens)
+
+
+def pipeline_eval(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
+    """The schedule's forward-only step (`eval`, as TorchTitan's Validator runs it; call it under torch.no_grad)
+    over this DP rank's batch: the loss share as pipeline_step's, on the last stage."""
+    with _forward_actions_only(built.schedule):
+        return _schedule(built, built.schedule.eval, microbatches, global_tokens)
+
+
+@contextmanager
+def _forward_actions_only(schedule):
+    """torch 2.13's action-list schedules (the looped and V ones) still run their backward actions under `eval`;
+    they do nothing there, except where two adjacent stages share a rank (ZBVZeroBubble, DualPipeV): handing the
+    input gradient to the stage before fails with "can't steal_bwd_input if this stage doesn't have backward". So
+    during `eval` the action list keeps only the forward actions (and the forward halves of DualPipeV's overlaps)."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:  # the single-stage schedules (1F1B, GPipe) skip backward themselves
+        yield
+        return
+    from torch.distributed.pipelining.schedules import _ComputationType as Act
+
+    backward = {Act.FULL_BACKWARD, Act.BACKWARD_INPUT, Act.BACKWARD_WEIGHT, Act.SEND_B, Act.RECV_B, Act.REDUCE_GRAD}
+
+    def forward(actions):
+        out = []
+        for a in actions:
+            parts = a.sub_actions if a.computation_type == Act.OVERLAP_F_B else [a]
+            out += [p for p in parts if p.computation_type not in backward]
+        return out
+
+    schedule.pipeline_order_with_comms = {rank: forward(actions) for rank, actions in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
+def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
     inputs, labels, extra = model_inputs(built, torch.cat([i for i, _ in microbatches]), torch.cat([lab for _, lab in microbatches]))
     losses = [] if built.has_last else None
-    built.schedule.step(
+    run(
         *((inputs,) if built.has_first else ()),
         **extra,
         target=labels if built.has_last else None,

@@ -1,0 +1,68 @@
+"""Rules for evaluation on held-out data (torch-free): eval.* and the held-out split of data=text.
+
+`check` is about the config alone (called by validate.check; with mode=validate it also looks for the held-out
+files); `check_launch` looks for the held-out files on this machine before any rank starts (called by the preflight).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from runner.config.problems import Problem
+from runner.config.schema import DataSource, Mode, RunConfig
+
+
+def check(cfg: RunConfig, out: list[Problem]) -> None:
+    e, d = cfg.eval, cfg.data
+    if e.interval < 0:
+        out.append(Problem("eval.interval", e.interval, "must be >= 0", "evaluate every N >= 1 steps, or use 0 for no evaluation"))
+    if e.steps < 1:
+        out.append(Problem("eval.steps", e.steps, "an evaluation pass reads at least one batch", "use e.g. eval.steps=4"))
+    if not (math.isfinite(d.eval_fraction) and 0 <= d.eval_fraction < 1):
+        out.append(
+            Problem(
+                "data.eval_fraction", d.eval_fraction, "is the fraction of documents held out, in [0, 1)", "use e.g. 0.01, or 0 for none"
+            )
+        )
+    elif d.eval_fraction > 0 and d.eval_files:
+        out.append(
+            Problem(
+                "data.eval_fraction",
+                d.eval_fraction,
+                "held-out documents and held-out files (data.eval_files) are two held-out splits; the run reads one",
+                "set data.eval_fraction=0 to evaluate on data.eval_files, or data.eval_files=[] to hold out documents",
+            )
+        )
+    if e.interval > 0 and d.name == DataSource.text and not d.eval_files and not d.eval_fraction > 0:
+        out.append(
+            Problem(
+                "data.eval_files",
+                [],
+                f"eval.interval={e.interval} evaluates on held-out data, and data=text has no held-out split",
+                "list held-out files: data.eval_files=[val.jsonl], or hold out documents of data.files: data.eval_fraction=0.01",
+            )
+        )
+    if cfg.mode == Mode.validate:
+        out += check_launch(cfg)
+
+
+def check_launch(cfg: RunConfig) -> list[Problem]:
+    """The held-out files must exist where the ranks start (paths relative to where `python -m runner` starts)."""
+    d = cfg.data
+    if d.name != DataSource.text or cfg.eval.interval == 0:
+        return []
+    missing = [f for f in d.eval_files if not Path(f).is_file()]
+    if not missing:
+        return []
+    return [
+        Problem(
+            "data.eval_files", missing, "not found (paths are relative to where `python -m runner` starts)", "give existing local files"
+        )
+    ]
+
+
+def absolute_paths(cfg: RunConfig) -> None:
+    """Held-out file paths as absolute ones, so the frozen file replays from any directory."""
+    cfg.data.eval_files = [os.path.abspath(f) for f in cfg.data.eval_files]

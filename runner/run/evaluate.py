@@ -1,0 +1,79 @@
+"""Evaluation on held-out data: the loss of the current weights on the first eval.steps batches of the held-out split.
+
+An evaluation pass runs after the optimizer step of every eval.interval-th step and of the last step. Each pass reads
+the same samples: batch k (k < eval.steps) is global samples [k * B, (k + 1) * B) of the held-out split, B the
+training global batch, each DP replica its slice of them as in training (runner.run.data, split="eval"), so passes
+are comparable and independent of the training position. The forward runs without gradients, with the model parts in
+eval mode (MoE routers then leave their load-balancing token counts alone), through the pipeline schedule's
+forward-only step under PP. The loss is averaged per token over the pass like the training loss: every batch's share
+is divided by its global token count, the shares are summed over ranks (runner.run.train.global_loss) and over the
+batches, and divided by eval.steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from runner.run import titan
+
+ROW_KEYS = ("eval_loss", "eval_ppl", "eval_s")
+
+
+def due(interval: int, step: int, num_steps: int) -> bool:
+    """Whether step `step` (1-based) ends with an evaluation pass: every `interval` steps and after the last one."""
+    return interval > 0 and (step % interval == 0 or step == num_steps)
+
+
+def check_split(data, steps: int) -> None:
+    """A held-out split read in full by one pass must hold eval.steps batches: wrapping around would count samples twice."""
+    held = getattr(data, "num_samples", None)  # the synthetic split is unbounded
+    need = steps * data.global_batch
+    if held is not None and held < need:
+        raise ValueError(
+            f"the held-out split holds {held} samples of seq_len + 1 tokens, fewer than eval.steps x training.global_batch_size "
+            f"= {need}; lower eval.steps, or hold out more text (data.eval_files, data.eval_fraction)"
+        )
+
+
+def _forward(built, loss_fn, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's loss share of one batch, microbatch by microbatch, as train.forward_backward without its backward."""
+    losses = []
+    for full_inputs, full_labels in microbatches:
+        inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)
+        loss, _ = loss_fn(built.parts[0](inputs, **extra), labels, global_tokens)
+        losses.append(loss)
+    return titan.local_value(sum(losses)).cpu()
+
+
+def local_loss(built, loss_fn, batches: Iterable, global_tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the pass's loss, summed over its batches (each a list of on-device microbatches)."""
+    for part in built.parts:
+        part.eval()
+    try:
+        with torch.no_grad():
+            total = torch.zeros((), dtype=torch.float32)
+            for microbatches in batches:
+                if built.schedule is not None:
+                    total += titan.pipeline_eval(built, microbatches, global_tokens)
+                else:
+                    total += _forward(built, loss_fn, microbatches, global_tokens)
+    finally:
+        for part in built.parts:
+            part.train()
+    return total
+
+
+def row(loss: float, seconds: float) -> dict[str, float]:
+    """The pass's entries of its step's metrics row."""
+    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf, "eval_s": seconds}
+
+
+def summary(rows: list[dict]) -> dict[str, float | int | None]:
+    """summary.json's view of evaluation: the last pass's loss and perplexity and the step it ran at (None when off)."""
+    last = next((r for r in reversed(rows) if "eval_loss" in r), None)
+    if last is None:
+        return {"eval_loss_final": None, "eval_ppl_final": None, "eval_step_final": None}
+    return {"eval_loss_final": last["eval_loss"], "eval_ppl_final": last["eval_ppl"], "eval_step_final": last["step"]}

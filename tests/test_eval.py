@@ -1,0 +1,202 @@
+"""Evaluation on held-out data: the config rules, the held-out splits, and the eval loss against a hand computation.
+
+The eval loss in every layout and pipeline schedule (against one rank) and its place in the rows and summary.json
+ride in the parity launches of tests/test_parallel.py; here one in-process rank (gloo over a file store) checks
+the loss itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runner.config import validate
+from runner.config.problems import ConfigError
+from runner.run import data as data_mod
+from runner.run import evaluate
+from tests import text_assets
+
+SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
+
+
+def _problems(compose, overrides: list[str]) -> dict[str, tuple[object, str]]:
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(overrides))
+    return {p.field: (p.value, p.why) for p in e.value.problems}
+
+
+def test_bad_eval_config_lists_every_field(compose, tmp_path):
+    got = _problems(compose, ["eval.interval=-1", "eval.steps=0", "data.eval_fraction=1.5"])
+    assert got == {
+        "eval.interval": (-1, "must be >= 0"),
+        "eval.steps": (0, "an evaluation pass reads at least one batch"),
+        "data.eval_fraction": (1.5, "is the fraction of documents held out, in [0, 1)"),
+    }
+    text = ["data=text", "data.files=[a.jsonl]", "data.tokenizer=tok.json"]
+    assert _problems(compose, [*text, "eval.interval=5"])["data.eval_files"] == (
+        [],
+        "eval.interval=5 evaluates on held-out data, and data=text has no held-out split",
+    )
+    both = _problems(compose, [*text, "eval.interval=5", "data.eval_files=[b.jsonl]", "data.eval_fraction=0.1"])
+    assert list(both) == ["data.eval_fraction"]
+    missing = str(tmp_path / "val.jsonl")
+    got = _problems(compose, [*text, "mode=validate", "eval.interval=5", f"data.eval_files=[{missing}]"])
+    assert got["data.eval_files"] == ([missing], "not found (paths are relative to where `python -m runner` starts)")
+    validate.check(compose([*text, "eval.interval=5", "data.eval_fraction=0.1"]))  # a held-out split: nothing to say
+    validate.check(compose(["eval.interval=5"]))  # synthetic data has its own held-out split
+
+
+def test_passes_run_every_interval_and_after_the_last_step():
+    assert [s for s in range(1, 11) if evaluate.due(3, s, 10)] == [3, 6, 9, 10]
+    assert not any(evaluate.due(0, s, 10) for s in range(1, 11))
+
+
+def _synthetic(split: str, dp_rank: int = 0, dp: int = 1) -> data_mod.SyntheticData:
+    return data_mod.SyntheticData(seed=3, seq_len=SEQ, vocab=256, global_batch=BATCH, microbatch=MICRO, dp_rank=dp_rank, dp=dp, split=split)
+
+
+def test_synthetic_held_out_split_is_disjoint_from_training_and_fixed():
+    """Eval sample j is synthetic sample -(j + 1); batch k is eval samples [k B, (k + 1) B), sliced over DP as training's."""
+    held = _synthetic("eval")
+    assert torch.equal(held.sample(5), data_mod.sample(3, -6, SEQ, 256))
+    train = _synthetic("train")
+    seen = {tuple(train.sample(i).tolist()) for i in range(200)}
+    assert not seen & {tuple(held.sample(j).tolist()) for j in range(2 * BATCH)}
+    train.load_state_dict({"next_sample": 4096}, steps_done=7)  # the training position does not move the held-out batches
+    assert [_synthetic("eval", r, 2).indices(1) for r in range(2)] == [[4, 5], [6, 7]]
+    rows = torch.cat([torch.cat([i, lab[:, -1:]], dim=1) for i, lab in held.microbatches(1)])
+    assert torch.equal(rows, torch.stack([data_mod.sample(3, -(j + 1), SEQ, 256) for j in range(BATCH, 2 * BATCH)]))
+
+
+def test_text_held_out_split_is_by_document(tmp_path):
+    """data.eval_fraction holds out whole documents by a hash of their text; training reads the rest, both in file order."""
+    corpus, tok_path = text_assets.make(tmp_path, n_docs=60, vocab_size=300)
+    from tokenizers import Tokenizer
+
+    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tok = Tokenizer.from_file(str(tok_path))
+    eos = tok.token_to_id(text_assets.EOS)
+
+    def by_hand(keep) -> list[int]:
+        return [t for d in docs if keep(d) for t in [*tok.encode(d).ids, eos]]
+
+    held = [d for d in docs if data_mod.held_out(d, 0.25)]
+    assert 5 <= len(held) <= 25  # about a quarter of 60
+    for split, keep in (("eval", lambda d: d in held), ("train", lambda d: d not in held)):
+        got = data_mod.load_tokens([str(corpus)], "json", "text", str(tok_path), text_assets.EOS, tmp_path / "cache", split, 0.25)
+        assert got.tolist() == by_hand(keep), split
+    small = data_mod.TextData(torch.tensor(by_hand(lambda d: d in held[:2])), seed=0, shuffle=False, **_shape())
+    with pytest.raises(ValueError, match=r"fewer than eval.steps x training.global_batch_size = 400"):
+        evaluate.check_split(small, 100)
+
+
+def _shape() -> dict[str, int]:
+    return dict(seq_len=SEQ, global_batch=BATCH, microbatch=MICRO, dp_rank=0, dp=1)
+
+
+class Recorded:
+    """A held-out stream that records the global samples each call reads."""
+
+    def __init__(self, stream):
+        self.stream, self.read = stream, []
+
+    def microbatches(self, k: int):
+        self.read.append(self.stream.indices(k))
+        return self.stream.microbatches(k)
+
+
+@pytest.fixture(scope="module")
+def one_rank(compose, tmp_path_factory):
+    """The debug model built by the runner on one in-process gloo rank, its weights moved off their initialization."""
+    import torch.distributed as dist
+
+    from runner.config import layout
+    from runner.run import titan
+    from runner.run.device import DevicePolicy
+
+    cfg = compose(
+        ["parallelism=single", f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
+    )
+    cfg.eval.steps = STEPS
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    store = tmp_path_factory.mktemp("store") / "store"
+    titan.quiet_torchao(cfg)
+    import importlib
+
+    import runner.run.titan.cpu as cpu
+
+    mods = [importlib.import_module(name) for name in cpu._DEVICE_GLOBALS]
+    saved = [(m, k, getattr(m, k)) for m in mods for k in ("device_type", "device_module") if hasattr(m, k)]
+    cpu.patch_device_globals()  # as every CPU rank does; undone below for the tests that share this process
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        built = titan.build(cfg, lay, titan.build_mesh(cfg, lay), tmp_path_factory.mktemp("run"), torch.device("cpu"))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in built.parts[0].parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).add_(0.05 * torch.randn(p.shape, generator=g))  # one rank: the whole tensor
+        yield cfg, lay, built, DevicePolicy.of(cfg.cluster, cfg.distributed)
+    finally:
+        dist.destroy_process_group()
+        for m, k, v in saved:
+            setattr(m, k, v)
+
+
+def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank):
+    from types import SimpleNamespace
+
+    from runner.run import titan, train
+
+    cfg, lay, built, policy = one_rank
+    held = Recorded(data_mod.SyntheticData(seed=cfg.training.seed, vocab=cfg.model.vocab_size, split="eval", **_shape()))
+    tokens = torch.tensor(float(BATCH * SEQ))
+    loop = SimpleNamespace(cfg=cfg, lay=lay, built=built, eval_data=held, policy=policy, loss_fn=titan.loss_fn(cfg), global_tokens=tokens)
+    model = built.parts[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first, second = train._evaluate(loop), train._evaluate(loop)
+    # by hand: the mean token cross-entropy of the model over held-out samples 0..7 (synthetic samples -1..-8)
+    rows = torch.stack([data_mod.sample(cfg.training.seed, -(j + 1), SEQ, cfg.model.vocab_size) for j in range(STEPS * BATCH)])
+    with torch.no_grad():
+        logits = titan.local_value(model(rows[:, :-1])).double()
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+    assert first["eval_loss"] == pytest.approx(expected, abs=2e-6)
+    assert first["eval_ppl"] == pytest.approx(torch.tensor(expected).exp().item(), rel=1e-5)
+    assert second["eval_loss"] == first["eval_loss"]  # the same samples, the same weights: the same loss
+    assert held.read == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert model.training and all(p.grad is None for p in model.parameters())  # back in train mode, no gradients
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_eval_line_and_summary_reach_the_sinks(tmp_path):
+    from runner.run import metrics
+
+    row = {"step": 4, "loss": 7.9, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.1, "step_time_s": 1.0, "memory_gb": 1.0}
+    row |= evaluate.row(2.0, 0.25)
+    line = metrics._fmt(row)
+    assert line.endswith("eval_loss 2.0000  eval_ppl 7.39  eval 0.25s")
+    assert evaluate.summary([{"step": 2, **evaluate.row(3.0, 0.1)}, row, {"step": 5}]) == {
+        "eval_loss_final": 2.0,
+        "eval_ppl_final": pytest.approx(7.389056),
+        "eval_step_final": 4,
+    }
+    assert evaluate.summary([{"step": 1}]) == {"eval_loss_final": None, "eval_ppl_final": None, "eval_step_final": None}
+    sink = metrics.JsonlSink(tmp_path)
+    sink.log(row)
+    sink.close(evaluate.summary([row]))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["eval_loss"] == 2.0
+    assert json.loads((tmp_path / "summary.json").read_text())["eval_loss_final"] == 2.0
+
+
+def test_compare_shows_the_final_eval_loss(tmp_path):
+    from runner.config import compare
+
+    base = {"degrees": "dp=2", "memory_gb_max": 1.0, "calibration": {}, "step_time_s_median": 1.0, "mfu_median": 0.1}
+    for name, extra in (("with", {"eval_loss_final": 6.54321}), ("without", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(base | extra))
+    rows = compare.collect([tmp_path])
+    table = compare.table(rows)
+    assert table.columns[-1].header == "eval loss"
+    assert {r["run"]: cell for r, cell in zip(rows, table.columns[-1]._cells, strict=True)} == {"with": "6.5432", "without": "-"}
