@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision, runfiles, wording
+from runner.config import freeze, layout, precision, runfiles, validate_tokens, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
 from runner.run import accounting, device, mesh, metrics, peak, procs, startup, titan, train
@@ -103,11 +103,13 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
 
 
 def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):
-    """This rank's training inputs: the synthetic stream or the tokenized text files."""
+    """This rank's training inputs: the synthetic stream, the tokenized text files or the prepared token folders."""
     t, d = cfg.training, cfg.data
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
     if d.name == DataSource.synthetic:
         return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, **common)
+    if d.name == DataSource.tokens:
+        return data_mod.TokenData([(folder, w) for _, folder, w in validate_tokens.sources(cfg)], seed=t.seed, shuffle=d.shuffle, **common)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:
         policy.barrier()

@@ -43,6 +43,7 @@ from runner.config.schema.operations import (
 from runner.config.schema.training import (
     DataConfig,
     DryrunConfig,
+    MixSource,
     ModelConfig,
     ParallelismConfig,
     PlanConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "InjectConfig",
     "Launcher",
     "LoggingConfig",
+    "MixSource",
     "LossGuardConfig",
     "Mode",
     "ModelConfig",
