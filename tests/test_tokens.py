@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.config import validate, validate_ckpt
+from runner.config import validate, validate_ckpt, validate_tokens
 from runner.config.problems import ConfigError
 from runner.data import cli, manifest, order
 from runner.run.data import Prefetch, TokenData
@@ -268,6 +268,9 @@ def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
         assert [p.field for p in got] == [field] and why in got[0].why, (overrides, [str(p) for p in got])
     cfg = compose(["data=tokens", f"data.path={assets.a}", f"data.tokenizer={assets.tok}"])
     validate_ckpt.check_launch(cfg, tmp_path / "run")  # the tokenizer it was prepared with passes
+    short = validate_tokens.split_problem("data.path", str(assets.a), "eval", 1024)  # for readers of the held-out split
+    assert short.field == "data.path" and "its eval split holds 688 tokens, fewer than training.seq_len + 1 = 1025" in short.why
+    assert validate_tokens.split_problem("data.path", str(assets.a), "eval", 64) is None
 
 
 def test_mixture_of_different_tokenizers_is_refused(compose, assets, tmp_path):

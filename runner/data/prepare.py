@@ -89,7 +89,7 @@ def _tokenized(req: Request, src: Path, fmt: str, eos_id: int | None, cache: Pat
     if column not in ds.column_names:
         raise ValueError(f"{src} has the columns {ds.column_names}, no {column!r}")
     fn = _Encode(str(req.tokenizer), column, eos_id, req.eval_fraction)
-    nproc = min(req.num_proc, max(1, len(ds) // req.batch_size)) or 1
+    nproc = max(1, min(req.num_proc, len(ds)))  # datasets shards the rows over the processes
     return ds.map(fn, batched=True, batch_size=req.batch_size, with_indices=True, remove_columns=ds.column_names,
                   num_proc=nproc if nproc > 1 else None, desc=f"tokenizing {src.name}")  # fmt: skip
 

@@ -152,7 +152,8 @@ class DataConfig:
     text_field: str = "text"
     """text: column holding each document."""
     tokenizer: str = ""
-    """text: path of a Hugging Face `tokenizers` JSON file (tokenizer.json)."""
+    """text: path of a Hugging Face `tokenizers` JSON file (tokenizer.json); tokens: optional, must be the one the
+    folders were prepared with (checked by hash)."""
     eos_token: str = "<|end_of_text|>"
     """text: token appended after every document when the stream is packed (skipped if the tokenizer lacks it)."""
     shuffle: bool = True
