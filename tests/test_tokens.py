@@ -4,7 +4,7 @@ prefetch, and their checks before launch.
 One Hydra multirun (torch and TorchTitan imported once) trains: a 4-rank dp_shard=2 x tp=2 reference on one
 prepared folder with a checkpoint every step, the same run with rank 1 SIGKILLed and restarted by the elastic
 agent, a 2-rank reference and a killed run on a two-folder mixture, and a pp=2 run that resumes the reference's
-step-2 checkpoint. Everything else runs without ranks on a tiny generated corpus.
+step-1 checkpoint. Everything else runs without ranks on a tiny generated corpus.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from runner.run.data import Prefetch, TokenData
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
 
-STEPS, KILL_AT, SEQ = 4, 3, 64  # async saves: step 1's checkpoint is published before step 3 starts
+STEPS, KILL_AT, SEQ = 3, 2, 64  # sync saves: step 1's checkpoint is published when step 2 starts
 FRACTION = 0.05
 
 
@@ -295,7 +295,14 @@ def test_cli_exits_2_before_writing_the_run_folder(tmp_path):
 def trained(tmp_path_factory, assets):
     sweep = tmp_path_factory.mktemp("runs")
     ckpt = sweep / "tok_ckpt"
-    common = ["checkpoint=local", "checkpoint.interval=1", "checkpoint.keep=0", f"training.steps={STEPS}", f"training.seq_len={SEQ}"]
+    common = [
+        "checkpoint=local",
+        "checkpoint.interval=1",
+        "checkpoint.keep=0",
+        "checkpoint.async_save=false",
+        f"training.steps={STEPS}",
+        f"training.seq_len={SEQ}",
+    ]
     common += ["logging.progress=false", "distributed.shutdown_timeout_s=5", "data=tokens"]
     tok, mix = [f"data.path={assets.a}"], [f"data.mix=[{{path: {assets.a}, weight: 0.7}}, {{path: {assets.b}, weight: 0.3}}]"]
     kill = ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"]
@@ -304,7 +311,7 @@ def trained(tmp_path_factory, assets):
         "tok_killed": [*tok, "parallelism=dp2_tp2", *kill],
         "mix_ref": [*mix, "parallelism=dp2"],
         "mix_killed": [*mix, "parallelism=dp2", *kill],
-        "tok_pp": [*tok, "parallelism=tp2_pp2", "parallelism.tp=1", "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-2"],
+        "tok_pp": [*tok, "parallelism=tp2_pp2", "parallelism.tp=1", "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-1"],
     }
     dirs, consoles = multirun(points, common, sweep / "sweep")
     return {name: (dirs[name], consoles[name]) for name in points}
@@ -327,8 +334,8 @@ def test_sigkilled_rank_resumes_bitwise_exactly(trained, name):
 
 def test_layout_change_on_resume_continues_at_the_same_global_sample(trained):
     ref, got = _by_step(trained["tok_ref"][0]), _by_step(trained["tok_pp"][0])
-    assert sorted(got) == [3, 4]
-    assert [got[s]["data_hash"] for s in (3, 4)] == [ref[s]["data_hash"] for s in (3, 4)]
-    assert got[3]["loss"] == pytest.approx(ref[3]["loss"], abs=1e-4)
-    line = "disjoint samples across 1 DP replica(s) (global samples 16-23)"  # step 3 of a global batch of 8
+    assert sorted(got) == [2, 3]
+    assert [got[s]["data_hash"] for s in (2, 3)] == [ref[s]["data_hash"] for s in (2, 3)]
+    assert got[2]["loss"] == pytest.approx(ref[2]["loss"], abs=1e-4)
+    line = "disjoint samples across 1 DP replica(s) (global samples 8-15)"  # step 2 of a global batch of 8
     assert line in trained["tok_pp"][1]
