@@ -71,6 +71,8 @@ def test_every_config_file_composes_and_validates(compose, path, tmp_path):
     if path == "conf/data/text.yaml":  # validation reads the files: give it a real corpus and tokenizer
         corpus, tokenizer = text_assets.make(tmp_path)
         extra = [f"data.files=[{corpus}]", f"data.tokenizer={tokenizer}"]
+    if path == "conf/data/tokens.yaml":  # validation reads the prepared folder: prepare one
+        extra = [f"data.path={text_assets.prepared(tmp_path)}"]
     cfg = compose([*extra, *_overrides(path), "mode=validate"])
     lay = validate.check(cfg)
     p, c = cfg.parallelism, cfg.cluster

@@ -84,6 +84,8 @@ BAD = [
     (["data=text", "data.tokenizer=tokenizer.json"], "data.files"),  # text with no files
     (["data.format=csv"], "data.format"),
     (["data=text", "data.files=[corpus.jsonl]"], "data.tokenizer"),  # text with no tokenizer
+    (["data=tokens"], "data.path"),  # tokens with no prepared folder
+    (["data=tokens", "data.path=a", "data.mix=[{path:b,weight:1}]"], "data.mix"),  # one folder and a mixture at once
     (["logging.wandb.mode=cloud"], "logging.wandb.mode"),
     (["logging.log_every=0"], "logging.log_every"),
     (["training.steps=0"], "training.steps"),

@@ -61,3 +61,13 @@ def tokenizer(kind: str, path: Path, vocab_size: int = 200, n_docs: int = 50) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
+
+
+def prepared(folder: Path, eval_fraction: float = 0.05) -> Path:
+    """The corpus of `make`, prepared for data=tokens (`python -m runner.data prepare`) into folder/prepared."""
+    from runner.data.prepare import Request, prepare
+
+    corpus, tok = make(folder)
+    out = folder / "prepared"
+    prepare(Request(inputs=[corpus], tokenizer=tok, out=out, eval_fraction=eval_fraction), say=lambda _: None)
+    return out

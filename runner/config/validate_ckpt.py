@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.config import checkpoint, flops
+from runner.config import checkpoint, flops, validate_tokens
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
 
@@ -43,6 +43,8 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             out.append(Problem("data.tokenizer", "''", "data=text needs a tokenizer", "point data.tokenizer at a local tokenizer.json"))
         if cfg.mode == Mode.validate and d.files and d.tokenizer:
             _data(d, cfg.model.vocab_size, out)
+    if d.name == DataSource.tokens:
+        validate_tokens.check(cfg, out)
 
 
 def _data(d: DataConfig, vocab_size: int, out: list[Problem]) -> None:
@@ -204,6 +206,8 @@ def check_launch(cfg: RunConfig, run_dir: Path) -> None:
     out: list[Problem] = []
     if cfg.data.name == DataSource.text:
         _data(cfg.data, cfg.model.vocab_size, out)
+    if cfg.data.name == DataSource.tokens:
+        validate_tokens.folders(cfg, out)
     if cfg.checkpoint.enable:
         where = checkpoint.folder(cfg.checkpoint, run_dir)
         _storage(cfg, where, out)
@@ -218,3 +222,7 @@ def absolute_paths(cfg: RunConfig) -> None:
     cfg.data.files = [os.path.abspath(f) for f in cfg.data.files]
     if cfg.data.tokenizer:
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
+    if cfg.data.path:
+        cfg.data.path = os.path.abspath(cfg.data.path)
+    for m in cfg.data.mix:
+        m.path = os.path.abspath(m.path) if m.path else m.path

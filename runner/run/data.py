@@ -12,6 +12,10 @@ text: the documents of local files (Hugging Face datasets, from local paths only
 local `tokenizers` JSON file, each followed by the EOS token, concatenated into one stream and cut
 into samples of seq_len + 1 tokens (inputs and labels overlap by one token, like TorchTitan's
 loader); sample g is piece perm_e[g mod N] of epoch e = g // N, perm_e a seeded permutation.
+tokens: folders prepared by `python -m runner.data prepare`, read by memory map, one or a weighted mixture
+(`TokenData`); the same cut into samples, with an on-the-fly permutation instead of a materialized one.
+
+`Prefetch` reads the next step's batch in a background thread while the current step trains.
 
 The held-out split (split="eval", read by runner.run.evaluate) is addressed the same way, from sample 0 at every
 evaluation pass, with no loader position: synthetic eval sample j is synthetic sample -(j + 1), a negative index
@@ -22,14 +26,18 @@ training (which counts from 0 up) never reads; text reads data.eval_files, or th
 from __future__ import annotations
 
 import hashlib
+import time
 import zlib
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 MAX_STRIDE = 16
 NOISE = 0.1
+SOURCE_SHIFT = 48  # token_start of a mixture: source index above the bits of a token offset (2^48 tokens per source)
 
 
 def sample(seed: int, index: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -216,3 +224,111 @@ def global_digest(data: _Stream, step: int, policy) -> str:
     got = policy.all_gather(data.positions(step))
     rows = sorted({tuple(r) for t in got for r in t.tolist()})
     return hashlib.sha1(repr(rows).encode()).hexdigest()[:16]
+
+
+class _Split:
+    """One split of a prepared folder as a single token stream, read by memory map: the parts' token files are
+    opened when first read, so start-up costs O(parts) whatever their size."""
+
+    def __init__(self, folder: str, split: str):
+        from runner.data import manifest as mf
+
+        self.folder, self.split, self.m = Path(folder), split, mf.load(folder)
+        parts = self.m["splits"][split]["parts"]
+        self.names = [p["name"] for p in parts]
+        self.ends = np.cumsum([p["tokens"] for p in parts], dtype=np.int64)
+        self.num_tokens = int(self.ends[-1]) if len(parts) else 0
+        self._maps: dict[int, np.ndarray] = {}
+
+    def _map(self, i: int) -> np.ndarray:
+        if i not in self._maps:
+            from runner.data import manifest as mf
+
+            self._maps[i] = np.memmap(mf.tokens_file(self.folder, self.names[i], self.split), dtype=self.m["dtype"], mode="r")
+        return self._maps[i]
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) of the split, across part boundaries, as int64."""
+        out, i = [], int(np.searchsorted(self.ends, start, side="right"))
+        while n > 0:
+            begin = start - (int(self.ends[i - 1]) if i else 0)
+            chunk = self._map(i)[begin : begin + n]
+            out.append(chunk)
+            start, n, i = start + len(chunk), n - len(chunk), i + 1
+        return np.concatenate(out).astype(np.int64)
+
+
+class TokenData(_Stream):
+    """Prepared token folders (`python -m runner.data prepare`), one or a weighted mixture, by memory map.
+
+    Global sample g goes to source s with within-source index k = Mixture(weights)(g) (k = g for one source);
+    source s cuts its split into N_s samples of seq_len + 1 tokens (stride seq_len, like TextData) and reads
+    piece P_{s,e}(k mod N_s) of epoch e = k // N_s, P a seeded Feistel permutation: all pure functions of g,
+    so a position is the next sample index alone and nothing grows with the corpus."""
+
+    def __init__(
+        self, sources: list[tuple[str, float]], *, split: str = "train", seed: int, shuffle: bool, seq_len: int, global_batch: int,
+        microbatch: int, dp_rank: int, dp: int,
+    ):  # fmt: skip
+        super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
+        from runner.data.order import Mixture
+
+        self.seed, self.shuffle, self.split = seed, shuffle, split
+        self.splits = [_Split(folder, split) for folder, _ in sources]
+        self.num_samples = [(s.num_tokens - 1) // seq_len for s in self.splits]
+        for (folder, _), n, s in zip(sources, self.num_samples, self.splits, strict=True):
+            if n < 1:
+                raise ValueError(
+                    f"the {split} split of {folder} holds {s.num_tokens} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"
+                )
+        self.mixture = Mixture([w for _, w in sources])
+        self._perms: dict[tuple[int, int], object] = {}
+
+    def _piece(self, index: int) -> tuple[int, int]:
+        source, k = self.mixture(index)
+        epoch, j = divmod(k, self.num_samples[source])
+        if not self.shuffle:
+            return source, j
+        if (source, epoch) not in self._perms:
+            from runner.data.order import Permutation
+
+            if len(self._perms) > 8:  # one or two epochs per source are live at a time
+                self._perms.clear()
+            self._perms[(source, epoch)] = Permutation(self.num_samples[source], (self.seed * 1_000_003 + epoch) * 1_000_003 + source)
+        return source, self._perms[(source, epoch)](j)
+
+    def token_start(self, index: int) -> int:
+        source, piece = self._piece(index)
+        return (source << SOURCE_SHIFT) | piece * self.seq_len
+
+    def sample(self, index: int) -> torch.Tensor:
+        source, piece = self._piece(index)
+        return torch.from_numpy(self.splits[source].read(piece * self.seq_len, self.seq_len + 1))
+
+
+class Prefetch:
+    """Reads step s + 1's microbatches in a background thread while step s trains. A batch is a pure function of
+    (loader position, step), so a read ahead is used only when that key still holds (a restore or a rewind moves
+    the position, and the batch is then read on the spot). `waited_s`: how long the last `get` waited."""
+
+    def __init__(self, data: _Stream):
+        self.data, self.waited_s = data, 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._ahead = None
+
+    def _key(self, step: int) -> tuple[int, int, int]:
+        return (self.data.next_sample, self.data.at_step, step)
+
+    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Microbatches of `step` (0-based), then the read of step + 1 starts."""
+        t0 = time.perf_counter()
+        if self._ahead is not None and self._ahead[0] == self._key(step):
+            mbs = self._ahead[1].result()
+        else:
+            mbs = self.data.microbatches(step)
+        self.waited_s = time.perf_counter() - t0
+        self._ahead = (self._key(step + 1), self._pool.submit(self.data.microbatches, step + 1))
+        return mbs
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

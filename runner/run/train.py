@@ -100,6 +100,7 @@ class _Loop:
     ckpt: Checkpointer
     eval_data: Any = None
     """The held-out split (runner.run.data, split="eval"); None when eval.interval is 0."""
+    feed: data_mod.Prefetch = None
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -107,7 +108,7 @@ class _Loop:
 def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
     """Forward/backward (or the pipeline schedule) and the clip; returns this rank's loss share and the global grad norm."""
     built, mon = loop.built, loop.mon
-    microbatches = on_device(loop.data.microbatches(step - 1), loop.policy.compute_device())
+    microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
     if built.schedule is not None:
         t_pp, c_pp = time.perf_counter(), mon.clock.now()
         with mon.phase("pipeline"):
@@ -173,6 +174,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
             cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay), policy=policy
         ),
         eval_data=eval_data,
+        feed=data_mod.Prefetch(data),
     )
 
 
@@ -200,6 +202,7 @@ def _step(loop: _Loop, step: int) -> int:
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
     r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
     r["data_hash"] = digest
+    r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
     if verdict.spike:
         r |= {"spike": verdict.spike, "action": verdict.action}
     if flagged:
@@ -230,6 +233,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
     cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
+    loop.feed.close()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)
     if not rows:
@@ -254,7 +258,7 @@ def run(
     cfg: RunConfig,
     lay: Layout,
     built: titan.Built,
-    data: data_mod.SyntheticData | data_mod.TextData,
+    data: data_mod.SyntheticData | data_mod.TextData | data_mod.TokenData,
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,

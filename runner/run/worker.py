@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision, runfiles, wording
+from runner.config import freeze, layout, precision, runfiles, validate_tokens, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
 from runner.run import accounting, device, evaluate, mesh, metrics, peak, procs, startup, titan, train
@@ -103,12 +103,16 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
 
 
 def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy, split: str = "train"):
-    """This rank's inputs of `split`: the synthetic stream or the tokenized text files ("eval": the held-out split,
-    from data.eval_files or the documents data.eval_fraction holds out of data.files, never shuffled)."""
+    """This rank's inputs of `split`: the synthetic stream, the tokenized text files or the prepared token folders
+    ("eval": the held-out split: for text data.eval_files or the documents data.eval_fraction holds out of data.files,
+    for tokens the prepared eval split; never shuffled)."""
     t, d = cfg.training, cfg.data
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
     if d.name == DataSource.synthetic:
         return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
+    if d.name == DataSource.tokens:
+        sources = [(folder, w) for _, folder, w in validate_tokens.sources(cfg)]
+        return data_mod.TokenData(sources, split=split, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
     files, fraction = (d.eval_files, 0.0) if split == "eval" and d.eval_files else (d.files, d.eval_fraction)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:

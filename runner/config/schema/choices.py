@@ -97,6 +97,8 @@ class DataSource(Enum):
     """A deterministic token stream derived from training.seed."""
     text = "text"
     """Local text files read through Hugging Face datasets, tokenized with a local tokenizers JSON file."""
+    tokens = "tokens"
+    """Folders prepared by `python -m runner.data prepare`, read by memory map (one, or a weighted mixture)."""
 
 
 class TextFormat(Enum):

@@ -134,6 +134,14 @@ class TrainingConfig:
 
 
 @dataclass
+class MixSource:
+    path: str = ""
+    """A folder written by `python -m runner.data prepare`."""
+    weight: float = 1.0
+    """Its share of the samples (weights are normalized over the mixture)."""
+
+
+@dataclass
 class DataConfig:
     name: DataSource = DataSource.synthetic
     """Data source."""
@@ -144,11 +152,16 @@ class DataConfig:
     text_field: str = "text"
     """text: column holding each document."""
     tokenizer: str = ""
-    """text: path of a Hugging Face `tokenizers` JSON file (tokenizer.json)."""
+    """text: path of a Hugging Face `tokenizers` JSON file (tokenizer.json); tokens: optional, must be the one the
+    folders were prepared with (checked by hash)."""
     eos_token: str = "<|end_of_text|>"
     """text: token appended after every document when the stream is packed (skipped if the tokenizer lacks it)."""
     shuffle: bool = True
-    """text: visit the packed samples in a new order each epoch (seeded by training.seed)."""
+    """text, tokens: visit the packed samples in a new order each epoch (seeded by training.seed)."""
+    path: str = ""
+    """tokens: a folder written by `python -m runner.data prepare` (or use mix)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """tokens: several prepared folders with weights, e.g. [{path: a, weight: 0.7}, {path: b, weight: 0.3}]."""
     eval_files: list[str] = field(default_factory=list)
     """text: local files of the held-out split (same format, text field and tokenizer as data.files); empty = none."""
     eval_fraction: float = 0.0

@@ -1,0 +1,88 @@
+"""`python -m runner.data prepare`: the command line of data preparation (argparse; no Hydra config to compose).
+
+    python -m runner.data prepare --input a.jsonl b.parquet c.txt --tokenizer tokenizer.json --out prepared/web
+        [--text-field text] [--eos-token '<|end_of_text|>'] [--eval-fraction 0.01] [--num-proc N]
+
+The format of each input comes from its extension (.jsonl/.json, .txt, .parquet). Bad arguments are
+reported all at once, naming the option, the value and the fix, with exit code 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from runner.config.problems import ConfigError, Problem
+from runner.data import manifest as mf
+from runner.data.prepare import FORMATS, Request, prepare
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runner.data", description="Prepare local corpora as token files for data=tokens.")
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("prepare", help="tokenize local jsonl/parquet/txt files into a prepared folder")
+    q.add_argument("--input", nargs="+", required=True, help="local data files (.jsonl/.json, .txt, .parquet), one part each")
+    q.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers JSON file (tokenizer.json)")
+    q.add_argument("--out", required=True, help="the prepared folder (created; a rerun reuses what is already done)")
+    q.add_argument("--text-field", default="text", help="jsonl/parquet: the column holding each document")
+    q.add_argument("--eos-token", default="<|end_of_text|>", help="appended after every document (skipped if the tokenizer lacks it)")
+    q.add_argument("--eval-fraction", type=float, default=0.01, help="share of each file's documents held out as the eval split")
+    q.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizing processes (datasets.map num_proc)")
+    return p
+
+
+def _inputs(files: list[str], text_field: str) -> list[Problem]:
+    from runner.config.schema import DataConfig, TextFormat
+    from runner.config.validate_ckpt import _first_record_lacks
+
+    out = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            out.append(Problem("--input", f, "no such file", "give existing local data files"))
+        elif path.suffix.lower() not in FORMATS:
+            out.append(Problem("--input", f, f"unknown extension {path.suffix!r}", f"use one of {', '.join(FORMATS)}"))
+        elif why := _first_record_lacks(path, DataConfig(format=TextFormat(FORMATS[path.suffix.lower()]), text_field=text_field)):
+            out.append(Problem("--text-field", text_field, f"{f}: {why}", "set --text-field to the column holding the documents"))
+    return out
+
+
+def check(a: argparse.Namespace) -> None:
+    """Raise ConfigError listing every bad argument."""
+    out = _inputs(a.input, a.text_field)
+    if not Path(a.tokenizer).is_file():
+        out.append(Problem("--tokenizer", a.tokenizer, "no such file", "point --tokenizer at a local tokenizer.json"))
+    else:
+        try:
+            mf.tokenizer_info(Path(a.tokenizer))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            out.append(Problem("--tokenizer", a.tokenizer, f"not a tokenizers JSON file ({e})", "save one with tokenizers' Tokenizer.save"))
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        out.append(Problem("--out", a.out, "is a file", "name a folder (it is created)"))
+    if not 0 <= a.eval_fraction < 1:
+        out.append(Problem("--eval-fraction", a.eval_fraction, "must be in [0, 1)", "hold out a small share, e.g. 0.01, or 0 for none"))
+    if a.num_proc < 1:
+        out.append(Problem("--num-proc", a.num_proc, "must be >= 1", "use the number of CPU cores to give to tokenizing"))
+    if out:
+        raise ConfigError(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        check(a)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    req = Request(
+        inputs=[Path(f) for f in a.input], tokenizer=Path(a.tokenizer), out=Path(a.out), text_field=a.text_field,
+        eos_token=a.eos_token, eval_fraction=a.eval_fraction, num_proc=a.num_proc,
+    )  # fmt: skip
+    m, wrote = prepare(req)
+    s = m["splits"]
+    verb = "prepared" if wrote else "already up to date:"
+    print(f"{verb} {a.out}: {s['train']['tokens']:,} train tokens in {s['train']['documents']:,} documents, "
+          f"{s['eval']['tokens']:,} held-out tokens in {s['eval']['documents']:,} documents ({m['dtype']})")  # fmt: skip
+    return 0

@@ -1,0 +1,341 @@
+"""data=tokens: `python -m runner.data prepare`, the memory-mapped reader, the on-the-fly permutation, mixtures,
+prefetch, and their checks before launch.
+
+One Hydra multirun (torch and TorchTitan imported once) trains: a 4-rank dp_shard=2 x tp=2 reference on one
+prepared folder with a checkpoint every step, the same run with rank 1 SIGKILLed and restarted by the elastic
+agent, a 2-rank reference and a killed run on a two-folder mixture, and a pp=2 run that resumes the reference's
+step-1 checkpoint. Everything else runs without ranks on a tiny generated corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from runner.config import validate, validate_ckpt, validate_tokens
+from runner.config.problems import ConfigError
+from runner.data import cli, manifest, order
+from runner.run.data import Prefetch, TokenData
+from tests import text_assets
+from tests.conftest import metrics, multirun, run_cli
+
+STEPS, KILL_AT, SEQ = 3, 2, 64  # sync saves: step 1's checkpoint is published when step 2 starts
+FRACTION = 0.05
+
+
+def _prepare(inputs: list[Path], tok: Path, out: Path, *extra: str) -> int:
+    argv = ["prepare", "--input", *map(str, inputs), "--tokenizer", str(tok), "--out", str(out), "--eval-fraction", str(FRACTION)]
+    return cli.main([*argv, "--num-proc", "1", *extra])
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Two corpora (300 and 200 documents) with one tokenizer, each prepared into its own folder."""
+    root = tmp_path_factory.mktemp("tokens")
+    corpus, tok = text_assets.make(root / "assets")
+    other = root / "assets" / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": d}) + "\n" for d in text_assets.documents(200, seed=1)))
+    assert _prepare([corpus], tok, root / "a", "--num-proc", "2") == 0
+    assert _prepare([other], tok, root / "b") == 0
+    return SimpleNamespace(corpus=corpus, other=other, tok=tok, a=root / "a", b=root / "b", root=root)
+
+
+def _expected(corpus: Path, tok: Path) -> dict[str, tuple[list[int], list[int]]]:
+    """Hand computation of a part: every document's ids + EOS, document j held out when floor((j+1) f) > floor(j f)."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tok))
+    eos = t.token_to_id(text_assets.EOS)
+    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    out: dict[str, tuple[list[int], list[int]]] = {"train": ([], []), "eval": ([], [])}
+    for j, enc in enumerate(t.encode_batch(docs)):
+        tokens, ends = out["eval" if int((j + 1) * FRACTION) > int(j * FRACTION) else "train"]
+        tokens.extend([*enc.ids, eos])
+        ends.append(len(tokens))
+    return out
+
+
+# ---- prepare -------------------------------------------------------------------------------------------
+
+
+def test_prepare_writes_tokens_index_and_manifest(assets):
+    m = manifest.load(assets.a)
+    want = _expected(assets.corpus, assets.tok)
+    for split in manifest.SPLITS:
+        tokens = np.fromfile(manifest.tokens_file(assets.a, "part-00000", split), dtype=np.uint16)
+        ends = np.fromfile(manifest.index_file(assets.a, "part-00000", split), dtype=np.uint64)
+        assert tokens.tolist() == want[split][0] and ends.tolist() == want[split][1]
+        assert (m["splits"][split]["tokens"], m["splits"][split]["documents"]) == (len(want[split][0]), len(want[split][1]))
+    assert m["splits"]["eval"]["documents"] == 15  # 5 % of 300 documents, held out whole
+    assert m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == 512 and m["eos_id"] == 0
+    src = m["sources"][0]
+    assert (src["path"], src["bytes"], src["sha256"]) == (
+        str(assets.corpus),
+        assets.corpus.stat().st_size,
+        hashlib.sha256(assets.corpus.read_bytes()).hexdigest(),
+    )
+    assert not (assets.a / ".cache").exists() and not list(assets.a.glob("*.tmp"))
+
+
+def test_data_package_is_torch_free():
+    code = "import sys, runner.data.cli, runner.data.prepare, runner.data.order; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_dtype_is_uint16_while_the_vocabulary_fits():
+    assert [manifest.dtype_for(v) for v in (512, 65_536, 65_537, 128_256)] == ["uint16", "uint16", "uint32", "uint32"]
+
+
+def test_prepare_is_idempotent_and_resumes_after_an_interruption(assets, tmp_path, capsys):
+    out = tmp_path / "ab"
+    assert _prepare([assets.corpus, assets.other], assets.tok, out) == 0
+    files = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert _prepare([assets.corpus, assets.other], assets.tok, out) == 0  # nothing to do: nothing rewritten
+    assert "already up to date:" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    # interrupted while writing part 1: its record and the manifest never got written, a temporary file is left
+    (out / "part-00001.json").unlink()
+    (out / manifest.MANIFEST).unlink()
+    (out / "part-00001.train.bin").rename(out / "part-00001.train.bin.tmp")
+    assert _prepare([assets.corpus, assets.other], assets.tok, out) == 0
+    said = capsys.readouterr().out
+    assert "part-00000: corpus.jsonl already prepared" in said and "part-00001: other.jsonl -> " in said
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == files
+    assert (out / "part-00000.train.bin").stat().st_mtime_ns == stamps["part-00000.train.bin"]  # part 0 was not redone
+
+
+@pytest.mark.parametrize(
+    "change,option",
+    [
+        ({"input": "missing.jsonl"}, "--input"),
+        ({"input": "corpus.csv"}, "--input"),
+        ({"tokenizer": "missing.json"}, "--tokenizer"),
+        ({"eval": "1.5"}, "--eval-fraction"),
+        ({"proc": "0"}, "--num-proc"),
+        ({"field": "body"}, "--text-field"),
+        ({"out": "a_file"}, "--out"),
+    ],
+)
+def test_prepare_refuses_bad_arguments_before_writing(assets, tmp_path, capsys, change, option):
+    (tmp_path / "corpus.csv").write_text("text\nhello\n")
+    (tmp_path / "a_file").write_text("")
+    inp = str(tmp_path / change["input"]) if "input" in change else str(assets.corpus)
+    tok = str(tmp_path / change["tokenizer"]) if "tokenizer" in change else str(assets.tok)
+    out = tmp_path / change.get("out", "prepared")
+    argv = ["prepare", "--input", inp, "--tokenizer", tok, "--out", str(out), "--eval-fraction", change.get("eval", "0.01")]
+    argv += ["--num-proc", change.get("proc", "1"), "--text-field", change.get("field", "text")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Invalid config (1 problem):") and f"  - {option} = " in err and "Fix: " in err, err
+    assert not (tmp_path / "prepared").exists()
+
+
+# ---- order ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 1000, 4097])
+def test_permutation_is_a_seeded_bijection(n):
+    p = order.Permutation(n, seed=7)
+    got = [p(i) for i in range(n)]
+    assert sorted(got) == list(range(n))
+    assert got == [order.Permutation(n, seed=7)(i) for i in range(n)]  # deterministic: a new object, the same order
+    if n >= 10:
+        assert got != list(range(n)) and got != [order.Permutation(n, seed=8)(i) for i in range(n)]
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [1, 1, 1, 5]])
+def test_mixture_proportions_hold_and_indices_are_dense(weights):
+    mix, n = order.Mixture(weights), 10_000
+    picks = [mix(g) for g in range(n)]
+    for s, w in enumerate(weights):
+        ks = [k for src, k in picks if src == s]
+        assert abs(len(ks) / n - w / sum(weights)) < 0.01
+        assert ks == list(range(len(ks)))  # within-source index: every sample of the source once, in order
+    assert picks == [order.Mixture(weights)(g) for g in range(n)]
+
+
+# ---- reader ---------------------------------------------------------------------------------------------
+
+
+def _data(assets, dp_rank=0, dp=1, gb=8, sources=None, **kw) -> TokenData:
+    sources = sources or [(str(assets.a), 1.0)]
+    return TokenData(
+        sources, seed=3, shuffle=kw.pop("shuffle", True), seq_len=SEQ, global_batch=gb, microbatch=2, dp_rank=dp_rank, dp=dp, **kw
+    )
+
+
+def test_token_data_reads_the_prepared_stream_and_keeps_the_stream_guarantees(assets):
+    want = _expected(assets.corpus, assets.tok)
+    whole = _data(assets)
+    assert whole.splits[0]._maps == {}  # start-up opens no token file: nothing grows with the corpus
+    stream = want["train"][0]
+    for g in range(20):
+        s = whole.token_start(g)
+        assert whole.sample(g).tolist() == stream[s : s + SEQ + 1]
+    assert sorted(whole.token_start(g) // SEQ for g in range(whole.num_samples[0])) == list(range(whole.num_samples[0]))
+    rows = torch.cat([i for i, _ in whole.microbatches(5)])
+    shards = [torch.cat([i for i, _ in _data(assets, r, 4).microbatches(5)]) for r in range(4)]
+    assert torch.equal(torch.cat(shards), rows)
+    # the position is a global sample index: a batch-size change on resume continues at the same sample
+    small = _data(assets, gb=4)
+    small.load_state_dict(whole.state_dict(steps_done=3), steps_done=3)
+    assert small.indices(3) == list(range(24, 28)) and torch.equal(small.sample(24), whole.sample(24))
+    ev = _data(assets, split="eval", shuffle=False)
+    assert ev.sample(0).tolist() == want["eval"][0][: SEQ + 1] and ev.num_samples == [(len(want["eval"][0]) - 1) // SEQ]
+
+
+def test_mixture_reads_each_source_in_its_share(assets):
+    mixed = _data(assets, sources=[(str(assets.a), 0.7), (str(assets.b), 0.3)])
+    b = np.fromfile(manifest.tokens_file(assets.b, "part-00000", "train"), dtype=np.uint16).tolist()
+    picks = [mixed.mixture(g) for g in range(100)]
+    assert [k for src, k in picks if src == 1] == list(range(30))
+    for g, (src, _) in enumerate(picks):
+        start = mixed.token_start(g)
+        assert start >> 48 == src
+        if src == 1:  # source 1 reads folder b
+            s = start & ((1 << 48) - 1)
+            assert mixed.sample(g).tolist() == b[s : s + SEQ + 1]
+
+
+def test_prefetch_uses_a_read_ahead_only_for_the_same_position(assets):
+    d = _data(assets)
+    feed = Prefetch(d)
+    for step in (0, 1):
+        got = feed.get(step)
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, d.microbatches(step), strict=True))
+    d.load_state_dict({"next_sample": 800}, steps_done=0)  # a restore moves the position: the read-ahead of step 2 is stale
+    got = feed.get(0)
+    assert torch.equal(got[0][0], torch.stack([d.sample(800), d.sample(801)])[:, :-1])
+    feed.close()
+
+
+# ---- checks before launch ---------------------------------------------------------------------------------
+
+
+def _problems(compose, tmp_path, overrides: list[str]) -> list:
+    cfg = compose(["data=tokens", f"training.seq_len={SEQ}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate.check(cfg)
+        validate_ckpt.check_launch(cfg, tmp_path / "run")
+    return e.value.problems
+
+
+def test_config_needs_one_prepared_source_with_positive_weights(compose, tmp_path):
+    assert [p.field for p in _problems(compose, tmp_path, [])] == ["data.path"]
+    got = _problems(compose, tmp_path, ["data.path=x", "data.mix=[{path:a,weight:0},{path:'',weight:1}]"])
+    assert sorted(p.field for p in got) == ["data.mix", "data.mix[0].weight", "data.mix[1].path"]
+
+
+def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(assets.a, broken)
+    with open(broken / "part-00000.train.bin", "r+b") as fh:
+        fh.truncate(100)
+    other_tok = text_assets.tokenizer("WordLevel", tmp_path / "wl.json")
+    cases = [
+        ([f"data.path={tmp_path}"], "data.path", "manifest.json does not exist"),
+        ([f"data.path={broken}"], "data.path", "part-00000.train.bin has 100 bytes, the manifest says"),
+        (
+            [f"data.path={assets.a}", f"data.tokenizer={other_tok}"],
+            "data.tokenizer",
+            "differs from the tokenizer data.path was prepared with",
+        ),
+        (
+            [f"data.path={assets.a}", "model.vocab_size=256"],
+            "data.path",
+            "prepared with a 512-token vocabulary, more than model.vocab_size 256",
+        ),
+        (
+            [f"data.path={assets.a}", "training.seq_len=16384"],
+            "data.path",
+            "its train split holds 12161 tokens, fewer than training.seq_len + 1",
+        ),
+    ]
+    for overrides, field, why in cases:
+        got = [p for p in _problems(compose, tmp_path, overrides) if p.field.startswith("data.")]
+        assert [p.field for p in got] == [field] and why in got[0].why, (overrides, [str(p) for p in got])
+    cfg = compose(["data=tokens", f"data.path={assets.a}", f"data.tokenizer={assets.tok}"])
+    validate_ckpt.check_launch(cfg, tmp_path / "run")  # the tokenizer it was prepared with passes
+    short = validate_tokens.split_problem("data.path", str(assets.a), "eval", 1024)  # for readers of the held-out split
+    assert short.field == "data.path" and "its eval split holds 688 tokens, fewer than training.seq_len + 1 = 1025" in short.why
+    assert validate_tokens.split_problem("data.path", str(assets.a), "eval", 64) is None
+
+
+def test_mixture_of_different_tokenizers_is_refused(compose, assets, tmp_path):
+    other = tmp_path / "other"
+    assert _prepare([assets.other], text_assets.tokenizer("BPE", tmp_path / "bpe.json"), other) == 0
+    got = _problems(compose, tmp_path, [f"data.mix=[{{path:{assets.a},weight:1}},{{path:{other},weight:1}}]"])
+    assert [p.field for p in got] == ["data.mix"] and "prepared with different tokenizers" in got[0].why
+
+
+def test_cli_exits_2_before_writing_the_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("data=tokens", f"data.path={tmp_path / 'nowhere'}", run_dir=run_dir)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.path = " in proc.stderr and "manifest.json does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (run_dir / "frozen.yaml").exists()
+
+
+# ---- with ranks ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, assets):
+    sweep = tmp_path_factory.mktemp("runs")
+    ckpt = sweep / "tok_ckpt"
+    common = [
+        "checkpoint=local",
+        "checkpoint.interval=1",
+        "checkpoint.keep=0",
+        "checkpoint.async_save=false",
+        f"training.steps={STEPS}",
+        f"training.seq_len={SEQ}",
+    ]
+    common += ["logging.progress=false", "distributed.shutdown_timeout_s=5", "data=tokens"]
+    tok, mix = [f"data.path={assets.a}"], [f"data.mix=[{{path: {assets.a}, weight: 0.7}}, {{path: {assets.b}, weight: 0.3}}]"]
+    kill = ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"]
+    points = {
+        "tok_ref": [*tok, "parallelism=dp2_tp2", f"checkpoint.folder={ckpt}"],
+        "tok_killed": [*tok, "parallelism=dp2_tp2", *kill],
+        "mix_ref": [*mix, "parallelism=dp2"],
+        "mix_killed": [*mix, "parallelism=dp2", *kill],
+        "tok_pp": [*tok, "parallelism=tp2_pp2", "parallelism.tp=1", "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-1"],
+    }
+    dirs, consoles = multirun(points, common, sweep / "sweep")
+    return {name: (dirs[name], consoles[name]) for name in points}
+
+
+def _by_step(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics(run_dir)}
+
+
+@pytest.mark.parametrize("name", ["tok", "mix"])
+def test_sigkilled_rank_resumes_bitwise_exactly(trained, name):
+    ref, got = _by_step(trained[f"{name}_ref"][0]), _by_step(trained[f"{name}_killed"][0])
+    assert sum(ln.startswith("checkpoint: resumed from") for ln in trained[f"{name}_killed"][1].splitlines()) == 1
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for s in ref:
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["data_hash"]) == (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["data_hash"]), s
+    assert len({r["data_hash"] for r in ref.values()}) == STEPS
+    assert all(0 <= r["data_s"] < r["step_time_s"] for r in ref.values())
+
+
+def test_layout_change_on_resume_continues_at_the_same_global_sample(trained):
+    ref, got = _by_step(trained["tok_ref"][0]), _by_step(trained["tok_pp"][0])
+    assert sorted(got) == [2, 3]
+    assert [got[s]["data_hash"] for s in (2, 3)] == [ref[s]["data_hash"] for s in (2, 3)]
+    assert got[2]["loss"] == pytest.approx(ref[2]["loss"], abs=1e-4)
+    line = "disjoint samples across 1 DP replica(s) (global samples 8-15)"  # step 2 of a global batch of 8
+    assert line in trained["tok_pp"][1]
