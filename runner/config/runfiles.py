@@ -9,6 +9,7 @@
       precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
       metrics.jsonl        one row per step (rank 0)
       summary.json         the run's medians (rank 0); runner.compare reads it
+      preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
       stragglers.jsonl     the straggler monitor's per-window tables
       hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
       failure_report.json  a rank that raised: each rank's exception and last state
@@ -35,6 +36,7 @@ PEAK = "peak.json"
 PRECISION = "precision.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"
 FAILURE_REPORT = "failure_report.json"

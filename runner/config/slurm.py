@@ -72,6 +72,16 @@ def in_job() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
+def restart_count() -> int:
+    """How many times SLURM has requeued this job (SLURM_RESTART_COUNT; 0 on its first run)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def node_name() -> str | None:
+    """This node's SLURM name: nodes may share a hostname (the localhost cluster), their SLURM names differ."""
+    return os.environ.get("SLURMD_NODENAME")
+
+
 def job_nodes() -> tuple[int, int, str, str]:
     """(this node's index, number of nodes, first node's hostname, job id) of the running job."""
     import submitit
