@@ -29,7 +29,7 @@ def _argv(sweep: Path, *args: str) -> list[str]:
 
 def _job_dirs(sweep: Path) -> list[Path]:
     """submitit's folder of each job (logs and pickles), in job order: `<array id>_<point>` for a sweep, `<job id>` for one job."""
-    folders = sorted((sweep / ".submitit").iterdir(), key=lambda p: p.name)
+    folders = sorted((p for p in (sweep / ".submitit").iterdir() if p.is_dir()), key=lambda p: p.name)
     tasks = [p for p in folders if "_" in p.name]
     return tasks or folders
 
