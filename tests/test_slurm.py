@@ -9,6 +9,8 @@ The sweep's dp2_tp2 job is the uninterrupted reference of the requeued one.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.run import preempt
 from tests.conftest import ROOT, _free_port, metrics, run_cli, summary
 
 SHORT = ["training.steps=6", "training.seq_len=64", "logging.progress=false"]
@@ -145,3 +148,25 @@ def test_launch_plan_prints_the_script_that_was_submitted(requeued, tmp_path):
     printed = proc.stdout.split("nothing is submitted):\n\n", 1)[1].split("\n\neach node of the job runs", 1)[0]
     (submitted,) = _job_dirs(sweep)[0].glob("*_submission.sh")
     assert printed.strip() == submitted.read_text().strip()
+
+
+def test_takeover_hands_usr2_to_submitit_only_after_this_runs_checkpoint(tmp_path, monkeypatch):
+    """No cluster needed: submitit's handler stays held while the ranks save, and runs only for a checkpoint of this run."""
+    calls: list[int] = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))  # stands in for submitit's
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    try:
+        take = preempt.AgentTakeover(tmp_path)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert take.received_at is not None and calls == []  # held: the ranks have not saved yet
+        preempt.record(tmp_path, 3, tmp_path / "checkpoints" / "step-3", 0.5, None)
+        (entry,) = preempt.interruptions(tmp_path)
+        assert (entry["step"], entry["slurm_restart_count"], entry["job_id"]) == (3, 1, "7")
+        take.hand_over()
+        assert calls == [signal.SIGUSR2]  # submitit requeues now
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # the next run of the job finished without a signal
+        preempt.AgentTakeover(tmp_path).hand_over()
+        assert calls == [signal.SIGUSR2]  # the earlier run's record requeues nothing
+    finally:
+        signal.signal(signal.SIGUSR2, before)
