@@ -184,14 +184,15 @@ def main(dcfg: DictConfig) -> None:
         node, _, first_host, job_id = slurm.job_nodes()
     else:
         node, first_host, job_id = 0, None, None
-    if node == 0 and (run_dir / runfiles.FROZEN).exists():
+    requeued = slurm.restart_count() > 0  # SLURM requeued this job: resume in its own run folder (runner.run.preempt)
+    if node == 0 and (run_dir / runfiles.FROZEN).exists() and not requeued:
         _fail(f"Run folder {run_dir} already holds a run. Fix: set hydra.run.dir to a new folder.", run_dir)
     if HydraConfig.get().mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
         # one W&B group per sweep, passed to the ranks through wandb's own variable rather than frozen,
         # so that a replay of frozen.yaml gets a group of its own instead of joining this sweep's
         os.environ["WANDB_RUN_GROUP"] = wandb_group(Path(HydraConfig.get().sweep.dir))
     frozen = run_dir / runfiles.FROZEN
-    if node == 0:
+    if node == 0 and not requeued:
         freeze.write(cfg, lay, run_dir)
     else:
         slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
@@ -200,9 +201,8 @@ def main(dcfg: DictConfig) -> None:
     try:
         if job_id is None:
             launch.run(cfg, lay, frozen, checked=True)
-        else:  # a node of a SLURM job: torchrun with a c10d rendezvous on the job's first node
-            endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
-            launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
+        else:
+            _slurm_node(cfg, lay, run_dir, frozen, first_host, job_id)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
         record = _failed_point(e, run_dir)
         where = f"rank logs in {record['logs']}; recorded in {run_dir / runfiles.FAILED}"
@@ -210,6 +210,19 @@ def main(dcfg: DictConfig) -> None:
         if HydraConfig.get().mode != RunMode.MULTIRUN or job_id is not None:  # a SLURM job reports its own failure
             sys.exit(1)
         _failed.append(" ".join(record["overrides"]))  # the sweep goes on; cli() exits 1 at its end
+
+
+def _slurm_node(cfg: RunConfig, lay, run_dir: Path, frozen: Path, first_host: str, job_id: str) -> None:
+    """A node of a SLURM job: torchrun with a c10d rendezvous on the job's first node. SLURM's warning
+    signal goes to submitit's requeue only once the ranks have checkpointed (runner.run.preempt)."""
+    from runner.run import launch, mesh, preempt
+
+    if slurm.node_name():
+        os.environ.setdefault(mesh.NODE_NAME_ENV, slurm.node_name())  # nodes may share a hostname
+    takeover = preempt.AgentTakeover(run_dir)
+    endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
+    launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
+    takeover.hand_over()
 
 
 def wandb_group(sweep_dir: Path) -> str:

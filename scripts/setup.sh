@@ -2,8 +2,27 @@
 # Create .venv and install the runner with its pinned torch/torchtitan/torchao.
 # Without CUDA it installs the CPU build of torch 2.13.0 (a plain `pip install torch`
 # would pull a multi-GB CUDA build).
+#   scripts/setup.sh                  Python packages only; never a system package
+#   scripts/setup.sh --with-slurm     also Debian's slurm-wlm and munge (apt-get, as root), which the
+#                                     localhost SLURM cluster of the tests needs (scripts/slurm_local/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_SLURM=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-slurm) WITH_SLURM=1 ;;
+    *) echo "usage: scripts/setup.sh [--with-slurm]" >&2; exit 2 ;;
+  esac
+done
+if [ "$WITH_SLURM" = 1 ]; then
+  missing=()
+  for tool in slurmctld slurmd sbatch munged; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    [ "$(id -u)" = 0 ] || { echo "setup.sh --with-slurm: ${missing[*]} missing; run as root to apt-get install slurm-wlm munge" >&2; exit 1; }
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge
+  fi
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,66 @@ def budget(compose):
         return plan.compute(cfg, validate.check(cfg))
 
     return _budget
+
+
+@dataclass
+class SlurmCluster:
+    """The localhost SLURM cluster of scripts/slurm_local/ (two nodes, n1 and n2)."""
+
+    state: Path
+    env: dict[str, str]
+    """The environment that reaches it: SLURM_CONF of this cluster, the sacct stand-in on PATH."""
+
+    def run(self, *argv: str, timeout: int = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env, check=True)
+
+
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
+
+
+def _free_port(span: int = 1) -> int:
+    """A free TCP port p on 127.0.0.1 with p .. p+span-1 all free."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span < 65536 and all(_port_free(p) for p in range(port, port + span)):
+            return port
+    raise RuntimeError("no free port range")
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """Start the localhost SLURM cluster once per session and stop it, by the PIDs its start recorded, at the end.
+    Without SLURM installed the tests skip (fail under CI=true, where .ci/run installs it)."""
+    missing = [t for t in SLURM_TOOLS if shutil.which(t) is None]
+    why = f"SLURM tools missing: {', '.join(missing)}" if missing else ("the local SLURM cluster runs as root" if os.getuid() else None)
+    if why:
+        message = f"{why}. Fix: scripts/setup.sh --with-slurm (as root)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    state = tmp_path_factory.mktemp("slurm")
+    scripts = ROOT / "scripts" / "slurm_local"
+    ports = {"SLURM_LOCAL_CTLD_PORT": str(_free_port()), "SLURM_LOCAL_NODE_PORT0": str(_free_port(3))}
+    start = subprocess.run([str(scripts / "start.sh"), str(state)], capture_output=True, text=True, timeout=120, env=os.environ | ports)
+    assert start.returncode == 0, start.stdout + start.stderr
+    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"), "PATH": f"{scripts / 'bin'}:{os.environ['PATH']}", "WANDB_SILENT": "true"}
+    try:
+        yield SlurmCluster(state, env)
+    finally:
+        stop = subprocess.run([str(scripts / "stop.sh"), str(state)], capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr

@@ -4,6 +4,7 @@ launcher) printed by mode=launch_plan, its validation, and the TP placement rule
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,12 +116,46 @@ def test_slurm_config_missing_fields_is_rejected(tmp_path):
     assert "cluster.devices_per_node = 16: a node of partition gpu has 8 GPUs (cluster.slurm.gpus_per_node_max)" in proc.stderr
 
 
+def _path_without_slurm(tmp_path: Path) -> str:
+    """A PATH with this interpreter's folder and the basic tools only, so that no sbatch the machine has is found."""
+    bin_dir = tmp_path / "nobin"
+    bin_dir.mkdir()
+    for tool in ("sh", "env", "uname"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    return f"{Path(sys.executable).parent}:{bin_dir}"
+
+
 def test_submission_without_sbatch_says_so(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32", f"hydra.sweep.dir={sweep}")
+    argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32"]
+    env = {**os.environ, "PATH": _path_without_slurm(tmp_path)}
+    proc = subprocess.run([*argv, f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     _no_traceback_exit2(proc)
     assert "hydra.launcher = submitit_slurm: sbatch and srun not found on this machine" in proc.stderr
     assert "add mode=launch_plan to print the sbatch script" in proc.stderr
+    assert not sweep.exists()
+
+
+def test_scheduler_refusing_the_submission_is_reported_as_such(tmp_path):
+    """sbatch exists but no controller answers: its command, its message, exit 3, no traceback, no sweep folder."""
+    bin_dir, sweep = tmp_path / "bin", tmp_path / "sweep"
+    bin_dir.mkdir()
+    said = "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)"
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "{said}" >&2\nexit 1\n')
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32"]
+    proc = subprocess.run([*argv, f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "Fix the override" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("scheduler error: ")]
+    assert line.startswith(f"scheduler error: `sbatch {sweep}/.submitit/.submission_file_")
+    assert line.endswith(f"` exited with status 1: {said}")
+    assert "Nothing was submitted. Fix: check that the SLURM controller answers" in proc.stderr
     assert not sweep.exists()
 
 

@@ -5,9 +5,11 @@ Select it with `hydra/sweeper=runner` (conf/config.yaml does). Hydra finds plugi
 `hydra_plugins` namespace package, hence this folder beside `runner/`.
 """
 
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
@@ -40,7 +42,25 @@ class RunnerSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         if self.config.hydra.launcher.get("_target_") == slurm.SLURM_LAUNCHER:
             self._choose_slurm_launcher(arguments)
+            if not isinstance(self.launcher, BasicLauncher):
+                return self._submit(arguments)
         return super().sweep(arguments)
+
+    def _submit(self, arguments: list[str]) -> Any:
+        """Submit through Hydra's submitit launcher; a scheduler that refuses (sbatch failed) is reported as
+        such, with sbatch's own message and exit status 3, and the sweep folder this submission made is removed."""
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        existed = sweep_dir.exists()
+        try:
+            return super().sweep(arguments)
+        except Exception as e:
+            error = slurm.scheduler_error(e)
+            if error is None:
+                raise
+            print(error, file=sys.stderr)
+            if not existed:
+                shutil.rmtree(sweep_dir, ignore_errors=True)
+            sys.exit(slurm.SCHEDULER_ERROR_EXIT)
 
     def _modes(self, arguments: list[str]) -> list[str]:
         """Each point's `mode`, from its composed config (the launcher composes it again to run)."""

@@ -10,7 +10,9 @@ task function, which starts the per-node launcher (runner/launch.py).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 FIRST_NODE = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
+SCHEDULER_ERROR_EXIT = 3
+"""Exit status of `python -m runner -m ...` when SLURM refused the submission (2 is a bad config)."""
 
 
 def sbatch_extra(exclusive: bool, container_image: str | None) -> dict[str, Any]:
@@ -72,6 +76,16 @@ def in_job() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
+def restart_count() -> int:
+    """How many times SLURM has requeued this job (SLURM_RESTART_COUNT; 0 on its first run)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def node_name() -> str | None:
+    """This node's SLURM name: nodes may share a hostname (the localhost cluster), their SLURM names differ."""
+    return os.environ.get("SLURMD_NODENAME")
+
+
 def job_nodes() -> tuple[int, int, str, str]:
     """(this node's index, number of nodes, first node's hostname, job id) of the running job."""
     import submitit
@@ -99,4 +113,19 @@ def submission_problem() -> str | None:
         f"hydra.launcher = submitit_slurm: {' and '.join(missing)} not found on this machine, so nothing can be submitted. "
         "Fix: run from a SLURM login node, or add mode=launch_plan to print the sbatch script and per-node command "
         "without submitting."
+    )
+
+
+def scheduler_error(e: BaseException) -> str | None:
+    """The message for a submission the scheduler refused: submitit raises FailedJobError from sbatch's
+    CalledProcessError, whose command, exit status and stderr say what happened; None for any other error."""
+    cause = e.__cause__
+    if type(e).__name__ != "FailedJobError" or not isinstance(cause, subprocess.CalledProcessError):
+        return None
+    command = shlex.join(str(a) for a in cause.cmd)
+    said = (cause.stderr or cause.output or "").strip() or "(no message)"
+    return (
+        f"scheduler error: `{command}` exited with status {cause.returncode}: {said}\n"
+        "Nothing was submitted. Fix: check that the SLURM controller answers (`sinfo`, `scontrol ping`) and that "
+        "SLURM_CONF names this cluster's slurm.conf, or add mode=launch_plan to print the sbatch script without submitting."
     )

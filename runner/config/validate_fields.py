@@ -94,6 +94,17 @@ def _slurm(cfg: RunConfig, out: list[Problem]) -> None:
         )
     if s.time_min < 1:
         out.append(Problem("cluster.slurm.time_min", s.time_min, "must be >= 1", "set the job's wall-clock limit in minutes"))
+    if s.time_min >= 1 and not 0 < s.signal_s < s.time_min * 60:
+        out.append(
+            Problem(
+                "cluster.slurm.signal_s",
+                s.signal_s,
+                f"SLURM's warning must come after the start and before the time limit ({s.time_min * 60} s)",
+                "give the seconds a step and a checkpoint need, e.g. 120",
+            )
+        )
+    if s.max_requeues < 0:
+        out.append(Problem("cluster.slurm.max_requeues", s.max_requeues, "must be >= 0", "use 0 to never requeue at the time limit"))
     for name in ("cpus_per_node", "mem_gb"):
         if getattr(s, name) is not None and getattr(s, name) < 1:
             out.append(Problem(f"cluster.slurm.{name}", getattr(s, name), "must be >= 1", "or null for SLURM's default"))

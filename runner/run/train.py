@@ -23,7 +23,7 @@ from runner.observe import calibration as calibrate
 from runner.observe import monitor
 from runner.observe.monitor import StepMonitor
 from runner.run import data as data_mod
-from runner.run import evaluate, titan
+from runner.run import evaluate, preempt, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -98,9 +98,12 @@ class _Loop:
     mon: StepMonitor
     guard: monitor.LossGuard
     ckpt: Checkpointer
+    watch: preempt.RankWatch
+    run_dir: Path
     eval_data: Any = None
     """The held-out split (runner.run.data, split="eval"); None when eval.interval is 0."""
     feed: data_mod.Prefetch = None
+    stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -139,7 +142,7 @@ def _rewind(loop: _Loop) -> int:
 def _start(loop: _Loop) -> int:
     """First step to run: after the newest complete checkpoint when resuming (by hand or after an elastic restart)."""
     step = 1
-    if loop.cfg.checkpoint.resume or restarted():
+    if loop.cfg.checkpoint.resume or restarted() or preempt.requeued():
         done = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, loop.guard)
         step = 1 if done is None else done + 1
         if done is None and dist.get_rank() == 0:
@@ -175,6 +178,8 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         ),
         eval_data=eval_data,
         feed=data_mod.Prefetch(data),
+        watch=preempt.rank_watch(),
+        run_dir=run_dir,
     )
 
 
@@ -203,6 +208,8 @@ def _step(loop: _Loop, step: int) -> int:
     r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
     r["data_hash"] = digest
     r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+    if preempt.requeued():
+        r["slurm_restart"] = preempt.restart_count()
     if verdict.spike:
         r |= {"spike": verdict.spike, "action": verdict.action}
     if flagged:
@@ -211,11 +218,12 @@ def _step(loop: _Loop, step: int) -> int:
         r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
     elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
         r |= _evaluate(loop)
-    if "rewound_to" not in r and loop.ckpt.due(step):
+    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r) and loop.ckpt.due(step):
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, opt, loop.sched, loop.data, guard)
     loop.ckpt.poll()
     loop.rows.append(r)
-    if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged or "eval_loss" in r:
+    logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged
+    if logged or "eval_loss" in r or loop.stopped:
         for s in loop.sinks:
             s.log(r)
     return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
@@ -227,6 +235,30 @@ def _evaluate(loop: _Loop) -> dict[str, float]:
     batches = (on_device(loop.eval_data.microbatches(k), device) for k in range(loop.cfg.eval.steps))
     local = evaluate.local_loss(loop.built, loop.loss_fn, batches, loop.global_tokens)  # the eval batch is the training batch
     return evaluate.row(global_loss(local, loop.lay, loop.policy) / loop.cfg.eval.steps, time.perf_counter() - t0)
+
+
+def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any]) -> bool:
+    """SLURM's warning signal reached some rank: every rank stops after this step with a synchronous,
+    published checkpoint (runner.run.preempt). Without checkpoints there is nothing to resume from: the
+    job trains on until SLURM ends it."""
+    if loop.stopped or step >= loop.cfg.training.steps or not loop.watch.agreed(loop.policy):  # the last step just finishes
+        return False
+    if not loop.ckpt.enabled:
+        if dist.get_rank() == 0 and not loop.watch.warned:
+            print(f"preempt: {preempt.SIGNAL.name} at step {step}, but checkpoint.enable=false: nothing to resume from, no requeue")
+        loop.watch.warned = True
+        return False
+    t0 = time.perf_counter()
+    loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, loop.guard)
+    loop.ckpt.wait()  # written and published before the ranks exit
+    saved = time.perf_counter() - t0
+    r |= {"checkpoint_s": saved, "preempted": preempt.SIGNAL.name}
+    if dist.get_rank() == 0:
+        path = checkpoint.final_path(loop.ckpt.folder, step)
+        entry = preempt.record(loop.run_dir, step, path, saved, loop.watch.signalled_at)
+        print(f"preempt: {entry['signal']}: stopped after step {step}, checkpoint {path} ({saved:.2f} s); the job is requeued", flush=True)
+    loop.stopped = True
+    return True
 
 
 def _finish(loop: _Loop, step: int) -> dict[str, Any]:
@@ -271,8 +303,11 @@ def run(
     every eval.interval steps; every rank returns its rows."""
     loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
     step = _start(loop)
-    while step <= cfg.training.steps:
+    while step <= cfg.training.steps and not loop.stopped:
         step = _step(loop, step)
+    if loop.stopped:  # requeued: the summary is the finished run's
+        loop.feed.close()
+        return loop.rows
     summary = _finish(loop, step)
     for s in sinks:
         s.close(summary)

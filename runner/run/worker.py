@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner.config import freeze, layout, precision, runfiles, validate_tokens, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.observe import forensics
-from runner.run import accounting, device, evaluate, mesh, metrics, peak, procs, startup, titan, train
+from runner.run import accounting, device, evaluate, mesh, metrics, peak, preempt, procs, startup, titan, train
 from runner.run import data as data_mod
 from runner.run.device import DevicePolicy
 
@@ -68,6 +68,7 @@ def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: Device
 
 @record
 def main(frozen_path: str) -> None:
+    preempt.watch_rank()  # before anything slow: SLURM's USR2 would otherwise end the rank
     frozen = Path(frozen_path)
     run_dir = frozen.parent
     cfg = freeze.load(frozen)

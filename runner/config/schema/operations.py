@@ -58,6 +58,12 @@ class SlurmConfig:
     """CPU cores requested per node (one task per node); null = SLURM's default."""
     mem_gb: int | None = None
     """Memory per node, GB; null = SLURM's default."""
+    signal_s: int = 120
+    """Seconds before the time limit at which SLURM sends USR2 (#SBATCH --signal=USR2@N): the job checkpoints
+    on it and is requeued. Preemption sends it too (`scancel --signal=USR2 <job>` by hand)."""
+    max_requeues: int = 3
+    """Times a job that reached its time limit is requeued to resume from its checkpoint (hydra-submitit-launcher's
+    max_num_timeout); 0 = never. Preemptions do not count."""
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""Through a real scheduler: the localhost SLURM cluster (scripts/slurm_local/, two nodes n1 and n2,
+started once per session by the slurm_cluster fixture) runs `python -m runner -m cluster=slurm_local`.
+
+Two submissions in all: a 2-point layout sweep (two jobs, each 2 nodes x 2 CPU ranks, rendezvous by
+job id) and one job that gets SLURM's warning signal mid-run, checkpoints, is requeued and finishes.
+The sweep's dp2_tp2 job is the uninterrupted reference of the requeued one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.run import preempt
+from tests.conftest import ROOT, _free_port, metrics, run_cli, summary
+
+SHORT = ["training.steps=6", "training.seq_len=64", "logging.progress=false"]
+LOSS_ATOL = 1e-4  # one node vs two: the same float32 reduction-order noise as tests/test_train.py's parity
+
+
+def _argv(sweep: Path, *args: str) -> list[str]:
+    port = f"cluster.rdzv_port={_free_port()}"  # the rendezvous of both nodes is on 127.0.0.1
+    return [sys.executable, "-m", "runner", "-m", "cluster=slurm_local", port, *SHORT, *args, f"hydra.sweep.dir={sweep}"]
+
+
+def _job_dirs(sweep: Path) -> list[Path]:
+    """submitit's folder of each job (logs and pickles), in job order: `<array id>_<point>` for a sweep, `<job id>` for one job."""
+    folders = sorted((p for p in (sweep / ".submitit").iterdir() if p.is_dir()), key=lambda p: p.name)
+    tasks = [p for p in folders if "_" in p.name]
+    return tasks or folders
+
+
+def _node_logs(job: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(job.glob("*_log.out")))
+
+
+@pytest.fixture(scope="module")
+def layout_sweep(slurm_cluster, tmp_path_factory):
+    """parallelism=dp2_tp2,hsdp2x2 in one submission: one job per point."""
+    sweep = tmp_path_factory.mktemp("slurm_sweep") / "sweep"
+    argv = _argv(sweep, "parallelism=dp2_tp2,hsdp2x2")
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=slurm_cluster.env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return sweep
+
+
+def test_layout_sweep_runs_as_two_two_node_jobs(layout_sweep):
+    jobs = _job_dirs(layout_sweep)
+    assert [j.name.rsplit("_", 1)[1] for j in jobs] == ["0", "1"]  # one array job, a task per point
+    assert jobs[0].name.split("_")[0] == jobs[1].name.split("_")[0]
+    for num, (job, layout) in enumerate(zip(jobs, ["dp2_tp2", "hsdp2x2"], strict=True)):
+        run = layout_sweep / str(num)
+        assert summary(run)["preset"] == layout and summary(run)["world_size"] == 4
+        assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+        # rendezvous by job id: torchrun's log folders are named after it, one per node
+        assert sorted(p.name.rsplit("_", 1)[0] for p in (run / "logs").iterdir() if p.name != "ranks") == [job.name, job.name]
+        # the two slurmd share this machine's hostname; SLURMD_NODENAME tells the nodes apart
+        nodes = next(ln for ln in _node_logs(job).splitlines() if ln.startswith("nodes: "))
+        assert sorted(part.split(" ranks ")[0] for part in nodes[len("nodes: ") :].split("; ")) == ["n1", "n2"], nodes
+
+
+def test_two_node_job_matches_one_node_losses(layout_sweep, tmp_path):
+    one_node = tmp_path / "one_node"
+    proc = run_cli(*SHORT, run_dir=one_node)  # cluster=local_cpu: the default dp2_tp2 on 4 ranks of one node
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, ref = metrics(layout_sweep / "0"), metrics(one_node)
+    assert [r["loss"] for r in got] == [pytest.approx(r["loss"], abs=LOSS_ATOL) for r in ref]
+    assert [r["data_hash"] for r in got] == [r["data_hash"] for r in ref]
+
+
+def _wait(what: str, done, timeout_s: float = 300.0, every_s: float = 0.3):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = done()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _signal_then_release(cluster, run: Path) -> dict[str, float]:
+    """USR2 once step 1 is logged, as SLURM sends it before a time limit; once the job is requeued,
+    release it: SLURM holds a requeued job for two minutes (Reason=BeginTime) before it may start again."""
+    t0 = time.monotonic()
+    _wait("step 1 in metrics.jsonl", lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip())
+    (job_id,) = cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+    cluster.run("scancel", "--signal=USR2", job_id)
+    signalled = time.monotonic()
+
+    def held() -> bool:
+        state = cluster.run("squeue", "-h", "-j", job_id, "-o", "%T %r").stdout.split()
+        return state == ["PENDING", "BeginTime"]
+
+    _wait("the requeued job", held)
+    requeued = time.monotonic()
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    return {"first_step_s": signalled - t0, "signal_to_requeue_s": requeued - signalled, "job_id": job_id}
+
+
+@pytest.fixture(scope="module")
+def requeued(slurm_cluster, layout_sweep, tmp_path_factory):
+    """One dp2_tp2 job that gets USR2 after step 1 and is requeued: (its sweep folder, console, timings)."""
+    sweep = tmp_path_factory.mktemp("slurm_requeue") / "sweep"
+    argv = _argv(sweep, "parallelism=dp2_tp2", "checkpoint=local")
+    job = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slurm_cluster.env)
+    try:
+        times = _signal_then_release(slurm_cluster, sweep / "0")
+        out = job.communicate(timeout=600)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, out[-3000:]
+    return sweep, times
+
+
+def test_signalled_job_checkpoints_requeues_and_resumes_bitwise(requeued, layout_sweep):
+    sweep, times = requeued
+    run, ref = sweep / "0", metrics(layout_sweep / "0")
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and not any("repeat" in r for r in rows)  # none repeated or skipped
+    assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in ref]  # bitwise
+    (stopped,) = [r for r in rows if "preempted" in r]
+    k = stopped["step"]
+    assert stopped["preempted"] == "SIGUSR2" and k < 6
+    assert [r.get("slurm_restart", 0) for r in rows] == [0] * k + [1] * (6 - k)
+    (entry,) = json.loads((run / "preempted.json").read_text())
+    assert entry["job_id"] == times["job_id"] and entry["step"] == k and entry["slurm_restart_count"] == 0
+    assert (Path(entry["checkpoint"]) / "COMPLETE.json").is_file()
+    logs = _node_logs(_job_dirs(sweep)[0])
+    assert f"preempt: SIGUSR2: stopped after step {k}, checkpoint {entry['checkpoint']}" in logs
+    assert "this job is preempted" in logs and "Requeued job" in logs  # submitit's requeue, not counted as a time limit
+    assert f"checkpoint: resumed from {entry['checkpoint']} (step {k}" in logs
+    print(f"requeue timings: {times}")
+
+
+def test_launch_plan_prints_the_script_that_was_submitted(requeued, tmp_path):
+    """mode=launch_plan with the submission's overrides prints exactly the sbatch file submitit wrote."""
+    sweep, _ = requeued
+    args = ["cluster=slurm_local", *SHORT, "parallelism=dp2_tp2", "checkpoint=local", "mode=launch_plan", f"hydra.sweep.dir={sweep}"]
+    proc = run_cli(*args, run_dir=tmp_path / "p")
+    assert proc.returncode == 0, proc.stderr
+    printed = proc.stdout.split("nothing is submitted):\n\n", 1)[1].split("\n\neach node of the job runs", 1)[0]
+    (submitted,) = _job_dirs(sweep)[0].glob("*_submission.sh")
+    assert printed.strip() == submitted.read_text().strip()
+
+
+def test_takeover_hands_usr2_to_submitit_only_after_this_runs_checkpoint(tmp_path, monkeypatch):
+    """No cluster needed: submitit's handler stays held while the ranks save, and runs only for a checkpoint of this run."""
+    calls: list[int] = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))  # stands in for submitit's
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    try:
+        take = preempt.AgentTakeover(tmp_path)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert take.received_at is not None and calls == []  # held: the ranks have not saved yet
+        preempt.record(tmp_path, 3, tmp_path / "checkpoints" / "step-3", 0.5, None)
+        (entry,) = preempt.interruptions(tmp_path)
+        assert (entry["step"], entry["slurm_restart_count"], entry["job_id"]) == (3, 1, "7")
+        take.hand_over()
+        assert calls == [signal.SIGUSR2]  # submitit requeues now
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # the next run of the job finished without a signal
+        preempt.AgentTakeover(tmp_path).hand_over()
+        assert calls == [signal.SIGUSR2]  # the earlier run's record requeues nothing
+    finally:
+        signal.signal(signal.SIGUSR2, before)
