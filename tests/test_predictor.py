@@ -67,7 +67,7 @@ def _profile(layer_overhead_s: float = 2e-3) -> dict:
         "collectives": {n: {f"{op}@2": link for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")} for n in ("2", "4")},
         "constants": {
             "layer_overhead_s": steptime_profile.constant("layer_overhead_s", layer_overhead_s),
-            "tp_overhead_s": steptime_profile.constant("tp_overhead_s", 1e-3),
+            "dtensor_overhead_s": steptime_profile.constant("dtensor_overhead_s", 1e-3),
             "comm_overlap": steptime_profile.constant("comm_overlap", 0.0),
         },
     }
@@ -77,7 +77,11 @@ def test_profile_round_trip_and_its_named_constants(compose, tmp_path):
     path = steptime_profile.write(_profile(), tmp_path / "profile.json")
     saved = json.loads(path.read_text())
     assert saved["kind"] == "runner machine profile" and saved["version"] == 1
-    assert {k: v["unit"] for k, v in saved["constants"].items()} == {"layer_overhead_s": "s", "tp_overhead_s": "s", "comm_overlap": "fraction"}
+    assert {k: v["unit"] for k, v in saved["constants"].items()} == {
+        "layer_overhead_s": "s",
+        "dtensor_overhead_s": "s",
+        "comm_overlap": "fraction",
+    }
     assert all(v["meaning"] for v in saved["constants"].values())
     rows = {name: value for name, value, _ in steptime_profile.describe(saved)}
     assert rows["layer_overhead_s"] == "0.002 s" and rows["all_gather@2 (4 ranks running)"] == "1000 us + bytes / 1.00 GB/s"

@@ -17,6 +17,7 @@ seconds per step on the busiest rank:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from runner.config.memory import BYTES, keeps_weights_gathered
 from runner.config.schema import RunConfig
 from runner.config.steptime_machine import DATASHEET, Machine
 
+CPU_TERMS = ("compute", "non_matmul", "recompute", "overhead")
 TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp")
 
 
@@ -80,17 +82,20 @@ def _tp_cp_ep(
     """Seconds of one block's TP, CP and EP collectives for one microbatch (forward, backward, recomputed forward)."""
     m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
     passes = 2 + (1 if shares[0] > 0 else 0)  # forward, backward (+ the recomputed forward)
+    fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
     tp = 0.0
     if lay.tp > 1:
         # sequence parallel: all-gather before and reduce-scatter after attention and the MLP, each way
         gather = _collective(mach, kinds["tp"], "all_gather", lay.tp, n * m.dim * bw)
         scatter = _collective(mach, kinds["tp"], "reduce_scatter", lay.tp, n * m.dim * bw)
-        tp = 2 * passes * (gather + scatter + 2 * mach.tp_overhead_s)
+        tp = 2 * passes * (gather + scatter + 2 * fixed)
     cp = 0.0
     if lay.cp > 1:
-        kv = 2 * n * m.num_kv_heads * flops.head_dim(m) / lay.tp * bw  # this rank's K and V chunk
-        rotations = (lay.cp - 1) * (1 + 2 + shares[1])  # forward K/V; backward K/V and dK/dV; recomputed forward
-        cp = rotations * _collective(mach, kinds["cp"], "send_recv", 2, kv)
+        # torch's ring attention (all-gather rotation): K and V gathered forward; gathered again and dK, dV
+        # reduce-scattered backward
+        kv = 2 * n * lay.cp * m.num_kv_heads * flops.head_dim(m) / lay.tp * bw
+        cp = passes * (_collective(mach, kinds["cp"], "all_gather", lay.cp, kv) + fixed)
+        cp += _collective(mach, kinds["cp"], "reduce_scatter", lay.cp, kv) + fixed
     ep = 0.0
     if lay.ep > 1 and flops.is_moe(m):
         routed = n * m.num_experts_per_token * m.dim * bw
@@ -98,19 +103,23 @@ def _tp_cp_ep(
     return tp, cp, ep
 
 
+def _element_bytes(cfg: RunConfig, mach: Machine) -> float:
+    """Bytes moved per activation element: the machine's figure is for 2-byte (bf16) activations."""
+    return mach.bytes_per_element * BYTES[cfg.precision.param_dtype.value] / 2
+
+
 def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], shares: tuple[float, float, float]) -> _Chunk:
     """One transformer block, one microbatch, forward + backward."""
     blk = work.block(cfg, lay)
     gemm = sum(mach.gemm_s(g) for g in blk.gemms)
     attn = blk.attention_flops / (mach.attention_tflops * 1e12)
-    elem = blk.elements * mach.bytes_per_element / (mach.memory_gbs * 1e9)
+    elem = blk.elements * _element_bytes(cfg, mach) / (mach.memory_gbs * 1e9)
     tp, cp, ep = _tp_cp_ep(cfg, lay, mach, kinds, shares)
-    share = mach.cpu_share
     return _Chunk(
-        compute=3 * (gemm + attn) * share,
-        non_matmul=elem * share,
-        recompute=(shares[0] * gemm + shares[1] * attn + shares[2] * elem / 3) * share,
-        overhead=(2 + (1 if shares[0] else 0)) * mach.layer_overhead_s * share,
+        compute=3 * (gemm + attn),
+        non_matmul=elem,
+        recompute=shares[0] * gemm + shares[1] * attn + shares[2] * elem / 3,
+        overhead=(2 + (1 if shares[0] else 0)) * mach.layer_overhead_s,
         tp=tp,
         cp=cp,
         ep=ep,
@@ -119,8 +128,8 @@ def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], sh
 
 def _head(cfg: RunConfig, lay: Layout, mach: Machine) -> _Chunk:
     """The output projection and the loss of one microbatch (last stage)."""
-    elem = work.logits(cfg, lay) * mach.bytes_per_element / (mach.memory_gbs * 1e9)
-    return _Chunk(compute=3 * mach.gemm_s(work.head_gemm(cfg, lay)) * mach.cpu_share, non_matmul=elem * mach.cpu_share)
+    elem = work.logits(cfg, lay) * _element_bytes(cfg, mach) / (mach.memory_gbs * 1e9)
+    return _Chunk(compute=3 * mach.gemm_s(work.head_gemm(cfg, lay)), non_matmul=elem)
 
 
 def _scaled(c: _Chunk, k: float) -> _Chunk:
@@ -164,6 +173,18 @@ def _pp_s(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], mic
     return 2 * micro * v * _collective(mach, kinds["pp"], "send_recv", 2, act)
 
 
+def _shared(mach: Machine, ranks: list[_Chunk], busiest: int) -> tuple[_Chunk, float]:
+    """The busiest pipeline rank's step with the machine's cores shared (CPU ranks > cores): every rank's
+    work is spread over the cores, so the time a stage idles in the bubble goes to the other ranks. Returns
+    that rank's terms and a (negative) correction of the bubble by the idle time others fill."""
+    if mach.cpu_share <= 1:
+        return ranks[busiest], 0.0
+    work_of = [r.compute + r.non_matmul + r.recompute + r.overhead for r in ranks]
+    k = mach.cpu_share * (sum(work_of) / len(ranks)) / work_of[busiest]
+    stretched = dataclasses.replace(ranks[busiest], **{f: k * getattr(ranks[busiest], f) for f in CPU_TERMS})
+    return stretched, -(k - 1) * work_of[busiest]
+
+
 def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, float]:
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
     v = cfg.parallelism.pp_virtual_stages if lay.pp > 1 else 1
@@ -177,8 +198,8 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     ]
     per_rank = [sum((c.total() for c in row), 0.0) for row in chunks]
     busiest = max(range(lay.pp), key=per_rank.__getitem__)
-    rank = _scaled(functools.reduce(_add, chunks[busiest]), micro)
-    bubble = (lay.pp - 1) * max(c.total() for row in chunks for c in row) if lay.pp > 1 else 0.0
+    rank, bubble = _shared(mach, [_scaled(functools.reduce(_add, row), micro) for row in chunks], busiest)
+    bubble += (lay.pp - 1) * max(c.total() for row in chunks for c in row) if lay.pp > 1 else 0.0
     dp_block = _dp_per_block(cfg, lay, mach, kinds, micro)
     compute_block = blk.compute + blk.non_matmul + blk.recompute
     hidden = mach.comm_overlap * min(dp_block, micro * compute_block)
@@ -186,7 +207,7 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     dp = blocks * (dp_block - hidden) + (hidden if blocks else 0.0)  # the first gather and the last reduce-scatter stay exposed
     out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep")}
     out["non_matmul"] += _optimizer_s(cfg, lay, mach)
-    return {**out, "bubble": bubble, "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
+    return {**out, "bubble": max(0.0, bubble), "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
 
 
 def resolve_machine(cfg: RunConfig, lay: Layout, profile=None, **datasheet_overrides) -> Machine | None:

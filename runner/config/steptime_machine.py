@@ -71,8 +71,8 @@ class Machine:
     """Measured TFLOP/s at (M, K, N); GEMMs not in it use matmul_tflops and gemm_half_dim."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per transformer block per pass (forward or backward): kernel dispatch not hidden behind work."""
-    tp_overhead_s: float = 0.0
-    """Fixed seconds per tensor-parallel collective beyond the collective itself (DTensor redistribution)."""
+    dtensor_overhead_s: float = 0.0
+    """Fixed CPU seconds per collective issued through DTensor (TP, CP) beyond the collective itself."""
     comm_overlap: float = 1.0
     """Share of FSDP/DP traffic that runs while the rank computes (a GPU's separate stream: 1)."""
     cpu_share: float = 1.0
