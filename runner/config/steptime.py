@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from runner.config import flops, layout, pipeline, plan_comm
 from runner.config import steptime_machine as machine
 from runner.config import steptime_work as work
-from runner.config.layout import Layout
+from runner.config.layout import MESH_ORDER, Layout
 from runner.config.memory import BYTES, keeps_weights_gathered
 from runner.config.schema import RunConfig
 from runner.config.steptime_machine import DATASHEET, Machine
@@ -188,8 +188,7 @@ def _shared(mach: Machine, ranks: list[_Chunk], busiest: int) -> tuple[_Chunk, f
 def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, float]:
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
     v = cfg.parallelism.pp_virtual_stages if lay.pp > 1 else 1
-    dpn = layout.devices_per_node(cfg.cluster, lay.world_size)
-    kinds = {**plan_comm.links(lay, dpn), "ep": "intra-node" if lay.ep <= dpn and dpn % lay.ep == 0 else "scale-out"}
+    kinds = _kinds(cfg, lay)
     shares = work.recomputed_share(ac, _layer_frequency(cfg))
     blk, head, stages = _block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach), _stages(cfg, lay, v)
     last = lay.pp * v - 1
@@ -208,6 +207,18 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep")}
     out["non_matmul"] += _optimizer_s(cfg, lay, mach)
     return {**out, "bubble": max(0.0, bubble), "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
+
+
+def _kinds(cfg: RunConfig, lay: Layout) -> dict[str, str]:
+    """The link kind ('intra-node' or 'scale-out') each axis's groups use."""
+    dpn = layout.devices_per_node(cfg.cluster, lay.world_size)
+    return {**plan_comm.links(lay, dpn), "ep": "intra-node" if lay.ep <= dpn and dpn % lay.ep == 0 else "scale-out"}
+
+
+def _links_known(cfg: RunConfig, mach: Machine, lay: Layout) -> bool:
+    """Every link a parallel axis of `lay` uses has a bandwidth (a cluster may leave one unknown)."""
+    kinds = _kinds(cfg, lay)
+    return all(mach.links.get(kinds[a]) for a in (*MESH_ORDER, "ep") if getattr(lay, a) > 1)
 
 
 def resolve_machine(cfg: RunConfig, lay: Layout, profile=None, **datasheet_overrides) -> Machine | None:
@@ -234,7 +245,7 @@ def predict(
     datasheet's (a profile's measured figures take precedence over all three); `ac` prices another
     activation-checkpointing mode than training.activation_checkpoint's (its value, e.g. "selective_op")."""
     mach = resolve_machine(cfg, lay, profile, peak_tflops=peak_tflops, link_gbs=link_gbs, efficiency=matmul_efficiency)
-    if mach is None:
+    if mach is None or not _links_known(cfg, mach, lay):
         return StepPrediction(None)
     found = _terms(cfg, lay, mach, ac or cfg.training.activation_checkpoint.value)
     terms = {k: found[k] for k in TERMS}

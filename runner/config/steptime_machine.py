@@ -95,17 +95,17 @@ class Machine:
 def _datasheet_links(cfg: RunConfig, link_gbs: dict[str, float] | None) -> dict[str, dict[str, Link]]:
     c = cfg.cluster
     gbs_of = link_gbs or {"intra-node": c.intra_node_bandwidth_gbs, "scale-out": c.inter_node_bandwidth_gbs}
-    return {kind: {op: Link(COLLECTIVE_LATENCY_S, g / 2 * LINK_EFFICIENCY) for op in OPS} for kind, g in gbs_of.items()}
+    return {kind: {op: Link(COLLECTIVE_LATENCY_S, g / 2 * LINK_EFFICIENCY) for op in OPS} for kind, g in gbs_of.items() if g > 0}
 
 
 def datasheet(cfg: RunConfig, peak_tflops: float | None, link_gbs: dict[str, float] | None, efficiency: float | None) -> Machine | None:
-    """The cluster's figures with the GPU constants above; None when the cluster lacks a peak or a link."""
+    """The cluster's figures with the GPU constants above (a link of unknown bandwidth left out); None without a peak."""
     from runner.config import precision
 
     c = cfg.cluster
     peak = peak_tflops if peak_tflops is not None else c.peak_tflops.get(precision.matmul_peak(cfg)[0])
     links = _datasheet_links(cfg, link_gbs)
-    if not peak or any(lk["all_reduce"].gbs <= 0 for lk in links.values()):
+    if not peak:
         return None
     rate = peak * (efficiency if efficiency is not None else c.matmul_efficiency)
     bpe = COMPILED_BYTES_PER_ELEMENT if cfg.training.compile else EAGER_BYTES_PER_ELEMENT
