@@ -80,7 +80,7 @@ def _tp_cp_ep(
 ) -> tuple[float, float, float]:
     """Seconds of one block's TP, CP and EP collectives for one microbatch (forward, backward, recomputed forward)."""
     m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
-    passes = 2 + (1 if shares[0] > 0 else 0)  # forward, backward (+ the recomputed forward)
+    passes = 2 + shares[2]  # forward, backward and the share of blocks whose forward runs again
     fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
     tp = 0.0
     if lay.tp > 1:
@@ -118,7 +118,7 @@ def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], sh
         compute=3 * (gemm + attn),
         non_matmul=elem,
         recompute=shares[0] * gemm + shares[1] * attn + shares[2] * elem / 3,
-        overhead=(2 + (1 if shares[0] else 0)) * mach.layer_overhead_s,
+        overhead=(2 + shares[2]) * mach.layer_overhead_s,
         tp=tp,
         cp=cp,
         ep=ep,
