@@ -37,6 +37,10 @@ BAD = [
     (["model.qk_nope_head_dim=-1"], "model.qk_nope_head_dim"),
     (["model.qk_rope_head_dim=-1"], "model.qk_rope_head_dim"),
     (["model.v_head_dim=-1"], "model.v_head_dim"),
+    (["model.head_dim=-1"], "model.head_dim"),
+    (["model.sliding_window=-1"], "model.sliding_window"),
+    (["model.full_attention_interval=0"], "model.full_attention_interval"),
+    (["model.rope_max_seq_len=0"], "model.rope_max_seq_len"),
     (["parallelism.dp_replicate=0"], "parallelism.dp_replicate"),
     (["parallelism.dp_shard=-2"], "parallelism.dp_shard"),
     (["parallelism.tp=0"], "parallelism.tp"),
@@ -126,6 +130,12 @@ BAD = [
 # Fields with no value the config layer can call wrong, and why.
 NO_BAD_VALUE = [
     ("model.weight_tying", "the model is built from TorchTitan's registry flavor; a test keeps the copied numbers equal to it"),
+    ("model.fuse_qkv", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
+    ("model.qk_norm", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
+    ("model.attention_bias", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
+    ("model.attention_sinks", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
+    ("model.moe_bias", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
+    ("model.rope_cos_sin", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
     ("parallelism.name", "a label for reports"),
     ("parallelism.sequence_parallel", "both settings run with any tp (validation checks seq_len against tp when it is on)"),
     ("precision.name", "a label for reports"),

@@ -8,6 +8,8 @@ Torch-free. Two FLOP conventions, and every figure says which one it used:
 - "6N": 6 * N (Kaplan et al. 2020; the convention of the Llama 3 paper's MFU).
 For mixture-of-experts models N is the ACTIVE parameter count in both conventions (TorchTitan's
 `get_moe_model_nparams_and_flops`): a token runs num_experts_per_token of num_experts routed experts.
+TorchTitan counts every block's attention over the whole sequence, sliding-window blocks (gpt-oss) included, and
+so does "titan" here: its FLOPs equal TorchTitan's for every registered flavor (tests/test_families.py).
 MFU = model FLOP/s / (number of devices x dense peak per device in the compute dtype).
 """
 
@@ -19,7 +21,8 @@ CONVENTIONS = ("titan", "6N")
 
 
 def head_dim(m: ModelConfig) -> int:
-    return m.dim // m.num_heads
+    """Dims of one grouped-query attention head: model.head_dim where the family sets it apart (Qwen3, gpt-oss)."""
+    return m.head_dim or m.dim // m.num_heads
 
 
 def is_moe(m: ModelConfig) -> bool:
@@ -27,7 +30,7 @@ def is_moe(m: ModelConfig) -> bool:
 
 
 def is_mla(m: ModelConfig) -> bool:
-    """Multi-head latent attention (DeepSeek-V3) rather than grouped-query attention."""
+    """Multi-head latent attention (DeepSeek-V3, Kimi) rather than grouped-query attention."""
     return m.kv_lora_rank > 0
 
 
@@ -43,12 +46,15 @@ def embedding_params(m: ModelConfig) -> int:
 
 
 def attention_params(m: ModelConfig) -> int:
-    """GQA: q, k, v, o projections. MLA: query projection (direct or through a q_lora_rank bottleneck
-    with its norm), the joint compressed key/value + shared RoPE-key projection, its norm, the
-    key/value up-projection and the output projection."""
+    """GQA: q, k, v, o projections (with biases in gpt-oss), Qwen3's per-head q and k norms, gpt-oss's sink
+    logit per head. MLA: query projection (direct or through a q_lora_rank bottleneck with its norm), the joint
+    compressed key/value + shared RoPE-key projection, its norm, the key/value up-projection and the output projection."""
     if not is_mla(m):
-        hd = head_dim(m)
-        return m.dim * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.dim
+        hd, q = head_dim(m), m.num_heads * head_dim(m)
+        qkv = q + 2 * m.num_kv_heads * hd
+        n = m.dim * qkv + q * m.dim
+        n += (qkv + m.dim) * m.attention_bias + 2 * hd * m.qk_norm + m.num_heads * m.attention_sinks
+        return n
     qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
     q = m.dim * qk if m.q_lora_rank == 0 else m.dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * qk
     kv = m.dim * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
@@ -57,14 +63,20 @@ def attention_params(m: ModelConfig) -> int:
 
 
 def routed_expert_params(m: ModelConfig) -> int:
-    """All routed experts of one MoE block (SwiGLU each)."""
-    return m.num_experts * 3 * m.dim * m.moe_hidden_dim
+    """All routed experts of one MoE block (SwiGLU each; gpt-oss adds a bias to the fused gate/up and the down projection)."""
+    bias = (2 * m.moe_hidden_dim + m.dim) * m.moe_bias
+    return m.num_experts * (3 * m.dim * m.moe_hidden_dim + bias)
+
+
+def router_params(m: ModelConfig) -> int:
+    """The router gate of one MoE block (with its bias in gpt-oss)."""
+    return (m.dim + m.moe_bias) * m.num_experts
 
 
 def moe_ffn_params(m: ModelConfig) -> int:
     """Routed experts, router gate and shared experts of one MoE block."""
     shared = 3 * m.dim * m.moe_hidden_dim * m.num_shared_experts
-    return routed_expert_params(m) + m.dim * m.num_experts + shared
+    return routed_expert_params(m) + router_params(m) + shared
 
 
 def num_moe_layers(m: ModelConfig) -> int:
@@ -78,7 +90,8 @@ def block_params(m: ModelConfig) -> int:
 
 
 def num_params(m: ModelConfig) -> int:
-    """Parameters of the decoder (no biases), every expert included, tied weights counted once."""
+    """Parameters of the decoder (the text tower of a vision-language flavor), every expert included, tied weights
+    counted once."""
     head = 0 if m.weight_tying else m.vocab_size * m.dim
     dense_block = attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     n_moe = num_moe_layers(m)

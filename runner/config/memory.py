@@ -25,8 +25,9 @@ The default figures follow what TorchTitan allocates, category by category as th
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
   the input of every stage after the first, kept across steps (and one for the gradient of every stage before
   the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
-- buffers: one RoPE table per layer (complex64, head_dim / 2 per position) at the max_seq_len of TorchTitan's
-  flavors (llama3 131,072, deepseek_v3 16,384), which the runner keeps whatever training.seq_len.
+- buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
+  Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
+  runner keeps whatever training.seq_len.
 
 The seed documents' budget is kept beside it, labelled `*_seed`: weights and gradients both in the training
 dtype, 12 B of optimizer state per parameter over dp_shard, and Korthikanti et al. 2022 (Table 2) for
@@ -48,8 +49,8 @@ MOMENT_BYTES = 8  # Adam first and second moments in fp32
 MASTER_BYTES = 4  # FSDP2's fp32 parameter shard
 CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, per parameter
 CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
-ROPE_MAX_SEQ_LEN = {"llama3": 131072, "deepseek_v3": 16384}  # the RoPE table's positions in TorchTitan's flavors of each family
 ROPE_ENTRY_BYTES = 8  # complex64 per (position, head_dim / 2)
+ROPE_COS_SIN_BYTES = 8  # fp32 cos and sin per (position, head_dim)
 FFN_GRADS_AT_PEAK = 2  # of the FFN's 3 weights, those with a param_dtype gradient at a stage's peak without AC: w2 and w3
 # (the dry run finds 2 on the debug model, all 3 on the 405B whose activations dwarf the weights; 2 is within 2 % of both)
 LOSS_BACKWARD_BYTES = 8  # per token and vocabulary entry: the param_dtype logits, the fp32 gradient of the loss and its param_dtype cast
@@ -158,6 +159,12 @@ def _stage_blocks(cfg: RunConfig, lay: Layout) -> list[tuple[int, int]]:
     return [tuple(x) for x in out]
 
 
+def rope_bytes_per_position(m) -> float:
+    """One block's RoPE table per position: complex64 rotations (head_dim / 2) or fp32 cos and sin (head_dim each)."""
+    head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
+    return head_dim * ROPE_COS_SIN_BYTES if m.rope_cos_sin else head_dim / 2 * ROPE_ENTRY_BYTES
+
+
 def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
     """Microbatches whose activations pipeline stage `stage` holds at its peak (1F1B family: pp - stage)."""
     if lay.pp == 1:
@@ -209,8 +216,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
-    head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
-    buffers = (blocks[0] + blocks[1]) * ROPE_MAX_SEQ_LEN[m.name] * head_dim / 2 * ROPE_ENTRY_BYTES
+    buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
     return {
         "params": local,

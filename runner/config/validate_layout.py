@@ -12,7 +12,6 @@ from runner.config.problems import Problem
 from runner.config.schema import DeviceType, ParallelismConfig, RunConfig
 
 DEGREES = ("dp_replicate", "tp", "pp", "cp", "ep")
-ROPE_MAX_SEQ_LEN = 131072  # TorchTitan's llama3 RoPE table length
 
 
 def divisors(n: int) -> list[int]:
@@ -148,9 +147,14 @@ def sequence(cfg: RunConfig, out: list[Problem]) -> None:
                 f"use a multiple of {2 * p.cp}",
             )
         )
-    if t.seq_len > ROPE_MAX_SEQ_LEN:
+    if t.seq_len > cfg.model.rope_max_seq_len:
         out.append(
-            Problem("training.seq_len", t.seq_len, f"longer than the model's RoPE table ({ROPE_MAX_SEQ_LEN})", f"use <= {ROPE_MAX_SEQ_LEN}")
+            Problem(
+                "training.seq_len",
+                t.seq_len,
+                f"longer than the model's RoPE table ({cfg.model.rope_max_seq_len})",
+                f"use <= {cfg.model.rope_max_seq_len}",
+            )
         )
 
 
