@@ -1,0 +1,124 @@
+"""Every TorchTitan flavor is a model option: conf/model/ and the README table are what scripts/gen_models.py
+writes from the registries, and runner.config.flops counts what TorchTitan counts (total and active parameters,
+FLOPs per token) for every one of them, built on the meta device."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import re
+
+import pytest
+
+from runner.config import families, flops
+from runner.config.schema import ModelConfig
+from tests.conftest import ROOT
+
+
+@functools.cache
+def gen():
+    spec = importlib.util.spec_from_file_location("gen_models", ROOT / "scripts" / "gen_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def registry_fields() -> dict[str, dict]:
+    return gen().all_fields()
+
+
+OPTIONS = [
+    (name, flavor) for name, fam in families.FAMILIES.items() if not fam.import_failure for flavor in fam.flavors
+]  # the flavors runner.config.families lists; test_flavor_lists_are_titans checks them against the registries
+SEQ_LENS = (2048, 8192)
+
+
+def test_flavor_lists_are_titans():
+    for name, fam in families.FAMILIES.items():
+        if fam.import_failure:
+            with pytest.raises(ImportError):
+                importlib.import_module(f"torchtitan.models.{name}")
+            continue
+        assert tuple(gen().registry(name)[1]) == fam.flavors, name
+
+
+def test_model_files_are_the_registry():
+    """No hand-kept copy: every file under conf/model/ is the generator's output for the registry, and nothing else is there."""
+    wanted = gen().model_files(registry_fields())
+    on_disk = {p: p.read_text() for p in (ROOT / "conf" / "model").glob("*.yaml")}
+    assert sorted(on_disk) == sorted(wanted)
+    stale = [p.name for p in wanted if on_disk[p] != wanted[p]]
+    assert stale == [], "run .venv/bin/python scripts/gen_models.py"
+
+
+def test_readme_table_is_generated():
+    g = gen()
+    assert g.readme_text(g.readme_table(registry_fields())) == g.README.read_text(), "run .venv/bin/python scripts/gen_models.py"
+
+
+@contextlib.contextmanager
+def no_rope_tables():
+    """RoPE tables are buffers, not parameters, and computing them is most of a meta build's time: skip them."""
+    import torch
+    from torchtitan.models.common import rope
+
+    kinds = [k for k in vars(rope).values() if isinstance(k, type) and "_precompute_cache" in vars(k)]
+    originals = {k: k._precompute_cache for k in kinds}
+    for k in kinds:
+        k._precompute_cache = lambda self: torch.empty(0)
+    try:
+        yield
+    finally:
+        for k, f in originals.items():
+            k._precompute_cache = f
+
+
+@functools.cache
+def titan_counts(family: str, flavor: str) -> tuple[int, int, tuple[int, ...]]:
+    """(total, active, FLOPs per token at SEQ_LENS) as TorchTitan's model computes them, text tower only: the
+    active count is the one get_moe_model_nparams_and_flops logs (dense models: the total)."""
+    import torch
+    from torchtitan.models import utils
+
+    cfg = gen().registry(family)[0].model_registry(flavor).model
+    with torch.device("meta"), no_rope_tables():
+        model = cfg.build()
+    vision = sum(p.numel() for n, p in model.named_parameters() if "vision_encoder" in n)
+    logged: list[str] = []
+    original = utils.logger
+    utils.logger = type("Recorder", (), {"info": lambda self, msg: logged.append(msg)})()
+    try:
+        results = [cfg.get_nparams_and_flops(model, s) for s in SEQ_LENS]
+    finally:
+        utils.logger = original
+    total = results[0][0] - vision
+    active = int(re.search(r"active ([\d,]+)", logged[0]).group(1).replace(",", "")) if logged else total
+    return total, active, tuple(f for _, f in results)
+
+
+@pytest.mark.parametrize("family,flavor", OPTIONS, ids=[f"{a}-{b}" for a, b in OPTIONS])
+def test_counts_equal_titans(family, flavor):
+    m = ModelConfig(**registry_fields()[gen().option_name(family, flavor)])
+    total, active, per_token = titan_counts(family, flavor)
+    assert flops.num_params(m) == total
+    assert flops.num_active_params(m) == active
+    assert tuple(flops.flops_per_token(m, s, "titan") for s in SEQ_LENS) == per_token
+
+
+def test_published_totals(compose):
+    """The model cards' figures come out of the torch-free counts."""
+
+    def counts(option):
+        m = compose([f"model={option}", "parallelism=single"]).model
+        return flops.num_params(m) / 1e9, flops.num_active_params(m) / 1e9, m
+
+    total, active, _ = counts("deepseek_v3_671b")
+    assert (round(total), round(active)) == (671, 38)  # report: 671B total, 37B activated (without the 0.9B embedding: 36.7B)
+    total, active, _ = counts("qwen3_235b_a22b")
+    assert (round(total), round(active)) == (235, 22)
+    total, active, m = counts("gpt_oss_120b")
+    assert round(total, 1) == 116.8
+    # the model card's 5.1B active counts the unembedding but not the embedding table (0.58B)
+    assert round(active - flops.embedding_params(m) / 1e9, 2) == 5.13
