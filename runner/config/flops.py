@@ -106,6 +106,12 @@ def num_active_params(m: ModelConfig) -> int:
     return num_params(m) - routed + routed * m.num_experts_per_token // max(m.num_experts, 1)
 
 
+def params_per_ep_rank(m: ModelConfig, ep: int) -> float:
+    """Parameters one expert-parallel rank holds before FSDP shards them: the routed experts / ep, the rest whole."""
+    routed = num_moe_layers(m) * routed_expert_params(m)
+    return num_params(m) - routed + routed / ep
+
+
 def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> int:
     """Training FLOPs (forward + backward) per token, from the active parameters."""
     n = num_active_params(m)
