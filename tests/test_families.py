@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from runner.config import families, flops
+from runner.config import families, flops, memory, validate
 from runner.config.schema import ModelConfig
 from tests.conftest import ROOT
 
@@ -122,3 +122,52 @@ def test_published_totals(compose):
     assert round(total, 1) == 116.8
     # the model card's 5.1B active counts the unembedding but not the embedding table (0.58B)
     assert round(active - flops.embedding_params(m) / 1e9, 2) == 5.13
+
+
+# recipe, (world size, tokens per step, microbatches per pipeline, bubble as p-1 over v*m+p-1, devices in one EP group)
+RECIPES = {
+    "deepseek_v3_671b_h800x2048": (2048, 15360 * 4096, 120, (15, 2 * 120 + 15), "scale-out"),  # EP 64 spans 8 nodes
+    "qwen3_235b_a22b_h100x1024": (1024, 4096 * 4096, 32, (7, 2 * 32 + 7), "intra-node"),
+    "gpt_oss_120b_h100x64": (64, 1024 * 4096, 64, (3, 64 + 3), "intra-node"),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_plans(compose, budget, recipe):
+    """Each large-MoE recipe validates and plans: tokens, bubble, memory within the GPU with the routed experts
+    split over EP, the EP all-to-all volume and the step time at the cluster's MFU on active parameters, by hand."""
+    world, tokens, micro, (bubble_num, bubble_den), ep_link = RECIPES[recipe]
+    cfg = compose([f"recipe={recipe}"])
+    m, p, t, c = cfg.model, cfg.parallelism, cfg.training, cfg.cluster
+    b = budget([f"recipe={recipe}"])
+    assert (b["world_size"], b["tokens_per_step"], b["microbatches"]) == (world, tokens, micro)
+    assert b["bubble_fraction"] == pytest.approx(bubble_num / bubble_den)
+    assert b["fits_memory"] and b["total_gb_per_gpu"] < c.device_memory_gb
+    # every MoE block of a pipeline rank sends each token's top-k copies out and back, forward, backward and in
+    # the recomputed forward: 6 all-to-alls of k x dim bf16 values per token, (ep - 1) / ep of them off the rank
+    per_token = m.num_experts_per_token * m.dim * 2 * 6 * (p.ep - 1) / p.ep
+    assert b["ep_comm_gb"] * 1e9 == pytest.approx(flops.num_moe_layers(m) / p.pp * micro * t.seq_len * per_token)
+    assert b["ep_link"] == ep_link
+    step_flops = tokens * 6 * flops.num_active_params(m)
+    peak = c.peak_tflops["float8" if cfg.precision.fp8.value != "none" else "bfloat16"]
+    assert b["step_time_s"] == pytest.approx(step_flops / (world * peak * 1e12 * c.achievable_mfu))
+
+
+def test_deepseek_v3_recipe_is_the_reports_layout(compose, budget):
+    """PP 16 (DualPipeV: 2 stages per rank), EP 64, 128-way data parallelism on 2,048 H800s, FP8; experts split
+    64 ways: each GPU holds 4 of the 256 routed experts of its blocks, and their weights do not fill its memory."""
+    cfg = compose(["recipe=deepseek_v3_671b_h800x2048"])
+    p = cfg.parallelism
+    assert (p.pp, p.ep, p.dp_shard, p.tp, p.pp_schedule) == (16, 64, 128, 1, "DualPipeV")
+    assert (cfg.cluster.intra_node_bandwidth_gbs, cfg.cluster.peak_tflops["bfloat16"]) == (400.0, 989.0)
+    b = budget(["recipe=deepseek_v3_671b_h800x2048"])
+    assert b["layers_per_stage"] == [1, *[2] * 30, 0]
+    lay = validate.check(cfg)
+    m = cfg.model
+    # a middle rank holds stages i and 31 - i: 4 MoE blocks, their routed experts / 64, gathered in bf16 with fp32 gradients
+    block = flops.attention_params(m) + flops.moe_ffn_params(m) + 2 * m.dim - flops.routed_expert_params(m) * 63 / 64
+    assert memory.stage(cfg, lay, 120, 15)["weights_grads"] == pytest.approx(4 * block * (2 + 4))
+    # DualPipeV folds the last stage (norm, head, loss) back onto rank 0, beside the embedding and the first block
+    head = m.dim + m.vocab_size * m.dim
+    dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    assert memory.stage(cfg, lay, 120, 0)["params"] == flops.embedding_params(m) + dense_block + head

@@ -179,7 +179,9 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     the most activations, every earlier microbatch's gradients accumulated)."""
     m, t = cfg.model, cfg.training
     bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
-    first, last = st == 0, st == lay.pp - 1
+    # the last stage holds the final norm, the head and the loss: pipeline rank pp - 1, or rank 0 in a V schedule
+    v_shaped = lay.pp > 1 and pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
+    first, last = st == 0, st == (0 if v_shaped else lay.pp - 1)
     blocks = _stage_blocks(cfg, lay)[st]
     params, head = _stage_params(cfg, blocks, first, last)
     ep_share = 0.0
