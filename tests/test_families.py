@@ -148,6 +148,11 @@ def test_recipe_plans(compose, budget, recipe):
     per_token = m.num_experts_per_token * m.dim * 2 * 6 * (p.ep - 1) / p.ep
     assert b["ep_comm_gb"] * 1e9 == pytest.approx(flops.num_moe_layers(m) / p.pp * micro * t.seq_len * per_token)
     assert b["ep_link"] == ep_link
+    # FSDP: with PP each stage's weights are gathered (bf16) once and its gradients reduce-scattered (fp32) once a
+    # step, over dp_shard; an EP rank holds 1/ep of the routed experts, so only those travel
+    stage_params = flops.params_per_ep_rank(m, p.ep) / p.pp
+    f = validate.check(cfg).dp_shard
+    assert b["dp_comm_gb"] * 1e9 == pytest.approx(stage_params * (2 + 4) * (f - 1) / f)
     step_flops = tokens * 6 * flops.num_active_params(m)
     peak = c.peak_tflops["float8" if cfg.precision.fp8.value != "none" else "bfloat16"]
     assert b["step_time_s"] == pytest.approx(step_flops / (world * peak * 1e12 * c.achievable_mfu))
