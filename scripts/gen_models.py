@@ -175,7 +175,7 @@ def readme_table(fields: dict[str, dict]) -> str:
     """The README's table of model options (families.table_rows says what each column holds)."""
     alias_of = {option_name(family, flavor): alias for alias, (family, flavor) in ALIASES.items()}
     rows = families.table_rows({name: ModelConfig(**f) for name, f in fields.items()}, alias_of)
-    return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
+    return "\n".join([TABLE_BEGIN, *families.legend(), "", *rows, TABLE_END])
 
 
 def readme_text(table: str) -> str:

@@ -176,3 +176,34 @@ def test_deepseek_v3_recipe_is_the_reports_layout(compose, budget):
     head = m.dim + m.vocab_size * m.dim
     dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     assert memory.stage(cfg, lay, 120, 0)["params"] == flops.embedding_params(m) + dense_block + head
+
+
+@pytest.mark.parametrize(
+    "overrides,field,words",
+    [
+        # Qwen3-30B-A3B: 32 query heads over 4 KV heads, so TP splits at most 4 ways
+        (["model=qwen3_30b_a3b", "parallelism=single", "parallelism.tp=8"], "parallelism.tp", "use tp in [1, 2, 4]"),
+        # gpt-oss-120b: 128 routed experts do not split 3 ways
+        (["model=gpt_oss_120b", "parallelism=single", "parallelism.ep=3"], "parallelism.ep", "model.num_experts = 128"),
+        # Qwen3's head_dim is its own: 16 heads of 128 on a 1,024 width is valid, but not 15 heads over 8 KV heads
+        (["model=qwen3_0_6b", "parallelism=single", "model.num_heads=15"], "model.num_kv_heads", "must divide model.num_heads = 15"),
+        (["model=gpt_oss_debugmodel", "parallelism=single", "model.full_attention_interval=0"], "model.full_attention_interval", ">= 1"),
+        (["model=debug", "parallelism=single", "model.name=qwen3_5"], "model.name", "flash-linear-attention"),
+        (["model=debug", "parallelism=single", "model.flavor=2B"], "model.flavor", "use one of debugmodel, 1B, 3B, 8B, 70B, 405B"),
+        # an MoE model whose blocks are all MoE needs no dense hidden size; a dense one does
+        (["model=qwen3_8b", "parallelism=single", "model.ffn_hidden_dim=0"], "model.ffn_hidden_dim", "every block of a dense model"),
+    ],
+)
+def test_family_rules(compose, overrides, field, words):
+    from runner.config.problems import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate.check(compose(overrides))
+    problems = [p for p in err.value.problems if p.field == field]
+    assert problems and words in f"{problems[0].why} {problems[0].fix}", err.value
+
+
+def test_head_dim_apart_from_width_validates(compose):
+    """Qwen3 0.6B: 16 heads of 128 on a width of 1,024 (not 1,024 / 16 = 64), and the MoE flavors without dense blocks."""
+    for option in ("qwen3_0_6b", "qwen3_30b_a3b", "gpt_oss_20b"):
+        validate.check(compose([f"model={option}", "parallelism=single"]))

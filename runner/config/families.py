@@ -22,29 +22,31 @@ class Family:
     flavors: tuple[str, ...]
     """TorchTitan's registered flavors, in its registry's order."""
     shape: str
-    """How its blocks are built, in a few words (the README table's family column)."""
+    """How its blocks are built, in a few words (the README's list of families above the model table)."""
     import_failure: str = ""
     """Why `torchtitan.models.<family>` cannot be imported in the runner's environment; "" = it imports.
     Such a family has no model option: its counts could not be checked against TorchTitan's."""
-    cpu: str = "debugmodel"
-    """What of the family trains on CPU ranks (the README table's CPU column)."""
+    cpu_flavors: tuple[str, ...] = ()
+    """Flavors a test trains on CPU ranks (the README table's CPU column says yes for them, plan only for the rest)."""
     cpu_rejection: str = ""
     """Why the family cannot train on CPU ranks, with the fix; "" = it can. Validation refuses such a model
     on a CPU cluster with this reason and keeps it valid for GPU clusters."""
 
 
 FAMILIES: dict[str, Family] = {
-    "llama3": Family("Llama 3", ("debugmodel", "1B", "3B", "8B", "70B", "405B"), "dense, grouped-query attention"),
+    "llama3": Family(
+        "Llama 3", ("debugmodel", "1B", "3B", "8B", "70B", "405B"), "dense, grouped-query attention", cpu_flavors=("debugmodel",)
+    ),
     "qwen3": Family(
         "Qwen3",
         ("debugmodel", "debugmodel_non_fused_qkv", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "debugmodel_moe", "30B-A3B", "235B-A22B"),
         "grouped-query attention with q/k norms; dense or MoE in every block",
-        cpu="debugmodel, debugmodel_moe",
     ),
     "deepseek_v3": Family(
         "DeepSeek-V3",
         ("debugmodel", "16B", "236B", "671B"),
         "multi-head latent attention; MoE with shared experts after dense first blocks",
+        cpu_flavors=("debugmodel",),
     ),
     "gpt_oss": Family(
         "gpt-oss",
@@ -62,7 +64,6 @@ FAMILIES: dict[str, Family] = {
         "hybrid Gated DeltaNet linear attention and full attention",
         import_failure="its model module imports flash-linear-attention (`fla`, Triton kernels), which the CPU "
         "environment does not install",
-        cpu="",
         cpu_rejection="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, which need a GPU",
     ),
 }
@@ -114,6 +115,15 @@ def size(n: int) -> str:
     return str(n)
 
 
+def legend() -> list[str]:
+    """The README's list of families: module, title, shape, and why a family has no options here."""
+    out = []
+    for name, f in FAMILIES.items():
+        line = f"- **{f.title}** (`{name}`): {f.shape}"
+        out.append(f"{line}; no options here: {f.import_failure}." if f.import_failure else f"{line}.")
+    return out
+
+
 def table_rows(options: dict[str, ModelConfig], alias_of: dict[str, str]) -> list[str]:
     """The README's model table: one row per option (its alias beside it), counted by runner.config.flops."""
     from runner.config import flops
@@ -125,7 +135,7 @@ def table_rows(options: dict[str, ModelConfig], alias_of: dict[str, str]) -> lis
     for name, m in options.items():
         f = FAMILIES[m.name]
         option = f"`{name}`" + (f" (`{alias_of[name]}`)" if name in alias_of else "")
-        cpu = "yes" if m.flavor in [c.strip() for c in f.cpu.split(",")] else "plan only"
+        cpu = "yes" if m.flavor in f.cpu_flavors else "plan only"
         ep = ", ".join(map(str, ep_degrees(m))) if flops.is_moe(m) else "-"
         tp = ", ".join(map(str, tp_degrees(m)))
         active = size(flops.num_active_params(m)) if flops.is_moe(m) else "="
