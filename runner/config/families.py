@@ -23,9 +23,10 @@ class Family:
     """TorchTitan's registered flavors, in its registry's order."""
     shape: str
     """How its blocks are built, in a few words (the README's list of families above the model table)."""
-    import_failure: str = ""
-    """Why `torchtitan.models.<family>` cannot be imported in the runner's environment; "" = it imports.
-    Such a family has no model option: its counts could not be checked against TorchTitan's."""
+    kernel_package: str = ""
+    """A GPU kernel package the family's model module imports on load (qwen3_5: flash-linear-attention's `fla`,
+    Triton), which CPU machines lack; scripts/gen_models.py and tests/test_families.py read the registry with
+    placeholders for it (building a config or a meta-device model calls no kernel)."""
     cpu_flavors: tuple[str, ...] = ()
     """Flavors a test trains on CPU ranks (the README table's CPU column says yes for them, plan only for the rest)."""
     cpu_rejection: str = ""
@@ -61,9 +62,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5": Family(
         "Qwen3.5",
         ("debugmodel", "debugmodel_moe", "0.8B", "2B", "4B", "9B", "27B", "35B-A3B", "122B-A10B", "397B-A17B"),
-        "hybrid Gated DeltaNet linear attention and full attention",
-        import_failure="its model module imports flash-linear-attention (`fla`, Triton kernels), which the CPU "
-        "environment does not install",
+        "Gated DeltaNet linear attention in 3 of 4 blocks, gated softmax attention in the 4th; dense or MoE with a gated shared expert",
+        kernel_package="fla",
         cpu_rejection="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, which need a GPU",
     ),
 }
@@ -74,8 +74,10 @@ def family(m: ModelConfig) -> Family | None:
 
 
 def tp_degrees(m: ModelConfig) -> list[int]:
-    """TP degrees the attention can be split over: they must divide the query heads and (GQA) the KV heads."""
+    """TP degrees the attention can be split over: they must divide the query heads, (GQA) the KV heads and
+    (Qwen3.5) the linear-attention key and value heads."""
     g = m.num_heads if m.kv_lora_rank > 0 else gcd(m.num_heads, m.num_kv_heads)
+    g = gcd(g, m.num_linear_key_heads, m.num_linear_value_heads)  # Gated DeltaNet's heads split the same way (gcd(g, 0, 0) = g)
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
@@ -99,6 +101,10 @@ def describe(m: ModelConfig) -> str:
             f"window {m.sliding_window} in {m.full_attention_interval - 1} of {m.full_attention_interval} blocks" * bool(m.sliding_window),
         ]
         attention += "".join(f", {e}" for e in extras if e)
+    if flops.is_hybrid(m):
+        n = m.full_attention_interval
+        attention = f"Gated DeltaNet {m.num_linear_key_heads}/{m.num_linear_value_heads} heads in {n - 1} of {n} blocks, {attention}"
+        attention += ", output gate" if m.attention_output_gate else ""
     if not flops.is_moe(m):
         return f"{attention}; dense SwiGLU {m.ffn_hidden_dim}"
     moe = f"{m.num_experts} experts of {m.moe_hidden_dim}, top-{m.num_experts_per_token}"
@@ -116,11 +122,12 @@ def size(n: int) -> str:
 
 
 def legend() -> list[str]:
-    """The README's list of families: module, title, shape, and why a family has no options here."""
+    """The README's list of families: module, title, shape, the GPU kernel package it needs."""
     out = []
     for name, f in FAMILIES.items():
         line = f"- **{f.title}** (`{name}`): {f.shape}"
-        out.append(f"{line}; no options here: {f.import_failure}." if f.import_failure else f"{line}.")
+        kernel = f"; its model module imports `{f.kernel_package}` (GPU kernels)" if f.kernel_package else ""
+        out.append(f"{line}{kernel}.")
     return out
 
 
@@ -135,7 +142,7 @@ def table_rows(options: dict[str, ModelConfig], alias_of: dict[str, str]) -> lis
     for name, m in options.items():
         f = FAMILIES[m.name]
         option = f"`{name}`" + (f" (`{alias_of[name]}`)" if name in alias_of else "")
-        cpu = "yes" if m.flavor in f.cpu_flavors else "plan only"
+        cpu = "yes" if m.flavor in f.cpu_flavors else "no: needs a GPU" if f.cpu_rejection else "plan only"
         ep = ", ".join(map(str, ep_degrees(m))) if flops.is_moe(m) else "-"
         tp = ", ".join(map(str, tp_degrees(m)))
         active = size(flops.num_active_params(m)) if flops.is_moe(m) else "="

@@ -137,8 +137,9 @@ def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
 def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
     """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
     m = cfg.model
-    dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-    moe_block = flops.attention_params(m) + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
+    mixer = flops.mixer_params(m) / m.num_layers  # the mean block's attention (Qwen3.5 mixes two kinds)
+    dense_block = mixer + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    moe_block = mixer + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
     head = (m.dim + flops.embedding_params(m)) if last else 0
     emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
     return layers[0] * dense_block + layers[1] * moe_block + emb + head, head
