@@ -42,7 +42,6 @@ BAD = [
     (["model.full_attention_interval=0"], "model.full_attention_interval"),
     (["model.rope_max_seq_len=0"], "model.rope_max_seq_len"),
     (["model=qwen3_5_debugmodel", "model.num_linear_key_heads=3"], "model.num_linear_value_heads"),  # 4 value heads
-    (["model.num_linear_value_heads=-1"], "model.num_linear_value_heads"),
     (["model=qwen3_5_debugmodel", "model.num_linear_key_heads=0"], "model.num_linear_key_heads"),
     (["model=qwen3_5_debugmodel", "model.linear_key_head_dim=0"], "model.linear_key_head_dim"),
     (["model=qwen3_5_debugmodel", "model.linear_value_head_dim=0"], "model.linear_value_head_dim"),
