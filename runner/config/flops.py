@@ -8,6 +8,8 @@ Torch-free. Two FLOP conventions, and every figure says which one it used:
 - "6N": 6 * N (Kaplan et al. 2020; the convention of the Llama 3 paper's MFU).
 For mixture-of-experts models N is the ACTIVE parameter count in both conventions (TorchTitan's
 `get_moe_model_nparams_and_flops`): a token runs num_experts_per_token of num_experts routed experts.
+TorchTitan counts every block's attention over the whole sequence, sliding-window blocks (gpt-oss) included, and
+so does "titan" here: its FLOPs equal TorchTitan's for every registered flavor (tests/test_families.py).
 MFU = model FLOP/s / (number of devices x dense peak per device in the compute dtype).
 """
 
@@ -19,7 +21,8 @@ CONVENTIONS = ("titan", "6N")
 
 
 def head_dim(m: ModelConfig) -> int:
-    return m.dim // m.num_heads
+    """Dims of one grouped-query attention head: model.head_dim where the family sets it apart (Qwen3, gpt-oss)."""
+    return m.head_dim or m.dim // m.num_heads
 
 
 def is_moe(m: ModelConfig) -> bool:
@@ -27,7 +30,7 @@ def is_moe(m: ModelConfig) -> bool:
 
 
 def is_mla(m: ModelConfig) -> bool:
-    """Multi-head latent attention (DeepSeek-V3) rather than grouped-query attention."""
+    """Multi-head latent attention (DeepSeek-V3, Kimi) rather than grouped-query attention."""
     return m.kv_lora_rank > 0
 
 
@@ -43,12 +46,15 @@ def embedding_params(m: ModelConfig) -> int:
 
 
 def attention_params(m: ModelConfig) -> int:
-    """GQA: q, k, v, o projections. MLA: query projection (direct or through a q_lora_rank bottleneck
-    with its norm), the joint compressed key/value + shared RoPE-key projection, its norm, the
-    key/value up-projection and the output projection."""
+    """GQA: q, k, v, o projections (with biases in gpt-oss), Qwen3's per-head q and k norms, gpt-oss's sink
+    logit per head. MLA: query projection (direct or through a q_lora_rank bottleneck with its norm), the joint
+    compressed key/value + shared RoPE-key projection, its norm, the key/value up-projection and the output projection."""
     if not is_mla(m):
-        hd = head_dim(m)
-        return m.dim * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.dim
+        hd, q = head_dim(m), m.num_heads * head_dim(m)
+        qkv = q + 2 * m.num_kv_heads * hd
+        n = m.dim * qkv + q * m.dim + m.dim * q * m.attention_output_gate
+        n += (qkv + m.dim) * m.attention_bias + 2 * hd * m.qk_norm + m.num_heads * m.attention_sinks
+        return n
     qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
     q = m.dim * qk if m.q_lora_rank == 0 else m.dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * qk
     kv = m.dim * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
@@ -56,15 +62,47 @@ def attention_params(m: ModelConfig) -> int:
     return q + kv + m.num_heads * m.v_head_dim * m.dim
 
 
+def is_hybrid(m: ModelConfig) -> bool:
+    """Linear-attention blocks between the softmax-attention ones (Qwen3.5's Gated DeltaNet)."""
+    return m.num_linear_value_heads > 0
+
+
+def num_full_attention_layers(m: ModelConfig) -> int:
+    """Blocks with softmax attention: every full_attention_interval-th one in a hybrid model, else all (sliding-window
+    blocks count as full, as TorchTitan's FLOPs do)."""
+    return m.num_layers // m.full_attention_interval if is_hybrid(m) else m.num_layers
+
+
+def linear_attention_params(m: ModelConfig) -> int:
+    """One Gated DeltaNet block: q, k, v and output-gate (z) projections, the per-value-head decay (a) and beta (b)
+    projections, the depthwise convolutions over q, k and v, A_log and dt_bias per value head, the gated norm
+    (one value head wide) and the output projection."""
+    qk, v = m.num_linear_key_heads * m.linear_key_head_dim, m.num_linear_value_heads * m.linear_value_head_dim
+    proj = m.dim * (2 * qk + 2 * v + 2 * m.num_linear_value_heads) + v * m.dim
+    return proj + (2 * qk + v) * m.linear_conv_kernel + 2 * m.num_linear_value_heads + m.linear_value_head_dim
+
+
+def mixer_params(m: ModelConfig) -> int:
+    """The token mixers of all blocks: softmax attention, and Gated DeltaNet in a hybrid model's other blocks."""
+    n_full = num_full_attention_layers(m)
+    return n_full * attention_params(m) + (m.num_layers - n_full) * linear_attention_params(m)
+
+
 def routed_expert_params(m: ModelConfig) -> int:
-    """All routed experts of one MoE block (SwiGLU each)."""
-    return m.num_experts * 3 * m.dim * m.moe_hidden_dim
+    """All routed experts of one MoE block (SwiGLU each; gpt-oss adds a bias to the fused gate/up and the down projection)."""
+    bias = (2 * m.moe_hidden_dim + m.dim) * m.moe_bias
+    return m.num_experts * (3 * m.dim * m.moe_hidden_dim + bias)
+
+
+def router_params(m: ModelConfig) -> int:
+    """The router gate of one MoE block (with its bias in gpt-oss)."""
+    return (m.dim + m.moe_bias) * m.num_experts
 
 
 def moe_ffn_params(m: ModelConfig) -> int:
     """Routed experts, router gate and shared experts of one MoE block."""
-    shared = 3 * m.dim * m.moe_hidden_dim * m.num_shared_experts
-    return routed_expert_params(m) + m.dim * m.num_experts + shared
+    shared = 3 * m.dim * m.moe_hidden_dim * m.num_shared_experts + m.dim * m.shared_expert_gate
+    return routed_expert_params(m) + router_params(m) + shared
 
 
 def num_moe_layers(m: ModelConfig) -> int:
@@ -78,12 +116,12 @@ def block_params(m: ModelConfig) -> int:
 
 
 def num_params(m: ModelConfig) -> int:
-    """Parameters of the decoder (no biases), every expert included, tied weights counted once."""
+    """Parameters of the decoder (the text tower of a vision-language flavor), every expert included, tied weights
+    counted once."""
     head = 0 if m.weight_tying else m.vocab_size * m.dim
-    dense_block = attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     n_moe = num_moe_layers(m)
-    blocks = (m.num_layers - n_moe) * dense_block + n_moe * block_params(m)
-    return embedding_params(m) + blocks + m.dim + head
+    ffns = (m.num_layers - n_moe) * 3 * m.dim * m.ffn_hidden_dim + n_moe * moe_ffn_params(m)
+    return embedding_params(m) + mixer_params(m) + ffns + m.num_layers * 2 * m.dim + m.dim + head
 
 
 def num_active_params(m: ModelConfig) -> int:
@@ -91,6 +129,12 @@ def num_active_params(m: ModelConfig) -> int:
     (TorchTitan's get_moe_model_nparams_and_flops, with its integer division over all MoE blocks)."""
     routed = num_moe_layers(m) * routed_expert_params(m)
     return num_params(m) - routed + routed * m.num_experts_per_token // max(m.num_experts, 1)
+
+
+def params_per_ep_rank(m: ModelConfig, ep: int) -> float:
+    """Parameters one expert-parallel rank holds before FSDP shards them: the routed experts / ep, the rest whole."""
+    routed = num_moe_layers(m) * routed_expert_params(m)
+    return num_params(m) - routed + routed / ep
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> int:
@@ -101,7 +145,7 @@ def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> 
     if convention != "titan":
         raise ValueError(f"unknown FLOP convention {convention!r}; use one of {CONVENTIONS}")
     matmul_params = n if m.weight_tying else n - embedding_params(m)
-    return 6 * matmul_params + 6 * m.num_layers * m.num_heads * attention_head_dims(m) * seq_len
+    return 6 * matmul_params + 6 * num_full_attention_layers(m) * m.num_heads * attention_head_dims(m) * seq_len
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:

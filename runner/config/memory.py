@@ -25,8 +25,9 @@ The default figures follow what TorchTitan allocates, category by category as th
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
   the input of every stage after the first, kept across steps (and one for the gradient of every stage before
   the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
-- buffers: one RoPE table per layer (complex64, head_dim / 2 per position) at the max_seq_len of TorchTitan's
-  flavors (llama3 131,072, deepseek_v3 16,384), which the runner keeps whatever training.seq_len.
+- buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
+  Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
+  runner keeps whatever training.seq_len.
 
 The seed documents' budget is kept beside it, labelled `*_seed`: weights and gradients both in the training
 dtype, 12 B of optimizer state per parameter over dp_shard, and Korthikanti et al. 2022 (Table 2) for
@@ -48,8 +49,8 @@ MOMENT_BYTES = 8  # Adam first and second moments in fp32
 MASTER_BYTES = 4  # FSDP2's fp32 parameter shard
 CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, per parameter
 CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
-ROPE_MAX_SEQ_LEN = {"llama3": 131072, "deepseek_v3": 16384}  # the RoPE table's positions in TorchTitan's flavors of each family
 ROPE_ENTRY_BYTES = 8  # complex64 per (position, head_dim / 2)
+ROPE_COS_SIN_BYTES = 8  # fp32 cos and sin per (position, head_dim)
 FFN_GRADS_AT_PEAK = 2  # of the FFN's 3 weights, those with a param_dtype gradient at a stage's peak without AC: w2 and w3
 # (the dry run finds 2 on the debug model, all 3 on the 405B whose activations dwarf the weights; 2 is within 2 % of both)
 LOSS_BACKWARD_BYTES = 8  # per token and vocabulary entry: the param_dtype logits, the fp32 gradient of the loss and its param_dtype cast
@@ -136,8 +137,9 @@ def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
 def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
     """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
     m = cfg.model
-    dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-    moe_block = flops.attention_params(m) + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
+    mixer = flops.mixer_params(m) / m.num_layers  # the mean block's attention (Qwen3.5 mixes two kinds)
+    dense_block = mixer + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    moe_block = mixer + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
     head = (m.dim + flops.embedding_params(m)) if last else 0
     emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
     return layers[0] * dense_block + layers[1] * moe_block + emb + head, head
@@ -158,6 +160,12 @@ def _stage_blocks(cfg: RunConfig, lay: Layout) -> list[tuple[int, int]]:
     return [tuple(x) for x in out]
 
 
+def rope_bytes_per_position(m) -> float:
+    """One block's RoPE table per position: complex64 rotations (head_dim / 2) or fp32 cos and sin (head_dim each)."""
+    head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
+    return head_dim * ROPE_COS_SIN_BYTES if m.rope_cos_sin else head_dim / 2 * ROPE_ENTRY_BYTES
+
+
 def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
     """Microbatches whose activations pipeline stage `stage` holds at its peak (1F1B family: pp - stage)."""
     if lay.pp == 1:
@@ -172,7 +180,9 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     the most activations, every earlier microbatch's gradients accumulated)."""
     m, t = cfg.model, cfg.training
     bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
-    first, last = st == 0, st == lay.pp - 1
+    # the last stage holds the final norm, the head and the loss: pipeline rank pp - 1, or rank 0 in a V schedule
+    v_shaped = lay.pp > 1 and pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
+    first, last = st == 0, st == (0 if v_shaped else lay.pp - 1)
     blocks = _stage_blocks(cfg, lay)[st]
     params, head = _stage_params(cfg, blocks, first, last)
     ep_share = 0.0
@@ -213,8 +223,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
-    head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
-    buffers = (blocks[0] + blocks[1]) * ROPE_MAX_SEQ_LEN[m.name] * head_dim / 2 * ROPE_ENTRY_BYTES
+    buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
     temporaries = max(recompute, loss_backward)
     if in_block is not None and in_block > temporaries:

@@ -3,38 +3,100 @@ GEMM shapes can run. Torch-free; called by validate.check."""
 
 from __future__ import annotations
 
-from runner.config import precision
+from runner.config import families, flops, precision
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, ModelConfig, RunConfig
 from runner.config.validate_layout import divisors
 
-LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
-FAMILIES = {"llama3": LLAMA3_FLAVORS, "deepseek_v3": ("debugmodel", "16B", "236B", "671B")}  # TorchTitan registries
-SIZES = ("dim", "num_layers", "vocab_size", "ffn_hidden_dim")  # >= 1
-OPTIONAL_SIZES = ("num_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # >= 0
+SIZES = ("dim", "num_layers", "vocab_size", "rope_max_seq_len", "full_attention_interval")  # >= 1
+OPTIONAL_SIZES = (  # >= 0
+    "num_shared_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "head_dim",
+    "sliding_window",
+    "num_linear_key_heads",
+    "num_linear_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel",
+)
+LINEAR_SIZES = ("num_linear_key_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel")  # >= 1 with linear attention
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
     m = cfg.model
-    if m.name not in FAMILIES:
-        out.append(
-            Problem(
-                "model.name",
-                m.name,
-                f"the runner knows TorchTitan's {' and '.join(FAMILIES)} families",
-                "use model=debug, debug_moe or a llama3_* option",
-            )
-        )
-    elif m.flavor not in FAMILIES[m.name]:
-        out.append(Problem("model.flavor", m.flavor, f"not a TorchTitan {m.name} flavor", f"use one of {', '.join(FAMILIES[m.name])}"))
+    _family(cfg, out)
     for name in SIZES:
         if getattr(m, name) < 1:
             out.append(Problem(f"model.{name}", getattr(m, name), "must be >= 1", "copy it from TorchTitan's registry for the flavor"))
     for name in OPTIONAL_SIZES:
         if getattr(m, name) < 0:
             out.append(Problem(f"model.{name}", getattr(m, name), "must be >= 0", "use 0 for off, or copy it from TorchTitan's registry"))
+    if m.ffn_hidden_dim < 1 and not (flops.is_moe(m) and m.num_dense_layers == 0):
+        why = "the dense blocks need a hidden size" if flops.is_moe(m) else "every block of a dense model is a SwiGLU MLP of this size"
+        out.append(Problem("model.ffn_hidden_dim", m.ffn_hidden_dim, why, "copy it from TorchTitan's registry for the flavor (>= 1)"))
     _moe(m, out)
-    if m.num_heads < 1 or m.dim % m.num_heads:
+    _heads(m, out)
+    _linear_attention(m, out)
+
+
+def _linear_attention(m: ModelConfig, out: list[Problem]) -> None:
+    """Gated DeltaNet blocks (num_linear_value_heads > 0) need their heads, dims and convolution, and softmax blocks between."""
+    if m.num_linear_value_heads <= 0:
+        return
+    for name in LINEAR_SIZES:
+        if getattr(m, name) < 1:
+            out.append(
+                Problem(f"model.{name}", getattr(m, name), "linear-attention blocks need it >= 1", "copy it from TorchTitan's registry")
+            )
+    if m.num_linear_key_heads >= 1 and m.num_linear_value_heads % m.num_linear_key_heads:
+        out.append(
+            Problem(
+                "model.num_linear_value_heads",
+                m.num_linear_value_heads,
+                f"value heads share key heads in groups: must be a multiple of model.num_linear_key_heads = {m.num_linear_key_heads}",
+                "copy it from TorchTitan's registry",
+            )
+        )
+    if m.full_attention_interval < 2:
+        out.append(
+            Problem(
+                "model.full_attention_interval",
+                m.full_attention_interval,
+                "with linear attention, an interval of 1 leaves no block to it",
+                "use >= 2 (Qwen3.5: 4), or model.num_linear_value_heads=0",
+            )
+        )
+
+
+def _family(cfg: RunConfig, out: list[Problem]) -> None:
+    """A family the runner offers (families.FAMILIES), one of its registered flavors, and one that runs on the device."""
+    m = cfg.model
+    fam = families.family(m)
+    if fam is None:
+        fix = f"use one of {', '.join(families.FAMILIES)} (see conf/model/)"
+        out.append(Problem("model.name", m.name, "not a TorchTitan family the runner knows", fix))
+        return
+    if m.flavor not in fam.flavors:
+        out.append(Problem("model.flavor", m.flavor, f"not a TorchTitan {m.name} flavor", f"use one of {', '.join(fam.flavors)}"))
+    if fam.cpu_rejection and cfg.cluster.device == DeviceType.cpu:
+        out.append(
+            Problem(
+                "model.name",
+                m.name,
+                f"{fam.title} cannot train on CPU ranks: {fam.cpu_rejection}",
+                "use a GPU cluster (mode=validate or plan here)",
+            )
+        )
+
+
+def _heads(m: ModelConfig, out: list[Problem]) -> None:
+    """Heads must split the width (unless the family sets head_dim apart) and the query heads must group over the KV heads."""
+    if m.num_heads < 1 or (m.head_dim == 0 and not flops.is_mla(m) and m.dim % m.num_heads):
         out.append(Problem("model.num_heads", m.num_heads, f"must divide model.dim = {m.dim}", f"use one of {divisors(max(m.dim, 1))}"))
     elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
         out.append(

@@ -12,7 +12,7 @@ class ModelConfig:
     name: str = "llama3"
     """TorchTitan model family (its model registry module)."""
     flavor: str = "debugmodel"
-    """TorchTitan flavor inside the family, e.g. debugmodel, 8B, 70B, 405B."""
+    """TorchTitan flavor inside the family, e.g. debugmodel, 8B, 30B-A3B, 671B (conf/model/ lists every one)."""
     dim: int = 256
     """Hidden size. Architecture numbers are copied from TorchTitan's registry so that
     validation and planning need no torch; a test keeps them equal."""
@@ -25,7 +25,7 @@ class ModelConfig:
     vocab_size: int = 2048
     """Tokenizer vocabulary size."""
     ffn_hidden_dim: int = 768
-    """SwiGLU hidden size after TorchTitan's rounding."""
+    """SwiGLU hidden size after TorchTitan's rounding, of every dense block; 0 in an MoE model without dense blocks."""
     weight_tying: bool = False
     """Input embedding shared with the output head."""
     num_experts: int = 0
@@ -48,6 +48,45 @@ class ModelConfig:
     """Multi-head latent attention: per-head query/key dims with RoPE (the key part is shared by all heads)."""
     v_head_dim: int = 0
     """Multi-head latent attention: per-head value dims."""
+    head_dim: int = 0
+    """Query/key/value dims of one attention head; 0 = dim // num_heads (Llama 3). Qwen3 and gpt-oss set it
+    apart from the width (Qwen3 0.6B: dim 1024, 16 heads of 128)."""
+    fuse_qkv: bool = True
+    """Grouped-query attention projects q, k and v with one fused Linear (wqkv); false = separate projections
+    (wq and a joint wkv in Qwen3's QKVLinear; wq, wk and wv in Qwen3.5)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head (head_dim weights each) before RoPE (Qwen3)."""
+    attention_bias: bool = False
+    """The attention's q, k, v and output projections carry biases (gpt-oss)."""
+    attention_sinks: bool = False
+    """One learned sink logit per query head that takes part in the softmax and absorbs attention (gpt-oss)."""
+    sliding_window: int = 0
+    """Tokens a sliding-window attention layer looks back over; 0 = full causal attention in every block."""
+    full_attention_interval: int = 1
+    """With sliding_window or linear attention: every full_attention_interval-th block (the last of each group)
+    attends to the whole sequence, the others to the window (gpt-oss: 2, blocks 0, 2, 4, ... slide) or through
+    linear attention (Qwen3.5: 4, blocks 3, 7, 11, ... hold softmax attention)."""
+    attention_output_gate: bool = False
+    """The query projection also yields a sigmoid gate on the attention output (twice the query width; Qwen3.5)."""
+    num_linear_key_heads: int = 0
+    """Gated DeltaNet linear-attention blocks (Qwen3.5): query/key heads; 0 = no linear attention."""
+    num_linear_value_heads: int = 0
+    """Gated DeltaNet: value heads (each with its own decay and gate)."""
+    linear_key_head_dim: int = 0
+    """Gated DeltaNet: dims of one query/key head."""
+    linear_value_head_dim: int = 0
+    """Gated DeltaNet: dims of one value head."""
+    linear_conv_kernel: int = 0
+    """Gated DeltaNet: width of the depthwise causal convolution over q, k and v."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate (one Linear of dim -> 1) scales the shared experts' output (Qwen3.5)."""
+    moe_bias: bool = False
+    """The router gate and every routed expert's projections carry biases (gpt-oss)."""
+    rope_max_seq_len: int = 131072
+    """Positions of the RoPE table TorchTitan's flavor precomputes (a buffer in every block; the longest seq_len)."""
+    rope_cos_sin: bool = False
+    """The RoPE table holds real cos and sin (fp32, 2 x head_dim per position; Qwen3, gpt-oss) rather than
+    complex64 rotations (head_dim / 2 per position; Llama 3, DeepSeek-V3)."""
 
 
 @dataclass
