@@ -46,7 +46,9 @@ CONTEXT = {
     "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
     # Qwen3.5's Gated DeltaNet runs only as Triton kernels: its options validate for GPU clusters, not local_cpu
     **{
-        f"model/{p.name}": ["cluster=h100x1024", "parallelism=fsdp", "training.global_batch_size=2048"]
+        # the MoE flavors with EP: FSDP alone would gather all 512 experts of a block on every GPU
+        f"model/{p.name}": ["cluster=h100x1024", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=2048"]
+        + (["parallelism.ep=8"] if "num_experts:" in p.read_text() else [])
         for p in ROOT.glob("conf/model/qwen3_5_*.yaml")
     },
 }
