@@ -96,6 +96,7 @@ BAD = [
     (["training.warmup_steps=-1"], "training.warmup_steps"),
     (["training.max_norm=0"], "training.max_norm"),
     (["training.activation_checkpoint=selective"], "training.activation_checkpoint"),
+    (["training.ac_layer_frequency=0"], "training.ac_layer_frequency"),
     (["monitor.straggler.interval=0"], "monitor.straggler.interval"),
     (["monitor.straggler.factor=1"], "monitor.straggler.factor"),
     (["monitor.straggler.windows=0"], "monitor.straggler.windows"),

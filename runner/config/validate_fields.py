@@ -33,6 +33,8 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
     for name in ("steps", "seq_len", "global_batch_size", "microbatch_size"):
         if getattr(t, name) < 1:
             out.append(Problem(f"training.{name}", getattr(t, name), "must be >= 1", f"set training.{name} to a positive integer"))
+    if t.ac_layer_frequency < 1:
+        out.append(Problem("training.ac_layer_frequency", t.ac_layer_frequency, "must be >= 1", "use e.g. 2 (every second block)"))
     if t.warmup_steps < 0:
         out.append(Problem("training.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
     if not 0 <= t.seed < SEED_LIMIT:

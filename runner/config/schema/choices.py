@@ -58,6 +58,12 @@ class ActivationCheckpoint(Enum):
     """Keep every activation."""
     full = "full"
     """Recompute every transformer block in backward (TorchTitan FullAC)."""
+    selective_op = "selective_op"
+    """Per-op selective AC (TorchTitan SelectiveAC): save matmul (all but every second), attention and
+    reduce-scatter outputs, recompute the cheap ops (norms, activations, elementwise) in backward."""
+    selective_layer = "selective_layer"
+    """Per-layer selective AC: recompute every training.ac_layer_frequency-th block whole (TorchTitan's full AC
+    on those blocks, its former selective_ac_option=N), keep every other block's activations."""
 
 
 class ReshardPolicy(StrEnum):

@@ -129,6 +129,9 @@ class TrainingConfig:
     """Clip the global gradient norm to this value (> 0)."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation recomputation; when on, HFU is logged beside MFU."""
+    ac_layer_frequency: int = 2
+    """With activation_checkpoint=selective_layer: recompute every N-th transformer block of each model part
+    (blocks N-1, 2N-1, ...); 1 recomputes them all, like full."""
     compile: bool = False
     """torch.compile every transformer block (TorchTitan's CompileConfig, Inductor); async TP needs it."""
 
