@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles
+from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles, steptime
 from runner.config.layout import Layout, label
 from runner.config.memory import memory
 from runner.config.plan_comm import communication
@@ -60,30 +60,23 @@ def _compute_time(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> dic
     }
 
 
-def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, eff: float) -> dict[str, Any]:
-    """Bottom-up estimate: GEMMs at the cluster's matmul efficiency, stretched by the bubble, plus the
-    traffic on the critical path (TP inside every layer, PP hand-offs, CP ring passes and EP all-to-alls
-    counted whole; DP only beyond what backward hides)."""
-    ideal_s, step_s, dp_s = ct["ideal_compute_s"], ct["step_time_s"], comm["dp_comm_s"]
-    parts = [comm[f"{a}_comm_s"] for a in ("tp", "pp", "cp", "ep", "dp")]
+def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: steptime.StepPrediction, eff: float) -> dict[str, Any]:
+    """The predictor's figures (runner/config/steptime.py) in the plan's keys."""
+    step_s, dp_s = ct["step_time_s"], comm["dp_comm_s"]
     backward_s = step_s * (1 - bubble) * 2 / 3 if step_s is not None else None
-    out = {
+    est_s = pred.step_s
+    return {
         "matmul_efficiency": eff,
         "dp_hidden_behind_backward": dp_s <= backward_s if dp_s is not None and backward_s is not None else None,
         "tp_comm_share": comm["tp_comm_s"] / step_s if comm["tp_comm_s"] is not None and step_s else None,
-    }
-    if ideal_s is None or None in parts:
-        return {**out, "compute_with_bubble_s": None, "dp_comm_exposed_s": None, "estimated_step_time_s": None, "estimated_mfu": None}
-    compute_s = ideal_s / eff / (1 - bubble)
-    dp_exposed = max(0.0, dp_s - compute_s * 2 / 3)
-    tp_s, pp_s, cp_s, ep_s = parts[:4]
-    est_s = compute_s + tp_s + pp_s + cp_s + ep_s + dp_exposed
-    return {
-        **out,
-        "compute_with_bubble_s": compute_s,
-        "dp_comm_exposed_s": dp_exposed,
+        "compute_with_bubble_s": pred.terms["compute"] + pred.terms["bubble"] if est_s is not None else None,
+        "dp_comm_exposed_s": pred.terms["dp"] if est_s is not None else None,
         "estimated_step_time_s": est_s,
-        "estimated_mfu": ideal_s / est_s,
+        "estimated_mfu": ct["ideal_compute_s"] / est_s if est_s and ct["ideal_compute_s"] is not None else None,
+        "predicted_terms_s": dict(pred.terms),
+        "predicted_binding": pred.binding or None,
+        "predicted_calibrated": pred.calibrated,
+        "predicted_source": pred.source,
     }
 
 
@@ -122,6 +115,7 @@ def compute(
     ct = _compute_time(cfg, lay, peak_tflops)
     comm = communication(cfg, lay, micro, v, dpn, gbs_of)
     eff = matmul_efficiency if matmul_efficiency is not None else c.matmul_efficiency
+    pred = steptime.predict(cfg, lay, peak_tflops=peak_tflops, link_gbs=link_gbs, matmul_efficiency=matmul_efficiency)
     return {
         "model": f"{m.name} {m.flavor}",
         "params": flops.num_params(m),
@@ -141,7 +135,7 @@ def compute(
         **memory(cfg, lay, micro, device_memory_gb),
         **ct,
         **comm,
-        **_estimate(ct, comm, bubble, eff),
+        **_estimate(ct, comm, bubble, pred, eff),
         **checkpoint_interval(flops.num_params(m), c, ct["step_time_s"]),
     }
 
