@@ -36,6 +36,7 @@ recomputation, the 5*a*s/h score term dropped (fused attention).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from runner.config import flops, pipeline
@@ -147,10 +148,18 @@ def _stage_blocks(cfg: RunConfig, lay: Layout) -> list[tuple[int, int]]:
     """(dense, moe) blocks held by each pipeline rank (its virtual stages together)."""
     m, p = cfg.model, cfg.parallelism
     v = p.pp_virtual_stages if lay.pp > 1 else 1
-    split = pipeline.stage_layers(m.num_layers, lay.pp * v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    dense_left, out = m.num_dense_layers if flops.is_moe(m) else m.num_layers, [[0, 0] for _ in range(lay.pp)]
+    dense = m.num_dense_layers if flops.is_moe(m) else m.num_layers
+    v_shape = v > 1 and p.pp_schedule in ("ZBVZeroBubble", "DualPipeV")
+    return _blocks_per_rank(m.num_layers, dense, lay.pp, v, v_shape, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocks_per_rank(num_layers: int, dense: int, pp: int, v: int, v_shape: bool, first: int, last: int) -> list[tuple[int, int]]:
+    """Cached: mode=search asks for the same split for thousands of candidates."""
+    split = pipeline.stage_layers(num_layers, pp * v, first, last)
+    dense_left, out = dense, [[0, 0] for _ in range(pp)]
     for i, n in enumerate(split):
-        rank = i % lay.pp if v == 1 or p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV") else min(i, 2 * lay.pp - 1 - i)
+        rank = min(i, 2 * pp - 1 - i) if v_shape else i % pp
         d = min(n, dense_left)
         dense_left -= d
         out[rank][0] += d

@@ -22,6 +22,7 @@ from runner.config.schema.choices import (
     HostGroup,
     Launcher,
     Mode,
+    Objective,
     ReshardPolicy,
     TextFormat,
     WandbMode,
@@ -47,6 +48,7 @@ from runner.config.schema.training import (
     ParallelismConfig,
     PlanConfig,
     PrecisionConfig,
+    SearchConfig,
     TrainingConfig,
 )
 
@@ -71,12 +73,14 @@ __all__ = [
     "LossGuardConfig",
     "Mode",
     "ModelConfig",
+    "Objective",
     "MonitorConfig",
     "ParallelismConfig",
     "PlanConfig",
     "PrecisionConfig",
     "ReshardPolicy",
     "RunConfig",
+    "SearchConfig",
     "SlurmConfig",
     "StragglerConfig",
     "TextFormat",
@@ -103,6 +107,9 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    objective: Objective = Objective.step_time
+    """The float `python -m runner` returns to a Hydra sweeper (Optuna minimizes it); an invalid or failed point returns NaN."""
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 

@@ -18,6 +18,10 @@ class Mode(Enum):
     dryrun = "dryrun"
     """Validate, then in this one CPU process play chosen ranks of the real layout on fake tensors and
     fake collectives, and measure each one's memory for a training step beside the plan; write dryrun.json."""
+    search = "search"
+    """Enumerate every layout TorchTitan can run for the model, cluster, global batch and seq_len, reject them by
+    validation's rules and the memory model, rank the rest by predicted step time; write search.json and a sweep of
+    the top search.top_k; start nothing."""
 
 
 class DeviceType(Enum):
@@ -119,3 +123,16 @@ class GuardAction(Enum):
     """Drop the batch: no optimizer step; counted and logged."""
     rewind = "rewind"
     """Skip single spikes; after `max_consecutive` in a row, reload the last checkpoint and skip the bad batches."""
+
+
+class Objective(StrEnum):
+    """The figure a run returns to Hydra's optimizing sweepers (Optuna, Nevergrad, Ax), always to minimize."""
+
+    step_time = "step_time"
+    """Plans: the predicted step time (s). Training runs: the measured median step time (s)."""
+    neg_mfu = "neg_mfu"
+    """The MFU negated: plans the predicted MFU, training runs the measured median MFU."""
+    final_loss = "final_loss"
+    """Training runs: the loss of the last step."""
+    eval_loss = "eval_loss"
+    """Training runs: summary.json's eval_loss (needs evaluation turned on)."""
