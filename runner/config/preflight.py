@@ -111,8 +111,7 @@ def _this_machine(cfg: RunConfig, lay: Layout, node: bool) -> list[Problem]:
                 Problem(
                     "parallelism",
                     lay.describe(),
-                    f"{ranks} ranks x {per_rank:.2f} GB estimated = {per_rank * ranks:.1f} GB "
-                    f"exceeds this machine's {have:.1f} GB",
+                    f"{ranks} ranks x {per_rank:.2f} GB estimated = {per_rank * ranks:.1f} GB exceeds this machine's {have:.1f} GB",
                     "use fewer ranks or a smaller model/batch",
                 )
             )

@@ -103,6 +103,11 @@ class Ranked:
     binding: str
     memory_gb: float
     mfu: float | None
+    recompute: float
+    """Share of the forward recomputed (runner.config.flops): at equal predicted time, less is better."""
+
+    def key(self) -> tuple[float, float, float]:
+        return (self.step_s, self.recompute, self.memory_gb)
 
 
 @dataclass
@@ -245,16 +250,27 @@ class _Search:
     def fits(self, cfg: RunConfig, lay: Layout) -> bool:
         return self.cap is None or self.peak_gb(cfg, lay) <= self.cap
 
-    def bar(self) -> float:
-        """The step time a candidate must beat to enter the kept list."""
-        return self.best[-1].step_s if len(self.best) >= self.keep else float("inf")
+    def bar(self) -> tuple[float, float, float]:
+        """The (step time, recompute, memory) a candidate must beat to enter the kept list."""
+        return self.best[-1].key() if len(self.best) >= self.keep else (float("inf"),) * 3
 
     def add(self, cand: Candidate, cfg: RunConfig, lay: Layout, pred: steptime.StepPrediction) -> None:
+        """Keep the candidate if it beats the bar (the kept list is sorted by Ranked.key); count the one displaced."""
         self.res.predictions += 1
         self.res.source = pred.source
-        r = Ranked(cand, label(lay, cfg.parallelism), pred.step_s, pred.terms, pred.binding, self.peak_gb(cfg, lay), mfu(cfg, pred.step_s))
+        t = cfg.training
+        recompute = flops.recompute_fraction(cfg.model, t.activation_checkpoint, t.ac_layer_frequency)
+        r = Ranked(cand, label(lay, cfg.parallelism), pred.step_s, pred.terms, pred.binding, 0.0, mfu(cfg, pred.step_s), recompute)
+        if pred.step_s > self.bar()[0] or (pred.step_s, recompute) > self.bar()[:2]:
+            self.reject("slower", 1)
+            return
+        r = Ranked(**{**r.__dict__, "memory_gb": self.peak_gb(cfg, lay)})
+        if r.key() >= self.bar():
+            self.reject("slower", 1)
+            return
         self.best.append(r)
-        self.best.sort(key=lambda x: (x.step_s, x.memory_gb))
+        self.best.sort(key=Ranked.key)
+        self.reject("slower", len(self.best[self.keep :]))  # displaced from the kept list
         del self.best[self.keep :]
 
     def settings(self, cand: Candidate) -> None:
@@ -265,7 +281,7 @@ class _Search:
         reshards = _reshards(cand.dp_shard)
         fastest = cand.config(cfg) if cand.ac == AC.none else cand._replace(ac=AC.none).config(cfg)
         bound = steptime.predict(fastest, lay)
-        if bound.step_s is None or bound.step_s >= self.bar():
+        if bound.step_s is None or bound.step_s > self.bar()[0]:
             self.reject("slower", n)
             return
         if not self.fits(cand._replace(ac=AC.full, reshard=reshards[-1]).config(cfg), lay):
@@ -276,10 +292,10 @@ class _Search:
             for c in kept:
                 c_cfg = c.config(cfg)
                 pred = steptime.predict(c_cfg, lay)
-                if pred.step_s is not None and pred.step_s < self.bar():
-                    self.add(c, c_cfg, lay, pred)
-                else:
+                if pred.step_s is None:
                     self.reject("slower", 1)
+                else:
+                    self.add(c, c_cfg, lay, pred)
             if kept:
                 self.reject(DOMINATED, sum(len(t) for t in AC_TIERS[i + 1 :]) * len(reshards))
                 return

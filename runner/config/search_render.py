@@ -23,7 +23,7 @@ from runner.config.wording import count
 
 SHOWN = 10
 SWEEP_NAME = "search_top"
-NOT_CARRIED = ("mode", "search.", "hydra.", "hydra/", "objective")  # overrides the sweep does not repeat
+NOT_CARRIED = ("mode", "objective", "search", "hydra")  # overrides the sweep does not repeat (and their sub-keys)
 REASONS = {
     MEMORY: "memory: more than a device holds (the plan's memory model, which mode=dryrun checks)",
     DOMINATED: "dominated: the same candidate with less recomputation, or keeping gathered weights, fits",
@@ -55,8 +55,9 @@ def why_first(res: Result) -> str:
     if gap <= 1e-9 * max(a.step_s, 1e-12):
         oa, ob = a.candidate.overrides(), b.candidate.overrides()
         differ = ", ".join(f"{k.split('.')[1]} {oa[k]} vs {ob[k]}" for k in oa if oa[k] != ob[k])
-        mem = f"{a.memory_gb:.2f} vs {b.memory_gb:.2f} GB" if b.memory_gb - a.memory_gb > 5e-3 else "the same memory"
-        return f"#1 ties #2 at {a.step_s:.3f} s predicted ({differ}: the predictor prices them alike) with {mem}"
+        mem = f"{a.memory_gb:.1f} vs {b.memory_gb:.1f} GB" if abs(b.memory_gb - a.memory_gb) > 0.05 else "the same memory"
+        why = "recomputes less" if a.recompute < b.recompute else "needs less memory" if a.memory_gb < b.memory_gb else "came first"
+        return f"#1 ties #2 at {a.step_s:.3f} s predicted ({differ}; {mem}): the predictor prices them alike, and #1 {why}"
     diff = {k: b.terms.get(k, 0.0) - a.terms.get(k, 0.0) for k in set(a.terms) | set(b.terms)}
     term = max(diff, key=diff.get)
     return (
@@ -116,7 +117,7 @@ def _carried(overrides: list[str]) -> dict[str, str]:
     out = {}
     for o in overrides:
         key, _, value = o.partition("=")
-        if not key.lstrip("+~").startswith(NOT_CARRIED):
+        if key.lstrip("+~").split(".")[0].split("/")[0] not in NOT_CARRIED:
             out[key] = value
     return out
 
