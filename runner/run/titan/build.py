@@ -100,6 +100,7 @@ def _every_nth_block_ac():
     """Per-layer selective AC: TorchTitan 0.3.0 dropped its selective_ac_option=N, so this wraps every N-th block
     of a model part (as that option did: blocks N-1, 2N-1, ...) with TorchTitan's own FullAC wrapper."""
     from torchtitan.distributed.activation_checkpoint import FullAC, _disable_dynamo_lru_cache
+    from torchtitan.tools.logging import logger
 
     class EveryNthBlockAC(FullAC):
         @dataclass(kw_only=True, slots=True)
@@ -110,9 +111,12 @@ def _every_nth_block_ac():
         def apply(self, model) -> None:
             _disable_dynamo_lru_cache()
             layers = model.get_submodule("layers")
+            wrapped = []
             for i, (layer_id, block) in enumerate(list(layers.named_children())):
                 if (i + 1) % self.config.every == 0:
                     layers.register_module(layer_id, self._wrap_block(block, base_fqn=f"layers.{layer_id}"))
+                    wrapped.append(layer_id)
+            logger.info(f"Applied full activation checkpointing to every {self.config.every}th block: layers {', '.join(wrapped)}")
 
     return EveryNthBlockAC
 
