@@ -19,7 +19,6 @@ import yaml
 from runner.config import runfiles
 from runner.config.schema import RunConfig
 from runner.config.search import DOMINATED, MEMORY, Ranked, Result
-from runner.config.wording import count
 
 SHOWN = 10
 SWEEP_NAME = "search_top"
@@ -70,7 +69,7 @@ def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str
     m = cfg.model
     rejected = sum(res.rejected.values())
     out = [
-        f"search: {m.name} {m.flavor} on {count(res.world_size, 'device')}: {res.candidates:,} candidates, "
+        f"search: {m.name} {m.flavor} on {res.world_size:,} devices: {res.candidates:,} candidates, "
         f"{rejected:,} rejected, {res.predictions:,} predicted in {res.seconds:.2f} s (step times: {res.source})",
         "search space:",
         *(f"  {b}" for b in res.bounds),
@@ -83,7 +82,7 @@ def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str
         why_first(res),
     ]
     if sweep_cmd:
-        out.append(f"sweep of the top {min(cfg.search.top_k, len(res.ranked))}: {sweep_cmd}")
+        out.append(f"sweep of the top {min(cfg.search.top_k, len(res.ranked))} (add mode=plan to price them one by one): {sweep_cmd}")
     return out
 
 
