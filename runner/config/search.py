@@ -28,7 +28,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from runner.config import flops, layout, memory, pipeline, precision, steptime, validate, validate_fields, validate_layout, validate_model
+from runner.config import (
+    flops,
+    layout,
+    memory,
+    pipeline,
+    precision,
+    steptime,
+    validate,
+    validate_ckpt,
+    validate_fields,
+    validate_layout,
+    validate_model,
+    validate_monitor,
+)
 from runner.config import validate_pipeline as pipeline_rules
 from runner.config.layout import Layout, label
 from runner.config.problems import ConfigError, Problem
@@ -142,10 +155,12 @@ def world_size(cfg: RunConfig) -> int:
     return c.num_nodes * c.devices_per_node
 
 
-def check_base(cfg: RunConfig) -> None:
-    """The rules that do not depend on the layout, once (model shape, ranges, device, cluster)."""
+def check_base(cfg: RunConfig, ws: int) -> None:
+    """The rules that do not depend on the layout, once (model shape, ranges, device, cluster, monitor, data)."""
     out: list[Problem] = []
     validate_fields.training(cfg, out)
+    validate_monitor.check(cfg, ws, out)
+    validate_ckpt.check(cfg, out)
     validate_model.check(cfg, out)
     validate_fields.device(cfg, out)
     validate_fields.cluster(cfg, out)
@@ -255,16 +270,25 @@ class _Search:
         return self.best[-1].key() if len(self.best) >= self.keep else (float("inf"),) * 3
 
     def add(self, cand: Candidate, cfg: RunConfig, lay: Layout, pred: steptime.StepPrediction) -> None:
-        """Keep the candidate if it beats the bar (the kept list is sorted by Ranked.key); count the one displaced."""
+        """Keep the candidate if it beats the bar (the kept list is sorted by Ranked.key); count the one displaced.
+        Memory, the last part of the key, is computed only for a candidate whose time and recomputation can enter."""
         self.res.predictions += 1
         self.res.source = pred.source
         t = cfg.training
         recompute = flops.recompute_fraction(cfg.model, t.activation_checkpoint, t.ac_layer_frequency)
-        r = Ranked(cand, label(lay, cfg.parallelism), pred.step_s, pred.terms, pred.binding, 0.0, mfu(cfg, pred.step_s), recompute)
-        if pred.step_s > self.bar()[0] or (pred.step_s, recompute) > self.bar()[:2]:
+        if (pred.step_s, recompute) > self.bar()[:2]:
             self.reject("slower", 1)
             return
-        r = Ranked(**{**r.__dict__, "memory_gb": self.peak_gb(cfg, lay)})
+        r = Ranked(
+            cand,
+            label(lay, cfg.parallelism),
+            pred.step_s,
+            pred.terms,
+            pred.binding,
+            self.peak_gb(cfg, lay),
+            mfu(cfg, pred.step_s),
+            recompute,
+        )
         if r.key() >= self.bar():
             self.reject("slower", 1)
             return
@@ -276,11 +300,9 @@ class _Search:
     def settings(self, cand: Candidate) -> None:
         """AC and resharding of one layout, schedule and microbatch: bounded by the fastest setting's prediction,
         rejected by the lightest setting's memory, each kept only if nothing with less recomputation fits."""
-        lay, cfg = cand.layout(), self.cfg
-        n = len(AC) * len(_reshards(cand.dp_shard))
-        reshards = _reshards(cand.dp_shard)
-        fastest = cand.config(cfg) if cand.ac == AC.none else cand._replace(ac=AC.none).config(cfg)
-        bound = steptime.predict(fastest, lay)
+        lay, cfg, reshards = cand.layout(), self.cfg, _reshards(cand.dp_shard)
+        n = len(AC) * len(reshards)
+        bound = steptime.predict(cand._replace(ac=AC.none, reshard=reshards[0]).config(cfg), lay)  # no recompute, no re-gathers
         if bound.step_s is None or bound.step_s > self.bar()[0]:
             self.reject("slower", n)
             return
@@ -347,7 +369,7 @@ def run(cfg: RunConfig, keep: int = 10) -> Result:
     """Search the space; keep the best max(keep, search.top_k) candidates, fastest first. Raises ConfigError on a
     base config no layout could fix (the model, the ranges, the cluster)."""
     t0 = time.perf_counter()
-    check_base(cfg)
+    check_base(cfg, world_size(cfg))
     search = _Search(cfg, max(keep, cfg.search.top_k))
     for degrees in layouts(cfg, search.ws):
         search.layout(degrees)
