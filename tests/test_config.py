@@ -38,6 +38,8 @@ CONTEXT = {
     "cluster/h100x1024.yaml": ["parallelism=fsdp", "training.global_batch_size=2048"],
     "cluster/slurm_h100.yaml": ["cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"],
     "cluster/b200_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
+    "cluster/a100_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
+    "cluster/h100_96gb_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
 }
 

@@ -80,6 +80,8 @@ BAD = [
     (["cluster.matmul_efficiency=1.5"], "cluster.matmul_efficiency"),
     (["cluster.mtbf_hours=-1"], "cluster.mtbf_hours"),
     (["cluster.checkpoint_write_gbs=-1"], "cluster.checkpoint_write_gbs"),
+    (["cluster.memory_bandwidth_gbs=-1"], "cluster.memory_bandwidth_gbs"),
+    (["cluster.profile=/nonexistent/profile.json"], "cluster.profile"),
     (["data.name=web"], "data.name"),
     (["data=text", "data.tokenizer=tokenizer.json"], "data.files"),  # text with no files
     (["data.format=csv"], "data.format"),

@@ -69,7 +69,9 @@ def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: ste
         "matmul_efficiency": eff,
         "dp_hidden_behind_backward": dp_s <= backward_s if dp_s is not None and backward_s is not None else None,
         "tp_comm_share": comm["tp_comm_s"] / step_s if comm["tp_comm_s"] is not None and step_s else None,
-        "compute_with_bubble_s": pred.terms["compute"] + pred.terms["bubble"] if est_s is not None else None,
+        "compute_with_bubble_s": sum(pred.terms[k] for k in ("compute", "non_matmul", "recompute", "overhead", "bubble"))
+        if est_s is not None
+        else None,
         "dp_comm_exposed_s": pred.terms["dp"] if est_s is not None else None,
         "estimated_step_time_s": est_s,
         "estimated_mfu": ct["ideal_compute_s"] / est_s if est_s and ct["ideal_compute_s"] is not None else None,

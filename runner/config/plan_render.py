@@ -70,6 +70,15 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
     ]
 
 
+def _binding(plan: dict[str, Any]) -> str:
+    """'compute 61 %, non_matmul 22 %, ...' of the predicted step: its largest terms first."""
+    terms, total = plan["predicted_terms_s"], plan["estimated_step_time_s"]
+    if not terms or not total:
+        return "terms n/a"
+    top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+    return ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in top if v > 0)
+
+
 def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
     """(row, value, note) lines of the printed table."""
     pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
@@ -97,8 +106,7 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
         (
             "bottom-up step estimate",
             _f(plan["estimated_step_time_s"], ".3f", " s"),
-            f"GEMMs at {100 * plan['matmul_efficiency']:.0f} % of peak / (1 - bubble) + TP + PP + CP + exposed DP; "
-            f"MFU {pct(plan['estimated_mfu'])}",
+            f"MFU {pct(plan['estimated_mfu'])}; {_binding(plan)}; {plan['predicted_source']}",
         ),
         ("TP traffic", _f(plan["tp_comm_s"], ".3f", " s"), f"{plan['tp_comm_gb']:.1f} GB, {pct(plan['tp_comm_share'])} of the step"),
         ("PP traffic", _f(plan["pp_comm_s"], ".4f", " s"), f"{plan['pp_comm_gb']:.2f} GB point-to-point"),
@@ -123,7 +131,7 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
 def one_line(plan: dict[str, Any]) -> str:
     fit = {True: "fits", False: "DOES NOT FIT", None: "fit unknown"}[plan["fits_memory"]]
     return (
-        f"plan [{plan['degrees']}]: estimated step {_f(plan['estimated_step_time_s'], '.3f', ' s')} "
+        f"plan [{plan['degrees']}]: estimated step {_f(plan['estimated_step_time_s'], '.3f', ' s')} ({plan['predicted_source']}) "
         f"(MFU {_f(plan['estimated_mfu'] and 100 * plan['estimated_mfu'], '.1f', ' %')}), m={plan['microbatches']}, "
         f"bubble {100 * plan['bubble_fraction']:.1f} %, TP {_f(plan['tp_comm_s'], '.3f', ' s')}, "
         f"memory {plan['total_gb_per_gpu']:.3g} GB ({fit})"

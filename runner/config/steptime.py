@@ -1,21 +1,36 @@
 """The step-time predictor: seconds per training step of a layout, as a sum of named terms.
 
-Torch-free and pure arithmetic (mode=search prices thousands of candidates with it). Every
-term is seconds per step on the slowest rank; `binding` names the largest. Without a machine
-profile (`cluster.profile`, written by `python -m runner.calibrate`) the cluster's datasheet
-figures are used and the prediction says so ("datasheet, not calibrated").
+Torch-free and pure arithmetic (mode=search prices thousands of candidates with it). The terms are
+seconds per step on the busiest rank:
+- compute: GEMMs at their per-rank shapes (rate by shape) and the attention kernel, forward + backward;
+- non_matmul: the elementwise kernels (norms, RoPE, SwiGLU, the loss) by a memory-bandwidth roofline,
+  and the optimizer step;
+- recompute: the forward work activation checkpointing repeats (full, selective per op or per layer);
+- overhead: the stack's fixed cost per block pass (dispatch) and per TP collective (DTensor);
+- bubble: pipeline fill and drain, (p - 1) passes of the slowest stage chunk;
+- tp, pp, cp, ep: their collectives, on the critical path;
+- dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, less what runs under the
+  block's compute.
+`binding` names the largest. The machine's figures come from a profile (`cluster.profile`, written by
+`python -m runner.calibrate`) or else from the datasheet ("datasheet, not calibrated").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
-from runner.config import flops, layout, pipeline, precision
-from runner.config.layout import Layout
-from runner.config.plan_comm import communication
+from runner.config import flops, layout, pipeline, plan_comm
+from runner.config import steptime_machine as machine
+from runner.config import steptime_work as work
+from runner.config.layout import MESH_ORDER, Layout
+from runner.config.memory import BYTES, keeps_weights_gathered
 from runner.config.schema import RunConfig
+from runner.config.steptime_machine import DATASHEET, Machine
 
-DATASHEET = "datasheet, not calibrated"
+CPU_TERMS = ("compute", "non_matmul", "recompute", "overhead")
+TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp")
 
 
 @dataclass(frozen=True)
@@ -23,7 +38,7 @@ class StepPrediction:
     step_s: float | None
     """Predicted seconds per step (None when the cluster lacks a peak or a link bandwidth)."""
     terms: dict[str, float] = field(default_factory=dict)
-    """Exposed seconds per step by term: compute, non_matmul, recompute, overhead, bubble, tp, pp, cp, ep, dp."""
+    """Exposed seconds per step by term (TERMS)."""
     binding: str = ""
     """The largest term's name: what to attack first."""
     calibrated: bool = False
@@ -32,26 +47,188 @@ class StepPrediction:
     """Where the machine figures come from: the profile's path, or DATASHEET."""
 
 
-def _micro(cfg: RunConfig, lay: Layout) -> int:
-    return cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+@dataclass(frozen=True)
+class _Chunk:
+    """One microbatch through one rank's share of the model (forward + backward), by term."""
+
+    compute: float = 0.0
+    non_matmul: float = 0.0
+    recompute: float = 0.0
+    overhead: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+
+    def total(self) -> float:
+        return self.compute + self.non_matmul + self.recompute + self.overhead + self.tp + self.cp + self.ep
 
 
-def _virtual(cfg: RunConfig, lay: Layout) -> int:
-    return cfg.parallelism.pp_virtual_stages if lay.pp > 1 else 1
+def _layer_frequency(cfg: RunConfig) -> int:
+    # training.ac_layer_frequency arrives with the selective AC modes; TorchTitan's default is every 2nd block
+    return getattr(cfg.training, "ac_layer_frequency", 2)
 
 
-def _ideal_compute_s(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> float | None:
-    m, t = cfg.model, cfg.training
-    flops_step = t.global_batch_size * t.seq_len * flops.flops_per_token(m, t.seq_len, cfg.plan.flops_convention)
-    peak = peak_tflops if peak_tflops is not None else cfg.cluster.peak_tflops.get(precision.matmul_peak(cfg)[0])
-    return flops_step / (lay.world_size * peak * 1e12) if peak else None
+def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: float) -> float:
+    """Seconds of one ring collective over `group` ranks on a tensor of `tensor_bytes` (the whole, gathered size)."""
+    if group <= 1:
+        return 0.0
+    sent = {"all_reduce": 2 * (group - 1) / group, "send_recv": 1.0}.get(op, (group - 1) / group) * tensor_bytes
+    return mach.link(kind, op, group).seconds(sent)
 
 
-def _finish(terms: dict[str, float | None], calibrated: bool, source: str) -> StepPrediction:
-    if any(v is None for v in terms.values()):
-        return StepPrediction(None, {}, "", calibrated, source)
-    clean = {k: float(v) for k, v in terms.items()}
-    return StepPrediction(sum(clean.values()), clean, max(clean, key=clean.get), calibrated, source)
+def _tp_cp_ep(
+    cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], shares: tuple[float, float, float]
+) -> tuple[float, float, float]:
+    """Seconds of one block's TP, CP and EP collectives for one microbatch (forward, backward, recomputed forward)."""
+    m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
+    passes = 2 + (1 if shares[0] > 0 else 0)  # forward, backward (+ the recomputed forward)
+    fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
+    tp = 0.0
+    if lay.tp > 1:
+        # sequence parallel: all-gather before and reduce-scatter after attention and the MLP, each way
+        gather = _collective(mach, kinds["tp"], "all_gather", lay.tp, n * m.dim * bw)
+        scatter = _collective(mach, kinds["tp"], "reduce_scatter", lay.tp, n * m.dim * bw)
+        tp = 2 * passes * (gather + scatter + 2 * fixed)
+    cp = 0.0
+    if lay.cp > 1:
+        # torch's ring attention (all-gather rotation): K and V gathered forward; gathered again and dK, dV
+        # reduce-scattered backward
+        kv = 2 * n * lay.cp * m.num_kv_heads * flops.head_dim(m) / lay.tp * bw
+        cp = passes * (_collective(mach, kinds["cp"], "all_gather", lay.cp, kv) + fixed)
+        cp += _collective(mach, kinds["cp"], "reduce_scatter", lay.cp, kv) + fixed
+    ep = 0.0
+    if lay.ep > 1 and flops.is_moe(m):
+        routed = n * m.num_experts_per_token * m.dim * bw
+        ep = 2 * passes * _collective(mach, kinds["ep"], "all_gather", lay.ep, routed)
+    return tp, cp, ep
+
+
+def _element_bytes(cfg: RunConfig, mach: Machine) -> float:
+    """Bytes moved per activation element: the machine's figure is for 2-byte (bf16) activations."""
+    return mach.bytes_per_element * BYTES[cfg.precision.param_dtype.value] / 2
+
+
+def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], shares: tuple[float, float, float]) -> _Chunk:
+    """One transformer block, one microbatch, forward + backward."""
+    blk = work.block(cfg, lay)
+    gemm = sum(mach.gemm_s(g) for g in blk.gemms)
+    attn = blk.attention_flops / (mach.attention_tflops * 1e12)
+    elem = blk.elements * _element_bytes(cfg, mach) / (mach.memory_gbs * 1e9)
+    tp, cp, ep = _tp_cp_ep(cfg, lay, mach, kinds, shares)
+    return _Chunk(
+        compute=3 * (gemm + attn),
+        non_matmul=elem,
+        recompute=shares[0] * gemm + shares[1] * attn + shares[2] * elem / 3,
+        overhead=(2 + (1 if shares[0] else 0)) * mach.layer_overhead_s,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+    )
+
+
+def _head(cfg: RunConfig, lay: Layout, mach: Machine) -> _Chunk:
+    """The output projection and the loss of one microbatch (last stage)."""
+    elem = work.logits(cfg, lay) * _element_bytes(cfg, mach) / (mach.memory_gbs * 1e9)
+    return _Chunk(compute=3 * mach.gemm_s(work.head_gemm(cfg, lay)), non_matmul=elem)
+
+
+def _scaled(c: _Chunk, k: float) -> _Chunk:
+    return _Chunk(*(k * getattr(c, f) for f in _Chunk.__dataclass_fields__))
+
+
+def _add(a: _Chunk, b: _Chunk) -> _Chunk:
+    return _Chunk(*(getattr(a, f) + getattr(b, f) for f in _Chunk.__dataclass_fields__))
+
+
+def _stages(cfg: RunConfig, lay: Layout, v: int) -> list[list[int]]:
+    """Blocks of each virtual stage, grouped by pipeline rank (stage s sits on rank s % pp)."""
+    p = cfg.parallelism
+    split = pipeline.stage_layers(cfg.model.num_layers, lay.pp * v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+    return [[split[r + lay.pp * j] for j in range(v)] for r in range(lay.pp)]
+
+
+def _dp_per_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], micro: int) -> float:
+    """Seconds of one block's FSDP and replica traffic per step."""
+    bw, br = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
+    params = flops.block_params(cfg.model) / lay.tp
+    shard = lay.dp_shard * lay.cp  # TorchTitan shards parameters over dp_shard x cp
+    syncs = 1 if lay.pp > 1 else micro
+    gathers = 1 if keeps_weights_gathered(cfg, lay) else 2 * micro
+    secs = gathers * _collective(mach, kinds["dp_shard"], "all_gather", shard, params * bw)
+    secs += syncs * _collective(mach, kinds["dp_shard"], "reduce_scatter", shard, params * br)
+    return secs + syncs * _collective(mach, kinds["dp_replicate"], "all_reduce", lay.dp_replicate, params / shard * br)
+
+
+def _optimizer_s(cfg: RunConfig, lay: Layout, mach: Machine) -> float:
+    local = flops.num_params(cfg.model) / (lay.tp * lay.pp * lay.dp_shard * lay.cp)
+    return local * machine.ADAMW_BYTES_PER_PARAM / (mach.memory_gbs * 1e9) * mach.cpu_share
+
+
+def _pp_s(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], micro: int, v: int) -> float:
+    """Each microbatch's activation forward and its gradient back at each of the rank's v stage edges."""
+    if lay.pp == 1:
+        return 0.0
+    sp = cfg.parallelism.sequence_parallel and lay.tp > 1
+    act = work.tokens(cfg, lay) * cfg.model.dim * BYTES[cfg.precision.param_dtype.value] / (lay.tp if sp else 1)
+    return 2 * micro * v * _collective(mach, kinds["pp"], "send_recv", 2, act)
+
+
+def _shared(mach: Machine, ranks: list[_Chunk], busiest: int) -> tuple[_Chunk, float]:
+    """The busiest pipeline rank's step with the machine's cores shared (CPU ranks > cores): every rank's
+    work is spread over the cores, so the time a stage idles in the bubble goes to the other ranks. Returns
+    that rank's terms and a (negative) correction of the bubble by the idle time others fill."""
+    if mach.cpu_share <= 1:
+        return ranks[busiest], 0.0
+    work_of = [r.compute + r.non_matmul + r.recompute + r.overhead for r in ranks]
+    k = mach.cpu_share * (sum(work_of) / len(ranks)) / work_of[busiest]
+    stretched = dataclasses.replace(ranks[busiest], **{f: k * getattr(ranks[busiest], f) for f in CPU_TERMS})
+    return stretched, -(k - 1) * work_of[busiest]
+
+
+def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, float]:
+    micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+    v = cfg.parallelism.pp_virtual_stages if lay.pp > 1 else 1
+    kinds = _kinds(cfg, lay)
+    shares = work.recomputed_share(ac, _layer_frequency(cfg))
+    blk, head, stages = _block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach), _stages(cfg, lay, v)
+    last = lay.pp * v - 1
+    chunks = [
+        [_add(_scaled(blk, n), head if r + lay.pp * j == last else _Chunk()) for j, n in enumerate(row)] for r, row in enumerate(stages)
+    ]
+    per_rank = [sum((c.total() for c in row), 0.0) for row in chunks]
+    busiest = max(range(lay.pp), key=per_rank.__getitem__)
+    rank, bubble = _shared(mach, [_scaled(functools.reduce(_add, row), micro) for row in chunks], busiest)
+    bubble += (lay.pp - 1) * max(c.total() for row in chunks for c in row) if lay.pp > 1 else 0.0
+    dp_block = _dp_per_block(cfg, lay, mach, kinds, micro)
+    compute_block = blk.compute + blk.non_matmul + blk.recompute
+    hidden = mach.comm_overlap * min(dp_block, micro * compute_block)
+    blocks = sum(stages[busiest])
+    dp = blocks * (dp_block - hidden) + (hidden if blocks else 0.0)  # the first gather and the last reduce-scatter stay exposed
+    out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep")}
+    out["non_matmul"] += _optimizer_s(cfg, lay, mach)
+    return {**out, "bubble": max(0.0, bubble), "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
+
+
+def _kinds(cfg: RunConfig, lay: Layout) -> dict[str, str]:
+    """The link kind ('intra-node' or 'scale-out') each axis's groups use."""
+    dpn = layout.devices_per_node(cfg.cluster, lay.world_size)
+    return {**plan_comm.links(lay, dpn), "ep": "intra-node" if lay.ep <= dpn and dpn % lay.ep == 0 else "scale-out"}
+
+
+def _links_known(cfg: RunConfig, mach: Machine, lay: Layout) -> bool:
+    """Every link a parallel axis of `lay` uses has a bandwidth (a cluster may leave one unknown)."""
+    kinds = _kinds(cfg, lay)
+    return all(mach.links.get(kinds[a]) for a in (*MESH_ORDER, "ep") if getattr(lay, a) > 1)
+
+
+def resolve_machine(cfg: RunConfig, lay: Layout, profile=None, **datasheet_overrides) -> Machine | None:
+    """The machine figures: `profile` (a loaded profile dict or a path), else cluster.profile, else the datasheet."""
+    source = profile if profile is not None else cfg.cluster.profile
+    if source is not None:
+        from runner.config import steptime_profile
+
+        return steptime_profile.machine(cfg, lay, source)
+    return machine.datasheet(cfg, **datasheet_overrides)
 
 
 def predict(
@@ -62,23 +239,14 @@ def predict(
     peak_tflops: float | None = None,
     link_gbs: dict[str, float] | None = None,
     matmul_efficiency: float | None = None,
+    ac: str | None = None,
 ) -> StepPrediction:
-    """Seconds per step of `lay`: GEMMs at the cluster's matmul efficiency, stretched by the bubble, plus
-    the traffic on the critical path (TP, PP, CP, EP whole; DP beyond what backward hides)."""
-    c = cfg.cluster
-    micro, v = _micro(cfg, lay), _virtual(cfg, lay)
-    bubble = pipeline.bubble(lay.pp, micro, cfg.parallelism.pp_schedule, v)[0]
-    gbs_of = link_gbs or {"intra-node": c.intra_node_bandwidth_gbs, "scale-out": c.inter_node_bandwidth_gbs}
-    comm = communication(cfg, lay, micro, v, layout.devices_per_node(c, lay.world_size), gbs_of)
-    ideal = _ideal_compute_s(cfg, lay, peak_tflops)
-    eff = matmul_efficiency if matmul_efficiency is not None else c.matmul_efficiency
-    compute = ideal / eff if ideal is not None else None
-    terms: dict[str, float | None] = {
-        "compute": compute,
-        "bubble": compute * bubble / (1 - bubble) if compute is not None else None,
-    }
-    for axis in ("tp", "pp", "cp", "ep"):
-        terms[axis] = comm[f"{axis}_comm_s"]
-    dp = comm["dp_comm_s"]
-    terms["dp"] = max(0.0, dp - (compute + terms["bubble"]) * 2 / 3) if dp is not None and compute is not None else None
-    return _finish(terms, False, DATASHEET)
+    """Seconds per step of `lay` by term. `peak_tflops`, `link_gbs` and `matmul_efficiency` override the
+    datasheet's (a profile's measured figures take precedence over all three); `ac` prices another
+    activation-checkpointing mode than training.activation_checkpoint's (its value, e.g. "selective_op")."""
+    mach = resolve_machine(cfg, lay, profile, peak_tflops=peak_tflops, link_gbs=link_gbs, efficiency=matmul_efficiency)
+    if mach is None or not _links_known(cfg, mach, lay):
+        return StepPrediction(None)
+    found = _terms(cfg, lay, mach, ac or cfg.training.activation_checkpoint.value)
+    terms = {k: found[k] for k in TERMS}
+    return StepPrediction(sum(terms.values()), terms, max(terms, key=terms.get), mach.calibrated, mach.source)

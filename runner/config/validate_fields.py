@@ -72,7 +72,14 @@ def cluster(cfg: RunConfig, out: list[Problem]) -> None:
     for name, example in (("achievable_mfu", "0.40"), ("matmul_efficiency", "0.70")):
         if not 0 < getattr(c, name) <= 1:
             out.append(Problem(f"cluster.{name}", getattr(c, name), "is a fraction of peak", f"use a value in (0, 1], e.g. {example}"))
-    for name in ("mtbf_hours", "checkpoint_write_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs", "device_memory_gb"):
+    for name in (
+        "mtbf_hours",
+        "checkpoint_write_gbs",
+        "intra_node_bandwidth_gbs",
+        "inter_node_bandwidth_gbs",
+        "device_memory_gb",
+        "memory_bandwidth_gbs",
+    ):
         if getattr(c, name) < 0:
             out.append(Problem(f"cluster.{name}", getattr(c, name), "must be >= 0", "use 0 for unknown"))
     if c.rank_overhead_gb < 0:
@@ -90,6 +97,19 @@ def cluster(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("cluster.max_restarts", c.max_restarts, "must be >= 0", "use 0 to never restart"))
     if c.launcher == "slurm":
         _slurm(cfg, out)
+    if c.profile is not None:
+        _profile(c.profile, out)
+
+
+def _profile(path: str, out: list[Problem]) -> None:
+    """cluster.profile must be a machine profile the predictor can read."""
+    from runner.config import steptime_machine
+
+    try:
+        steptime_machine.load(path)
+    except (OSError, ValueError) as e:
+        why = f"cannot be read ({e.strerror or e})" if isinstance(e, OSError) else "is not a machine profile (or a newer version)"
+        out.append(Problem("cluster.profile", path, why, "write one with `python -m runner.calibrate`, or set cluster.profile=null"))
 
 
 def _slurm(cfg: RunConfig, out: list[Problem]) -> None:

@@ -1,9 +1,10 @@
 """Check the planner against a measurement: predicted vs measured step time and bubble.
 
-After a run, the planner's bottom-up estimate is recomputed with what this machine
-actually offers (the measured matmul peak, shared by the ranks of one CPU machine, and an
-all-reduce bandwidth measured over the job's own process group) and set beside the
-measured medians. The measured bubble is the idle fraction of each pipeline rank: one
+After a run, the step-time predictor (runner/config/steptime.py) is set beside the measured
+medians: on the machine profile of `cluster.profile` (python -m runner.calibrate) when there is one,
+else on the datasheet model with what this run measured (the matmul peak, shared by the ranks of one
+CPU machine, and an all-reduce bandwidth over the job's own process group), labelled "datasheet, not
+calibrated". The measured bubble is the idle fraction of each pipeline rank: one
 minus the time inside its stages' forward/backward chunks over the schedule's wall time.
 """
 
@@ -74,7 +75,8 @@ def mean_over_ranks(policy, value: float) -> float:
 
 
 def compare(cfg: RunConfig, lay: Layout, peak_tflops_per_rank: float, link_gbs: float, measured_step_s: float, bubble: float | None):
-    """Predicted (planner, with measured peak and bandwidth) beside measured figures."""
+    """Predicted beside measured figures. With cluster.profile the predictor runs on the machine's profile;
+    without one on the datasheet model, given this run's measured peak and all-reduce bandwidth."""
     links = {"intra-node": 2 * link_gbs, "scale-out": 2 * link_gbs}  # planner figures are both directions together
     budget = plan.compute(cfg, lay, peak_tflops=peak_tflops_per_rank, link_gbs=links)
     predicted = budget["estimated_step_time_s"]
@@ -84,6 +86,8 @@ def compare(cfg: RunConfig, lay: Layout, peak_tflops_per_rank: float, link_gbs: 
         "step_time_predicted_s": predicted,
         "step_time_measured_s": measured_step_s,
         "step_time_ratio": measured_step_s / predicted if predicted else None,
+        "prediction_source": budget["predicted_source"],
+        "prediction_binding": budget["predicted_binding"],
         "tp_comm_predicted_s": budget["tp_comm_s"],
         "bubble_predicted": budget["bubble_fraction"],
         "bubble_measured": bubble,

@@ -72,15 +72,19 @@ class ConsoleSink:
         cal = summary.get("calibration")
         if cal:
             self.console.print(
-                f"calibration: step time predicted {cal['step_time_predicted_s']:.3f} s, measured {cal['step_time_measured_s']:.3f} s "
-                f"(measured/predicted {cal['step_time_ratio']:.2f}), from the measured peak {cal['peak_tflops_per_rank']:.3g} TFLOP/s "
-                f"per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
+                f"calibration: step time predicted {_s(cal['step_time_predicted_s'])}, measured {cal['step_time_measured_s']:.3f} s "
+                f"(measured/predicted {_s(cal['step_time_ratio'], '.2f', '')}), {cal['prediction_source']}; measured peak "
+                f"{cal['peak_tflops_per_rank']:.3g} TFLOP/s per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
             )
             if cal["bubble_measured"] is not None:
                 self.console.print(
                     f"calibration: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
                     f"measured idle {100 * cal['bubble_measured']:.1f} %"
                 )
+
+
+def _s(x: float | None, fmt: str = ".3f", unit: str = " s") -> str:
+    return "n/a" if x is None else format(x, fmt) + unit
 
 
 class JsonlSink:

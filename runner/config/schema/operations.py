@@ -124,6 +124,12 @@ class ClusterConfig:
     checkpoint interval suggested)."""
     checkpoint_write_gbs: float = 0.0
     """Aggregate write bandwidth of the checkpoint storage, GB/s; 0 = unknown."""
+    memory_bandwidth_gbs: float = 0.0
+    """Device memory bandwidth per device, GB/s (H100 SXM HBM3: 3,350), for the step-time predictor's roofline of
+    the elementwise kernels; 0 = unknown (that term is left out)."""
+    profile: str | None = None
+    """Machine profile (JSON) written by `python -m runner.calibrate` on this cluster: the step-time predictor uses
+    its measured figures instead of the datasheet ones; null = datasheet figures, labelled "datasheet, not calibrated"."""
 
 
 @dataclass

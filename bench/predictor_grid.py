@@ -1,0 +1,200 @@
+"""Benchmark: the calibrated step-time predictor against measured runs on this machine.
+
+python bench/predictor_grid.py [--profile machine_profile.json] [--reps 2] [--steps 6] [--quick] [--out bench_out]
+
+The grid: every layout that trains on a 2-core machine with up to 4 gloo ranks (single, dp2, tp2,
+dp2_tp2, fsdp on 4 ranks, hsdp2x2, tp2_pp2, dp2_pp2, pp2_interleaved, cp2) x two model sizes (the
+debug model, and the debug model widened with model.dim=512 model.ffn_hidden_dim=1536) x two sequence
+lengths (256, 512). Without --profile the machine is calibrated first (python -m runner.calibrate on
+the grid's shapes). Each repetition trains every point once in one Hydra multirun (torch imported
+once), in alternating order (forward, then backward, ...), so slow phases of a shared machine spread
+over the points; a point's measured time is the median over repetitions of its runs' median step
+time (steps after the warm-up). Printed: predicted vs measured per point with the error and binding
+term, then the targets: every point within 25 %, Spearman rank correlation >= 0.8 (over all points and
+per model size and length), and the predictor's first choice within 10 % of the measured fastest per
+model size and length (mode=search ranks candidates with the same predictor). --quick runs two points
+once, to check the bench end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from runner.config import runfiles, steptime, steptime_refs, validate  # noqa: E402
+
+LAYOUTS = {
+    "single": ["parallelism=single"],
+    "dp2": ["parallelism=dp2"],
+    "tp2": ["parallelism=tp2"],
+    "dp2_tp2": ["parallelism=dp2_tp2"],
+    "fsdp4": ["parallelism=fsdp", "parallelism.dp_shard=4"],
+    "hsdp2x2": ["parallelism=hsdp2x2"],
+    "tp2_pp2": ["parallelism=tp2_pp2"],
+    "dp2_pp2": ["parallelism=dp2_pp2"],
+    "pp2_interleaved": ["parallelism=pp2_interleaved"],
+    "cp2": ["parallelism=cp2"],
+}
+WIDE = ["model.dim=512", "model.ffn_hidden_dim=1536"]
+SIZES = {"debug_s256": [], "debug_s512": ["training.seq_len=512"], "wide_s256": WIDE, "wide_s512": [*WIDE, "training.seq_len=512"]}
+COMMON = ["model=debug", "training.global_batch_size=8", "training.microbatch_size=2", "data=synthetic", "logging.progress=false"]
+TARGET_ERROR, TARGET_SPEARMAN, TARGET_TOP = 0.25, 0.8, 0.10
+
+
+def points(quick: bool) -> dict[str, list[str]]:
+    if quick:
+        return {"debug_s256/single": [*COMMON, *LAYOUTS["single"]], "debug_s256/dp2": [*COMMON, *LAYOUTS["dp2"]]}
+    return {f"{s}/{lay}": [*COMMON, *so, *lo] for s, so in SIZES.items() for lay, lo in LAYOUTS.items()}
+
+
+def calibrate(out: Path, quick: bool) -> Path:
+    """python -m runner.calibrate on the grid's shapes (both sizes, both lengths)."""
+    variants = [a for so in SIZES.values() if so for a in ("--variant", " ".join(so))]
+    argv = [sys.executable, "-m", "runner.calibrate", *COMMON[:1], "--out", str(out), *variants, *(["--quick"] if quick else [])]
+    subprocess.run(argv, cwd=ROOT, check=True)
+    return out
+
+
+def _write_points(pts: dict[str, list[str]], folder: Path) -> list[str]:
+    """One config-group option per point (Hydra's experiment pattern), so one multirun trains them all."""
+    groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()}
+    (folder / "point").mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, overrides in enumerate(pts.values()):
+        chosen = dict(o.split("=", 1) for o in overrides if o.split("=", 1)[0] in groups)
+        values = [o for o in overrides if o.split("=", 1)[0] not in groups]
+        body = {"defaults": [{f"override /{g}": v} for g, v in chosen.items()], **OmegaConf.to_container(OmegaConf.from_dotlist(values))}
+        (folder / "point" / f"p{i}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
+        names.append(f"p{i}")
+    return names
+
+
+def measure_once(pts: dict[str, list[str]], order: list[str], steps: int, profile: Path, folder: Path) -> dict[str, float | None]:
+    """Train the points in `order` in one multirun; each point's median step time (None if it failed)."""
+    keys = list(pts)
+    names = _write_points(pts, folder / "points")
+    chosen = [names[keys.index(k)] for k in order]
+    sweep = folder / "sweep"
+    argv = [sys.executable, "-m", "runner", "-m", "--config-dir", str(folder / "points"), f"+point={','.join(chosen)}"]
+    argv += [f"training.steps={steps}", f"cluster.profile={profile}", f"hydra.sweep.dir={sweep}"]
+    subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    out = {}
+    for i, key in enumerate(order):
+        summary = sweep / str(i) / runfiles.SUMMARY
+        out[key] = json.loads(summary.read_text())["step_time_s_median"] if summary.exists() else None
+    return out
+
+
+def predict(pts: dict[str, list[str]], profile: Path) -> dict[str, steptime.StepPrediction]:
+    out = {}
+    for key, overrides in pts.items():
+        cfg = steptime_refs.compose([*overrides, f"cluster.profile={profile}"])
+        out[key] = steptime.predict(cfg, validate.check(cfg))
+    return out
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Pearson correlation of the ranks (ties get their mean rank)."""
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def report(pred: dict[str, steptime.StepPrediction], measured: dict[str, float | None], source: str) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    ok = {k: v for k, v in measured.items() if v is not None}
+    table = Table(title=f"step time per layout, predicted ({source}) vs measured (median of repetitions)", title_justify="left")
+    for col in ("size", "layout", "predicted s", "measured s", "error", "binding term"):
+        table.add_column(col, justify="right" if col.endswith(("s", "error")) else "left")
+    errors = {}
+    for key, p in pred.items():
+        size, lay = key.split("/")
+        m = measured.get(key)
+        errors[key] = None if m is None else p.step_s / m - 1
+        err = "failed" if m is None else f"{100 * errors[key]:+.1f} %"
+        miss = m is not None and abs(errors[key]) > TARGET_ERROR
+        table.add_row(size, lay, f"{p.step_s:.3f}", "-" if m is None else f"{m:.3f}", err, p.binding, style="red" if miss else None)
+    console = Console(highlight=False, width=140)
+    console.print(table)
+    return summarize(console, pred, ok, errors)
+
+
+def summarize(console, pred, ok: dict[str, float], errors: dict[str, float | None]) -> dict:
+    errs = [abs(e) for e in errors.values() if e is not None]
+    within = sum(e <= TARGET_ERROR for e in errs)
+    keys = list(ok)
+    rho = spearman([pred[k].step_s for k in keys], [ok[k] for k in keys]) if len(keys) > 2 else float("nan")
+    lines = [f"points measured {len(ok)} of {len(pred)}; within {100 * TARGET_ERROR:.0f} %: {within} of {len(errs)}"]
+    lines.append(f"error: max {100 * max(errs, default=0):.1f} %, mean {100 * statistics.fmean(errs or [0]):.1f} %")
+    lines.append(f"Spearman over all points: {rho:.2f} (target >= {TARGET_SPEARMAN})")
+    per = {}
+    for size in dict.fromkeys(k.split("/")[0] for k in keys):
+        ks = [k for k in keys if k.startswith(size + "/")]
+        first = min(ks, key=lambda k: pred[k].step_s)
+        fastest = min(ks, key=ok.__getitem__)
+        gap = ok[first] / ok[fastest] - 1
+        rho_s = spearman([pred[k].step_s for k in ks], [ok[k] for k in ks]) if len(ks) > 2 else float("nan")
+        per[size] = {"spearman": rho_s, "first": first, "fastest": fastest, "gap": gap}
+        lines.append(
+            f"{size}: Spearman {rho_s:.2f}; predicted #1 {first.split('/')[1]} measures {100 * gap:.1f} % slower than "
+            f"the fastest ({fastest.split('/')[1]}); target <= {100 * TARGET_TOP:.0f} %"
+        )
+    for line in lines:
+        console.print(line)
+    return {"within": within, "count": len(errs), "spearman": rho, "per_size": per}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", type=Path, help="machine profile; default: calibrate this machine first")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of the grid, alternating its order")
+    ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first ones are warm-up)")
+    ap.add_argument("--quick", action="store_true", help="two points, one repetition: checks the bench end to end")
+    ap.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the profile and the JSON result")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    profile = (a.profile or calibrate(a.out / "machine_profile.json", a.quick)).resolve()
+    pts = points(a.quick)
+    reps = 1 if a.quick else a.reps
+    runs: dict[str, list[float]] = {k: [] for k in pts}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(reps):
+            order = list(pts) if r % 2 == 0 else list(reversed(pts))
+            for k, v in measure_once(pts, order, 4 if a.quick else a.steps, profile, Path(tmp) / f"rep{r}").items():
+                if v is not None:
+                    runs[k].append(v)
+    measured = {k: statistics.median(v) if v else None for k, v in runs.items()}
+    result = report(predict(pts, profile), measured, str(profile))
+    (a.out / "predictor_grid.json").write_text(json.dumps({"measured_runs": runs, **result}, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

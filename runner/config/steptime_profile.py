@@ -1,0 +1,144 @@
+"""A machine profile (the JSON `python -m runner.calibrate` writes) read into the predictor's Machine.
+
+Layout of the file, everything measured on the machine with the backend the runs use:
+- `machine`: CPU model, cores, device, backend, torch version, compute dtype;
+- `by_ranks["<n>"]`: with n ranks on the machine, each rank's threads, its GEMM rate at the model's
+  per-rank shapes (`gemms`: [M, K, N, TFLOP/s], forward + backward timed together) and fitted over
+  them (`matmul_tflops`, `gemm_half_dim`), its attention rate and its memory bandwidth;
+- `collectives["<n>"]`: with n ranks running, latency and bandwidth of each op per group size
+  ("all_gather@2"), fitted as seconds = latency + bytes sent / bandwidth;
+- `constants`: the stack's fixed costs and overlap, each with its unit and meaning.
+Torch-free: the predictor and mode=search read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from runner.config import steptime_machine as sm
+from runner.config.layout import Layout
+from runner.config.schema import RunConfig
+from runner.config.steptime_machine import Link, Machine
+
+CONSTANTS = {
+    "layer_overhead_s": ("s", "fixed cost of one transformer block's forward or backward beyond its GEMMs and kernels (dispatch)"),
+    "dtensor_overhead_s": ("s", "fixed cost of one collective issued through DTensor (TP and CP) beyond the collective itself"),
+    "comm_overlap": ("fraction", "share of FSDP/DP collective time that runs while the rank computes"),
+}
+
+
+@functools.lru_cache(maxsize=16)
+def _load_path(path: str) -> dict[str, Any]:
+    return sm.load(path)
+
+
+def _profile(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, dict):
+        return source, str(source.get("path", "profile"))
+    path = str(Path(source).expanduser())
+    return _load_path(path), path
+
+
+def nearest(keys, n: int) -> str:
+    """The key of the measured rank count closest to n (on a log scale)."""
+    return min(keys, key=lambda k: (abs(math.log(int(k) / n)), int(k)))
+
+
+def _links(collectives: dict[str, dict[str, float]]) -> dict[str, Link]:
+    """Links keyed "<op>@<group>", plus "<op>" for the op's smallest measured group (used for other sizes)."""
+    out = {name: Link(v["latency_s"], v["gbs"]) for name, v in collectives.items()}
+    for name in sorted(collectives, key=lambda k: -int(k.split("@")[1])):
+        out[name.split("@")[0]] = out[name]
+    return out
+
+
+def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
+    """The Machine of `world` ranks on the profiled machine."""
+    entry = prof["by_ranks"][nearest(prof["by_ranks"], world)]
+    links = _links(prof["collectives"][nearest(prof["collectives"], world)]) if world > 1 and prof["collectives"] else {}
+    const = {k: v["value"] for k, v in prof["constants"].items()}
+    cores = prof["machine"]["cores"]
+    return Machine(
+        matmul_tflops=entry["matmul_tflops"],
+        memory_gbs=entry["memory_gbs"],
+        bytes_per_element=sm.EAGER_BYTES_PER_ELEMENT,
+        attention_tflops=entry["attention_tflops"],
+        links={"intra-node": links, "scale-out": links},
+        gemm_half_dim=entry["gemm_half_dim"],
+        gemm_table={(g[0], g[1], g[2]): g[3] for g in entry["gemms"]},
+        layer_overhead_s=const["layer_overhead_s"],
+        dtensor_overhead_s=const["dtensor_overhead_s"],
+        comm_overlap=const["comm_overlap"],
+        cpu_share=max(1.0, world * entry["threads"] / cores),
+        calibrated=True,
+        source=source,
+    )
+
+
+def machine(cfg: RunConfig, lay: Layout, source: str | Path | dict[str, Any]) -> Machine:
+    prof, path = _profile(source)
+    return machine_of(prof, lay.world_size, path)
+
+
+def fit_link(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Least-squares latency and bandwidth from (bytes sent, seconds) points: seconds = latency + bytes / (gbs x 1e9)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    slope = max(slope, 1e-15)
+    return {"latency_s": max(0.0, my - slope * mx), "gbs": 1.0 / (slope * 1e9)}
+
+
+def fit_gemm_rate(gemms: list[list[float]]) -> dict[str, float]:
+    """Large-GEMM rate R and half-rate size d of rate = R d / (d + d_half), d = min(M, K, N), over measured
+    [M, K, N, TFLOP/s]: a least-squares line of 1/rate against 1/d (1/rate = 1/R + (d_half/R) / d)."""
+    pts = [(1.0 / min(g[:3]), 1.0 / g[3]) for g in gemms]
+    fit = fit_link(pts)  # same algebra: y = a + b x
+    inv_r = fit["latency_s"] or min(y for _, y in pts)
+    return {"matmul_tflops": 1.0 / inv_r, "gemm_half_dim": (1.0 / (fit["gbs"] * 1e9)) / inv_r}
+
+
+def constant(name: str, value: float) -> dict[str, Any]:
+    unit, meaning = CONSTANTS[name]
+    return {"value": value, "unit": unit, "meaning": meaning}
+
+
+def write(profile: dict[str, Any], path: Path) -> Path:
+    profile = {"kind": sm.PROFILE_KIND, "version": sm.PROFILE_VERSION, **profile}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile, indent=1) + "\n")
+    tmp.replace(path)
+    _load_path.cache_clear()
+    return path
+
+
+def describe(prof: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(name, value, meaning) rows of the profile's named figures, for printing."""
+    m = prof["machine"]
+    out = [("machine", f"{m['cpu']}, {m['cores']} cores, {m['device']}/{m['backend']}, {m['dtype']}", f"torch {m['torch']}")]
+    for n, e in sorted(prof["by_ranks"].items(), key=lambda kv: int(kv[0])):
+        out.append(
+            (
+                f"{n} rank(s), {e['threads']} thread(s) each",
+                f"GEMM {e['matmul_tflops'] * 1e3:.1f} GFLOP/s, half at {e['gemm_half_dim']:.0f}; "
+                f"attention {e['attention_tflops'] * 1e3:.1f} GFLOP/s; memory {e['memory_gbs']:.1f} GB/s",
+                "large-GEMM rate, size where it halves, fused attention rate, elementwise bandwidth",
+            )
+        )
+    for n, ops in sorted(prof["collectives"].items(), key=lambda kv: int(kv[0])):
+        for name, v in sorted(ops.items()):
+            out.append(
+                (
+                    f"{name} ({n} ranks running)",
+                    f"{v['latency_s'] * 1e6:.0f} us + bytes / {v['gbs']:.2f} GB/s",
+                    "latency + size / bandwidth",
+                )
+            )
+    out += [(k, f"{v['value']:.3g} {v['unit']}", v["meaning"]) for k, v in prof["constants"].items()]
+    return out

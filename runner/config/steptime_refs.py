@@ -1,0 +1,71 @@
+"""Published GPU runs the datasheet predictor is checked against (runner/config/data/reference_runs.csv).
+
+Each row is composed from its Hydra overrides like a command line, priced by the predictor and set
+beside its measured step time: tokens/s per GPU give it directly; the Llama 3 paper's TFLOP/s per GPU
+are converted with the usual model-FLOP convention of Megatron-LM and TorchTitan ("titan" in
+runner/config/flops.py: the attention scores counted without causal sparsity), the paper stating none.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.config import flops, layout, steptime
+from runner.config.schema import RunConfig
+
+DATA = Path(__file__).resolve().parent / "data" / "reference_runs.csv"
+CONF = Path(__file__).resolve().parent.parent.parent / "conf"
+
+
+@dataclass(frozen=True)
+class Reference:
+    id: str
+    role: str
+    """fit, heldout or not_modelled."""
+    measured_step_s: float
+    predicted: steptime.StepPrediction
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus one."""
+        return self.predicted.step_s / self.measured_step_s - 1
+
+
+def rows(path: Path = DATA) -> list[dict[str, str]]:
+    lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def compose(overrides: list[str]) -> RunConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from runner.config.schema import register
+
+    register()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return OmegaConf.to_object(hydra_compose(config_name="config", overrides=overrides))
+
+
+def _flops_per_token(cfg: RunConfig, unit: str) -> float:
+    return flops.flops_per_token(cfg.model, cfg.training.seq_len, "titan") if unit == "tflops_per_gpu" else 1.0
+
+
+def measured_step_s(cfg: RunConfig, world: int, row: dict[str, str]) -> float:
+    tokens = cfg.training.global_batch_size * cfg.training.seq_len
+    per_gpu = float(row["measured"]) * (1e12 if row["unit"] == "tflops_per_gpu" else 1.0)
+    return tokens * _flops_per_token(cfg, row["unit"]) / (per_gpu * world)
+
+
+def check(row: dict[str, str]) -> Reference:
+    cfg = compose([f"model={row['model']}", "precision=bf16", *row["overrides"].split()])
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    return Reference(row["id"], row["role"], measured_step_s(cfg, lay.world_size, row), steptime.predict(cfg, lay, ac=row["ac"]))
+
+
+def checked(role: str | None = None) -> list[Reference]:
+    """Every modelled row (or those of one role), predicted."""
+    return [check(r) for r in rows() if r["role"] != "not_modelled" and (role is None or r["role"] == role)]

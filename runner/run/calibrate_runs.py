@@ -1,0 +1,146 @@
+"""The measurements of `python -m runner.calibrate` that need several ranks or whole runs: collectives
+on the backend with torch's own ops, and the stack's fixed costs fitted from short runs of the runner."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from runner.config import freeze, runfiles, steptime, steptime_profile
+from runner.config.layout import resolve
+from runner.config.schema import RunConfig
+from runner.run import procs
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# the short runs: a model so small that its GEMMs cost next to nothing, so what a block costs is the stack's
+TINY = ["model=debug", "model.dim=64", "model.ffn_hidden_dim=192", "model.num_heads=4", "model.num_kv_heads=4", "training.seq_len=64"]
+RUN = ["training.global_batch_size=4", "training.microbatch_size=2", "data=synthetic", "logging.progress=false", "checkpoint=none"]
+LAYERS = (2, 6)
+
+
+def _sent(op: str, group: int, tensor_bytes: float) -> float:
+    return {"all_reduce": 2 * (group - 1) / group, "send_recv": 1.0}.get(op, (group - 1) / group) * tensor_bytes
+
+
+def _run_op(op: str, x: torch.Tensor, group, size: int):
+    if op == "all_reduce":
+        return dist.all_reduce(x, group=group)
+    if op == "all_gather":
+        return dist.all_gather_single(x, x[: x.numel() // size].clone(), group=group)
+    return dist.reduce_scatter_single(x[: x.numel() // size].clone(), x, group=group)
+
+
+def _timed(fn, group, device: torch.device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _send_recv(x: torch.Tensor, rank: int) -> None:
+    """One round trip with the pair partner (rank ^ 1)."""
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        dist.send(x, peer), dist.recv(x, peer)
+    else:
+        dist.recv(x, peer), dist.send(x, peer)
+
+
+def _measure(rank: int, world: int, device: torch.device, sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
+    groups = {world: None}
+    if world >= 4:  # pairs running side by side, as TP or CP 2 inside a 4-rank job
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        groups[2] = pairs[rank // 2]
+    out = {}
+    for size, group in groups.items():
+        for op in OPS:
+            pts = []
+            for nbytes in sizes:
+                x = torch.ones(nbytes // 4, device=device)
+                pts.append((_sent(op, size, nbytes), _timed(lambda op=op, x=x, g=group, n=size: _run_op(op, x, g, n), group, device, reps)))
+            out[f"{op}@{size}"] = steptime_profile.fit_link(pts)
+    pts = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device=device)
+        pts.append((nbytes, _timed(lambda x=x: _send_recv(x, rank), None, device, reps) / 2))
+    out["send_recv@2"] = steptime_profile.fit_link(pts)
+    return out
+
+
+def _worker(rank: int, world: int, backend: str, store: str, sizes: tuple[int, ...], reps: int, out: str) -> None:
+    torch.set_num_threads(procs.threads_per_rank(world))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        result = _measure(rank, world, device, sizes, reps)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def collectives(cfg: RunConfig, world: int, sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """Latency and bandwidth of every op per group size with `world` ranks running (a FileStore: no port)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        args = (world, cfg.cluster.backend.value, str(Path(tmp) / "store"), sizes, reps, str(out))
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
+        return json.loads(out.read_text())
+
+
+def _short_runs(base: list[str], folder: Path, quick: bool) -> list[tuple[RunConfig, float]]:
+    """Train the tiny model with 2 and 6 blocks, on one rank and with TP 2 (one Hydra multirun): (config, median step)."""
+    steps = "training.steps=6" if quick else "training.steps=10"
+    layers = "model.num_layers=" + ",".join(map(str, LAYERS))
+    argv = [sys.executable, "-m", "runner", "-m", *base, *TINY, *RUN, steps, layers, "parallelism=single,tp2", f"hydra.sweep.dir={folder}"]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the short runs failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    out = []
+    for summary in sorted(folder.glob(f"*/{runfiles.SUMMARY}")):
+        cfg = freeze.load(summary.parent / runfiles.FROZEN)
+        out.append((cfg, json.loads(summary.read_text())["step_time_s_median"]))
+    return out
+
+
+def _residual(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float:
+    return measured - steptime.predict(cfg, resolve(cfg.parallelism, cfg.cluster), profile).step_s
+
+
+def fixed_costs(profile: dict[str, Any], base: list[str], folder: Path, quick: bool) -> dict[str, Any]:
+    """The block and DTensor costs: what the runs with 6 blocks take beyond those with 2, less what the
+    measured GEMMs, kernels and collectives explain, per block pass and per DTensor collective."""
+    zero = {**profile, "constants": {n: steptime_profile.constant(n, 0.0) for n in steptime_profile.CONSTANTS}}
+    runs = _short_runs(base, folder, quick)
+    res = {(c.model.num_layers, c.parallelism.tp): _residual(zero, c, t) for c, t in runs}
+    cfg = runs[0][0]
+    micro = cfg.training.global_batch_size // cfg.training.microbatch_size
+    extra_blocks = LAYERS[1] - LAYERS[0]
+    block = max(0.0, (res[(LAYERS[1], 1)] - res[(LAYERS[0], 1)]) / (extra_blocks * 2 * micro))
+    tp_block = (res[(LAYERS[1], 2)] - res[(LAYERS[0], 2)]) / (extra_blocks * micro)  # per block and microbatch, TP 2
+    dtensor = max(0.0, (tp_block - 2 * block) / 8)  # 2 passes x (2 gathers + 2 scatters)
+    overlap = 1.0 if cfg.cluster.backend.value == "nccl" else 0.0  # gloo's collectives need the cores the compute holds
+    return {
+        "layer_overhead_s": steptime_profile.constant("layer_overhead_s", block),
+        "dtensor_overhead_s": steptime_profile.constant("dtensor_overhead_s", dtensor),
+        "comm_overlap": steptime_profile.constant("comm_overlap", overlap),
+    }
