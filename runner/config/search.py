@@ -227,6 +227,7 @@ class _Search:
         self.res = Result(self.ws, bounds(cfg, self.ws))
         self.best: list[Ranked] = []
         self._batch: dict[tuple, list[Problem]] = {}
+        self._peak: dict[tuple, float] = {}
 
     def reject(self, reason: str, n: int, example: str = "") -> None:
         self.res.rejected[reason] += n
@@ -255,8 +256,16 @@ class _Search:
         return bad
 
     def peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
-        """The memory model's largest stage (memory.memory's verdict). Outside the V schedules a middle stage never
-        exceeds stage 1 (fewer microbatches in flight, no more layers), so stages 0, 1 and the last suffice."""
+        """The memory model's largest stage (memory.memory's verdict), once per candidate. Outside the V schedules a
+        middle stage never exceeds stage 1 (fewer microbatches in flight, no more layers), so stages 0, 1 and the
+        last suffice."""
+        p, t = cfg.parallelism, cfg.training
+        key = (lay, p.pp_schedule, p.pp_virtual_stages, p.fsdp_reshard_after_forward, t.microbatch_size, t.activation_checkpoint)
+        if key not in self._peak:
+            self._peak[key] = self._peak_gb(cfg, lay)
+        return self._peak[key]
+
+    def _peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
         micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
         v_shape = pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
         stages = range(lay.pp) if v_shape or lay.pp <= 3 else (0, 1, lay.pp - 1)
@@ -302,7 +311,8 @@ class _Search:
         rejected by the lightest setting's memory, each kept only if nothing with less recomputation fits."""
         lay, cfg, reshards = cand.layout(), self.cfg, _reshards(cand.dp_shard)
         n = len(AC) * len(reshards)
-        bound = steptime.predict(cand._replace(ac=AC.none, reshard=reshards[0]).config(cfg), lay)  # no recompute, no re-gathers
+        fastest = cand._replace(ac=AC.none, reshard=reshards[0])  # no recompute, no re-gathers
+        bound = steptime.predict(fastest.config(cfg), lay)
         if bound.step_s is None or bound.step_s > self.bar()[0]:
             self.reject("slower", n)
             return
@@ -313,7 +323,7 @@ class _Search:
             kept = [c for c in (self._fitting(cand._replace(ac=ac), reshards) for ac in tier) if c is not None]
             for c in kept:
                 c_cfg = c.config(cfg)
-                pred = steptime.predict(c_cfg, lay)
+                pred = bound if c == fastest else steptime.predict(c_cfg, lay)
                 if pred.step_s is None:
                     self.reject("slower", 1)
                 else:
