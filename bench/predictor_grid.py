@@ -1,6 +1,6 @@
 """Benchmark: the calibrated step-time predictor against measured runs on this machine.
 
-python bench/predictor_grid.py [--profile machine_profile.json] [--reps 2] [--steps 6] [--quick] [--out bench_out]
+python bench/predictor_grid.py [--profile machine_profile.json] [--reps 2] [--steps 4] [--quick] [--out bench_out]
 
 The grid: every layout that trains on a 2-core machine with up to 4 gloo ranks (single, dp2, tp2,
 dp2_tp2, fsdp on 4 ranks, hsdp2x2, tp2_pp2, dp2_pp2, pp2_interleaved, cp2) x two model sizes (the
@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,6 +148,10 @@ def report(pred: dict[str, steptime.StepPrediction], measured: dict[str, float |
     return summarize(console, pred, ok, errors)
 
 
+def _f(x: float) -> str:
+    return "n/a (under 3 points)" if x != x else f"{x:.2f}"
+
+
 def summarize(console, pred, ok: dict[str, float], errors: dict[str, float | None]) -> dict:
     errs = [abs(e) for e in errors.values() if e is not None]
     within = sum(e <= TARGET_ERROR for e in errs)
@@ -154,7 +159,7 @@ def summarize(console, pred, ok: dict[str, float], errors: dict[str, float | Non
     rho = spearman([pred[k].step_s for k in keys], [ok[k] for k in keys]) if len(keys) > 2 else float("nan")
     lines = [f"points measured {len(ok)} of {len(pred)}; within {100 * TARGET_ERROR:.0f} %: {within} of {len(errs)}"]
     lines.append(f"error: max {100 * max(errs, default=0):.1f} %, mean {100 * statistics.fmean(errs or [0]):.1f} %")
-    lines.append(f"Spearman over all points: {rho:.2f} (target >= {TARGET_SPEARMAN})")
+    lines.append(f"Spearman over all points: {_f(rho)} (target >= {TARGET_SPEARMAN})")
     per = {}
     for size in dict.fromkeys(k.split("/")[0] for k in keys):
         ks = [k for k in keys if k.startswith(size + "/")]
@@ -164,7 +169,7 @@ def summarize(console, pred, ok: dict[str, float], errors: dict[str, float | Non
         rho_s = spearman([pred[k].step_s for k in ks], [ok[k] for k in ks]) if len(ks) > 2 else float("nan")
         per[size] = {"spearman": rho_s, "first": first, "fastest": fastest, "gap": gap}
         lines.append(
-            f"{size}: Spearman {rho_s:.2f}; predicted #1 {first.split('/')[1]} measures {100 * gap:.1f} % slower than "
+            f"{size}: Spearman {_f(rho_s)}; predicted #1 {first.split('/')[1]} measures {100 * gap:.1f} % slower than "
             f"the fastest ({fastest.split('/')[1]}); target <= {100 * TARGET_TOP:.0f} %"
         )
     for line in lines:
@@ -176,10 +181,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", type=Path, help="machine profile; default: calibrate this machine first")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of the grid, alternating its order")
-    ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first ones are warm-up)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up); 40 points x 2 repetitions fit 20 min")
     ap.add_argument("--quick", action="store_true", help="two points, one repetition: checks the bench end to end")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the profile and the JSON result")
     a = ap.parse_args()
+    started = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
     profile = (a.profile or calibrate(a.out / "machine_profile.json", a.quick)).resolve()
     pts = points(a.quick)
@@ -194,6 +200,7 @@ def main() -> None:
     measured = {k: statistics.median(v) if v else None for k, v in runs.items()}
     result = report(predict(pts, profile), measured, str(profile))
     (a.out / "predictor_grid.json").write_text(json.dumps({"measured_runs": runs, **result}, indent=1, default=str) + "\n")
+    print(f"bench wall time {time.perf_counter() - started:.0f} s ({reps} repetition(s) of {len(pts)} points)")
 
 
 if __name__ == "__main__":

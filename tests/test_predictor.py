@@ -115,3 +115,13 @@ def test_bad_profile_is_a_config_error(compose, tmp_path):
     with pytest.raises(validate.ConfigError) as e:
         validate.check(compose([*CPU, f"cluster.profile={bad}"]))
     assert "cluster.profile" in str(e.value) and "python -m runner.calibrate" in str(e.value)
+
+
+def test_calibrate_measures_the_per_rank_shapes(compose):
+    """python -m runner.calibrate times the GEMMs each rank runs: TP shards the projections, CP the tokens."""
+    from runner.run import calibrate
+
+    gemms, attention = calibrate.shapes([compose(["model=debug", "training.seq_len=256", "training.microbatch_size=2"])], 4)
+    assert {(512, 256, 256), (512, 256, 128), (512, 128, 256), (512, 256, 384), (256, 256, 768), (512, 256, 1024)} <= gemms
+    assert (512, 768, 256) in gemms and (512, 384, 256) in gemms  # w2 whole and row-parallel under TP 2
+    assert attention == {(2, 16, 256, 16), (2, 8, 256, 16), (2, 4, 256, 16)}  # heads over TP 1, 2, 4

@@ -173,6 +173,7 @@ def test_calibration_sets_prediction_beside_measurement(runs):
     assert cal["step_time_measured_s"] == summary(runs["dp2_pp2"])["step_time_s_median"]
     out = runs["_console"]["dp2_pp2"]
     assert "calibration: pipeline bubble predicted 33.3 %, measured idle" in out
+    assert cal["prediction_source"] == "datasheet, not calibrated" and ", datasheet, not calibrated; measured peak" in out
     assert summary(runs["dp2_tp2"])["calibration"]["tp_comm_predicted_s"] > 0
     assert summary(runs["dp2_tp2"])["calibration"]["bubble_measured"] is None  # no pipeline
 

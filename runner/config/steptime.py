@@ -18,7 +18,6 @@ seconds per step on the busiest rank:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
 from runner.config import flops, layout, pipeline, plan_comm
@@ -81,7 +80,7 @@ def _tp_cp_ep(
 ) -> tuple[float, float, float]:
     """Seconds of one block's TP, CP and EP collectives for one microbatch (forward, backward, recomputed forward)."""
     m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
-    passes = 2 + (1 if shares[0] > 0 else 0)  # forward, backward (+ the recomputed forward)
+    passes = 2 + shares[2]  # forward, backward and the share of blocks whose forward runs again
     fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
     tp = 0.0
     if lay.tp > 1:
@@ -119,7 +118,7 @@ def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], sh
         compute=3 * (gemm + attn),
         non_matmul=elem,
         recompute=shares[0] * gemm + shares[1] * attn + shares[2] * elem / 3,
-        overhead=(2 + (1 if shares[0] else 0)) * mach.layer_overhead_s,
+        overhead=(2 + shares[2]) * mach.layer_overhead_s,
         tp=tp,
         cp=cp,
         ep=ep,
@@ -173,16 +172,27 @@ def _pp_s(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], mic
     return 2 * micro * v * _collective(mach, kinds["pp"], "send_recv", 2, act)
 
 
-def _shared(mach: Machine, ranks: list[_Chunk], busiest: int) -> tuple[_Chunk, float]:
-    """The busiest pipeline rank's step with the machine's cores shared (CPU ranks > cores): every rank's
-    work is spread over the cores, so the time a stage idles in the bubble goes to the other ranks. Returns
-    that rank's terms and a (negative) correction of the bubble by the idle time others fill."""
-    if mach.cpu_share <= 1:
-        return ranks[busiest], 0.0
-    work_of = [r.compute + r.non_matmul + r.recompute + r.overhead for r in ranks]
-    k = mach.cpu_share * (sum(work_of) / len(ranks)) / work_of[busiest]
-    stretched = dataclasses.replace(ranks[busiest], **{f: k * getattr(ranks[busiest], f) for f in CPU_TERMS})
-    return stretched, -(k - 1) * work_of[busiest]
+def _work(c: _Chunk) -> float:
+    return c.compute + c.non_matmul + c.recompute + c.overhead
+
+
+def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: list[list[int]], micro: int, share: float) -> tuple[_Chunk, float, int]:
+    """The busiest pipeline rank's terms per step (its blocks, and the head on the rank of the last stage)
+    and the bubble: (p - 1) passes of the slowest stage chunk. With the cores shared (CPU ranks > cores)
+    every rank's work is spread over them, so a stage's idle time goes to the other ranks: the compute
+    terms stretch by `share` x the mean rank's work / the busiest's, and the bubble shrinks by as much."""
+    last = len(stages) - 1
+    blocks = [sum(row) for row in stages]
+    b, h = blk.total(), head.total()
+    busiest = max(range(len(stages)), key=lambda r: blocks[r] * b + (h if r == last else 0.0))
+    rank = _scaled(_add(_scaled(blk, blocks[busiest]), head if busiest == last else _Chunk()), micro)
+    bubble = (lay.pp - 1) * max(max(n * b for row in stages for n in row), stages[-1][-1] * b + h) if lay.pp > 1 else 0.0
+    if share <= 1:
+        return rank, bubble, blocks[busiest]
+    work = [micro * (n * _work(blk) + (_work(head) if r == last else 0.0)) for r, n in enumerate(blocks)]
+    k = share * (sum(work) / len(work)) / work[busiest]
+    stretched = dataclasses.replace(rank, **{f: k * getattr(rank, f) for f in CPU_TERMS})
+    return stretched, max(0.0, bubble - (k - 1) * work[busiest]), blocks[busiest]
 
 
 def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, float]:
@@ -191,22 +201,13 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     kinds = _kinds(cfg, lay)
     shares = work.recomputed_share(ac, _layer_frequency(cfg))
     blk, head, stages = _block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach), _stages(cfg, lay, v)
-    last = lay.pp * v - 1
-    chunks = [
-        [_add(_scaled(blk, n), head if r + lay.pp * j == last else _Chunk()) for j, n in enumerate(row)] for r, row in enumerate(stages)
-    ]
-    per_rank = [sum((c.total() for c in row), 0.0) for row in chunks]
-    busiest = max(range(lay.pp), key=per_rank.__getitem__)
-    rank, bubble = _shared(mach, [_scaled(functools.reduce(_add, row), micro) for row in chunks], busiest)
-    bubble += (lay.pp - 1) * max(c.total() for row in chunks for c in row) if lay.pp > 1 else 0.0
+    rank, bubble, blocks = _pipeline(lay, blk, head, stages, micro, mach.cpu_share)
     dp_block = _dp_per_block(cfg, lay, mach, kinds, micro)
-    compute_block = blk.compute + blk.non_matmul + blk.recompute
-    hidden = mach.comm_overlap * min(dp_block, micro * compute_block)
-    blocks = sum(stages[busiest])
+    hidden = mach.comm_overlap * min(dp_block, micro * (blk.compute + blk.non_matmul + blk.recompute))
     dp = blocks * (dp_block - hidden) + (hidden if blocks else 0.0)  # the first gather and the last reduce-scatter stay exposed
     out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep")}
     out["non_matmul"] += _optimizer_s(cfg, lay, mach)
-    return {**out, "bubble": max(0.0, bubble), "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
+    return {**out, "bubble": bubble, "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
 
 
 def _kinds(cfg: RunConfig, lay: Layout) -> dict[str, str]:

@@ -36,13 +36,6 @@ def _load_path(path: str) -> dict[str, Any]:
     return sm.load(path)
 
 
-def _profile(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
-    if isinstance(source, dict):
-        return source, str(source.get("path", "profile"))
-    path = str(Path(source).expanduser())
-    return _load_path(path), path
-
-
 def nearest(keys, n: int) -> str:
     """The key of the measured rank count closest to n (on a log scale)."""
     return min(keys, key=lambda k: (abs(math.log(int(k) / n)), int(k)))
@@ -80,8 +73,14 @@ def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
 
 
 def machine(cfg: RunConfig, lay: Layout, source: str | Path | dict[str, Any]) -> Machine:
-    prof, path = _profile(source)
-    return machine_of(prof, lay.world_size, path)
+    if isinstance(source, dict):
+        return machine_of(source, lay.world_size, str(source.get("path", "profile")))
+    return _machine_at(str(Path(source).expanduser()), lay.world_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _machine_at(path: str, world: int) -> Machine:
+    return machine_of(_load_path(path), world, path)
 
 
 def fit_link(points: list[tuple[float, float]]) -> dict[str, float]:
@@ -115,6 +114,7 @@ def write(profile: dict[str, Any], path: Path) -> Path:
     tmp.write_text(json.dumps(profile, indent=1) + "\n")
     tmp.replace(path)
     _load_path.cache_clear()
+    _machine_at.cache_clear()
     return path
 
 
