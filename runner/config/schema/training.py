@@ -180,5 +180,5 @@ class SearchConfig:
     """mode=search: largest pp_virtual_stages tried for the looped schedules (each from 2 up)."""
     max_cp: int = 8
     """mode=search: largest context-parallel degree tried."""
-    max_microbatch_size: int = 8
+    max_microbatch_size: int = 4
     """mode=search: microbatch sizes tried are 1..this (those not dividing the local batch are rejected)."""
