@@ -125,3 +125,12 @@ def test_calibrate_measures_the_per_rank_shapes(compose):
     assert {(512, 256, 256), (512, 256, 128), (512, 128, 256), (512, 256, 384), (256, 256, 768), (512, 256, 1024)} <= gemms
     assert (512, 768, 256) in gemms and (512, 384, 256) in gemms  # w2 whole and row-parallel under TP 2
     assert attention == {(2, 16, 256, 16), (2, 8, 256, 16), (2, 4, 256, 16)}  # heads over TP 1, 2, 4
+
+
+def test_calibrate_refuses_bad_input_before_measuring(capsys):
+    from runner.run import calibrate
+
+    assert calibrate.main(["--ranks", "3"]) == 2
+    assert "--ranks '3': give rank counts that are 1 or powers of two, e.g. --ranks 1,2,4" in capsys.readouterr().err
+    assert calibrate.main(["model.dim=0"]) == 2
+    assert "model.dim = 0: must be >= 1" in capsys.readouterr().err

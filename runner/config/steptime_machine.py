@@ -5,8 +5,10 @@ Two sources. A machine profile (JSON written by `python -m runner.calibrate`, gi
 per-rank shapes and thread count, the attention kernel's rate, memory bandwidth, latency and
 bandwidth of each collective per group size on the backend, and the stack's fixed costs. Without
 one, the cluster's datasheet figures are used with the constants below, which describe TorchTitan
-in eager mode on NVIDIA GPUs and were fitted to TorchTitan's published runs
-(runner/config/data/reference_runs.csv); such predictions are labelled "datasheet, not calibrated".
+in eager mode on NVIDIA GPUs; ATTENTION_VS_MATMUL, the two bytes-per-element figures and
+LINK_EFFICIENCY were chosen on a grid (0.45-0.75, 40-80, 16-32, 0.7-0.9) to minimise the squared log
+error over the `fit` rows of runner/config/data/reference_runs.csv (TorchTitan's published runs),
+never the `heldout` ones. Such predictions are labelled "datasheet, not calibrated".
 """
 
 from __future__ import annotations

@@ -135,6 +135,17 @@ def machine_facts(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def _rank_counts(text: str) -> list[int]:
+    """--ranks: 1 and powers of two (pairs of ranks exchange in the send/recv measurement)."""
+    try:
+        counts = sorted({int(n) for n in text.split(",")})
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 or n & (n - 1) for n in counts):
+        raise ValueError(f"--ranks {text!r}: give rank counts that are 1 or powers of two, e.g. --ranks 1,2,4")
+    return counts
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m runner.calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the model and batch to measure (as for python -m runner)")
@@ -149,12 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from runner.config import steptime_refs
+    from runner.config import steptime_refs, validate
 
     args = _parse(sys.argv[1:] if argv is None else argv)
     base = args.overrides
-    cfgs = [steptime_refs.compose(base)] + [steptime_refs.compose([*base, *v.split()]) for v in args.variant]
-    rank_counts = sorted({int(n) for n in args.ranks.split(",")})
+    try:
+        cfgs = [steptime_refs.compose(base)] + [steptime_refs.compose([*base, *v.split()]) for v in args.variant]
+        rank_counts = _rank_counts(args.ranks)
+        for cfg in cfgs:
+            validate.check(cfg)
+    except Exception as e:  # Hydra's override and composition errors, ConfigError, a bad --ranks: a message, no traceback
+        print(f"python -m runner.calibrate: {e}", file=sys.stderr)
+        return 2
     reps = 3 if args.quick else 7
     dtype = getattr(torch, cfgs[0].precision.param_dtype.value)
     console = Console(highlight=False, width=160)
