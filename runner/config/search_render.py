@@ -45,24 +45,36 @@ def _row(i: int, r: Ranked) -> str:
     )
 
 
-def why_first(res: Result) -> str:
-    """One line: the term that separates #1 from #2 (or, at equal time, the memory)."""
-    if len(res.ranked) < 2:
-        return "only one candidate survived" if res.ranked else "no candidate survived"
-    a, b = res.ranked[0], res.ranked[1]
+def _beats(a: Ranked, b: Ranked, i: int) -> str:
+    """#1 against #i: the time gap and the term that differs most."""
     gap = b.step_s - a.step_s
-    if gap <= 1e-9 * max(a.step_s, 1e-12):
-        oa, ob = a.candidate.overrides(), b.candidate.overrides()
-        differ = ", ".join(f"{k.split('.')[1]} {oa[k]} vs {ob[k]}" for k in oa if oa[k] != ob[k])
-        mem = f"{a.memory_gb:.1f} vs {b.memory_gb:.1f} GB" if abs(b.memory_gb - a.memory_gb) > 0.05 else "the same memory"
-        why = "recomputes less" if a.recompute < b.recompute else "needs less memory" if a.memory_gb < b.memory_gb else "came first"
-        return f"#1 ties #2 at {a.step_s:.3f} s predicted ({differ}; {mem}): the predictor prices them alike, and #1 {why}"
     diff = {k: b.terms.get(k, 0.0) - a.terms.get(k, 0.0) for k in set(a.terms) | set(b.terms)}
     term = max(diff, key=diff.get)
     return (
-        f"#1 beats #2 by {gap:.3f} s ({100 * gap / b.step_s:.1f} %): its {term} term is {diff[term]:.3f} s shorter "
+        f"#1 beats #{i} ({b.label}) by {gap:.3f} s ({100 * gap / b.step_s:.1f} %): its {term} term is {diff[term]:.3f} s shorter "
         f"({a.terms.get(term, 0):.3f} vs {b.terms.get(term, 0):.3f} s)"
     )
+
+
+def _ties(a: Ranked, b: Ranked) -> bool:
+    return b.step_s - a.step_s <= 1e-9 * max(a.step_s, 1e-12)
+
+
+def why_first(res: Result) -> str:
+    """One line: the term that separates #1 from #2; when they tie, what differs and, after it, why #1 beats the
+    first candidate that is slower."""
+    if len(res.ranked) < 2:
+        return "only one candidate survived" if res.ranked else "no candidate survived"
+    a, b = res.ranked[0], res.ranked[1]
+    if not _ties(a, b):
+        return _beats(a, b, 2)
+    oa, ob = a.candidate.overrides(), b.candidate.overrides()
+    differ = ", ".join(f"{k.split('.')[1]} {oa[k]} vs {ob[k]}" for k in oa if oa[k] != ob[k])
+    mem = f"{a.memory_gb:.1f} vs {b.memory_gb:.1f} GB" if abs(b.memory_gb - a.memory_gb) > 0.05 else "the same memory"
+    why = "recomputes less" if a.recompute < b.recompute else "needs less memory" if a.memory_gb < b.memory_gb else "came first"
+    line = f"#1 ties #2 at {a.step_s:.3f} s predicted ({differ}; {mem}): the predictor prices them alike, and #1 {why}"
+    slower = next((i for i, r in enumerate(res.ranked) if not _ties(a, r)), None)
+    return line + (f"; {_beats(a, res.ranked[slower], slower + 1)}" if slower is not None else "")
 
 
 def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str]:
