@@ -123,7 +123,14 @@ def test_bounds_and_why_line_are_printed(small):
     assert f"{res.candidates:,} candidates" in text and "search.max_cp = 2" in text and "v = 2..search.max_virtual_stages = 2" in text
     assert "selective_op, selective_layer (every 2), full" in text
     assert f"rule training.global_batch_size (e.g. {res.examples['training.global_batch_size']})" in text
-    assert text.count("\n  1  ") == 1 and ("#1 beats #2 by" in text or "#1 ties #2" in text)
+    why = search_render.why_first(res)
+    assert text.count("\n  1  ") == 1 and why in text
+    second = res.ranked[1]  # not tied here: the line names #2, the term that separates them and both values
+    gap, term = second.step_s - res.ranked[0].step_s, why.split("its ")[1].split(" term")[0]
+    assert (
+        why.startswith(f"#1 beats #2 ({second.label}) by {gap:.3f} s")
+        and f"({res.ranked[0].terms[term]:.3f} vs {second.terms[term]:.3f} s)" in why
+    )
 
 
 def test_search_cli_writes_a_sweep_that_runs_as_it_is(tmp_path):
