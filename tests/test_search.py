@@ -164,3 +164,14 @@ def test_search_needs_a_fixed_device_count(tmp_path):
     assert proc.returncode == 2
     assert "cluster.devices_per_node = -1" in proc.stderr and "set cluster.num_nodes and cluster.devices_per_node" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "r" / "search.json").exists()
+
+
+def test_a_cluster_without_a_peak_prices_nothing_and_writes_no_sweep(compose, tmp_path):
+    """local_cpu measures its peak at start-up: without a profile the predictor has nothing to price with."""
+    cfg = compose(["cluster.devices_per_node=4", "mode=search"])
+    res = search.run(cfg)
+    assert res.ranked == [] and res.rejected[search.UNPRICED] > 0
+    assert sum(res.rejected.values()) == res.candidates
+    path, cmd = search_render.write(cfg, res, tmp_path, [])
+    assert cmd is None and path.is_file() and not (tmp_path / "search").exists()
+    assert "unpriced: the cluster has no peak or link bandwidth" in "\n".join(search_render.lines(cfg, res))

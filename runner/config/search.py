@@ -52,6 +52,7 @@ AC_TIERS = ((AC.none,), (AC.selective_op, AC.selective_layer), (AC.full,))  # le
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 MEMORY = "memory"
 DOMINATED = "dominated"
+UNPRICED = "unpriced"
 
 
 class Candidate(NamedTuple):
@@ -313,7 +314,10 @@ class _Search:
         n = len(AC) * len(reshards)
         fastest = cand._replace(ac=AC.none, reshard=reshards[0])  # no recompute, no re-gathers
         bound = steptime.predict(fastest.config(cfg), lay)
-        if bound.step_s is None or bound.step_s > self.bar()[0]:
+        if bound.step_s is None:
+            self.reject(UNPRICED, n)
+            return
+        if bound.step_s > self.bar()[0]:
             self.reject("slower", n)
             return
         if not self.fits(cand._replace(ac=AC.full, reshard=reshards[-1]).config(cfg), lay):

@@ -18,7 +18,7 @@ import yaml
 
 from runner.config import runfiles
 from runner.config.schema import RunConfig
-from runner.config.search import DOMINATED, MEMORY, Ranked, Result
+from runner.config.search import DOMINATED, MEMORY, UNPRICED, Ranked, Result
 
 SHOWN = 10
 SWEEP_NAME = "search_top"
@@ -27,6 +27,8 @@ REASONS = {
     MEMORY: "memory: more than a device holds (the plan's memory model, which mode=dryrun checks)",
     DOMINATED: "dominated: the same candidate with less recomputation, or keeping gathered weights, fits",
     "slower": f"slower: even its fastest setting is predicted no faster than the best {SHOWN}",
+    UNPRICED: "unpriced: the cluster has no peak or link bandwidth to predict with (set cluster.peak_tflops and the "
+    "bandwidths, or cluster.profile from python -m runner.calibrate)",
 }
 
 
@@ -155,8 +157,9 @@ def write_sweep(cfg: RunConfig, res: Result, run_dir: Path, overrides: list[str]
     return cmd
 
 
-def write(cfg: RunConfig, res: Result, run_dir: Path, overrides: list[str]) -> tuple[Path, str]:
-    cmd = write_sweep(cfg, res, run_dir, overrides)
+def write(cfg: RunConfig, res: Result, run_dir: Path, overrides: list[str]) -> tuple[Path, str | None]:
+    """search.json, and the sweep when a candidate survived (None: nothing to sweep)."""
+    cmd = write_sweep(cfg, res, run_dir, overrides) if res.ranked else None
     path = run_dir / runfiles.SEARCH
     path.write_text(json.dumps(to_json(res) | {"sweep": cmd}, indent=2) + "\n")
     return path, cmd
