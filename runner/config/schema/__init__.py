@@ -109,7 +109,7 @@ class RunConfig:
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     objective: Objective = Objective.step_time
-    """The float `python -m runner` returns to a Hydra sweeper (Optuna minimizes it); an invalid or failed point returns NaN."""
+    """The float `python -m runner` returns to a Hydra sweeper (Optuna minimizes it); +inf for an invalid or failed point."""
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 
