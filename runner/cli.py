@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import flops, freeze, precision, preflight, runfiles, slurm, validate, validate_keys
+from runner.config import flops, freeze, precision, preflight, runfiles, search_objective, slurm, validate, validate_keys
 from runner.config.layout import label
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
 from runner.config.wording import count
@@ -62,12 +62,14 @@ def _fail(msg: str, run_dir: Path) -> None:
     sys.exit(2)
 
 
-def _invalid_sweep_point(e: Exception, run_dir: Path) -> None:
-    """In a multirun an invalid point is a result, not the end of the sweep: record why."""
+def _invalid_sweep_point(e: Exception, run_dir: Path) -> float:
+    """In a multirun an invalid point is a result, not the end of the sweep: record why, and return the
+    objective of a point that lost (an optimizing sweeper goes on with its next trial)."""
     problems = [str(p) for p in e.problems] if isinstance(e, validate.ConfigError) else [str(e)]
     overrides = list(HydraConfig.get().overrides.task)
     print(f"invalid sweep point {' '.join(overrides)}:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
     (run_dir / runfiles.INVALID).write_text(json.dumps({"overrides": overrides, "problems": problems}, indent=2) + "\n")
+    return search_objective.WORST
 
 
 def _precision_lines(cfg: RunConfig) -> list[str]:
@@ -101,8 +103,9 @@ def _report(cfg: RunConfig, lay) -> str:
     )
 
 
-def _plan(cfg: RunConfig, lay, run_dir: Path) -> None:
-    """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing."""
+def _plan(cfg: RunConfig, lay, run_dir: Path) -> float:
+    """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing.
+    Returns the objective (predicted step time or MFU) for an optimizing sweeper."""
     from runner.config import plan
 
     memory = validate.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
@@ -114,6 +117,21 @@ def _plan(cfg: RunConfig, lay, run_dir: Path) -> None:
         plan.render(budget, cfg.checkpoint.interval if cfg.checkpoint.enable else None)
     freeze.write(cfg, lay, run_dir)
     print(f"plan written to {plan.write(budget, run_dir)}")
+    return search_objective.of_plan(cfg, budget)
+
+
+def _search(cfg: RunConfig, run_dir: Path) -> float:
+    """Search every layout of the model on the cluster; print the report, write search.json and the top-k sweep."""
+    from runner.config import search, search_render
+
+    res = search.run(cfg)
+    path, cmd = search_render.write(cfg, res, run_dir, list(HydraConfig.get().overrides.task))
+    print("\n".join(search_render.lines(cfg, res, cmd)))
+    print(f"search written to {path}")
+    if not res.ranked:
+        return search_objective.WORST
+    best = res.ranked[0]
+    return search_objective.of_plan(cfg, {"estimated_step_time_s": best.step_s, "estimated_mfu": best.mfu})
 
 
 def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
@@ -153,32 +171,43 @@ def _dryrun(cfg: RunConfig, lay, run_dir: Path) -> None:
     print(f"dry run written to {dryrun_report.write(rep, run_dir)}")
 
 
+def _check_and_report(cfg: RunConfig, dcfg: DictConfig, run_dir: Path):
+    """Validate, then run a mode that starts nothing: (True, its objective) when it ran, (False, layout) otherwise."""
+    if cfg.mode == Mode.search:  # searches the layouts: the configured one need not fit this cluster
+        return True, _search(cfg, run_dir)
+    lay = validate.check(cfg)
+    if cfg.mode == Mode.validate:
+        print(_report(cfg, lay))
+        _discard(run_dir)  # a check, not a run: leave no folder behind
+        return True, None
+    if cfg.mode == Mode.plan:
+        return True, _plan(cfg, lay, run_dir)
+    if cfg.mode == Mode.launch_plan:
+        _launch_plan(cfg, lay, dcfg, run_dir)
+        return True, None
+    if cfg.mode == Mode.dryrun:
+        _dryrun(cfg, lay, run_dir)
+        return True, None
+    preflight.run(cfg, lay, run_dir)
+    return False, lay
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
-def main(dcfg: DictConfig) -> None:
+def main(dcfg: DictConfig) -> float | None:
+    """The Hydra task: returns the config's objective (a float an optimizing sweeper minimizes; +inf for an
+    invalid or failed point) where the mode has one."""
     global _entered
     _entered = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         cfg = _to_object(dcfg)
-        lay = validate.check(cfg)
-        if cfg.mode == Mode.validate:
-            print(_report(cfg, lay))
-            _discard(run_dir)  # a check, not a run: leave no folder behind
-            return
-        if cfg.mode == Mode.plan:
-            _plan(cfg, lay, run_dir)
-            return
-        if cfg.mode == Mode.launch_plan:
-            _launch_plan(cfg, lay, dcfg, run_dir)
-            return
-        if cfg.mode == Mode.dryrun:
-            _dryrun(cfg, lay, run_dir)
-            return
-        preflight.run(cfg, lay, run_dir)
+        done, result = _check_and_report(cfg, dcfg, run_dir)
+        if done:
+            return result
+        lay = result
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
-            _invalid_sweep_point(e, run_dir)
-            return
+            return _invalid_sweep_point(e, run_dir)
         _fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
     if slurm.in_job():
         node, _, first_host, job_id = slurm.job_nodes()
@@ -210,6 +239,22 @@ def main(dcfg: DictConfig) -> None:
         if HydraConfig.get().mode != RunMode.MULTIRUN or job_id is not None:  # a SLURM job reports its own failure
             sys.exit(1)
         _failed.append(" ".join(record["overrides"]))  # the sweep goes on; cli() exits 1 at its end
+        return search_objective.WORST
+    return _run_objective(cfg, run_dir) if node == 0 else None
+
+
+def _run_objective(cfg: RunConfig, run_dir: Path) -> float:
+    """The measured objective of a finished run, from its summary.json."""
+    path = run_dir / runfiles.SUMMARY
+    if not path.is_file():  # another node of a SLURM job wrote it, or the run logged no step
+        return search_objective.WORST
+    try:
+        return search_objective.of_run(cfg, json.loads(path.read_text()))
+    except validate.ConfigError as e:  # the run itself is kept: only the objective is missing
+        print(str(e), file=sys.stderr)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            sys.exit(2)
+        return search_objective.WORST
 
 
 def _slurm_node(cfg: RunConfig, lay, run_dir: Path, frozen: Path, first_host: str, job_id: str) -> None:

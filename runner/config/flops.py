@@ -153,6 +153,25 @@ def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> flo
     return tokens_per_s * flops_token / peak_flops_total
 
 
-def hfu_factor(ac: ActivationCheckpoint) -> float:
-    """Hardware FLOPs / model FLOPs: full recomputation repeats the forward (2 of 6 units)."""
-    return {ActivationCheckpoint.none: 1.0, ActivationCheckpoint.full: 8.0 / 6.0}[ac]
+def recompute_fraction(m: ModelConfig, ac: ActivationCheckpoint, layer_frequency: int) -> float:
+    """Share of the blocks' forward matmul FLOPs that backward runs again.
+
+    selective_layer recomputes num_layers // N blocks whole. selective_op (TorchTitan's SelectiveAC) saves
+    attention and every odd-numbered matmul of a block, so of a llama3 block's wq, wk, wv, wo, w1, w3, w2 it
+    recomputes wk, wo and w3 (MoE and MLA blocks: half of their matmuls, the policy's own alternation)."""
+    if ac == ActivationCheckpoint.none:
+        return 0.0
+    if ac == ActivationCheckpoint.full:
+        return 1.0
+    if ac == ActivationCheckpoint.selective_layer:
+        return (m.num_layers // layer_frequency) / m.num_layers
+    if is_moe(m) or is_mla(m):
+        return 0.5
+    hd = head_dim(m)
+    kv, q, ffn = m.dim * hd * m.num_kv_heads, m.dim * hd * m.num_heads, m.dim * m.ffn_hidden_dim
+    return (kv + q + ffn) / (2 * q + 2 * kv + 3 * ffn)
+
+
+def hfu_factor(m: ModelConfig, ac: ActivationCheckpoint, layer_frequency: int) -> float:
+    """Hardware FLOPs / model FLOPs: recomputation repeats that share of the forward (2 of 6 units)."""
+    return 1.0 + recompute_fraction(m, ac, layer_frequency) * 2.0 / 6.0

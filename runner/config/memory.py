@@ -37,6 +37,7 @@ recomputation, the 5*a*s/h score term dropped (fused attention).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from runner.config import flops, pipeline
@@ -149,10 +150,18 @@ def _stage_blocks(cfg: RunConfig, lay: Layout) -> list[tuple[int, int]]:
     """(dense, moe) blocks held by each pipeline rank (its virtual stages together)."""
     m, p = cfg.model, cfg.parallelism
     v = p.pp_virtual_stages if lay.pp > 1 else 1
-    split = pipeline.stage_layers(m.num_layers, lay.pp * v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    dense_left, out = m.num_dense_layers if flops.is_moe(m) else m.num_layers, [[0, 0] for _ in range(lay.pp)]
+    dense = m.num_dense_layers if flops.is_moe(m) else m.num_layers
+    v_shape = v > 1 and p.pp_schedule in ("ZBVZeroBubble", "DualPipeV")
+    return _blocks_per_rank(m.num_layers, dense, lay.pp, v, v_shape, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocks_per_rank(num_layers: int, dense: int, pp: int, v: int, v_shape: bool, first: int, last: int) -> list[tuple[int, int]]:
+    """Cached: mode=search asks for the same split for thousands of candidates."""
+    split = pipeline.stage_layers(num_layers, pp * v, first, last)
+    dense_left, out = dense, [[0, 0] for _ in range(pp)]
     for i, n in enumerate(split):
-        rank = i % lay.pp if v == 1 or p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV") else min(i, 2 * lay.pp - 1 - i)
+        rank = min(i, 2 * pp - 1 - i) if v_shape else i % pp
         d = min(n, dense_left)
         dense_left -= d
         out[rank][0] += d
@@ -173,6 +182,35 @@ def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
     if cfg.parallelism.pp_schedule in ("GPipe", "LoopedBFS"):
         return micro
     return min(micro, lay.pp - stage)
+
+
+def _selective_op_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
+    """What TorchTitan's SelectiveAC saves of a llama3 block beside its input: the outputs of the odd-numbered
+    matmuls (wq, wv, w1, w2; w2's before TP's reduce), the attention output and its fp32 logsumexp."""
+    m, bw, tp = cfg.model, BYTES[cfg.precision.param_dtype.value], lay.tp
+    hd, a = flops.head_dim(m), m.num_heads / tp
+    return bw * hd * (2 * a + m.num_kv_heads / tp) + 4 * a + bw * m.ffn_hidden_dim / tp + bw * m.dim
+
+
+def _saved_by_blocks(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], first: bool, sizes: tuple[float, float, float], tokens: float):
+    """Bytes a stage's (dense, moe) blocks save for backward per microbatch under the AC mode. A checkpointed block
+    keeps its input (on a later stage the first block's is the receive buffer, counted by the caller); a
+    selective_layer stage checkpoints n // N of its n blocks; selective_op adds what its policy saves (MoE and
+    MLA blocks: half of what they keep without AC)."""
+    full_layer, moe_layer, hidden = sizes
+    ac, n = cfg.training.activation_checkpoint, blocks[0] + blocks[1]
+    kept = blocks[0] * full_layer + blocks[1] * moe_layer
+    if ac == ActivationCheckpoint.none or n == 0:
+        return kept
+    inputs = (n - (not first)) * hidden
+    if ac == ActivationCheckpoint.full:
+        return inputs
+    if ac == ActivationCheckpoint.selective_layer:
+        share = (n // cfg.training.ac_layer_frequency) / n
+        return share * inputs + (1 - share) * kept
+    if flops.is_moe(cfg.model) or flops.is_mla(cfg.model):
+        return inputs + kept / 2
+    return inputs + n * _selective_op_bytes_per_token(cfg, lay) * tokens
 
 
 def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
@@ -208,8 +246,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
     moe_layer = layer_bytes_per_token(cfg, lay, moe=True) * tokens
     hidden = bw * m.dim * tokens / (lay.tp if sp else 1)  # one hidden state: a block's input, a stage's output
-    # with full AC each block keeps its input; on a later stage the first block's is the receive buffer, counted below
-    layers = (blocks[0] + blocks[1] - (not first)) * hidden if ac else blocks[0] * full_layer + blocks[1] * moe_layer
+    layers = _saved_by_blocks(cfg, lay, blocks, first, (full_layer, moe_layer, hidden), tokens)
     extras = 8 * tokens if first else 0  # the embedding's token ids
     if last:  # final norm, the head's input and output (the stage's output, kept for backward), the loss's fp32 log-softmax, labels
         head_in = _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim

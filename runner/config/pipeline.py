@@ -8,6 +8,7 @@ time that `stage_layers` agrees with TorchTitan's own split.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -65,9 +66,14 @@ def stage_layers(num_layers: int, num_stages: int, first_less: int, last_less: i
     """Transformer layers in each pipeline stage, as TorchTitan's _generate_llm_fqn_per_model_part
     splits them: the embedding counts as `first_less` layers and norm + head as `last_less`, the
     total is spread evenly and the first stages take the remainder. Raises ValueError where
-    TorchTitan would."""
+    TorchTitan would. Cached (mode=search asks for the same split thousands of times); a new list each call."""
+    return list(_stage_layers(num_layers, num_stages, first_less, last_less))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(num_layers: int, num_stages: int, first_less: int, last_less: int) -> tuple[int, ...]:
     if num_stages == 1:
-        return [num_layers]
+        return (num_layers,)
     effective = num_layers + first_less + last_less
     per, extra = divmod(effective, num_stages)
     if per == 0:
@@ -80,7 +86,7 @@ def stage_layers(num_layers: int, num_stages: int, first_less: int, last_less: i
         take = min(want, left)
         out.append(take)
         left -= take
-    return out
+    return tuple(out)
 
 
 def bubble(pp: int, m: int, schedule: str, v: int) -> tuple[float, str]:

@@ -14,6 +14,8 @@
       hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
       failure_report.json  a rank that raised: each rank's exception and last state
       parity.json          losses and norms of a runner.parity launch
+      search.json          mode=search: the space, rejections per reason, the ranked candidates
+      search/              mode=search: the sweep of the top candidates (`--config-dir <run folder>/search sweep=search_top`)
       dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
       comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
       logs/ranks/          each rank's last state (the forensics records)
@@ -42,6 +44,8 @@ HANG_REPORT = "hang_report.json"
 FAILURE_REPORT = "failure_report.json"
 PARITY = "parity.json"
 DRYRUN = "dryrun.json"  # mode=dryrun: per simulated rank, measured memory by category beside the plan
+SEARCH = "search.json"  # mode=search: space, rejections, ranked candidates
+SEARCH_SWEEP = "search"  # mode=search: the Hydra config folder of the top-k sweep
 PLOT = "comparison.png"
 LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"

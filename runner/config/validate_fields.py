@@ -33,6 +33,8 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
     for name in ("steps", "seq_len", "global_batch_size", "microbatch_size"):
         if getattr(t, name) < 1:
             out.append(Problem(f"training.{name}", getattr(t, name), "must be >= 1", f"set training.{name} to a positive integer"))
+    if t.ac_layer_frequency < 1:
+        out.append(Problem("training.ac_layer_frequency", t.ac_layer_frequency, "must be >= 1", "use e.g. 2 (every second block)"))
     if t.warmup_steps < 0:
         out.append(Problem("training.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
     if not 0 <= t.seed < SEED_LIMIT:
@@ -48,6 +50,21 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
     if cfg.checkpoint.interval < 1:
         out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
     _choice("plan.flops_convention", cfg.plan.flops_convention, flops.CONVENTIONS, "a FLOP convention", out)
+    _search(cfg, out)
+
+
+def _search(cfg: RunConfig, out: list[Problem]) -> None:
+    """mode=search's bounds, and an objective a plan can return (it trains nothing, so it has no loss)."""
+    s = cfg.search
+    for name, least in (("top_k", 1), ("max_virtual_stages", 2), ("max_cp", 1), ("max_microbatch_size", 1)):
+        if getattr(s, name) < least:
+            out.append(Problem(f"search.{name}", getattr(s, name), f"must be >= {least}", f"set search.{name} to at least {least}"))
+    if cfg.mode.value in ("plan", "search") and cfg.objective.value in ("final_loss", "eval_loss"):
+        out.append(
+            Problem(
+                "objective", cfg.objective.value, f"mode={cfg.mode.value} trains nothing, so it has no loss", "use step_time or neg_mfu"
+            )
+        )
 
 
 def cluster(cfg: RunConfig, out: list[Problem]) -> None:

@@ -64,7 +64,7 @@ def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: Run
         "memory_gb": memory_gb,
     }
     if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
-        out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.training.activation_checkpoint)
+        out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.model, cfg.training.activation_checkpoint, cfg.training.ac_layer_frequency)
     return out
 
 

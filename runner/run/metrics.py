@@ -147,8 +147,23 @@ class WandbSink:
         self.run.log(scalars, step=row["step"])
 
     def close(self, summary: dict[str, Any]) -> None:
-        self.run.summary.update(flatten(summary))
+        self.run.summary.update(flatten(summary) | predicted(summary))
         self.run.finish()
+
+
+def predicted(summary: dict[str, Any]) -> dict[str, Any]:
+    """Flat W&B keys beside the measured medians, so that a sweep's group compares prediction with measurement:
+    the predictor's step time for this run (the calibration block's, on the peak and bandwidth the run measured)
+    and the MFU that step time would give, in each FLOP convention the run logs (MFU scales as 1 / step time)."""
+    pred = (summary.get("calibration") or {}).get("step_time_predicted_s")
+    measured = summary.get("step_time_s_median")
+    if not pred or not measured:
+        return {}
+    out = {"step_time_s_predicted": pred}
+    for key in ("mfu", "mfu_6n"):
+        if summary.get(f"{key}_median") is not None:
+            out[f"{key}_predicted"] = summary[f"{key}_median"] * measured / pred
+    return out
 
 
 def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -22,6 +22,7 @@ from runner.config.schema.choices import (
     HostGroup,
     Launcher,
     Mode,
+    Objective,
     ReshardPolicy,
     TextFormat,
     WandbMode,
@@ -49,6 +50,7 @@ from runner.config.schema.training import (
     ParallelismConfig,
     PlanConfig,
     PrecisionConfig,
+    SearchConfig,
     TrainingConfig,
 )
 
@@ -75,12 +77,14 @@ __all__ = [
     "LossGuardConfig",
     "Mode",
     "ModelConfig",
+    "Objective",
     "MonitorConfig",
     "ParallelismConfig",
     "PlanConfig",
     "PrecisionConfig",
     "ReshardPolicy",
     "RunConfig",
+    "SearchConfig",
     "SlurmConfig",
     "StragglerConfig",
     "TextFormat",
@@ -108,6 +112,9 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    objective: Objective = Objective.step_time
+    """The float `python -m runner` returns to a Hydra sweeper (Optuna minimizes it); +inf for an invalid or failed point."""
     provenance: dict[str, Any] = field(default_factory=dict)
     """Filled by the runner in frozen.yaml (versions, git commit, layout); ignored on input."""
 

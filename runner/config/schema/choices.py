@@ -18,6 +18,10 @@ class Mode(Enum):
     dryrun = "dryrun"
     """Validate, then in this one CPU process play chosen ranks of the real layout on fake tensors and
     fake collectives, and measure each one's memory for a training step beside the plan; write dryrun.json."""
+    search = "search"
+    """Enumerate every layout TorchTitan can run for the model, cluster, global batch and seq_len, reject them by
+    validation's rules and the memory model, rank the rest by predicted step time; write search.json and a sweep of
+    the top search.top_k; start nothing."""
 
 
 class DeviceType(Enum):
@@ -58,6 +62,12 @@ class ActivationCheckpoint(Enum):
     """Keep every activation."""
     full = "full"
     """Recompute every transformer block in backward (TorchTitan FullAC)."""
+    selective_op = "selective_op"
+    """Per-op selective AC (TorchTitan SelectiveAC): save matmul (all but every second), attention and
+    reduce-scatter outputs, recompute the cheap ops (norms, activations, elementwise) in backward."""
+    selective_layer = "selective_layer"
+    """Per-layer selective AC: recompute every training.ac_layer_frequency-th block whole (TorchTitan's full AC
+    on those blocks, its former selective_ac_option=N), keep every other block's activations."""
 
 
 class ReshardPolicy(StrEnum):
@@ -115,3 +125,16 @@ class GuardAction(Enum):
     """Drop the batch: no optimizer step; counted and logged."""
     rewind = "rewind"
     """Skip single spikes; after `max_consecutive` in a row, reload the last checkpoint and skip the bad batches."""
+
+
+class Objective(StrEnum):
+    """The figure a run returns to Hydra's optimizing sweepers (Optuna, Nevergrad, Ax), always to minimize."""
+
+    step_time = "step_time"
+    """Plans: the predicted step time (s). Training runs: the measured median step time (s)."""
+    neg_mfu = "neg_mfu"
+    """The MFU negated: plans the predicted MFU, training runs the measured median MFU."""
+    final_loss = "final_loss"
+    """Training runs: the loss of the last step."""
+    eval_loss = "eval_loss"
+    """Training runs: summary.json's eval_loss (needs evaluation turned on)."""

@@ -168,6 +168,9 @@ class TrainingConfig:
     """Clip the global gradient norm to this value (> 0)."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation recomputation; when on, HFU is logged beside MFU."""
+    ac_layer_frequency: int = 2
+    """With activation_checkpoint=selective_layer: recompute every N-th transformer block of each model part
+    (blocks N-1, 2N-1, ...); 1 recomputes them all, like full."""
     compile: bool = False
     """torch.compile every transformer block (TorchTitan's CompileConfig, Inductor); async TP needs it."""
 
@@ -233,3 +236,15 @@ class DryrunConfig:
     full_batch: bool = False
     """Run the configured global batch; false runs the fewest microbatches per DP rank that reach the
     step's peak (pp + 1 with 1F1B, 2 without a pipeline; all of them with other schedules): a shorter step."""
+
+
+@dataclass
+class SearchConfig:
+    top_k: int = 4
+    """mode=search: candidates written to the run folder's sweep (search/), best first."""
+    max_virtual_stages: int = 4
+    """mode=search: largest pp_virtual_stages tried for the looped schedules (each from 2 up)."""
+    max_cp: int = 8
+    """mode=search: largest context-parallel degree tried."""
+    max_microbatch_size: int = 4
+    """mode=search: microbatch sizes tried are 1..this (those not dividing the local batch are rejected)."""

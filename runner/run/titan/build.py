@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,13 +81,52 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     return built
 
 
+def ac_config(cfg: RunConfig):
+    """TorchTitan's activation-checkpointing policy config for training.activation_checkpoint (None: no AC)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    ac = cfg.training.activation_checkpoint
+    if ac == ActivationCheckpoint.full:
+        return FullAC.Config()
+    if ac == ActivationCheckpoint.selective_op:
+        return SelectiveAC.Config()
+    if ac == ActivationCheckpoint.selective_layer:
+        return _every_nth_block_ac().Config(every=cfg.training.ac_layer_frequency)
+    return None
+
+
+@functools.cache
+def _every_nth_block_ac():
+    """Per-layer selective AC: TorchTitan 0.3.0 dropped its selective_ac_option=N, so this wraps every N-th block
+    of a model part (as that option did: blocks N-1, 2N-1, ...) with TorchTitan's own FullAC wrapper."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, _disable_dynamo_lru_cache
+    from torchtitan.tools.logging import logger
+
+    class EveryNthBlockAC(FullAC):
+        @dataclass(kw_only=True, slots=True)
+        class Config(FullAC.Config):
+            every: int = 2
+            """Recompute every N-th transformer block."""
+
+        def apply(self, model) -> None:
+            _disable_dynamo_lru_cache()
+            layers = model.get_submodule("layers")
+            wrapped = []
+            for i, (layer_id, block) in enumerate(list(layers.named_children())):
+                if (i + 1) % self.config.every == 0:
+                    layers.register_module(layer_id, self._wrap_block(block, base_fqn=f"layers.{layer_id}"))
+                    wrapped.append(layer_id)
+            logger.info(f"Applied full activation checkpointing to every {self.config.every}th block: layers {', '.join(wrapped)}")
+
+    return EveryNthBlockAC
+
+
 def _parallelize(cfg: RunConfig, lay: Layout, pd, run_dir: Path, spec, model, device):
     """(schedule, parts, has_first, has_last) from the spec's parallelize_fn, or its pipelining_fn when pp > 1."""
     from torchtitan.config import CompileConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC
 
     training, parallelism = titan_configs(cfg, lay)
-    ac = FullAC.Config() if cfg.training.activation_checkpoint == ActivationCheckpoint.full else None
+    ac = ac_config(cfg)
     compile_config = CompileConfig(enable=cfg.training.compile, enable_async_tensor_parallel=cfg.parallelism.async_tp)
     common = dict(
         parallel_dims=pd, training=training, parallelism=parallelism, compile_config=compile_config, ac_config=ac, dump_folder=str(run_dir)

@@ -1,0 +1,393 @@
+"""mode=search: every layout TorchTitan can run for a model, a cluster, a global batch and a sequence length,
+rejected by validation's own rules and the plan's memory model, ranked by predicted step time.
+
+Torch-free, and no Hydra composition per candidate: each candidate is the composed config with its
+parallelism and training fields replaced (dataclasses.replace). The space and its bounds:
+
+- tp: divisors of the world size up to the devices of a node (rules: divides the heads, KV heads and the node);
+- cp: divisors up to search.max_cp (rule: the sequence splits into 2 x cp chunks);
+- pp: divisors of what tp x cp leave, up to the layers plus the embedding and head (rule: TorchTitan's split);
+- dp_replicate x dp_shard: every factorization of the rest; ep (MoE only): divisors of the experts;
+- schedule and stages per rank: 1F1B and GPipe (v=1), each looped schedule with v in 2..search.max_virtual_stages,
+  ZBVZeroBubble and DualPipeV (v=2); with pp=1 just one entry;
+- microbatch size: 1..search.max_microbatch_size (rule: dp x microbatch divides the global batch, and the schedule's m);
+- activation checkpointing: none, selective_op, selective_layer (every training.ac_layer_frequency-th block), full;
+- fsdp_reshard_after_forward: always and never when dp_shard > 1 (default is one of the two), else default.
+
+Pruning, each counted under its reason: a rule that fails for a layout rejects every candidate under it; a layout
+and schedule whose lightest setting (full AC, resharding, that microbatch) does not fit rejects its settings by
+memory; and a candidate is dominated when the same candidate with less recomputation, or with gathered weights
+kept (never), fits: it cannot be faster (recomputation and re-gathering only add time).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from runner.config import (
+    flops,
+    layout,
+    memory,
+    pipeline,
+    precision,
+    steptime,
+    validate,
+    validate_ckpt,
+    validate_fields,
+    validate_layout,
+    validate_model,
+    validate_monitor,
+)
+from runner.config import validate_pipeline as pipeline_rules
+from runner.config.layout import Layout, label
+from runner.config.problems import ConfigError, Problem
+from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig
+
+AC = ActivationCheckpoint
+AC_TIERS = ((AC.none,), (AC.selective_op, AC.selective_layer), (AC.full,))  # least recomputation first
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+MEMORY = "memory"
+DOMINATED = "dominated"
+UNPRICED = "unpriced"
+
+
+class Candidate(NamedTuple):
+    tp: int
+    cp: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    schedule: str
+    v: int
+    microbatch_size: int
+    ac: ActivationCheckpoint
+    reshard: ReshardPolicy
+
+    def layout(self) -> Layout:
+        return Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep)
+
+    def config(self, base: RunConfig) -> RunConfig:
+        """The composed config with this candidate's fields: shallow copies of the typed config (the fast form of
+        dataclasses.replace, which would re-run every __init__), never a Hydra composition."""
+        p, t, cfg = copy.copy(base.parallelism), copy.copy(base.training), copy.copy(base)
+        p.__dict__.update(
+            name="search",
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            ep=self.ep,
+            pp_schedule=self.schedule,
+            pp_virtual_stages=self.v,
+            fsdp_reshard_after_forward=self.reshard,
+        )
+        t.__dict__.update(microbatch_size=self.microbatch_size, activation_checkpoint=self.ac)
+        cfg.parallelism, cfg.training = p, t
+        return cfg
+
+    def overrides(self) -> dict[str, object]:
+        """The fields a sweep point sets (a Hydra override each)."""
+        return {
+            "parallelism.tp": self.tp,
+            "parallelism.cp": self.cp,
+            "parallelism.pp": self.pp,
+            "parallelism.dp_replicate": self.dp_replicate,
+            "parallelism.dp_shard": self.dp_shard,
+            "parallelism.ep": self.ep,
+            "parallelism.pp_schedule": self.schedule,
+            "parallelism.pp_virtual_stages": self.v,
+            "parallelism.fsdp_reshard_after_forward": self.reshard.value,
+            "training.microbatch_size": self.microbatch_size,
+            "training.activation_checkpoint": self.ac.value,
+        }
+
+
+@dataclass(frozen=True)
+class Ranked:
+    candidate: Candidate
+    label: str
+    step_s: float
+    terms: dict[str, float]
+    binding: str
+    memory_gb: float
+    mfu: float | None
+    recompute: float
+    """Share of the forward recomputed (runner.config.flops): at equal predicted time, less is better."""
+
+    def key(self) -> tuple[float, float, float]:
+        return (self.step_s, self.recompute, self.memory_gb)
+
+
+@dataclass
+class Result:
+    world_size: int
+    bounds: list[str]
+    candidates: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    """Candidates rejected per reason: a config field (validation's rule), MEMORY or DOMINATED."""
+    examples: dict[str, str] = field(default_factory=dict)
+    """One problem per reason, as validation words it."""
+    ranked: list[Ranked] = field(default_factory=list)
+    predictions: int = 0
+    seconds: float = 0.0
+    source: str = steptime.DATASHEET
+
+
+def world_size(cfg: RunConfig) -> int:
+    """The cluster's devices; a cluster sized by its layout (local_cpu) needs cluster.devices_per_node first."""
+    c = cfg.cluster
+    if layout.sized_by_layout(c) or c.devices_per_node < 1 or c.num_nodes is None or c.num_nodes < 1:
+        raise ConfigError(
+            [
+                Problem(
+                    "cluster.devices_per_node",
+                    c.devices_per_node,
+                    f"mode=search searches the layouts of a fixed number of devices, and cluster {c.name} takes it from the layout",
+                    "set cluster.num_nodes and cluster.devices_per_node (e.g. cluster.devices_per_node=4 on this machine)",
+                )
+            ]
+        )
+    return c.num_nodes * c.devices_per_node
+
+
+def check_base(cfg: RunConfig, ws: int) -> None:
+    """The rules that do not depend on the layout, once (model shape, ranges, device, cluster, monitor, data)."""
+    out: list[Problem] = []
+    validate_fields.training(cfg, out)
+    validate_monitor.check(cfg, ws, out)
+    validate_ckpt.check(cfg, out)
+    validate_model.check(cfg, out)
+    validate_fields.device(cfg, out)
+    validate_fields.cluster(cfg, out)
+    if cfg.precision.fp8 != Fp8Recipe.none:
+        validate_model.fp8_device(cfg, out)
+    if out:
+        raise ConfigError(out)
+
+
+def capacity_gb(cfg: RunConfig, ws: int) -> float | None:
+    """Memory of one device: the cluster's, or this machine's RAM shared by the ranks of a CPU cluster."""
+    c = cfg.cluster
+    if c.device == DeviceType.cpu and c.device_memory_gb <= 0:
+        return validate.machine_memory_gb() / ws
+    return c.device_memory_gb or None
+
+
+def schedules(pp: int, max_v: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1F1B", 1)]
+    looped = [(s, v) for s in LOOPED for v in range(2, max_v + 1)]
+    return [("1F1B", 1), ("GPipe", 1), *looped, ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+
+
+def _reshards(dp_shard: int) -> tuple[ReshardPolicy, ...]:
+    return (ReshardPolicy.never, ReshardPolicy.always) if dp_shard > 1 else (ReshardPolicy.default,)
+
+
+def layouts(cfg: RunConfig, ws: int):
+    """(tp, cp, pp, dp_replicate, dp_shard, ep) with product ws, inside the stated bounds."""
+    per_node, m, s = cfg.cluster.devices_per_node, cfg.model, cfg.search
+    eps = validate_layout.divisors(m.num_experts) if m.num_experts else [1]
+    for tp in (d for d in validate_layout.divisors(ws) if d <= per_node):
+        for cp in (d for d in validate_layout.divisors(ws // tp) if d <= s.max_cp):
+            for pp in (d for d in validate_layout.divisors(ws // (tp * cp)) if d <= m.num_layers + 2):
+                dp = ws // (tp * cp * pp)
+                for dpr in validate_layout.divisors(dp):
+                    for ep in eps:
+                        yield tp, cp, pp, dpr, dp // dpr, ep
+
+
+def bounds(cfg: RunConfig, ws: int) -> list[str]:
+    s, t = cfg.search, cfg.training
+    return [
+        f"{ws:,} devices ({cfg.cluster.num_nodes} nodes x {cfg.cluster.devices_per_node}), global batch {t.global_batch_size}, "
+        f"seq_len {t.seq_len}",
+        f"tp | ws, <= {cfg.cluster.devices_per_node} (a node); cp | ws, <= search.max_cp = {s.max_cp}; "
+        f"pp | ws, <= num_layers + 2 = {cfg.model.num_layers + 2}; dp_replicate x dp_shard = the rest"
+        + (f"; ep | num_experts = {cfg.model.num_experts}" if cfg.model.num_experts else ""),
+        f"schedules: 1F1B, GPipe (v=1), {', '.join(LOOPED)} (v = 2..search.max_virtual_stages = {s.max_virtual_stages}), "
+        "ZBVZeroBubble, DualPipeV (v=2)",
+        f"microbatch 1..search.max_microbatch_size = {s.max_microbatch_size}; AC none, selective_op, "
+        f"selective_layer (every {t.ac_layer_frequency}), full; fsdp_reshard_after_forward always/never when dp_shard > 1",
+    ]
+
+
+class _Search:
+    """One search: the rules' verdicts cached by the fields they read, the best candidates so far."""
+
+    def __init__(self, cfg: RunConfig, keep: int):
+        self.cfg, self.keep = cfg, keep
+        self.ws = world_size(cfg)
+        self.cap = capacity_gb(cfg, self.ws)
+        self.res = Result(self.ws, bounds(cfg, self.ws))
+        self.best: list[Ranked] = []
+        self._batch: dict[tuple, list[Problem]] = {}
+        self._peak: dict[tuple, float] = {}
+
+    def reject(self, reason: str, n: int, example: str = "") -> None:
+        self.res.rejected[reason] += n
+        if example and reason not in self.res.examples:
+            self.res.examples[reason] = example
+
+    def layout_problems(self, cfg: RunConfig, lay: Layout) -> list[Problem]:
+        """validate.check's layout rules (TP against heads and node, sequence, EP, async TP, FP8 shapes)."""
+        out: list[Problem] = []
+        validate_layout.tensor_parallel(cfg, self.ws, out)
+        validate_layout.sequence(cfg, out)
+        validate_layout.experts(cfg, lay, out)
+        validate_layout.async_tp(cfg, out)
+        if cfg.precision.fp8 != Fp8Recipe.none and not out:
+            validate_model.fp8_shapes(cfg, out)
+        return out
+
+    def batch_problems(self, cand: Candidate, dp: int, mbs: int) -> list[Problem]:
+        """validate_pipeline.batch, cached on the only fields it reads (dp, pp, schedule, v, microbatch)."""
+        key = (dp, cand.pp, cand.schedule, cand.v, mbs)
+        bad = self._batch.get(key)
+        if bad is None:
+            bad = []
+            pipeline_rules.batch(cand._replace(microbatch_size=mbs).config(self.cfg), cand.layout(), True, bad)
+            self._batch[key] = bad
+        return bad
+
+    def peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
+        """The memory model's largest stage (memory.memory's verdict), once per candidate. Outside the V schedules a
+        middle stage never exceeds stage 1 (fewer microbatches in flight, no more layers), so stages 0, 1 and the
+        last suffice."""
+        p, t = cfg.parallelism, cfg.training
+        key = (lay, p.pp_schedule, p.pp_virtual_stages, p.fsdp_reshard_after_forward, t.microbatch_size, t.activation_checkpoint)
+        if key not in self._peak:
+            self._peak[key] = self._peak_gb(cfg, lay)
+        return self._peak[key]
+
+    def _peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
+        micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+        v_shape = pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
+        stages = range(lay.pp) if v_shape or lay.pp <= 3 else (0, 1, lay.pp - 1)
+        return max(memory.stage(cfg, lay, micro, s)["total"] for s in stages) / 1e9
+
+    def fits(self, cfg: RunConfig, lay: Layout) -> bool:
+        return self.cap is None or self.peak_gb(cfg, lay) <= self.cap
+
+    def bar(self) -> tuple[float, float, float]:
+        """The (step time, recompute, memory) a candidate must beat to enter the kept list."""
+        return self.best[-1].key() if len(self.best) >= self.keep else (float("inf"),) * 3
+
+    def add(self, cand: Candidate, cfg: RunConfig, lay: Layout, pred: steptime.StepPrediction) -> None:
+        """Keep the candidate if it beats the bar (the kept list is sorted by Ranked.key); count the one displaced.
+        Memory, the last part of the key, is computed only for a candidate whose time and recomputation can enter."""
+        self.res.predictions += 1
+        self.res.source = pred.source
+        t = cfg.training
+        recompute = flops.recompute_fraction(cfg.model, t.activation_checkpoint, t.ac_layer_frequency)
+        if (pred.step_s, recompute) > self.bar()[:2]:
+            self.reject("slower", 1)
+            return
+        r = Ranked(
+            cand,
+            label(lay, cfg.parallelism),
+            pred.step_s,
+            pred.terms,
+            pred.binding,
+            self.peak_gb(cfg, lay),
+            mfu(cfg, pred.step_s),
+            recompute,
+        )
+        if r.key() >= self.bar():
+            self.reject("slower", 1)
+            return
+        self.best.append(r)
+        self.best.sort(key=Ranked.key)
+        self.reject("slower", len(self.best[self.keep :]))  # displaced from the kept list
+        del self.best[self.keep :]
+
+    def settings(self, cand: Candidate) -> None:
+        """AC and resharding of one layout, schedule and microbatch: bounded by the fastest setting's prediction,
+        rejected by the lightest setting's memory, each kept only if nothing with less recomputation fits."""
+        lay, cfg, reshards = cand.layout(), self.cfg, _reshards(cand.dp_shard)
+        n = len(AC) * len(reshards)
+        fastest = cand._replace(ac=AC.none, reshard=reshards[0])  # no recompute, no re-gathers
+        bound = steptime.predict(fastest.config(cfg), lay)
+        if bound.step_s is None:
+            self.reject(UNPRICED, n)
+            return
+        if bound.step_s > self.bar()[0]:
+            self.reject("slower", n)
+            return
+        if not self.fits(cand._replace(ac=AC.full, reshard=reshards[-1]).config(cfg), lay):
+            self.reject(MEMORY, n)
+            return
+        for i, tier in enumerate(AC_TIERS):
+            kept = [c for c in (self._fitting(cand._replace(ac=ac), reshards) for ac in tier) if c is not None]
+            for c in kept:
+                c_cfg = c.config(cfg)
+                pred = bound if c == fastest else steptime.predict(c_cfg, lay)
+                if pred.step_s is None:
+                    self.reject("slower", 1)
+                else:
+                    self.add(c, c_cfg, lay, pred)
+            if kept:
+                self.reject(DOMINATED, sum(len(t) for t in AC_TIERS[i + 1 :]) * len(reshards))
+                return
+
+    def _fitting(self, cand: Candidate, reshards: tuple[ReshardPolicy, ...]) -> Candidate | None:
+        """The first resharding policy (keeping gathered weights first) under which the candidate fits; the ones
+        before it are rejected by memory, the ones after it dominated (the same memory or less, more gathers)."""
+        for i, r in enumerate(reshards):
+            c = cand._replace(reshard=r)
+            if self.fits(c.config(self.cfg), c.layout()):
+                self.reject(DOMINATED, len(reshards) - 1 - i)
+                return c
+            self.reject(MEMORY, 1)
+        return None
+
+    def layout(self, degrees: tuple[int, ...]) -> None:
+        tp, cp, pp, dpr, dps, ep = degrees
+        s, reshards = self.cfg.search, _reshards(dps)
+        scheds = schedules(pp, s.max_virtual_stages)
+        per = len(AC) * len(reshards)
+        self.res.candidates += len(scheds) * s.max_microbatch_size * per
+        base = Candidate(tp, cp, pp, dpr, dps, ep, "1F1B", 1, 1, AC.none, reshards[0])
+        lay = base.layout()
+        bad = self.layout_problems(base.config(self.cfg), lay)
+        if bad:
+            self.reject(bad[0].field, len(scheds) * s.max_microbatch_size * per, str(bad[0]))
+            return
+        for sched, v in scheds:
+            cand = base._replace(schedule=sched, v=v)
+            for mbs in range(1, s.max_microbatch_size + 1):
+                bad = self.batch_problems(cand, dpr * dps, mbs)
+                if bad:
+                    self.reject(bad[0].field, per, str(bad[0]))
+                else:
+                    self.settings(cand._replace(microbatch_size=mbs))
+
+
+def mfu(cfg: RunConfig, step_s: float | None) -> float | None:
+    """Model FLOPs of a step over what the devices' dense peak could do in step_s (the plan's convention)."""
+    peak = cfg.cluster.peak_tflops.get(precision.matmul_peak(cfg)[0])
+    if not step_s or not peak:
+        return None
+    t = cfg.training
+    model_flops = t.global_batch_size * t.seq_len * flops.flops_per_token(cfg.model, t.seq_len, cfg.plan.flops_convention)
+    return model_flops / (step_s * world_size(cfg) * peak * 1e12)
+
+
+def run(cfg: RunConfig, keep: int = 10) -> Result:
+    """Search the space; keep the best max(keep, search.top_k) candidates, fastest first. Raises ConfigError on a
+    base config no layout could fix (the model, the ranges, the cluster)."""
+    t0 = time.perf_counter()
+    check_base(cfg, world_size(cfg))
+    search = _Search(cfg, max(keep, cfg.search.top_k))
+    for degrees in layouts(cfg, search.ws):
+        search.layout(degrees)
+    res = search.res
+    res.ranked = search.best
+    res.seconds = time.perf_counter() - t0
+    return res
