@@ -28,6 +28,7 @@ def _problems(compose, overrides: list[str]) -> dict[str, tuple[object, str]]:
 
 
 def test_bad_eval_config_lists_every_field(compose, tmp_path):
+    assert _problems(compose, ["objective=eval_loss"])["objective"] == ("eval_loss", "the run evaluates nothing (eval.interval=0)")
     got = _problems(compose, ["eval.interval=-1", "eval.steps=0", "data.eval_fraction=1.5"])
     assert got == {
         "eval.interval": (-1, "must be >= 0"),

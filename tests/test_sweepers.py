@@ -53,8 +53,8 @@ def test_neg_mfu_and_an_invalid_point_as_objectives():
     cfg.objective = Objective.eval_loss
     with pytest.raises(search_objective.ConfigError) as e:
         search_objective.of_run(cfg, {"final_loss": 3.0})
-    assert "objective = eval_loss: the run's summary.json has no eval_loss" in str(e.value)
-    assert search_objective.of_run(cfg, {"eval_loss": 2.75}) == 2.75
+    assert "objective = eval_loss: the run's summary.json has no eval_loss_final" in str(e.value)
+    assert search_objective.of_run(cfg, {"eval_loss_final": 2.75}) == 2.75
 
 
 AC_MODES = ("none", "selective_op", "selective_layer")

@@ -36,16 +36,16 @@ def of_run(cfg: RunConfig, summary: dict[str, Any]) -> float:
     if o == Objective.final_loss:
         return _finite(summary["final_loss"])
     if o == Objective.eval_loss:
-        if summary.get("eval_loss") is None:
+        if summary.get("eval_loss_final") is None:
             raise ConfigError(
                 [
                     Problem(
                         "objective",
                         o.value,
-                        "the run's summary.json has no eval_loss (the run evaluated nothing)",
-                        "turn evaluation on, or use objective=final_loss",
+                        "the run's summary.json has no eval_loss_final (the run evaluated nothing)",
+                        "set e.g. eval.interval=50, or use objective=final_loss",
                     )
                 ]
             )
-        return _finite(summary["eval_loss"])
+        return _finite(summary["eval_loss_final"])
     return _finite(summary["step_time_s_median"])

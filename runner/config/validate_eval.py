@@ -35,6 +35,15 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
                 "set data.eval_fraction=0 to evaluate on data.eval_files, or data.eval_files=[] to hold out documents",
             )
         )
+    if cfg.objective.value == "eval_loss" and cfg.mode.value == "train" and e.interval == 0:
+        out.append(
+            Problem(
+                "objective",
+                "eval_loss",
+                "the run evaluates nothing (eval.interval=0)",
+                "set e.g. eval.interval=50, or objective=final_loss",
+            )
+        )
     if e.interval > 0 and d.name == DataSource.text and not d.eval_files and not d.eval_fraction > 0:
         out.append(
             Problem(
