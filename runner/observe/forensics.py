@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
-from runner.config.schema import DeviceType, RunConfig
+from runner.config.schema import RunConfig
+from runner.run.device import DevicePolicy
 
 STALE_HEARTBEATS = 3  # a record older than this many heartbeats before the freshest one is a frozen rank
 
@@ -40,14 +41,8 @@ def rank_env(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
     size = str(fr.buffer_size if fr.enable else 0)
     prefix = str(dump_folder(cfg, run_dir) / "rank_")  # torchfrtrace reads <folder>/<prefix><rank>
     env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_FR_DUMP_TEMP_FILE": prefix}
-    if cfg.cluster.device == DeviceType.cuda:
-        env |= {
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if fr.enable and fr.dump_on_timeout else "0",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-            "TORCH_NCCL_ENABLE_TIMING": "1" if fr.enable_timing else "0",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down the communicator on timeout (default; made explicit)
-        }
+    policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    env |= policy.flight_recorder_env(size, prefix, fr.enable and fr.dump_on_timeout, fr.enable_timing)
     return env
 
 
@@ -180,7 +175,7 @@ class RankRecorder:
         self._write(_sequence_numbers(self.groups))
         fr = cfg.distributed.flight_recorder
         hang = "timed out" in str(exc).lower()  # a rank that raised on its own is no hang: its traceback says it all
-        if hang and fr.enable and fr.dump_on_timeout and cfg.cluster.device == DeviceType.cpu:  # NCCL dumps by itself
+        if hang and fr.enable and fr.dump_on_timeout and not DevicePolicy.of(cfg.cluster, cfg.distributed).collective_library_dumps:
             dump_flight_recorder(dump_folder(cfg, run_dir) / f"rank_{self.static['rank']}")
 
     def done(self) -> None:

@@ -10,6 +10,8 @@
 | phase clock                       | the process's CPU time             | CUDA events around the phase                 |
 | memory probe                      | peak resident set                  | peak allocated device memory                 |
 | threads per rank                  | cores / ranks on the machine       | torch's default                              |
+| flight recorder                   | torch's; the runner dumps on hang  | NCCL's, which dumps by itself                |
+| a peak FLOP/s figure counts       | the node (its ranks share cores)   | one GPU                                      |
 
 `distributed.host_group=dedicated` gives CPU runs the CUDA arrangement of host collectives (their
 own gloo group), which is how the test suite proves on CPU that no runner collective bypasses the
@@ -101,6 +103,27 @@ class DevicePolicy:
     @property
     def cpu(self) -> bool:
         return self.device == DeviceType.cpu
+
+    @property
+    def collective_library_dumps(self) -> bool:
+        """NCCL writes its own flight-recorder dump on a timeout; with gloo the runner writes it (runner.observe.forensics)."""
+        return not self.cpu
+
+    def flight_recorder_env(self, size: str, prefix: str, dump_on_timeout: bool, timing: bool) -> dict[str, str]:
+        """The collective library's own recorder settings: NCCL's on CUDA; gloo has none beyond torch's TORCH_FR_*."""
+        if self.cpu:
+            return {}
+        return {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if dump_on_timeout else "0",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+            "TORCH_NCCL_ENABLE_TIMING": "1" if timing else "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down the communicator on timeout (default; made explicit)
+        }
+
+    def peak_devices(self, world_size: int, num_nodes: int) -> int:
+        """What one peak FLOP/s figure counts: a GPU; on CPU the node, whose ranks share its cores (runner.run.peak)."""
+        return num_nodes if self.cpu else world_size
 
     def compute_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from runner.config import precision, runfiles
-from runner.config.schema import DeviceType, RunConfig
+from runner.config.schema import RunConfig
 from runner.config.wording import count
+from runner.run.device import DevicePolicy
 
 SIZES = (128, 256, 512, 1024, 2048)
 PLATEAU_GAIN = 0.05  # a size whose rate rises less than this over the previous one: the plateau is reached
@@ -176,7 +177,7 @@ def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
         }
     else:
         rec |= {"peak_tflops": cfg.cluster.peak_tflops[dtype], "peak_spread": None}
-    devices = cfg.cluster.num_nodes if cfg.cluster.device == DeviceType.cpu else world_size
+    devices = DevicePolicy.of(cfg.cluster, cfg.distributed).peak_devices(world_size, cfg.cluster.num_nodes)
     rec |= {"peak_flops_total": rec["peak_tflops"] * 1e12 * devices, "fp8": cfg.precision.fp8.value, "device": cfg.cluster.device.value}
     (run_dir / runfiles.PEAK).write_text(json.dumps(rec, indent=2) + "\n")
     return rec

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from runner.config import pipeline
 from runner.config.layout import Layout
-from runner.config.schema import DeviceType, RunConfig
+from runner.config.schema import RunConfig
+from runner.run.device import DevicePolicy
 
 SPMD_BACKEND = "partial_dtensor"
 """The SPMD backend that composes FSDP2 + TP here; TorchTitan's default fails with dp_shard or tp > 1 (docs/CPU.md)."""
@@ -86,7 +87,7 @@ PRELOAD = (
 
 def quiet_torchao(cfg: RunConfig) -> None:
     """On CPU torchao's CUDA kernel libraries cannot load; its warnings about that have nothing to act on."""
-    if cfg.cluster.device == DeviceType.cpu:
+    if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:
         import logging
 
         logging.getLogger("torchao").setLevel(logging.ERROR)
