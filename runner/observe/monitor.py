@@ -52,6 +52,37 @@ class StragglerJudge:
         return flagged
 
 
+class ArrivalJudge:
+    """Per window: the rank its peers wait for at the step's end. A rank slowed from outside (descheduled,
+    stopped, a noisy neighbour) accrues no extra CPU time, so the phase judge cannot see it; it arrives last.
+
+    Each step every rank times its wait in a host barrier (device.DevicePolicy.timed_arrival): the last to
+    arrive waits least. On an oversubscribed machine every rank is descheduled now and then and arrives last
+    once in a while, so one step proves nothing: a straggler arrives last in at least `last_frac` of a window's
+    steps (a majority) while its peers' waits exceed its own by `min_late_s` (median over the steps), for
+    `windows` windows in a row."""
+
+    def __init__(self, cfg: StragglerConfig):
+        self.cfg = cfg
+        self.streak: dict[int, int] = {}
+
+    def update(self, waits: list[list[float]], step_s: float) -> list[dict[str, Any]]:
+        """waits[rank][k]: that rank's barrier wait at the window's k-th step; step_s: the median step's wall time."""
+        ranks, n = range(len(waits)), len(waits[0])
+        last = [min(ranks, key=lambda r: waits[r][k]) for k in range(n)]
+        flagged = []
+        for r in ranks:
+            late = statistics.median(statistics.median(waits[o][k] for o in ranks if o != r) - waits[r][k] for k in range(n))
+            frac = last.count(r) / n
+            slow = len(waits) > 1 and frac >= self.cfg.last_frac and late >= self.cfg.min_late_s
+            self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
+            if self.streak[r] >= self.cfg.windows:
+                own = statistics.median(waits[r])
+                f = {"rank": r, "phase": "arrival", "slowdown": step_s / max(step_s - late, 1e-9), "windows": self.streak[r]}
+                flagged.append(f | {"last_frac": frac, "late_s": late, "rank_s": own, "median_s": own + late})
+        return flagged
+
+
 @dataclass
 class Verdict:
     spike: str | None
@@ -133,6 +164,8 @@ class StepMonitor:
         self.rank, self.recorder, self.policy = rank, recorder, policy
         self.s, self.inject = cfg.straggler, cfg.inject
         self.judge = StragglerJudge(self.s)
+        self.arrivals = ArrivalJudge(self.s)
+        self.replaying = False  # set by the replay check (runner.observe.integrity) while it recomputes a step
         self.step = 0
         self.now: dict[str, float] = {}
         self._pending: list[tuple[str, Any]] = []  # phases whose time the clock resolves at the end of the step
@@ -155,6 +188,7 @@ class StepMonitor:
     def begin_step(self, step: int) -> None:
         self.step = step
         self.now, self._pending = {}, []
+        self._wall0 = time.perf_counter()
         self._maybe_kill()
         self.mark("data")
 
@@ -198,7 +232,10 @@ class StepMonitor:
             time.sleep(i.hang_s)
 
     def corrupt(self, loss):
-        """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank."""
+        """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank; replay_rank's replayed
+        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be."""
+        if self.replaying and self.rank == self.inject.replay_rank:
+            loss = loss * (1 + 1e-6)
         return loss * self.inject.corrupt_scale if self.step in self.inject.corrupt_steps else loss
 
     def end_step(self) -> list[dict[str, Any]]:
@@ -207,21 +244,36 @@ class StepMonitor:
         for name, value in self._pending:
             self.now[name] = self.now.get(name, 0.0) + self.clock.resolve(value)
         self._pending = []
+        if self.s.enable and self.s.arrival:  # every rank, every step: the barrier is a collective
+            self.now["step_wall"] = time.perf_counter() - self._wall0
+            self.now["arrival_wait"] = self.clock.resolve(self.policy.timed_arrival())
         self.all_steps.append(self.now)
         if not self.s.enable or self.step == 1:  # step 1 carries one-time costs on every rank: not judged
             return []
         self.window.append(self.now)
         if len(self.window) < self.s.interval:
             return []
+        return self._judge()
+
+    def _judge(self) -> list[dict[str, Any]]:
+        """One all-gather of this rank's phase medians, median step time and per-step barrier waits; every rank judges alike."""
         import torch
 
-        mine = torch.tensor([statistics.median(w.get(p, 0.0) for w in self.window) for p in TIMED], dtype=torch.float64)
-        rows = self.policy.all_gather(mine)
+        arrival = self.s.arrival
+        mine = [statistics.median(w.get(p, 0.0) for w in self.window) for p in TIMED]
+        if arrival:
+            mine += [statistics.median(w["step_wall"] for w in self.window), *(w["arrival_wait"] for w in self.window)]
+        rows = [row.tolist() for row in self.policy.all_gather(torch.tensor(mine, dtype=torch.float64))]
         self.window = []
-        table = [dict(zip(TIMED, row.tolist(), strict=True)) for row in rows]
+        table = [dict(zip(TIMED, row[: len(TIMED)], strict=True)) for row in rows]
         self.windows_judged += 1
         self.tables.append({"step": self.step, "ranks": table})
-        flagged = [{"step": self.step, **f, **self.who[f["rank"]]} for f in self.judge.update(table)]
+        found = self.judge.update(table)
+        if arrival:
+            waits = [row[len(TIMED) + 1 :] for row in rows]
+            self.tables[-1]["arrival_wait_s"] = waits
+            found += self.arrivals.update(waits, statistics.median(row[len(TIMED)] for row in rows))
+        flagged = [{"step": self.step, **f, **self.who[f["rank"]]} for f in found]
         self.flagged_total += len(flagged)
         if flagged and self.rank == 0:
             with open(self.path, "a") as fh:
@@ -231,7 +283,7 @@ class StepMonitor:
 
     def summary(self) -> dict[str, Any]:
         steady = self.all_steps[1:] or self.all_steps
-        medians = {p: statistics.median(s.get(p, 0.0) for s in steady) for p in TIMED if any(p in s for s in steady)}
+        medians = {p: statistics.median(s.get(p, 0.0) for s in steady) for p in (*TIMED, "arrival_wait") if any(p in s for s in steady)}
         return {
             "phase_median_s": medians,
             "straggler_windows": self.windows_judged,
@@ -242,6 +294,12 @@ class StepMonitor:
 
 def describe(f: dict[str, Any]) -> str:
     coords = " ".join(f"{a}={v}" for a, v in f["coords"].items())
+    if f["phase"] == "arrival":
+        return (
+            f"straggler: rank {f['rank']} (host {f['host']}, local rank {f['local_rank']}, mesh {coords}) arrives last at the step's end "
+            f"in {100 * f['last_frac']:.0f} % of steps; its peers wait {f['late_s'] * 1e3:.1f} ms per step for it "
+            f"(steps {f['slowdown']:.2f}x longer) for {f['windows']} windows, step {f['step']}"
+        )
     return (
         f"straggler: rank {f['rank']} (host {f['host']}, local rank {f['local_rank']}, mesh {coords}) "
         f"{f['phase']} {f['slowdown']:.2f}x the median over ranks ({f['rank_s'] * 1e3:.1f} vs {f['median_s'] * 1e3:.1f} ms) "
