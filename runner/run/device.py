@@ -8,7 +8,7 @@
 | monitor windows, calibration)     |                                    | tensors                                      |
 | bandwidth probe                   | the default group, CPU tensors     | the default group, CUDA tensors              |
 | phase clock                       | the process's CPU time             | CUDA events around the phase                 |
-| arrival wait (stragglers)         | wall time in a host barrier        | CUDA events around a one-element all-reduce  |
+| step-end arrival (stragglers)     | host barrier, wall-clock stamps    | the same, after the device finished the step |
 | memory probe                      | peak resident set                  | peak allocated device memory                 |
 | threads per rank                  | cores / ranks on the machine       | torch's default                              |
 
@@ -157,21 +157,14 @@ class DevicePolicy:
     def barrier(self) -> None:
         dist.barrier(group=self.host_group)
 
-    def timed_arrival(self) -> Any:
-        """How long this rank waits for its peers at the step's end, as a clock value (`clock().resolve` reads it).
-        CPU: wall time in a host barrier (a rank slowed from outside accrues no CPU time, but its peers wait for
-        it in wall time). CUDA: CUDA events around a one-element all-reduce on the default group, whose kernel
-        waits on the device until the last rank's kernel arrives."""
-        if self.cpu:
-            t0 = time.perf_counter()
-            self.barrier()
-            return time.perf_counter() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        one = torch.ones(1, device=self.compute_device())
-        start.record()
-        dist.all_reduce(one)
-        end.record()
-        return start, end
+    def timed_arrival(self) -> tuple[float, float]:
+        """(arrival, departure) at a host barrier at the step's end, on this host's clock (time.time). On CUDA the
+        step's kernels are waited for first (the phase clock's events are read there anyway), so arrival is when
+        the device finished the step. Which rank arrives last is what the straggler monitor's arrival judge reads."""
+        self.sync()
+        arrive = time.time()
+        self.barrier()
+        return arrive, time.time()
 
     # The bandwidth probe: device tensors on the default group, the links the model's collectives use.
     def probe_tensor(self, numel: int) -> torch.Tensor:

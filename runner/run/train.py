@@ -229,6 +229,7 @@ def _step(loop: _Loop, step: int) -> int:
     flagged = mon.end_step()
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
     r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
+    r |= {"integrity_checks": loop.integrity.checks, "replay_checks": loop.integrity.replays}
     r["data_hash"] = digest
     if verdict.spike:
         r |= {"spike": verdict.spike, "action": verdict.action}
