@@ -163,7 +163,7 @@ class DevicePolicy:
         the device finished the step. Which rank arrives last is what the straggler monitor's arrival judge reads."""
         self.sync()
         arrive = time.time()
-        self.barrier()
+        dist.barrier(group=self.host_group)
         return arrive, time.time()
 
     # The bandwidth probe: device tensors on the default group, the links the model's collectives use.
