@@ -61,11 +61,11 @@ def hooks(interval: int) -> dict[str, float]:
                 pass
         phase = (time.perf_counter() - t0) / n
         mon.s.interval = interval
-        mon.window = [{p: 0.1 for p in monitor.TIMED}] * (interval - 1)
-        mon.step, t0 = 2, time.perf_counter()
-        reps = 200
+        full = [{p: 0.1 for p in monitor.TIMED} | {"step_wall": 1.0}] * (interval - 1)
+        t0, reps = time.perf_counter(), 200
         for _ in range(reps):
-            mon.window = mon.window[: interval - 1]
+            mon.begin_step(2)
+            mon.window, mon.window_stamps = list(full), [[(0.0, 1.0)]] * (interval - 1)  # one stamped barrier per step
             mon.end_step()
         window = (time.perf_counter() - t0) / reps
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -117,7 +117,9 @@ def integrity_cost(params_m: float, reps: int = 5) -> float:
     import torch
 
     from runner.observe import integrity
+    from runner.run import procs
 
+    torch.set_num_threads(procs.threads_per_rank(4))  # as each of the default layout's 4 ranks runs
     n = int(params_m * 1e6)
     sizes = [n // 40] * 40  # ~40 tensors, like a small transformer's
     model = torch.nn.Module()

@@ -157,7 +157,8 @@ def test_checksum_sees_one_flipped_bit():
     w0, bit = model.weight[0, 0].item(), int(model.weight.detach().view(torch.int32)[0, 0]) & (1 << 22)
     checker.begin_step(2, [model])
     after = integrity.checksums([model])
-    assert after["weight"] - before["weight"] == (-(1 << 22) if bit else 1 << 22)  # one bit: the sum moves by its power of two
+    # one bit: the (wrapping int32) sum moves by its power of two
+    assert (after["weight"] - before["weight"]) % (1 << 32) == (-(1 << 22) if bit else 1 << 22) % (1 << 32)
     assert after["bias"] == before["bias"] and model.weight[0, 0].item() != w0
 
 

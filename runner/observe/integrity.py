@@ -3,8 +3,9 @@
 Replica check (`monitor.integrity.interval`, after Megatron's --check-weight-hash-across-dp-replicas-interval):
 ranks that differ only in their dp_replicate coordinate hold bitwise-equal parameter shards (TorchTitan shards
 over dp_shard x cp and tp, and splits pp into stages, never over dp_replicate). Every interval each rank sums
-the bits of each local shard (the shard viewed as integers of its width, summed in int64: any single flipped bit
-changes the sum by a power of two), one all-gather brings every rank's sums to every rank, and each replica
+the bits of each local shard (the shard viewed as integers of its width and summed in that width, wrapping: any
+single flipped bit changes the sum by a power of two modulo 2^width, and integer sums do not depend on the
+order of the additions; in the element's own width the sum is vectorized, ~200x faster than accumulating in int64), one all-gather brings every rank's sums to every rank, and each replica
 group is judged alike everywhere: the checksum most of a group holds is the majority, the others the minority
 (with two replicas neither side is a majority and both are named).
 
@@ -48,14 +49,15 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(parts: list[torch.nn.Module]) -> dict[str, int]:
-    """Per parameter: the int64 sum of its local shard viewed as integers of the element width."""
+    """Per parameter: the wrapping sum of its local shard viewed as integers of the element width."""
     names, sums = [], []
     with torch.no_grad():
         for part in parts:
             for name, p in part.named_parameters():
                 t = local_shard(p).detach().contiguous()
                 names.append(name)
-                sums.append(t.view(INT_OF_WIDTH[t.element_size()]).sum(dtype=torch.int64))
+                width = INT_OF_WIDTH[t.element_size()]
+                sums.append(t.view(width).sum(dtype=width).to(torch.int64))
     values = torch.stack(sums).cpu().tolist() if sums else []  # one device-to-host copy
     return dict(zip(names, values, strict=True))
 

@@ -195,6 +195,7 @@ class StepMonitor:
         self.ws = len(who)
         self.who = [{**w, "coords": coords_of(r)} for r, w in enumerate(who)]
         self._t0 = 0.0
+        self._wall0, self._stamps = time.perf_counter(), []
         # What a phase costs this rank, by the device policy's clock: on CPU the process's CPU time (a rank
         # blocked in a gloo collective accrues none, so the peers that wait for a slow rank do not look as slow
         # as it), on CUDA events around the phase's kernels.
