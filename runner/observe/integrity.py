@@ -5,9 +5,10 @@ ranks that differ only in their dp_replicate coordinate hold bitwise-equal param
 over dp_shard x cp and tp, and splits pp into stages, never over dp_replicate). Every interval each rank sums
 the bits of each local shard (the shard viewed as integers of its width and summed in that width, wrapping: any
 single flipped bit changes the sum by a power of two modulo 2^width, and integer sums do not depend on the
-order of the additions; in the element's own width the sum is vectorized, ~200x faster than accumulating in int64), one all-gather brings every rank's sums to every rank, and each replica
-group is judged alike everywhere: the checksum most of a group holds is the majority, the others the minority
-(with two replicas neither side is a majority and both are named).
+order of the additions; in the element's own width the sum is vectorized, ~200x faster than accumulating
+in int64), one all-gather brings every rank's sums to every rank, and each replica group is judged alike
+everywhere: the checksum most of a group holds is the majority, the others the minority (with two replicas
+neither side is a majority and both are named).
 
 Replay check (`monitor.integrity.replay_interval`): the step's forward/backward runs twice on the same batch
 from the same RNG state; each rank compares its loss share and the squared norm of its gradient shards bitwise.
