@@ -1,11 +1,11 @@
 """Silent-data-corruption checks and stragglers slowed from outside, each proven by injecting its fault.
 
 One 4-rank launch (`outside`, plain data parallel: 4 replicas of every parameter, so a flipped bit has a
-majority against it): the test stops rank 2 for 60 ms of every 100 ms with SIGSTOP/SIGCONT from outside
-(the arrival judge must name it alone), rank 3's replayed forwards at steps 5, 10, 15 and 20 differ by 1e-6
-(the replay check must name it), and rank 1 flips a bit of a parameter at step 17 (the replica check at
-step 20 must name it and stop the run). The clean side (nothing reported over 40 steps of HSDP with a rewind) rides
-on tests/test_monitor.py's `clean` launch.
+majority against it): the test stops rank 2 for 60 ms of every 100 ms with SIGSTOP/SIGCONT from outside (the
+arrival judge must name it alone), rank 3's replayed forwards at steps 5, 10, 15 and 20 differ by 1e-6 (the
+replay check must name it), and rank 1 flips a bit of a parameter at step 17 (the replica check at step 20
+must name it and rewind to step 16's checkpoint, after which the replicas agree again). The clean side
+(nothing reported over 40 steps of HSDP with a rewind) rides on tests/test_monitor.py's `clean` launch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from runner.config.layout import Layout
 from runner.config.schema import InjectConfig, IntegrityConfig, StragglerConfig
 from runner.observe import integrity, monitor
 from runner.run import startup
-from tests.conftest import ROOT, metrics
+from tests.conftest import ROOT, metrics, summary
 
 STRAGGLER = ["monitor.straggler.interval=5", "monitor.straggler.windows=2"]
 STOP_S, PERIOD_S = 0.06, 0.1
@@ -59,6 +59,7 @@ def outside(tmp_path_factory):
     args = ["parallelism=dp2", "parallelism.dp_replicate=4", "cluster.devices_per_node=4", "training.seq_len=64", "training.steps=22"]
     args += ["logging.progress=false", *STRAGGLER, "monitor.integrity.interval=4", "monitor.integrity.replay_interval=5"]
     args += ["monitor.inject.flip_rank=1", "monitor.inject.flip_at_step=17", "monitor.inject.replay_rank=3"]
+    args += ["monitor.integrity.on_mismatch=rewind", "checkpoint=local", "checkpoint.interval=8", "checkpoint.keep=0"]
     argv = [sys.executable, "-m", "runner", *args, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "WANDB_SILENT": "true"}
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -85,27 +86,51 @@ def test_rank_slowed_from_outside_is_flagged_alone(outside):
     assert "ms after its peers' median (its peers wait for it; steps " in flat
 
 
-def test_flipped_bit_is_found_at_the_next_interval_and_stops_the_run(outside):
+def test_flipped_bit_is_found_at_the_next_interval_and_rewinds(outside):
     run_dir, rc, out, err, _ = outside
-    assert rc == 1, err[-3000:]
+    assert rc == 0, err[-3000:]
     report = json.loads((run_dir / runfiles.INTEGRITY_REPORT).read_text())
     replica = [m for m in report["mismatches"] if m["check"] == "replica"]
-    assert [m["step"] for m in replica] == [20]  # the checks at steps 4, 8, 12, 16 found nothing; the flip at 17 is found at 20
+    # the checks at steps 4, 8, 12, 16 found nothing; the flip at 17 is found at 20; after the rewind the check at 20 passes
+    assert [m["step"] for m in replica] == [20]
     (m,) = replica
     assert m["parameter"] == "tok_embeddings.weight" and m["group"] == [0, 1, 2, 3]
     assert m["minority"]["ranks"] == [1] and m["majority"]["ranks"] == [0, 2, 3] and m["minority"]["hosts"]
     assert len({m["checksums"][str(r)] for r in (0, 2, 3)}) == 1 and m["checksums"]["1"] != m["checksums"]["0"]
-    assert report["on_mismatch"] == "stop"
-    assert max(r["step"] for r in metrics(run_dir)) == 19  # step 20 never logged: the run stopped before its row
+    assert report["on_mismatch"] == "rewind"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [*range(1, 21), *range(17, 23)]  # rewound from 20 to step 16's checkpoint
+    assert rows[19]["rewound_to"] == 16 and [x["check"] for x in rows[19]["integrity"]] == ["replay", "replica"]
+    assert summary(run_dir)["monitor"]["integrity_checks"] == 6  # 4, 8, 12, 16, 20, and 20 again
     assert "integrity: step 20 parameter tok_embeddings.weight: ranks [1] (hosts " in " ".join(out.split())
-    assert "training failed: IntegrityError: integrity: step 20 parameter tok_embeddings.weight: ranks [1]" in " ".join(err.split())
+
+
+def test_mismatch_stops_the_run_or_finds_no_checkpoint():
+    from types import SimpleNamespace
+
+    from runner.config.schema import MismatchAction, RunConfig
+    from runner.run import train
+
+    found = [{"step": 8, "check": "replica", "parameter": "w", "group": [0, 1, 2], "checksums": {}}]
+    found[0] |= {"majority": {"ranks": [0, 2], "hosts": ["a"]}, "minority": {"ranks": [1], "hosts": ["b"]}}
+    checker = SimpleNamespace(check=lambda step, parts: found, path=ROOT / "integrity_report.json")
+    cfg = RunConfig()
+    loop = SimpleNamespace(cfg=cfg, integrity=checker, built=SimpleNamespace(parts=[]), opt=None, sched=None, data=None, guard=None)
+    with pytest.raises(integrity.IntegrityError, match=r"step 8 parameter w: ranks \[1\] \(hosts b\) differ from the majority \[0, 2\]"):
+        train._check_replicas(loop, 8)
+    cfg.monitor.integrity.on_mismatch = MismatchAction.rewind
+    loop.ckpt = SimpleNamespace(wait=lambda: None, restore=lambda *a, before: None)
+    with pytest.raises(integrity.IntegrityError, match="no checkpoint to rewind to at or before step 8"):
+        train._check_replicas(loop, 8)
+    checker.check = lambda step, parts: []
+    assert train._check_replicas(loop, 8) == {}
 
 
 def test_replay_names_the_rank_that_does_not_reproduce(outside):
     run_dir, _, out, _, _ = outside
     report = json.loads((run_dir / runfiles.INTEGRITY_REPORT).read_text())
     replay = [m for m in report["mismatches"] if m["check"] == "replay"]
-    assert [(m["step"], m["rank"]) for m in replay] == [(5, 3), (10, 3), (15, 3), (20, 3)]
+    assert [(m["step"], m["rank"]) for m in replay] == [(5, 3), (10, 3), (15, 3), (20, 3), (20, 3)]  # 20 ran twice
     for m in replay:
         assert m["first"]["loss"] != m["second"]["loss"]
         assert m["second"]["loss"] == pytest.approx(m["first"]["loss"] * (1 + 1e-6), rel=1e-7)

@@ -121,10 +121,13 @@ class Checker:
         self.found: list[dict[str, Any]] = []  # every mismatch of the run, as integrity_report.json lists them
         self.new: list[dict[str, Any]] = []  # those not yet attached to a metrics row (take)
         self.checks = self.replays = 0
+        self._flipped = False
 
     def begin_step(self, step: int, parts: list[torch.nn.Module]) -> None:
-        """TEST-ONLY: flip_rank flips bit 22 (a float32 mantissa's top bit) of its first parameter's first element."""
-        if self.rank == self.inject.flip_rank and step == self.inject.flip_at_step:
+        """TEST-ONLY: flip_rank flips bit 22 (a float32 mantissa's top bit) of its first parameter's first element,
+        once (a rewind replays the step without flipping again)."""
+        if self.rank == self.inject.flip_rank and step == self.inject.flip_at_step and not self._flipped:
+            self._flipped = True
             with torch.no_grad():
                 t = local_shard(next(parts[0].parameters()))
                 flat = t.view(INT_OF_WIDTH[t.element_size()]).view(-1)
