@@ -102,7 +102,9 @@ def test_flipped_bit_is_found_at_the_next_interval_and_rewinds(outside):
     assert [r["step"] for r in rows] == [*range(1, 21), *range(17, 23)]  # rewound from 20 to step 16's checkpoint
     assert rows[19]["rewound_to"] == 16 and [x["check"] for x in rows[19]["integrity"]] == ["replay", "replica"]
     assert summary(run_dir)["monitor"]["integrity_checks"] == 6  # 4, 8, 12, 16, 20, and 20 again
-    assert "integrity: step 20 parameter tok_embeddings.weight: ranks [1] (hosts " in " ".join(out.split())
+    flat = " ".join(out.split())
+    assert "integrity: step 20 parameter tok_embeddings.weight: ranks [1] (hosts " in flat
+    assert "integrity: rewound to the checkpoint of step 16" in flat
 
 
 def test_mismatch_stops_the_run_or_finds_no_checkpoint():
