@@ -121,7 +121,8 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
     rows = metrics(run_dir)
     assert max(r["step"] for r in rows) >= 31
     assert max(r["straggler_windows"] for r in rows) >= 10  # windows ending at steps 4, 7, ..., 31 were all judged
-    assert not (run_dir / runfiles.STRAGGLERS).exists()
+    flagged = run_dir / runfiles.STRAGGLERS
+    assert not flagged.exists(), flagged.read_text()
     assert not any("stragglers" in r for r in rows)
 
 

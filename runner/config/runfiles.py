@@ -1,27 +1,27 @@
 """Every name a run writes into its run folder, for writers and readers alike (like Hydra's `.hydra/`).
 
-<run folder>/
-  frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
-  plan.json            the step budget (mode=plan, and every launched run)
-  invalid.json         a sweep point that failed validation: its overrides and problems
-  failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
-  peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
-  precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
-  metrics.jsonl        one row per step (rank 0)
-  summary.json         the run's medians (rank 0); runner.compare reads it
-  stragglers.jsonl     the straggler monitor's per-window tables
-  integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
-  hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
-  failure_report.json  a rank that raised: each rank's exception and last state
-  parity.json          losses and norms of a runner.parity launch
-  dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
-  comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
-  logs/ranks/          each rank's last state (the forensics records)
-  logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
-  logs/<rdzv id>/      torchrun's per-rank stdout/stderr
-  data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
-  checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
-  flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
+    <run folder>/
+      frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
+      plan.json            the step budget (mode=plan, and every launched run)
+      invalid.json         a sweep point that failed validation: its overrides and problems
+      failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
+      peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
+      precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
+      metrics.jsonl        one row per step (rank 0)
+      summary.json         the run's medians (rank 0); runner.compare reads it
+      stragglers.jsonl     the straggler monitor's per-window tables
+      integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
+      hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
+      failure_report.json  a rank that raised: each rank's exception and last state
+      parity.json          losses and norms of a runner.parity launch
+      dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
+      comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
+      logs/ranks/          each rank's last state (the forensics records)
+      logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
+      logs/<rdzv id>/      torchrun's per-rank stdout/stderr
+      data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
+      checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
+      flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
 """
 
 from __future__ import annotations

@@ -177,9 +177,10 @@ class StragglerConfig:
     arrival: bool = True
     """Also judge arrival: each step every rank times a host barrier at the step's end (wall clock; CUDA events
     around a one-element all-reduce on GPUs); the rank its peers wait for, whatever slows it, arrives last."""
-    last_frac: float = 0.6
-    """Arrival straggler: last to arrive in at least this fraction of a window's steps (a majority, robust to the
-    descheduling every rank of an oversubscribed machine sees) ..."""
+    last_frac: float = 0.8
+    """Arrival straggler: last to arrive in at least this fraction of a window's steps (a clear majority: on an
+    oversubscribed machine every rank is descheduled now and then and arrives last by chance, 1 / ranks of the
+    steps on average) ..."""
     min_late_s: float = 0.01
     """... and its peers waited for it at least this many seconds per step (median over the window's steps)."""
 
