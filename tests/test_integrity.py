@@ -145,7 +145,8 @@ def test_replay_names_the_rank_that_does_not_reproduce(outside):
 def test_startup_block_names_the_replica_groups(outside):
     out = outside[2]
     assert (
-        "integrity: 1 groups of 4 replicas compare parameter checksums every 4 steps (on mismatch: rewind); replay check every 5 steps" in out
+        "integrity: 1 groups of 4 replicas compare parameter checksums every 4 steps (on mismatch: rewind); replay check every 5 steps"
+        in out
     )
 
 
