@@ -78,9 +78,9 @@ def test_rank_slowed_from_outside_is_flagged_alone(outside):
     assert {(f["rank"], f["phase"]) for f in flagged} == {(2, "arrival")}, flagged  # nobody else, and not by CPU time
     first = flagged[0]
     # windows end at steps 6, 11, 16: the 2nd is the first that can name it (seen at load ~20 on 2 cores: last
-    # in 100 % of steps, 80-140 ms late); one noisy window (fewer than 4 of 5 steps last) restarts the streak
+    # in 60-100 % of a window's steps, 30-100 ms late in the median); a noisy window would restart the streak
     assert first["step"] in (11, 16)
-    assert first["last_frac"] >= 0.8 and first["late_s"] >= 0.01 and first["slowdown"] > 1
+    assert first["last_frac"] >= 0.5 and first["late_s"] >= 0.02 and first["slowdown"] > 1
     flat = " ".join(out.split())
     assert "straggler: rank 2 (host" in flat and "arrives last at the step's host collectives in " in flat
     assert "ms after its peers' median (its peers wait for it; steps " in flat

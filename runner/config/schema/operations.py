@@ -177,12 +177,12 @@ class StragglerConfig:
     arrival: bool = True
     """Also judge arrival: each step every rank times a host barrier at the step's end (wall clock; CUDA events
     around a one-element all-reduce on GPUs); the rank its peers wait for, whatever slows it, arrives last."""
-    last_frac: float = 0.8
-    """Arrival straggler: last to arrive in at least this fraction of a window's steps (a clear majority: on an
-    oversubscribed machine every rank is descheduled now and then and arrives last by chance, 1 / ranks of the
-    steps on average) ..."""
-    min_late_s: float = 0.01
-    """... and its peers waited for it at least this many seconds per step (median over the window's steps)."""
+    last_frac: float = 0.5
+    """Arrival straggler: last to arrive in at least this fraction of a window's steps (on an oversubscribed
+    machine every rank is descheduled now and then and arrives last by chance, 1 / ranks of the steps on average) ..."""
+    min_late_s: float = 0.02
+    """... and later than the median of its peers by at least this many seconds, median over the window's steps
+    (a median, so the odd descheduled step of a healthy rank does not count)."""
 
 
 @dataclass
