@@ -1,4 +1,4 @@
-"""Benchmark: what the straggler monitor, loss guard, flight recorder and rank records cost per step.
+"""Benchmark: what the straggler monitor, loss guard, integrity checks, flight recorder and rank records cost per step.
 
 python bench/monitor_overhead.py [--reps 3] [--steps 12] [--seq-len 256]
 1. Side by side: the default layout (dp_shard=2 x tp=2, 4 CPU ranks) with the monitors at their defaults
@@ -8,6 +8,11 @@ python bench/monitor_overhead.py [--reps 3] [--steps 12] [--seq-len 256]
    reads, a record mark), one straggler window (all_gather_single + judging), one rank-record heartbeat,
    scaled to the step: 9 hook calls per step at 2 microbatches plus one window every `interval` steps plus one
    heartbeat per second of step time.
+3. The arrival judge's step-end barrier on 4 gloo ranks (spawned here, no model): median wall time of a
+   stamped barrier when the ranks arrive together, i.e. what it adds to every step.
+4. The integrity checks on a model of the default's size (--params-m, flat fp32 tensors): one replica
+   check (checksums + their all-gather) per monitor.integrity.interval steps; a replay repeats one step's
+   forward/backward per replay_interval steps, i.e. at most 1 / replay_interval of the step time.
 """
 
 import argparse
@@ -22,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OFF = ["monitor.straggler.enable=false", "monitor.guard.enable=false", "distributed.flight_recorder.enable=false"]
+OFF += ["monitor.integrity.interval=0", "monitor.integrity.replay_interval=0"]
 
 
 def run(tmp: Path, name: str, a, extra: list[str]) -> dict:
@@ -55,11 +61,11 @@ def hooks(interval: int) -> dict[str, float]:
                 pass
         phase = (time.perf_counter() - t0) / n
         mon.s.interval = interval
-        mon.window = [{p: 0.1 for p in monitor.TIMED}] * (interval - 1)
-        mon.step, t0 = 2, time.perf_counter()
-        reps = 200
+        full = [{p: 0.1 for p in monitor.TIMED} | {"step_wall": 1.0}] * (interval - 1)
+        t0, reps = time.perf_counter(), 200
         for _ in range(reps):
-            mon.window = mon.window[: interval - 1]
+            mon.begin_step(2)
+            mon.window, mon.window_stamps = list(full), [[(0.0, 1.0)]] * (interval - 1)  # one stamped barrier per step
             mon.end_step()
         window = (time.perf_counter() - t0) / reps
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -71,12 +77,71 @@ def hooks(interval: int) -> dict[str, float]:
     return {"phase_s": phase, "window_s": window, "heartbeat_s": beat_cpu, "heartbeat_wall_s": beat_wall}
 
 
+def _barrier_rank(rank: int, world: int, port: int, reps: int, out) -> None:
+    import torch.distributed as dist
+
+    from runner.config.schema import RunConfig
+    from runner.run.device import DevicePolicy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo")
+    cfg = RunConfig()
+    policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    times = []
+    for _ in range(reps):
+        policy.barrier()  # line the ranks up, then time one stamped barrier
+        t0 = time.perf_counter()
+        policy.timed_arrival()
+        times.append(time.perf_counter() - t0)
+    out.put((rank, statistics.median(times)))
+    dist.destroy_process_group()
+
+
+def barrier_cost(world: int = 4, reps: int = 200) -> float:
+    """Median seconds of DevicePolicy.timed_arrival on `world` gloo ranks of this machine (max over ranks)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_barrier_rank, args=(r, world, 29582, reps, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(t for _, t in got)
+
+
+def integrity_cost(params_m: float, reps: int = 5) -> float:
+    """Median seconds of one replica check's local part (checksums of every shard) on params_m million fp32 parameters."""
+    import torch
+
+    from runner.observe import integrity
+    from runner.run import procs
+
+    torch.set_num_threads(procs.threads_per_rank(4))  # as each of the default layout's 4 ranks runs
+    n = int(params_m * 1e6)
+    sizes = [n // 40] * 40  # ~40 tensors, like a small transformer's
+    model = torch.nn.Module()
+    for i, size in enumerate(sizes):
+        model.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(size)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        integrity.checksums([model])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--interval", type=int, default=10, help="monitor.straggler.interval (default 10)")
+    p.add_argument("--integrity-interval", type=int, default=100, help="monitor.integrity.interval (default 100)")
+    p.add_argument("--replay-interval", type=int, default=500, help="monitor.integrity.replay_interval (default 500)")
+    p.add_argument("--params-m", type=float, default=6.2, help="parameters (millions) of the integrity check's model (debugmodel: 6.2)")
     a = p.parse_args()
     on, off, step_s = [], [], []
     with tempfile.TemporaryDirectory() as d:
@@ -96,6 +161,15 @@ def main() -> None:
         f"hooks: phase {h['phase_s'] * 1e6:.1f} us, window {h['window_s'] * 1e3:.2f} ms, heartbeat {h['heartbeat_s'] * 1e3:.2f} ms CPU "
         f"({h['heartbeat_wall_s'] * 1e3:.2f} ms wall); "
         f"per step {per_step * 1e3:.3f} ms of a {step:.2f} s median step = {100 * per_step / step:.3f} % (budget 1 %)"
+    )
+    barrier = barrier_cost()
+    print(f"arrival barrier (4 gloo ranks): {barrier * 1e3:.3f} ms per step = {100 * barrier / step:.3f} % of the step (budget 1 %)")
+    check = integrity_cost(a.params_m)
+    per_step = check / a.integrity_interval
+    print(
+        f"replica check: {check * 1e3:.2f} ms of checksums on {a.params_m:g}M parameters every {a.integrity_interval} steps = "
+        f"{per_step * 1e3:.3f} ms per step = {100 * per_step / step:.3f} %; replay: at most 1/{a.replay_interval} of the "
+        f"step time = {100 / a.replay_interval:.2f} % (budget 1 %)"
     )
 
 

@@ -3,9 +3,10 @@
 Two 4-rank launches (imports cost ~25-45 s each, so each launch carries several checks):
 - `slow`: rank 2 computes 60 % longer in every forward, step 8's batch is corrupted to NaN (guard: skip),
   and at step 11 rank 1 sleeps before its forward past distributed.timeout_s (the hang).
-- `clean`: 31 clean steps of 4-rank FSDP (nobody may be flagged; FSDP steps cost 0.4x a dp2_tp2 step here),
-  steps 12-13 corrupted x1e4 (guard: rewind to step 10's checkpoint), then the test freezes rank 1 from
-  outside with SIGSTOP.
+- `clean`: 31 clean steps of 4-rank HSDP (2 replicas x 2 shards; nobody may be flagged, by phase time or by
+  arrival, and the replica and replay checks of tests/test_integrity.py find nothing; HSDP steps cost 0.4x a
+  dp2_tp2 step here), steps 12-13 corrupted x1e4 (guard: rewind to step 10's checkpoint), then the test freezes
+  rank 1 from outside with SIGSTOP.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def clean(tmp_path_factory):
     args = [
         *SHORT,
         *STRAGGLER,
-        "parallelism=fsdp",
+        "parallelism=hsdp2x2",
         "cluster.devices_per_node=4",
+        "monitor.integrity.interval=5",
+        "monitor.integrity.replay_interval=9",
         "training.steps=40",
         "checkpoint=local",
         "checkpoint.interval=5",
@@ -118,8 +121,22 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
     rows = metrics(run_dir)
     assert max(r["step"] for r in rows) >= 31
     assert max(r["straggler_windows"] for r in rows) >= 10  # windows ending at steps 4, 7, ..., 31 were all judged
-    assert not (run_dir / runfiles.STRAGGLERS).exists()
+    flagged = run_dir / runfiles.STRAGGLERS
+    assert not flagged.exists(), flagged.read_text()
     assert not any("stragglers" in r for r in rows)
+
+
+def test_clean_run_replicas_agree_and_replays_reproduce(clean):
+    """HSDP replicas (ranks 0|2 and 1|3) compared at steps 5, 10, 15, ..., 30 (across the rewind), replays at 9, 18, 27."""
+    run_dir, proc = clean[0], clean[1]
+    assert not (run_dir / runfiles.INTEGRITY_REPORT).exists()
+    rows = metrics(run_dir)
+    assert not any("integrity" in r for r in rows)
+    by_step = {r["step"]: r for r in rows}  # the last row of a step (steps 11-13 ran twice)
+    # checks at 5, 10, ..., 30 (the rewind restarts at 11), replays at 9, 18, 27
+    assert (by_step[31]["integrity_checks"], by_step[31]["replay_checks"]) == (6, 3)
+    line = "integrity: 2 groups of 2 replicas compare parameter checksums every 5 steps (on mismatch: stop); replay check every 9 steps"
+    assert line in proc.stdout
 
 
 def test_straggler_judge_needs_consecutive_windows():
@@ -277,6 +294,8 @@ def test_startup_block(slow):
     assert "precision fp32 (params float32, reductions float32); no modules converted" in out
     assert f"collective timeout {TIMEOUT_S} s" in out and "flight recorder: buffer 2000 collectives, dumps to " in out
     assert f"frozen config: {slow[0].resolve() / 'frozen.yaml'}" in out
+    # dp_shard=2 x tp=2 holds each parameter shard once: nothing to compare, the replay check alone runs
+    assert "integrity: no replicas in this layout (dp_replicate=1: every parameter shard is held once), so no replica check" in out
 
 
 def test_startup_links_across_nodes(compose):

@@ -134,6 +134,14 @@ BAD = [
     (["monitor.inject.corrupt_steps=[0]"], "monitor.inject.corrupt_steps"),
     (["monitor.inject.kill_rank=9"], "monitor.inject.kill_rank"),
     (["monitor.inject.kill_rank=0", "monitor.inject.kill_at_step=0"], "monitor.inject.kill_at_step"),
+    (["monitor.straggler.last_frac=0"], "monitor.straggler.last_frac"),
+    (["monitor.straggler.min_late_s=-1"], "monitor.straggler.min_late_s"),
+    (["monitor.integrity.interval=-1"], "monitor.integrity.interval"),
+    (["monitor.integrity.replay_interval=-1"], "monitor.integrity.replay_interval"),
+    (["monitor.integrity.on_mismatch=rewind"], "monitor.integrity.on_mismatch"),  # with checkpoints off
+    (["monitor.inject.flip_rank=4"], "monitor.inject.flip_rank"),  # 4 ranks: 0..3
+    (["monitor.inject.flip_rank=0", "monitor.inject.flip_at_step=0"], "monitor.inject.flip_at_step"),
+    (["monitor.inject.replay_rank=-2"], "monitor.inject.replay_rank"),
     (["distributed.timeout_s=0"], "distributed.timeout_s"),
     (["distributed.heartbeat_s=1000"], "distributed.heartbeat_s"),
     (["distributed.host_group=nccl"], "distributed.host_group"),
@@ -184,6 +192,7 @@ NO_BAD_VALUE = [
     ("logging.wandb.group", "null = the sweep folder"),
     ("training.compile", "either setting runs (async TP's need for it is checked under parallelism.async_tp)"),
     ("monitor.straggler.enable", "either setting runs"),
+    ("monitor.straggler.arrival", "either setting runs"),
     ("monitor.guard.enable", "off is a documented choice; non-finite values are caught either way"),
     ("monitor.inject.corrupt_scale", "any float is a corruption, nan included"),
     ("distributed.flight_recorder.enable", "either setting runs"),

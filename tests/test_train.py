@@ -306,7 +306,8 @@ def test_runner_collectives_follow_the_device_policy(runs):
         "runner/run/train.py:global_loss",
         "runner/run/train.py:_finish",
         "runner/observe/monitor.py:__init__",
-        "runner/observe/monitor.py:end_step",
+        "runner/observe/monitor.py:end_step",  # the arrival judge's step-end barrier
+        "runner/observe/monitor.py:_judge",
         "runner/observe/calibration.py:mean_over_ranks",
         probe,
     }

@@ -11,6 +11,7 @@
       summary.json         the run's medians (rank 0); runner.compare reads it
       preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
       stragglers.jsonl     the straggler monitor's per-window tables
+      integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
       hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
       failure_report.json  a rank that raised: each rank's exception and last state
       parity.json          losses and norms of a runner.parity launch
@@ -41,6 +42,7 @@ SUMMARY = "summary.json"
 PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"
+INTEGRITY_REPORT = "integrity_report.json"
 FAILURE_REPORT = "failure_report.json"
 PARITY = "parity.json"
 DRYRUN = "dryrun.json"  # mode=dryrun: per simulated rank, measured memory by category beside the plan

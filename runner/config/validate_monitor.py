@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from runner.config.problems import Problem
-from runner.config.schema import GuardAction, RunConfig
+from runner.config.schema import GuardAction, MismatchAction, RunConfig
 
 HEARTBEATS_PER_TIMEOUT = 4  # a frozen rank's record must be visibly stale before its peers time out
 
@@ -19,6 +19,23 @@ def _straggler(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("monitor.straggler.factor", s.factor, "a slowdown factor must exceed 1", "use e.g. 1.3 (30 % above the median)"))
     if s.min_seconds < 0:
         out.append(Problem("monitor.straggler.min_seconds", s.min_seconds, "must be >= 0", "use 0 to judge every phase"))
+    if not 0 < s.last_frac <= 1:
+        out.append(Problem("monitor.straggler.last_frac", s.last_frac, "a fraction of steps must be in (0, 1]", "use e.g. 0.6"))
+    if s.min_late_s < 0:
+        out.append(Problem("monitor.straggler.min_late_s", s.min_late_s, "must be >= 0", "use e.g. 0.01 (10 ms of waiting per step)"))
+
+
+def _integrity(cfg: RunConfig, out: list[Problem]) -> None:
+    g = cfg.monitor.integrity
+    for name in ("interval", "replay_interval"):
+        if getattr(g, name) < 0:
+            out.append(Problem(f"monitor.integrity.{name}", getattr(g, name), "must be >= 0", "use 0 (off) or N steps, e.g. 100"))
+    if g.on_mismatch == MismatchAction.rewind and not cfg.checkpoint.enable:
+        out.append(
+            Problem(
+                "monitor.integrity.on_mismatch", "rewind", "rewinding needs checkpoints to rewind to", "add checkpoint=local, or use stop"
+            )
+        )
 
 
 def _guard(cfg: RunConfig, out: list[Problem]) -> None:
@@ -48,13 +65,13 @@ def _guard(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _inject(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     i, steps = cfg.monitor.inject, cfg.training.steps
-    for name in ("delay_rank", "hang_rank", "kill_rank"):
+    for name in ("delay_rank", "hang_rank", "kill_rank", "flip_rank", "replay_rank"):
         r = getattr(i, name)
         if r < -1 or (ws is not None and r >= ws):
             out.append(Problem(f"monitor.inject.{name}", r, f"not a rank of this job (world size {ws})", "use -1 (off) or a rank number"))
     if i.delay_frac < 0:
         out.append(Problem("monitor.inject.delay_frac", i.delay_frac, "must be >= 0", "use e.g. 0.5 for 50 % extra forward time"))
-    for rank, step in (("hang_rank", "hang_at_step"), ("kill_rank", "kill_at_step")):
+    for rank, step in (("hang_rank", "hang_at_step"), ("kill_rank", "kill_at_step"), ("flip_rank", "flip_at_step")):
         if getattr(i, rank) >= 0 and not 1 <= getattr(i, step) <= steps:
             out.append(Problem(f"monitor.inject.{step}", getattr(i, step), f"outside steps 1..{steps}", f"use a step in 1..{steps}"))
     if i.hang_s < 0:
@@ -95,4 +112,5 @@ def check(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     _straggler(cfg, out)
     _guard(cfg, out)
     _inject(cfg, ws, out)
+    _integrity(cfg, out)
     _distributed(cfg, out)

@@ -52,6 +52,52 @@ class StragglerJudge:
         return flagged
 
 
+class ArrivalJudge:
+    """Per window: the rank its peers wait for at the step's end. A rank slowed from outside (descheduled,
+    stopped, a noisy neighbour) accrues no extra CPU time, so the phase judge cannot see it; it arrives last.
+
+    Each step every rank stamps its arrival at, and departure from, the two host collectives of the step: the loss
+    all-reduce and a barrier at the step's end (device.DevicePolicy.timed_arrival); a step's lateness is the sum
+    over both. All ranks leave a collective together, so the median difference of departure stamps is the
+    difference of the hosts' clocks, which is taken out of the arrival stamps. On an oversubscribed machine every rank is
+    descheduled now and then and arrives last once in a while, so one step proves nothing: a straggler arrives
+    last in at least `last_frac` of a window's steps (a majority), and later than the median of its peers by
+    `min_late_s` (median over the steps), for `windows` windows in a row."""
+
+    def __init__(self, cfg: StragglerConfig):
+        self.cfg = cfg
+        self.streak: dict[int, int] = {}
+
+    @staticmethod
+    def lateness(arrive: list[list[float]], depart: list[list[float]], points: int) -> list[list[float]]:
+        """[rank][k]: how much later than the median of its peers the rank arrived at the k-th step's collectives
+        (summed over the `points` collectives of a step; clock offsets removed)."""
+        ranks, cols = range(len(arrive)), range(len(arrive[0]))
+        ref = [statistics.median(depart[r][c] for r in ranks) for c in cols]
+        offset = [statistics.median(depart[r][c] - ref[c] for c in cols) for r in ranks]
+        at = [[arrive[r][c] - offset[r] for c in cols] for r in ranks]
+        late = [[at[r][c] - statistics.median(at[o][c] for o in ranks if o != r) for c in cols] for r in ranks]
+        return [[sum(row[k : k + points]) for k in range(0, len(row), points)] for row in late]
+
+    def update(self, arrive: list[list[float]], depart: list[list[float]], points: int, step_s: float) -> list[dict[str, Any]]:
+        """arrive/depart[rank][k * points + p]: stamps at the p-th collective of the window's k-th step;
+        step_s: the median step's wall time."""
+        if len(arrive) < 2:
+            return []
+        late = self.lateness(arrive, depart, points)
+        ranks, n = range(len(late)), len(late[0])
+        last = [max(ranks, key=lambda r: late[r][k]) for k in range(n)]
+        flagged = []
+        for r in ranks:
+            frac, median_late = last.count(r) / n, statistics.median(late[r])
+            slow = frac >= self.cfg.last_frac and median_late >= self.cfg.min_late_s
+            self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
+            if self.streak[r] >= self.cfg.windows:
+                f = {"rank": r, "phase": "arrival", "slowdown": step_s / max(step_s - median_late, 1e-9), "windows": self.streak[r]}
+                flagged.append(f | {"last_frac": frac, "late_s": median_late, "rank_s": median_late, "median_s": 0.0})
+        return flagged
+
+
 @dataclass
 class Verdict:
     spike: str | None
@@ -133,10 +179,13 @@ class StepMonitor:
         self.rank, self.recorder, self.policy = rank, recorder, policy
         self.s, self.inject = cfg.straggler, cfg.inject
         self.judge = StragglerJudge(self.s)
+        self.arrivals = ArrivalJudge(self.s)
+        self.replaying = False  # set by the replay check (runner.observe.integrity) while it recomputes a step
         self.step = 0
         self.now: dict[str, float] = {}
         self._pending: list[tuple[str, Any]] = []  # phases whose time the clock resolves at the end of the step
         self.window: list[dict[str, float]] = []
+        self.window_stamps: list[list[tuple[float, float]]] = []
         self.windows_judged = 0
         self.flagged_total = 0
         self.tables: list[dict[str, Any]] = []  # every judged window (per-rank medians), kept for the summary
@@ -146,6 +195,7 @@ class StepMonitor:
         self.ws = len(who)
         self.who = [{**w, "coords": coords_of(r)} for r, w in enumerate(who)]
         self._t0 = 0.0
+        self._wall0, self._stamps = time.perf_counter(), []
         # What a phase costs this rank, by the device policy's clock: on CPU the process's CPU time (a rank
         # blocked in a gloo collective accrues none, so the peers that wait for a slow rank do not look as slow
         # as it), on CUDA events around the phase's kernels.
@@ -155,6 +205,8 @@ class StepMonitor:
     def begin_step(self, step: int) -> None:
         self.step = step
         self.now, self._pending = {}, []
+        self._wall0 = time.perf_counter()
+        self._stamps: list[tuple[float, float]] = []  # (arrival, departure) at this step's host collectives
         self._maybe_kill()
         self.mark("data")
 
@@ -175,10 +227,13 @@ class StepMonitor:
             self._maybe_hang()
         self._t0 = self.clock.now()
         started = self.clock.start()
+        arrive = time.time()
         try:
             yield
         finally:
             self._pending.append((name, self.clock.stop(started)))
+            if name == "loss":  # the loss all-reduce: a host collective every step, stamped for the arrival judge
+                self._stamps.append((arrive, time.time()))
 
     def add(self, name: str, seconds: float) -> None:
         self.now[name] = self.now.get(name, 0.0) + seconds
@@ -198,7 +253,10 @@ class StepMonitor:
             time.sleep(i.hang_s)
 
     def corrupt(self, loss):
-        """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank."""
+        """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank; replay_rank's replayed
+        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be."""
+        if self.replaying and self.rank == self.inject.replay_rank:
+            loss = loss * (1 + 1e-6)
         return loss * self.inject.corrupt_scale if self.step in self.inject.corrupt_steps else loss
 
     def end_step(self) -> list[dict[str, Any]]:
@@ -207,21 +265,40 @@ class StepMonitor:
         for name, value in self._pending:
             self.now[name] = self.now.get(name, 0.0) + self.clock.resolve(value)
         self._pending = []
+        if self.s.enable and self.s.arrival:  # every rank, every step: the barrier is a collective
+            self.now["step_wall"] = time.perf_counter() - self._wall0
+            self._stamps.append(self.policy.timed_arrival())
         self.all_steps.append(self.now)
         if not self.s.enable or self.step == 1:  # step 1 carries one-time costs on every rank: not judged
             return []
         self.window.append(self.now)
+        self.window_stamps.append(self._stamps)
         if len(self.window) < self.s.interval:
             return []
+        return self._judge()
+
+    def _judge(self) -> list[dict[str, Any]]:
+        """One all-gather of this rank's phase medians, median step time and per-step barrier stamps; every rank judges alike."""
         import torch
 
-        mine = torch.tensor([statistics.median(w.get(p, 0.0) for w in self.window) for p in TIMED], dtype=torch.float64)
-        rows = self.policy.all_gather(mine)
-        self.window = []
-        table = [dict(zip(TIMED, row.tolist(), strict=True)) for row in rows]
+        arrival = self.s.arrival
+        mine = [statistics.median(w.get(p, 0.0) for w in self.window) for p in TIMED]
+        points = len(self.window_stamps[0])
+        if arrival:
+            stamps = [st for step in self.window_stamps for st in step]
+            mine += [statistics.median(w["step_wall"] for w in self.window), *(st[0] for st in stamps), *(st[1] for st in stamps)]
+        rows = [row.tolist() for row in self.policy.all_gather(torch.tensor(mine, dtype=torch.float64))]
+        self.window, self.window_stamps = [], []
+        table = [dict(zip(TIMED, row[: len(TIMED)], strict=True)) for row in rows]
         self.windows_judged += 1
         self.tables.append({"step": self.step, "ranks": table})
-        flagged = [{"step": self.step, **f, **self.who[f["rank"]]} for f in self.judge.update(table)]
+        found = self.judge.update(table)
+        if arrival:
+            n, at = len(stamps), len(TIMED) + 1
+            arrive, depart = [row[at : at + n] for row in rows], [row[at + n :] for row in rows]
+            self.tables[-1]["late_s"] = ArrivalJudge.lateness(arrive, depart, points) if len(rows) > 1 else []
+            found += self.arrivals.update(arrive, depart, points, statistics.median(row[len(TIMED)] for row in rows))
+        flagged = [{"step": self.step, **f, **self.who[f["rank"]]} for f in found]
         self.flagged_total += len(flagged)
         if flagged and self.rank == 0:
             with open(self.path, "a") as fh:
@@ -242,6 +319,13 @@ class StepMonitor:
 
 def describe(f: dict[str, Any]) -> str:
     coords = " ".join(f"{a}={v}" for a, v in f["coords"].items())
+    if f["phase"] == "arrival":
+        return (
+            f"straggler: rank {f['rank']} (host {f['host']}, local rank {f['local_rank']}, mesh {coords}) "
+            f"arrives last at the step's host collectives in {100 * f['last_frac']:.0f} % of steps, "
+            f"{f['late_s'] * 1e3:.1f} ms after its peers' median (its peers wait for it; "
+            f"steps {f['slowdown']:.2f}x longer) for {f['windows']} windows, step {f['step']}"
+        )
     return (
         f"straggler: rank {f['rank']} (host {f['host']}, local rank {f['local_rank']}, mesh {coords}) "
         f"{f['phase']} {f['slowdown']:.2f}x the median over ranks ({f['rank_s'] * 1e3:.1f} vs {f['median_s'] * 1e3:.1f} ms) "

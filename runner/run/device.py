@@ -8,6 +8,7 @@
 | monitor windows, calibration)     |                                    | tensors                                      |
 | bandwidth probe                   | the default group, CPU tensors     | the default group, CUDA tensors              |
 | phase clock                       | the process's CPU time             | CUDA events around the phase                 |
+| step-end arrival (stragglers)     | host barrier, wall-clock stamps    | the same, after the device finished the step |
 | memory probe                      | peak resident set                  | peak allocated device memory                 |
 | threads per rank                  | cores / ranks on the machine       | torch's default                              |
 | flight recorder                   | torch's; the runner dumps on hang  | NCCL's, which dumps by itself                |
@@ -178,6 +179,15 @@ class DevicePolicy:
 
     def barrier(self) -> None:
         dist.barrier(group=self.host_group)
+
+    def timed_arrival(self) -> tuple[float, float]:
+        """(arrival, departure) at a host barrier at the step's end, on this host's clock (time.time). On CUDA the
+        step's kernels are waited for first (the phase clock's events are read there anyway), so arrival is when
+        the device finished the step. Which rank arrives last is what the straggler monitor's arrival judge reads."""
+        self.sync()
+        arrive = time.time()
+        dist.barrier(group=self.host_group)
+        return arrive, time.time()
 
     # The bandwidth probe: device tensors on the default group, the links the model's collectives use.
     def probe_tensor(self, numel: int) -> torch.Tensor:

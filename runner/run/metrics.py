@@ -40,8 +40,10 @@ def _events(row: dict[str, Any]) -> list[str]:
     out = []
     if "spike" in row:
         out.append(f"loss guard: step {row['step']} {row['spike']}: {row['action']} (skipped so far: {row['skipped_steps']})")
-    if "rewound_to" in row:
+    if "rewound_to" in row and "bad_steps" in row:
         out.append(f"loss guard: rewound to the checkpoint of step {row['rewound_to']}; batches of steps {row['bad_steps']} left out")
+    elif "rewound_to" in row:  # the replicas disagreed (monitor.integrity.on_mismatch=rewind; the mismatch was printed)
+        out.append(f"integrity: rewound to the checkpoint of step {row['rewound_to']}")
     out += [describe(f) for f in row.get("stragglers", [])]
     return out
 

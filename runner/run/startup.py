@@ -42,6 +42,7 @@ def report(
     lines.append(f"collective timeout {cfg.distributed.timeout_s:g} s; rank records every {cfg.distributed.heartbeat_s:g} s in logs/ranks/")
     lines.append(f"flight recorder: {'buffer ' + str(fr.buffer_size) + ' collectives, dumps to ' + str(fr_folder) if fr.enable else 'off'}")
     lines.append(checkpoint_line(cfg, lay, peak_tflops))
+    lines.append(integrity_line(cfg, lay))
     lines.append(f"frozen config: {frozen}")
     return "\n".join(lines)
 
@@ -63,3 +64,18 @@ def checkpoint_line(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> s
     mode = "async" if c.async_save else "sync"
     suggested = f"planner suggests {steps} (Young/Daly, {why})" if steps else f"planner: no suggestion ({why})"
     return f"checkpoints: every {count(c.interval, 'step')} ({mode}, keep {c.keep or 'all'}) into {c.folder}; {suggested}"
+
+
+def integrity_line(cfg: RunConfig, lay: Layout) -> str:
+    """Which silent-data-corruption checks run (runner.observe.integrity); a layout without replicas has only the replay check."""
+    g = cfg.monitor.integrity
+    replay = f"replay check every {count(g.replay_interval, 'step')}" if g.replay_interval else "replay check off"
+    if lay.dp_replicate < 2:
+        return f"integrity: no replicas in this layout (dp_replicate=1: every parameter shard is held once), so no replica check; {replay}"
+    if not g.interval:
+        return f"integrity: replica check off; {replay}"
+    groups = lay.world_size // lay.dp_replicate
+    return (
+        f"integrity: {groups} groups of {lay.dp_replicate} replicas compare parameter checksums every {count(g.interval, 'step')} "
+        f"(on mismatch: {g.on_mismatch.value}); {replay}"
+    )

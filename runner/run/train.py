@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from runner.config import checkpoint
 from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import calibration as calibrate
-from runner.observe import monitor
+from runner.observe import integrity, monitor
 from runner.observe.monitor import StepMonitor
 from runner.run import data as data_mod
 from runner.run import evaluate, preempt, titan
@@ -100,6 +100,7 @@ class _Loop:
     ckpt: Checkpointer
     watch: preempt.RankWatch
     run_dir: Path
+    integrity: integrity.Checker
     eval_data: Any = None
     """The held-out split (runner.run.data, split="eval"); None when eval.interval is 0."""
     feed: data_mod.Prefetch = None
@@ -108,10 +109,9 @@ class _Loop:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
-    """Forward/backward (or the pipeline schedule) and the clip; returns this rank's loss share and the global grad norm."""
+def _compute(loop: _Loop, microbatches) -> torch.Tensor:
+    """Forward/backward (or the pipeline schedule); returns this rank's loss share."""
     built, mon = loop.built, loop.mon
-    microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
     if built.schedule is not None:
         t_pp, c_pp = time.perf_counter(), mon.clock.now()
         with mon.phase("pipeline"):
@@ -122,6 +122,19 @@ def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
         mon.add("pp_wait", total - busy)
     else:
         local = forward_backward(built, loop.loss_fn, microbatches, loop.global_tokens, mon)
+    return local
+
+
+def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
+    """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm."""
+    built, mon = loop.built, loop.mon
+    microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
+    if loop.integrity.replay_due(step):
+        local = loop.integrity.replay(
+            step, lambda: _compute(loop, microbatches), built.parts, lambda: loop.opt.zero_grad(set_to_none=True), mon
+        )
+    else:
+        local = _compute(loop, microbatches)
     if loop.hooks.before_clip is not None:
         loop.hooks.before_clip(step, built.parts)
     with mon.phase("optimizer"):
@@ -153,10 +166,27 @@ def _start(loop: _Loop) -> int:
     return step
 
 
+def _check_replicas(loop: _Loop, step: int) -> dict[str, Any]:
+    """At monitor.integrity.interval: compare replicas; on a mismatch stop, or rewind (row fields of the step)."""
+    found = loop.integrity.check(step, loop.built.parts)
+    if not found:
+        return {}
+    cfg = loop.cfg.monitor.integrity
+    where = f"report in {loop.integrity.path}"
+    if cfg.on_mismatch == MismatchAction.stop:
+        raise integrity.IntegrityError(f"{integrity.describe(found[0])} ({len(found)} mismatches); stopping ({where})")
+    loop.ckpt.wait()
+    back = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, loop.guard, before=step + 1)
+    if back is None:
+        raise integrity.IntegrityError(f"{integrity.describe(found[0])}: no checkpoint to rewind to at or before step {step} ({where})")
+    return {"rewound_to": back}
+
+
 def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data=None) -> _Loop:
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
     titan.register_optimizer_hooks(built, opt)
+    mon = StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir)
     return _Loop(
         cfg=cfg,
         lay=lay,
@@ -171,7 +201,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         loss_fn=titan.loss_fn(cfg),
         global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
         timer=calibrate.StageTimer(built.schedule) if built.schedule is not None else None,
-        mon=StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir),
+        mon=mon,
         guard=monitor.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(
             cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay), policy=policy
@@ -180,6 +210,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         feed=data_mod.Prefetch(data),
         watch=preempt.rank_watch(),
         run_dir=run_dir,
+        integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
     )
 
 
@@ -187,6 +218,7 @@ def _step(loop: _Loop, step: int) -> int:
     """Train `step` (or leave it out after a rewind); returns the next step."""
     mon, guard, opt = loop.mon, loop.guard, loop.opt
     mon.begin_step(step)
+    loop.integrity.begin_step(step, loop.built.parts)
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
         loop.sched.step()
         return step + 1
@@ -202,10 +234,12 @@ def _step(loop: _Loop, step: int) -> int:
             opt.step()
     opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
     loop.sched.step()
+    replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
     dt = time.perf_counter() - t0
     flagged = mon.end_step()
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
     r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
+    r |= {"integrity_checks": loop.integrity.checks, "replay_checks": loop.integrity.replays}
     r["data_hash"] = digest
     r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
     if preempt.requeued():
@@ -214,7 +248,12 @@ def _step(loop: _Loop, step: int) -> int:
         r |= {"spike": verdict.spike, "action": verdict.action}
     if flagged:
         r["stragglers"] = flagged
-    if verdict.action == "rewind":
+    found = loop.integrity.take()
+    if found:
+        r["integrity"] = found
+    if replicas:
+        r |= replicas
+    elif verdict.action == "rewind":
         r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
     elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
         r |= _evaluate(loop)
@@ -223,7 +262,7 @@ def _step(loop: _Loop, step: int) -> int:
     loop.ckpt.poll()
     loop.rows.append(r)
     logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged
-    if logged or "eval_loss" in r or loop.stopped:
+    if logged or "eval_loss" in r or loop.stopped or found:
         for s in loop.sinks:
             s.log(r)
     return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
@@ -273,7 +312,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     guard = loop.guard
     summary = summarize(rows, cfg, lay, acc)
     guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
-    summary["monitor"] = loop.mon.summary() | guarded
+    summary["monitor"] = loop.mon.summary() | guarded | loop.integrity.summary()
     summary |= evaluate.summary(rows)
     policy = loop.policy
     peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)

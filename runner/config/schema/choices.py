@@ -120,6 +120,13 @@ class TextFormat(Enum):
     """Parquet files with a string column `text_field`."""
 
 
+class MismatchAction(Enum):
+    stop = "stop"
+    """End the run: every rank raises after integrity_report.json is written."""
+    rewind = "rewind"
+    """Reload the newest checkpoint at or before the step (every replica loads the same values) and go on."""
+
+
 class GuardAction(Enum):
     skip = "skip"
     """Drop the batch: no optimizer step; counted and logged."""

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runner.config.schema.choices import Backend, DeviceType, DType, GuardAction, HostGroup, Launcher, WandbMode, WorkerStart
+from runner.config.schema.choices import (
+    Backend,
+    DeviceType,
+    DType,
+    GuardAction,
+    HostGroup,
+    Launcher,
+    MismatchAction,
+    WandbMode,
+    WorkerStart,
+)
 
 
 @dataclass
@@ -176,6 +186,15 @@ class StragglerConfig:
     """Consecutive slow windows before a rank is reported as a straggler."""
     min_seconds: float = 0.005
     """Phases whose median over ranks is below this many seconds are not judged (timer noise)."""
+    arrival: bool = True
+    """Also judge arrival: each step every rank times a host barrier at the step's end (wall clock; CUDA events
+    around a one-element all-reduce on GPUs); the rank its peers wait for, whatever slows it, arrives last."""
+    last_frac: float = 0.5
+    """Arrival straggler: last to arrive in at least this fraction of a window's steps (on an oversubscribed
+    machine every rank is descheduled now and then and arrives last by chance, 1 / ranks of the steps on average) ..."""
+    min_late_s: float = 0.02
+    """... and later than the median of its peers by at least this many seconds, median over the window's steps
+    (a median, so the odd descheduled step of a healthy rank does not count)."""
 
 
 @dataclass
@@ -217,6 +236,23 @@ class InjectConfig:
     """Rank that kills itself with SIGKILL at the start of `kill_at_step` in the first attempt only (-1: none)."""
     kill_at_step: int = 0
     """Step (1-based) at which kill_rank dies; ranks restarted by the elastic agent do not die again."""
+    flip_rank: int = -1
+    """Rank that flips one bit of its first parameter's local shard (-1: none), as silent data corruption would."""
+    flip_at_step: int = 0
+    """Step (1-based) at whose start flip_rank flips the bit."""
+    replay_rank: int = -1
+    """Rank whose replayed forward scales its loss by (1 + 1e-6), a non-reproducible computation (-1: none)."""
+
+
+@dataclass
+class IntegrityConfig:
+    interval: int = 100
+    """Steps between replica checks: replicas of each parameter shard compare checksums (0: off)."""
+    replay_interval: int = 500
+    """Steps between replay checks: every rank recomputes the step's forward/backward on the same batch and RNG
+    state and compares loss and gradient norm bitwise (0: off)."""
+    on_mismatch: MismatchAction = MismatchAction.stop
+    """What a replica mismatch does: stop the run, or rewind to the newest checkpoint (needs checkpoint=local)."""
 
 
 @dataclass
@@ -224,6 +260,7 @@ class MonitorConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     guard: LossGuardConfig = field(default_factory=LossGuardConfig)
     inject: InjectConfig = field(default_factory=InjectConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
 
 
 @dataclass
