@@ -30,9 +30,12 @@ def patch_device_globals() -> None:
 
 
 def use_sdpa(model_config) -> None:
-    """FlexAttention has no backward on CPU: use TorchTitan's causal SDPA inner attention."""
+    """FlexAttention has no backward on CPU: use TorchTitan's causal SDPA inner attention. Not for gpt-oss: SDPA
+    would silently drop its sinks and sliding window (validation rejects it on CPU: runner.config.family_support)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
+    if any(hasattr(layer.attention, "sliding_window_size") for layer in model_config.layers):
+        raise RuntimeError("attention with sinks or a sliding window (gpt-oss) has no CPU path: SDPA would compute another model")
     for layer in model_config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
