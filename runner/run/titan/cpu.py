@@ -199,6 +199,8 @@ def use_float32_experts(model_config) -> None:
 
         _CpuGroupedExperts = CpuGroupedExperts
     for _, old, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        if type(old) is not GroupedExperts.Config:  # gpt-oss's biased experts (not trained on CPU: family_support)
+            continue
         new = _CpuGroupedExperts.Config(dim=old.dim, hidden_dim=old.hidden_dim, num_experts=old.num_experts, param_init=old.param_init)
         if isinstance(parent, list):
             parent[attr] = new
