@@ -60,6 +60,14 @@ def cpu_families() -> list[str]:
     return [name for name, s in SUPPORT.items() if not s.cpu]
 
 
+MOE_SP_ONE_SAMPLE = (
+    "on CPU, MoE blocks under TP with sequence parallelism compute gradients off one rank's with one sample per "
+    "microbatch (step-1 float64 gradient norm: Qwen3 MoE 2.7 %, DeepSeek-V3 3.1e-6 relative; losses agree), while "
+    "sequence_parallel=false or 2 samples match to 1e-8"
+)
+"""Measured by tests/test_family_train.py's layouts (2 blocks, 64 tokens); the cause is not found yet."""
+
+
 def check(cfg: RunConfig, out: list[Problem]) -> None:
     """The family must train on the cluster's device with the layout's CP degree; kept valid for GPU clusters."""
     s = SUPPORT.get(cfg.model.name)
@@ -75,3 +83,7 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("parallelism.cp", cp, s.cp, f"use cp=1 with {cfg.model.name}"))
     elif cp > 1 and on_cpu and s.cp_cpu:
         out.append(Problem("parallelism.cp", cp, s.cp_cpu, f"use cp=1 with {cfg.model.name} here; {gpu_fix}"))
+    p = cfg.parallelism
+    if on_cpu and cfg.model.num_experts > 0 and p.tp > 1 and p.sequence_parallel and cfg.training.microbatch_size == 1:
+        fix = "use training.microbatch_size >= 2 or parallelism.sequence_parallel=false"
+        out.append(Problem("training.microbatch_size", 1, MOE_SP_ONE_SAMPLE, fix))
