@@ -8,9 +8,11 @@ microbatches of 2, 2 steps with clipping active, fp32.
 
 Tolerances, measured (with microbatches of 2; one sample per microbatch puts MoE blocks under TP + SP off, which
 validation rejects on CPU: family_support.MOE_SP_ONE_SAMPLE, tested below): the step-1 gradient norm from the
-full gradients in float64 within 3e-8 relative of one rank (measured <= 1.2e-8; Llama 3 in test_parallel: 1e-9),
-losses within 1e-5 absolute (<= 4.8e-6), the logged norm (float32, over shards) within 1e-4 (<= 5.5e-5), the
-trained weights' sum of squares within 1e-8 (<= 2.7e-9) and the clipped update's within 1e-4 (<= 1.8e-5).
+full gradients in float64 within 3e-8 relative of one rank (measured <= 1.6e-8; Llama 3 in test_parallel: 1e-9),
+losses within 1e-5 absolute (<= 4.8e-7), the logged norm (float32, over shards) within 1e-4 (<= 4.2e-5), the
+trained weights' sum of squares within 1e-8 (<= 4e-10) and the clipped update's within 1e-4 (<= 2.0e-5). Kimi at
+pp2 agrees at step 1 (float64 norm 1.3e-10) and less after the first update: step-2 loss 6.7e-6 and weights 1.3e-8
+(measured), so it gets 2e-5 and 5e-8.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ FAMILIES = {  # the debug flavor of each family that trains on CPU, cut to 2 blo
     "kimi": ["model=kimi_k2_7_debugmodel", "model.num_layers=2"],
 }
 MOE = ("qwen3_moe", "deepseek_v3", "kimi")  # deepseek_v3's ep2 is in test_parallel (model=debug_moe)
+REFERENCE = {"kimi": "deepseek_v3"}  # Kimi's debugmodel is DeepSeek-V3's blocks and numbers: one reference (checked below)
 LAUNCHES = {
-    1: {f"{f}-single": [*o, "parallelism=single"] for f, o in FAMILIES.items()},
+    1: {f"{f}-single": [*o, "parallelism=single"] for f, o in FAMILIES.items() if f not in REFERENCE},
     2: {
         **{f"{f}-ep2": [*FAMILIES[f], "parallelism=ep2"] for f in ("qwen3_moe", "kimi")},
         "qwen3-cp2": [*FAMILIES["qwen3"], "parallelism=cp2"],
@@ -49,6 +52,7 @@ EXACT_NORM_RTOL = 3e-8
 SHARDED_GRAD_NORM_RTOL = 1e-4
 LOSS_ATOL = 1e-5
 WEIGHTS_RTOL = 1e-8
+PIPELINED_MOE = {"kimi-pp2": (2e-5, 5e-8)}  # (loss, weights): step 1 agrees to 1e-10, step 2 less (see above)
 
 
 @pytest.fixture(scope="module")
@@ -70,23 +74,25 @@ def trained(compose, tmp_path_factory):
 
 @pytest.mark.parametrize("name", POINTS)
 def test_family_trains_like_one_rank(trained, name):
-    ref, got = trained[f"{name.split('-')[0]}-single"], trained[name]
+    family = name.split("-")[0]
+    ref, got = trained[f"{REFERENCE.get(family, family)}-single"], trained[name]
     assert [r["step"] for r in got["rows"]] == [1, 2]
     assert got["grad_norm_fp64"] == pytest.approx(ref["grad_norm_fp64"], rel=EXACT_NORM_RTOL)
+    loss_atol, weights_rtol = PIPELINED_MOE.get(name, (LOSS_ATOL, WEIGHTS_RTOL))
     for a, b in zip(ref["rows"], got["rows"], strict=True):
         assert a["grad_norm"] > 50 * 0.01  # the clip is active at every step
-        assert b["loss"] == pytest.approx(a["loss"], abs=LOSS_ATOL), a["step"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=loss_atol), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=SHARDED_GRAD_NORM_RTOL), a["step"]
-    assert got["weights"]["weights_sq"] == pytest.approx(ref["weights"]["weights_sq"], rel=WEIGHTS_RTOL)
+    assert got["weights"]["weights_sq"] == pytest.approx(ref["weights"]["weights_sq"], rel=weights_rtol)
     assert got["weights"]["update_sq"] == pytest.approx(ref["weights"]["update_sq"], rel=1e-4)
 
 
 def test_references_start_at_the_uniform_loss(trained):
     """ln(2048) = 7.62 at init; a second step after the clipped update moves the loss."""
-    for family in FAMILIES:
-        rows = trained[f"{family}-single"]["rows"]
+    for family in LAUNCHES[1]:
+        rows = trained[family]["rows"]
         assert 7.0 < rows[0]["loss"] < 9.0 and rows[1]["loss"] != rows[0]["loss"], family
-        assert rows[0]["grad_norm"] == pytest.approx(trained[f"{family}-single"]["grad_norm_fp64"], rel=1e-4), family
+        assert rows[0]["grad_norm"] == pytest.approx(trained[family]["grad_norm_fp64"], rel=1e-4), family
 
 
 def test_layouts_ran_as_named(trained):
@@ -125,3 +131,12 @@ def test_cpu_rejection_reproduces(case):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     want = {"gpt_oss": "FlexAttention does not support backward on CPU", "qwen3_5": "0 active drivers"}[case]
     assert want in proc.stdout and f"scripts/repro_cpu_families.py {case}" in family_support.SUPPORT[case].cpu
+
+
+def test_kimi_debugmodel_has_deepseek_v3s_numbers(compose):
+    """Why Kimi's layouts compare with DeepSeek-V3's one-rank run: the same architecture numbers (and TorchTitan's
+    same MLA + MoE blocks; the two references agreed to 1.2e-10 in float64 gradient norm when both were run)."""
+    import dataclasses
+
+    kimi, dsv3 = compose(["model=kimi_k2_7_debugmodel"]).model, compose(["model=deepseek_v3_debugmodel"]).model
+    assert dataclasses.replace(kimi, name=dsv3.name) == dsv3
