@@ -11,10 +11,14 @@ tests/test_families.py regenerates everything in memory and compares it with the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import importlib.abc
+import importlib.machinery
 import re
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,9 +37,55 @@ CORE = ("name", "flavor", "dim", "num_layers", "num_heads", "num_kv_heads", "voc
 """Written in every file; the other fields only where the flavor differs from the schema's default."""
 
 
+class _Placeholder(types.ModuleType):
+    """A module of a GPU kernel package that is not installed: every name is an empty class. Building a model
+    config or a model on the meta device never calls a kernel, so the registry's numbers come out unchanged."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, package: str):
+        self.package = package
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == self.package or fullname.startswith(f"{self.package}."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _Placeholder(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
+@contextlib.contextmanager
+def kernel_placeholders(family: str):
+    """Import a family whose model module needs a missing kernel package (families.Family.kernel_package) with
+    placeholders for it; afterwards neither the placeholders nor the family's modules stay in sys.modules, so a
+    later plain import fails as it should."""
+    package = families.FAMILIES[family].kernel_package
+    if not package:
+        yield
+        return
+    finder = _Placeholders(package)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] == package or n.startswith(f"torchtitan.models.{family}")]:
+            del sys.modules[name]
+
+
 def registry(family: str) -> tuple[object, dict]:
     """The family's module and its flavor table (TorchTitan names it <something>_configs)."""
-    module = importlib.import_module(f"torchtitan.models.{family}")
+    with kernel_placeholders(family):
+        module = importlib.import_module(f"torchtitan.models.{family}")
     tables = [v for k, v in vars(module).items() if k.endswith("_configs") and isinstance(v, dict)]
     assert len(tables) == 1, f"torchtitan.models.{family}: expected one *_configs table, found {len(tables)}"
     return module, tables[0]
@@ -57,18 +107,21 @@ def _attention_fields(a) -> dict:
             "qk_rope_head_dim": a.qk_rope_head_dim,
             "v_head_dim": a.v_head_dim,
         }
-    qkv = a.qkv_linear
+    qkv = getattr(a, "qkv_linear", a)  # Qwen3.5's attention holds wq, wk, wv itself
     fused = hasattr(qkv, "wqkv")
     bias = (qkv.wqkv if fused else qkv.wq).bias
     assert bias == a.wo.bias, "q, k, v and output projections differ in bias"
+    n_kv = a.n_kv_heads or getattr(qkv, "n_kv_heads", None) or a.n_heads
+    q_width = a.n_heads * qkv.head_dim
     return {
         "num_heads": a.n_heads,
-        "num_kv_heads": a.n_kv_heads or getattr(qkv, "n_kv_heads", None) or a.n_heads,
+        "num_kv_heads": n_kv,
         "head_dim": 0 if getattr(a, "head_dim", None) is None else qkv.head_dim,  # None: derived from dim / heads
         "fuse_qkv": fused,
-        "qk_norm": getattr(a, "qk_norm", None) is not None,
+        "qk_norm": getattr(a, "qk_norm", None) is not None or getattr(a, "q_norm", None) is not None,
         "attention_bias": bias,
         "attention_sinks": _has_sinks(a),
+        "attention_output_gate": not fused and qkv.wq.out_features == 2 * q_width,
     }
 
 
@@ -93,6 +146,25 @@ def _sliding_window(layers: list) -> dict:
     return {"sliding_window": sizes.pop(), "full_attention_interval": interval}
 
 
+def _linear_attention(layers: list) -> dict:
+    """Gated DeltaNet's heads and convolution, and the interval of the softmax-attention blocks between them."""
+    nets = [la.delta_net for la in layers if getattr(la, "delta_net", None) is not None]
+    if not nets:
+        return {}
+    d = nets[0]
+    full = [i for i, la in enumerate(layers) if la.attention is not None]
+    interval = full[0] + 1
+    assert all((i % interval == interval - 1) == (la.attention is not None) for i, la in enumerate(layers)), "not periodic"
+    return {
+        "full_attention_interval": interval,
+        "num_linear_key_heads": d.in_proj_q.out_features // d.key_head_dim,
+        "num_linear_value_heads": d.in_proj_v.out_features // d.value_head_dim,
+        "linear_key_head_dim": d.key_head_dim,
+        "linear_value_head_dim": d.value_head_dim,
+        "linear_conv_kernel": d.conv_kernel_size,
+    }
+
+
 def _moe_fields(layers: list) -> dict:
     moe_at = [i for i, la in enumerate(layers) if la.moe is not None]
     if not moe_at:
@@ -109,20 +181,23 @@ def _moe_fields(layers: list) -> dict:
         "moe_hidden_dim": hidden,
         "num_dense_layers": moe_at[0],
         "moe_bias": moe.router.gate.bias,
+        "shared_expert_gate": getattr(moe.shared_experts, "gate", None) is not None,
     }
 
 
 def model_fields(family: str, flavor: str) -> dict:
     """The schema's fields for one flavor, read from the config TorchTitan's registry builds (text tower only)."""
     module, _ = registry(family)
-    cfg = module.model_registry(flavor).model
-    layers = cfg.layers
-    dense = [la for la in layers if la.moe is None]
-    rope = layers[0].attention.rope
-    out = {"name": family, "flavor": flavor, "dim": cfg.dim, "num_layers": len(layers), "vocab_size": cfg.vocab_size}
-    out |= _attention_fields(layers[0].attention)
+    with kernel_placeholders(family):
+        cfg = module.model_registry(flavor).model
+        layers = cfg.layers
+        dense = [la for la in layers if la.moe is None]
+        attention = next(la.attention for la in layers if la.attention is not None)
+        out = {"name": family, "flavor": flavor, "dim": cfg.dim, "num_layers": len(layers), "vocab_size": cfg.vocab_size}
+        out |= _attention_fields(attention)
+    rope = attention.rope
     out |= {"ffn_hidden_dim": dense[0].feed_forward.w1.out_features if dense else 0, "weight_tying": cfg.enable_weight_tying}
-    out |= _moe_fields(layers) | _sliding_window(layers)
+    out |= _moe_fields(layers) | _sliding_window(layers) | _linear_attention(layers)
     out |= {"rope_max_seq_len": rope.max_seq_len, "rope_cos_sin": type(rope).__name__ == "CosSinRoPE"}
     return out
 
@@ -157,8 +232,6 @@ def all_fields() -> dict[str, dict]:
     """option name -> fields, for every registered flavor of every family the runner offers."""
     out = {}
     for family in families.FAMILIES:
-        if families.FAMILIES[family].import_failure:
-            continue
         for flavor in registry(family)[1]:
             out[option_name(family, flavor)] = model_fields(family, flavor)
     return out
@@ -175,7 +248,7 @@ def readme_table(fields: dict[str, dict]) -> str:
     """The README's table of model options (families.table_rows says what each column holds)."""
     alias_of = {option_name(family, flavor): alias for alias, (family, flavor) in ALIASES.items()}
     rows = families.table_rows({name: ModelConfig(**f) for name, f in fields.items()}, alias_of)
-    return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
+    return "\n".join([TABLE_BEGIN, *families.legend(), "", *rows, TABLE_END])
 
 
 def readme_text(table: str) -> str:

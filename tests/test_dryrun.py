@@ -28,6 +28,8 @@ def test_default_ranks_and_reduced_batch(compose):
     assert dryrun_report.ranks(cfg, lay) == [0, 512, 1023]  # stage 0, stage 2 (of 4), the last rank
     assert dryrun_report.microbatches(cfg, lay) == (32, 5)  # 1F1B: pp forwards, a backward, a forward beside its gradients
     assert "global batch 1024 reduced to 160" in dryrun_report.batch_note(cfg, lay)
+    # a middle stage's receive buffers (input and gradient): 27 more microbatches of a bf16 hidden state (seq 4096 x dim 8192 / tp 8)
+    assert f"the full batch peaks up to {2 * 27 * 2 * 4096 * 8192 / 8 / 1e9:.2f} GB higher" in dryrun_report.batch_note(cfg, lay)
     cfg.dryrun.full_batch = True
     assert dryrun_report.microbatches(cfg, lay) == (32, 32)
     single = compose(["recipe=llama3_8b_fsdp8_h100"])

@@ -49,10 +49,18 @@ def batch_note(cfg: RunConfig, lay: Layout) -> str | None:
     if m == dry:
         return None
     gbs = dry * lay.dp * cfg.training.microbatch_size
-    return (
+    note = (
         f"global batch {cfg.training.global_batch_size} reduced to {gbs} for the dry run: {dry} microbatches per DP rank instead of {m}, "
         f"the same microbatches in flight on every stage ({pipeline.microbatches_in_flight(cfg.parallelism.pp_schedule, lay.pp, m)}) "
-        "beside the accumulated gradients, so the same peak; dryrun.full_batch=true runs them all"
+        "beside the accumulated gradients"
+    )
+    # pipeline stages keep receive buffers per microbatch of the step (runner.config.memory.stage)
+    more = max(memory.stage_gb(cfg, lay, m, st)["total"] - memory.stage_gb(cfg, lay, dry, st)["total"] for st in range(lay.pp))
+    if more < 0.0005:
+        return note + ", so the same peak; dryrun.full_batch=true runs them all"
+    return (
+        note + f"; pipeline stages also keep receive buffers per microbatch, so the full batch peaks up to "
+        f"{more:.2f} GB higher (planned); dryrun.full_batch=true runs them all"
     )
 
 

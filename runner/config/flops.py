@@ -52,7 +52,7 @@ def attention_params(m: ModelConfig) -> int:
     if not is_mla(m):
         hd, q = head_dim(m), m.num_heads * head_dim(m)
         qkv = q + 2 * m.num_kv_heads * hd
-        n = m.dim * qkv + q * m.dim
+        n = m.dim * qkv + q * m.dim + m.dim * q * m.attention_output_gate
         n += (qkv + m.dim) * m.attention_bias + 2 * hd * m.qk_norm + m.num_heads * m.attention_sinks
         return n
     qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
@@ -60,6 +60,32 @@ def attention_params(m: ModelConfig) -> int:
     kv = m.dim * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
     kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
     return q + kv + m.num_heads * m.v_head_dim * m.dim
+
+
+def is_hybrid(m: ModelConfig) -> bool:
+    """Linear-attention blocks between the softmax-attention ones (Qwen3.5's Gated DeltaNet)."""
+    return m.num_linear_value_heads > 0
+
+
+def num_full_attention_layers(m: ModelConfig) -> int:
+    """Blocks with softmax attention: every full_attention_interval-th one in a hybrid model, else all (sliding-window
+    blocks count as full, as TorchTitan's FLOPs do)."""
+    return m.num_layers // m.full_attention_interval if is_hybrid(m) else m.num_layers
+
+
+def linear_attention_params(m: ModelConfig) -> int:
+    """One Gated DeltaNet block: q, k, v and output-gate (z) projections, the per-value-head decay (a) and beta (b)
+    projections, the depthwise convolutions over q, k and v, A_log and dt_bias per value head, the gated norm
+    (one value head wide) and the output projection."""
+    qk, v = m.num_linear_key_heads * m.linear_key_head_dim, m.num_linear_value_heads * m.linear_value_head_dim
+    proj = m.dim * (2 * qk + 2 * v + 2 * m.num_linear_value_heads) + v * m.dim
+    return proj + (2 * qk + v) * m.linear_conv_kernel + 2 * m.num_linear_value_heads + m.linear_value_head_dim
+
+
+def mixer_params(m: ModelConfig) -> int:
+    """The token mixers of all blocks: softmax attention, and Gated DeltaNet in a hybrid model's other blocks."""
+    n_full = num_full_attention_layers(m)
+    return n_full * attention_params(m) + (m.num_layers - n_full) * linear_attention_params(m)
 
 
 def routed_expert_params(m: ModelConfig) -> int:
@@ -75,7 +101,7 @@ def router_params(m: ModelConfig) -> int:
 
 def moe_ffn_params(m: ModelConfig) -> int:
     """Routed experts, router gate and shared experts of one MoE block."""
-    shared = 3 * m.dim * m.moe_hidden_dim * m.num_shared_experts
+    shared = 3 * m.dim * m.moe_hidden_dim * m.num_shared_experts + m.dim * m.shared_expert_gate
     return routed_expert_params(m) + router_params(m) + shared
 
 
@@ -93,10 +119,9 @@ def num_params(m: ModelConfig) -> int:
     """Parameters of the decoder (the text tower of a vision-language flavor), every expert included, tied weights
     counted once."""
     head = 0 if m.weight_tying else m.vocab_size * m.dim
-    dense_block = attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     n_moe = num_moe_layers(m)
-    blocks = (m.num_layers - n_moe) * dense_block + n_moe * block_params(m)
-    return embedding_params(m) + blocks + m.dim + head
+    ffns = (m.num_layers - n_moe) * 3 * m.dim * m.ffn_hidden_dim + n_moe * moe_ffn_params(m)
+    return embedding_params(m) + mixer_params(m) + ffns + m.num_layers * 2 * m.dim + m.dim + head
 
 
 def num_active_params(m: ModelConfig) -> int:
@@ -104,6 +129,12 @@ def num_active_params(m: ModelConfig) -> int:
     (TorchTitan's get_moe_model_nparams_and_flops, with its integer division over all MoE blocks)."""
     routed = num_moe_layers(m) * routed_expert_params(m)
     return num_params(m) - routed + routed * m.num_experts_per_token // max(m.num_experts, 1)
+
+
+def params_per_ep_rank(m: ModelConfig, ep: int) -> float:
+    """Parameters one expert-parallel rank holds before FSDP shards them: the routed experts / ep, the rest whole."""
+    routed = num_moe_layers(m) * routed_expert_params(m)
+    return num_params(m) - routed + routed / ep
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> int:
@@ -114,7 +145,7 @@ def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> 
     if convention != "titan":
         raise ValueError(f"unknown FLOP convention {convention!r}; use one of {CONVENTIONS}")
     matmul_params = n if m.weight_tying else n - embedding_params(m)
-    return 6 * matmul_params + 6 * m.num_layers * m.num_heads * attention_head_dims(m) * seq_len
+    return 6 * matmul_params + 6 * num_full_attention_layers(m) * m.num_heads * attention_head_dims(m) * seq_len
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:

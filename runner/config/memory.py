@@ -137,8 +137,9 @@ def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
 def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
     """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
     m = cfg.model
-    dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-    moe_block = flops.attention_params(m) + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
+    mixer = flops.mixer_params(m) / m.num_layers  # the mean block's attention (Qwen3.5 mixes two kinds)
+    dense_block = mixer + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    moe_block = mixer + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
     head = (m.dim + flops.embedding_params(m)) if last else 0
     emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
     return layers[0] * dense_block + layers[1] * moe_block + emb + head, head
@@ -179,7 +180,9 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     the most activations, every earlier microbatch's gradients accumulated)."""
     m, t = cfg.model, cfg.training
     bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
-    first, last = st == 0, st == lay.pp - 1
+    # the last stage holds the final norm, the head and the loss: pipeline rank pp - 1, or rank 0 in a V schedule
+    v_shaped = lay.pp > 1 and pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
+    first, last = st == 0, st == (0 if v_shaped else lay.pp - 1)
     blocks = _stage_blocks(cfg, lay)[st]
     params, head = _stage_params(cfg, blocks, first, last)
     ep_share = 0.0
@@ -196,6 +199,10 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
             weights_grads += FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
     else:
         weights_grads = head / lay.tp * bw + (sharded * MASTER_BYTES if micro > 1 else 0)
+    # FSDP resharding after forward: the step peaks either in the loss's backward (its temporaries) or inside the
+    # stage's last block's backward, beside that block's gathered weights, its FFN gradients in param_dtype and the
+    # head's gradients (param_dtype and their reduce_dtype shard): the larger total is the peak (debug_moe ep8 dry run)
+    in_block = _last_block_backward(cfg, lay, blocks, head, shard) if not keeps_weights_gathered(cfg, lay) else None
     tokens = t.microbatch_size * t.seq_len / lay.cp
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
@@ -210,24 +217,38 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         extras += (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens
     else:
         extras += hidden  # the stage's output, kept for backward
-    # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (and one for its
-    # gradient, not counted: the dry run's ledger sees each only once its backward has used it)
-    receive = micro * hidden * (not first)
+    # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
+    # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
+    receive = micro * hidden * ((not first) + (not last))
     activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
+    temporaries = max(recompute, loss_backward)
+    if in_block is not None and in_block > temporaries:
+        weights_grads, temporaries = weights_grads + in_block, recompute
     return {
         "params": local,
         "weights_grads": weights_grads,
         "optimizer": optimizer,
         "activations": activations,
         "activations_per_microbatch": layers + extras + receive / micro,
-        "temporaries": max(recompute, loss_backward),
+        "temporaries": temporaries,
         "buffers": buffers,
-        "total": weights_grads + optimizer + activations + max(recompute, loss_backward) + buffers,
+        "total": weights_grads + optimizer + activations + temporaries + buffers,
     }
+
+
+def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int) -> float:
+    """Bytes beyond the loss-backward peak's weights and gradients that a rank holds inside its last block's backward:
+    the block's gathered weights and its FFN's gradients in param_dtype, and the head's gradient shard in reduce_dtype."""
+    m = cfg.model
+    bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
+    moe = blocks[1] > 0  # the stage's last block is an MoE block when it holds any (dense blocks come first)
+    ffn = _ffn_weight_params(cfg, lay, moe)
+    block = flops.attention_params(m) / lay.tp + ffn + 2 * m.dim
+    return block * bw + ffn * bw + head / lay.tp / shard * rw
 
 
 def stage_gb(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:

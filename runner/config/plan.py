@@ -125,6 +125,7 @@ def compute(
     return {
         "model": f"{m.name} {m.flavor}",
         "params": flops.num_params(m),
+        "active_params": flops.num_active_params(m),
         "layout": label(lay, p),
         "preset": p.name,
         "device": c.device.value,

@@ -52,7 +52,7 @@ def _pp(cfg: RunConfig, lay: Layout, micro: int, v: int, act_bytes: float, gbs: 
 def _dp(cfg: RunConfig, lay: Layout, micro: int, lk: dict[str, str], gbs_of: dict[str, float]) -> tuple[float, float | None]:
     """FSDP all-gathers weights and reduce-scatters gradients; HSDP/DDP all-reduce over replicas."""
     bw, br = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
-    params_gpu = flops.num_params(cfg.model) / (lay.tp * lay.pp)
+    params_gpu = flops.params_per_ep_rank(cfg.model, lay.ep) / (lay.tp * lay.pp)  # routed experts split over ep first
     syncs = 1 if lay.pp > 1 else micro  # the pipeline schedule syncs gradients once; accumulation every microbatch
     gathers = 1 if keeps_weights_gathered(cfg, lay) else 2 * micro
     f, r = lay.dp_shard, lay.dp_replicate

@@ -70,13 +70,19 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
     ]
 
 
+def _active(plan: dict[str, Any]) -> str:
+    """MoE models: the parameters one token uses, which model FLOPs and MFU count."""
+    active = plan["active_params"]
+    return f"{active / 1e9:.2f} B active per token (FLOPs, MFU)" if active != plan["params"] else ""
+
+
 def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
     """(row, value, note) lines of the printed table."""
     pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
     conv = plan["flops_convention"]
     unit = wording.device_unit(plan["device"])
     out = [
-        ("model", f"{plan['model']}, {plan['params'] / 1e9:.2f} B params", ""),
+        ("model", f"{plan['model']}, {plan['params'] / 1e9:.2f} B params", _active(plan)),
         ("layout", f"{plan['layout']} [{plan['degrees']}]", count(plan["world_size"], unit)),
         ("links", ", ".join(f"{a}: {lk}" for a, lk in plan["links"].items()) or "-", "ranks placed TP fastest"),
         ("tokens per step", f"{plan['tokens_per_step']:,}", "global batch x seq_len"),

@@ -6,7 +6,7 @@ rule runs on whatever the config fixes (the degrees always; dp_shard once it res
 
 from __future__ import annotations
 
-from runner.config import layout
+from runner.config import families, layout
 from runner.config.layout import Layout
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, ParallelismConfig, RunConfig
@@ -24,8 +24,7 @@ def degrees_ok(p: ParallelismConfig) -> bool:
 
 
 def tp_divides_heads(cfg: RunConfig) -> bool:
-    m, tp = cfg.model, cfg.parallelism.tp
-    return m.num_heads % tp == 0 and m.num_kv_heads % tp == 0
+    return cfg.parallelism.tp in families.tp_degrees(cfg.model)
 
 
 def resolved(cfg: RunConfig, ws: int | None) -> Layout | None:
@@ -106,13 +105,14 @@ def tensor_parallel(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     """TP against the heads, the node and the sequence; the node rule needs the node's size."""
     p, m, c = cfg.parallelism, cfg.model, cfg.cluster
     if not tp_divides_heads(cfg):
-        ok = [d for d in divisors(m.num_kv_heads) if m.num_heads % d == 0]
+        linear = f" and the linear-attention heads ({m.num_linear_key_heads} key, {m.num_linear_value_heads} value)"
         out.append(
             Problem(
                 "parallelism.tp",
                 p.tp,
-                f"must divide model.num_heads = {m.num_heads} and model.num_kv_heads = {m.num_kv_heads}",
-                f"use tp in {ok}",
+                f"must divide model.num_heads = {m.num_heads} and model.num_kv_heads = {m.num_kv_heads}"
+                + (linear if m.num_linear_value_heads else ""),
+                f"use tp in {families.tp_degrees(m)}",
             )
         )
     per_node = layout.devices_per_node(c, ws) if ws is not None or not layout.sized_by_layout(c) else None

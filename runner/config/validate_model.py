@@ -18,7 +18,13 @@ OPTIONAL_SIZES = (  # >= 0
     "v_head_dim",
     "head_dim",
     "sliding_window",
+    "num_linear_key_heads",
+    "num_linear_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel",
 )
+LINEAR_SIZES = ("num_linear_key_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel")  # >= 1 with linear attention
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
@@ -35,17 +41,46 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("model.ffn_hidden_dim", m.ffn_hidden_dim, why, "copy it from TorchTitan's registry for the flavor (>= 1)"))
     _moe(m, out)
     _heads(m, out)
+    _linear_attention(m, out)
     family_support.check(cfg, out)  # what the family's runtime supports on the cluster's device (CPU training, CP)
+
+
+def _linear_attention(m: ModelConfig, out: list[Problem]) -> None:
+    """Gated DeltaNet blocks (num_linear_value_heads > 0) need their heads, dims and convolution, and softmax blocks between."""
+    if m.num_linear_value_heads <= 0:
+        return
+    for name in LINEAR_SIZES:
+        if getattr(m, name) < 1:
+            out.append(
+                Problem(f"model.{name}", getattr(m, name), "linear-attention blocks need it >= 1", "copy it from TorchTitan's registry")
+            )
+    if m.num_linear_key_heads >= 1 and m.num_linear_value_heads % m.num_linear_key_heads:
+        out.append(
+            Problem(
+                "model.num_linear_value_heads",
+                m.num_linear_value_heads,
+                f"value heads share key heads in groups: must be a multiple of model.num_linear_key_heads = {m.num_linear_key_heads}",
+                "copy it from TorchTitan's registry",
+            )
+        )
+    if m.full_attention_interval < 2:
+        out.append(
+            Problem(
+                "model.full_attention_interval",
+                m.full_attention_interval,
+                "with linear attention, an interval of 1 leaves no block to it",
+                "use >= 2 (Qwen3.5: 4), or model.num_linear_value_heads=0",
+            )
+        )
 
 
 def _family(cfg: RunConfig, out: list[Problem]) -> None:
     """A family the runner offers (families.FAMILIES), one of its registered flavors, and one that runs on the device."""
     m = cfg.model
-    offered = [name for name, f in families.FAMILIES.items() if not f.import_failure]
     fam = families.family(m)
-    if fam is None or fam.import_failure:
-        why = f"TorchTitan's {m.name} cannot be imported here: {fam.import_failure}" if fam else "not a TorchTitan family the runner knows"
-        out.append(Problem("model.name", m.name, why, f"use one of {', '.join(offered)} (model=<family>_<flavor>, see conf/model/)"))
+    if fam is None:
+        fix = f"use one of {', '.join(families.FAMILIES)} (see conf/model/)"
+        out.append(Problem("model.name", m.name, "not a TorchTitan family the runner knows", fix))
         return
     if m.flavor not in fam.flavors:
         out.append(Problem("model.flavor", m.flavor, f"not a TorchTitan {m.name} flavor", f"use one of {', '.join(fam.flavors)}"))

@@ -43,6 +43,11 @@ def substitutions(cfg: RunConfig) -> list[str]:
             "attention: TorchTitan's causal SDPA in place of FlexAttention, which has no backward on the (CPU) fake tensors; "
             "both save out + logsumexp"
         )
+    if cfg.model.kv_lora_rank:  # the plan's rehearsal column counts it (runner.config.memory._mla_cpu_math_bytes_per_token)
+        out.append(
+            "multi-head latent attention: on CPU SDPA runs its math kernel (the value head dim differs from the query/key one), "
+            "which saves fp32 q, k, v and the attention probabilities; a GPU's flash kernel saves out + logsumexp only"
+        )
     if cfg.model.num_experts and cfg.parallelism.ep > 1:
         out.append(
             "MoE routing: perfectly balanced (tokens x top-k / ep to every EP rank); the real all-to-all sizes follow the "
@@ -201,6 +206,8 @@ def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any],
     t2 = time.perf_counter()
     led = ledger_mod.Ledger()
     ledger_mod.label_state(led, built.parts, opt)
+    if built.schedule is not None:
+        ledger_mod.label_pipeline(led, built.schedule)
     with ledger_mod.fsdp_labels(led), led:
         _one_step(cfg, lay, built, opt, led)
     return led.sweep(), [t2 - t1, time.perf_counter() - t2]

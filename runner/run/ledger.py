@@ -238,6 +238,16 @@ def label_state(ledger: Ledger, parts: list[torch.nn.Module], optimizer) -> None
                 ledger.label(v, "optimizer_state")
 
 
+def label_pipeline(ledger: Ledger, schedule) -> None:
+    """Label the pipeline stages' receive buffers, which torch's PipelineStage makes in the first step, one per
+    microbatch for the stage's input and one for its output's gradient, and keeps across steps."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            for info in infos:
+                ledger.label(getattr(info, "buffer", None), "activation")
+
+
 @contextmanager
 def fsdp_labels(ledger: Ledger):
     """Label FSDP2's own storages where FSDP2 makes them: gathered parameters once unsharded, unsharded

@@ -52,8 +52,8 @@ class ModelConfig:
     """Query/key/value dims of one attention head; 0 = dim // num_heads (Llama 3). Qwen3 and gpt-oss set it
     apart from the width (Qwen3 0.6B: dim 1024, 16 heads of 128)."""
     fuse_qkv: bool = True
-    """Grouped-query attention projects q, k and v with one fused Linear (wqkv); false = a query projection (wq)
-    and a joint key/value projection (wkv), as TorchTitan's QKVLinear does."""
+    """Grouped-query attention projects q, k and v with one fused Linear (wqkv); false = separate projections
+    (wq and a joint wkv in Qwen3's QKVLinear; wq, wk and wv in Qwen3.5)."""
     qk_norm: bool = False
     """An RMSNorm over each query and key head (head_dim weights each) before RoPE (Qwen3)."""
     attention_bias: bool = False
@@ -63,8 +63,23 @@ class ModelConfig:
     sliding_window: int = 0
     """Tokens a sliding-window attention layer looks back over; 0 = full causal attention in every block."""
     full_attention_interval: int = 1
-    """With sliding_window: every full_attention_interval-th block (the last of each group) attends to the whole
-    sequence and the others to the window (gpt-oss: 2, blocks 0, 2, 4, ... slide)."""
+    """With sliding_window or linear attention: every full_attention_interval-th block (the last of each group)
+    attends to the whole sequence, the others to the window (gpt-oss: 2, blocks 0, 2, 4, ... slide) or through
+    linear attention (Qwen3.5: 4, blocks 3, 7, 11, ... hold softmax attention)."""
+    attention_output_gate: bool = False
+    """The query projection also yields a sigmoid gate on the attention output (twice the query width; Qwen3.5)."""
+    num_linear_key_heads: int = 0
+    """Gated DeltaNet linear-attention blocks (Qwen3.5): query/key heads; 0 = no linear attention."""
+    num_linear_value_heads: int = 0
+    """Gated DeltaNet: value heads (each with its own decay and gate)."""
+    linear_key_head_dim: int = 0
+    """Gated DeltaNet: dims of one query/key head."""
+    linear_value_head_dim: int = 0
+    """Gated DeltaNet: dims of one value head."""
+    linear_conv_kernel: int = 0
+    """Gated DeltaNet: width of the depthwise causal convolution over q, k and v."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate (one Linear of dim -> 1) scales the shared experts' output (Qwen3.5)."""
     moe_bias: bool = False
     """The router gate and every routed expert's projections carry biases (gpt-oss)."""
     rope_max_seq_len: int = 131072
