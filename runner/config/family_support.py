@@ -49,8 +49,8 @@ SUPPORT: dict[str, Support] = {
         "divided by the TP degree) has no FP8 twin and stays in high precision",
     ),
     "qwen3_5": Support(
-        cpu="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, and Triton launches "
-        f"kernels on GPUs only (`python {REPRO} qwen3_5`)",
+        cpu="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, which need a GPU: Triton "
+        f"launches no kernel without a GPU driver (`python {REPRO} qwen3_5`)",
     ),
 }
 
