@@ -47,6 +47,8 @@ CONTEXT = {
         f"model/{p.name}": ["cluster=h100x1024", "parallelism=fsdp", "training.global_batch_size=2048"]
         for p in ROOT.glob("conf/model/qwen3_5_*.yaml")
     },
+    # gpt-oss's sinks and sliding window need FlexAttention, which has no CPU backward (runner.config.family_support)
+    **{f"model/{p.name}": ["recipe=gpt_oss_120b_h100x64"] for p in ROOT.glob("conf/model/gpt_oss_*.yaml")},
 }
 
 
