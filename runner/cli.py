@@ -84,6 +84,7 @@ def _precision_lines(cfg: RunConfig) -> list[str]:
         f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
         f"(kept in {pr.param_dtype.value}: {', '.join(kept) or 'none'})",
         mfu + (" (FP8 emulated on CPU)" if emulated else ""),
+        *([f"  routed experts: {precision.grouped_experts(cfg)}"] if precision.grouped_experts(cfg) else []),
     ]
 
 

@@ -51,6 +51,8 @@ CONTEXT = {
         + (["parallelism.ep=8"] if "num_experts:" in p.read_text() else [])
         for p in ROOT.glob("conf/model/qwen3_5_*.yaml")
     },
+    # gpt-oss's sinks and sliding window need FlexAttention, which has no CPU backward (runner.config.family_support)
+    **{f"model/{p.name}": ["recipe=gpt_oss_120b_h100x64"] for p in ROOT.glob("conf/model/gpt_oss_*.yaml")},
 }
 
 

@@ -102,19 +102,16 @@ def test_cp_and_ep_layouts_validate_and_launch_here(compose, tmp_path):
         assert lay.describe() == degrees
 
 
-def test_cp_with_latent_attention_rejected_on_cpu_only(compose, tmp_path):
-    """Measured: cp2 with debug_moe fails in TorchTitan's CP-wrapped SDPA on CPU; the config itself is valid (GPU)."""
+def test_cp_with_latent_attention_rejected_on_cpu_only(compose):
+    """Measured: cp2 with debug_moe fails in TorchTitan's CP-wrapped SDPA on CPU (runner.config.family_support);
+    the same layout validates for a GPU cluster."""
     cfg = compose(["model=debug_moe", "parallelism=ep2", "parallelism.cp=2"])
-    lay = validate.check(cfg)
-    assert lay.describe() == "dp_shard=2 x cp=2 x ep=2"
     with pytest.raises(validate.ConfigError) as e:
-        preflight.run(cfg, lay, tmp_path)
-    assert "parallelism.cp = 2: on CPU, ring attention covers the fused SDPA kernel; deepseek_v3's latent attention has query/key " in str(
-        e.value
-    )
-    assert "heads of 192 and value heads of 128 dims" in str(e.value) and "aten.add.Tensor got mixed torch.Tensor and DTensor" in str(
-        e.value
-    )
+        validate.check(cfg)
+    assert "parallelism.cp = 2: on CPU, ring attention covers the fused SDPA kernel; latent attention's query/key heads" in str(e.value)
+    assert "aten.add.Tensor got mixed torch.Tensor and DTensor" in str(e.value) and "(1 problem)" in str(e.value)
+    gpu = compose(["model=debug_moe", "parallelism=ep2", "parallelism.cp=2", "parallelism.dp_shard=4", "cluster=h100_node"])
+    assert validate.check(gpu).describe() == "dp_shard=4 x cp=2 x ep=2"
 
 
 def test_405b_long_context_layout_world_size(compose):

@@ -90,14 +90,57 @@ def test_forward_and_backward_quantize_every_operand():
     assert 1e-3 < err < 0.06  # e4m3 keeps 3 mantissa bits: a few percent, never exact
 
 
-def test_layer_table_equals_titan(compose):
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.llama3 import model_registry
+DEBUG_FLAVORS = ["llama3_debugmodel", "qwen3_debugmodel", "qwen3_debugmodel_non_fused_qkv", "qwen3_debugmodel_moe"]
+DEBUG_FLAVORS += ["deepseek_v3_debugmodel", "gpt_oss_debugmodel", "kimi_k2_7_debugmodel"]
 
-    for option in ("debug", "llama3_8b", "llama3_70b", "llama3_405b"):
-        m = compose([f"model={option}", "parallelism=single"]).model
-        titan_layers = [(f, c.in_features, c.out_features) for f, c, _, _ in model_registry(m.flavor).model.traverse(Linear.Config)]
-        assert titan_layers == [(la.fqn, la.in_dim, la.out_dim) for la in precision.linear_layers(m)], option
+
+@pytest.mark.parametrize("option", [*DEBUG_FLAVORS, "llama3_8b", "llama3_405b", "deepseek_v3_671b", "qwen3_235b_a22b", "gpt_oss_120b"])
+def test_layer_rule_equals_titans_traverse(compose, option):
+    """The torch-free per-family rule lists TorchTitan's Linear layers (name, dims, plain Linear or not) in its
+    traverse order, for the registry's own config (Kimi: its text tower) of every family's debug flavor."""
+    import importlib
+
+    from torchtitan.models.common.linear import Linear
+
+    m = compose([f"model={option}", "parallelism=single"]).model
+    registry = importlib.import_module(f"torchtitan.models.{m.name}").model_registry(m.flavor).model
+    if hasattr(registry, "vision_encoder"):
+        registry.vision_encoder = None
+    traversed = [(f, c.in_features, c.out_features, type(c) is Linear.Config) for f, c, _, _ in registry.traverse(Linear.Config)]
+    assert traversed == [(la.fqn, la.in_dim, la.out_dim, la.fp8_twin) for la in precision.linear_layers(m)]
+
+
+# converted Linear layers of each debug flavor cut to 2 blocks under fp8_tensorwise with the preset's patterns
+CONVERTED_2_BLOCKS = {
+    "qwen3_debugmodel": ["attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"] * 2,
+    "qwen3_debugmodel_moe": ["attention.qkv_linear.wqkv", "attention.wo"] * 2,  # routers kept, experts grouped
+    "gpt_oss_debugmodel": ["attention.qkv_linear.wqkv"] * 2,  # wo: ScaledBiasRowwiseLinear
+    "kimi_k2_7_debugmodel": [
+        *["attention.wq", "attention.wkv_a", "attention.wkv_b", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"],
+        *["attention.wq", "attention.wkv_a", "attention.wkv_b", "attention.wo"],
+        *["moe.shared_experts.w1", "moe.shared_experts.w2", "moe.shared_experts.w3"],
+    ],
+}
+
+
+@pytest.mark.parametrize("option", CONVERTED_2_BLOCKS)
+def test_every_family_converts_by_traversal_and_trains_in_fp8(compose, monkeypatch, option):
+    """TorchTitan's traverse converts what the torch-free rule says (precision.json's list); each converted layer
+    runs its forward and two backward GEMMs in FP8; gpt-oss's output projection and every router stay."""
+    few_experts = ["model.num_experts=8", "model.num_experts_per_token=2"] if option == "qwen3_debugmodel_moe" else []
+    cfg = compose([f"model={option}", "precision=fp8_tensorwise", "model.num_layers=2", "parallelism=single", *few_experts])
+    model, converted = _fp8_model(cfg)
+    assert [f.split(".", 2)[2] for f in converted] == CONVERTED_2_BLOCKS[option]
+    assert converted == precision.conversion(cfg)[0]
+    kept = precision.conversion(cfg)[1]
+    if option == "gpt_oss_debugmodel":
+        assert kept["layers.0.attention.wo"] == precision.SCALED_BIAS and kept["layers.1.moe.router.gate"] == "*.router.*"
+    assert (precision.grouped_experts(cfg) is None) == (option == "qwen3_debugmodel")
+    if option == "gpt_oss_debugmodel":
+        return
+    calls = _count_scaled_mm(monkeypatch)
+    _train_step(model)
+    assert len(calls) == 3 * len(converted)
 
 
 def _model_config(cfg):
@@ -127,12 +170,17 @@ def test_cpu_conversion_keeps_head_and_converts_blocks(compose):
 
 def _small_fp8_model(compose, name: str):
     """The debug model cut to 2 blocks (10 Linear layers beside the head), converted as a CPU run converts it."""
+    return _fp8_model(compose([f"precision={name}", "model.num_layers=2", "parallelism=single"]))
+
+
+def _fp8_model(cfg):
     from runner.run.titan import cpu
 
-    cfg = compose([f"precision={name}", "model.num_layers=2", "parallelism=single"])
     mcfg = titan.model_spec(cfg.model).model
     converted = titan.convert_precision(mcfg, cfg)
-    cpu.use_sdpa(mcfg)
+    if cfg.model.name != "gpt_oss":  # its sinks have no CPU attention (family_support): converted, not trained here
+        cpu.use_sdpa(mcfg)
+    cpu.use_float32_experts(mcfg)
     torch.manual_seed(0)
     model = mcfg.build()
     with torch.no_grad():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from runner.config import wording
+from runner.config import family_support, wording
 from runner.config.schema import ModelConfig
 
 
@@ -42,6 +42,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen3",
         ("debugmodel", "debugmodel_non_fused_qkv", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "debugmodel_moe", "30B-A3B", "235B-A22B"),
         "grouped-query attention with q/k norms; dense or MoE in every block",
+        cpu_flavors=("debugmodel", "debugmodel_moe"),  # tests/test_family_train.py
     ),
     "deepseek_v3": Family(
         "DeepSeek-V3",
@@ -53,18 +54,20 @@ FAMILIES: dict[str, Family] = {
         "gpt-oss",
         ("debugmodel", "20b", "120b"),
         "grouped-query attention with sinks and biases, sliding window in every other block; MoE with biases",
+        cpu_rejection=family_support.SUPPORT["gpt_oss"].cpu,
     ),
     "kimi_k2_7": Family(
         "Kimi",
         ("debugmodel", "moonlight-16B-A3B", "Kimi-VL-A3B", "Kimi-K2.5"),
         "DeepSeek-V3's blocks (multi-head latent attention, MoE with shared experts); the text tower of VL flavors",
+        cpu_flavors=("debugmodel",),  # tests/test_family_train.py
     ),
     "qwen3_5": Family(
         "Qwen3.5",
         ("debugmodel", "debugmodel_moe", "0.8B", "2B", "4B", "9B", "27B", "35B-A3B", "122B-A10B", "397B-A17B"),
         "Gated DeltaNet linear attention in 3 of 4 blocks, gated softmax attention in the 4th; dense or MoE with a gated shared expert",
         kernel_package="fla",
-        cpu_rejection="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, which need a GPU",
+        cpu_rejection=family_support.SUPPORT["qwen3_5"].cpu,
     ),
 }
 

@@ -2,9 +2,9 @@
 Linear layers it converts, and which dense peak MFU is measured against.
 
 Torch-free: validation reads it before launch; the adapter (runner/run/titan/fp8.py) picks the layers
-to convert by walking TorchTitan's model config with the same keep_high_precision patterns, and
-refuses to build if that model's Linear layers differ from `linear_layers`, so the converted-layer
-list a run logs is the one validated here.
+to convert by walking TorchTitan's model config (its `traverse` over Linear configs) with the same
+keep_high_precision patterns, and refuses to build if that model's Linear layers differ from the
+per-family rule `linear_layers`, so the converted-layer list a run logs is the one validated here.
 """
 
 from __future__ import annotations
@@ -49,18 +49,27 @@ RECIPES = {
 @dataclass(frozen=True)
 class LinearLayer:
     fqn: str
-    """TorchTitan's module name (the adapter checks this table against its model config at build)."""
+    """TorchTitan's module name (the adapter checks these against its model config's traverse at build)."""
     in_dim: int
     out_dim: int
     tp_style: str
     """"colwise" (output dim sharded over TP), "rowwise" (input dim sharded) or "replicate" (whole on every TP rank)."""
+    fp8_twin: bool = True
+    """TorchTitan's plain Linear, which the FP8 recipes swap; False for gpt-oss's ScaledBiasRowwiseLinear (the
+    attention output), whose bias is divided by the TP degree in its own forward: an FP8 Linear in its place would
+    add the bias once per TP rank, so it stays in high precision."""
+
+
+SCALED_BIAS = "scaled-bias rowwise Linear (TP divides its bias)"
+"""The reason precision.json gives for a layer kept because it has no FP8 twin."""
 
 
 def linear_layers(m: ModelConfig) -> list[LinearLayer]:
-    """Every Linear of the TorchTitan model m describes, in the order of its config's traverse: the head,
-    then per block the attention projections and the FFN (a dense SwiGLU, or in an MoE block the router
-    gate and the shared experts; routed experts are grouped GEMMs, not Linear layers). Mirrors TorchTitan's
-    llama3 (fused QKV) and deepseek_v3 (multi-head latent attention) configs and their TP plans."""
+    """Every Linear of the TorchTitan model m describes, in its config's traverse order, by one rule for all
+    families: the head, then per block the attention projections and the FFN (a dense SwiGLU, or in an MoE block
+    the router gate and any shared experts; routed experts are grouped GEMMs, not Linear layers). Kimi's vision
+    encoder is not built (the runner trains the text tower). tests/test_precision.py compares this with
+    TorchTitan's traverse of every family's debug flavor."""
     out = [LinearLayer("lm_head", m.dim, m.vocab_size, "colwise")]
     for i in range(m.num_layers):
         out += _attention_linears(m, f"layers.{i}.attention") + _ffn_linears(m, i)
@@ -68,13 +77,18 @@ def linear_layers(m: ModelConfig) -> list[LinearLayer]:
 
 
 def _attention_linears(m: ModelConfig, p: str) -> list[LinearLayer]:
-    """GQA: one fused QKV projection and the output projection. MLA: the query projection (direct, or
-    down to q_lora_rank and up again), the joint key/value + RoPE-key down-projection, its up-projection
-    and the output projection; the down-projections stay whole on every TP rank."""
+    """GQA (Llama 3, Qwen3, gpt-oss): q, k, v in one fused projection, or wq and wkv (one config TorchTitan builds
+    twice, as wk and wv), then the output projection (gpt-oss's carries a TP-scaled bias). MLA (DeepSeek-V3, Kimi):
+    the query projection (direct, or down to q_lora_rank and up again), the joint key/value + RoPE-key
+    down-projection, its up-projection and the output projection; the down-projections stay whole on every TP rank."""
     if not flops.is_mla(m):
         hd = flops.head_dim(m)
         q, kv = m.num_heads * hd, m.num_kv_heads * hd
-        return [LinearLayer(f"{p}.qkv_linear.wqkv", m.dim, q + 2 * kv, "colwise"), LinearLayer(f"{p}.wo", q, m.dim, "rowwise")]
+        if m.fuse_qkv:
+            qkv = [LinearLayer(f"{p}.qkv_linear.wqkv", m.dim, q + 2 * kv, "colwise")]
+        else:
+            qkv = [LinearLayer(f"{p}.qkv_linear.wq", m.dim, q, "colwise"), LinearLayer(f"{p}.qkv_linear.wkv", m.dim, kv, "colwise")]
+        return [*qkv, LinearLayer(f"{p}.wo", q, m.dim, "rowwise", fp8_twin=not m.attention_bias)]
     qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
     if m.q_lora_rank == 0:
         query = [LinearLayer(f"{p}.wq", m.dim, qk, "colwise")]
@@ -91,6 +105,8 @@ def _attention_linears(m: ModelConfig, p: str) -> list[LinearLayer]:
 def _ffn_linears(m: ModelConfig, i: int) -> list[LinearLayer]:
     if flops.is_moe(m) and i >= m.num_dense_layers:
         gate = LinearLayer(f"layers.{i}.moe.router.gate", m.dim, m.num_experts, "replicate")
+        if m.num_shared_experts == 0:
+            return [gate]
         return [gate, *_swiglu(f"layers.{i}.moe.shared_experts", m.dim, m.moe_hidden_dim * m.num_shared_experts)]
     return _swiglu(f"layers.{i}.feed_forward", m.dim, m.ffn_hidden_dim)
 
@@ -103,18 +119,33 @@ def _swiglu(p: str, dim: int, hidden: int) -> list[LinearLayer]:
     ]
 
 
+GROUPED_EXPERTS = (
+    "high precision: the recipes convert Linear layers only; the routed experts' grouped GEMMs stay in param_dtype on "
+    "every device (TorchTitan's float8/MXFP8 grouped-experts converters, torchao MoE training on SM 9.0+/10.0+ with "
+    "training.compile, are not enabled by the runner)"
+)
+"""What happens to an MoE model's routed experts under an FP8 recipe (precision.json and the plan say it)."""
+
+
+def grouped_experts(cfg: RunConfig) -> str | None:
+    """The routed experts' precision under the config's FP8 recipe; None for a dense model or without FP8."""
+    if cfg.precision.fp8 == Fp8Recipe.none or not flops.is_moe(cfg.model):
+        return None
+    return GROUPED_EXPERTS
+
+
 def kept_by(fqn: str, patterns: list[str]) -> str | None:
     """The first keep_high_precision pattern that matches a module name, or None."""
     return next((p for p in patterns if fnmatchcase(fqn, p)), None)
 
 
 def conversion(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
-    """(Linear layers converted to FP8, {kept layer: the pattern that kept it})."""
+    """(Linear layers converted to FP8, {kept layer: the pattern that kept it, or SCALED_BIAS})."""
     if cfg.precision.fp8 == Fp8Recipe.none:
         return [], {}
     converted, kept = [], {}
     for layer in linear_layers(cfg.model):
-        pattern = kept_by(layer.fqn, cfg.precision.keep_high_precision)
+        pattern = kept_by(layer.fqn, cfg.precision.keep_high_precision) or (None if layer.fp8_twin else SCALED_BIAS)
         if pattern is None:
             converted.append(layer.fqn)
         else:

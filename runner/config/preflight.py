@@ -94,17 +94,6 @@ def _this_machine(cfg: RunConfig, lay: Layout, node: bool) -> list[Problem]:
                 "use pp=1 on GPU clusters for now; mode=validate checks PP layouts",
             )
         )
-    if c.device == DeviceType.cpu and lay.cp > 1 and cfg.model.kv_lora_rank > 0:
-        out.append(
-            Problem(
-                "parallelism.cp",
-                lay.cp,
-                f"on CPU, ring attention covers the fused SDPA kernel; {cfg.model.name}'s latent attention has query/key heads of "
-                f"{cfg.model.qk_nope_head_dim + cfg.model.qk_rope_head_dim} and value heads of {cfg.model.v_head_dim} dims, which CPU SDPA "
-                "computes another way, and CP fails in it (RuntimeError: aten.add.Tensor got mixed torch.Tensor and DTensor)",
-                "use cp=1 with this model here (mode=validate checks it for GPU clusters), or a llama3 model for CP",
-            )
-        )
     if c.device == DeviceType.cpu:
         per_rank, ranks = memory.cpu_rank_gb(cfg, lay), lay.world_size // c.num_nodes
         have = validate.machine_memory_gb()

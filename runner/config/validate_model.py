@@ -3,7 +3,7 @@ GEMM shapes can run. Torch-free; called by validate.check."""
 
 from __future__ import annotations
 
-from runner.config import families, flops, precision
+from runner.config import families, family_support, flops, precision
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, ModelConfig, RunConfig
 from runner.config.validate_layout import divisors
@@ -42,6 +42,7 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
     _moe(m, out)
     _heads(m, out)
     _linear_attention(m, out)
+    family_support.check(cfg, out)  # what the family's runtime supports on the cluster's device (CPU training, CP)
 
 
 def _linear_attention(m: ModelConfig, out: list[Problem]) -> None:

@@ -52,6 +52,7 @@ def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: Device
         "high_precision_dtype": cfg.precision.param_dtype.value,
         "converted": built.fp8_converted,
         "kept_high_precision": kept,
+        "grouped_experts": precision.grouped_experts(cfg),
     }
     (run_dir / runfiles.PRECISION).write_text(json.dumps(rec, indent=2) + "\n")
     kinds: dict[str, int] = {}

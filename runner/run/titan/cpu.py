@@ -30,9 +30,12 @@ def patch_device_globals() -> None:
 
 
 def use_sdpa(model_config) -> None:
-    """FlexAttention has no backward on CPU: use TorchTitan's causal SDPA inner attention."""
+    """FlexAttention has no backward on CPU: use TorchTitan's causal SDPA inner attention. Not for gpt-oss: SDPA
+    would silently drop its sinks and sliding window (validation rejects it on CPU: runner.config.family_support)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
+    if any(hasattr(layer.attention, "sliding_window_size") for layer in model_config.layers):
+        raise RuntimeError("attention with sinks or a sliding window (gpt-oss) has no CPU path: SDPA would compute another model")
     for layer in model_config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
@@ -196,6 +199,8 @@ def use_float32_experts(model_config) -> None:
 
         _CpuGroupedExperts = CpuGroupedExperts
     for _, old, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        if type(old) is not GroupedExperts.Config:  # gpt-oss's biased experts (not trained on CPU: family_support)
+            continue
         new = _CpuGroupedExperts.Config(dim=old.dim, hidden_dim=old.hidden_dim, num_experts=old.num_experts, param_init=old.param_init)
         if isinstance(parent, list):
             parent[attr] = new

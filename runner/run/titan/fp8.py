@@ -14,22 +14,24 @@ def check_layer_table(model_config, m: ModelConfig) -> None:
     what validation shape-checked and `mode=validate` counted."""
     from torchtitan.models.common.linear import Linear
 
-    got = [(fqn, c.in_features, c.out_features) for fqn, c, _, _ in model_config.traverse(Linear.Config)]
-    want = [(la.fqn, la.in_dim, la.out_dim) for la in precision.linear_layers(m)]
+    got = [(fqn, c.in_features, c.out_features, type(c) is Linear.Config) for fqn, c, _, _ in model_config.traverse(Linear.Config)]
+    want = [(la.fqn, la.in_dim, la.out_dim, la.fp8_twin) for la in precision.linear_layers(m)]
     if got != want:
         diff = next((g, w) for g, w in zip([*got, None], [*want, None], strict=False) if g != w)
         raise RuntimeError(
             f"{m.name}'s TorchTitan config has {len(got)} Linear layers, runner.config.precision.linear_layers lists {len(want)}; "
-            f"first difference (fqn, in, out): TorchTitan {diff[0]}, table {diff[1]}: the table is out of date"
+            f"first difference (fqn, in, out, plain Linear): TorchTitan {diff[0]}, table {diff[1]}: the table is out of date"
         )
 
 
 def fp8_layers(model_config, cfg: RunConfig) -> list[str]:
-    """The Linear layers (module FQNs, in model order) that no keep_high_precision pattern matches."""
+    """The plain Linear layers (module FQNs, in model order) that no keep_high_precision pattern matches. Subclasses
+    with their own forward (gpt-oss's ScaledBiasRowwiseLinear) have no FP8 twin and stay (precision.SCALED_BIAS)."""
     from torchtitan.models.common.linear import Linear
 
     patterns = cfg.precision.keep_high_precision
-    return [fqn for fqn, _, _, _ in model_config.traverse(Linear.Config) if precision.kept_by(fqn, patterns) is None]
+    plain = [fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is Linear.Config]
+    return [fqn for fqn in plain if precision.kept_by(fqn, patterns) is None]
 
 
 def convert_precision(model_config, cfg: RunConfig) -> list[str]:
@@ -42,6 +44,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
         return []
     check_layer_table(model_config, cfg.model)
     chosen = fp8_layers(model_config, cfg)
+    plain = {fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is Linear.Config}
     on_cpu = cfg.cluster.device == DeviceType.cpu
     if r in (Fp8Recipe.tensorwise, Fp8Recipe.rowwise):
         _float8(model_config, r, set(chosen), on_cpu)
@@ -57,7 +60,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
         else:
             new = blockwise_linear_config()
         _swap_linears(model_config, new, set(chosen))
-    got = [fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is not Linear.Config]
+    got = [fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if fqn in plain and type(c) is not Linear.Config]
     if got != chosen:
         raise RuntimeError(f"FP8 conversion converted {got}, keep_high_precision leaves {chosen}")
     return got
