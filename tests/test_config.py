@@ -336,3 +336,19 @@ def test_help_and_info():
     info = run_cli("--info")
     assert info.returncode == 0
     assert "Config search path" in info.stdout and f"file://{ROOT}/conf" in info.stdout
+
+
+def test_only_the_device_policy_branches_on_the_device():
+    """Every CPU-vs-CUDA difference of the runtime is runner.run.device's decision; the dry run, which rehearses a
+    CUDA layout on CPU, is the one other module that names the device (to say what it substitutes)."""
+    allowed = {"runner/run/device.py", "runner/run/dryrun.py"}
+    branching = re.compile(r"cluster\.device\s*[=!]=|DeviceType\.(cpu|cuda)|\.is_cuda\b|cuda\.is_available\(")
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for d in ("runner/run", "runner/observe")
+        for p in sorted((ROOT / d).rglob("*.py"))
+        if p.relative_to(ROOT).as_posix() not in allowed
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if branching.search(line)
+    ]
+    assert found == []

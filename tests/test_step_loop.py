@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from runner.run import train
-from runner.run.data import SyntheticData
+from runner.run.data import Prefetch, SyntheticData
 
 
 def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch):
@@ -20,6 +20,8 @@ def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch)
     data = SyntheticData(seed=0, seq_len=8, vocab=64, global_batch=4, microbatch=2, dp_rank=0, dp=1)
     loop = SimpleNamespace(
         data=data,
+        feed=Prefetch(data),
+        integrity=SimpleNamespace(replay_due=lambda step: False),
         policy=SimpleNamespace(compute_device=lambda: torch.device("meta")),
         built=SimpleNamespace(schedule=None, parts=[], parallel_dims=None),
         mon=SimpleNamespace(phase=lambda name: nullcontext()),

@@ -138,14 +138,11 @@ class Checker:
 
     def replay(self, step: int, compute, parts: list[torch.nn.Module], zero_grad, mon) -> Any:
         """Run compute() twice from the same RNG state (gradients cleared between); compare bitwise; return the second result."""
-        cuda = torch.cuda.is_available() and any(p.is_cuda for part in parts for p in part.parameters())
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+        rng = self.policy.rng_state()
         first = compute()
         a = {"loss": float(first), "grad_sq": grad_sq(parts)}
         zero_grad()
-        torch.set_rng_state(rng[0])
-        if cuda:
-            torch.cuda.set_rng_state(rng[1])
+        self.policy.set_rng_state(rng)
         mon.replaying = True
         try:
             second = compute()

@@ -126,6 +126,15 @@ class DevicePolicy:
         """What one peak FLOP/s figure counts: a GPU; on CPU the node, whose ranks share its cores (runner.run.peak)."""
         return num_nodes if self.cpu else world_size
 
+    def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The generators a step draws from: the host's, and on CUDA the compute device's."""
+        return torch.get_rng_state(), None if self.cpu else torch.cuda.get_rng_state(self.compute_device())
+
+    def set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.compute_device())
+
     def compute_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import torch
 
 from runner.config.layout import Layout
-from runner.config.schema import ActivationCheckpoint, DeviceType, RunConfig
+from runner.config.schema import ActivationCheckpoint, RunConfig
+from runner.run.device import DevicePolicy
 from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8 import convert_precision
 from runner.run.titan.model import check_size, model_spec
@@ -48,7 +49,7 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
     spec = model_spec(cfg.model)
     mcfg = spec.model
     converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
-    if cfg.cluster.device == DeviceType.cpu:
+    if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:  # the CPU adaptations (runner.run.titan.cpu)
         import runner.run.titan.cpu as cpu
 
         cpu.use_sdpa(mcfg)

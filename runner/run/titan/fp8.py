@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runner.config import precision
-from runner.config.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
+from runner.config.schema import Fp8Recipe, ModelConfig, RunConfig
+from runner.run.device import DevicePolicy
 
 
 def check_layer_table(model_config, m: ModelConfig) -> None:
@@ -45,7 +46,7 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
     check_layer_table(model_config, cfg.model)
     chosen = fp8_layers(model_config, cfg)
     plain = {fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) is Linear.Config}
-    on_cpu = cfg.cluster.device == DeviceType.cpu
+    on_cpu = DevicePolicy.of(cfg.cluster, cfg.distributed).cpu
     if r in (Fp8Recipe.tensorwise, Fp8Recipe.rowwise):
         _float8(model_config, r, set(chosen), on_cpu)
     elif r == Fp8Recipe.mxfp8:  # validation rejects it on CPU
