@@ -140,3 +140,19 @@ def test_kimi_debugmodel_has_deepseek_v3s_numbers(compose):
 
     kimi, dsv3 = compose(["model=kimi_k2_7_debugmodel"]).model, compose(["model=deepseek_v3_debugmodel"]).model
     assert dataclasses.replace(kimi, name=dsv3.name) == dsv3
+
+
+def test_registry_only_family_refuses_architecture_overrides(compose):
+    """qwen3_5 is built as its registry flavor (no runner layer builder is tested without flash-linear-attention), so a
+    GPU config that validates is the flavor itself: an override of its numbers is refused, not silently ignored."""
+    from runner.config import validate
+    from runner.config.problems import ConfigError
+
+    gpu = ["model=qwen3_5_debugmodel", "cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]
+    assert validate.check(compose(gpu)).world_size == 8
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose([*gpu, "model.dim=512", "model.num_layers=3"]))
+    got = {p.field: p for p in e.value.problems}
+    assert set(got) == {"model.dim", "model.num_layers"}
+    assert got["model.dim"].value == 512 and "cannot be changed for qwen3_5" in got["model.dim"].why
+    assert got["model.dim"].fix.startswith("drop the override (model=qwen3_5_debugmodel gives ")

@@ -8,10 +8,12 @@ Torch-free. A family missing here has no runtime support claims: validate_model 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, RunConfig
 
+CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 REPRO = "scripts/repro_cpu_families.py"
 """The minimal reproductions of the CPU rejections below (`python scripts/repro_cpu_families.py <case>`)."""
 
@@ -24,6 +26,9 @@ class Support:
     """Why context parallelism fails on CPU ranks (where the family trains there); "" = CP runs there."""
     cp: str = ""
     """Why context parallelism is unsupported on every device (TorchTitan refuses it); "" = it is supported."""
+    registry_only: str = ""
+    """Why the runner builds the family only as its registry flavor (no model.* architecture overrides); "" = it rebuilds
+    the model from model.* through the family's layer builders (runner.run.titan.model)."""
     fp8: str = "every recipe converts every plain Linear layer (attention, dense and shared-expert FFN, head)"
     """What the FP8 recipes convert (routed experts stay in high precision: runner.config.precision.GROUPED_EXPERTS)."""
 
@@ -51,6 +56,8 @@ SUPPORT: dict[str, Support] = {
     "qwen3_5": Support(
         cpu="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, which need a GPU: Triton "
         f"launches no kernel without a GPU driver (`python {REPRO} qwen3_5`)",
+        registry_only="its Gated DeltaNet blocks need flash-linear-attention, absent here, so no layer builder of the "
+        "runner's is tested: a GPU run builds TorchTitan's registry flavor as it is",
     ),
 }
 
@@ -83,7 +90,31 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("parallelism.cp", cp, s.cp, f"use cp=1 with {cfg.model.name}"))
     elif cp > 1 and on_cpu and s.cp_cpu:
         out.append(Problem("parallelism.cp", cp, s.cp_cpu, f"use cp=1 with {cfg.model.name} here; {gpu_fix}"))
+    if s.registry_only:
+        _registry_flavor(cfg, s, out)
     p = cfg.parallelism
     if on_cpu and cfg.model.num_experts > 0 and p.tp > 1 and p.sequence_parallel and cfg.training.microbatch_size == 1:
         fix = "use training.microbatch_size >= 2 or parallelism.sequence_parallel=false"
         out.append(Problem("training.microbatch_size", 1, MOE_SP_ONE_SAMPLE, fix))
+
+
+def _registry_flavor(cfg: RunConfig, s: Support, out: list[Problem]) -> None:
+    """A registry-only family's model.* must equal its flavor's generated option file (conf/model/, from the registry)."""
+    import dataclasses
+    import re
+
+    import yaml
+
+    m = cfg.model
+    name = re.sub(r"[.\-]", "_", f"{m.name}_{m.flavor}").lower()
+    path = CONF_MODEL / f"{name}.yaml"
+    if not path.is_file():
+        why = f"is not a {m.name} flavor with an option file ({path.name})"
+        out.append(Problem("model.flavor", m.flavor, why, f"use one of the model={m.name}_... options"))
+        return
+    want = {**{f.name: f.default for f in dataclasses.fields(m)}, **yaml.safe_load(path.read_text())}
+    for f in dataclasses.fields(m):
+        got = getattr(m, f.name)
+        if f.name not in ("name", "flavor") and got != want[f.name]:
+            fix = f"drop the override (model={name} gives {want[f.name]!r})"
+            out.append(Problem(f"model.{f.name}", got, f"cannot be changed for {m.name}: {s.registry_only}", fix))
