@@ -26,7 +26,6 @@ from typing import Any
 
 from runner.config import runfiles
 from runner.config.schema import RunConfig
-from runner.run.device import DevicePolicy
 
 STALE_HEARTBEATS = 3  # a record older than this many heartbeats before the freshest one is a frozen rank
 
@@ -41,6 +40,8 @@ def rank_env(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
     size = str(fr.buffer_size if fr.enable else 0)
     prefix = str(dump_folder(cfg, run_dir) / "rank_")  # torchfrtrace reads <folder>/<prefix><rank>
     env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    from runner.run.device import DevicePolicy  # here: the launcher reads this module before torch is imported
+
     policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
     env |= policy.flight_recorder_env(size, prefix, fr.enable and fr.dump_on_timeout, fr.enable_timing)
     return env
@@ -175,6 +176,8 @@ class RankRecorder:
         self._write(_sequence_numbers(self.groups))
         fr = cfg.distributed.flight_recorder
         hang = "timed out" in str(exc).lower()  # a rank that raised on its own is no hang: its traceback says it all
+        from runner.run.device import DevicePolicy
+
         if hang and fr.enable and fr.dump_on_timeout and not DevicePolicy.of(cfg.cluster, cfg.distributed).collective_library_dumps:
             dump_flight_recorder(dump_folder(cfg, run_dir) / f"rank_{self.static['rank']}")
 
