@@ -144,3 +144,23 @@ def slurm_cluster(tmp_path_factory):
     finally:
         stop = subprocess.run([str(scripts / "stop.sh"), str(state)], capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stdout + stop.stderr
+
+
+def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
+    """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
+    first) and return every point's parity.json by name; `folder(nproc)` gives a fresh folder per launch."""
+    from runner.config import runfiles, validate
+    from runner.run import parity
+
+    out = {}
+    for nproc, points in launches.items():
+        cfgs = {name: compose([*common, *overrides]) for name, overrides in points.items()}
+        for cfg in cfgs.values():
+            validate.check(cfg)
+        paths = parity.prepare(cfgs, folder(nproc))
+        argv = [sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)]
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        for name, path in zip(points, paths, strict=True):
+            out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
+    return out

@@ -17,16 +17,14 @@ pp2 agrees at step 1 (float64 norm 1.3e-10) and less after the first update: ste
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from runner.config import family_support, runfiles, validate
+from runner.config import family_support, validate
 from runner.config.problems import ConfigError
-from runner.run import parity
-from tests.conftest import ROOT
+from tests.conftest import ROOT, parity_launches
 
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false"]
 COMMON += ["training.global_batch_size=4", "training.microbatch_size=2"]  # 256 tokens a step (see MOE_SP_ONE_SAMPLE)
@@ -57,19 +55,7 @@ PIPELINED_MOE = {"kimi-pp2": (2e-5, 5e-8)}  # (loss, weights): step 1 agrees to 
 
 @pytest.fixture(scope="module")
 def trained(compose, tmp_path_factory):
-    out = {}
-    for nproc, points in LAUNCHES.items():
-        cfgs = {name: compose([*COMMON, *overrides]) for name, overrides in points.items()}
-        for cfg in cfgs.values():
-            validate.check(cfg)
-        paths = parity.prepare(cfgs, tmp_path_factory.mktemp(f"families{nproc}"))
-        proc = subprocess.run(
-            [sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)], cwd=ROOT, capture_output=True, text=True, timeout=900
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        for name, path in zip(points, paths, strict=True):
-            out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
-    return out
+    return parity_launches(compose, LAUNCHES, COMMON, lambda nproc: tmp_path_factory.mktemp(f"families{nproc}"))
 
 
 @pytest.mark.parametrize("name", POINTS)

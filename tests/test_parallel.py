@@ -19,15 +19,10 @@ within 1e-9 relative and of the clipped update within 1e-5 (measured: <= 1.3e-6)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from runner.config import pipeline, runfiles, validate
-from runner.run import parity
-from tests.conftest import ROOT
+from runner.config import pipeline
+from tests.conftest import parity_launches
 
 # eval: one held-out batch after the last step (forward only; under PP the schedule's eval step), in every layout
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false", "eval.interval=2", "eval.steps=1"]
@@ -69,20 +64,7 @@ SCHEDULE_LOSS_ATOL = 1e-6
 
 @pytest.fixture(scope="session")
 def trained(compose, tmp_path_factory):
-    out = {}
-    for nproc, presets in LAUNCHES.items():
-        cfgs = {}
-        for name, overrides in presets.items():
-            cfgs[name] = compose([*COMMON, *overrides])
-            validate.check(cfgs[name])
-        paths = parity.prepare(cfgs, tmp_path_factory.mktemp(f"parity{nproc}"))
-        proc = subprocess.run(
-            [sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)], cwd=ROOT, capture_output=True, text=True, timeout=900
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        for name, path in zip(presets, paths, strict=True):
-            out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
-    return out
+    return parity_launches(compose, LAUNCHES, COMMON, lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
 
 
 @pytest.mark.parametrize("name", MULTI)
