@@ -136,7 +136,8 @@ def test_signalled_job_checkpoints_requeues_and_resumes_bitwise(requeued, layout
     assert (Path(entry["checkpoint"]) / "COMPLETE.json").is_file()
     logs = _node_logs(_job_dirs(sweep)[0])
     assert f"preempt: SIGUSR2: stopped after step {k}, checkpoint {entry['checkpoint']}" in logs
-    assert "this job is preempted" in logs and "Requeued job" in logs  # submitit's requeue, not counted as a time limit
+    # SLURM's own proof of the requeue is the restart count the resumed steps carry (asserted above); submitit's
+    # "Requeued job" line is not asserted: SLURM truncates the job's output file when the requeued job starts
     assert f"checkpoint: resumed from {entry['checkpoint']} (step {k}" in logs
     print(f"requeue timings: {times}")
 
