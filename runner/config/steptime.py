@@ -82,19 +82,25 @@ def _tp_cp_ep(
     m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
     passes = 2 + shares[2]  # forward, backward and the share of blocks whose forward runs again
     fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
+
+    def dtensor(axis: str, op: str, group: int, tensor_bytes: float) -> float:
+        secs = _collective(mach, kinds[axis], op, group, tensor_bytes)
+        if mach.dtensor_includes_latency:  # the in-run fixed cost replaces the microbenchmark's latency
+            secs -= mach.link(kinds[axis], op, group).latency_s
+        return secs + fixed
+
     tp = 0.0
     if lay.tp > 1:
         # sequence parallel: all-gather before and reduce-scatter after attention and the MLP, each way
-        gather = _collective(mach, kinds["tp"], "all_gather", lay.tp, n * m.dim * bw)
-        scatter = _collective(mach, kinds["tp"], "reduce_scatter", lay.tp, n * m.dim * bw)
-        tp = 2 * passes * (gather + scatter + 2 * fixed)
+        gather = dtensor("tp", "all_gather", lay.tp, n * m.dim * bw)
+        scatter = dtensor("tp", "reduce_scatter", lay.tp, n * m.dim * bw)
+        tp = 2 * passes * (gather + scatter)
     cp = 0.0
     if lay.cp > 1:
         # torch's ring attention (all-gather rotation): K and V gathered forward; gathered again and dK, dV
         # reduce-scattered backward
         kv = 2 * n * lay.cp * m.num_kv_heads * flops.head_dim(m) / lay.tp * bw
-        cp = passes * (_collective(mach, kinds["cp"], "all_gather", lay.cp, kv) + fixed)
-        cp += _collective(mach, kinds["cp"], "reduce_scatter", lay.cp, kv) + fixed
+        cp = passes * dtensor("cp", "all_gather", lay.cp, kv) + dtensor("cp", "reduce_scatter", lay.cp, kv)
     ep = 0.0
     if lay.ep > 1 and flops.is_moe(m):
         routed = n * m.num_experts_per_token * m.dim * bw
@@ -102,9 +108,13 @@ def _tp_cp_ep(
     return tp, cp, ep
 
 
+def element_bytes(dtype: str, bytes_per_element: float) -> float:
+    """Bytes moved per activation element of `dtype`: `bytes_per_element` is the figure for 2-byte (bf16) activations."""
+    return bytes_per_element * BYTES[dtype] / 2
+
+
 def _element_bytes(cfg: RunConfig, mach: Machine) -> float:
-    """Bytes moved per activation element: the machine's figure is for 2-byte (bf16) activations."""
-    return mach.bytes_per_element * BYTES[cfg.precision.param_dtype.value] / 2
+    return element_bytes(cfg.precision.param_dtype.value, mach.bytes_per_element)
 
 
 def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], shares: tuple[float, float, float]) -> _Chunk:

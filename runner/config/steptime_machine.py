@@ -22,7 +22,7 @@ from runner.config.schema import RunConfig
 
 DATASHEET = "datasheet, not calibrated"
 PROFILE_KIND = "runner machine profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: dtensor_overhead_s includes the collective's latency; memory_gbs from the block's own kernels
 
 # Constants of the datasheet model (GPU, NCCL, TorchTitan eager), each with its physical meaning.
 GEMM_HALF_DIM = 96.0
@@ -74,7 +74,11 @@ class Machine:
     layer_overhead_s: float = 0.0
     """Fixed seconds per transformer block per pass (forward or backward): kernel dispatch not hidden behind work."""
     dtensor_overhead_s: float = 0.0
-    """Fixed CPU seconds per collective issued through DTensor (TP, CP) beyond the collective itself."""
+    """Fixed seconds per collective issued through DTensor (TP, CP) beyond the bytes it moves."""
+    dtensor_includes_latency: bool = False
+    """True when dtensor_overhead_s was measured in real runs (a profile), where it holds the collective's
+    latency too: a TP or CP collective then costs it plus bytes / bandwidth. A microbenchmark's latency
+    (a line fitted over 64 KiB-4 MiB) misstates the small collectives the stack issues."""
     comm_overlap: float = 1.0
     """Share of FSDP/DP traffic that runs while the rank computes (a GPU's separate stream: 1)."""
     cpu_share: float = 1.0

@@ -26,7 +26,10 @@ from runner.config.steptime_machine import Link, Machine
 
 CONSTANTS = {
     "layer_overhead_s": ("s", "fixed cost of one transformer block's forward or backward beyond its GEMMs and kernels (dispatch)"),
-    "dtensor_overhead_s": ("s", "fixed cost of one collective issued through DTensor (TP and CP) beyond the collective itself"),
+    "dtensor_overhead_s": (
+        "s",
+        "fixed cost of one collective issued through DTensor (TP and CP), its latency included, beyond the bytes it moves",
+    ),
     "comm_overlap": ("fraction", "share of FSDP/DP collective time that runs while the rank computes"),
 }
 
@@ -65,6 +68,7 @@ def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
         gemm_table={(g[0], g[1], g[2]): g[3] for g in entry["gemms"]},
         layer_overhead_s=const["layer_overhead_s"],
         dtensor_overhead_s=const["dtensor_overhead_s"],
+        dtensor_includes_latency=True,
         comm_overlap=const["comm_overlap"],
         cpu_share=max(1.0, world * entry["threads"] / cores),
         calibrated=True,

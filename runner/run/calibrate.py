@@ -2,8 +2,11 @@
 
 What it measures (runner/config/steptime_profile.py describes the file):
 - GEMMs at the per-rank shapes the given model(s) use under every TP/CP degree that fits the rank
-  counts, forward + backward, with the threads each rank gets (runner/run/procs.threads_per_rank);
-- the attention kernel (SDPA, causal) and the elementwise memory bandwidth at those threads;
+  counts, forward + backward, with the threads each rank gets (runner/run/procs.threads_per_rank),
+  in as many processes side by side as keep the cores busy, on operands cycled through more memory
+  than the caches hold (a run's weights and activations come from memory, next to other ranks);
+- the attention kernel (SDPA, causal) and the block's elementwise kernels (norms, RoPE, SwiGLU) at the
+  same shapes and threads;
 - collectives (all-reduce, all-gather, reduce-scatter, send/recv) per group size with 2 and 4 ranks
   running, on the cluster's backend with torch's own ops, fitted as latency + bytes / bandwidth;
 - the stack's fixed costs, fitted from short real runs (Hydra multirun of the runner itself): the cost
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runner.config import steptime_profile, steptime_work
+from runner.config import flops, steptime, steptime_machine, steptime_profile, steptime_work
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.run import calibrate_runs, procs
@@ -37,15 +40,31 @@ SIZES_BYTES = (1 << 16, 1 << 20, 1 << 22)  # collective sizes: latency-bound to 
 QUICK_SIZES_BYTES = (1 << 16, 1 << 22)
 
 
-def timeit(fn, reps: int) -> float:
-    """Median seconds of `fn` over `reps` calls after two warm-up calls."""
+MIN_WINDOW_S = 0.25  # each figure times at least this long: a shared machine's slow spells last tens of ms
+WORKING_SET_BYTES = 16 << 20  # operands cycle through this much memory, so they come from L3 or DRAM, as in a run
+
+
+def timeit(fn, reps: int, min_s: float = 0.0) -> float:
+    """Median seconds of `fn` over at least `reps` calls and `min_s` seconds, after two warm-up calls."""
     fn(), fn()
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    while len(times) < reps or sum(times) < min_s:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _cycled(make, one_set_bytes: int):
+    """Copies of the operands `make()` returns, enough to fill WORKING_SET_BYTES, and a function giving the next."""
+    sets = [make() for _ in range(max(1, min(64, WORKING_SET_BYTES // max(one_set_bytes, 1))))]
+    state = {"i": 0}
+
+    def take():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return sets[state["i"]]
+
+    return take
 
 
 def _layouts(ranks: int) -> list[Layout]:
@@ -67,17 +86,20 @@ def shapes(cfgs: list[RunConfig], ranks: int) -> tuple[set[tuple[int, int, int]]
 
 def _gemm_tflops(shape: tuple[int, int, int], dtype: torch.dtype, reps: int) -> float:
     m, k, n = shape
-    x, w, g = (
-        torch.randn(m, k, dtype=dtype, requires_grad=True),
-        torch.randn(n, k, dtype=dtype, requires_grad=True),
-        torch.randn(m, n, dtype=dtype),
-    )
+    size = (m * k + n * k + m * n) * 2 * torch.finfo(dtype).bits // 8  # operands and their gradients
+
+    def make():
+        x, w = torch.randn(m, k, dtype=dtype, requires_grad=True), torch.randn(n, k, dtype=dtype, requires_grad=True)
+        return x, w, torch.randn(m, n, dtype=dtype)
+
+    take = _cycled(make, size)
 
     def step():
+        x, w, g = take()
         F.linear(x, w).backward(g)
         x.grad = w.grad = None
 
-    return 6 * m * k * n / timeit(step, reps) / 1e12
+    return 6 * m * k * n / timeit(step, reps, MIN_WINDOW_S) / 1e12
 
 
 def _attention_tflops(shape: tuple[int, int, int, int], dtype: torch.dtype, reps: int) -> float:
@@ -90,35 +112,100 @@ def _attention_tflops(shape: tuple[int, int, int, int], dtype: torch.dtype, reps
         q.grad = k.grad = v.grad = None
 
     causal_forward = 2 * b * h * s * s * 2 * hd / 2  # as steptime_work.block counts it
-    return 3 * causal_forward / timeit(step, reps) / 1e12
+    return 3 * causal_forward / timeit(step, reps, MIN_WINDOW_S) / 1e12
 
 
-def _memory_gbs(dtype: torch.dtype, reps: int) -> float:
-    """Elementwise bandwidth: forward + backward of a product of two 4M-element tensors (6 tensor passes)."""
-    n = 1 << 22
-    x, y, g = torch.randn(n, dtype=dtype, requires_grad=True), torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+def _elementwise_gbs(cfg: RunConfig, lay: Layout, dtype: torch.dtype, reps: int) -> float:
+    """The block's elementwise kernels at one rank's shapes (two RMSNorms and residual adds on the hidden
+    state, RoPE on the queries and keys, SwiGLU's gate), forward + backward, as the bandwidth that makes
+    the predictor's count of their bytes (steptime_work.block's elements) take the measured time. Small
+    activations stay in cache and threads help unevenly, so a large-array copy rate would mislead."""
+    m, n = cfg.model, steptime_work.tokens(cfg, lay)
+    hd = flops.head_dim(m)
+    dim = m.dim // (lay.tp if cfg.parallelism.sequence_parallel else 1)
+    heads, kv = m.num_heads // lay.tp, m.num_kv_heads // lay.tp
+    ffn = (m.moe_hidden_dim * m.num_experts_per_token if flops.is_moe(m) else m.ffn_hidden_dim) // lay.tp
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+    x, w, q, k, a, b = leaf(n, dim), leaf(dim), leaf(n, heads, hd // 2, 2), leaf(n, kv, hd // 2, 2), leaf(n, ffn), leaf(n, ffn)
+    rope = torch.polar(torch.ones(n, 1, hd // 2), torch.randn(n, 1, hd // 2))  # complex64: TorchTitan's RoPE runs in fp32
 
     def step():
-        (x * y).backward(g)
-        x.grad = None
+        h = x + F.rms_norm(x, (dim,), w)
+        h = h + F.rms_norm(h, (dim,), w)
+        rq = torch.view_as_real(torch.view_as_complex(q.float()) * rope)
+        rk = torch.view_as_real(torch.view_as_complex(k.float()) * rope)
+        (h.sum() + rq.sum() + rk.sum() + (F.silu(a) * b).sum()).backward()
+        for t in (x, w, q, k, a, b):
+            t.grad = None
 
-    return 6 * n * x.element_size() / timeit(step, reps) / 1e9
+    per_element = steptime.element_bytes(cfg.precision.param_dtype.value, steptime_machine.EAGER_BYTES_PER_ELEMENT)
+    moved = steptime_work.block(cfg, lay).elements * per_element
+    return moved / timeit(step, reps, MIN_WINDOW_S) / 1e9
+
+
+def _figures(cfgs: list[RunConfig], ranks: int, dtype: torch.dtype, reps: int) -> dict[str, Any]:
+    """One rank's GEMM rate per shape, attention rate and elementwise bandwidth, with `ranks` ranks' threads."""
+    torch.set_num_threads(procs.threads_per_rank(ranks))
+    gemm_shapes, attn_shapes = shapes(cfgs, ranks)
+    return {
+        "gemms": [[*g, _gemm_tflops(g, dtype, reps)] for g in sorted(gemm_shapes)],
+        "attention_tflops": statistics.median(_attention_tflops(a, dtype, reps) for a in sorted(attn_shapes)),
+        "memory_gbs": statistics.median(_elementwise_gbs(cfg, lay, dtype, reps) for cfg in cfgs for lay in _layouts(ranks)),
+    }
+
+
+def _figures_worker(start, queue, cfgs, ranks: int, dtype: torch.dtype, reps: int) -> None:
+    start.wait()
+    queue.put(_figures(cfgs, ranks, dtype, reps))
+
+
+def _collect(queue, workers) -> list[dict[str, Any]]:
+    """Every worker's figures; RuntimeError as soon as one of them died without its answer."""
+    import queue as queues
+
+    found: list[dict[str, Any]] = []
+    while len(found) < len(workers):
+        try:
+            found.append(queue.get(timeout=2))
+        except queues.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                raise RuntimeError("a measuring process died: " + ", ".join(f"exit code {w.exitcode}" for w in workers)) from None
+    return found
+
+
+def busy_ranks(ranks: int) -> int:
+    """Ranks measured side by side for a job of `ranks` ranks: as many as keep every core busy, as in the job
+    (more would only time-slice; the predictor's cpu_share stretches for that)."""
+    return max(1, min(ranks, (os.cpu_count() or 1) // procs.threads_per_rank(ranks)))
 
 
 def by_ranks(cfgs: list[RunConfig], rank_counts: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:
-    """The compute figures of one rank, for every rank count (threads per rank differ)."""
+    """The compute figures of one rank, for every rank count (threads per rank differ), measured with the
+    other ranks' processes measuring the same shapes at the same time (shared caches, memory bandwidth and
+    frequency, as in a run); each figure is the median over those processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
     out = {}
     for n in rank_counts:
-        threads = procs.threads_per_rank(n)
-        torch.set_num_threads(threads)
-        gemm_shapes, attn_shapes = shapes(cfgs, n)
-        gemms = [[*g, _gemm_tflops(g, dtype, reps)] for g in sorted(gemm_shapes)]
+        start, queue = ctx.Barrier(busy_ranks(n)), ctx.Queue()
+        workers = [ctx.Process(target=_figures_worker, args=(start, queue, cfgs, n, dtype, reps)) for _ in range(busy_ranks(n))]
+        for w in workers:
+            w.start()
+        found = _collect(queue, workers)
+        for w in workers:
+            w.join()
+        gemms = [[*found[0]["gemms"][i][:3], statistics.median(f["gemms"][i][3] for f in found)] for i in range(len(found[0]["gemms"]))]
         out[str(n)] = {
-            "threads": threads,
+            "threads": procs.threads_per_rank(n),
+            "measured_side_by_side": len(workers),
             **steptime_profile.fit_gemm_rate(gemms),
             "gemms": gemms,
-            "attention_tflops": statistics.median(_attention_tflops(a, dtype, reps) for a in sorted(attn_shapes)),
-            "memory_gbs": _memory_gbs(dtype, reps),
+            "attention_tflops": statistics.median(f["attention_tflops"] for f in found),
+            "memory_gbs": statistics.median(f["memory_gbs"] for f in found),
         }
     return out
 

@@ -109,7 +109,7 @@ def collectives(cfg: RunConfig, world: int, sizes: tuple[int, ...], reps: int) -
 
 def _short_runs(base: list[str], folder: Path, quick: bool) -> list[tuple[RunConfig, float]]:
     """Train the tiny model with 2 and 6 blocks, on one rank and with TP 2 (one Hydra multirun): (config, median step)."""
-    steps = "training.steps=6" if quick else "training.steps=10"
+    steps = "training.steps=6" if quick else "training.steps=16"
     layers = "model.num_layers=" + ",".join(map(str, LAYERS))
     argv = [sys.executable, "-m", "runner", "-m", *base, *TINY, *RUN, steps, layers, "parallelism=single,tp2", f"hydra.sweep.dir={folder}"]
     proc = subprocess.run(argv, capture_output=True, text=True)
@@ -127,17 +127,23 @@ def _residual(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float
 
 
 def fixed_costs(profile: dict[str, Any], base: list[str], folder: Path, quick: bool) -> dict[str, Any]:
-    """The block and DTensor costs: what the runs with 6 blocks take beyond those with 2, less what the
-    measured GEMMs, kernels and collectives explain, per block pass and per DTensor collective."""
+    """The block and DTensor costs fitted from short runs of the runner (fit_fixed_costs)."""
+    return fit_fixed_costs(profile, _short_runs(base, folder, quick))
+
+
+def fit_fixed_costs(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]) -> dict[str, Any]:
+    """What the runs with 6 blocks take beyond those with 2, less what the measured GEMMs, kernels and the
+    collectives' bytes explain: per block pass (single rank), and per DTensor collective (TP 2: 2 passes
+    x 2 all-gathers + 2 reduce-scatters per block; its latency included, the tiny runs' collectives being
+    all latency)."""
     zero = {**profile, "constants": {n: steptime_profile.constant(n, 0.0) for n in steptime_profile.CONSTANTS}}
-    runs = _short_runs(base, folder, quick)
     res = {(c.model.num_layers, c.parallelism.tp): _residual(zero, c, t) for c, t in runs}
     cfg = runs[0][0]
     micro = cfg.training.global_batch_size // cfg.training.microbatch_size
     extra_blocks = LAYERS[1] - LAYERS[0]
     block = max(0.0, (res[(LAYERS[1], 1)] - res[(LAYERS[0], 1)]) / (extra_blocks * 2 * micro))
     tp_block = (res[(LAYERS[1], 2)] - res[(LAYERS[0], 2)]) / (extra_blocks * micro)  # per block and microbatch, TP 2
-    dtensor = max(0.0, (tp_block - 2 * block) / 8)  # 2 passes x (2 gathers + 2 scatters)
+    dtensor = max(0.0, (tp_block - 2 * block) / 8)
     overlap = 1.0 if cfg.cluster.backend.value == "nccl" else 0.0  # gloo's collectives need the cores the compute holds
     return {
         "layer_overhead_s": steptime_profile.constant("layer_overhead_s", block),
