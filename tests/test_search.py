@@ -225,10 +225,10 @@ def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
     assert v["spearman"] == rho and table[5] == f"rank agreement, predicted vs measured: Spearman {rho:.2f} over 3 measured candidates"
     fastest = min(range(3), key=meas.__getitem__)
     if fastest == 0:
-        assert table[6] == "predicted #1 (dp2) is the measured fastest"
+        assert table[6] == "predicted #1 (dp2, mbs 2) is the measured fastest"
     else:
-        gap, label = meas[0] / meas[fastest] - 1, v["points"][fastest]["label"]
-        assert table[6] == f"predicted #1 (dp2) measures {100 * gap:.1f} % slower than the measured fastest, #{fastest + 1} ({label})"
+        gap, name = meas[0] / meas[fastest] - 1, ("dpr2, mbs 2", "cp2, mbs 4")[fastest - 1]
+        assert table[6] == f"predicted #1 (dp2, mbs 2) measures {100 * gap:.1f} % slower than the measured fastest, #{fastest + 1} ({name})"
     assert v["first_slower_by"] == meas[0] / meas[fastest] - 1
 
 
@@ -249,11 +249,16 @@ def test_verify_lists_a_failed_point_with_its_reason(small, tmp_path):
     v = search_verify.collect(res, tmp_path, 4, 4, 1)
     text = search_verify.lines(v)
     r = res.ranked
+
+    def ac(ranked):
+        return "" if ranked.candidate.ac == search.AC.none else f", AC {ranked.candidate.ac.value}"
+
     assert text[2].split("failed: ")[1] == "exit code 1: RuntimeError: out of memory"
     assert "failed: no result (the multirun exited with code 1; its output is above)" in text[5]
     assert text[6] == "rank agreement, predicted vs measured: Spearman needs >= 3 measured candidates, 2 measured"
     assert text[7] == (
-        f"predicted #2 ({r[1].label}) (the best predicted that ran) measures 33.3 % slower than the measured fastest, #3 ({r[2].label})"
+        f"predicted #2 ({r[1].label}, mbs {r[1].candidate.microbatch_size}{ac(r[1])}) (the best predicted that ran) measures 33.3 % "
+        f"slower than the measured fastest, #3 ({r[2].label}, mbs {r[2].candidate.microbatch_size}{ac(r[2])})"
     )
     assert (v["spearman"], v["first"], v["fastest"]) == (None, 2, 3)
 

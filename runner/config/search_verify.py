@@ -115,15 +115,20 @@ def _row(p: dict[str, Any]) -> str:
     return f"{head} {p['measured_s']:>13.3f} {100 * p['error']:>+8.1f} %"
 
 
+def _name(p: dict[str, Any]) -> str:
+    """A candidate in words: its layout label repeats across microbatch sizes and AC, so those too."""
+    return f"{p['label']}, mbs {p['microbatch_size']}" + (f", AC {p['ac']}" if p["ac"] != "none" else "")
+
+
 def _verdict(v: dict[str, Any]) -> str:
     pts = {p["rank"]: p for p in v["points"]}
     if v["first"] is None:
         return "no candidate measured: nothing to rank"
     first, fastest = pts[v["first"]], pts[v["fastest"]]
-    who = f"predicted #{first['rank']} ({first['label']})" + (" (the best predicted that ran)" if first["rank"] != 1 else "")
+    who = f"predicted #{first['rank']} ({_name(first)})" + (" (the best predicted that ran)" if first["rank"] != 1 else "")
     if first is fastest:
         return f"{who} is the measured fastest"
-    return f"{who} measures {100 * v['first_slower_by']:.1f} % slower than the measured fastest, #{fastest['rank']} ({fastest['label']})"
+    return f"{who} measures {100 * v['first_slower_by']:.1f} % slower than the measured fastest, #{fastest['rank']} ({_name(fastest)})"
 
 
 def lines(v: dict[str, Any]) -> list[str]:
