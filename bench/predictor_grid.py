@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from omegaconf import OmegaConf  # noqa: E402
 
 from runner.config import runfiles, steptime, steptime_refs, validate  # noqa: E402
+from runner.config.compare import spearman  # noqa: E402
 
 LAYOUTS = {
     "single": ["parallelism=single"],
@@ -102,29 +103,6 @@ def predict(pts: dict[str, list[str]], profile: Path) -> dict[str, steptime.Step
         cfg = steptime_refs.compose([*overrides, f"cluster.profile={profile}"])
         out[key] = steptime.predict(cfg, validate.check(cfg))
     return out
-
-
-def _ranks(xs: list[float]) -> list[float]:
-    order = sorted(range(len(xs)), key=xs.__getitem__)
-    ranks = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2
-        i = j + 1
-    return ranks
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Pearson correlation of the ranks (ties get their mean rank)."""
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else float("nan")
 
 
 def report(pred: dict[str, steptime.StepPrediction], measured: dict[str, float | None], source: str) -> dict:

@@ -122,13 +122,21 @@ def _plan(cfg: RunConfig, lay, run_dir: Path) -> float:
 
 
 def _search(cfg: RunConfig, run_dir: Path) -> float:
-    """Search every layout of the model on the cluster; print the report, write search.json and the top-k sweep."""
-    from runner.config import search, search_render
+    """Search every layout of the model on the cluster; print the report, write search.json and the top-k sweep;
+    with search.verify=k, train the top k here briefly and print measured beside predicted."""
+    from runner.config import search, search_render, search_verify
 
     res = search.run(cfg)
     path, cmd = search_render.write(cfg, res, run_dir, list(HydraConfig.get().overrides.task))
     print("\n".join(search_render.lines(cfg, res, cmd)))
     print(f"search written to {path}")
+    k = min(cfg.search.verify, len(res.ranked))
+    if k:
+        v = search_verify.run(res, run_dir, k, cfg.search.verify_steps)
+        print("\n".join(search_verify.lines(v)))
+        search_verify.write(path, v)
+    elif cfg.search.verify:
+        print("verify: no candidate survived, nothing to train")
     if not res.ranked:
         return search_objective.WORST
     best = res.ranked[0]

@@ -116,6 +116,8 @@ BAD = [
     (["search.max_virtual_stages=1"], "search.max_virtual_stages"),
     (["search.max_cp=0"], "search.max_cp"),
     (["search.max_microbatch_size=0"], "search.max_microbatch_size"),
+    (["search.verify=-1"], "search.verify"),
+    (["search.verify=1", "search.verify_steps=1"], "search.verify_steps"),
     (["mode=plan", "objective=final_loss"], "objective"),
     (["monitor.straggler.interval=0"], "monitor.straggler.interval"),
     (["monitor.straggler.factor=1"], "monitor.straggler.factor"),

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from runner.config import flops, memory, plan, search, search_render, steptime, validate
+from runner.config import compare, flops, memory, plan, search, search_render, search_verify, steptime, validate
 from runner.config.problems import ConfigError
 from runner.config.schema import Mode
 from tests.conftest import run_cli
@@ -175,3 +175,104 @@ def test_a_cluster_without_a_peak_prices_nothing_and_writes_no_sweep(compose, tm
     path, cmd = search_render.write(cfg, res, tmp_path, [])
     assert cmd is None and path.is_file() and not (tmp_path / "search").exists()
     assert "unpriced: the cluster has no peak or link bandwidth" in "\n".join(search_render.lines(cfg, res))
+
+
+def _verify_profile(tmp_path):
+    """The CPU test profile with a slow point-to-point link, so that no pipeline ties the top 3 (dp2, dpr2, cp2)."""
+    from runner.config import steptime_profile
+    from tests.test_predictor import _profile
+
+    prof = _profile()
+    for links in prof["collectives"].values():
+        links["send_recv@2"] = {"latency_s": 0.05, "gbs": 1.0}
+    return steptime_profile.write(prof, tmp_path / "profile.json")
+
+
+def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
+    """search.verify=3 on this machine: one multirun of the written sweep's first 3 points, 3 steps each; every row of
+    the printed table is the search's prediction and the job folder's measured median, and the rank agreement is
+    computed from those same numbers."""
+    run = tmp_path / "search"
+    proc = run_cli(
+        "cluster=local_cpu",
+        "cluster.devices_per_node=2",
+        f"cluster.profile={_verify_profile(tmp_path)}",
+        "training.seq_len=64",
+        "training.global_batch_size=4",
+        "search.top_k=3",
+        "search.verify=3",
+        "search.verify_steps=3",
+        "mode=search",
+        run_dir=run,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads((run / "search.json").read_text())
+    v = found["verify"]
+    assert [p["label"] for p in v["points"]] == [r["label"] for r in found["ranked"][:3]] == ["dp2", "dpr2", "cp2"]
+    table = proc.stdout[proc.stdout.index("verify: the top 3 trained here for 3 steps each") :].splitlines()
+    assert table[0].endswith(f"in {run / 'search' / 'verify'}")
+    for i, (row, want) in enumerate(zip(table[2:5], found["ranked"][:3], strict=True)):
+        job = run / "search" / "verify" / str(i)
+        s = json.loads((job / "summary.json").read_text())
+        assert s["steps"] == 3 and s["layout"] == want["label"]
+        measured, err = s["step_time_s_median"], want["step_s"] / s["step_time_s_median"] - 1
+        mbs = "2" if i < 2 else "4"
+        assert row.split() == [str(i + 1), want["label"], mbs, "none", f"{want['step_s']:.3f}", f"{measured:.3f}", f"{100 * err:+.1f}", "%"]
+        assert v["points"][i]["measured_s"] == measured and v["points"][i]["folder"] == str(job)
+    assert not (run / "search" / "verify" / "3").exists()
+    pred, meas = [p["predicted_s"] for p in v["points"]], [p["measured_s"] for p in v["points"]]
+    rho = compare.spearman(pred, meas)
+    assert v["spearman"] == rho and table[5] == f"rank agreement, predicted vs measured: Spearman {rho:.2f} over 3 measured candidates"
+    fastest = min(range(3), key=meas.__getitem__)
+    if fastest == 0:
+        assert table[6] == "predicted #1 (dp2, mbs 2) is the measured fastest"
+    else:
+        gap, name = meas[0] / meas[fastest] - 1, ("dpr2, mbs 2", "cp2, mbs 4")[fastest - 1]
+        assert table[6] == f"predicted #1 (dp2, mbs 2) measures {100 * gap:.1f} % slower than the measured fastest, #{fastest + 1} ({name})"
+    assert v["first_slower_by"] == meas[0] / meas[fastest] - 1
+
+
+def test_verify_lists_a_failed_point_with_its_reason(small, tmp_path):
+    """A job folder with failed.json is a row with the reason, not a crash; under 3 measured points there is no
+    Spearman, and the best predicted that ran stands for #1 when #1 failed."""
+    _, res = small
+    folder = tmp_path / "search" / "verify"
+    results = {
+        "0": ("failed.json", {"exit_code": 1, "error": "RuntimeError: out of memory"}),
+        "1": ("summary.json", {"step_time_s_median": 2.0}),
+        "2": ("summary.json", {"step_time_s_median": 1.5}),
+    }  # top4's job never ran: no folder
+    for job, (name, body) in results.items():
+        (folder / job / ".hydra").mkdir(parents=True)
+        (folder / job / ".hydra" / "overrides.yaml").write_text(f"- +search_top=top{int(job) + 1}\n- training.steps=4\n")
+        (folder / job / name).write_text(json.dumps(body))
+    v = search_verify.collect(res, tmp_path, 4, 4, 1)
+    text = search_verify.lines(v)
+    r = res.ranked
+
+    def ac(ranked):
+        return "" if ranked.candidate.ac == search.AC.none else f", AC {ranked.candidate.ac.value}"
+
+    assert text[2].split("failed: ")[1] == "exit code 1: RuntimeError: out of memory"
+    assert "failed: no result (the multirun exited with code 1; its output is above)" in text[5]
+    assert text[6] == "rank agreement, predicted vs measured: Spearman needs >= 3 measured candidates, 2 measured"
+    assert text[7] == (
+        f"predicted #2 ({r[1].label}, mbs {r[1].candidate.microbatch_size}{ac(r[1])}) (the best predicted that ran) measures 33.3 % "
+        f"slower than the measured fastest, #3 ({r[2].label}, mbs {r[2].candidate.microbatch_size}{ac(r[2])})"
+    )
+    assert (v["spearman"], v["first"], v["fastest"]) == (None, 2, 3)
+
+
+def test_verify_is_refused_before_anything_runs(tmp_path):
+    """More than the sweep holds, on a cluster whose runs start elsewhere: both problems, exit 2, no search.json."""
+    proc = run_cli("cluster=h100x64", "model=llama3_8b", "search.top_k=2", "search.verify=3", "mode=search", run_dir=tmp_path / "r")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        "search.verify = 3: trains candidates of the written sweep, which holds search.top_k = 2. "
+        "Fix: set search.verify to at most 2, or search.top_k=3." in proc.stderr
+    )
+    assert (
+        "search.verify = 3: trains the candidates on this machine, and cluster h100x64 starts its runs elsewhere (8 nodes). "
+        "Fix: set search.verify=0 and run the written sweep on the cluster" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()

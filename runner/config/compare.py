@@ -3,7 +3,10 @@
 Torch-free. Reads what each run folder holds: summary.json (a measured run), plan.json
 (mode=plan), invalid.json (a sweep point that failed validation), failed.json (a run whose
 ranks failed). Measured runs are compared by their measured step time and MFU, plans by the
-predicted ones; invalid and failed points are listed with their reason. No W&B account needed.
+predicted ones; a measured run also shows the step time the predictor gave it (summary.json's
+calibration block) and the error, so a sweep's folder shows both. Invalid and failed points are
+listed with their reason. No W&B account needed. Also home of `spearman`, the rank agreement of
+predicted and measured times (mode=search's verify, bench/predictor_grid.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +61,7 @@ def load(run: Path) -> dict[str, Any] | None:
             "bubble": cal.get("bubble_measured", cal.get("bubble_predicted")),
             "tp_share": None,
             "step_time_s": s["step_time_s_median"],
+            "predicted_s": cal.get("step_time_predicted_s"),  # the predictor on this run's measured peak, or its profile
             "mfu": s["mfu_median"],
             "mfu_note": f"measured, {s.get('flop_convention', 'titan')}",
             "eval_loss": s.get("eval_loss_final"),  # None for runs without evaluation (eval.interval=0)
@@ -71,6 +76,7 @@ def load(run: Path) -> dict[str, Any] | None:
             "bubble": p["bubble_fraction"],
             "tp_share": p["tp_comm_share"],
             "step_time_s": p["estimated_step_time_s"],
+            "predicted_s": p["estimated_step_time_s"],
             "mfu": p["estimated_mfu"],
             "mfu_note": "estimated",
         }
@@ -98,21 +104,56 @@ def _sort_key(r: dict[str, Any]) -> tuple:
     return (r["source"] in ("invalid", "failed"), t is None, t or 0.0)
 
 
+def _ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Pearson correlation of the ranks (ties get their mean rank)."""
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    """The prediction's error as bench/predictor_grid.py counts it: predicted / measured - 1 (negative: too fast)."""
+    return predicted / measured - 1 if predicted and measured else None
+
+
+def _error(r: dict[str, Any]) -> str:
+    """A measured run's prediction error; a plan has nothing measured to be wrong against."""
+    e = error(r["predicted_s"], r["step_time_s"]) if r["source"] == "measured" else None
+    return "-" if e is None else f"{100 * e:+.1f} %"
 
 
 def table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     t = Table(title="layouts by step time", title_justify="left")
-    for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "MFU", "eval loss"):
+    for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "predicted", "error", "MFU", "eval loss"):
         t.add_column(col)
     for r in sorted(rows, key=_sort_key):
         if r["source"] in ("invalid", "failed"):
-            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", "", style="red")
+            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", "", "", "", style="red")
             continue
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f} s"
+        pred = "-" if r["predicted_s"] is None else f"{r['predicted_s']:.3f} s"
         t.add_row(
             r["run"],
             r["degrees"],
@@ -121,6 +162,8 @@ def table(rows: list[dict[str, Any]]):
             _pct(r["bubble"]),
             _pct(r["tp_share"]),
             step,
+            pred,
+            _error(r),
             f"{_pct(r['mfu'])} ({r['mfu_note']})",
             "-" if r.get("eval_loss") is None else f"{r['eval_loss']:.4f}",
         )

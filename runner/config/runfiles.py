@@ -17,6 +17,7 @@
       parity.json          losses and norms of a runner.parity launch
       search.json          mode=search: the space, rejections per reason, the ranked candidates
       search/              mode=search: the sweep of the top candidates (`--config-dir <run folder>/search sweep=search_top`)
+      search/verify/       mode=search with search.verify=k: the top k trained briefly, one multirun job folder each
       dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
       comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
       logs/ranks/          each rank's last state (the forensics records)
@@ -48,6 +49,7 @@ PARITY = "parity.json"
 DRYRUN = "dryrun.json"  # mode=dryrun: per simulated rank, measured memory by category beside the plan
 SEARCH = "search.json"  # mode=search: space, rejections, ranked candidates
 SEARCH_SWEEP = "search"  # mode=search: the Hydra config folder of the top-k sweep
+SEARCH_VERIFY = Path(SEARCH_SWEEP) / "verify"  # search.verify: the sweep folder of the top k trained briefly
 PLOT = "comparison.png"
 LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"

@@ -10,7 +10,7 @@ import math
 
 from runner.config import flops, precision
 from runner.config.problems import Problem
-from runner.config.schema import Backend, DeviceType, RunConfig, WorkerStart
+from runner.config.schema import Backend, DeviceType, Launcher, RunConfig, WorkerStart
 from runner.config.validate_layout import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
@@ -59,10 +59,50 @@ def _search(cfg: RunConfig, out: list[Problem]) -> None:
     for name, least in (("top_k", 1), ("max_virtual_stages", 2), ("max_cp", 1), ("max_microbatch_size", 1)):
         if getattr(s, name) < least:
             out.append(Problem(f"search.{name}", getattr(s, name), f"must be >= {least}", f"set search.{name} to at least {least}"))
+    _verify(cfg, out)
     if cfg.mode.value in ("plan", "search") and cfg.objective.value in ("final_loss", "eval_loss"):
         out.append(
             Problem(
                 "objective", cfg.objective.value, f"mode={cfg.mode.value} trains nothing, so it has no loss", "use step_time or neg_mfu"
+            )
+        )
+
+
+def _verify(cfg: RunConfig, out: list[Problem]) -> None:
+    """search.verify trains the top candidates in a child process on this machine: a cluster whose runs start
+    elsewhere (SLURM, several nodes) cannot be measured from here, and one step alone is all warm-up."""
+    s, c = cfg.search, cfg.cluster
+    if s.verify < 0:
+        out.append(Problem("search.verify", s.verify, "must be >= 0 (0 = off)", "set search.verify=0, or k > 0 to train the top k"))
+    elif s.verify > s.top_k:
+        out.append(
+            Problem(
+                "search.verify",
+                s.verify,
+                f"trains candidates of the written sweep, which holds search.top_k = {s.top_k}",
+                f"set search.verify to at most {s.top_k}, or search.top_k={s.verify}",
+            )
+        )
+    if s.verify <= 0:
+        return
+    if c.launcher != Launcher.local or c.num_nodes != 1:
+        where = f"launcher {c.launcher.value}" if c.launcher != Launcher.local else f"{c.num_nodes} nodes"
+        out.append(
+            Problem(
+                "search.verify",
+                s.verify,
+                f"trains the candidates on this machine, and cluster {c.name} starts its runs elsewhere ({where})",
+                "set search.verify=0 and run the written sweep on the cluster "
+                "(python -m runner --config-dir <run folder>/search sweep=search_top), then python -m runner.compare on it",
+            )
+        )
+    if s.verify_steps < 2:
+        out.append(
+            Problem(
+                "search.verify_steps",
+                s.verify_steps,
+                "must be >= 2: the first step is warm-up, which the measured median leaves out",
+                "set search.verify_steps to at least 2 (e.g. 4)",
             )
         )
 

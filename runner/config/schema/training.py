@@ -248,3 +248,10 @@ class SearchConfig:
     """mode=search: largest context-parallel degree tried."""
     max_microbatch_size: int = 4
     """mode=search: microbatch sizes tried are 1..this (those not dividing the local batch are rejected)."""
+    verify: int = 0
+    """mode=search: train the top this-many candidates here, briefly, as one multirun of the written sweep (into
+    search/verify/), and print their measured step times beside the predicted ones; 0 = off. At most top_k, and
+    only on a cluster that starts on this machine (one node, the local launcher)."""
+    verify_steps: int = 4
+    """mode=search with verify > 0: training.steps of each verify run; the first step is warm-up, which the
+    measured median leaves out, so at least 2."""
