@@ -76,7 +76,7 @@ def _profile(layer_overhead_s: float = 2e-3) -> dict:
 def test_profile_round_trip_and_its_named_constants(compose, tmp_path):
     path = steptime_profile.write(_profile(), tmp_path / "profile.json")
     saved = json.loads(path.read_text())
-    assert saved["kind"] == "runner machine profile" and saved["version"] == 1
+    assert saved["kind"] == "runner machine profile" and saved["version"] == 2
     assert {k: v["unit"] for k, v in saved["constants"].items()} == {
         "layer_overhead_s": "s",
         "dtensor_overhead_s": "s",
@@ -99,6 +99,57 @@ def test_profile_constants_move_their_terms(compose):
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
     assert b.terms["overhead"] - a.terms["overhead"] == pytest.approx(2 * 2e-3 * 6 * micro * 2)  # x2: 4 ranks on 2 cores
     assert a.terms["tp"] > 0 and a.terms["dp"] > 0 and a.terms["pp"] == 0
+
+
+def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(compose):
+    """runner.calibrate's fit inverts the predictor: short runs timed as a profile with a 1.5 ms block cost and a
+    4 ms DTensor collective predicts them give back those two constants, whatever the measured kernels are."""
+    from runner.run import calibrate_runs
+
+    truth = _profile(layer_overhead_s=1.5e-3)
+    truth["constants"]["dtensor_overhead_s"] = steptime_profile.constant("dtensor_overhead_s", 4e-3)
+    runs = []
+    for layers in calibrate_runs.LAYERS:
+        for par in ("single", "tp2"):
+            cfg = compose([*calibrate_runs.TINY, *calibrate_runs.RUN, f"model.num_layers={layers}", f"parallelism={par}"])
+            runs.append((cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s))
+    fit = calibrate_runs.fit_fixed_costs(_profile(layer_overhead_s=0.0), runs)
+    assert fit["layer_overhead_s"]["value"] == pytest.approx(1.5e-3)
+    assert fit["dtensor_overhead_s"]["value"] == pytest.approx(4e-3)
+    assert fit["comm_overlap"]["value"] == 0.0  # gloo: its collectives need the cores the compute holds
+
+
+def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
+    """A run that takes what a profile with in_run_share 0.8 predicts gives back 0.8, and that share slows every
+    kernel term (compute, elementwise) by 1 / 0.8 and nothing else."""
+    from runner.run import calibrate_runs
+
+    slow = _profile()
+    slow["by_ranks"]["2"]["in_run_share"] = 0.8
+    cfg = compose(["model=debug", "parallelism=fsdp", "parallelism.dp_shard=2", *calibrate_runs.RUN_AT_SHAPE])
+    lay = validate.check(cfg)
+    a, b = steptime.predict(cfg, lay, _profile()), steptime.predict(cfg, lay, slow)
+    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == {2: pytest.approx(0.8)}
+    assert b.terms["compute"] == pytest.approx(a.terms["compute"] / 0.8)
+    assert b.terms["non_matmul"] == pytest.approx(a.terms["non_matmul"] / 0.8)
+    assert (b.terms["dp"], b.terms["overhead"]) == (a.terms["dp"], a.terms["overhead"])
+    rows = {name: value for name, value, _ in steptime_profile.describe({**slow, "machine": slow["machine"]})}
+    assert rows["in_run_share, 2 rank(s)"] == "0.800"
+
+
+def test_dtensor_cost_replaces_the_microbenchmark_latency(compose):
+    """A profile's TP collective costs its in-run fixed cost plus bytes / bandwidth: the fitted link latency
+    (1 ms here) does not count, so raising the DTensor cost by 1 ms adds exactly 1 ms per TP collective."""
+    cfg = compose(["model=debug", "parallelism=tp2", "training.global_batch_size=4", "training.microbatch_size=2"])
+    lay = validate.check(cfg)
+    lo, hi = _profile(), _profile()
+    hi["constants"]["dtensor_overhead_s"] = steptime_profile.constant("dtensor_overhead_s", 2e-3)
+    a, b = steptime.predict(cfg, lay, lo).terms["tp"], steptime.predict(cfg, lay, hi).terms["tp"]
+    collectives = 2 * 2 * 2 * cfg.model.num_layers * 2  # (gather + scatter) x 2 sites x 2 passes x blocks x microbatches
+    assert b - a == pytest.approx(1e-3 * collectives)
+    n_bytes = 2 * cfg.training.seq_len * cfg.model.dim * 4  # one microbatch's hidden state, fp32
+    bandwidth_only = collectives / 2 * 2 * (n_bytes / 2) / 1e9  # gather and scatter each send half of it at 1 GB/s
+    assert a == pytest.approx(bandwidth_only + 1e-3 * collectives)
 
 
 def test_fit_link_recovers_latency_and_bandwidth():

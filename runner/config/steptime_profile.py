@@ -4,7 +4,9 @@ Layout of the file, everything measured on the machine with the backend the runs
 - `machine`: CPU model, cores, device, backend, torch version, compute dtype;
 - `by_ranks["<n>"]`: with n ranks on the machine, each rank's threads, its GEMM rate at the model's
   per-rank shapes (`gemms`: [M, K, N, TFLOP/s], forward + backward timed together) and fitted over
-  them (`matmul_tflops`, `gemm_half_dim`), its attention rate and its memory bandwidth;
+  them (`matmul_tflops`, `gemm_half_dim`), its attention rate and the bandwidth of its elementwise
+  kernels, all timed as kernels; and `in_run_share`, the share of those rates it reaches inside a
+  training step, by which the predictor scales them;
 - `collectives["<n>"]`: with n ranks running, latency and bandwidth of each op per group size
   ("all_gather@2"), fitted as seconds = latency + bytes sent / bandwidth;
 - `constants`: the stack's fixed costs and overlap, each with its unit and meaning.
@@ -55,17 +57,18 @@ def _links(collectives: dict[str, dict[str, float]]) -> dict[str, Link]:
 def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
     """The Machine of `world` ranks on the profiled machine."""
     entry = prof["by_ranks"][nearest(prof["by_ranks"], world)]
+    share = entry.get("in_run_share", 1.0)  # the kernels' rate inside a training step over their rate timed alone
     links = _links(prof["collectives"][nearest(prof["collectives"], world)]) if world > 1 and prof["collectives"] else {}
     const = {k: v["value"] for k, v in prof["constants"].items()}
     cores = prof["machine"]["cores"]
     return Machine(
-        matmul_tflops=entry["matmul_tflops"],
-        memory_gbs=entry["memory_gbs"],
+        matmul_tflops=entry["matmul_tflops"] * share,
+        memory_gbs=entry["memory_gbs"] * share,
         bytes_per_element=sm.EAGER_BYTES_PER_ELEMENT,
-        attention_tflops=entry["attention_tflops"],
+        attention_tflops=entry["attention_tflops"] * share,
         links={"intra-node": links, "scale-out": links},
         gemm_half_dim=entry["gemm_half_dim"],
-        gemm_table={(g[0], g[1], g[2]): g[3] for g in entry["gemms"]},
+        gemm_table={(g[0], g[1], g[2]): g[3] * share for g in entry["gemms"]},
         layer_overhead_s=const["layer_overhead_s"],
         dtensor_overhead_s=const["dtensor_overhead_s"],
         dtensor_includes_latency=True,
@@ -135,6 +138,14 @@ def describe(prof: dict[str, Any]) -> list[tuple[str, str, str]]:
                 "large-GEMM rate, size where it halves, fused attention rate, elementwise bandwidth",
             )
         )
+        if "in_run_share" in e:
+            out.append(
+                (
+                    f"in_run_share, {n} rank(s)",
+                    f"{e['in_run_share']:.3f}",
+                    "share of those rates a rank reaches inside a training step (FSDP's copies and hooks, the optimizer, the other ranks)",
+                )
+            )
     for n, ops in sorted(prof["collectives"].items(), key=lambda kv: int(kv[0])):
         for name, v in sorted(ops.items()):
             out.append(

@@ -11,7 +11,9 @@ What it measures (runner/config/steptime_profile.py describes the file):
   running, on the cluster's backend with torch's own ops, fitted as latency + bytes / bandwidth;
 - the stack's fixed costs, fitted from short real runs (Hydra multirun of the runner itself): the cost
   per transformer block pass from runs that differ only in their number of blocks, the cost per DTensor
-  collective from the same runs with TP 2.
+  collective from the same runs with TP 2;
+- per rank count, the share of the timed kernels' rate a rank reaches inside a training step, from short
+  FSDP runs of the calibrated model on 1, 2, 4 ... ranks.
 """
 
 from __future__ import annotations
@@ -269,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     profile["collectives"] = {str(n): calibrate_runs.collectives(cfgs[0], n, sizes, reps) for n in rank_counts if n > 1}
     console.print("short runs for the fixed costs ...")
     with tempfile.TemporaryDirectory() as tmp:
-        profile["constants"] = calibrate_runs.fixed_costs(profile, base, Path(tmp), quick=args.quick)
+        profile["constants"] = calibrate_runs.fixed_costs(profile, base, Path(tmp) / "fixed", quick=args.quick)
+        console.print("short runs of the model for the in-run share of the kernels' rate ...")
+        shares = calibrate_runs.in_run_shares(profile, base, rank_counts, Path(tmp) / "share", quick=args.quick)
+    for n, share in shares.items():
+        profile["by_ranks"][str(n)]["in_run_share"] = share
     path = steptime_profile.write(profile, Path(args.out).expanduser())
     table = Table(title=f"machine profile {path}", title_justify="left")
     for col in ("figure", "value", "meaning"):

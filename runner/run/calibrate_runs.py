@@ -25,6 +25,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 TINY = ["model=debug", "model.dim=64", "model.ffn_hidden_dim=192", "model.num_heads=4", "model.num_kv_heads=4", "training.seq_len=64"]
 RUN = ["training.global_batch_size=4", "training.microbatch_size=2", "data=synthetic", "logging.progress=false", "checkpoint=none"]
 LAYERS = (2, 6)
+# the in-run share runs: the calibrated model itself, 2 samples per microbatch, 8 per step
+RUN_AT_SHAPE = ["training.global_batch_size=8", "training.microbatch_size=2", "data=synthetic", "logging.progress=false", "checkpoint=none"]
 
 
 def _sent(op: str, group: int, tensor_bytes: float) -> float:
@@ -107,12 +109,9 @@ def collectives(cfg: RunConfig, world: int, sizes: tuple[int, ...], reps: int) -
         return json.loads(out.read_text())
 
 
-def _short_runs(base: list[str], folder: Path, quick: bool) -> list[tuple[RunConfig, float]]:
-    """Train the tiny model with 2 and 6 blocks, on one rank and with TP 2 (one Hydra multirun): (config, median step)."""
-    steps = "training.steps=6" if quick else "training.steps=16"
-    layers = "model.num_layers=" + ",".join(map(str, LAYERS))
-    argv = [sys.executable, "-m", "runner", "-m", *base, *TINY, *RUN, steps, layers, "parallelism=single,tp2", f"hydra.sweep.dir={folder}"]
-    proc = subprocess.run(argv, capture_output=True, text=True)
+def _multirun(argv: list[str], folder: Path) -> list[tuple[RunConfig, float]]:
+    """Run `python -m runner -m <argv>` into folder: each job's (frozen config, median step time)."""
+    proc = subprocess.run([sys.executable, "-m", "runner", "-m", *argv, f"hydra.sweep.dir={folder}"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the short runs failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     out = []
@@ -120,6 +119,13 @@ def _short_runs(base: list[str], folder: Path, quick: bool) -> list[tuple[RunCon
         cfg = freeze.load(summary.parent / runfiles.FROZEN)
         out.append((cfg, json.loads(summary.read_text())["step_time_s_median"]))
     return out
+
+
+def _short_runs(base: list[str], folder: Path, quick: bool) -> list[tuple[RunConfig, float]]:
+    """Train the tiny model with 2 and 6 blocks, on one rank and with TP 2 (one Hydra multirun): (config, median step)."""
+    steps = "training.steps=6" if quick else "training.steps=16"
+    layers = "model.num_layers=" + ",".join(map(str, LAYERS))
+    return _multirun([*base, *TINY, *RUN, steps, layers, "parallelism=single,tp2"], folder)
 
 
 def _residual(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float:
@@ -150,3 +156,32 @@ def fit_fixed_costs(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]
         "dtensor_overhead_s": steptime_profile.constant("dtensor_overhead_s", dtensor),
         "comm_overlap": steptime_profile.constant("comm_overlap", overlap),
     }
+
+
+def _compute_s(pred: steptime.StepPrediction) -> float:
+    return sum(pred.terms[t] for t in ("compute", "non_matmul", "recompute"))
+
+
+def fit_in_run_shares(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]) -> dict[int, float]:
+    """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step: the
+    predicted kernel time over what the run took beyond its other predicted terms (stack costs,
+    communication). Below 1 when the step's own work around the kernels (FSDP's copies and hooks, the
+    optimizer, other ranks' processes on the same cores) slows them; one figure per rank count, for
+    every layout with that many ranks."""
+    out = {}
+    for cfg, measured in runs:
+        lay = resolve(cfg.parallelism, cfg.cluster)
+        pred = steptime.predict(cfg, lay, profile)
+        kernels = _compute_s(pred)
+        out[lay.world_size] = min(3.0, max(0.2, kernels / max(measured - (pred.step_s - kernels), 1e-9)))
+    return out
+
+
+def in_run_shares(profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool) -> dict[int, float]:
+    """Train the calibrated model (its first shapes) with FSDP over each rank count, one Hydra multirun, and fit
+    fit_in_run_shares on the profile as measured so far (its in-run shares 1)."""
+    steps = "training.steps=4" if quick else "training.steps=6"
+    degrees = "parallelism.dp_shard=" + ",".join(map(str, rank_counts))
+    own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
+    runs = _multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder)
+    return fit_in_run_shares(profile, runs)
