@@ -67,7 +67,7 @@ def _profile(layer_overhead_s: float = 2e-3) -> dict:
         "collectives": {n: {f"{op}@2": link for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")} for n in ("2", "4")},
         "constants": {
             "layer_overhead_s": steptime_profile.constant("layer_overhead_s", layer_overhead_s),
-            "dtensor_overhead_s": steptime_profile.constant("dtensor_overhead_s", 1e-3),
+            "collective_fixed_s": steptime_profile.constant("collective_fixed_s", 1e-3),
             "comm_overlap": steptime_profile.constant("comm_overlap", 0.0),
         },
     }
@@ -79,7 +79,7 @@ def test_profile_round_trip_and_its_named_constants(compose, tmp_path):
     assert saved["kind"] == "runner machine profile" and saved["version"] == 2
     assert {k: v["unit"] for k, v in saved["constants"].items()} == {
         "layer_overhead_s": "s",
-        "dtensor_overhead_s": "s",
+        "collective_fixed_s": "s",
         "comm_overlap": "fraction",
     }
     assert all(v["meaning"] for v in saved["constants"].values())
@@ -103,11 +103,11 @@ def test_profile_constants_move_their_terms(compose):
 
 def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(compose):
     """runner.calibrate's fit inverts the predictor: short runs timed as a profile with a 1.5 ms block cost and a
-    4 ms DTensor collective predicts them give back those two constants, whatever the measured kernels are."""
+    4 ms collective predicts them give back those two constants, whatever the measured kernels are."""
     from runner.run import calibrate_runs
 
     truth = _profile(layer_overhead_s=1.5e-3)
-    truth["constants"]["dtensor_overhead_s"] = steptime_profile.constant("dtensor_overhead_s", 4e-3)
+    truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 4e-3)
     runs = []
     for layers in calibrate_runs.LAYERS:
         for par in ("single", "tp2"):
@@ -115,7 +115,7 @@ def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(co
             runs.append((cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s))
     fit = calibrate_runs.fit_fixed_costs(_profile(layer_overhead_s=0.0), runs)
     assert fit["layer_overhead_s"]["value"] == pytest.approx(1.5e-3)
-    assert fit["dtensor_overhead_s"]["value"] == pytest.approx(4e-3)
+    assert fit["collective_fixed_s"]["value"] == pytest.approx(4e-3)
     assert fit["comm_overlap"]["value"] == 0.0  # gloo: its collectives need the cores the compute holds
 
 
@@ -137,13 +137,13 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     assert rows["in_run_share, 2 rank(s)"] == "0.800"
 
 
-def test_dtensor_cost_replaces_the_microbenchmark_latency(compose):
-    """A profile's TP collective costs its in-run fixed cost plus bytes / bandwidth: the fitted link latency
-    (1 ms here) does not count, so raising the DTensor cost by 1 ms adds exactly 1 ms per TP collective."""
+def test_in_run_collective_cost_replaces_the_microbenchmark_latency(compose):
+    """A profile's collective costs its in-run fixed cost plus bytes / bandwidth: the fitted link latency
+    (1 ms here) does not count, so raising the fixed cost by 1 ms adds exactly 1 ms per TP collective."""
     cfg = compose(["model=debug", "parallelism=tp2", "training.global_batch_size=4", "training.microbatch_size=2"])
     lay = validate.check(cfg)
     lo, hi = _profile(), _profile()
-    hi["constants"]["dtensor_overhead_s"] = steptime_profile.constant("dtensor_overhead_s", 2e-3)
+    hi["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 2e-3)
     a, b = steptime.predict(cfg, lay, lo).terms["tp"], steptime.predict(cfg, lay, hi).terms["tp"]
     collectives = 2 * 2 * 2 * cfg.model.num_layers * 2  # (gather + scatter) x 2 sites x 2 passes x blocks x microbatches
     assert b - a == pytest.approx(1e-3 * collectives)

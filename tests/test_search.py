@@ -128,8 +128,8 @@ def test_bounds_and_why_line_are_printed(small):
     second = res.ranked[1]  # not tied here: the line names #2, the term that separates them and both values
     gap, term = second.step_s - res.ranked[0].step_s, why.split("its ")[1].split(" term")[0]
     assert (
-        why.startswith(f"#1 beats #2 ({second.label}) by {gap:.3f} s")
-        and f"({res.ranked[0].terms[term]:.3f} vs {second.terms[term]:.3f} s)" in why
+        why.startswith(f"#1 beats #2 ({second.label}) by {gap:.3g} s")
+        and f"({res.ranked[0].terms[term]:.3g} s vs {second.terms[term]:.3g} s)" in why
     )
 
 

@@ -47,14 +47,19 @@ def _row(i: int, r: Ranked) -> str:
     )
 
 
+def _secs(x: float) -> str:
+    """Seconds with 3 significant digits, so a gap of 0.2 ms does not print as 0.000 s."""
+    return f"{x:.3g} s"
+
+
 def _beats(a: Ranked, b: Ranked, i: int) -> str:
     """#1 against #i: the time gap and the term that differs most."""
     gap = b.step_s - a.step_s
     diff = {k: b.terms.get(k, 0.0) - a.terms.get(k, 0.0) for k in set(a.terms) | set(b.terms)}
     term = max(diff, key=diff.get)
     return (
-        f"#1 beats #{i} ({b.label}) by {gap:.3f} s ({100 * gap / b.step_s:.1f} %): its {term} term is {diff[term]:.3f} s shorter "
-        f"({a.terms.get(term, 0):.3f} vs {b.terms.get(term, 0):.3f} s)"
+        f"#1 beats #{i} ({b.label}) by {_secs(gap)} ({100 * gap / b.step_s:.2g} %): its {term} term is {_secs(diff[term])} "
+        f"shorter ({_secs(a.terms.get(term, 0))} vs {_secs(b.terms.get(term, 0))})"
     )
 
 

@@ -72,7 +72,10 @@ def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: flo
     if group <= 1:
         return 0.0
     sent = {"all_reduce": 2 * (group - 1) / group, "send_recv": 1.0}.get(op, (group - 1) / group) * tensor_bytes
-    return mach.link(kind, op, group).seconds(sent)
+    link = mach.link(kind, op, group)
+    if mach.collective_fixed_s is not None:  # measured in runs: stretched like compute when ranks share cores
+        return sent / (link.gbs * 1e9) + mach.collective_fixed_s * mach.cpu_share
+    return link.seconds(sent)
 
 
 def _tp_cp_ep(
@@ -84,10 +87,7 @@ def _tp_cp_ep(
     fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
 
     def dtensor(axis: str, op: str, group: int, tensor_bytes: float) -> float:
-        secs = _collective(mach, kinds[axis], op, group, tensor_bytes)
-        if mach.dtensor_includes_latency:  # the in-run fixed cost replaces the microbenchmark's latency
-            secs -= mach.link(kinds[axis], op, group).latency_s
-        return secs + fixed
+        return _collective(mach, kinds[axis], op, group, tensor_bytes) + fixed
 
     tp = 0.0
     if lay.tp > 1:

@@ -22,7 +22,7 @@ from runner.config.schema import RunConfig
 
 DATASHEET = "datasheet, not calibrated"
 PROFILE_KIND = "runner machine profile"
-PROFILE_VERSION = 2  # 2: dtensor_overhead_s includes the collective's latency; memory_gbs from the block's own kernels
+PROFILE_VERSION = 2  # 2: collective_fixed_s, in_run_share; memory_gbs from the block's own kernels
 
 # Constants of the datasheet model (GPU, NCCL, TorchTitan eager), each with its physical meaning.
 GEMM_HALF_DIM = 96.0
@@ -74,11 +74,11 @@ class Machine:
     layer_overhead_s: float = 0.0
     """Fixed seconds per transformer block per pass (forward or backward): kernel dispatch not hidden behind work."""
     dtensor_overhead_s: float = 0.0
-    """Fixed seconds per collective issued through DTensor (TP, CP) beyond the bytes it moves."""
-    dtensor_includes_latency: bool = False
-    """True when dtensor_overhead_s was measured in real runs (a profile), where it holds the collective's
-    latency too: a TP or CP collective then costs it plus bytes / bandwidth. A microbenchmark's latency
-    (a line fitted over 64 KiB-4 MiB) misstates the small collectives the stack issues."""
+    """Fixed CPU seconds per collective issued through DTensor (TP, CP) beyond the collective itself."""
+    collective_fixed_s: float | None = None
+    """Fixed seconds of one collective inside a training step (its launch and latency, and waiting for peers that
+    are still computing), measured in real runs (a profile); when set it replaces the links' latency, fitted
+    over 64 KiB-4 MiB by a microbenchmark whose ranks do nothing else, for every collective."""
     comm_overlap: float = 1.0
     """Share of FSDP/DP traffic that runs while the rank computes (a GPU's separate stream: 1)."""
     cpu_share: float = 1.0

@@ -28,9 +28,9 @@ from runner.config.steptime_machine import Link, Machine
 
 CONSTANTS = {
     "layer_overhead_s": ("s", "fixed cost of one transformer block's forward or backward beyond its GEMMs and kernels (dispatch)"),
-    "dtensor_overhead_s": (
+    "collective_fixed_s": (
         "s",
-        "fixed cost of one collective issued through DTensor (TP and CP), its latency included, beyond the bytes it moves",
+        "fixed cost of one collective inside a training step (launch, latency, waiting for its peers), beyond its bytes / bandwidth",
     ),
     "comm_overlap": ("fraction", "share of FSDP/DP collective time that runs while the rank computes"),
 }
@@ -70,8 +70,7 @@ def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
         gemm_half_dim=entry["gemm_half_dim"],
         gemm_table={(g[0], g[1], g[2]): g[3] * share for g in entry["gemms"]},
         layer_overhead_s=const["layer_overhead_s"],
-        dtensor_overhead_s=const["dtensor_overhead_s"],
-        dtensor_includes_latency=True,
+        collective_fixed_s=const["collective_fixed_s"],
         comm_overlap=const["comm_overlap"],
         cpu_share=max(1.0, world * entry["threads"] / cores),
         calibrated=True,

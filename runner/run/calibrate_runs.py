@@ -139,9 +139,8 @@ def fixed_costs(profile: dict[str, Any], base: list[str], folder: Path, quick: b
 
 def fit_fixed_costs(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]) -> dict[str, Any]:
     """What the runs with 6 blocks take beyond those with 2, less what the measured GEMMs, kernels and the
-    collectives' bytes explain: per block pass (single rank), and per DTensor collective (TP 2: 2 passes
-    x 2 all-gathers + 2 reduce-scatters per block; its latency included, the tiny runs' collectives being
-    all latency)."""
+    collectives' bytes explain: per block pass (single rank), and per collective inside a run (TP 2: 2
+    passes x 2 all-gathers + 2 reduce-scatters per block, the tiny runs' collectives being all latency)."""
     zero = {**profile, "constants": {n: steptime_profile.constant(n, 0.0) for n in steptime_profile.CONSTANTS}}
     res = {(c.model.num_layers, c.parallelism.tp): _residual(zero, c, t) for c, t in runs}
     cfg = runs[0][0]
@@ -149,11 +148,11 @@ def fit_fixed_costs(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]
     extra_blocks = LAYERS[1] - LAYERS[0]
     block = max(0.0, (res[(LAYERS[1], 1)] - res[(LAYERS[0], 1)]) / (extra_blocks * 2 * micro))
     tp_block = (res[(LAYERS[1], 2)] - res[(LAYERS[0], 2)]) / (extra_blocks * micro)  # per block and microbatch, TP 2
-    dtensor = max(0.0, (tp_block - 2 * block) / 8)
+    dtensor = max(0.0, (tp_block - 2 * block) / 8)  # per TP collective
     overlap = 1.0 if cfg.cluster.backend.value == "nccl" else 0.0  # gloo's collectives need the cores the compute holds
     return {
         "layer_overhead_s": steptime_profile.constant("layer_overhead_s", block),
-        "dtensor_overhead_s": steptime_profile.constant("dtensor_overhead_s", dtensor),
+        "collective_fixed_s": steptime_profile.constant("collective_fixed_s", dtensor),
         "comm_overlap": steptime_profile.constant("comm_overlap", overlap),
     }
 
@@ -180,7 +179,7 @@ def fit_in_run_shares(profile: dict[str, Any], runs: list[tuple[RunConfig, float
 def in_run_shares(profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool) -> dict[int, float]:
     """Train the calibrated model (its first shapes) with FSDP over each rank count, one Hydra multirun, and fit
     fit_in_run_shares on the profile as measured so far (its in-run shares 1)."""
-    steps = "training.steps=4" if quick else "training.steps=6"
+    steps = "training.steps=4" if quick else "training.steps=8"
     degrees = "parallelism.dp_shard=" + ",".join(map(str, rank_counts))
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
     runs = _multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder)
