@@ -178,13 +178,13 @@ def test_a_cluster_without_a_peak_prices_nothing_and_writes_no_sweep(compose, tm
 
 
 def _verify_profile(tmp_path):
-    """The CPU test profile with a slow point-to-point link, so that no pipeline ties the top 3 (dp2, dpr2, cp2)."""
+    """The CPU test profile with a slow point-to-point link (1 MB/s), so that no pipeline ties the top 3 (dp2, dpr2, tp2)."""
     from runner.config import steptime_profile
     from tests.test_predictor import _profile
 
     prof = _profile()
     for links in prof["collectives"].values():
-        links["send_recv@2"] = {"latency_s": 0.05, "gbs": 1.0}
+        links["send_recv@2"] = {"latency_s": 0.05, "gbs": 0.001}  # a profile's collectives cost their bytes + collective_fixed_s
     return steptime_profile.write(prof, tmp_path / "profile.json")
 
 
@@ -208,7 +208,7 @@ def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads((run / "search.json").read_text())
     v = found["verify"]
-    assert [p["label"] for p in v["points"]] == [r["label"] for r in found["ranked"][:3]] == ["dp2", "dpr2", "cp2"]
+    assert [p["label"] for p in v["points"]] == [r["label"] for r in found["ranked"][:3]] == ["dp2", "dpr2", "tp2"]
     table = proc.stdout[proc.stdout.index("verify: the top 3 trained here for 3 steps each") :].splitlines()
     assert table[0].endswith(f"in {run / 'search' / 'verify'}")
     for i, (row, want) in enumerate(zip(table[2:5], found["ranked"][:3], strict=True)):
@@ -227,7 +227,8 @@ def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
     if fastest == 0:
         assert table[6] == "predicted #1 (dp2, mbs 2) is the measured fastest"
     else:
-        gap, name = meas[0] / meas[fastest] - 1, ("dpr2, mbs 2", "cp2, mbs 4")[fastest - 1]
+        p = v["points"][fastest]
+        gap, name = meas[0] / meas[fastest] - 1, f"{p['label']}, mbs {p['microbatch_size']}"
         assert table[6] == f"predicted #1 (dp2, mbs 2) measures {100 * gap:.1f} % slower than the measured fastest, #{fastest + 1} ({name})"
     assert v["first_slower_by"] == meas[0] / meas[fastest] - 1
 
