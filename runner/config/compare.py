@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
 
-    console = Console(highlight=False, width=200)
+    console = Console(highlight=False, width=240)  # wide enough for a failed run's reason on one line beside 11 columns
     console.print(table(rows))
     out = plot(rows, args.plot or plot_folder(args.paths) / runfiles.PLOT)
     if out:
