@@ -63,7 +63,7 @@ def _profile(layer_overhead_s: float = 2e-3) -> dict:
     link = {"latency_s": 1e-3, "gbs": 1.0}
     return {
         "machine": {"cpu": "test cpu", "cores": 2, "device": "cpu", "backend": "gloo", "torch": "2.13", "dtype": "float32"},
-        "by_ranks": {"1": {**entry, "threads": 2}, "2": entry, "4": entry},
+        "by_ranks": {"1": {**entry, "threads": 2}, "2": dict(entry), "4": dict(entry)},
         "collectives": {n: {f"{op}@2": link for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")} for n in ("2", "4")},
         "constants": {
             "layer_overhead_s": steptime_profile.constant("layer_overhead_s", layer_overhead_s),
@@ -81,7 +81,7 @@ def test_profile_round_trip_and_its_named_constants(compose, tmp_path):
         "layer_overhead_s": "s",
         "collective_fixed_s": "s",
         "comm_overlap": "fraction",
-    }
+    }  # dp_collective_fixed_s is optional: FSDP's collectives cost collective_fixed_s without it
     assert all(v["meaning"] for v in saved["constants"].values())
     rows = {name: value for name, value, _ in steptime_profile.describe(saved)}
     assert rows["layer_overhead_s"] == "0.002 s" and rows["all_gather@2 (4 ranks running)"] == "1000 us + bytes / 1.00 GB/s"
@@ -129,12 +129,57 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     cfg = compose(["model=debug", "parallelism=fsdp", "parallelism.dp_shard=2", *calibrate_runs.RUN_AT_SHAPE])
     lay = validate.check(cfg)
     a, b = steptime.predict(cfg, lay, _profile()), steptime.predict(cfg, lay, slow)
-    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == {2: pytest.approx(0.8)}
+    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, None)
     assert b.terms["compute"] == pytest.approx(a.terms["compute"] / 0.8)
     assert b.terms["non_matmul"] == pytest.approx(a.terms["non_matmul"] / 0.8)
     assert (b.terms["dp"], b.terms["overhead"]) == (a.terms["dp"], a.terms["overhead"])
     rows = {name: value for name, value, _ in steptime_profile.describe({**slow, "machine": slow["machine"]})}
     assert rows["in_run_share, 2 rank(s)"] == "0.800"
+
+
+def test_pipeline_run_gives_the_share_and_fsdp_run_its_collective_cost(compose):
+    """Runs timed as a profile with in-run shares 0.9 (2 ranks) and 0.7 (4 ranks) and a 6 ms FSDP collective
+    predicts them: the 2-rank pipeline run (no data-parallel collectives) gives back 0.9, the 2-rank FSDP run then
+    6 ms, and the 4-rank FSDP run 0.7 with that cost. The cost moves FSDP's term only, not TP's."""
+    from runner.run import calibrate_runs
+
+    truth = _profile()
+    truth["by_ranks"]["2"]["in_run_share"], truth["by_ranks"]["4"]["in_run_share"] = 0.9, 0.7
+    truth["constants"]["dp_collective_fixed_s"] = steptime_profile.constant("dp_collective_fixed_s", 6e-3)
+
+    def timed(overrides):
+        cfg = compose(["model=debug", *calibrate_runs.RUN_AT_SHAPE, *overrides])
+        return cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s
+
+    fsdp = [timed(["parallelism=fsdp", f"parallelism.dp_shard={n}"]) for n in (2, 4)]
+    pipeline = [timed(["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])]
+    shares, dp_fixed = calibrate_runs.fit_in_run_shares(_profile(), fsdp, pipeline)
+    assert shares == {2: pytest.approx(0.9), 4: pytest.approx(0.7)} and dp_fixed == pytest.approx(6e-3)
+    cfg = pipeline[0][0]
+    assert calibrate_runs._median_runs([[(cfg, 1.0)], [(cfg, 3.0)], [(cfg, 1.5)]]) == [(cfg, 1.5)]  # over repetitions
+    tp = compose(["model=debug", "parallelism=dp2_tp2"])
+    plain = steptime.predict(tp, validate.check(tp), _profile())
+    dp_cost = steptime.predict(tp, validate.check(tp), {**truth, "by_ranks": _profile()["by_ranks"]})
+    assert dp_cost.terms["tp"] == plain.terms["tp"] and dp_cost.terms["dp"] > plain.terms["dp"]
+
+
+def test_pipeline_bubble_is_the_fill_and_drain_through_the_other_ranks_first_stages(compose):
+    """pp 2 x 2 virtual stages on the 6-block debug model: TorchTitan's split is 1, 2, 2, 1 blocks (embedding and head
+    count as a layer each); rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 and the head. Rank 1 is the busiest
+    and waits for one microbatch through stage 0 (1 block) at the start and the end: one block's chunk, not (p - 1)
+    x the largest stage (2 blocks). Split 3, 3 without interleaving, rank 1 holds the same work and waits for stage
+    0's 3 blocks: the classical sum of the stages + (m - 1) x the slowest."""
+    plain = _profile(layer_overhead_s=0.0)
+
+    def pred(overrides):
+        cfg = compose(["model=debug", "training.global_batch_size=8", "training.microbatch_size=2", *overrides])
+        return steptime.predict(cfg, validate.check(cfg), plain)
+
+    interleaved = pred(["parallelism=pp2_interleaved"])
+    even = pred(["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])
+    assert even.terms["compute"] == pytest.approx(interleaved.terms["compute"])  # rank 1: 3 blocks and the head
+    assert even.terms["bubble"] == pytest.approx(3 * interleaved.terms["bubble"])
+    assert 12 * interleaved.terms["bubble"] < even.terms["compute"] + even.terms["non_matmul"]  # 4 microbatches x 3 blocks + head
 
 
 def test_in_run_collective_cost_replaces_the_microbenchmark_latency(compose):

@@ -7,7 +7,7 @@ seconds per step on the busiest rank:
   and the optimizer step;
 - recompute: the forward work activation checkpointing repeats (full, selective per op or per layer);
 - overhead: the stack's fixed cost per block pass (dispatch) and per TP collective (DTensor);
-- bubble: pipeline fill and drain, (p - 1) passes of the slowest stage chunk;
+- bubble: pipeline fill and drain around the busiest rank, through the other ranks' first stages;
 - tp, pp, cp, ep: their collectives, on the critical path;
 - dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, less what runs under the
   block's compute.
@@ -67,14 +67,16 @@ def _layer_frequency(cfg: RunConfig) -> int:
     return getattr(cfg.training, "ac_layer_frequency", 2)
 
 
-def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: float) -> float:
-    """Seconds of one ring collective over `group` ranks on a tensor of `tensor_bytes` (the whole, gathered size)."""
+def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: float, fixed: float | None = None) -> float:
+    """Seconds of one ring collective over `group` ranks on a tensor of `tensor_bytes` (the whole, gathered size);
+    `fixed`: its in-run fixed cost when not the machine's collective_fixed_s."""
     if group <= 1:
         return 0.0
     sent = {"all_reduce": 2 * (group - 1) / group, "send_recv": 1.0}.get(op, (group - 1) / group) * tensor_bytes
     link = mach.link(kind, op, group)
-    if mach.collective_fixed_s is not None:  # measured in runs: stretched like compute when ranks share cores
-        return sent / (link.gbs * 1e9) + mach.collective_fixed_s * mach.cpu_share
+    fixed = mach.collective_fixed_s if fixed is None else fixed
+    if fixed is not None:  # measured in runs: stretched like compute when ranks share cores
+        return sent / (link.gbs * 1e9) + fixed * mach.cpu_share
     return link.seconds(sent)
 
 
@@ -163,9 +165,10 @@ def _dp_per_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, s
     shard = lay.dp_shard * lay.cp  # TorchTitan shards parameters over dp_shard x cp
     syncs = 1 if lay.pp > 1 else micro
     gathers = 1 if keeps_weights_gathered(cfg, lay) else 2 * micro
-    secs = gathers * _collective(mach, kinds["dp_shard"], "all_gather", shard, params * bw)
-    secs += syncs * _collective(mach, kinds["dp_shard"], "reduce_scatter", shard, params * br)
-    return secs + syncs * _collective(mach, kinds["dp_replicate"], "all_reduce", lay.dp_replicate, params / shard * br)
+    f = mach.dp_collective_fixed_s
+    secs = gathers * _collective(mach, kinds["dp_shard"], "all_gather", shard, params * bw, f)
+    secs += syncs * _collective(mach, kinds["dp_shard"], "reduce_scatter", shard, params * br, f)
+    return secs + syncs * _collective(mach, kinds["dp_replicate"], "all_reduce", lay.dp_replicate, params / shard * br, f)
 
 
 def _optimizer_s(cfg: RunConfig, lay: Layout, mach: Machine) -> float:
@@ -188,7 +191,9 @@ def _work(c: _Chunk) -> float:
 
 def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: list[list[int]], micro: int, share: float) -> tuple[_Chunk, float, int]:
     """The busiest pipeline rank's terms per step (its blocks, and the head on the rank of the last stage)
-    and the bubble: (p - 1) passes of the slowest stage chunk. With the cores shared (CPU ranks > cores)
+    and its bubble: the fill and drain around it, one microbatch's forward and backward through every
+    other rank's first stage ((p - 1) stage chunks when the stages are even; the classical
+    sum-of-stages + (m - 1) x slowest-stage step when v = 1). With the cores shared (CPU ranks > cores)
     every rank's work is spread over them, so a stage's idle time goes to the other ranks: the compute
     terms stretch by `share` x the mean rank's work / the busiest's, and the bubble shrinks by as much."""
     last = len(stages) - 1
@@ -196,7 +201,8 @@ def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: list[list[int]], m
     b, h = blk.total(), head.total()
     busiest = max(range(len(stages)), key=lambda r: blocks[r] * b + (h if r == last else 0.0))
     rank = _scaled(_add(_scaled(blk, blocks[busiest]), head if busiest == last else _Chunk()), micro)
-    bubble = (lay.pp - 1) * max(max(n * b for row in stages for n in row), stages[-1][-1] * b + h) if lay.pp > 1 else 0.0
+    first = [row[0] * b + (h if r == last and len(row) == 1 else 0.0) for r, row in enumerate(stages)]  # stage r on rank r
+    bubble = sum(first) - first[busiest]
     if share <= 1:
         return rank, bubble, blocks[busiest]
     work = [micro * (n * _work(blk) + (_work(head) if r == last else 0.0)) for r, n in enumerate(blocks)]

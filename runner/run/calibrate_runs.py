@@ -157,30 +157,85 @@ def fit_fixed_costs(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]
     }
 
 
-def _compute_s(pred: steptime.StepPrediction) -> float:
-    return sum(pred.terms[t] for t in ("compute", "non_matmul", "recompute"))
+def _share(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float:
+    """The in-run share with which the profile predicts the run's measured step time (bisection: the predicted
+    time falls as the share rises, through the kernels and the bubble they set), within 0.2-3."""
+    lay = resolve(cfg.parallelism, cfg.cluster)
+    n = steptime_profile.nearest(profile["by_ranks"], lay.world_size)
+
+    def predicted(share: float) -> float:
+        by_ranks = {**profile["by_ranks"], n: {**profile["by_ranks"][n], "in_run_share": share}}
+        return steptime.predict(cfg, lay, {**profile, "by_ranks": by_ranks}).step_s
+
+    lo, hi = 0.2, 3.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) > measured else (lo, mid)
+    return (lo + hi) / 2
 
 
-def fit_in_run_shares(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]) -> dict[int, float]:
-    """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step: the
-    predicted kernel time over what the run took beyond its other predicted terms (stack costs,
-    communication). Below 1 when the step's own work around the kernels (FSDP's copies and hooks, the
-    optimizer, other ranks' processes on the same cores) slows them; one figure per rank count, for
-    every layout with that many ranks."""
-    out = {}
-    for cfg, measured in runs:
+def _with(profile: dict[str, Any], shares: dict[int, float], dp_fixed: float | None) -> dict[str, Any]:
+    by_ranks = {n: {**e, "in_run_share": shares.get(int(n), e.get("in_run_share", 1.0))} for n, e in profile["by_ranks"].items()}
+    constants = dict(profile["constants"])
+    if dp_fixed is not None:
+        constants["dp_collective_fixed_s"] = steptime_profile.constant("dp_collective_fixed_s", dp_fixed)
+    return {**profile, "by_ranks": by_ranks, "constants": constants}
+
+
+def fit_in_run_shares(
+    profile: dict[str, Any], runs: list[tuple[RunConfig, float]], pipeline: list[tuple[RunConfig, float]] = ()
+) -> tuple[dict[int, float], float | None]:
+    """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the
+    in-run fixed cost of one FSDP/DDP collective. `runs` are FSDP runs over several rank counts; `pipeline`
+    a pipeline run (no data-parallel collectives) on one of them.
+    - The pipeline run and the 1-rank run (whose FSDP has no peer) give the share on their rank counts: the
+      predicted kernel time over what the run took beyond its other predicted terms.
+    - The FSDP run on the pipeline's rank count then gives the FSDP/DDP collective's fixed cost: what it took
+      beyond the prediction with that share, over its collectives (the predicted time is linear in the cost).
+    - The FSDP runs on the other rank counts give their shares with that cost.
+    Below 1 when the step's own work around the kernels (hooks, the optimizer, other ranks' processes on the same
+    cores) slows them; one figure per rank count, for every layout with that many ranks. Without a pipeline run
+    the FSDP runs give every share and the FSDP collectives cost collective_fixed_s (None returned)."""
+
+    def world(cfg: RunConfig) -> int:
+        return resolve(cfg.parallelism, cfg.cluster).world_size
+
+    known = {world(c): _share(profile, c, t) for c, t in [*[r for r in runs if world(r[0]) == 1], *pipeline]}
+    dp_fixed = None
+    paired = [(c, t) for c, t in runs if world(c) > 1 and world(c) in known]
+    if paired:
+        cfg, measured = paired[0]
         lay = resolve(cfg.parallelism, cfg.cluster)
-        pred = steptime.predict(cfg, lay, profile)
-        kernels = _compute_s(pred)
-        out[lay.world_size] = min(3.0, max(0.2, kernels / max(measured - (pred.step_s - kernels), 1e-9)))
-    return out
+        at = [steptime.predict(cfg, lay, _with(profile, known, f)).step_s for f in (0.0, 1e-3)]
+        dp_fixed = max(0.0, (measured - at[0]) / ((at[1] - at[0]) / 1e-3)) if at[1] > at[0] else 0.0
+    fitted = _with(profile, known, dp_fixed)
+    shares = {**{world(c): _share(fitted, c, t) for c, t in runs if world(c) not in known}, **known}
+    return dict(sorted(shares.items())), dp_fixed
 
 
-def in_run_shares(profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool) -> dict[int, float]:
-    """Train the calibrated model (its first shapes) with FSDP over each rank count, one Hydra multirun, and fit
-    fit_in_run_shares on the profile as measured so far (its in-run shares 1)."""
+def _median_runs(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunConfig, float]]:
+    """Per point (its rank count), the median step time over repetitions."""
+    by_world: dict[int, list[tuple[RunConfig, float]]] = {}
+    for cfg, t in (r for rep in reps for r in rep):
+        by_world.setdefault(resolve(cfg.parallelism, cfg.cluster).world_size, []).append((cfg, t))
+    return [(runs[0][0], statistics.median(t for _, t in runs)) for _, runs in sorted(by_world.items())]
+
+
+def in_run_shares(
+    profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
+) -> tuple[dict[int, float], float | None]:
+    """Train the calibrated model (its first shapes) with FSDP over each rank count, and as a 2-stage 1F1B pipeline
+    where 2 ranks are measured (Hydra multiruns), 3 times in alternating order (once with `quick`): a shared
+    machine's slow phases last longer than one run. Fit fit_in_run_shares on each point's median and the profile
+    as measured so far (its in-run shares 1)."""
     steps = "training.steps=4" if quick else "training.steps=8"
-    degrees = "parallelism.dp_shard=" + ",".join(map(str, rank_counts))
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
-    runs = _multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder)
-    return fit_in_run_shares(profile, runs)
+    pipe = ["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"]
+    fsdp, pipeline = [], []
+    for rep in range(1 if quick else 3):
+        order = rank_counts if rep % 2 == 0 else rank_counts[::-1]
+        degrees = "parallelism.dp_shard=" + ",".join(map(str, order))
+        fsdp.append(_multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder / f"fsdp{rep}"))
+        if 2 in rank_counts:
+            pipeline.append(_multirun([*own, *RUN_AT_SHAPE, steps, *pipe], folder / f"pipeline{rep}"))
+    return fit_in_run_shares(profile, _median_runs(fsdp), _median_runs(pipeline))
