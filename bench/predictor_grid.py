@@ -158,8 +158,8 @@ def summarize(console, pred, ok: dict[str, float], errors: dict[str, float | Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", type=Path, help="machine profile; default: calibrate this machine first")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of the grid, alternating its order (a median of 3 outvotes one slow phase)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up); 40 points x 3 repetitions take about 30 min")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the grid, alternating its order (3 outvote a slow phase)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up); 40 points x 3 repetitions: about 30 min")
     ap.add_argument("--quick", action="store_true", help="two points, one repetition: checks the bench end to end")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the profile and the JSON result")
     a = ap.parse_args()

@@ -129,7 +129,7 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     cfg = compose(["model=debug", "parallelism=fsdp", "parallelism.dp_shard=2", *calibrate_runs.RUN_AT_SHAPE])
     lay = validate.check(cfg)
     a, b = steptime.predict(cfg, lay, _profile()), steptime.predict(cfg, lay, slow)
-    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, None)
+    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, {})
     assert b.terms["compute"] == pytest.approx(a.terms["compute"] / 0.8)
     assert b.terms["non_matmul"] == pytest.approx(a.terms["non_matmul"] / 0.8)
     assert (b.terms["dp"], b.terms["overhead"]) == (a.terms["dp"], a.terms["overhead"])
@@ -137,30 +137,39 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     assert rows["in_run_share, 2 rank(s)"] == "0.800"
 
 
-def test_pipeline_run_gives_the_share_and_fsdp_run_its_collective_cost(compose):
-    """Runs timed as a profile with in-run shares 0.9 (2 ranks) and 0.7 (4 ranks) and a 6 ms FSDP collective
-    predicts them: the 2-rank pipeline run (no data-parallel collectives) gives back 0.9, the 2-rank FSDP run then
-    6 ms, and the 4-rank FSDP run 0.7 with that cost. The cost moves FSDP's term only, not TP's."""
+def test_share_and_collective_costs_come_from_runs_of_the_model(compose):
+    """Runs timed as a profile with in-run shares 0.9 (2 ranks) and 0.7 (4 ranks), a 5 ms TP collective and a 6 ms
+    FSDP collective predicts them give those back: the 2-rank pipeline and TP runs solved together for the share and
+    the TP cost (the pipeline's sends cost it too), the 2-rank FSDP run then for the FSDP cost, the 4-rank FSDP run
+    for its share. The FSDP cost moves FSDP's term only, not TP's."""
     from runner.run import calibrate_runs
 
     truth = _profile()
     truth["by_ranks"]["2"]["in_run_share"], truth["by_ranks"]["4"]["in_run_share"] = 0.9, 0.7
+    truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 5e-3)
     truth["constants"]["dp_collective_fixed_s"] = steptime_profile.constant("dp_collective_fixed_s", 6e-3)
 
     def timed(overrides):
         cfg = compose(["model=debug", *calibrate_runs.RUN_AT_SHAPE, *overrides])
         return cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s
 
-    fsdp = [timed(["parallelism=fsdp", f"parallelism.dp_shard={n}"]) for n in (2, 4)]
+    fsdp = [timed(["parallelism=fsdp", f"parallelism.dp_shard={n}"]) for n in (1, 2, 4)]
     pipeline = [timed(["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])]
-    shares, dp_fixed = calibrate_runs.fit_in_run_shares(_profile(), fsdp, pipeline)
-    assert shares == {2: pytest.approx(0.9), 4: pytest.approx(0.7)} and dp_fixed == pytest.approx(6e-3)
-    cfg = pipeline[0][0]
-    assert calibrate_runs._median_runs([[(cfg, 1.0)], [(cfg, 3.0)], [(cfg, 1.5)]]) == [(cfg, 1.5)]  # over repetitions
+    shares, fixed = calibrate_runs.fit_in_run_shares(_profile(), fsdp, pipeline, [timed(["parallelism=tp2"])])
+    assert shares == {1: pytest.approx(1.0), 2: pytest.approx(0.9), 4: pytest.approx(0.7)}
+    assert fixed == {"collective_fixed_s": pytest.approx(5e-3), "dp_collective_fixed_s": pytest.approx(6e-3)}
+    alone, none = calibrate_runs.fit_in_run_shares(_profile(), fsdp[1:2])  # no pipeline run: the share takes the FSDP cost in
+    assert none == {} and alone[2] < 0.8
     tp = compose(["model=debug", "parallelism=dp2_tp2"])
     plain = steptime.predict(tp, validate.check(tp), _profile())
-    dp_cost = steptime.predict(tp, validate.check(tp), {**truth, "by_ranks": _profile()["by_ranks"]})
+    dp_cost = steptime.predict(
+        tp,
+        validate.check(tp),
+        {**_profile(), "constants": {**_profile()["constants"], "dp_collective_fixed_s": truth["constants"]["dp_collective_fixed_s"]}},
+    )
     assert dp_cost.terms["tp"] == plain.terms["tp"] and dp_cost.terms["dp"] > plain.terms["dp"]
+    cfg = pipeline[0][0]
+    assert calibrate_runs._median_points([[(cfg, 1.0)], [(cfg, 3.0)], [(cfg, 1.5)]]) == [(cfg, 1.5)]  # over repetitions
 
 
 def test_pipeline_bubble_is_the_fill_and_drain_through_the_other_ranks_first_stages(compose):

@@ -272,12 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print("short runs for the fixed costs ...")
     with tempfile.TemporaryDirectory() as tmp:
         profile["constants"] = calibrate_runs.fixed_costs(profile, base, Path(tmp) / "fixed", quick=args.quick)
-        console.print("short runs of the model (FSDP, and a pipeline) for the in-run share of the kernels' rate ...")
-        shares, dp_fixed = calibrate_runs.in_run_shares(profile, base, rank_counts, Path(tmp) / "share", quick=args.quick)
+        console.print("short runs of the model (FSDP; a pipeline and TP on 2 ranks) for the in-run shares and collective costs ...")
+        shares, constants = calibrate_runs.in_run_shares(profile, base, rank_counts, Path(tmp) / "share", quick=args.quick)
     for n, share in shares.items():
         profile["by_ranks"][str(n)]["in_run_share"] = share
-    if dp_fixed is not None:
-        profile["constants"]["dp_collective_fixed_s"] = steptime_profile.constant("dp_collective_fixed_s", dp_fixed)
+    profile["constants"].update({k: steptime_profile.constant(k, v) for k, v in constants.items()})
     path = steptime_profile.write(profile, Path(args.out).expanduser())
     table = Table(title=f"machine profile {path}", title_justify="left")
     for col in ("figure", "value", "meaning"):

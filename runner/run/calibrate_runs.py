@@ -174,47 +174,62 @@ def _share(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float:
     return (lo + hi) / 2
 
 
-def _with(profile: dict[str, Any], shares: dict[int, float], dp_fixed: float | None) -> dict[str, Any]:
+def _with(profile: dict[str, Any], shares: dict[int, float], constants: dict[str, float]) -> dict[str, Any]:
     by_ranks = {n: {**e, "in_run_share": shares.get(int(n), e.get("in_run_share", 1.0))} for n, e in profile["by_ranks"].items()}
-    constants = dict(profile["constants"])
-    if dp_fixed is not None:
-        constants["dp_collective_fixed_s"] = steptime_profile.constant("dp_collective_fixed_s", dp_fixed)
-    return {**profile, "by_ranks": by_ranks, "constants": constants}
+    named = {k: steptime_profile.constant(k, v) for k, v in constants.items()}
+    return {**profile, "by_ranks": by_ranks, "constants": {**profile["constants"], **named}}
+
+
+def _fixed(profile: dict[str, Any], name: str, cfg: RunConfig, measured: float) -> float:
+    """The value of the fixed cost `name` with which the profile predicts the run's measured step time (the
+    predicted time is linear in it), at least 0."""
+    lay = resolve(cfg.parallelism, cfg.cluster)
+    at = [steptime.predict(cfg, lay, _with(profile, {}, {name: f})).step_s for f in (0.0, 1e-3)]
+    return max(0.0, (measured - at[0]) / ((at[1] - at[0]) / 1e-3)) if at[1] > at[0] else 0.0
 
 
 def fit_in_run_shares(
-    profile: dict[str, Any], runs: list[tuple[RunConfig, float]], pipeline: list[tuple[RunConfig, float]] = ()
-) -> tuple[dict[int, float], float | None]:
-    """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the
-    in-run fixed cost of one FSDP/DDP collective. `runs` are FSDP runs over several rank counts; `pipeline`
-    a pipeline run (no data-parallel collectives) on one of them.
-    - The pipeline run and the 1-rank run (whose FSDP has no peer) give the share on their rank counts: the
-      predicted kernel time over what the run took beyond its other predicted terms.
-    - The FSDP run on the pipeline's rank count then gives the FSDP/DDP collective's fixed cost: what it took
-      beyond the prediction with that share, over its collectives (the predicted time is linear in the cost).
-    - The FSDP runs on the other rank counts give their shares with that cost.
-    Below 1 when the step's own work around the kernels (hooks, the optimizer, other ranks' processes on the same
-    cores) slows them; one figure per rank count, for every layout with that many ranks. Without a pipeline run
-    the FSDP runs give every share and the FSDP collectives cost collective_fixed_s (None returned)."""
+    profile: dict[str, Any],
+    runs: list[tuple[RunConfig, float]],
+    pipeline: list[tuple[RunConfig, float]] = (),
+    tp: list[tuple[RunConfig, float]] = (),
+) -> tuple[dict[int, float], dict[str, float]]:
+    """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the in-run
+    fixed costs of one TP/CP collective and of one FSDP/DDP collective, from runs of the calibrated model: `runs`
+    with FSDP over several rank counts; `pipeline` and `tp` a 2-stage pipeline and a TP 2 run.
+    - The 1-rank run (whose FSDP has no peer) gives the 1-rank share.
+    - The pipeline run (no data-parallel collectives, few point-to-point ones) gives the 2-rank share, and the TP
+      run with it collective_fixed_s, which replaces the tiny model's figure: waiting for a peer costs more when
+      the peer computes more between two collectives. The two are solved together (the pipeline's sends cost
+      collective_fixed_s too).
+    - The FSDP run on 2 ranks then gives the FSDP/DDP collective's fixed cost (dp_collective_fixed_s), and the FSDP
+      runs on the other rank counts give their shares with all of those.
+    Each figure is the value with which the predictor gives the run's measured step time. A share is below 1 when
+    the step's own work around the kernels (hooks, the optimizer, other ranks' processes on the same cores) slows
+    them; one figure per rank count, for every layout with that many ranks. Without the 2-rank runs the FSDP runs
+    give every share and the profile's collective_fixed_s prices every collective (no constants returned)."""
 
     def world(cfg: RunConfig) -> int:
         return resolve(cfg.parallelism, cfg.cluster).world_size
 
-    known = {world(c): _share(profile, c, t) for c, t in [*[r for r in runs if world(r[0]) == 1], *pipeline]}
-    dp_fixed = None
-    paired = [(c, t) for c, t in runs if world(c) > 1 and world(c) in known]
-    if paired:
-        cfg, measured = paired[0]
-        lay = resolve(cfg.parallelism, cfg.cluster)
-        at = [steptime.predict(cfg, lay, _with(profile, known, f)).step_s for f in (0.0, 1e-3)]
-        dp_fixed = max(0.0, (measured - at[0]) / ((at[1] - at[0]) / 1e-3)) if at[1] > at[0] else 0.0
-    fitted = _with(profile, known, dp_fixed)
+    known = {world(c): _share(profile, c, t) for c, t in runs if world(c) == 1}
+    constants: dict[str, float] = {}
+    if pipeline and tp:
+        fixed = profile["constants"]["collective_fixed_s"]["value"]
+        for _ in range(6):  # converges in 2-3: the pipeline's few sends hardly move its share
+            known[2] = _share(_with(profile, known, {"collective_fixed_s": fixed}), *pipeline[0])
+            fixed = _fixed(_with(profile, known, {}), "collective_fixed_s", *tp[0])
+        constants["collective_fixed_s"] = fixed
+        paired = [(c, t) for c, t in runs if world(c) == 2]
+        if paired:
+            constants["dp_collective_fixed_s"] = _fixed(_with(profile, known, constants), "dp_collective_fixed_s", *paired[0])
+    fitted = _with(profile, known, constants)
     shares = {**{world(c): _share(fitted, c, t) for c, t in runs if world(c) not in known}, **known}
-    return dict(sorted(shares.items())), dp_fixed
+    return dict(sorted(shares.items())), constants
 
 
-def _median_runs(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunConfig, float]]:
-    """Per point (its rank count), the median step time over repetitions."""
+def _median_points(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunConfig, float]]:
+    """Per point (its rank count: the runs of one multirun differ in it), the median step time over repetitions."""
     by_world: dict[int, list[tuple[RunConfig, float]]] = {}
     for cfg, t in (r for rep in reps for r in rep):
         by_world.setdefault(resolve(cfg.parallelism, cfg.cluster).world_size, []).append((cfg, t))
@@ -223,19 +238,23 @@ def _median_runs(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunCon
 
 def in_run_shares(
     profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
-) -> tuple[dict[int, float], float | None]:
-    """Train the calibrated model (its first shapes) with FSDP over each rank count, and as a 2-stage 1F1B pipeline
-    where 2 ranks are measured (Hydra multiruns), 3 times in alternating order (once with `quick`): a shared
-    machine's slow phases last longer than one run. Fit fit_in_run_shares on each point's median and the profile
-    as measured so far (its in-run shares 1)."""
+) -> tuple[dict[int, float], dict[str, float]]:
+    """Train the calibrated model (its first shapes) with FSDP over each rank count, and where 2 ranks are measured
+    as a 2-stage 1F1B pipeline and with TP 2 (Hydra multiruns), 3 times in alternating order (once with `quick`): a
+    shared machine's slow phases last longer than one run. Fit fit_in_run_shares on each point's median and the
+    profile as measured so far (its in-run shares 1)."""
     steps = "training.steps=4" if quick else "training.steps=8"
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
-    pipe = ["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"]
-    fsdp, pipeline = [], []
+    two = ["parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]  # pp2_interleaved as plain 1F1B; tp2 ignores them
+    fsdp, pairs = [], []
     for rep in range(1 if quick else 3):
         order = rank_counts if rep % 2 == 0 else rank_counts[::-1]
         degrees = "parallelism.dp_shard=" + ",".join(map(str, order))
         fsdp.append(_multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder / f"fsdp{rep}"))
         if 2 in rank_counts:
-            pipeline.append(_multirun([*own, *RUN_AT_SHAPE, steps, *pipe], folder / f"pipeline{rep}"))
-    return fit_in_run_shares(profile, _median_runs(fsdp), _median_runs(pipeline))
+            layouts = "parallelism=" + ("pp2_interleaved,tp2" if rep % 2 == 0 else "tp2,pp2_interleaved")
+            pairs.append(_multirun([*own, *RUN_AT_SHAPE, steps, layouts, *two], folder / f"pair{rep}"))
+    runs = [r for rep in pairs for r in rep]
+    pipeline = _median_points([[r for r in runs if r[0].parallelism.pp == 2]])
+    tp = _median_points([[r for r in runs if r[0].parallelism.tp == 2]])
+    return fit_in_run_shares(profile, _median_points(fsdp), pipeline, tp)
