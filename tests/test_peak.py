@@ -58,6 +58,40 @@ def test_peak_is_cached_per_machine_dtype_and_layout(compose, tmp_path, monkeypa
     assert len(calls) == 2 and len(json.loads(cache.read_text())) == (2 if peak.layout(2) != peak.layout(1) else 1)
 
 
+def test_a_cached_peak_beaten_by_its_check_round_is_measured_again(compose, tmp_path, monkeypatch):
+    """A figure cached while other processes held the cores (here 1 GFLOP/s) is beaten by the next run's check round
+    and replaced by a new measurement, which records what it replaced; a figure the check round does not beat
+    stays (one check round, no measurement)."""
+    monkeypatch.setattr(peak.concurrent.futures, "ProcessPoolExecutor", _InProcess)
+    cfg = compose(["parallelism=single", f"cluster.peak_cache_dir={tmp_path / 'cache'}"])
+    threads, _ = peak.layout(1)
+    path = peak._cache_file(str(tmp_path / "cache"), "float32")
+    path.parent.mkdir()
+    stale = {
+        "tflops": 0.001,
+        "share_tflops": 0.001,
+        "spread": 0.0,
+        "rounds": [0.001] * 5,
+        "refused": [],
+        "size": 256,
+        "threads": threads,
+        "shares": 1,
+        "measured_at": "2026-01-01T00:00:00",
+    }
+    path.write_text(json.dumps({peak._cache_key(1): stale}))
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    fresh = peak.write(cfg, 1, tmp_path / "a")
+    m = fresh["measurement"]
+    assert m["cached"] is False and fresh["peak_tflops"] > 0.001 * (1 + peak.OUTLIER)
+    assert m["replaced"]["share_tflops"] == 0.001 and m["replaced"]["check_tflops"] > 0.001 * (1 + peak.OUTLIER)
+    assert json.loads(path.read_text())[peak._cache_key(1)]["share_tflops"] == m["share_tflops"]
+    calls = []
+    monkeypatch.setattr(peak, "measure_share", lambda *a: calls.append(a))
+    monkeypatch.setattr(peak, "check_round", lambda dtype, threads, n: m["share_tflops"])  # no faster than the figure
+    again = peak.write(cfg, 1, tmp_path / "b")
+    assert again["measurement"]["cached"] is True and again["peak_tflops"] == fresh["peak_tflops"] and calls == []
+
+
 class _InProcess:
     """ProcessPoolExecutor stand-in that runs the submitted call in this process."""
 

@@ -86,10 +86,9 @@ def _tp_cp_ep(
     """Seconds of one block's TP, CP and EP collectives for one microbatch (forward, backward, recomputed forward)."""
     m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
     passes = 2 + shares[2]  # forward, backward and the share of blocks whose forward runs again
-    fixed = mach.dtensor_overhead_s * mach.cpu_share  # CPU work, stretched like compute when ranks share cores
 
     def dtensor(axis: str, op: str, group: int, tensor_bytes: float) -> float:
-        return _collective(mach, kinds[axis], op, group, tensor_bytes) + fixed
+        return _collective(mach, kinds[axis], op, group, tensor_bytes)
 
     tp = 0.0
     if lay.tp > 1:

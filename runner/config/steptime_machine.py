@@ -73,8 +73,6 @@ class Machine:
     """Measured TFLOP/s at (M, K, N); GEMMs not in it use matmul_tflops and gemm_half_dim."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per transformer block per pass (forward or backward): kernel dispatch not hidden behind work."""
-    dtensor_overhead_s: float = 0.0
-    """Fixed CPU seconds per collective issued through DTensor (TP, CP) beyond the collective itself."""
     collective_fixed_s: float | None = None
     """Fixed seconds of one collective inside a training step (its launch and latency, and waiting for peers that
     are still computing), measured in real runs (a profile); when set it replaces the links' latency, fitted

@@ -11,6 +11,9 @@ The CPU measurement (one rank's share of the node, as the ranks will run):
   OUTLIER from it is refused, and `spread` = (max - min) / median of the rounds kept;
 - cache: `<cluster.peak_cache_dir>/peak-<cpu model>-<dtype>.json`, keyed by the core count, torch
   version and thread layout, so runs on one machine share one figure instead of each drawing its own.
+  Each run checks the cached figure with a short round (check_round): one more than OUTLIER faster means
+  the figure was measured while other processes held the cores (it would put MFU above 100 %), so it
+  is measured again and replaced.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ MAX_MATMUL_S = 0.2  # stop growing once one matmul takes this long (bf16 on AVX2
 ROUNDS = 5
 MIN_REPS, MIN_ROUND_S = 8, 0.15  # matmuls per round: at least this many and this long
 OUTLIER = 0.15  # a round more than 15 % from the median round is refused
+CHECK_REPS, CHECK_MAX_SIZE = 3, 1024  # a cached figure's check round: about 0.1 s at 1 thread
 
 
 def _matmul(dtype_name: str, n: int):
@@ -94,6 +98,35 @@ def measure_share(dtype_name: str, threads: int) -> dict[str, Any]:
         torch.set_num_threads(before)
 
 
+def check_round(dtype_name: str, threads: int, n: int) -> float:
+    """The cached figure's check: the best of CHECK_REPS matmuls at size min(n, CHECK_MAX_SIZE) with `threads`
+    threads (a smaller size than the plateau rates no higher, so it only finds figures that are too low)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = min(n, CHECK_MAX_SIZE)
+        mm = _matmul(dtype_name, n)
+        mm()
+        best = float("inf")
+        for _ in range(CHECK_REPS):
+            t0 = time.perf_counter()
+            mm()
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best / 1e12
+    finally:
+        torch.set_num_threads(before)
+
+
+def _in_child(fn, *args):
+    """fn(*args) in a forked child process.
+
+    The caller is the elastic agent, which may fork the ranks (cluster.worker_start=fork): a
+    process that has run an OpenMP parallel region must not fork a child that runs one (GNU
+    OpenMP then deadlocks the child in its first multi-threaded op), so the agent never does."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def layout(ranks_per_node: int) -> tuple[int, int]:
     """(threads per rank, shares running at once) as the launcher sets them: cores // ranks threads each."""
     cores = os.cpu_count() or 1
@@ -102,15 +135,9 @@ def layout(ranks_per_node: int) -> tuple[int, int]:
 
 
 def measure_cpu(dtype_name: str, ranks_per_node: int) -> dict[str, Any]:
-    """The node's peak from one rank's share, measured in a child process.
-
-    The caller is the elastic agent, which may fork the ranks (cluster.worker_start=fork): a
-    process that has run an OpenMP parallel region must not fork a child that runs one (GNU
-    OpenMP then deadlocks the child in its first multi-threaded op), so the agent never does.
-    """
+    """The node's peak from one rank's share, measured in a child process (_in_child)."""
     threads, shares = layout(ranks_per_node)
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        share = pool.submit(measure_share, dtype_name, threads).result()
+    share = _in_child(measure_share, dtype_name, threads)
     return share | {"shares": shares, "tflops": share["tflops"] * shares, "share_tflops": share["tflops"]}
 
 
@@ -137,14 +164,21 @@ def _cache_key(ranks_per_node: int) -> str:
 
 
 def cpu_peak(cfg: RunConfig, dtype_name: str, ranks_per_node: int) -> dict[str, Any]:
-    """The cached measurement for this machine, dtype and thread layout; measured (and cached) when there is none."""
+    """The cached measurement for this machine, dtype and thread layout, if one check round does not beat it by
+    more than OUTLIER; else (or when there is none) measured and cached."""
     folder = cfg.cluster.peak_cache_dir
     key = _cache_key(ranks_per_node)
     path = _cache_file(folder, dtype_name) if folder else None
     cached = json.loads(path.read_text()) if path and path.is_file() else {}
+    replaced = {}
     if key in cached:
-        return cached[key] | {"cache": str(path), "cached": True}
+        old = cached[key]
+        check = _in_child(check_round, dtype_name, old["threads"], old["size"])
+        if check <= old["share_tflops"] * (1 + OUTLIER):
+            return old | {"cache": str(path), "cached": True, "check_tflops": check}
+        replaced = {"replaced": {"share_tflops": old["share_tflops"], "measured_at": old.get("measured_at"), "check_tflops": check}}
     rec = measure_cpu(dtype_name, ranks_per_node) | {"cpu_model": cpu_model(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    rec |= replaced
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs starting at once: the last complete file wins
