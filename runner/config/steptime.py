@@ -67,16 +67,14 @@ def _layer_frequency(cfg: RunConfig) -> int:
     return getattr(cfg.training, "ac_layer_frequency", 2)
 
 
-def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: float, fixed: float | None = None) -> float:
-    """Seconds of one ring collective over `group` ranks on a tensor of `tensor_bytes` (the whole, gathered size);
-    `fixed`: its in-run fixed cost when not the machine's collective_fixed_s."""
+def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: float) -> float:
+    """Seconds of one ring collective over `group` ranks on a tensor of `tensor_bytes` (the whole, gathered size)."""
     if group <= 1:
         return 0.0
     sent = {"all_reduce": 2 * (group - 1) / group, "send_recv": 1.0}.get(op, (group - 1) / group) * tensor_bytes
     link = mach.link(kind, op, group)
-    fixed = mach.collective_fixed_s if fixed is None else fixed
-    if fixed is not None:  # measured in runs: stretched like compute when ranks share cores
-        return sent / (link.gbs * 1e9) + fixed * mach.cpu_share
+    if mach.collective_fixed_s is not None:  # measured in runs: stretched like compute when ranks share cores
+        return sent / (link.gbs * 1e9) + mach.collective_fixed_s * mach.cpu_share
     return link.seconds(sent)
 
 
@@ -164,10 +162,9 @@ def _dp_per_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, s
     shard = lay.dp_shard * lay.cp  # TorchTitan shards parameters over dp_shard x cp
     syncs = 1 if lay.pp > 1 else micro
     gathers = 1 if keeps_weights_gathered(cfg, lay) else 2 * micro
-    f = mach.dp_collective_fixed_s
-    secs = gathers * _collective(mach, kinds["dp_shard"], "all_gather", shard, params * bw, f)
-    secs += syncs * _collective(mach, kinds["dp_shard"], "reduce_scatter", shard, params * br, f)
-    return secs + syncs * _collective(mach, kinds["dp_replicate"], "all_reduce", lay.dp_replicate, params / shard * br, f)
+    secs = gathers * _collective(mach, kinds["dp_shard"], "all_gather", shard, params * bw)
+    secs += syncs * _collective(mach, kinds["dp_shard"], "reduce_scatter", shard, params * br)
+    return secs + syncs * _collective(mach, kinds["dp_replicate"], "all_reduce", lay.dp_replicate, params / shard * br)
 
 
 def _optimizer_s(cfg: RunConfig, lay: Layout, mach: Machine) -> float:

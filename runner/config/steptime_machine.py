@@ -77,10 +77,6 @@ class Machine:
     """Fixed seconds of one collective inside a training step (its launch and latency, and waiting for peers that
     are still computing), measured in real runs (a profile); when set it replaces the links' latency, fitted
     over 64 KiB-4 MiB by a microbenchmark whose ranks do nothing else, for every collective."""
-    dp_collective_fixed_s: float | None = None
-    """The same for FSDP's and DDP's collectives (per block: gathers, reduce-scatters, all-reduces), which also
-    carry FSDP's copies into and out of its buffers and run in the backend's threads beside the compute; None:
-    collective_fixed_s."""
     comm_overlap: float = 1.0
     """Share of FSDP/DP traffic that runs while the rank computes (a GPU's separate stream: 1)."""
     cpu_share: float = 1.0

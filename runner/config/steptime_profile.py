@@ -32,11 +32,6 @@ CONSTANTS = {
         "s",
         "fixed cost of one collective inside a training step (launch, latency, waiting for its peers), beyond its bytes / bandwidth",
     ),
-    "dp_collective_fixed_s": (
-        "s",
-        "fixed cost of one FSDP/DDP collective inside a training step (FSDP's copies and hooks, the backend's threads beside "
-        "the compute, waiting for its peers), beyond its bytes / bandwidth",
-    ),
     "comm_overlap": ("fraction", "share of FSDP/DP collective time that runs while the rank computes"),
 }
 
@@ -76,7 +71,6 @@ def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
         gemm_table={(g[0], g[1], g[2]): g[3] * share for g in entry["gemms"]},
         layer_overhead_s=const["layer_overhead_s"],
         collective_fixed_s=const["collective_fixed_s"],
-        dp_collective_fixed_s=const.get("dp_collective_fixed_s"),  # absent from profiles written before it was fitted
         comm_overlap=const["comm_overlap"],
         cpu_share=max(1.0, world * entry["threads"] / cores),
         calibrated=True,

@@ -195,19 +195,18 @@ def fit_in_run_shares(
     tp: list[tuple[RunConfig, float]] = (),
 ) -> tuple[dict[int, float], dict[str, float]]:
     """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the in-run
-    fixed costs of one TP/CP collective and of one FSDP/DDP collective, from runs of the calibrated model: `runs`
-    with FSDP over several rank counts; `pipeline` and `tp` a 2-stage pipeline and a TP 2 run.
+    fixed cost of one collective, from runs of the calibrated model: `runs` with FSDP over several rank counts;
+    `pipeline` and `tp` a 2-stage pipeline and a TP 2 run.
     - The 1-rank run (whose FSDP has no peer) gives the 1-rank share.
     - The pipeline run (no data-parallel collectives, few point-to-point ones) gives the 2-rank share, and the TP
       run with it collective_fixed_s, which replaces the tiny model's figure: waiting for a peer costs more when
       the peer computes more between two collectives. The two are solved together (the pipeline's sends cost
       collective_fixed_s too).
-    - The FSDP run on 2 ranks then gives the FSDP/DDP collective's fixed cost (dp_collective_fixed_s), and the FSDP
-      runs on the other rank counts give their shares with all of those.
+    - The FSDP runs on the other rank counts give their shares with that cost.
     Each figure is the value with which the predictor gives the run's measured step time. A share is below 1 when
     the step's own work around the kernels (hooks, the optimizer, other ranks' processes on the same cores) slows
     them; one figure per rank count, for every layout with that many ranks. Without the 2-rank runs the FSDP runs
-    give every share and the profile's collective_fixed_s prices every collective (no constants returned)."""
+    give every share and the profile's collective_fixed_s stays (no constants returned)."""
 
     def world(cfg: RunConfig) -> int:
         return resolve(cfg.parallelism, cfg.cluster).world_size
@@ -220,9 +219,6 @@ def fit_in_run_shares(
             known[2] = _share(_with(profile, known, {"collective_fixed_s": fixed}), *pipeline[0])
             fixed = _fixed(_with(profile, known, {}), "collective_fixed_s", *tp[0])
         constants["collective_fixed_s"] = fixed
-        paired = [(c, t) for c, t in runs if world(c) == 2]
-        if paired:
-            constants["dp_collective_fixed_s"] = _fixed(_with(profile, known, constants), "dp_collective_fixed_s", *paired[0])
     fitted = _with(profile, known, constants)
     shares = {**{world(c): _share(fitted, c, t) for c, t in runs if world(c) not in known}, **known}
     return dict(sorted(shares.items())), constants
@@ -239,8 +235,8 @@ def _median_points(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunC
 def in_run_shares(
     profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
 ) -> tuple[dict[int, float], dict[str, float]]:
-    """Train the calibrated model (its first shapes) with FSDP over each rank count, and where 2 ranks are measured
-    as a 2-stage 1F1B pipeline and with TP 2 (Hydra multiruns), 3 times in alternating order (once with `quick`): a
+    """Train the calibrated model (its first shapes) with FSDP over each rank count but 2, and on 2 ranks as a 2-stage
+    1F1B pipeline and with TP 2 (Hydra multiruns), 3 times in alternating order (once with `quick`): a
     shared machine's slow phases last longer than one run. Fit fit_in_run_shares on each point's median and the
     profile as measured so far (its in-run shares 1)."""
     steps = "training.steps=4" if quick else "training.steps=8"
@@ -248,9 +244,10 @@ def in_run_shares(
     two = ["parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]  # pp2_interleaved as plain 1F1B; tp2 ignores them
     fsdp, pairs = [], []
     for rep in range(1 if quick else 3):
-        order = rank_counts if rep % 2 == 0 else rank_counts[::-1]
-        degrees = "parallelism.dp_shard=" + ",".join(map(str, order))
-        fsdp.append(_multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder / f"fsdp{rep}"))
+        counts = [n for n in rank_counts if n != 2]  # 2 ranks: the pipeline and TP runs
+        if counts:
+            degrees = "parallelism.dp_shard=" + ",".join(map(str, counts if rep % 2 == 0 else counts[::-1]))
+            fsdp.append(_multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder / f"fsdp{rep}"))
         if 2 in rank_counts:
             layouts = "parallelism=" + ("pp2_interleaved,tp2" if rep % 2 == 0 else "tp2,pp2_interleaved")
             pairs.append(_multirun([*own, *RUN_AT_SHAPE, steps, layouts, *two], folder / f"pair{rep}"))
