@@ -88,8 +88,13 @@ def test_a_cached_peak_beaten_by_its_check_round_is_measured_again(compose, tmp_
     calls = []
     monkeypatch.setattr(peak, "measure_share", lambda *a: calls.append(a))
     monkeypatch.setattr(peak, "check_round", lambda dtype, threads, n: m["share_tflops"])  # no faster than the figure
+    monkeypatch.setattr(peak, "CHECK_EVERY_S", 0)  # checked every run
     again = peak.write(cfg, 1, tmp_path / "b")
     assert again["measurement"]["cached"] is True and again["peak_tflops"] == fresh["peak_tflops"] and calls == []
+    assert again["measurement"]["check_tflops"] == m["share_tflops"]
+    monkeypatch.setattr(peak, "CHECK_EVERY_S", 600)  # just checked: not again
+    monkeypatch.setattr(peak, "check_round", lambda *a: pytest.fail("checked again within CHECK_EVERY_S"))
+    assert peak.write(cfg, 1, tmp_path / "b")["measurement"]["cached"] is True
 
 
 class _InProcess:

@@ -11,7 +11,8 @@ The CPU measurement (one rank's share of the node, as the ranks will run):
   OUTLIER from it is refused, and `spread` = (max - min) / median of the rounds kept;
 - cache: `<cluster.peak_cache_dir>/peak-<cpu model>-<dtype>.json`, keyed by the core count, torch
   version and thread layout, so runs on one machine share one figure instead of each drawing its own.
-  Each run checks the cached figure with a short round (check_round): one more than OUTLIER faster means
+  A run checks the cached figure with a short round (check_round), unless it was measured or checked in the
+  last CHECK_EVERY_S: a round more than OUTLIER faster means
   the figure was measured while other processes held the cores (it would put MFU above 100 %), so it
   is measured again and replaced.
 """
@@ -42,6 +43,7 @@ ROUNDS = 5
 MIN_REPS, MIN_ROUND_S = 8, 0.15  # matmuls per round: at least this many and this long
 OUTLIER = 0.15  # a round more than 15 % from the median round is refused
 CHECK_REPS, CHECK_MAX_SIZE = 3, 1024  # a cached figure's check round: about 0.1 s at 1 thread
+CHECK_EVERY_S = 600  # a figure measured or checked this recently is not checked again (a sweep's runs start back to back)
 
 
 def _matmul(dtype_name: str, n: int):
@@ -173,18 +175,25 @@ def cpu_peak(cfg: RunConfig, dtype_name: str, ranks_per_node: int) -> dict[str, 
     replaced = {}
     if key in cached:
         old = cached[key]
+        if time.time() - old.get("checked_s", 0.0) < CHECK_EVERY_S:
+            return old | {"cache": str(path), "cached": True}
         check = _in_child(check_round, dtype_name, old["threads"], old["size"])
         if check <= old["share_tflops"] * (1 + OUTLIER):
+            _store(path, cached | {key: old | {"checked_s": time.time(), "check_tflops": check}})
             return old | {"cache": str(path), "cached": True, "check_tflops": check}
         replaced = {"replaced": {"share_tflops": old["share_tflops"], "measured_at": old.get("measured_at"), "check_tflops": check}}
     rec = measure_cpu(dtype_name, ranks_per_node) | {"cpu_model": cpu_model(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    rec |= replaced
+    rec |= replaced | {"checked_s": time.time()}
     if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs starting at once: the last complete file wins
-        tmp.write_text(json.dumps(cached | {key: rec}, indent=2) + "\n")
-        tmp.replace(path)
+        _store(path, cached | {key: rec})
     return rec | {"cache": str(path) if path else None, "cached": False}
+
+
+def _store(path: Path, cached: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs starting at once: the last complete file wins
+    tmp.write_text(json.dumps(cached, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def source(cfg: RunConfig) -> str:
