@@ -6,7 +6,7 @@ seconds per step on the busiest rank:
 - non_matmul: the elementwise kernels (norms, RoPE, SwiGLU, the loss) by a memory-bandwidth roofline,
   and the optimizer step;
 - recompute: the forward work activation checkpointing repeats (full, selective per op or per layer);
-- overhead: the stack's fixed cost per block pass (dispatch) and per TP collective (DTensor);
+- overhead: the stack's fixed cost per block pass (dispatch);
 - bubble: pipeline fill and drain around the busiest rank, through the other ranks' first stages;
 - tp, pp, cp, ep: their collectives, on the critical path;
 - dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, less what runs under the
@@ -85,21 +85,20 @@ def _tp_cp_ep(
     m, n, bw = cfg.model, work.tokens(cfg, lay), BYTES[cfg.precision.param_dtype.value]
     passes = 2 + shares[2]  # forward, backward and the share of blocks whose forward runs again
 
-    def dtensor(axis: str, op: str, group: int, tensor_bytes: float) -> float:
-        return _collective(mach, kinds[axis], op, group, tensor_bytes)
-
     tp = 0.0
     if lay.tp > 1:
         # sequence parallel: all-gather before and reduce-scatter after attention and the MLP, each way
-        gather = dtensor("tp", "all_gather", lay.tp, n * m.dim * bw)
-        scatter = dtensor("tp", "reduce_scatter", lay.tp, n * m.dim * bw)
+        gather = _collective(mach, kinds["tp"], "all_gather", lay.tp, n * m.dim * bw)
+        scatter = _collective(mach, kinds["tp"], "reduce_scatter", lay.tp, n * m.dim * bw)
         tp = 2 * passes * (gather + scatter)
     cp = 0.0
     if lay.cp > 1:
         # torch's ring attention (all-gather rotation): K and V gathered forward; gathered again and dK, dV
         # reduce-scattered backward
         kv = 2 * n * lay.cp * m.num_kv_heads * flops.head_dim(m) / lay.tp * bw
-        cp = passes * dtensor("cp", "all_gather", lay.cp, kv) + dtensor("cp", "reduce_scatter", lay.cp, kv)
+        cp = passes * _collective(mach, kinds["cp"], "all_gather", lay.cp, kv) + _collective(
+            mach, kinds["cp"], "reduce_scatter", lay.cp, kv
+        )
     ep = 0.0
     if lay.ep > 1 and flops.is_moe(m):
         routed = n * m.num_experts_per_token * m.dim * bw

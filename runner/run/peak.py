@@ -11,10 +11,9 @@ The CPU measurement (one rank's share of the node, as the ranks will run):
   OUTLIER from it is refused, and `spread` = (max - min) / median of the rounds kept;
 - cache: `<cluster.peak_cache_dir>/peak-<cpu model>-<dtype>.json`, keyed by the core count, torch
   version and thread layout, so runs on one machine share one figure instead of each drawing its own.
-  A run checks the cached figure with a short round (check_round), unless it was measured or checked in the
-  last CHECK_EVERY_S: a round more than OUTLIER faster means
-  the figure was measured while other processes held the cores (it would put MFU above 100 %), so it
-  is measured again and replaced.
+  A run checks the cached figure with a short round (check_round), unless it was measured or checked in
+  the last CHECK_EVERY_S: a round more than OUTLIER faster means the figure was measured while other
+  processes held the cores (it would put MFU above 100 %), so it is measured again and replaced.
 """
 
 from __future__ import annotations
