@@ -30,8 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from omegaconf import OmegaConf  # noqa: E402
-
+from runner.config import points as points_file  # noqa: E402
 from runner.config import runfiles, steptime, steptime_refs, validate  # noqa: E402
 from runner.config.compare import spearman  # noqa: E402
 
@@ -67,27 +66,13 @@ def calibrate(out: Path, quick: bool) -> Path:
     return out
 
 
-def _write_points(pts: dict[str, list[str]], folder: Path) -> list[str]:
-    """One config-group option per point (Hydra's experiment pattern), so one multirun trains them all."""
-    groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()}
-    (folder / "point").mkdir(parents=True, exist_ok=True)
-    names = []
-    for i, overrides in enumerate(pts.values()):
-        chosen = dict(o.split("=", 1) for o in overrides if o.split("=", 1)[0] in groups)
-        values = [o for o in overrides if o.split("=", 1)[0] not in groups]
-        body = {"defaults": [{f"override /{g}": v} for g, v in chosen.items()], **OmegaConf.to_container(OmegaConf.from_dotlist(values))}
-        (folder / "point" / f"p{i}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
-        names.append(f"p{i}")
-    return names
-
-
 def measure_once(pts: dict[str, list[str]], order: list[str], steps: int, profile: Path, folder: Path) -> dict[str, float | None]:
     """Train the points in `order` in one multirun; each point's median step time (None if it failed)."""
     keys = list(pts)
-    names = _write_points(pts, folder / "points")
+    names = points_file.write(list(pts.values()), folder / "points")
     chosen = [names[keys.index(k)] for k in order]
     sweep = folder / "sweep"
-    argv = [sys.executable, "-m", "runner", "-m", "--config-dir", str(folder / "points"), f"+point={','.join(chosen)}"]
+    argv = [sys.executable, "-m", "runner", "-m", *points_file.argv(chosen, folder / "points")]
     argv += [f"training.steps={steps}", f"cluster.profile={profile}", f"hydra.sweep.dir={sweep}"]
     subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     out = {}

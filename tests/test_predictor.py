@@ -223,6 +223,16 @@ def test_calibrate_measures_the_per_rank_shapes(compose):
     assert attention == {(2, 16, 256, 16), (2, 8, 256, 16), (2, 4, 256, 16)}  # heads over TP 1, 2, 4
 
 
+def test_calibrate_times_kernels_once_per_thread_count_and_neighbours(monkeypatch):
+    """2 and 4 ranks on 2 cores both run 1 thread next to 1 busy neighbour: one measurement serves both."""
+    from runner.run import calibrate
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert calibrate.conditions([1, 2, 4]) == {(2, 1): [1], (1, 2): [2, 4]}
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert calibrate.conditions([1, 2, 4, 8]) == {(8, 1): [1], (4, 2): [2], (2, 4): [4], (1, 8): [8]}
+
+
 def test_calibrate_refuses_bad_input_before_measuring(capsys):
     from runner.run import calibrate
 

@@ -4,7 +4,8 @@ What it measures (runner/config/steptime_profile.py describes the file):
 - GEMMs at the per-rank shapes the given model(s) use under every TP/CP degree that fits the rank
   counts, forward + backward, with the threads each rank gets (runner/run/procs.threads_per_rank),
   in as many processes side by side as keep the cores busy, on operands cycled through more memory
-  than the caches hold (a run's weights and activations come from memory, next to other ranks);
+  than the caches hold (a run's weights and activations come from memory, next to other ranks); rank
+  counts whose ranks get the same threads and neighbours are measured once, together;
 - the attention kernel (SDPA, causal) and the block's elementwise kernels (norms, RoPE, SwiGLU) at the
   same shapes and threads;
 - collectives (all-reduce, all-gather, reduce-scatter, send/recv) per group size with 2 and 4 ranks
@@ -12,8 +13,9 @@ What it measures (runner/config/steptime_profile.py describes the file):
 - the stack's fixed costs, fitted from short real runs (Hydra multirun of the runner itself): the cost
   per transformer block pass from runs that differ only in their number of blocks, the cost per DTensor
   collective from the same runs with TP 2;
-- per rank count, the share of the timed kernels' rate a rank reaches inside a training step, from short
-  FSDP runs of the calibrated model on 1, 2, 4 ... ranks.
+- per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the
+  fixed cost of a collective inside a step, from short runs of the calibrated model in one multirun:
+  FSDP on 1, 4 ... ranks, a 2-stage pipeline and TP 2 on 2 ranks.
 """
 
 from __future__ import annotations
@@ -148,20 +150,23 @@ def _elementwise_gbs(cfg: RunConfig, lay: Layout, dtype: torch.dtype, reps: int)
     return moved / timeit(step, reps, MIN_WINDOW_S) / 1e9
 
 
-def _figures(cfgs: list[RunConfig], ranks: int, dtype: torch.dtype, reps: int) -> dict[str, Any]:
-    """One rank's GEMM rate per shape, attention rate and elementwise bandwidth, with `ranks` ranks' threads."""
-    torch.set_num_threads(procs.threads_per_rank(ranks))
-    gemm_shapes, attn_shapes = shapes(cfgs, ranks)
+def _figures(cfgs: list[RunConfig], counts: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:
+    """One rank's GEMM rate per shape, attention rate and elementwise bandwidth, with the threads a rank of a
+    job of counts[0] ranks gets, at the shapes of every rank count in `counts` (all get those threads)."""
+    torch.set_num_threads(procs.threads_per_rank(counts[0]))
+    found = [shapes(cfgs, n) for n in counts]
+    gemm_shapes, attn_shapes = set().union(*(g for g, _ in found)), set().union(*(a for _, a in found))
+    lays = list(dict.fromkeys(lay for n in counts for lay in _layouts(n)))
     return {
         "gemms": [[*g, _gemm_tflops(g, dtype, reps)] for g in sorted(gemm_shapes)],
         "attention_tflops": statistics.median(_attention_tflops(a, dtype, reps) for a in sorted(attn_shapes)),
-        "memory_gbs": statistics.median(_elementwise_gbs(cfg, lay, dtype, reps) for cfg in cfgs for lay in _layouts(ranks)),
+        "memory_gbs": statistics.median(_elementwise_gbs(cfg, lay, dtype, reps) for cfg in cfgs for lay in lays),
     }
 
 
-def _figures_worker(start, queue, cfgs, ranks: int, dtype: torch.dtype, reps: int) -> None:
+def _figures_worker(start, queue, cfgs, counts: list[int], dtype: torch.dtype, reps: int) -> None:
     start.wait()
-    queue.put(_figures(cfgs, ranks, dtype, reps))
+    queue.put(_figures(cfgs, counts, dtype, reps))
 
 
 def _collect(queue, workers) -> list[dict[str, Any]]:
@@ -184,6 +189,17 @@ def busy_ranks(ranks: int) -> int:
     return max(1, min(ranks, (os.cpu_count() or 1) // procs.threads_per_rank(ranks)))
 
 
+def conditions(rank_counts: list[int]) -> dict[tuple[int, int], list[int]]:
+    """Rank counts by what a rank's kernels are timed with: (threads per rank, processes side by side). Counts
+    that share both (2 and 4 ranks on 2 cores: 1 thread, 2 processes) are measured once, over the shapes of all
+    of them, and get the same figures: measured apart, they differed by up to 12 % on the same GEMM, which the
+    predictor then read as a difference between the layouts."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for n in rank_counts:
+        out.setdefault((procs.threads_per_rank(n), busy_ranks(n)), []).append(n)
+    return out
+
+
 def by_ranks(cfgs: list[RunConfig], rank_counts: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:
     """The compute figures of one rank, for every rank count (threads per rank differ), measured with the
     other ranks' processes measuring the same shapes at the same time (shared caches, memory bandwidth and
@@ -192,24 +208,25 @@ def by_ranks(cfgs: list[RunConfig], rank_counts: list[int], dtype: torch.dtype, 
 
     ctx = mp.get_context("spawn")
     out = {}
-    for n in rank_counts:
-        start, queue = ctx.Barrier(busy_ranks(n)), ctx.Queue()
-        workers = [ctx.Process(target=_figures_worker, args=(start, queue, cfgs, n, dtype, reps)) for _ in range(busy_ranks(n))]
+    for (threads, side_by_side), counts in conditions(rank_counts).items():
+        start, queue = ctx.Barrier(side_by_side), ctx.Queue()
+        workers = [ctx.Process(target=_figures_worker, args=(start, queue, cfgs, counts, dtype, reps)) for _ in range(side_by_side)]
         for w in workers:
             w.start()
         found = _collect(queue, workers)
         for w in workers:
             w.join()
         gemms = [[*found[0]["gemms"][i][:3], statistics.median(f["gemms"][i][3] for f in found)] for i in range(len(found[0]["gemms"]))]
-        out[str(n)] = {
-            "threads": procs.threads_per_rank(n),
-            "measured_side_by_side": len(workers),
+        figures = {
+            "threads": threads,
+            "measured_side_by_side": side_by_side,
             **steptime_profile.fit_gemm_rate(gemms),
             "gemms": gemms,
             "attention_tflops": statistics.median(f["attention_tflops"] for f in found),
             "memory_gbs": statistics.median(f["memory_gbs"] for f in found),
         }
-    return out
+        out.update({str(n): dict(figures) for n in counts})
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def machine_facts(cfg: RunConfig) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runner.config import freeze, runfiles, steptime, steptime_profile
+from runner.config import freeze, points, runfiles, steptime, steptime_profile
 from runner.config.layout import resolve
 from runner.config.schema import RunConfig
 from runner.run import procs
@@ -236,22 +236,22 @@ def in_run_shares(
     profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
 ) -> tuple[dict[int, float], dict[str, float]]:
     """Train the calibrated model (its first shapes) with FSDP over each rank count but 2, and on 2 ranks as a 2-stage
-    1F1B pipeline and with TP 2 (Hydra multiruns), 3 times in alternating order (once with `quick`): a
-    shared machine's slow phases last longer than one run. Fit fit_in_run_shares on each point's median and the
-    profile as measured so far (its in-run shares 1)."""
+    1F1B pipeline and with TP 2, all in one Hydra multirun, 3 times in alternating order (once with `quick`): a
+    shared machine's speed drifts by tens of percent over minutes, and runs measured together see the same
+    drift, so the shares keep their ratios. Fit fit_in_run_shares on each point's median and the profile as
+    measured so far (its in-run shares 1)."""
     steps = "training.steps=4" if quick else "training.steps=8"
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
-    two = ["parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]  # pp2_interleaved as plain 1F1B; tp2 ignores them
-    fsdp, pairs = [], []
-    for rep in range(1 if quick else 3):
-        counts = [n for n in rank_counts if n != 2]  # 2 ranks: the pipeline and TP runs
-        if counts:
-            degrees = "parallelism.dp_shard=" + ",".join(map(str, counts if rep % 2 == 0 else counts[::-1]))
-            fsdp.append(_multirun([*own, *RUN_AT_SHAPE, steps, "parallelism=fsdp", degrees], folder / f"fsdp{rep}"))
-        if 2 in rank_counts:
-            layouts = "parallelism=" + ("pp2_interleaved,tp2" if rep % 2 == 0 else "tp2,pp2_interleaved")
-            pairs.append(_multirun([*own, *RUN_AT_SHAPE, steps, layouts, *two], folder / f"pair{rep}"))
-    runs = [r for rep in pairs for r in rep]
+    pts = [["parallelism=fsdp", f"parallelism.dp_shard={n}"] for n in rank_counts if n != 2]  # 2 ranks: the pipeline and TP runs
+    if 2 in rank_counts:  # pp2_interleaved as plain 1F1B
+        pts += [["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"], ["parallelism=tp2"]]
+    names = points.write(pts, folder / "points")
+    reps = [
+        _multirun([*points.argv(names if r % 2 == 0 else names[::-1], folder / "points"), *own, *RUN_AT_SHAPE, steps], folder / f"rep{r}")
+        for r in range(1 if quick else 3)
+    ]
+    runs = [r for rep in reps for r in rep]
     pipeline = _median_points([[r for r in runs if r[0].parallelism.pp == 2]])
     tp = _median_points([[r for r in runs if r[0].parallelism.tp == 2]])
+    fsdp = [[r for r in rep if r[0].parallelism.pp == 1 and r[0].parallelism.tp == 1] for rep in reps]
     return fit_in_run_shares(profile, _median_points(fsdp), pipeline, tp)
