@@ -69,7 +69,7 @@ def calibrate(out: Path, quick: bool) -> Path:
 def measure_once(pts: dict[str, list[str]], order: list[str], steps: int, profile: Path, folder: Path) -> dict[str, float | None]:
     """Train the points in `order` in one multirun; each point's median step time (None if it failed)."""
     keys = list(pts)
-    names = points_file.write(list(pts.values()), folder / "points")
+    names = points_file.write({f"p{i}": o for i, o in enumerate(pts.values())}, folder / "points")
     chosen = [names[keys.index(k)] for k in order]
     sweep = folder / "sweep"
     argv = [sys.executable, "-m", "runner", "-m", *points_file.argv(chosen, folder / "points")]

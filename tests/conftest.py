@@ -30,18 +30,11 @@ def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tu
     imported once instead of once per launch (~11 s each). Each point is an option of a config group
     `point` in a config folder of its own (Hydra's experiment pattern): `-m +point=a,b,...`.
     Returns each point's run folder and its part of the console (split at Hydra's `#i :` lines)."""
-    from omegaconf import OmegaConf
+    from runner.config import points as point_files
 
-    groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()}
     folder = sweep.parent / f"{sweep.name}-points"
-    (folder / "point").mkdir(parents=True)
-    for name, overrides in points.items():
-        # the common overrides go into every point's file too: command-line values would win over the point's own
-        chosen = dict(o.split("=", 1) for o in [*common, *overrides] if o.split("=", 1)[0] in groups)
-        values = [o for o in [*common, *overrides] if o.split("=", 1)[0] not in groups]
-        body = {"defaults": [{f"override /{g}": v} for g, v in chosen.items()], **OmegaConf.to_container(OmegaConf.from_dotlist(values))}
-        (folder / "point" / f"{name}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
-    proc = run_cli("-m", "--config-dir", str(folder), f"+point={','.join(points)}", f"hydra.sweep.dir={sweep}")
+    names = point_files.write(points, folder, common)
+    proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, f"multirun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     parts = re.split(r"\[HYDRA\]\s+#\d+ : ", proc.stdout)[1:]
     assert len(parts) == len(points), proc.stdout[-3000:]

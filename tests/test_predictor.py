@@ -140,8 +140,9 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
 def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
     """Runs timed as a profile with in-run shares 0.9 (2 ranks) and 0.7 (4 ranks) and a 5 ms collective predicts
     them give those back: the 2-rank pipeline and TP runs solved together for the share and the collective's cost
-    (the pipeline's sends cost it too), the 4-rank FSDP run then for its share. Without the 2-rank pipeline the
-    FSDP run on 2 ranks gives its share, which then takes in what its collectives cost beyond the old figure."""
+    (the pipeline's sends cost it too), the 4-rank run (2 stages x FSDP 2) then for its share. Without the 2-rank
+    pipeline an FSDP run on 2 ranks gives its share, which then takes in what its collectives cost beyond the old
+    figure."""
     from runner.run import calibrate_runs
 
     truth = _profile()
@@ -152,9 +153,9 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
         cfg = compose(["model=debug", *calibrate_runs.RUN_AT_SHAPE, *overrides])
         return cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s
 
-    fsdp = [timed(["parallelism=fsdp", f"parallelism.dp_shard={n}"]) for n in (1, 4)]
+    runs = [timed(["parallelism=fsdp", "parallelism.dp_shard=1"]), timed(["parallelism=dp2_pp2"])]
     pipeline = [timed(["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])]
-    shares, fixed = calibrate_runs.fit_in_run_shares(_profile(), fsdp, pipeline, [timed(["parallelism=tp2"])])
+    shares, fixed = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, [timed(["parallelism=tp2"])])
     assert shares == {1: pytest.approx(1.0), 2: pytest.approx(0.9), 4: pytest.approx(0.7)}
     assert fixed == {"collective_fixed_s": pytest.approx(5e-3)}
     alone, none = calibrate_runs.fit_in_run_shares(_profile(), [timed(["parallelism=fsdp", "parallelism.dp_shard=2"])])

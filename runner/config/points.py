@@ -1,7 +1,7 @@
 """A multirun over points that differ in more than one field at a time (single, FSDP on 4 ranks, a
 pipeline, TP 2 ...): Hydra sweeps the cartesian product of its overrides, so each point's overrides
 become one option of a `point` config group (Hydra's experiment pattern), and one multirun trains them
-all, torch imported once: `python -m runner -m --config-dir <folder> +point=p0,p1,...`."""
+all, torch imported once: `python -m runner -m --config-dir <folder> +point=<name>,<name>,...`."""
 
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ from omegaconf import OmegaConf
 from runner.config.steptime_refs import CONF
 
 
-def write(points: list[list[str]], folder: Path) -> list[str]:
-    """Each point's overrides as folder/point/p<i>.yaml (a config-group choice such as parallelism=tp2 as a
-    defaults-list override, the rest as values); the option names, in the points' order."""
+def write(points: dict[str, list[str]], folder: Path, common: list[str] = ()) -> list[str]:
+    """Each point's overrides, after `common`, as folder/point/<name>.yaml (a config-group choice such as
+    parallelism=tp2 as a defaults-list override, the rest as values); the names, in order. Overrides every
+    point shares belong in `common` unless no point sets them: on the command line they would win over a
+    point's own value."""
     groups = {p.name for p in CONF.iterdir() if p.is_dir()}
     (folder / "point").mkdir(parents=True, exist_ok=True)
-    names = []
-    for i, overrides in enumerate(points):
-        chosen = dict(o.split("=", 1) for o in overrides if o.split("=", 1)[0] in groups)
-        values = [o for o in overrides if o.split("=", 1)[0] not in groups]
+    for name, overrides in points.items():
+        both = [*common, *overrides]
+        chosen = dict(o.split("=", 1) for o in both if o.split("=", 1)[0] in groups)
+        values = [o for o in both if o.split("=", 1)[0] not in groups]
         body = {"defaults": [{f"override /{g}": v} for g, v in chosen.items()], **OmegaConf.to_container(OmegaConf.from_dotlist(values))}
-        (folder / "point" / f"p{i}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
-        names.append(f"p{i}")
-    return names
+        (folder / "point" / f"{name}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
+    return list(points)
 
 
 def argv(names: list[str], folder: Path) -> list[str]:

@@ -15,7 +15,7 @@ What it measures (runner/config/steptime_profile.py describes the file):
   collective from the same runs with TP 2;
 - per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the
   fixed cost of a collective inside a step, from short runs of the calibrated model in one multirun:
-  FSDP on 1, 4 ... ranks, a 2-stage pipeline and TP 2 on 2 ranks.
+  1 rank; a 2-stage pipeline and TP 2 on 2 ranks; a 2-stage pipeline with FSDP over the rest on 4 ... ranks.
 """
 
 from __future__ import annotations

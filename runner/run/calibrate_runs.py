@@ -195,18 +195,23 @@ def fit_in_run_shares(
     tp: list[tuple[RunConfig, float]] = (),
 ) -> tuple[dict[int, float], dict[str, float]]:
     """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the in-run
-    fixed cost of one collective, from runs of the calibrated model: `runs` with FSDP over several rank counts;
-    `pipeline` and `tp` a 2-stage pipeline and a TP 2 run.
+    fixed cost of one collective, from runs of the calibrated model: `runs` over several rank counts (one rank,
+    and above 2 a 2-stage pipeline with FSDP over the rest); `pipeline` and `tp` a 2-stage pipeline and a TP 2
+    run.
     - The 1-rank run (whose FSDP has no peer) gives the 1-rank share.
     - The pipeline run (no data-parallel collectives, few point-to-point ones) gives the 2-rank share, and the TP
       run with it collective_fixed_s, which replaces the tiny model's figure: waiting for a peer costs more when
       the peer computes more between two collectives. The two are solved together (the pipeline's sends cost
       collective_fixed_s too).
-    - The FSDP runs on the other rank counts give their shares with that cost.
+    - The runs on the other rank counts give their shares with that cost. A pipeline with FSDP over half the
+      ranks: its FSDP collectives are fewer, and its compute more, than pure FSDP's. Fitted from pure FSDP on 4
+      ranks, the share came out 0.73-0.74 in two calibrations against 0.90-0.98 that the 20 four-rank points of
+      the bench grid agree on best: on the debug model pure FSDP is the 4-rank layout whose step is most
+      collectives, and the share took their cost in.
     Each figure is the value with which the predictor gives the run's measured step time. A share is below 1 when
     the step's own work around the kernels (hooks, the optimizer, other ranks' processes on the same cores) slows
-    them; one figure per rank count, for every layout with that many ranks. Without the 2-rank runs the FSDP runs
-    give every share and the profile's collective_fixed_s stays (no constants returned)."""
+    them; one figure per rank count, for every layout with that many ranks. Without the 2-rank runs `runs` give
+    every share and the profile's collective_fixed_s stays (no constants returned)."""
 
     def world(cfg: RunConfig) -> int:
         return resolve(cfg.parallelism, cfg.cluster).world_size
@@ -235,23 +240,25 @@ def _median_points(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunC
 def in_run_shares(
     profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
 ) -> tuple[dict[int, float], dict[str, float]]:
-    """Train the calibrated model (its first shapes) with FSDP over each rank count but 2, and on 2 ranks as a 2-stage
-    1F1B pipeline and with TP 2, all in one Hydra multirun, 3 times in alternating order (once with `quick`): a
-    shared machine's speed drifts by tens of percent over minutes, and runs measured together see the same
-    drift, so the shares keep their ratios. Fit fit_in_run_shares on each point's median and the profile as
-    measured so far (its in-run shares 1)."""
+    """Train the calibrated model (its first shapes) on 1 rank, on 2 ranks as a 2-stage 1F1B pipeline and with TP 2,
+    and on each larger rank count n as a 2-stage pipeline with FSDP over n / 2, all in one Hydra multirun, 3 times
+    in alternating order (once with `quick`): a shared machine's speed drifts by tens of percent over minutes,
+    and runs measured together see the same drift, so the shares keep their ratios. Fit fit_in_run_shares on
+    each point's median and the profile as measured so far (its in-run shares 1)."""
     steps = "training.steps=4" if quick else "training.steps=8"
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
-    pts = [["parallelism=fsdp", f"parallelism.dp_shard={n}"] for n in rank_counts if n != 2]  # 2 ranks: the pipeline and TP runs
+    pts = {"single": ["parallelism=fsdp", "parallelism.dp_shard=1"]} if 1 in rank_counts else {}
     if 2 in rank_counts:  # pp2_interleaved as plain 1F1B
-        pts += [["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"], ["parallelism=tp2"]]
+        pts |= {"pp2": ["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]}
+        pts |= {"tp2": ["parallelism=tp2"]}
+    pts |= {f"pp2_fsdp{n // 2}": ["parallelism=dp2_pp2", f"parallelism.dp_shard={n // 2}"] for n in rank_counts if n > 2}
     names = points.write(pts, folder / "points")
     reps = [
         _multirun([*points.argv(names if r % 2 == 0 else names[::-1], folder / "points"), *own, *RUN_AT_SHAPE, steps], folder / f"rep{r}")
         for r in range(1 if quick else 3)
     ]
     runs = [r for rep in reps for r in rep]
-    pipeline = _median_points([[r for r in runs if r[0].parallelism.pp == 2]])
+    pipeline = _median_points([[r for r in runs if r[0].parallelism.pp == 2 and r[0].parallelism.dp_shard == 1]])
     tp = _median_points([[r for r in runs if r[0].parallelism.tp == 2]])
-    fsdp = [[r for r in rep if r[0].parallelism.pp == 1 and r[0].parallelism.tp == 1] for rep in reps]
-    return fit_in_run_shares(profile, _median_points(fsdp), pipeline, tp)
+    others = [[r for r in rep if r[0].parallelism.tp == 1 and (r[0].parallelism.pp, r[0].parallelism.dp_shard) != (2, 1)] for rep in reps]
+    return fit_in_run_shares(profile, _median_points(others), pipeline, tp)
