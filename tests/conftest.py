@@ -139,6 +139,20 @@ def slurm_cluster(tmp_path_factory):
         assert stop.returncode == 0, stop.stdout + stop.stderr
 
 
+@pytest.fixture(scope="session")
+def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
+    """The parity points of tests/test_parallel.py and tests/test_family_train.py, each with its own module's
+    COMMON, in one launch per rank count: a launch imports torch and TorchTitan and starts a process group
+    (~10 s), so the two modules share theirs."""
+    from tests import test_family_train, test_parallel
+
+    launches: dict[int, dict[str, list[str]]] = {}
+    for module in (test_parallel, test_family_train):
+        for nproc, points in module.LAUNCHES.items():
+            launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
+    return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
+
+
 def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
     """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
     first) and return every point's parity.json by name; `folder(nproc)` gives a fresh folder per launch."""

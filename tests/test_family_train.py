@@ -1,6 +1,7 @@
 """Every TorchTitan family's debug flavor trains on CPU ranks like one rank does, or validation refuses it here.
 
-Three launches of runner.run.parity (1, 2 and 4 ranks) train each family that runs on CPU (family_support):
+The launches of runner.run.parity (1, 2 and 4 ranks) that tests/test_parallel.py's points use (conftest's
+parity_runs) also train each family that runs on CPU (family_support):
 one rank as the reference, dp2_tp2 (FSDP x TP with sequence parallelism), ep2 for the MoE families, and the
 other layouts the table says start (cp2 for Qwen3's grouped-query attention, pp2 for Kimi). Models are cut to
 2 blocks (one dense and one MoE block for the MLA families, 8 experts for Qwen3 MoE), 4 x 64 tokens a step in
@@ -24,7 +25,7 @@ import pytest
 
 from runner.config import family_support, validate
 from runner.config.problems import ConfigError
-from tests.conftest import ROOT, parity_launches
+from tests.conftest import ROOT
 
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false"]
 COMMON += ["training.global_batch_size=4", "training.microbatch_size=2"]  # 256 tokens a step (see MOE_SP_ONE_SAMPLE)
@@ -54,8 +55,8 @@ PIPELINED_MOE = {"kimi-pp2": (2e-5, 5e-8)}  # (loss, weights): step 1 agrees to 
 
 
 @pytest.fixture(scope="module")
-def trained(compose, tmp_path_factory):
-    return parity_launches(compose, LAUNCHES, COMMON, lambda nproc: tmp_path_factory.mktemp(f"families{nproc}"))
+def trained(parity_runs):
+    return parity_runs  # trained with the other module's points, one launch per rank count (conftest)
 
 
 @pytest.mark.parametrize("name", POINTS)

@@ -1,8 +1,8 @@
 """Every layout that fits on this machine trains the same model as one rank (real gloo ranks).
 
-Three launches (1, 2 and 4 ranks) of runner.run.parity run every preset and pipeline schedule
-one after another inside one process group each, with clipping active (max_norm 0.01, far
-below the ~0.74 pre-clip norm), and the tests read their parity.json files.
+Three launches (1, 2 and 4 ranks) of runner.run.parity, shared with tests/test_family_train.py (conftest's
+parity_runs), run every preset and pipeline schedule one after another inside one process group each, with
+clipping active (max_norm 0.01, far below the ~0.74 pre-clip norm), and the tests read their parity.json files.
 
 cp2 (ring attention through TorchTitan's CP) and ep2 (deepseek_v3 debugmodel experts over 2 ranks, compared
 with the same MoE model on one rank) ride in the 2-rank launch, cp2 x tp2 and cp2 x pp2 in the 4-rank one.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 
 from runner.config import pipeline
-from tests.conftest import parity_launches
 
 # eval: one held-out batch after the last step (forward only; under PP the schedule's eval step), in every layout
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false", "eval.interval=2", "eval.steps=1"]
@@ -63,8 +62,8 @@ SCHEDULE_LOSS_ATOL = 1e-6
 
 
 @pytest.fixture(scope="session")
-def trained(compose, tmp_path_factory):
-    return parity_launches(compose, LAUNCHES, COMMON, lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
+def trained(parity_runs):
+    return parity_runs  # trained with the other module's points, one launch per rank count (conftest)
 
 
 @pytest.mark.parametrize("name", MULTI)
