@@ -31,8 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.config import points as points_file  # noqa: E402
-from runner.config import runfiles, steptime, steptime_refs, validate  # noqa: E402
+from runner.config import runfiles, validate  # noqa: E402
 from runner.config.compare import spearman  # noqa: E402
+from runner.config.predict import refs as steptime_refs  # noqa: E402
+from runner.config.predict import steptime  # noqa: E402
 
 LAYOUTS = {
     "single": ["parallelism=single"],

@@ -20,9 +20,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import flops, freeze, precision, preflight, runfiles, search_objective, slurm, validate, validate_keys
+from runner.config import flops, freeze, precision, runfiles, slurm, validate
 from runner.config.layout import label
 from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
+from runner.config.search import objective as search_objective
+from runner.config.validate import keys as validate_keys
+from runner.config.validate import launch as preflight
 from runner.config.wording import count
 
 register()
@@ -37,7 +40,7 @@ def _to_object(cfg: DictConfig) -> RunConfig:
 
     Hydra composes on top of the `base_config` schema, so the tree is already typed and
     checked; re-merging it into a fresh structured RunConfig cost ~0.3 s per plan. Only keys
-    added with `+` slip past the typed nodes (runner.config.validate_keys)."""
+    added with `+` slip past the typed nodes (runner.config.validate.keys)."""
     if OmegaConf.get_type(cfg) is not RunConfig:  # a primary config that does not start from base_config
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
     stray = validate_keys.unknown(cfg)
@@ -124,7 +127,9 @@ def _plan(cfg: RunConfig, lay, run_dir: Path) -> float:
 def _search(cfg: RunConfig, run_dir: Path) -> float:
     """Search every layout of the model on the cluster; print the report, write search.json and the top-k sweep;
     with search.verify=k, train the top k here briefly and print measured beside predicted."""
-    from runner.config import search, search_render, search_verify
+    from runner.config import search
+    from runner.config.search import render as search_render
+    from runner.config.search import verify as search_verify
 
     res = search.run(cfg)
     path, cmd = search_render.write(cfg, res, run_dir, list(HydraConfig.get().overrides.task))
@@ -169,11 +174,12 @@ def _launch_plan(cfg: RunConfig, lay, dcfg: DictConfig, run_dir: Path) -> None:
 
 def _dryrun(cfg: RunConfig, lay, run_dir: Path) -> None:
     """Play the chosen ranks of the layout on fake tensors in this process; print and write dryrun.json beside the plan."""
-    from runner.config import dryrun_report, plan
+    from runner.config import plan
+    from runner.config.dryrun import report as dryrun_report
 
     ranks = dryrun_report.ranks(cfg, lay)
     freeze.write(cfg, lay, run_dir)
-    from runner.run import dryrun
+    from runner.run.dryrun import rehearse as dryrun
 
     rep = dryrun_report.report(cfg, lay, plan.compute(cfg, lay), dryrun.rehearse(cfg, lay, ranks, run_dir))
     print(dryrun_report.render(rep))

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, freeze, runfiles, validate_ckpt
+from runner.config import checkpoint, freeze, runfiles
 from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
+from runner.config.validate import checkpoint as validate_ckpt
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
 
@@ -287,7 +288,7 @@ def test_keep_last_deletes_only_old_complete_checkpoints(tmp_path):
 def test_text_data_shards_are_disjoint_and_position_survives_a_batch_change(assets, tmp_path):
     import torch
 
-    from runner.run import data
+    from runner.run import loader as data
 
     corpus, tok = assets
     tokens = data.load_tokens([str(corpus)], "json", "text", str(tok), text_assets.EOS, tmp_path / "cache")

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from runner.config import families, layout, memory, plan, preflight, validate
+from runner.config import families, layout, memory, plan, validate
 from runner.config.schema import Mode
+from runner.config.validate import launch as preflight
 from tests import text_assets
 from tests.conftest import ROOT, run_cli
 
@@ -341,7 +342,7 @@ def test_help_and_info():
 def test_only_the_device_policy_branches_on_the_device():
     """Every CPU-vs-CUDA difference of the runtime is runner.run.device's decision; the dry run, which rehearses a
     CUDA layout on CPU, is the one other module that names the device (to say what it substitutes)."""
-    allowed = {"runner/run/device.py", "runner/run/dryrun.py"}
+    allowed = {"runner/run/device.py", "runner/run/dryrun/rehearse.py"}
     branching = re.compile(r"cluster\.device\s*[=!]=|DeviceType\.(cpu|cuda)|\.is_cuda\b|cuda\.is_available\(")
     found = [
         f"{p.relative_to(ROOT)}:{i}"

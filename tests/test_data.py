@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from runner.run.data import SyntheticData
+from runner.run.loader import SyntheticData
 
 
 def _data(dp_rank: int, dp: int, seed: int = 0) -> SyntheticData:
@@ -47,8 +47,8 @@ def test_stream_is_learnable_progression():
 
 
 def _check_inputs_on_threads(shards: list, dp_rank_of) -> list:
-    """runner.run.data.check_inputs on one thread per rank; the policy's host all_gather is done by hand between the threads."""
-    from runner.run import data
+    """runner.run.loader.check_inputs on one thread per rank; the policy's host all_gather is done by hand between the threads."""
+    from runner.run import loader as data
 
     n, box, barrier = len(shards), [None] * len(shards), threading.Barrier(len(shards))
     local = threading.local()
@@ -72,7 +72,7 @@ def _check_inputs_on_threads(shards: list, dp_rank_of) -> list:
 
 def test_data_check_judges_replicas_by_sample_not_content():
     """One short document repeated: DP replicas read the same tokens from different samples, which is fine."""
-    from runner.run.data import TextData
+    from runner.run.loader import TextData
 
     tokens = torch.tensor([5, 6, 7, 8] * 200)  # every 64-token piece starts at a multiple of 4: all identical
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from runner.config import validate, validate_ckpt
+from runner.config import validate
 from runner.config.problems import ConfigError
+from runner.config.validate import checkpoint as validate_ckpt
 from tests import text_assets
 
 

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from runner.config import dryrun_report, flops, freeze, runfiles, validate
+from runner.config import flops, freeze, runfiles, validate
+from runner.config.dryrun import report as dryrun_report
 from runner.config.problems import ConfigError
 from tests.conftest import ROOT, run_cli
 
@@ -51,7 +52,7 @@ def test_ranks_outside_the_layout_exit_2_with_nothing_written(tmp_path):
 
 
 def _real_ledger(cfg, tmp_path) -> dict:
-    """Rank 0 of 4 real gloo ranks running runner.run.dryrun's two steps under the ledger."""
+    """Rank 0 of 4 real gloo ranks running runner.run.dryrun.rehearse's two steps under the ledger."""
     tmp_path.mkdir()
     frozen = freeze.write(cfg, validate.check(cfg), tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -62,7 +63,7 @@ def _real_ledger(cfg, tmp_path) -> dict:
         "--standalone",
         "--nproc-per-node=4",
         "-m",
-        "runner.run.dryrun",
+        "runner.run.dryrun.rehearse",
         str(tmp_path),
         str(frozen),
     ]

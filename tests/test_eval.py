@@ -14,8 +14,8 @@ import torch
 
 from runner.config import validate
 from runner.config.problems import ConfigError
-from runner.run import data as data_mod
 from runner.run import evaluate
+from runner.run import loader as data_mod
 from tests import text_assets
 
 SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2

@@ -326,7 +326,7 @@ def test_monitor_and_distributed_values_are_validated():
 
 
 def test_monitor_config_side_is_torch_free():
-    modules = "runner.config.validate_monitor, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
+    modules = "runner.config.validate.monitor, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
     code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,6 @@
 """The plan's memory is held to the dry run: for debug layouts (PP with and without full activation
 checkpointing, TP + SP without PP) each rank's weights + gradients and optimizer state within 2 % of what the
-dry run measures at its peak, activations within 15 % (runner.config.dryrun_report.TOLERANCE). The cluster
+dry run measures at its peak, activations within 15 % (runner.config.dryrun.report.TOLERANCE). The cluster
 configs of issue 14 are checked by bench/dryrun_vs_plan.py (minutes), whose output the README quotes."""
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def test_405b_pipeline_activations_match_the_dry_run(compose):
     last one for its output's gradient (torch's PipelineStage allocates them in the first step and keeps them).
     Dry run, tp8_pp16 with full AC, 17 microbatches rehearsed: 1.97 GB on the last stage (the plan had 1.20 without
     them), 10.89 without AC."""
-    from runner.config import dryrun_report, layout, memory
+    from runner.config import layout, memory
+    from runner.config.dryrun import report as dryrun_report
 
     for ac, gb in (("full", 1.967), ("none", 10.892)):
         cfg = compose([*P405, f"training.activation_checkpoint={ac}"])
@@ -156,7 +157,8 @@ def test_moe_mla_activations_on_the_rehearsals_cpu_kernels(compose):
     the fp32 output the scores weight. Dry run (debug_moe, ep 8, 256 tokens): 0.113 GB of activations at the peak,
     which falls inside the last block's backward (the plan, counting every block, had 0.069). The cluster's
     FlexAttention saves no probabilities: the plan on CUDA keeps them out."""
-    from runner.config import dryrun_report, layout, memory
+    from runner.config import layout, memory
+    from runner.config.dryrun import report as dryrun_report
 
     cfg = compose(MOE_EP8)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from runner.config import precision, validate
-from runner.run import fp8_emulation as fe
 from runner.run import titan
+from runner.run.titan import fp8_emulation as fe
 from tests.conftest import run_cli
 
 E4M3 = torch.float8_e4m3fn

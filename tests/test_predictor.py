@@ -1,4 +1,4 @@
-"""The step-time predictor (runner/config/steptime.py): published GPU runs, the held-out Llama 3 paper
+"""The step-time predictor (runner/config/predict/steptime.py): published GPU runs, the held-out Llama 3 paper
 runs, machine profiles (round trip, named constants, what they change) and the labels."""
 
 from __future__ import annotations
@@ -7,8 +7,11 @@ import json
 
 import pytest
 
-from runner.config import plan, steptime, steptime_profile, steptime_refs, validate
-from runner.config.steptime_machine import DATASHEET
+from runner.config import plan, validate
+from runner.config.predict import profile as steptime_profile
+from runner.config.predict import refs as steptime_refs
+from runner.config.predict import steptime
+from runner.config.predict.machine import DATASHEET
 
 CPU = ["model=debug", "parallelism=dp2_tp2"]
 
@@ -19,7 +22,7 @@ def references():
 
 
 def test_published_runs_within_20_percent(references):
-    """TorchTitan's A100 and H100 tables (runner/config/data/reference_runs.csv, role fit)."""
+    """TorchTitan's A100 and H100 tables (runner/config/predict/reference_runs.csv, role fit)."""
     fit = {k: r for k, r in references.items() if r.role == "fit"}
     assert len(fit) == 13
     off = {k: f"{100 * r.error:+.1f} %" for k, r in fit.items() if abs(r.error) > 0.20}
@@ -104,7 +107,7 @@ def test_profile_constants_move_their_terms(compose):
 def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(compose):
     """runner.calibrate's fit inverts the predictor: short runs timed as a profile with a 1.5 ms block cost and a
     4 ms collective predicts them give back those two constants, whatever the measured kernels are."""
-    from runner.run import calibrate_runs
+    from runner.calibrate import runs as calibrate_runs
 
     truth = _profile(layer_overhead_s=1.5e-3)
     truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 4e-3)
@@ -122,7 +125,7 @@ def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(co
 def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     """A run that takes what a profile with in_run_share 0.8 predicts gives back 0.8, and that share slows every
     kernel term (compute, elementwise) by 1 / 0.8 and nothing else."""
-    from runner.run import calibrate_runs
+    from runner.calibrate import runs as calibrate_runs
 
     slow = _profile()
     slow["by_ranks"]["2"]["in_run_share"] = 0.8
@@ -143,7 +146,7 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
     (the pipeline's sends cost it too), the 4-rank run (2 stages x FSDP 2) then for its share. Without the 2-rank
     pipeline an FSDP run on 2 ranks gives its share, which then takes in what its collectives cost beyond the old
     figure."""
-    from runner.run import calibrate_runs
+    from runner.calibrate import runs as calibrate_runs
 
     truth = _profile()
     truth["by_ranks"]["2"]["in_run_share"], truth["by_ranks"]["4"]["in_run_share"] = 0.9, 0.7
@@ -216,7 +219,7 @@ def test_bad_profile_is_a_config_error(compose, tmp_path):
 
 def test_calibrate_measures_the_per_rank_shapes(compose):
     """python -m runner.calibrate times the GEMMs each rank runs: TP shards the projections, CP the tokens."""
-    from runner.run import calibrate
+    from runner.calibrate import machine as calibrate
 
     gemms, attention = calibrate.shapes([compose(["model=debug", "training.seq_len=256", "training.microbatch_size=2"])], 4)
     assert {(512, 256, 256), (512, 256, 128), (512, 128, 256), (512, 256, 384), (256, 256, 768), (512, 256, 1024)} <= gemms
@@ -226,7 +229,7 @@ def test_calibrate_measures_the_per_rank_shapes(compose):
 
 def test_calibrate_times_kernels_once_per_thread_count_and_neighbours(monkeypatch):
     """2 and 4 ranks on 2 cores both run 1 thread next to 1 busy neighbour: one measurement serves both."""
-    from runner.run import calibrate
+    from runner.calibrate import machine as calibrate
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert calibrate.conditions([1, 2, 4]) == {(2, 1): [1], (1, 2): [2, 4]}
@@ -235,7 +238,7 @@ def test_calibrate_times_kernels_once_per_thread_count_and_neighbours(monkeypatc
 
 
 def test_calibrate_refuses_bad_input_before_measuring(capsys):
-    from runner.run import calibrate
+    from runner.calibrate import machine as calibrate
 
     assert calibrate.main(["--ranks", "3"]) == 2
     assert "--ranks '3': give rank counts that are 1 or powers of two, e.g. --ranks 1,2,4" in capsys.readouterr().err

@@ -8,9 +8,12 @@ import json
 
 import pytest
 
-from runner.config import compare, flops, memory, plan, search, search_render, search_verify, steptime, validate
+from runner.config import compare, flops, memory, plan, search, validate
+from runner.config.predict import steptime
 from runner.config.problems import ConfigError
 from runner.config.schema import Mode
+from runner.config.search import render as search_render
+from runner.config.search import verify as search_verify
 from tests.conftest import run_cli
 
 # Llama 3 8B on one 8-GPU node at seq 8,192: small enough to brute-force, large enough that memory rejects layouts
@@ -179,7 +182,7 @@ def test_a_cluster_without_a_peak_prices_nothing_and_writes_no_sweep(compose, tm
 
 def _verify_profile(tmp_path):
     """The CPU test profile with a slow point-to-point link (1 MB/s), so that no pipeline ties the top 3 (dp2, dpr2, tp2)."""
-    from runner.config import steptime_profile
+    from runner.config.predict import profile as steptime_profile
     from tests.test_predictor import _profile
 
     prof = _profile()

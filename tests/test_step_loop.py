@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from runner.run import train
-from runner.run.data import Prefetch, SyntheticData
+from runner.run.loader import Prefetch, SyntheticData
 
 
 def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch):

@@ -10,8 +10,9 @@ import math
 import pytest
 import yaml
 
-from runner.config import flops, search_objective
+from runner.config import flops
 from runner.config.schema import ActivationCheckpoint, ModelConfig
+from runner.config.search import objective as search_objective
 from runner.run import metrics
 from tests.conftest import metrics as rows_of
 from tests.conftest import run_cli

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from runner.config import validate, validate_ckpt, validate_tokens
+from runner.config import validate
 from runner.config.problems import ConfigError
+from runner.config.validate import checkpoint as validate_ckpt
+from runner.config.validate import data as validate_tokens
 from runner.data import cli, manifest, order
-from runner.run.data import Prefetch, TokenData
+from runner.run.loader import Prefetch, TokenData
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
 

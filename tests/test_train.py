@@ -298,17 +298,17 @@ def test_runner_collectives_follow_the_device_policy(runs):
     """With host collectives on a group of their own (how CUDA runs them: NCCL rejects CPU tensors), every
     collective the runner's own modules issue goes through the device policy onto that group with CPU tensors;
     the only exception is the bandwidth probe, which measures the model's links on the default group."""
-    probe = "runner/observe/calibration.py:allreduce_gbs"
+    probe = "runner/observe/plan_check.py:allreduce_gbs"
     want = {
         "runner/run/mesh.py:check",
-        "runner/run/data.py:check_inputs",
-        "runner/run/data.py:global_digest",
+        "runner/run/loader.py:check_inputs",
+        "runner/run/loader.py:global_digest",
         "runner/run/train.py:global_loss",
         "runner/run/train.py:_finish",
         "runner/observe/monitor.py:__init__",
         "runner/observe/monitor.py:end_step",  # the arrival judge's step-end barrier
         "runner/observe/monitor.py:_judge",
-        "runner/observe/calibration.py:mean_over_ranks",
+        "runner/observe/plan_check.py:mean_over_ranks",
         probe,
     }
     for rank in range(4):

@@ -77,7 +77,7 @@ def provenance(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
 def _header(cfg: RunConfig) -> str:
     lines = ["# Replay: python -m runner --config-dir <this folder> --config-name frozen"]
     c = cfg.checkpoint
-    if c.resume and c.resume_from:  # pinned by the pre-launch check (runner.config.validate_ckpt)
+    if c.resume and c.resume_from:  # pinned by the pre-launch check (runner.config.validate.checkpoint)
         lines += [
             f"# This run resumed from {c.resume_from} (checkpoint.resume_from). Replaying it resumes from that same",
             "# checkpoint, which must still exist and be intact, and writes its checkpoints into checkpoint.folder again.",

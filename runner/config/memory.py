@@ -2,7 +2,7 @@
 and the CPU rank estimate share (torch-free).
 
 The default figures follow what TorchTitan allocates, category by category as the dry run's ledger
-(runner/run/ledger.py) measures them, at the step's peak on each pipeline stage:
+(runner/run/dryrun/ledger.py) measures them, at the step's peak on each pipeline stage:
 
 - weights: FSDP2 keeps an fp32 shard of every parameter (over dp_shard x cp, TorchTitan's FSDP mesh) and
   gathers param_dtype copies: the whole stage while `fsdp_reshard_after_forward` keeps them (TorchTitan's

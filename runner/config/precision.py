@@ -25,7 +25,7 @@ class Requirement:
     divisor: int
     """Every GEMM dimension of a converted layer, after TP sharding, must be a multiple of this."""
     on_cpu: str
-    """"real" (torch._scaled_mm has a CPU kernel), "emulated" (runner/run/fp8_emulation.py) or "rejected"."""
+    """"real" (torch._scaled_mm has a CPU kernel), "emulated" (runner/run/titan/fp8_emulation.py) or "rejected"."""
     gpu_path: str
     """What runs on GPU."""
 

@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _inputs(files: list[str], text_field: str) -> list[Problem]:
     from runner.config.schema import DataConfig, TextFormat
-    from runner.config.validate_ckpt import _first_record_lacks
+    from runner.config.validate.checkpoint import _first_record_lacks
 
     out = []
     for f in files:

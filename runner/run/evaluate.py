@@ -2,7 +2,7 @@
 
 An evaluation pass runs after the optimizer step of every eval.interval-th step and of the last step. Each pass reads
 the same samples: batch k (k < eval.steps) is global samples [k * B, (k + 1) * B) of the held-out split, B the
-training global batch, each DP replica its slice of them as in training (runner.run.data, split="eval"), so passes
+training global batch, each DP replica its slice of them as in training (runner.run.loader, split="eval"), so passes
 are comparable and independent of the training position. The forward runs without gradients, with the model parts in
 eval mode (MoE routers then leave their load-balancing token counts alone), through the pipeline schedule's
 forward-only step under PP. The loss is averaged per token over the pass like the training loss: every batch's share

@@ -20,10 +20,11 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.config import preflight, runfiles
+from runner.config import runfiles
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig, WorkerStart
+from runner.config.validate import launch as preflight
 from runner.run import procs
 
 MONITOR_INTERVAL_S = 0.5

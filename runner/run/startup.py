@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from runner.config import plan
+from runner.config.comm import link
 from runner.config.layout import MESH_ORDER, Layout, devices_per_node, label
-from runner.config.plan_comm import link
 from runner.config.schema import RunConfig
 from runner.config.wording import count
 

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from runner.config import checkpoint
 from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
-from runner.observe import calibration as calibrate
 from runner.observe import integrity, monitor
+from runner.observe import plan_check as calibrate
 from runner.observe.monitor import StepMonitor
-from runner.run import data as data_mod
 from runner.run import evaluate, preempt, titan
+from runner.run import loader as data_mod
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -102,7 +102,7 @@ class _Loop:
     run_dir: Path
     integrity: integrity.Checker
     eval_data: Any = None
-    """The held-out split (runner.run.data, split="eval"); None when eval.interval is 0."""
+    """The held-out split (runner.run.loader, split="eval"); None when eval.interval is 0."""
     feed: data_mod.Prefetch = None
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule

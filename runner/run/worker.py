@@ -15,11 +15,12 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision, runfiles, validate_tokens, wording
+from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
+from runner.config.validate import data as validate_tokens
 from runner.observe import forensics
 from runner.run import accounting, device, evaluate, mesh, metrics, peak, preempt, procs, startup, titan, train
-from runner.run import data as data_mod
+from runner.run import loader as data_mod
 from runner.run.device import DevicePolicy
 
 

@@ -91,14 +91,14 @@ def float8_converter(config):
 
 def emulated_blockwise_linear_config():
     """torchao's blockwise FP8 kernels are Triton-only: a TorchTitan Linear whose matmul is the
-    PyTorch-op emulation in runner/run/fp8_emulation.py (same tiles, blocks, scales and casts)."""
+    PyTorch-op emulation in runner/run/titan/fp8_emulation.py (same tiles, blocks, scales and casts)."""
     global _EmulatedBlockwiseLinear
     if _EmulatedBlockwiseLinear is None:
         from dataclasses import dataclass
 
         from torchtitan.models.common.linear import Linear
 
-        from runner.run.fp8_emulation import blockwise_fp8_linear
+        from runner.run.titan.fp8_emulation import blockwise_fp8_linear
 
         class EmulatedBlockwiseFp8Linear(Linear):
             @dataclass(kw_only=True, slots=True)

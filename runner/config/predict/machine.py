@@ -7,7 +7,7 @@ bandwidth of each collective per group size on the backend, and the stack's fixe
 one, the cluster's datasheet figures are used with the constants below, which describe TorchTitan
 in eager mode on NVIDIA GPUs; ATTENTION_VS_MATMUL, the two bytes-per-element figures and
 LINK_EFFICIENCY were chosen on a grid (0.45-0.75, 40-80, 16-32, 0.7-0.9) to minimise the squared log
-error over the `fit` rows of runner/config/data/reference_runs.csv (TorchTitan's published runs),
+error over the `fit` rows of runner/config/predict/reference_runs.csv (TorchTitan's published runs),
 never the `heldout` ones. Such predictions are labelled "datasheet, not calibrated".
 """
 

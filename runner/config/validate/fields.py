@@ -11,10 +11,10 @@ import math
 from runner.config import flops, precision
 from runner.config.problems import Problem
 from runner.config.schema import Backend, DeviceType, Launcher, RunConfig, WorkerStart
-from runner.config.validate_layout import DEGREES
+from runner.config.validate.layout import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
-SEED_LIMIT = 2**32  # runner.run.data seeds torch.Generator with seed x 1,000,003 + sample index, which must fit 64 bits
+SEED_LIMIT = 2**32  # runner.run.loader seeds torch.Generator with seed x 1,000,003 + sample index, which must fit 64 bits
 PORTS = range(1, 65536)
 
 
@@ -143,7 +143,7 @@ def cluster(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _profile(path: str, out: list[Problem]) -> None:
     """cluster.profile must be a machine profile the predictor can read."""
-    from runner.config import steptime_machine
+    from runner.config.predict import machine as steptime_machine
 
     try:
         steptime_machine.load(path)

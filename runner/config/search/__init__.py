@@ -28,24 +28,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from runner.config import (
-    flops,
-    layout,
-    memory,
-    pipeline,
-    precision,
-    steptime,
-    validate,
-    validate_ckpt,
-    validate_fields,
-    validate_layout,
-    validate_model,
-    validate_monitor,
-)
-from runner.config import validate_pipeline as pipeline_rules
+from runner.config import flops, layout, memory, pipeline, precision, validate
 from runner.config.layout import Layout, label
+from runner.config.predict import steptime
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig
+from runner.config.validate import checkpoint as validate_ckpt
+from runner.config.validate import fields as validate_fields
+from runner.config.validate import layout as validate_layout
+from runner.config.validate import model as validate_model
+from runner.config.validate import monitor as validate_monitor
+from runner.config.validate import pipeline as pipeline_rules
 
 AC = ActivationCheckpoint
 AC_TIERS = ((AC.none,), (AC.selective_op, AC.selective_layer), (AC.full,))  # least recomputation first

@@ -19,7 +19,7 @@ from typing import Any
 
 from runner.config import compare, runfiles
 from runner.config.search import Result
-from runner.config.search_render import SWEEP_NAME
+from runner.config.search.render import SWEEP_NAME
 from runner.config.wording import count
 
 MIN_SPEARMAN = 3  # points a rank correlation needs to say anything

@@ -4,7 +4,7 @@ One function for both entry points: `python -m runner` runs it before it freezes
 and `python -m runner.launch` (the per-node command that `mode=launch_plan` prints and SLURM tasks
 run) runs it on every node before torchrun starts. It absolutizes the data paths, then checks how
 the run is started, this machine (driver, device kernels, memory for this node's ranks), the data
-files and tokenizer, the checkpoint storage and what there is to resume (runner.config.validate_ckpt).
+files and tokenizer, the checkpoint storage and what there is to resume (runner.config.validate.checkpoint).
 All problems are raised together.
 """
 
@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.config import memory, slurm, validate, validate_ckpt, validate_eval
+from runner.config import memory, slurm, validate
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ClusterConfig, DeviceType, RunConfig
+from runner.config.validate import checkpoint as validate_ckpt
+from runner.config.validate import eval as validate_eval
 
 
 def run(cfg: RunConfig, lay: Layout, run_dir: Path, *, node: bool = False) -> None:

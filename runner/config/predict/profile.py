@@ -21,10 +21,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import steptime_machine as sm
 from runner.config.layout import Layout
+from runner.config.predict import machine as sm
+from runner.config.predict.machine import Link, Machine
 from runner.config.schema import RunConfig
-from runner.config.steptime_machine import Link, Machine
 
 CONSTANTS = {
     "layer_overhead_s": ("s", "fixed cost of one transformer block's forward or backward beyond its GEMMs and kernels (dispatch)"),

@@ -29,11 +29,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles, steptime
+from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles
+from runner.config.comm import communication
 from runner.config.layout import Layout, label
 from runner.config.memory import memory
-from runner.config.plan_comm import communication
-from runner.config.plan_render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
+from runner.config.plan.render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
+from runner.config.predict import steptime
 from runner.config.schema import ClusterConfig, RunConfig
 
 
@@ -61,7 +62,7 @@ def _compute_time(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> dic
 
 
 def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: steptime.StepPrediction, eff: float) -> dict[str, Any]:
-    """The predictor's figures (runner/config/steptime.py) in the plan's keys."""
+    """The predictor's figures (runner/config/predict/steptime.py) in the plan's keys."""
     step_s, dp_s = ct["step_time_s"], comm["dp_comm_s"]
     backward_s = step_s * (1 - bubble) * 2 / 3 if step_s is not None else None
     est_s = pred.step_s

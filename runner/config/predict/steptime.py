@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from runner.config import flops, layout, pipeline, plan_comm
-from runner.config import steptime_machine as machine
-from runner.config import steptime_work as work
+from runner.config import comm as plan_comm
+from runner.config import flops, layout, pipeline
 from runner.config.layout import MESH_ORDER, Layout
 from runner.config.memory import BYTES, keeps_weights_gathered
+from runner.config.predict import machine, work
+from runner.config.predict.machine import DATASHEET, Machine
 from runner.config.schema import RunConfig
-from runner.config.steptime_machine import DATASHEET, Machine
 
 CPU_TERMS = ("compute", "non_matmul", "recompute", "overhead")
 TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp")
@@ -237,7 +237,7 @@ def resolve_machine(cfg: RunConfig, lay: Layout, profile=None, **datasheet_overr
     """The machine figures: `profile` (a loaded profile dict or a path), else cluster.profile, else the datasheet."""
     source = profile if profile is not None else cfg.cluster.profile
     if source is not None:
-        from runner.config import steptime_profile
+        from runner.config.predict import profile as steptime_profile
 
         return steptime_profile.machine(cfg, lay, source)
     return machine.datasheet(cfg, **datasheet_overrides)

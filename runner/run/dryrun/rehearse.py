@@ -4,10 +4,10 @@ The rank runs the same set-up the real ranks run, with torch's fake process grou
 TorchTitan's ParallelDims and mesh, the model from its registry, the precision converters, TP/SP/FSDP/HSDP/CP/EP
 parallelize and its pipeline stage (runner.run.titan.build, on meta). It is then materialized on fake tensors
 (FakeTensorMode: building under it fails inside FSDP's set-up), and runs two training steps of the runner's own
-step parts; the second is measured by the ledger (runner.run.ledger). The first is not representative: AdamW
+step parts; the second is measured by the ledger (runner.run.dryrun.ledger). The first is not representative: AdamW
 creates its state lazily and the pipeline schedule infers shapes with an extra forward/backward.
 
-`python -m runner.run.dryrun OUT FROZEN` under torchrun does the same on real ranks (the ledger's ground truth).
+`python -m runner.run.dryrun.rehearse OUT FROZEN` under torchrun does the same on real ranks (the ledger's ground truth).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import dryrun_report, freeze, layout
+from runner.config import freeze, layout
+from runner.config.dryrun import report as dryrun_report
 from runner.config.layout import Layout
 from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
-from runner.run import ledger as ledger_mod
 from runner.run import titan, train
 from runner.run.device import DevicePolicy
+from runner.run.dryrun import ledger as ledger_mod
 from runner.run.titan import cpu as titan_cpu
 
 
@@ -54,12 +55,12 @@ def substitutions(cfg: RunConfig) -> list[str]:
             "router's values, which fake tensors do not have"
         )
     if cfg.precision.fp8 == Fp8Recipe.blockwise:
-        out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.fp8_emulation) in place of torchao's Triton kernels")
+        out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.titan.fp8_emulation) in place of torchao's Triton kernels")
     return out
 
 
 def rank_config(cfg: RunConfig, lay: Layout) -> RunConfig:
-    """The rehearsed config: the CPU build path (no CUDA here) and the batch runner.config.dryrun_report chose."""
+    """The rehearsed config: the CPU build path (no CUDA here) and the batch runner.config.dryrun.report chose."""
     dry = copy.deepcopy(cfg)
     dry.cluster.device = DeviceType.cpu
     _, m = dryrun_report.microbatches(cfg, lay)

@@ -1,6 +1,6 @@
 """`python -m runner.calibrate`: measure this machine once and write the predictor's profile.
 
-What it measures (runner/config/steptime_profile.py describes the file):
+What it measures (runner/config/predict/profile.py describes the file):
 - GEMMs at the per-rank shapes the given model(s) use under every TP/CP degree that fits the rank
   counts, forward + backward, with the threads each rank gets (runner/run/procs.threads_per_rank),
   in as many processes side by side as keep the cores busy, on operands cycled through more memory
@@ -34,10 +34,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runner.config import flops, steptime, steptime_machine, steptime_profile, steptime_work
+from runner.calibrate import runs as calibrate_runs
+from runner.config import flops
 from runner.config.layout import Layout
+from runner.config.predict import machine as steptime_machine
+from runner.config.predict import profile as steptime_profile
+from runner.config.predict import steptime
+from runner.config.predict import work as steptime_work
 from runner.config.schema import RunConfig
-from runner.run import calibrate_runs, procs
+from runner.run import procs
 from runner.run.peak import cpu_model
 
 SIZES_BYTES = (1 << 16, 1 << 20, 1 << 22)  # collective sizes: latency-bound to bandwidth-bound
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from runner.config import steptime_refs, validate
+    from runner.config import validate
+    from runner.config.predict import refs as steptime_refs
 
     args = _parse(sys.argv[1:] if argv is None else argv)
     base = args.overrides

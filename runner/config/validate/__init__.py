@@ -4,15 +4,21 @@ Torch-free. Problems are collected and raised once; each names the field, the va
 why it is wrong and the fix. `check` runs every rule that can run (a wrong world size does
 not hide a wrong TP degree); the rules live by subject in the validate_* modules. `check`
 holds rules about the config itself (valid for any cluster, including ones this machine
-cannot run); runner.config.preflight adds the rules about starting it here.
+cannot run); runner.config.validate.launch adds the rules about starting it here.
 """
 
 from __future__ import annotations
 
-from runner.config import layout, memory, validate_ckpt, validate_eval, validate_fields, validate_layout, validate_model, validate_monitor
-from runner.config import validate_pipeline as pipeline_rules
+from runner.config import layout, memory
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
+from runner.config.validate import checkpoint as validate_ckpt
+from runner.config.validate import eval as validate_eval
+from runner.config.validate import fields as validate_fields
+from runner.config.validate import layout as validate_layout
+from runner.config.validate import model as validate_model
+from runner.config.validate import monitor as validate_monitor
+from runner.config.validate import pipeline as pipeline_rules
 
 __all__ = ["ConfigError", "check", "machine_memory_gb", "rank_memory_gb"]
 

@@ -1,6 +1,6 @@
 """Check the planner against a measurement: predicted vs measured step time and bubble.
 
-After a run, the step-time predictor (runner/config/steptime.py) is set beside the measured
+After a run, the step-time predictor (runner/config/predict/steptime.py) is set beside the measured
 medians: on the machine profile of `cluster.profile` (python -m runner.calibrate) when there is one,
 else on the datasheet model with what this run measured (the matmul peak, shared by the ranks of one
 CPU machine, and an all-reduce bandwidth over the job's own process group), labelled "datasheet, not

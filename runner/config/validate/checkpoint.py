@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.config import checkpoint, flops, validate_tokens
+import runner.config.validate.data as validate_tokens
+from runner.config import checkpoint, flops
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
 

@@ -1,4 +1,4 @@
-"""Published GPU runs the datasheet predictor is checked against (runner/config/data/reference_runs.csv).
+"""Published GPU runs the datasheet predictor is checked against (runner/config/predict/reference_runs.csv).
 
 Each row is composed from its Hydra overrides like a command line, priced by the predictor and set
 beside its measured step time: tokens/s per GPU give it directly; the Llama 3 paper's TFLOP/s per GPU
@@ -12,11 +12,12 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.config import flops, layout, steptime
+from runner.config import flops, layout
+from runner.config.predict import steptime
 from runner.config.schema import RunConfig
 
-DATA = Path(__file__).resolve().parent / "data" / "reference_runs.csv"
-CONF = Path(__file__).resolve().parent.parent.parent / "conf"
+DATA = Path(__file__).resolve().parent / "reference_runs.csv"
+CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 @dataclass(frozen=True)

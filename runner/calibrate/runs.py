@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runner.config import freeze, points, runfiles, steptime, steptime_profile
+from runner.config import freeze, points, runfiles
 from runner.config.layout import resolve
+from runner.config.predict import profile as steptime_profile
+from runner.config.predict import steptime
 from runner.config.schema import RunConfig
 from runner.run import procs
 
