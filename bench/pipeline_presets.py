@@ -45,21 +45,17 @@ PRESETS = {
 
 
 def compose_all(a) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from runner.cli import _to_object
-    from runner.config import validate
+    from runner.config import compose, validate
 
     common = [f"training.steps={a.steps}", f"training.seq_len={a.seq_len}", f"training.global_batch_size={a.global_batch}"]
     common += ["training.microbatch_size=1", "logging.progress=false"]
     out = {}
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        for nproc, presets in PRESETS.items():
-            out[nproc] = {}
-            for name, overrides in presets.items():
-                cfg = _to_object(compose(config_name="config", overrides=[*common, *overrides]))
-                validate.check(cfg)
-                out[nproc][name] = cfg
+    for nproc, presets in PRESETS.items():
+        out[nproc] = {}
+        for name, overrides in presets.items():
+            cfg = compose.compose([*common, *overrides])
+            validate.check(cfg)
+            out[nproc][name] = cfg
     return out
 
 

@@ -30,10 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runner.config import (  # noqa: E402
+    compose,  # noqa: E402
+    runfiles,
+    validate,
+)
 from runner.config import points as points_file  # noqa: E402
-from runner.config import runfiles, validate  # noqa: E402
 from runner.config.compare import spearman  # noqa: E402
-from runner.config.predict import refs as steptime_refs  # noqa: E402
 from runner.config.predict import steptime  # noqa: E402
 
 LAYOUTS = {
@@ -87,7 +90,7 @@ def measure_once(pts: dict[str, list[str]], order: list[str], steps: int, profil
 def predict(pts: dict[str, list[str]], profile: Path) -> dict[str, steptime.StepPrediction]:
     out = {}
     for key, overrides in pts.items():
-        cfg = steptime_refs.compose([*overrides, f"cluster.profile={profile}"])
+        cfg = compose.compose([*overrides, f"cluster.profile={profile}"])
         out[key] = steptime.predict(cfg, validate.check(cfg))
     return out
 

@@ -17,36 +17,19 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import flops, freeze, precision, runfiles, slurm, validate
+from runner.config import compose, flops, freeze, precision, runfiles, slurm, validate
 from runner.config.layout import label
-from runner.config.schema import Fp8Recipe, Mode, RunConfig, register
+from runner.config.schema import Fp8Recipe, Mode, RunConfig
 from runner.config.search import objective as search_objective
-from runner.config.validate import keys as validate_keys
 from runner.config.validate import launch as preflight
 from runner.config.wording import count
 
-register()
-slurm.register_resolvers()
+compose.register()
 _entered = False  # set once Hydra hands over a composed config
 _failed: list[str] = []  # overrides of the sweep points whose ranks failed
-CONF = Path(__file__).resolve().parent.parent / "conf"
-
-
-def _to_object(cfg: DictConfig) -> RunConfig:
-    """Typed config with every schema check applied (unknown keys, wrong types, enums).
-
-    Hydra composes on top of the `base_config` schema, so the tree is already typed and
-    checked; re-merging it into a fresh structured RunConfig cost ~0.3 s per plan. Only keys
-    added with `+` slip past the typed nodes (runner.config.validate.keys)."""
-    if OmegaConf.get_type(cfg) is not RunConfig:  # a primary config that does not start from base_config
-        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
-    stray = validate_keys.unknown(cfg)
-    if stray:
-        raise validate.ConfigError(stray)
-    return OmegaConf.to_object(cfg)
 
 
 def _discard(run_dir: Path) -> None:
@@ -207,7 +190,7 @@ def _check_and_report(cfg: RunConfig, dcfg: DictConfig, run_dir: Path):
     return False, lay
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(compose.CONF), config_name="config")
 def main(dcfg: DictConfig) -> float | None:
     """The Hydra task: returns the config's objective (a float an optimizing sweeper minimizes; +inf for an
     invalid or failed point) where the mode has one."""
@@ -215,7 +198,7 @@ def main(dcfg: DictConfig) -> float | None:
     _entered = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        cfg = _to_object(dcfg)
+        cfg = compose.to_object(dcfg)
         done, result = _check_and_report(cfg, dcfg, run_dir)
         if done:
             return result
@@ -328,7 +311,7 @@ def _first_line(message: str | dict) -> str:
 _SETS_MODE = re.compile(r"^[ \t]+mode:[ \t]*(RUN|MULTIRUN)\b|hydra\.mode", re.M)
 
 
-def mode_probe_needed(overrides: list[str], conf: Path = CONF) -> bool:
+def mode_probe_needed(overrides: list[str], conf: Path = compose.CONF) -> bool:
     """Whether `hydra.mode` may be set by something other than `-m`.
 
     Before running, Hydra composes the whole config once just to read `hydra.mode` (`Hydra.get_mode`),

@@ -52,16 +52,9 @@ def summary(run_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def compose():
     """compose(overrides) -> typed RunConfig, through the same Hydra search path as the CLI."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from runner.config.compose import compose
 
-    from runner.cli import _to_object
-
-    def _compose(overrides: list[str], name: str = "config"):
-        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-            return _to_object(hydra_compose(config_name=name, overrides=overrides))
-
-    return _compose
+    return compose
 
 
 @pytest.fixture(scope="session")

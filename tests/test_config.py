@@ -274,6 +274,19 @@ def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
+def test_every_composition_refuses_a_key_the_schema_lacks(capsys):
+    """The command line, the tests' compose and `python -m runner.calibrate --variant` compose through
+    runner.config.compose, which refuses `+typo=` (the calibration's own composition once skipped that check)."""
+    from runner.calibrate import machine
+    from runner.config import compose
+
+    with pytest.raises(validate.ConfigError, match=r"training.lr_warmup = 100: not a field of TrainingConfig"):
+        compose.compose(["+training.lr_warmup=100"])
+    assert machine.main(["--variant", "+training.lr_warmup=100"]) == 2
+    err = capsys.readouterr().err
+    assert "training.lr_warmup = 100: not a field of TrainingConfig" in err and "did you mean training.warmup_steps?" in err
+
+
 def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
     proc = run_cli("recipe=llama3_70b_h100x1024", "mode=validate", run_dir=tmp_path / "run")
     assert proc.returncode == 0, proc.stderr

@@ -271,13 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from runner.config import validate
-    from runner.config.predict import refs as steptime_refs
+    from runner.config import compose, validate
 
     args = _parse(sys.argv[1:] if argv is None else argv)
     base = args.overrides
     try:
-        cfgs = [steptime_refs.compose(base)] + [steptime_refs.compose([*base, *v.split()]) for v in args.variant]
+        cfgs = [compose.compose(base)] + [compose.compose([*base, *v.split()]) for v in args.variant]
         rank_counts = _rank_counts(args.ranks)
         for cfg in cfgs:
             validate.check(cfg)

@@ -8,12 +8,12 @@ Torch-free. A family missing here has no runtime support claims: validate_model 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
+from runner.config.compose import CONF
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, RunConfig
 
-CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
+CONF_MODEL = CONF / "model"
 REPRO = "scripts/repro_cpu_families.py"
 """The minimal reproductions of the CPU rejections below (`python scripts/repro_cpu_families.py <case>`)."""
 

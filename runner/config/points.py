@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.config.predict.refs import CONF
+from runner.config.compose import CONF
 
 
 def write(points: dict[str, list[str]], folder: Path, common: list[str] = ()) -> list[str]:

@@ -12,12 +12,11 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.config import flops, layout
+from runner.config import compose, flops, layout
 from runner.config.predict import steptime
 from runner.config.schema import RunConfig
 
 DATA = Path(__file__).resolve().parent / "reference_runs.csv"
-CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 @dataclass(frozen=True)
@@ -39,18 +38,6 @@ def rows(path: Path = DATA) -> list[dict[str, str]]:
     return list(csv.DictReader(lines))
 
 
-def compose(overrides: list[str]) -> RunConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from runner.config.schema import register
-
-    register()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        return OmegaConf.to_object(hydra_compose(config_name="config", overrides=overrides))
-
-
 def _flops_per_token(cfg: RunConfig, unit: str) -> float:
     return flops.flops_per_token(cfg.model, cfg.training.seq_len, "titan") if unit == "tflops_per_gpu" else 1.0
 
@@ -62,7 +49,7 @@ def measured_step_s(cfg: RunConfig, world: int, row: dict[str, str]) -> float:
 
 
 def check(row: dict[str, str]) -> Reference:
-    cfg = compose([f"model={row['model']}", "precision=bf16", *row["overrides"].split()])
+    cfg = compose.compose([f"model={row['model']}", "precision=bf16", *row["overrides"].split()])
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     return Reference(row["id"], row["role"], measured_step_s(cfg, lay.world_size, row), steptime.predict(cfg, lay, ac=row["ac"]))
 
