@@ -24,7 +24,6 @@ from runner.config import compose, flops, freeze, precision, runfiles, slurm, va
 from runner.config.layout import label
 from runner.config.schema import Fp8Recipe, Mode, RunConfig
 from runner.config.search import objective as search_objective
-from runner.config.validate import launch as preflight
 from runner.config.wording import count
 
 compose.register()
@@ -93,10 +92,10 @@ def _report(cfg: RunConfig, lay) -> str:
 def _plan(cfg: RunConfig, lay, run_dir: Path) -> float:
     """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing.
     Returns the objective (predicted step time or MFU) for an optimizing sweeper."""
-    from runner.config import plan
+    from runner.config import memory, plan
 
-    memory = validate.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
-    budget = plan.compute(cfg, lay, device_memory_gb=memory)
+    device_gb = memory.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
+    budget = plan.compute(cfg, lay, device_memory_gb=device_gb)
     budget["overrides"] = list(HydraConfig.get().overrides.task)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         print(plan.one_line(budget))
@@ -186,7 +185,7 @@ def _check_and_report(cfg: RunConfig, dcfg: DictConfig, run_dir: Path):
     if cfg.mode == Mode.dryrun:
         _dryrun(cfg, lay, run_dir)
         return True, None
-    preflight.run(cfg, lay, run_dir)
+    validate.preflight(cfg, run_dir, lay)
     return False, lay
 
 
@@ -220,6 +219,7 @@ def main(dcfg: DictConfig) -> float | None:
         os.environ["WANDB_RUN_GROUP"] = wandb_group(Path(HydraConfig.get().sweep.dir))
     frozen = run_dir / runfiles.FROZEN
     if node == 0 and not requeued:
+        freeze.pin(cfg, run_dir)
         freeze.write(cfg, lay, run_dir)
     else:
         slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder

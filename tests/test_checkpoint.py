@@ -10,7 +10,9 @@ The folder logic itself is unit-tested without ranks.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -18,10 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, freeze, runfiles
+from runner.config import checkpoint, freeze, runfiles, validate
 from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
-from runner.config.validate import checkpoint as validate_ckpt
 from tests import text_assets
 from tests.conftest import metrics, multirun, run_cli
 
@@ -178,7 +179,7 @@ def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tm
     frozen = freeze.load(run_dir / runfiles.FROZEN)
     assert (frozen.checkpoint.resume, frozen.checkpoint.resume_from) == (True, str(folder / "step-4"))
     assert frozen.provenance["resumed_from"] == str(folder / "step-4")
-    validate_ckpt.check_launch(frozen, tmp_path / "replay")  # before the fix: "step-6 is already at step 6"
+    validate.preflight(frozen, tmp_path / "replay")  # before the fix: "step-6 is already at step 6"
     assert frozen.checkpoint.resume_from == str(folder / "step-4")
 
 
@@ -338,10 +339,10 @@ def test_checkpoint_folder_and_text_data_fail_before_launch(tmp_path, assets):
 
 def test_tokenizer_larger_than_the_model_vocabulary_is_rejected(compose, assets, tmp_path):
     cfg = compose(["data=text", f"data.files=[{assets[0]}]", f"data.tokenizer={assets[1]}"])
-    validate_ckpt.check_launch(cfg, tmp_path)  # 512 tokens fit the debug model's 2048
+    validate.preflight(cfg, tmp_path)  # 512 tokens fit the debug model's 2048
     cfg.model.vocab_size = 256
     with pytest.raises(ConfigError) as e:
-        validate_ckpt.check_launch(cfg, tmp_path)
+        validate.preflight(cfg, tmp_path)
     (p,) = e.value.problems
     assert p.field == "data.tokenizer" and p.why == "its vocabulary has 512 tokens, more than model.vocab_size 256"
 
@@ -349,7 +350,7 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_rejected(compose, assets,
 def test_full_checkpoint_filesystem_is_rejected(compose, tmp_path):
     cfg = compose(["checkpoint=local", "checkpoint.min_free_gb=1e12", "training.steps=10", "checkpoint.interval=5"])
     with pytest.raises(ConfigError) as e:
-        validate_ckpt.check_launch(cfg, tmp_path)
+        validate.preflight(cfg, tmp_path)
     (p,) = e.value.problems
     one = checkpoint.size_estimate_gb(6_163_712)
     assert p.field == "checkpoint.folder" and f"2 checkpoint(s) of {one:.3g} GB (fp32 weights + AdamW state)" in p.why
@@ -368,7 +369,7 @@ def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
     _with_model(_fake(tmp_path / "checkpoints", 4), ffn_hidden_dim=1024)
     cfg = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"])
     with pytest.raises(ConfigError) as e:
-        validate_ckpt.check_launch(cfg, tmp_path)
+        validate.preflight(cfg, tmp_path)
     (p,) = e.value.problems
     assert (p.field, p.why) == (
         "checkpoint.resume",
@@ -380,16 +381,21 @@ def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
 def test_resume_pins_the_checkpoint_it_starts_from(compose, tmp_path):
     for s in (2, 4):
         _with_model(_fake(tmp_path / "checkpoints", s))
-    cfg = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"])
-    validate_ckpt.check_launch(cfg, tmp_path)
+    cfg = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8", "data.files=[a.jsonl]"])
+    before = copy.deepcopy(cfg)
+    validate.preflight(cfg, tmp_path)
+    assert cfg == before  # the preflight only reports: pinning is its own step, before freezing
+    freeze.pin(cfg, tmp_path)
     assert cfg.checkpoint.resume_from == str(tmp_path / "checkpoints" / "step-4")
+    assert cfg.data.files == [os.path.abspath("a.jsonl")]
     # a replay names it: the newest is not taken, and a pinned checkpoint that is gone is an error, not a fresh start
     _with_model(_fake(tmp_path / "checkpoints", 6))
-    validate_ckpt.check_launch(cfg, tmp_path)
+    validate.preflight(cfg, tmp_path)
+    freeze.pin(cfg, tmp_path)
     assert cfg.checkpoint.resume_from == str(tmp_path / "checkpoints" / "step-4")
     shutil.rmtree(tmp_path / "checkpoints" / "step-4")
     with pytest.raises(ConfigError) as e:
-        validate_ckpt.check_launch(cfg, tmp_path)
+        validate.preflight(cfg, tmp_path)
     (p,) = e.value.problems
     assert (p.field, p.value, p.why) == (
         "checkpoint.resume_from",
@@ -407,7 +413,7 @@ def test_resume_with_nothing_to_resume_fails_before_launch(compose, tmp_path, st
         (_fake(where, 3) / "__0_0.distcp").unlink()
     cfg = compose(["checkpoint=local", "checkpoint.resume=true", f"checkpoint.folder={where}"])
     with pytest.raises(ConfigError) as e:
-        validate_ckpt.check_launch(cfg, tmp_path / "run")
+        validate.preflight(cfg, tmp_path / "run")
     (p,) = e.value.problems
     held = "does not exist" if state == "missing" else "holds no intact checkpoint"
     assert (p.field, p.why) == ("checkpoint.resume", f"nothing to resume: the checkpoint folder {where} {held}")

@@ -11,7 +11,6 @@ import pytest
 
 from runner.config import families, layout, memory, plan, validate
 from runner.config.schema import Mode
-from runner.config.validate import launch as preflight
 from tests import text_assets
 from tests.conftest import ROOT, run_cli
 
@@ -216,16 +215,16 @@ def test_launch_rules(compose, tmp_path):
     cfg = compose(["recipe=llama3_8b_fsdp8_h100"])
     lay = validate.check(cfg)  # a valid config for a real node ...
     with pytest.raises(validate.ConfigError, match="this machine has no NVIDIA driver"):
-        preflight.run(cfg, lay, tmp_path)  # ... that this CPU machine cannot start
+        validate.preflight(cfg, tmp_path, lay)  # ... that this CPU machine cannot start
     seed = compose(["recipe=llama3_70b_h100x1024"])
     with pytest.raises(validate.ConfigError) as e:
-        preflight.run(seed, validate.check(seed), tmp_path)
+        validate.preflight(seed, tmp_path, validate.check(seed))
     assert [p.field for p in e.value.problems] == ["cluster.num_nodes", "cluster.device", "parallelism.pp"]
     assert "starts the ranks of one node; a multi-node job starts the per-node launcher on every node" in str(e.value)
     big = compose(["parallelism=fsdp", "cluster.devices_per_node=64", "training.global_batch_size=128"])
     with pytest.raises(validate.ConfigError) as e:
-        preflight.run(big, validate.check(big), tmp_path)
-    per_rank = validate.rank_memory_gb(big, validate.check(big))
+        validate.preflight(big, tmp_path, validate.check(big))
+    per_rank = memory.cpu_rank_gb(big, validate.check(big))
     assert f"64 ranks x {per_rank:.2f} GB estimated = {64 * per_rank:.1f} GB exceeds this machine's" in str(e.value)
 
 
@@ -236,10 +235,10 @@ def test_rank_memory_estimate_of_debug_rank(compose):
     lay = validate.check(cfg)
     # 6,163,712 params x 16 B / (fsdp 2 x tp 2) + activations 6 layers x 256 x 2 x 256 x 34 / 2 x 2 + logits 3 x 256 x 2 x 2048 x 4
     want = 0.6 + (6_163_712 * 16 / 4 + 6 * 256 * 2 * 256 * 34 + 3 * 256 * 2 * 2048 * 4) / 1e9
-    assert validate.rank_memory_gb(cfg, lay) == pytest.approx(want)
+    assert memory.cpu_rank_gb(cfg, lay) == pytest.approx(want)
     ac = compose(["training.activation_checkpoint=full"])
     want_ac = want - 6 * 256 * 2 * 256 * (34 - 2) / 1e9
-    assert validate.rank_memory_gb(ac, validate.check(ac)) == pytest.approx(want_ac)
+    assert memory.cpu_rank_gb(ac, validate.check(ac)) == pytest.approx(want_ac)
     per_layer = memory.activation_bytes_per_layer(cfg, lay, recompute=False)
     assert per_layer == 256 * 2 * 256 * 34 / 2 * 2
     assert plan.compute(cfg, lay)["activations_gb_per_microbatch_seed"] == pytest.approx(6 * per_layer / 1e9)  # the seed budget uses it

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from runner.config import flops, plan, validate
-from runner.config.validate import launch as preflight
 
 MOE = ["model=debug_moe", "parallelism=single"]
 LONG_405B = [
@@ -99,7 +98,7 @@ def test_cp_and_ep_layouts_validate_and_launch_here(compose, tmp_path):
     ):
         cfg = compose(overrides)
         lay = validate.check(cfg)
-        preflight.run(cfg, lay, tmp_path)  # CP is no longer rejected on local_cpu
+        validate.preflight(cfg, tmp_path, lay)  # CP is no longer rejected on local_cpu
         assert lay.describe() == degrees
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from runner.config import validate
 from runner.config.problems import ConfigError
-from runner.config.validate import checkpoint as validate_ckpt
 from tests import text_assets
 
 
@@ -43,9 +42,9 @@ def test_every_tokenizer_model_type_is_sized(compose, assets, tmp_path, kind):
     n = _json_vocab(tok)
     assert n == (126 if kind == "Unigram" else 200)  # the trainer's vocab_size; Unigram stops at what the tiny corpus holds
     cfg = compose(["data=text", f"data.files=[{assets[0]}]", f"data.tokenizer={tok}", f"model.vocab_size={n}"])
-    validate_ckpt.check_launch(cfg, tmp_path)  # before the fix, Unigram: AttributeError: 'list' object has no attribute 'values'
+    validate.preflight(cfg, tmp_path)  # before the fix, Unigram: AttributeError: 'list' object has no attribute 'values'
     cfg.model.vocab_size = n - 1
-    assert _problems(validate_ckpt.check_launch, cfg, tmp_path) == [
+    assert _problems(validate.preflight, cfg, tmp_path) == [
         ("data.tokenizer", str(tok), f"its vocabulary has {n} tokens, more than model.vocab_size {n - 1}")
     ]
 
@@ -55,17 +54,15 @@ def test_text_field_missing_from_the_files_is_found_before_launch(compose, asset
     import pyarrow.parquet as pq
 
     cfg = compose(_text(assets, "data.text_field=content"))
-    assert _problems(validate_ckpt.check_launch, cfg, tmp_path) == [
+    assert _problems(validate.preflight, cfg, tmp_path) == [
         ("data.text_field", "content", f"{assets[0]}: its first record has the fields ['text']")
     ]
     table = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"text": ["a b c"], "id": [1]}), table)
     cfg = compose(["data=text", "data.format=parquet", f"data.files=[{table}]", f"data.tokenizer={assets[1]}", "data.text_field=content"])
-    assert _problems(validate_ckpt.check_launch, cfg, tmp_path) == [
-        ("data.text_field", "content", f"{table}: its columns are ['text', 'id']")
-    ]
+    assert _problems(validate.preflight, cfg, tmp_path) == [("data.text_field", "content", f"{table}: its columns are ['text', 'id']")]
     cfg.data.text_field = "text"
-    validate_ckpt.check_launch(cfg, tmp_path)
+    validate.preflight(cfg, tmp_path)
 
 
 def test_mode_validate_checks_data_files_and_tokenizer(compose, assets, tmp_path):

@@ -174,7 +174,7 @@ NO_BAD_VALUE = [
     ("precision.name", "a label for reports"),
     ("precision.keep_high_precision", "presets list non-Linear modules on purpose; a pattern that matches nothing keeps nothing"),
     ("checkpoint.enable", "either setting runs"),
-    ("checkpoint.folder", "any path; whether it can be written is a launch-time check (validate_ckpt.check_launch)"),
+    ("checkpoint.folder", "any path; whether it can be written is a launch-time check (validate.preflight)"),
     ("checkpoint.async_save", "either setting runs"),
     ("checkpoint.export_final_model", "either setting runs"),
     ("cluster.name", "a label for reports"),

@@ -23,7 +23,6 @@ import torch
 
 from runner.config import validate
 from runner.config.problems import ConfigError
-from runner.config.validate import checkpoint as validate_ckpt
 from runner.config.validate import data as validate_tokens
 from runner.data import cli, manifest, order
 from runner.run.loader import Prefetch, TokenData
@@ -230,7 +229,7 @@ def _problems(compose, tmp_path, overrides: list[str]) -> list:
     cfg = compose(["data=tokens", f"training.seq_len={SEQ}", *overrides])
     with pytest.raises(ConfigError) as e:
         validate.check(cfg)
-        validate_ckpt.check_launch(cfg, tmp_path / "run")
+        validate.preflight(cfg, tmp_path / "run")
     return e.value.problems
 
 
@@ -269,7 +268,7 @@ def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
         got = [p for p in _problems(compose, tmp_path, overrides) if p.field.startswith("data.")]
         assert [p.field for p in got] == [field] and why in got[0].why, (overrides, [str(p) for p in got])
     cfg = compose(["data=tokens", f"data.path={assets.a}", f"data.tokenizer={assets.tok}"])
-    validate_ckpt.check_launch(cfg, tmp_path / "run")  # the tokenizer it was prepared with passes
+    validate.preflight(cfg, tmp_path / "run")  # the tokenizer it was prepared with passes
     short = validate_tokens.split_problem("data.path", str(assets.a), "eval", 1024)  # for readers of the held-out split
     assert short.field == "data.path" and "its eval split holds 688 tokens, fewer than training.seq_len + 1 = 1025" in short.why
     assert validate_tokens.split_problem("data.path", str(assets.a), "eval", 64) is None

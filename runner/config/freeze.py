@@ -30,6 +30,30 @@ from runner.config.schema import RunConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pin(cfg: RunConfig, run_dir: Path) -> None:
+    """Write into `cfg` what its frozen file needs to replay the same run from any directory: the data and
+    held-out paths made absolute, and a resume's checkpoint (the given one, else the newest intact one in
+    checkpoint.folder) as an absolute checkpoint.resume_from, so a replay resumes from that step and not from
+    whatever is newest then. Called after the preflight, which refuses a resume with nothing to resume from."""
+    import os
+
+    import runner.config.validate.checkpoint as checkpoint_rules  # here: validation is not needed to load a frozen file
+    from runner.config import checkpoint
+
+    d = cfg.data
+    d.files = [os.path.abspath(f) for f in d.files]
+    d.eval_files = [os.path.abspath(f) for f in d.eval_files]
+    d.tokenizer = os.path.abspath(d.tokenizer) if d.tokenizer else d.tokenizer
+    d.path = os.path.abspath(d.path) if d.path else d.path
+    for m in d.mix:
+        m.path = os.path.abspath(m.path) if m.path else m.path
+    c = cfg.checkpoint
+    if c.enable and c.resume:
+        pick = checkpoint_rules.resume_point(cfg, checkpoint.folder(c, run_dir), [], warn=False)
+        if pick is not None:
+            c.resume_from = os.path.abspath(pick)
+
+
 @functools.cache  # a multirun freezes every point in one process
 def _version(dist: str) -> str:
     try:

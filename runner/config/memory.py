@@ -354,3 +354,12 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         "fits_memory": w["total"] <= capacity if capacity else None,
         "fits_memory_seed": seed["total_gb_per_gpu_seed"] <= capacity if capacity else None,
     }
+
+
+def machine_memory_gb() -> float:
+    """Total RAM of this machine from /proc/meminfo (GB): what the ranks of a CPU cluster share."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    raise RuntimeError("MemTotal missing from /proc/meminfo")

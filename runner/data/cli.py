@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _inputs(files: list[str], text_field: str) -> list[Problem]:
     from runner.config.schema import DataConfig, TextFormat
-    from runner.config.validate.checkpoint import _first_record_lacks
+    from runner.config.validate.data import first_record_lacks
 
     out = []
     for f in files:
@@ -44,7 +44,7 @@ def _inputs(files: list[str], text_field: str) -> list[Problem]:
             out.append(Problem("--input", f, "no such file", "give existing local data files"))
         elif path.suffix.lower() not in FORMATS:
             out.append(Problem("--input", f, f"unknown extension {path.suffix!r}", f"use one of {', '.join(FORMATS)}"))
-        elif why := _first_record_lacks(path, DataConfig(format=TextFormat(FORMATS[path.suffix.lower()]), text_field=text_field)):
+        elif why := first_record_lacks(path, DataConfig(format=TextFormat(FORMATS[path.suffix.lower()]), text_field=text_field)):
             out.append(Problem("--text-field", text_field, f"{f}: {why}", "set --text-field to the column holding the documents"))
     return out
 

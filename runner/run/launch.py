@@ -20,11 +20,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.config import runfiles
+from runner.config import runfiles, validate
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig, WorkerStart
-from runner.config.validate import launch as preflight
 from runner.run import procs
 
 MONITOR_INTERVAL_S = 0.5
@@ -96,7 +95,7 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
     run_dir = frozen.parent
     if not checked:
         try:
-            preflight.run(cfg, lay, run_dir, node=True)
+            validate.preflight(cfg, run_dir, lay, node=True)
         except ConfigError as e:
             print(e, file=sys.stderr)
             procs.exit_now(2)

@@ -32,12 +32,8 @@ from runner.config import flops, layout, memory, pipeline, precision, validate
 from runner.config.layout import Layout, label
 from runner.config.predict import steptime
 from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig
-from runner.config.validate import checkpoint as validate_ckpt
-from runner.config.validate import fields as validate_fields
+from runner.config.schema import ActivationCheckpoint, DeviceType, ReshardPolicy, RunConfig
 from runner.config.validate import layout as validate_layout
-from runner.config.validate import model as validate_model
-from runner.config.validate import monitor as validate_monitor
 from runner.config.validate import pipeline as pipeline_rules
 
 AC = ActivationCheckpoint
@@ -150,16 +146,9 @@ def world_size(cfg: RunConfig) -> int:
 
 
 def check_base(cfg: RunConfig, ws: int) -> None:
-    """The rules that do not depend on the layout, once (model shape, ranges, device, cluster, monitor, data)."""
+    """The rules that do not read the layout, once (validate.RULES' CONFIG rules that search applies)."""
     out: list[Problem] = []
-    validate_fields.training(cfg, out)
-    validate_monitor.check(cfg, ws, out)
-    validate_ckpt.check(cfg, out)
-    validate_model.check(cfg, out)
-    validate_fields.device(cfg, out)
-    validate_fields.cluster(cfg, out)
-    if cfg.precision.fp8 != Fp8Recipe.none:
-        validate_model.fp8_device(cfg, out)
+    validate.walk(validate.Context(cfg, ws), out, (validate.Needs.CONFIG,), in_search=True)
     if out:
         raise ConfigError(out)
 
@@ -168,7 +157,7 @@ def capacity_gb(cfg: RunConfig, ws: int) -> float | None:
     """Memory of one device: the cluster's, or this machine's RAM shared by the ranks of a CPU cluster."""
     c = cfg.cluster
     if c.device == DeviceType.cpu and c.device_memory_gb <= 0:
-        return validate.machine_memory_gb() / ws
+        return memory.machine_memory_gb() / ws
     return c.device_memory_gb or None
 
 
@@ -229,14 +218,9 @@ class _Search:
             self.res.examples[reason] = example
 
     def layout_problems(self, cfg: RunConfig, lay: Layout) -> list[Problem]:
-        """validate.check's layout rules (TP against heads and node, sequence, EP, async TP, FP8 shapes)."""
+        """validate.RULES' LAYOUT rules that search applies (TP against heads and node, EP, FP8 shapes, sequence, async TP)."""
         out: list[Problem] = []
-        validate_layout.tensor_parallel(cfg, self.ws, out)
-        validate_layout.sequence(cfg, out)
-        validate_layout.experts(cfg, lay, out)
-        validate_layout.async_tp(cfg, out)
-        if cfg.precision.fp8 != Fp8Recipe.none and not out:
-            validate_model.fp8_shapes(cfg, out)
+        validate.walk(validate.Context(cfg, self.ws, lay), out, (validate.Needs.LAYOUT,), in_search=True)
         return out
 
     def batch_problems(self, cand: Candidate, dp: int, mbs: int) -> list[Problem]:

@@ -1,68 +1,147 @@
-"""Every rule that can reject a config before a process starts.
+"""Every rule that can reject a config, in one ordered table that validation, search and the preflight walk.
 
-Torch-free. Problems are collected and raised once; each names the field, the value,
-why it is wrong and the fix. `check` runs every rule that can run (a wrong world size does
-not hide a wrong TP degree); the rules live by subject in the validate_* modules. `check`
-holds rules about the config itself (valid for any cluster, including ones this machine
-cannot run); runner.config.validate.launch adds the rules about starting it here.
+Torch-free. Each rule appends `Problem`s (field, value, why, fix) to the list it is given; the caller raises
+them all at once, so a wrong world size does not hide a wrong TP degree. A rule says what it reads:
+- `CONFIG`: the config alone; any cluster, including ones this machine cannot run;
+- `LAYOUT`: the parallel degrees as well; search applies it to every candidate layout;
+- `FILES`: this machine and its filesystem, now (the preflight, before any rank starts; `mode=validate` also
+  reads the data files, inside the data rules).
+A rule search does not apply says why (`search_skips`); search's own calls (per-candidate memory, the cached
+batch rule) are named there. The rules live by subject in this package's modules.
 """
 
 from __future__ import annotations
 
-from runner.config import layout, memory
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import runner.config.validate.checkpoint as checkpoint_rules
+import runner.config.validate.data as data_rules
+import runner.config.validate.eval as eval_rules
+import runner.config.validate.fields as fields
+import runner.config.validate.launch as launch_rules
+import runner.config.validate.layout as layout_rules
+import runner.config.validate.model as model_rules
+import runner.config.validate.monitor as monitor_rules
+import runner.config.validate.pipeline as pipeline_rules
+from runner.config.layout import Layout, resolve  # not `layout`: that name is this package's module of layout rules
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
-from runner.config.validate import checkpoint as validate_ckpt
-from runner.config.validate import eval as validate_eval
-from runner.config.validate import fields as validate_fields
-from runner.config.validate import layout as validate_layout
-from runner.config.validate import model as validate_model
-from runner.config.validate import monitor as validate_monitor
-from runner.config.validate import pipeline as pipeline_rules
 
-__all__ = ["ConfigError", "check", "machine_memory_gb", "rank_memory_gb"]
+__all__ = ["RULES", "ConfigError", "Context", "Needs", "Rule", "check", "preflight", "walk"]
 
 
-def _layout_rules(cfg: RunConfig, out: list[Problem]) -> layout.Layout | None:
-    """World size, degrees, batch and pipeline, EP and FP8 shapes, each on what the config fixes."""
-    model_ok = not any(p.field.startswith("model.") for p in out)
-    ws = validate_layout.world(cfg, out)
-    lay = validate_layout.resolved(cfg, ws)
-    degrees = validate_layout.degrees_ok(cfg.parallelism)
-    if degrees:
-        validate_layout.tensor_parallel(cfg, ws, out)
-    pipeline_rules.batch(cfg, lay, pipeline_rules.schedule_name(cfg, out), out)
-    validate_layout.experts(cfg, lay, out)
-    if cfg.precision.fp8 != Fp8Recipe.none and model_ok and degrees and validate_layout.tp_divides_heads(cfg):
-        validate_model.fp8_shapes(cfg, out)
-    validate_layout.sequence(cfg, out)
-    validate_layout.async_tp(cfg, out)
-    return lay if ws is not None else None
+class Needs(Enum):
+    CONFIG = "config"
+    LAYOUT = "layout"
+    FILES = "files"
 
 
-def check(cfg: RunConfig) -> layout.Layout:
-    """Raise ConfigError listing every problem; return the resolved layout."""
-    out: list[Problem] = []
-    validate_fields.training(cfg, out)
-    validate_model.check(cfg, out)
-    lay = _layout_rules(cfg, out)
-    validate_fields.device(cfg, out)
-    validate_fields.cluster(cfg, out)
-    if cfg.precision.fp8 != Fp8Recipe.none:
-        validate_model.fp8_device(cfg, out)
-    validate_monitor.check(cfg, lay.world_size if lay else None, out)
-    validate_ckpt.check(cfg, out)
-    validate_eval.check(cfg, out)
-    if lay is not None:
-        _dryrun_ranks(cfg, lay, out)
-    if not out and lay is not None:
-        _device_memory(cfg, lay, out)
-    if out:
-        raise ConfigError(out)
-    return lay
+@dataclass
+class Context:
+    """What the rules read: the config, and what earlier rules resolved or the caller knows."""
+
+    cfg: RunConfig
+    ws: int | None = None
+    """The world size, once the world-size rule (or search's candidate) fixes one."""
+    lay: Layout | None = None
+    """The layout as far as the config fixes it."""
+    run_dir: Path | None = None
+    """The run folder (FILES rules: checkpoint storage, what to resume)."""
+    node: bool = False
+    """Called by the per-node launcher, which is how a multi-node or SLURM run is meant to start."""
+    model_ok: bool = field(default=True)
+    """No model.* problem before the layout rules (FP8 shapes read the model's dims)."""
 
 
-def _dryrun_ranks(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    check: Callable[[Context, list[Problem]], None]
+    needs: Needs
+    search_skips: str = ""
+    """Why search does not apply this rule ("" when it does: once for CONFIG rules, per candidate for LAYOUT ones)."""
+
+
+def _training(ctx: Context, out: list[Problem]) -> None:
+    fields.training(ctx.cfg, out)
+
+
+def _model(ctx: Context, out: list[Problem]) -> None:
+    model_rules.check(ctx.cfg, out)
+
+
+def _world(ctx: Context, out: list[Problem]) -> None:
+    """World size against the cluster; resolves the layout as far as the config fixes it."""
+    ctx.model_ok = not any(p.field.startswith("model.") for p in out)
+    ctx.ws = layout_rules.world(ctx.cfg, out)
+    ctx.lay = layout_rules.resolved(ctx.cfg, ctx.ws)
+
+
+def _tensor_parallel(ctx: Context, out: list[Problem]) -> None:
+    if layout_rules.degrees_ok(ctx.cfg.parallelism):
+        layout_rules.tensor_parallel(ctx.cfg, ctx.ws, out)
+
+
+def _batch(ctx: Context, out: list[Problem]) -> None:
+    pipeline_rules.batch(ctx.cfg, ctx.lay, pipeline_rules.schedule_name(ctx.cfg, out), out)
+
+
+def _experts(ctx: Context, out: list[Problem]) -> None:
+    layout_rules.experts(ctx.cfg, ctx.lay, out)
+
+
+def _fp8_shapes(ctx: Context, out: list[Problem]) -> None:
+    cfg = ctx.cfg
+    if cfg.precision.fp8 == Fp8Recipe.none or not ctx.model_ok:
+        return
+    if layout_rules.degrees_ok(cfg.parallelism) and layout_rules.tp_divides_heads(cfg):
+        model_rules.fp8_shapes(cfg, out)
+
+
+def _sequence(ctx: Context, out: list[Problem]) -> None:
+    layout_rules.sequence(ctx.cfg, out)
+
+
+def _async_tp(ctx: Context, out: list[Problem]) -> None:
+    layout_rules.async_tp(ctx.cfg, out)
+
+
+def _device(ctx: Context, out: list[Problem]) -> None:
+    fields.device(ctx.cfg, out)
+
+
+def _cluster(ctx: Context, out: list[Problem]) -> None:
+    fields.cluster(ctx.cfg, out)
+
+
+def _fp8_device(ctx: Context, out: list[Problem]) -> None:
+    if ctx.cfg.precision.fp8 != Fp8Recipe.none:
+        model_rules.fp8_device(ctx.cfg, out)
+
+
+def _monitor(ctx: Context, out: list[Problem]) -> None:
+    monitor_rules.check(ctx.cfg, ctx.ws, out)
+
+
+def _checkpoint(ctx: Context, out: list[Problem]) -> None:
+    checkpoint_rules.check(ctx.cfg, out)
+
+
+def _data(ctx: Context, out: list[Problem]) -> None:
+    data_rules.check(ctx.cfg, out)
+
+
+def _eval(ctx: Context, out: list[Problem]) -> None:
+    eval_rules.check(ctx.cfg, out)
+
+
+def _dryrun_ranks(ctx: Context, out: list[Problem]) -> None:
+    cfg, lay = ctx.cfg, ctx.lay
+    if lay is None or ctx.ws is None:
+        return
     bad = [r for r in cfg.dryrun.ranks if not 0 <= r < lay.world_size]
     if bad:
         out.append(
@@ -75,17 +154,23 @@ def _dryrun_ranks(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> Non
         )
 
 
-def _device_memory(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> None:
-    """The plan's memory verdict, for a GPU cluster that states its memory. mode=plan (and mode=dryrun) print the
-    verdict as its memory row instead, so that a sweep tabulates the layouts that do not fit."""
-    c = cfg.cluster
+def _device_memory(ctx: Context, out: list[Problem]) -> None:
+    """The plan's memory verdict, for a GPU cluster that states its memory, once every other rule passed.
+    mode=plan (and mode=dryrun) print the verdict as its memory row instead, so that a sweep tabulates the
+    layouts that do not fit."""
+    cfg, lay, c = ctx.cfg, ctx.lay, ctx.cfg.cluster
+    if out or lay is None or ctx.ws is None:
+        return
     if c.device != DeviceType.cuda or c.device_memory_gb <= 0 or cfg.mode in (Mode.plan, Mode.dryrun):  # those two measure it
         return
     from runner.config import plan  # the plan's own memory model; imported here, as only GPU configs need it
 
     b = plan.compute(cfg, lay)
-    if b["fits_memory"]:
-        return
+    if not b["fits_memory"]:
+        out.append(_memory_problem(cfg, lay, b))
+
+
+def _memory_problem(cfg: RunConfig, lay: Layout, b: dict) -> Problem:
     fixes = ["raise parallelism.pp or parallelism.tp (weights and gradients are split over tp x pp)"]
     if cfg.training.activation_checkpoint == ActivationCheckpoint.none:
         fixes.append("set training.activation_checkpoint=full")
@@ -93,26 +178,97 @@ def _device_memory(cfg: RunConfig, lay: layout.Layout, out: list[Problem]) -> No
         fixes.append("lower training.microbatch_size")
     if cfg.parallelism.fsdp_reshard_after_forward != ReshardPolicy.always and b["weights_gathered_during_step"] and lay.dp_shard > 1:
         fixes.append("set parallelism.fsdp_reshard_after_forward=always")
-    out.append(
-        Problem(
-            "parallelism",
-            lay.describe(),
-            f"needs {b['total_gb_per_gpu']:.1f} GB per GPU (weights + gradients {b['weights_grads_gb_per_gpu']:.1f}, "
-            f"optimizer {b['optimizer_gb_per_gpu']:.1f}, activations {b['activations_gb_per_gpu']:.1f} for "
-            f"{b['microbatches_in_flight']} microbatches in flight), more than the {c.device_memory_gb:g} GB of a "
-            f"{c.name} GPU (cluster.device_memory_gb)",
-            "; or ".join(fixes) + " (mode=plan shows the budget)",
-        )
+    return Problem(
+        "parallelism",
+        lay.describe(),
+        f"needs {b['total_gb_per_gpu']:.1f} GB per GPU (weights + gradients {b['weights_grads_gb_per_gpu']:.1f}, "
+        f"optimizer {b['optimizer_gb_per_gpu']:.1f}, activations {b['activations_gb_per_gpu']:.1f} for "
+        f"{b['microbatches_in_flight']} microbatches in flight), more than the {cfg.cluster.device_memory_gb:g} GB of a "
+        f"{cfg.cluster.name} GPU (cluster.device_memory_gb)",
+        "; or ".join(fixes) + " (mode=plan shows the budget)",
     )
 
 
-def machine_memory_gb() -> float:
-    """Total RAM of this machine from /proc/meminfo (GB)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    raise RuntimeError("MemTotal missing from /proc/meminfo")
+def _how_started(ctx: Context, out: list[Problem]) -> None:
+    if not ctx.node:  # the per-node launcher is how a multi-node or SLURM run is meant to start
+        launch_rules.how_started(ctx.cfg.cluster, out)
 
 
-rank_memory_gb = memory.cpu_rank_gb  # the CPU rank estimate, on the plan's activation model
+def _this_machine(ctx: Context, out: list[Problem]) -> None:
+    launch_rules.this_machine(ctx.cfg, ctx.lay, ctx.node, out)
+
+
+def _data_files(ctx: Context, out: list[Problem]) -> None:
+    data_rules.files(ctx.cfg, out)
+
+
+def _eval_files(ctx: Context, out: list[Problem]) -> None:
+    eval_rules.files(ctx.cfg, out)
+
+
+def _checkpoint_storage(ctx: Context, out: list[Problem]) -> None:
+    checkpoint_rules.launch(ctx.cfg, ctx.run_dir, out)
+
+
+_LAUNCH = "search starts nothing; the preflight of the layout it picks checks this when that run starts"
+RULES: tuple[Rule, ...] = (
+    Rule("ranges of training, plan and search fields", _training, Needs.CONFIG),
+    Rule("model shape and family", _model, Needs.CONFIG),
+    Rule("world size", _world, Needs.CONFIG, "search enumerates only layouts whose degrees multiply to the world size"),
+    Rule("tensor parallel against heads and node", _tensor_parallel, Needs.LAYOUT),
+    Rule(
+        "batch, microbatches and pipeline schedule",
+        _batch,
+        Needs.LAYOUT,
+        "search calls pipeline.batch itself, cached per (dp, pp, schedule, v, microbatch) (Search.batch_problems)",
+    ),
+    Rule("expert parallel", _experts, Needs.LAYOUT),
+    Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT),
+    Rule("sequence against CP and TP", _sequence, Needs.LAYOUT),
+    Rule("async TP", _async_tp, Needs.LAYOUT),
+    Rule("device", _device, Needs.CONFIG),
+    Rule("cluster", _cluster, Needs.CONFIG),
+    Rule("FP8 recipe on the device", _fp8_device, Needs.CONFIG),
+    Rule("monitor and distributed", _monitor, Needs.CONFIG),
+    Rule("checkpoint", _checkpoint, Needs.CONFIG),
+    Rule("data", _data, Needs.CONFIG),
+    Rule("evaluation", _eval, Needs.CONFIG),
+    Rule("dry-run ranks", _dryrun_ranks, Needs.LAYOUT, "dryrun.ranks are ranks of the layout mode=dryrun plays; a search plays none"),
+    Rule(
+        "device memory",
+        _device_memory,
+        Needs.LAYOUT,
+        "search prices every candidate's memory with the same model (Search.fits) and sets apart those that do not fit",
+    ),
+    Rule("how the run is started", _how_started, Needs.FILES, _LAUNCH),
+    Rule("this machine: driver, kernels, memory", _this_machine, Needs.FILES, _LAUNCH),
+    Rule("data files and tokenizer", _data_files, Needs.FILES, _LAUNCH),
+    Rule("held-out files", _eval_files, Needs.FILES, _LAUNCH),
+    Rule("checkpoint storage and what to resume", _checkpoint_storage, Needs.FILES, _LAUNCH),
+)
+
+
+def walk(ctx: Context, out: list[Problem], needs: tuple[Needs, ...], *, in_search: bool = False) -> None:
+    """Apply the rules that read `needs`, in table order (the rules search skips, when `in_search`)."""
+    for rule in RULES:
+        if rule.needs in needs and not (in_search and rule.search_skips):
+            rule.check(ctx, out)
+
+
+def check(cfg: RunConfig) -> Layout:
+    """Raise ConfigError listing every problem of the config; return the resolved layout."""
+    ctx, out = Context(cfg), []
+    walk(ctx, out, (Needs.CONFIG, Needs.LAYOUT))
+    if out:
+        raise ConfigError(out)
+    return ctx.lay
+
+
+def preflight(cfg: RunConfig, run_dir: Path, lay: Layout | None = None, *, node: bool = False) -> None:
+    """Raise ConfigError with every problem of starting `cfg` here, now; change nothing. Run by `python -m runner`
+    before it freezes and launches a run, and by `python -m runner.launch` (`node`) on every node before torchrun."""
+    lay = lay or resolve(cfg.parallelism, cfg.cluster)
+    out: list[Problem] = []
+    walk(Context(cfg, lay.world_size, lay, run_dir, node), out, (Needs.FILES,))
+    if out:
+        raise ConfigError(out)

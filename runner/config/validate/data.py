@@ -1,14 +1,16 @@
-"""Rules for data=tokens (torch-free): the config alone (`check`), and the prepared folders on disk (`folders`,
-run by `mode=validate` and by the preflight before any rank starts). A folder must have an intact manifest,
+"""Data rules (torch-free): the config alone (`check`), and the files on disk (`files`, run by `mode=validate`
+and by the preflight before any rank starts). data=text: local files whose records hold the text field, and a
+tokenizers JSON file whose vocabulary fits the model. data=tokens: prepared folders. A folder must have an intact manifest,
 the tokenizer it was prepared with must be data.tokenizer's (when set) and the same across a mixture, its
 vocabulary must fit the model, and its train split must hold at least one sample (seq_len + 1 tokens)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from runner.config.problems import Problem
-from runner.config.schema import Mode, RunConfig
+from runner.config.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
 from runner.data import manifest as mf
 
 PREPARE = "prepare it with `python -m runner.data prepare --input <files> --tokenizer <tokenizer.json> --out <folder>`"
@@ -23,6 +25,30 @@ def sources(cfg: RunConfig) -> list[tuple[str, str, float]]:
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
+    """The data config alone; with mode=validate, the check users run before training, also the files it names."""
+    d = cfg.data
+    if d.name == DataSource.text:
+        if not d.files:
+            out.append(
+                Problem("data.files", [], "data=text reads no files", "list local jsonl/txt/parquet files: data.files=[a.jsonl,b.jsonl]")
+            )
+        if not d.tokenizer:
+            out.append(Problem("data.tokenizer", "''", "data=text needs a tokenizer", "point data.tokenizer at a local tokenizer.json"))
+        if cfg.mode == Mode.validate and d.files and d.tokenizer:
+            _text(d, cfg.model.vocab_size, out)
+    if d.name == DataSource.tokens:
+        _tokens(cfg, out)
+
+
+def files(cfg: RunConfig, out: list[Problem]) -> None:
+    """The data files (their text field) and tokenizer, or the prepared folders, on this machine now."""
+    if cfg.data.name == DataSource.text:
+        _text(cfg.data, cfg.model.vocab_size, out)
+    if cfg.data.name == DataSource.tokens:
+        folders(cfg, out)
+
+
+def _tokens(cfg: RunConfig, out: list[Problem]) -> None:
     d = cfg.data
     if not d.path and not d.mix:
         out.append(Problem("data.path", "''", "data=tokens reads no prepared folder", f"set data.path (or data.mix); {PREPARE}"))
@@ -44,6 +70,71 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             )
     if cfg.mode == Mode.validate and not any(p.field.startswith("data.") for p in out):
         folders(cfg, out)
+
+
+def _text(d: DataConfig, vocab_size: int, out: list[Problem]) -> None:
+    missing = [f for f in d.files if not Path(f).is_file()]
+    if missing:
+        out.append(
+            Problem("data.files", missing, "not found (paths are relative to where `python -m runner` starts)", "give existing local files")
+        )
+    for f in d.files:
+        if f not in missing and (why := first_record_lacks(Path(f), d)):
+            out.append(Problem("data.text_field", d.text_field, f"{f}: {why}", "set data.text_field to the column holding the documents"))
+    _tokenizer(d.tokenizer, vocab_size, out)
+
+
+def first_record_lacks(path: Path, d: DataConfig) -> str | None:
+    """Why the text field is not in the file's first record (None: it is, or the format has no field to check)."""
+    if d.format == TextFormat.parquet:
+        import pyarrow.parquet as pq  # only for parquet data; the schema is read from the footer
+
+        try:
+            names = pq.read_schema(path).names
+        except Exception as e:  # pyarrow raises its own error types for a file that is not parquet
+            return f"not a parquet file ({type(e).__name__}: {e})"
+        return None if d.text_field in names else f"its columns are {names}"
+    if d.format != TextFormat.json:
+        return None  # plain text: every line is a document
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        line = next((ln for ln in fh if ln.strip()), None)
+    if line is None:
+        return "it holds no records"
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return None  # not JSON lines (e.g. one JSON document): left to the datasets loader
+    if isinstance(first, dict) and d.text_field not in first:
+        return f"its first record has the fields {sorted(first)}"
+    return None
+
+
+def _tokenizer(path: str, vocab_size: int, out: list[Problem]) -> None:
+    if not Path(path).is_file():
+        out.append(Problem("data.tokenizer", path, "no such file", "point data.tokenizer at a local tokenizer.json"))
+        return
+    try:
+        vocab = _vocab_size(Path(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        out.append(Problem("data.tokenizer", path, f"not a tokenizers JSON file ({e})", "save one with tokenizers' Tokenizer.save"))
+        return
+    if vocab > vocab_size:
+        out.append(
+            Problem(
+                "data.tokenizer",
+                path,
+                f"its vocabulary has {vocab} tokens, more than model.vocab_size {vocab_size}",
+                "use a tokenizer with at most model.vocab_size tokens or a model with a larger vocabulary",
+            )
+        )
+
+
+def _vocab_size(path: Path) -> int:
+    """Token ids the model must embed: the largest id of the tokenizer (any model type, added tokens included) + 1.
+    The `tokenizers` library reads the file itself (torch-free, ~15 ms to import)."""
+    from tokenizers import Tokenizer
+
+    return max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
 
 
 def folders(cfg: RunConfig, out: list[Problem]) -> None:

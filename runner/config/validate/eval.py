@@ -1,13 +1,12 @@
 """Rules for evaluation on held-out data (torch-free): eval.* and the held-out split of data=text.
 
 `check` is about the config alone (called by validate.check; with mode=validate it also looks for the held-out
-files); `check_launch` looks for the held-out files on this machine before any rank starts (called by the preflight).
+files); `files` looks for the held-out files on this machine before any rank starts (walked by the preflight).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 from runner.config.problems import Problem
@@ -54,24 +53,18 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             )
         )
     if cfg.mode == Mode.validate:
-        out += check_launch(cfg)
+        files(cfg, out)
 
 
-def check_launch(cfg: RunConfig) -> list[Problem]:
+def files(cfg: RunConfig, out: list[Problem]) -> None:
     """The held-out files must exist where the ranks start (paths relative to where `python -m runner` starts)."""
     d = cfg.data
     if d.name != DataSource.text or cfg.eval.interval == 0:
-        return []
+        return
     missing = [f for f in d.eval_files if not Path(f).is_file()]
-    if not missing:
-        return []
-    return [
-        Problem(
-            "data.eval_files", missing, "not found (paths are relative to where `python -m runner` starts)", "give existing local files"
+    if missing:
+        out.append(
+            Problem(
+                "data.eval_files", missing, "not found (paths are relative to where `python -m runner` starts)", "give existing local files"
+            )
         )
-    ]
-
-
-def absolute_paths(cfg: RunConfig) -> None:
-    """Held-out file paths as absolute ones, so the frozen file replays from any directory."""
-    cfg.data.eval_files = [os.path.abspath(f) for f in cfg.data.eval_files]

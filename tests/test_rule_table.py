@@ -1,0 +1,104 @@
+"""The one table of rules (runner.config.validate.RULES): every rule is in it or called by a rule in it, and
+validation, search and the preflight all walk it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from runner.config import search, validate
+from runner.config.problems import ConfigError, Problem
+
+PACKAGE = Path(validate.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    return "runner.config.validate" + ("" if path.stem == "__init__" else f".{path.stem}")
+
+
+def _aliases(tree: ast.Module, here: str) -> dict[str, str]:
+    """Local name -> module, for `import a.b as x` and `from a import b as x` where b is a module of the package."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out |= {a.asname or a.name: a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                out[a.asname or a.name] = full if (PACKAGE / f"{a.name}.py").exists() and node.module == "runner.config.validate" else here
+    return out
+
+
+def _graph() -> tuple[dict[tuple[str, str], set[tuple[str, str]]], set[tuple[str, str]]]:
+    """(function -> the functions of the package it calls, the functions that take `out: list[Problem]`)."""
+    calls, takes_out = {}, set()
+    for path in sorted(PACKAGE.glob("*.py")):
+        here = _module_name(path)
+        tree = ast.parse(path.read_text())
+        aliases = _aliases(tree, here)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            key = (here, fn.name)
+            if any(a.arg == "out" and a.annotation is not None and ast.unparse(a.annotation) == "list[Problem]" for a in fn.args.args):
+                takes_out.add(key)
+            callees = calls.setdefault(key, set())
+            for c in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+                if isinstance(c.func, ast.Name):
+                    callees.add((here, c.func.id))
+                elif isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name) and c.func.value.id in aliases:
+                    callees.add((aliases[c.func.value.id], c.func.attr))
+    return calls, takes_out
+
+
+def test_every_rule_is_in_the_table_or_called_by_one():
+    calls, takes_out = _graph()
+    seen, todo = set(), [(r.check.__module__, r.check.__name__) for r in validate.RULES]
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo.extend(calls.get(f, ()))
+    assert len(takes_out) > 40  # the scan sees the package's rules (48 when the table was made)
+    walker = {("runner.config.validate", "walk")}  # walks the table
+    assert sorted(takes_out - seen - walker) == []
+
+
+def test_the_table_says_why_search_skips_a_rule():
+    names = [r.name for r in validate.RULES]
+    assert len(names) == len(set(names))
+    files = [r for r in validate.RULES if r.needs == validate.Needs.FILES]
+    assert files and all(r.search_skips for r in files)  # search starts nothing
+    skipped = {r.name for r in validate.RULES if r.search_skips and r.needs != validate.Needs.FILES}
+    assert skipped == {"world size", "batch, microbatches and pipeline schedule", "dry-run ranks", "device memory"}
+
+
+@pytest.mark.parametrize("needs", [validate.Needs.CONFIG, validate.Needs.LAYOUT, validate.Needs.FILES])
+def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_path, needs):
+    """A rule added to the table once is applied by validation (CONFIG, LAYOUT), search (CONFIG once, LAYOUT per
+    candidate) and the preflight (FILES): nothing else lists rules."""
+    seen: list[int | None] = []
+
+    def rule(ctx: validate.Context, out: list[Problem]) -> None:
+        seen.append(ctx.ws)
+        out.append(Problem("training.lr", ctx.cfg.training.lr, "the new rule", "the fix"))
+
+    extra = validate.Rule("new rule", rule, needs)
+    monkeypatch.setattr(validate, "RULES", (*validate.RULES, extra))
+    cfg = compose(["mode=search", "search.top_k=1", "cluster.devices_per_node=4"])
+    if needs == validate.Needs.FILES:
+        validate.check(cfg)  # not a config rule
+        with pytest.raises(ConfigError, match="the new rule"):
+            validate.preflight(cfg, tmp_path)
+        return
+    with pytest.raises(ConfigError, match="the new rule"):
+        validate.check(cfg)
+    validate.preflight(cfg, tmp_path)  # not a launch rule
+    seen.clear()
+    if needs == validate.Needs.CONFIG:
+        with pytest.raises(ConfigError, match="the new rule"):
+            search.run(cfg)
+        assert seen == [4]  # once, with the world size searched
+    else:
+        res = search.run(cfg)
+        assert res.ranked == [] and len(seen) == len(list(search.layouts(cfg, 4)))  # every candidate layout, refused
