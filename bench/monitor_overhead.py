@@ -52,7 +52,7 @@ def hooks(interval: int) -> dict[str, float]:
     cfg, lay = RunConfig(), Layout(1, 1, 1, 1, 1)
     with tempfile.TemporaryDirectory() as d:
         rec = forensics.RankRecorder(cfg, Path(d), 0, lay.coords(0))
-        rec.groups = forensics._groups()
+        rec.groups = forensics.process_groups()
         mon = monitor.StepMonitor(cfg.monitor, DevicePolicy.of(cfg.cluster, cfg.distributed), lay.coords, 0, rec, Path(d))
         n = 20000
         t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def hooks(interval: int) -> dict[str, float]:
         window = (time.perf_counter() - t0) / reps
         t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(reps):
-            rec._beat()
+            rec.beat()
         beat_wall, beat_cpu = (time.perf_counter() - t0) / reps, (time.thread_time() - c0) / reps
     dist.destroy_process_group()
     # the heartbeat runs on its own thread and its file rename waits outside the GIL: CPU time is what it takes from training

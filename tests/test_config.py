@@ -255,6 +255,7 @@ def _no_traceback_exit2(proc):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -286,6 +287,7 @@ def test_every_composition_refuses_a_key_the_schema_lacks(capsys):
     assert "training.lr_warmup = 100: not a field of TrainingConfig" in err and "did you mean training.warmup_steps?" in err
 
 
+@pytest.mark.e2e
 def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
     proc = run_cli("recipe=llama3_70b_h100x1024", "mode=validate", run_dir=tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
@@ -294,6 +296,7 @@ def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_config_layer_is_torch_free():
     """Every module of runner.config, and `python -m runner --cfg job`, run without importing torch."""
     code = (
@@ -307,6 +310,9 @@ def test_config_layer_is_torch_free():
     assert out.returncode == 0, out.stderr
     assert "TORCH_LOADED False" in out.stdout
     assert "name: dp2_tp2" in out.stdout  # the job config was printed
+
+
+RUNTIME = ("runner.run", "runner.observe", "runner.cli", "runner.modes", "runner.sweep", "runner.calibrate", "torch")
 
 
 def test_layers_import_only_downwards():
@@ -325,11 +331,12 @@ def test_layers_import_only_downwards():
             for name in names:
                 if name.split(".")[0] == "torchtitan" and not rel.startswith(adapter):
                     offenders.append(f"{rel} imports {name}")
-                if rel.startswith("runner/config/") and name.startswith(("runner.run", "runner.observe", "runner.cli", "torch")):
+                if rel.startswith("runner/config/") and name.startswith(RUNTIME):
                     offenders.append(f"{rel} imports {name}")
     assert offenders == []
 
 
+@pytest.mark.e2e
 def test_help_and_info():
     help_ = run_cli("--help")
     assert help_.returncode == 0

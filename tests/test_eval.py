@@ -14,8 +14,7 @@ import torch
 
 from runner.config import validate
 from runner.config.problems import ConfigError
-from runner.run import evaluate
-from runner.run import loader as data_mod
+from runner.run import evaluate, loader
 from tests import text_assets
 
 SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
@@ -54,21 +53,21 @@ def test_passes_run_every_interval_and_after_the_last_step():
     assert not any(evaluate.due(0, s, 10) for s in range(1, 11))
 
 
-def _synthetic(split: str, dp_rank: int = 0, dp: int = 1) -> data_mod.SyntheticData:
-    return data_mod.SyntheticData(seed=3, seq_len=SEQ, vocab=256, global_batch=BATCH, microbatch=MICRO, dp_rank=dp_rank, dp=dp, split=split)
+def _synthetic(split: str, dp_rank: int = 0, dp: int = 1) -> loader.SyntheticData:
+    return loader.SyntheticData(seed=3, seq_len=SEQ, vocab=256, global_batch=BATCH, microbatch=MICRO, dp_rank=dp_rank, dp=dp, split=split)
 
 
 def test_synthetic_held_out_split_is_disjoint_from_training_and_fixed():
     """Eval sample j is synthetic sample -(j + 1); batch k is eval samples [k B, (k + 1) B), sliced over DP as training's."""
     held = _synthetic("eval")
-    assert torch.equal(held.sample(5), data_mod.sample(3, -6, SEQ, 256))
+    assert torch.equal(held.sample(5), loader.sample(3, -6, SEQ, 256))
     train = _synthetic("train")
     seen = {tuple(train.sample(i).tolist()) for i in range(200)}
     assert not seen & {tuple(held.sample(j).tolist()) for j in range(2 * BATCH)}
     train.load_state_dict({"next_sample": 4096}, steps_done=7)  # the training position does not move the held-out batches
     assert [_synthetic("eval", r, 2).indices(1) for r in range(2)] == [[4, 5], [6, 7]]
     rows = torch.cat([torch.cat([i, lab[:, -1:]], dim=1) for i, lab in held.microbatches(1)])
-    assert torch.equal(rows, torch.stack([data_mod.sample(3, -(j + 1), SEQ, 256) for j in range(BATCH, 2 * BATCH)]))
+    assert torch.equal(rows, torch.stack([loader.sample(3, -(j + 1), SEQ, 256) for j in range(BATCH, 2 * BATCH)]))
 
 
 def test_text_held_out_split_is_by_document(tmp_path):
@@ -83,12 +82,12 @@ def test_text_held_out_split_is_by_document(tmp_path):
     def by_hand(keep) -> list[int]:
         return [t for d in docs if keep(d) for t in [*tok.encode(d).ids, eos]]
 
-    held = [d for d in docs if data_mod.held_out(d, 0.25)]
+    held = [d for d in docs if loader.held_out(d, 0.25)]
     assert 5 <= len(held) <= 25  # about a quarter of 60
     for split, keep in (("eval", lambda d: d in held), ("train", lambda d: d not in held)):
-        got = data_mod.load_tokens([str(corpus)], "json", "text", str(tok_path), text_assets.EOS, tmp_path / "cache", split, 0.25)
+        got = loader.load_tokens([str(corpus)], "json", "text", str(tok_path), text_assets.EOS, tmp_path / "cache", split, 0.25)
         assert got.tolist() == by_hand(keep), split
-    small = data_mod.TextData(torch.tensor(by_hand(lambda d: d in held[:2])), seed=0, shuffle=False, **_shape())
+    small = loader.TextData(torch.tensor(by_hand(lambda d: d in held[:2])), seed=0, shuffle=False, **_shape())
     with pytest.raises(ValueError, match=r"fewer than eval.steps x training.global_batch_size = 400"):
         evaluate.check_split(small, 100)
 
@@ -151,14 +150,14 @@ def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank)
     from runner.run import titan, train
 
     cfg, lay, built, policy = one_rank
-    held = Recorded(data_mod.SyntheticData(seed=cfg.training.seed, vocab=cfg.model.vocab_size, split="eval", **_shape()))
+    held = Recorded(loader.SyntheticData(seed=cfg.training.seed, vocab=cfg.model.vocab_size, split="eval", **_shape()))
     tokens = torch.tensor(float(BATCH * SEQ))
     loop = SimpleNamespace(cfg=cfg, lay=lay, built=built, eval_data=held, policy=policy, loss_fn=titan.loss_fn(cfg), global_tokens=tokens)
     model = built.parts[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     first, second = train._evaluate(loop), train._evaluate(loop)
     # by hand: the mean token cross-entropy of the model over held-out samples 0..7 (synthetic samples -1..-8)
-    rows = torch.stack([data_mod.sample(cfg.training.seed, -(j + 1), SEQ, cfg.model.vocab_size) for j in range(STEPS * BATCH)])
+    rows = torch.stack([loader.sample(cfg.training.seed, -(j + 1), SEQ, cfg.model.vocab_size) for j in range(STEPS * BATCH)])
     with torch.no_grad():
         logits = titan.local_value(model(rows[:, :-1])).double()
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()

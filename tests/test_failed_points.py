@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
-from runner.cli import wandb_group
 from runner.config import compare, runfiles
+from runner.sweep import wandb_group
 from tests.conftest import run_cli
 
 ERROR = "RuntimeError: loss guard: 1 spikes in a row and no checkpoint before step 1"
 
 
+@pytest.mark.e2e
 def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     sweep = tmp_path / "lr"
     # a NaN loss at step 1 with the guard set to rewind and no checkpoint before it: every rank raises at run time

@@ -60,7 +60,7 @@ def test_every_rule_is_in_the_table_or_called_by_one():
             seen.add(f)
             todo.extend(calls.get(f, ()))
     assert len(takes_out) > 40  # the scan sees the package's rules (48 when the table was made)
-    walker = {("runner.config.validate", "walk")}  # walks the table
+    walker = {("runner.config.validate", "walk"), ("runner.config.validate", "apply")}  # walk the table
     assert sorted(takes_out - seen - walker) == []
 
 
@@ -83,7 +83,7 @@ def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_p
         seen.append(ctx.ws)
         out.append(Problem("training.lr", ctx.cfg.training.lr, "the new rule", "the fix"))
 
-    extra = validate.Rule("new rule", rule, needs)
+    extra = validate.Rule("new rule", rule, needs, reads=("ctx",))
     monkeypatch.setattr(validate, "RULES", (*validate.RULES, extra))
     cfg = compose(["mode=search", "search.top_k=1", "cluster.devices_per_node=4"])
     if needs == validate.Needs.FILES:

@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 FROZEN = "frozen.yaml"
@@ -61,3 +62,9 @@ CHECKPOINT_MARKER = "COMPLETE.json"  # inside a checkpoint folder: written last,
 CHECKPOINT_PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
 CHECKPOINT_PREFIX = "step-"
 FINAL_MODEL = "model-final"
+
+
+def write_json(path: Path, body: dict) -> Path:
+    """A run file in the one JSON form the runner writes (indented, newline-terminated); its path."""
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    return path

@@ -47,7 +47,7 @@ def rank_env(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
     return env
 
 
-def _groups() -> dict[str, dict[str, Any]]:
+def process_groups() -> dict[str, dict[str, Any]]:
     """This rank's process groups: name -> description, member ranks and the group object."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
@@ -91,7 +91,9 @@ def dump_flight_recorder(path: Path) -> None:
     import torch._C._distributed_c10d as c10d
 
     body = pickle.loads(c10d._dump_fr_trace())
-    body["pg_config"] = {name: {"name": name, "desc": g["desc"] or "undefined", "ranks": str(g["ranks"])} for name, g in _groups().items()}
+    body["pg_config"] = {
+        name: {"name": name, "desc": g["desc"] or "undefined", "ranks": str(g["ranks"])} for name, g in process_groups().items()
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(body))
 
@@ -120,7 +122,7 @@ class RankRecorder:
         self._thread = threading.Thread(target=self._loop, name="runner-heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.groups = _groups()
+        self.groups = process_groups()
         self._write(_sequence_numbers(self.groups))
         self._thread.start()
 
@@ -132,11 +134,11 @@ class RankRecorder:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            self._beat()
+            self.beat()
 
-    def _beat(self) -> None:
-        if len(self.groups) != len(_groups()):
-            self.groups = _groups()
+    def beat(self) -> None:
+        if len(self.groups) != len(process_groups()):
+            self.groups = process_groups()
         seqs = _sequence_numbers(self.groups)
         now = (self.phase, self.step, seqs)
         if now == self._last and self.stall is None:  # nothing moved for a heartbeat: stalled

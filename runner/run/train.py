@@ -19,11 +19,9 @@ import torch.distributed as dist
 from runner.config import checkpoint
 from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
-from runner.observe import integrity, monitor
-from runner.observe import plan_check as calibrate
+from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, preempt, titan
-from runner.run import loader as data_mod
+from runner.run import evaluate, loader, preempt, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -103,7 +101,7 @@ class _Loop:
     integrity: integrity.Checker
     eval_data: Any = None
     """The held-out split (runner.run.loader, split="eval"); None when eval.interval is 0."""
-    feed: data_mod.Prefetch = None
+    feed: loader.Prefetch = None
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -160,7 +158,7 @@ def _start(loop: _Loop) -> int:
         step = 1 if done is None else done + 1
         if done is None and dist.get_rank() == 0:
             print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
-    line = data_mod.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
+    line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     if dist.get_rank() == 0:
         print(line, flush=True)
     return step
@@ -200,14 +198,14 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         sched=sched,
         loss_fn=titan.loss_fn(cfg),
         global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
-        timer=calibrate.StageTimer(built.schedule) if built.schedule is not None else None,
+        timer=plan_check.StageTimer(built.schedule) if built.schedule is not None else None,
         mon=mon,
         guard=monitor.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(
             cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay), policy=policy
         ),
         eval_data=eval_data,
-        feed=data_mod.Prefetch(data),
+        feed=loader.Prefetch(data),
         watch=preempt.rank_watch(),
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
@@ -222,7 +220,7 @@ def _step(loop: _Loop, step: int) -> int:
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
         loop.sched.step()
         return step + 1
-    digest = data_mod.global_digest(loop.data, step - 1, loop.policy)
+    digest = loader.global_digest(loop.data, step - 1, loop.policy)
     t0 = time.perf_counter()
     local, grad_norm = _train_step(loop, step)
     with mon.phase("loss"):
@@ -318,9 +316,9 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
     summary["memory_gb_max"] = float(peak_mem)
     idle = loop.idle
-    bubble = calibrate.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
-    summary["calibration"] = calibrate.compare(
-        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, calibrate.allreduce_gbs(policy), summary["step_time_s_median"], bubble
+    bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
+    summary["calibration"] = plan_check.compare(
+        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, plan_check.allreduce_gbs(policy), summary["step_time_s_median"], bubble
     )
     return summary
 
@@ -329,14 +327,14 @@ def run(
     cfg: RunConfig,
     lay: Layout,
     built: titan.Built,
-    data: data_mod.SyntheticData | data_mod.TextData | data_mod.TokenData,
+    data: loader.SyntheticData | loader.TextData | loader.TokenData,
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,
     policy: DevicePolicy,
     recorder=None,
     hooks: Hooks | None = None,
-    eval_data: data_mod.SyntheticData | data_mod.TextData | None = None,
+    eval_data: loader.SyntheticData | loader.TextData | None = None,
 ) -> list[dict[str, Any]]:
     """Train cfg.training.steps steps (from a checkpoint when resuming), evaluating on `eval_data` (the held-out split)
     every eval.interval steps; every rank returns its rows."""

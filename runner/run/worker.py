@@ -19,8 +19,7 @@ from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.config.validate import data as validate_tokens
 from runner.observe import forensics
-from runner.run import accounting, device, evaluate, mesh, metrics, peak, preempt, procs, startup, titan, train
-from runner.run import loader as data_mod
+from runner.run import accounting, device, evaluate, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
 from runner.run.device import DevicePolicy
 
 
@@ -112,19 +111,19 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
     t, d = cfg.training, cfg.data
     common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
     if d.name == DataSource.synthetic:
-        return data_mod.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
+        return loader.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
     if d.name == DataSource.tokens:
         sources = [(folder, w) for _, folder, w in validate_tokens.sources(cfg)]
-        return data_mod.TokenData(sources, split=split, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
+        return loader.TokenData(sources, split=split, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
     files, fraction = (d.eval_files, 0.0) if split == "eval" and d.eval_files else (d.files, d.eval_fraction)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:
         policy.barrier()
     cache = run_dir / runfiles.DATA_CACHE
-    tokens = data_mod.load_tokens(files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache, split=split, eval_fraction=fraction)
+    tokens = loader.load_tokens(files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache, split=split, eval_fraction=fraction)
     if first:
         policy.barrier()
-    return data_mod.TextData(tokens, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
+    return loader.TextData(tokens, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
 
 
 def eval_data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):

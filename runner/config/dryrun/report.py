@@ -6,7 +6,6 @@ with the largest measured peak."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +166,4 @@ def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[s
 
 
 def write(rep: dict[str, Any], run_dir: Path) -> Path:
-    path = run_dir / runfiles.DRYRUN
-    path.write_text(json.dumps(rep, indent=2) + "\n")
-    return path
+    return runfiles.write_json(run_dir / runfiles.DRYRUN, rep)

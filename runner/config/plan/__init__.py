@@ -24,7 +24,6 @@ Conventions, stated once and used throughout:
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -145,6 +144,4 @@ def compute(
 
 
 def write(plan: dict[str, Any], run_dir: Path) -> Path:
-    path = run_dir / runfiles.PLAN
-    path.write_text(json.dumps(plan, indent=2) + "\n")
-    return path
+    return runfiles.write_json(run_dir / runfiles.PLAN, plan)

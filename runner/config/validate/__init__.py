@@ -59,18 +59,16 @@ class Context:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    check: Callable[[Context, list[Problem]], None]
+    check: Callable[..., None]
+    """Called with the Context fields named in `reads`, then the list it appends its problems to."""
     needs: Needs
     search_skips: str = ""
     """Why search does not apply this rule ("" when it does: once for CONFIG rules, per candidate for LAYOUT ones)."""
+    reads: tuple[str, ...] = ("cfg",)
+    """Context fields the rule takes; "ctx" is the whole Context, for a rule that resolves or gates on it."""
 
-
-def _training(ctx: Context, out: list[Problem]) -> None:
-    fields.training(ctx.cfg, out)
-
-
-def _model(ctx: Context, out: list[Problem]) -> None:
-    model_rules.check(ctx.cfg, out)
+    def apply(self, ctx: Context, out: list[Problem]) -> None:
+        self.check(*(ctx if name == "ctx" else getattr(ctx, name) for name in self.reads), out)
 
 
 def _world(ctx: Context, out: list[Problem]) -> None:
@@ -80,17 +78,13 @@ def _world(ctx: Context, out: list[Problem]) -> None:
     ctx.lay = layout_rules.resolved(ctx.cfg, ctx.ws)
 
 
-def _tensor_parallel(ctx: Context, out: list[Problem]) -> None:
-    if layout_rules.degrees_ok(ctx.cfg.parallelism):
-        layout_rules.tensor_parallel(ctx.cfg, ctx.ws, out)
+def _tensor_parallel(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
+    if layout_rules.degrees_ok(cfg.parallelism):
+        layout_rules.tensor_parallel(cfg, ws, out)
 
 
-def _batch(ctx: Context, out: list[Problem]) -> None:
-    pipeline_rules.batch(ctx.cfg, ctx.lay, pipeline_rules.schedule_name(ctx.cfg, out), out)
-
-
-def _experts(ctx: Context, out: list[Problem]) -> None:
-    layout_rules.experts(ctx.cfg, ctx.lay, out)
+def _batch(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
+    pipeline_rules.batch(cfg, lay, pipeline_rules.schedule_name(cfg, out), out)
 
 
 def _fp8_shapes(ctx: Context, out: list[Problem]) -> None:
@@ -101,41 +95,9 @@ def _fp8_shapes(ctx: Context, out: list[Problem]) -> None:
         model_rules.fp8_shapes(cfg, out)
 
 
-def _sequence(ctx: Context, out: list[Problem]) -> None:
-    layout_rules.sequence(ctx.cfg, out)
-
-
-def _async_tp(ctx: Context, out: list[Problem]) -> None:
-    layout_rules.async_tp(ctx.cfg, out)
-
-
-def _device(ctx: Context, out: list[Problem]) -> None:
-    fields.device(ctx.cfg, out)
-
-
-def _cluster(ctx: Context, out: list[Problem]) -> None:
-    fields.cluster(ctx.cfg, out)
-
-
-def _fp8_device(ctx: Context, out: list[Problem]) -> None:
-    if ctx.cfg.precision.fp8 != Fp8Recipe.none:
-        model_rules.fp8_device(ctx.cfg, out)
-
-
-def _monitor(ctx: Context, out: list[Problem]) -> None:
-    monitor_rules.check(ctx.cfg, ctx.ws, out)
-
-
-def _checkpoint(ctx: Context, out: list[Problem]) -> None:
-    checkpoint_rules.check(ctx.cfg, out)
-
-
-def _data(ctx: Context, out: list[Problem]) -> None:
-    data_rules.check(ctx.cfg, out)
-
-
-def _eval(ctx: Context, out: list[Problem]) -> None:
-    eval_rules.check(ctx.cfg, out)
+def _fp8_device(cfg: RunConfig, out: list[Problem]) -> None:
+    if cfg.precision.fp8 != Fp8Recipe.none:
+        model_rules.fp8_device(cfg, out)
 
 
 def _dryrun_ranks(ctx: Context, out: list[Problem]) -> None:
@@ -189,62 +151,49 @@ def _memory_problem(cfg: RunConfig, lay: Layout, b: dict) -> Problem:
     )
 
 
-def _how_started(ctx: Context, out: list[Problem]) -> None:
-    if not ctx.node:  # the per-node launcher is how a multi-node or SLURM run is meant to start
-        launch_rules.how_started(ctx.cfg.cluster, out)
-
-
-def _this_machine(ctx: Context, out: list[Problem]) -> None:
-    launch_rules.this_machine(ctx.cfg, ctx.lay, ctx.node, out)
-
-
-def _data_files(ctx: Context, out: list[Problem]) -> None:
-    data_rules.files(ctx.cfg, out)
-
-
-def _eval_files(ctx: Context, out: list[Problem]) -> None:
-    eval_rules.files(ctx.cfg, out)
-
-
-def _checkpoint_storage(ctx: Context, out: list[Problem]) -> None:
-    checkpoint_rules.launch(ctx.cfg, ctx.run_dir, out)
+def _how_started(cfg: RunConfig, node: bool, out: list[Problem]) -> None:
+    if not node:  # the per-node launcher is how a multi-node or SLURM run is meant to start
+        launch_rules.how_started(cfg.cluster, out)
 
 
 _LAUNCH = "search starts nothing; the preflight of the layout it picks checks this when that run starts"
+_CTX, _LAY, _WS = ("ctx",), ("cfg", "lay"), ("cfg", "ws")
 RULES: tuple[Rule, ...] = (
-    Rule("ranges of training, plan and search fields", _training, Needs.CONFIG),
-    Rule("model shape and family", _model, Needs.CONFIG),
-    Rule("world size", _world, Needs.CONFIG, "search enumerates only layouts whose degrees multiply to the world size"),
-    Rule("tensor parallel against heads and node", _tensor_parallel, Needs.LAYOUT),
+    Rule("ranges of training, plan and search fields", fields.training, Needs.CONFIG),
+    Rule("model shape and family", model_rules.check, Needs.CONFIG),
+    Rule("world size", _world, Needs.CONFIG, "search enumerates only layouts whose degrees multiply to the world size", _CTX),
+    Rule("tensor parallel against heads and node", _tensor_parallel, Needs.LAYOUT, reads=_WS),
     Rule(
         "batch, microbatches and pipeline schedule",
         _batch,
         Needs.LAYOUT,
         "search calls pipeline.batch itself, cached per (dp, pp, schedule, v, microbatch) (Search.batch_problems)",
+        _LAY,
     ),
-    Rule("expert parallel", _experts, Needs.LAYOUT),
-    Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT),
-    Rule("sequence against CP and TP", _sequence, Needs.LAYOUT),
-    Rule("async TP", _async_tp, Needs.LAYOUT),
-    Rule("device", _device, Needs.CONFIG),
-    Rule("cluster", _cluster, Needs.CONFIG),
+    Rule("expert parallel", layout_rules.experts, Needs.LAYOUT, reads=_LAY),
+    Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT, reads=_CTX),
+    Rule("sequence against CP and TP", layout_rules.sequence, Needs.LAYOUT),
+    Rule("async TP", layout_rules.async_tp, Needs.LAYOUT),
+    Rule("device", fields.device, Needs.CONFIG),
+    Rule("cluster", fields.cluster, Needs.CONFIG),
     Rule("FP8 recipe on the device", _fp8_device, Needs.CONFIG),
-    Rule("monitor and distributed", _monitor, Needs.CONFIG),
-    Rule("checkpoint", _checkpoint, Needs.CONFIG),
-    Rule("data", _data, Needs.CONFIG),
-    Rule("evaluation", _eval, Needs.CONFIG),
-    Rule("dry-run ranks", _dryrun_ranks, Needs.LAYOUT, "dryrun.ranks are ranks of the layout mode=dryrun plays; a search plays none"),
+    Rule("monitor and distributed", monitor_rules.check, Needs.CONFIG, reads=_WS),
+    Rule("checkpoint", checkpoint_rules.check, Needs.CONFIG),
+    Rule("data", data_rules.check, Needs.CONFIG),
+    Rule("evaluation", eval_rules.check, Needs.CONFIG),
+    Rule("dry-run ranks", _dryrun_ranks, Needs.LAYOUT, "dryrun.ranks are ranks of the layout mode=dryrun plays; a search plays none", _CTX),
     Rule(
         "device memory",
         _device_memory,
         Needs.LAYOUT,
         "search prices every candidate's memory with the same model (Search.fits) and sets apart those that do not fit",
+        _CTX,
     ),
-    Rule("how the run is started", _how_started, Needs.FILES, _LAUNCH),
-    Rule("this machine: driver, kernels, memory", _this_machine, Needs.FILES, _LAUNCH),
-    Rule("data files and tokenizer", _data_files, Needs.FILES, _LAUNCH),
-    Rule("held-out files", _eval_files, Needs.FILES, _LAUNCH),
-    Rule("checkpoint storage and what to resume", _checkpoint_storage, Needs.FILES, _LAUNCH),
+    Rule("how the run is started", _how_started, Needs.FILES, _LAUNCH, ("cfg", "node")),
+    Rule("this machine: driver, kernels, memory", launch_rules.this_machine, Needs.FILES, _LAUNCH, ("cfg", "lay", "node")),
+    Rule("data files and tokenizer", data_rules.files, Needs.FILES, _LAUNCH),
+    Rule("held-out files", eval_rules.files, Needs.FILES, _LAUNCH),
+    Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
 )
 
 
@@ -252,7 +201,7 @@ def walk(ctx: Context, out: list[Problem], needs: tuple[Needs, ...], *, in_searc
     """Apply the rules that read `needs`, in table order (the rules search skips, when `in_search`)."""
     for rule in RULES:
         if rule.needs in needs and not (in_search and rule.search_skips):
-            rule.check(ctx, out)
+            rule.apply(ctx, out)
 
 
 def check(cfg: RunConfig) -> Layout:

@@ -32,7 +32,7 @@ from runner.config.layout import Layout
 from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
 from runner.run import titan, train
 from runner.run.device import DevicePolicy
-from runner.run.dryrun import ledger as ledger_mod
+from runner.run.dryrun import ledger
 from runner.run.titan import cpu as titan_cpu
 
 
@@ -152,7 +152,7 @@ def _balanced_routing(parts: list[torch.nn.Module], ep: int):
             k._local_reorder, k._sync_token_count_exchange = reorder, exchange
 
 
-def _one_step(cfg: RunConfig, lay: Layout, built, opt, led: ledger_mod.Ledger | None) -> None:
+def _one_step(cfg: RunConfig, lay: Layout, built, opt, led: ledger.Ledger | None) -> None:
     """One training step of this rank: the pipeline schedule or forward/backward per microbatch, clip, AdamW."""
     t = cfg.training
     local_batch = t.global_batch_size // lay.dp
@@ -205,11 +205,11 @@ def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any],
     t1 = time.perf_counter()
     _one_step(cfg, lay, built, opt, None)
     t2 = time.perf_counter()
-    led = ledger_mod.Ledger()
-    ledger_mod.label_state(led, built.parts, opt)
+    led = ledger.Ledger()
+    ledger.label_state(led, built.parts, opt)
     if built.schedule is not None:
-        ledger_mod.label_pipeline(led, built.schedule)
-    with ledger_mod.fsdp_labels(led), led:
+        ledger.label_pipeline(led, built.schedule)
+    with ledger.fsdp_labels(led), led:
         _one_step(cfg, lay, built, opt, led)
     return led.sweep(), [t2 - t1, time.perf_counter() - t2]
 
@@ -245,8 +245,8 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         "step_s": step_s,
         "wall_s": time.perf_counter() - t0,
         **result,
-        "categories_at_peak": ledger_mod.by_category(result["at_peak"]),
-        "categories_max": ledger_mod.by_category(result["max_each"]),
+        "categories_at_peak": ledger.by_category(result["at_peak"]),
+        "categories_max": ledger.by_category(result["max_each"]),
         "num_params_local": sum(math.prod(s["shape"]) for s in shards),
         "param_shards": shards,
     }

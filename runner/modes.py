@@ -1,0 +1,135 @@
+"""The modes that start no training: each prints what it is for and writes its files into the run folder.
+Every one takes (config, layout, the composed DictConfig, run folder) and returns the objective an
+optimizing sweeper minimizes, or None. Torch-free except the dry run, which imports the rehearsal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from runner import sweep
+from runner.config import flops, freeze, precision, runfiles, slurm
+from runner.config.layout import Layout, label
+from runner.config.schema import Fp8Recipe, RunConfig
+from runner.config.search import objective as search_objective
+from runner.config.wording import count
+
+
+def validate(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:
+    """Print the resolved layout, batch, FLOPs and precision; a check, not a run: leave no folder behind."""
+    print(_report(cfg, lay))
+    sweep.discard(run_dir)
+
+
+def plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> float:
+    """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing.
+    Returns the objective (predicted step time or MFU) for an optimizing sweeper."""
+    from runner.config import memory
+    from runner.config import plan as plan_mod
+
+    device_gb = memory.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
+    budget = plan_mod.compute(cfg, lay, device_memory_gb=device_gb)
+    budget["overrides"] = list(HydraConfig.get().overrides.task)
+    if sweep.multirun():
+        print(plan_mod.one_line(budget))
+    else:
+        plan_mod.render(budget, cfg.checkpoint.interval if cfg.checkpoint.enable else None)
+    freeze.write(cfg, lay, run_dir)
+    print(f"plan written to {plan_mod.write(budget, run_dir)}")
+    return search_objective.of_plan(cfg, budget)
+
+
+def search(cfg: RunConfig, lay: None, dcfg: DictConfig, run_dir: Path) -> float:
+    """Search every layout of the model on the cluster; print the report, write search.json and the top-k sweep;
+    with search.verify=k, train the top k here briefly and print measured beside predicted."""
+    from runner.config import search as search_mod
+    from runner.config.search import render as search_render
+    from runner.config.search import verify as search_verify
+
+    res = search_mod.run(cfg)
+    path, cmd = search_render.write(cfg, res, run_dir, list(HydraConfig.get().overrides.task))
+    print("\n".join(search_render.lines(cfg, res, cmd)))
+    print(f"search written to {path}")
+    k = min(cfg.search.verify, len(res.ranked))
+    if k:
+        v = search_verify.run(res, run_dir, k, cfg.search.verify_steps)
+        print("\n".join(search_verify.lines(v)))
+        search_verify.write(path, v)
+    elif cfg.search.verify:
+        print("verify: no candidate survived, nothing to train")
+    if not res.ranked:
+        return search_objective.WORST
+    best = res.ranked[0]
+    return search_objective.of_plan(cfg, {"estimated_step_time_s": best.step_s, "estimated_mfu": best.mfu})
+
+
+def launch_plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:
+    """Print the submission (sbatch script) and the per-node command; submit nothing."""
+    from runner.run import launch
+
+    frozen = freeze.write(cfg, lay, run_dir)
+    c = cfg.cluster
+    per_node = lay.world_size // c.num_nodes
+    print(f"launch plan: {count(lay.world_size, 'rank')} = {count(c.num_nodes, 'node')} x {per_node} per node [{lay.describe()}]")
+    print(f"frozen config: {frozen}")
+    if c.launcher == "slurm":
+        params, job_dir = slurm.submission(dcfg)
+        if job_dir != run_dir:
+            print(f"submitted with -m, this command runs as job 0 in {job_dir}; the paths below are that job's")
+        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`; nothing is submitted):\n")
+        print(slurm.sbatch_script(params))
+        frozen = job_dir / runfiles.FROZEN
+        host, rdzv_id = c.rdzv_host or slurm.FIRST_NODE, "$SLURM_JOB_ID"
+        print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
+    else:
+        host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
+        print(f"\nrun on each of the {count(c.num_nodes, 'node')}:\n")
+    print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
+
+
+def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:
+    """Play the chosen ranks of the layout on fake tensors in this process; print and write dryrun.json beside the plan."""
+    from runner.config import plan
+    from runner.config.dryrun import report as dryrun_report
+
+    ranks = dryrun_report.ranks(cfg, lay)
+    freeze.write(cfg, lay, run_dir)
+    from runner.run.dryrun import rehearse as dryrun
+
+    rep = dryrun_report.report(cfg, lay, plan.compute(cfg, lay), dryrun.rehearse(cfg, lay, ranks, run_dir))
+    print(dryrun_report.render(rep))
+    print(f"dry run written to {dryrun_report.write(rep, run_dir)}")
+
+
+def _precision_lines(cfg: RunConfig) -> list[str]:
+    pr = cfg.precision
+    dtype, emulated = precision.matmul_peak(cfg)
+    peak = cfg.cluster.peak_tflops.get(dtype)
+    mfu = f"  MFU against the {dtype} dense peak" + (f", {peak:g} TFLOP/s per device" if peak else " (measured at start-up)")
+    if pr.fp8 == Fp8Recipe.none:
+        return [f"  precision {pr.name}: {pr.param_dtype.value} compute, {pr.reduce_dtype.value} reduce", mfu]
+    converted, kept = precision.conversion(cfg)
+    return [
+        f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
+        f"(kept in {pr.param_dtype.value}: {', '.join(kept) or 'none'})",
+        mfu + (" (FP8 emulated on CPU)" if emulated else ""),
+        *([f"  routed experts: {precision.grouped_experts(cfg)}"] if precision.grouped_experts(cfg) else []),
+    ]
+
+
+def _report(cfg: RunConfig, lay: Layout) -> str:
+    t = cfg.training
+    micro = t.global_batch_size // (lay.dp * t.microbatch_size)
+    return "\n".join(
+        [
+            f"config OK: model {cfg.model.name} {cfg.model.flavor} ({flops.num_params(cfg.model) / 1e9:.3g}B params)",
+            f"  cluster {cfg.cluster.name}: {count(lay.world_size, 'rank')}, layout {label(lay, cfg.parallelism)} [{lay.describe()}]",
+            f"  global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens/step, "
+            f"{count(micro, 'microbatch')} of {t.microbatch_size} per DP rank",
+            f"  FLOPs/token {flops.flops_per_token(cfg.model, t.seq_len, 'titan'):,} (titan) / "
+            f"{flops.flops_per_token(cfg.model, t.seq_len, '6N'):,} (6N)",
+            *_precision_lines(cfg),
+        ]
+    )
