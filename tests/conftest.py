@@ -1,7 +1,8 @@
-"""Shared helpers: run the CLI in a subprocess, compose configs in-process."""
+"""Shared helpers: run the CLI in a subprocess, compose configs in-process; the e2e mark's guard."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,44 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def _starts_no_process(item: pytest.Item):
+    """A test without the e2e mark (its fixtures included) may not start a Python process or fork: that is
+    what `pytest -m "not e2e"` leaves out. Short tools (git, sbatch's --help) stay allowed."""
+    if item.get_closest_marker("e2e"):
+        yield
+        return
+    popen, fork = subprocess.Popen.__init__, os.fork
+
+    def refuse(what: str):
+        raise AssertionError(f"{item.nodeid} starts {what}: mark it @pytest.mark.e2e (tests that start processes)")
+
+    def guarded_popen(self, args, *a, **kw):
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        head = os.path.basename(str(argv[0]).split()[0]) if argv else ""
+        if head.startswith("python") or str(argv[0]) == sys.executable or head in ("torchrun", "srun", "sbatch"):
+            refuse(" ".join(map(str, argv[:4])))
+        popen(self, args, *a, **kw)
+
+    subprocess.Popen.__init__, os.fork = guarded_popen, lambda: refuse("a forked process")
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, os.fork = popen, fork
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _starts_no_process(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _starts_no_process(item):
+        yield
 
 
 def run_cli(*args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -84,6 +84,7 @@ def killed(trained):
 # ---- with ranks -------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_reference_run_keeps_last_three_complete_and_exports_model(reference):
     run_dir, proc = reference
     folder = run_dir / "checkpoints"
@@ -105,6 +106,7 @@ def test_reference_run_keeps_last_three_complete_and_exports_model(reference):
     assert not list(folder.glob("*.partial"))
 
 
+@pytest.mark.e2e
 def test_reference_start_up_shows_planner_interval_and_data_check(reference):
     run_dir, proc = reference
     assert "checkpoints: every 1 step (async, keep 3) into checkpoints; planner suggests " in proc.stdout
@@ -120,6 +122,7 @@ def test_reference_start_up_shows_planner_interval_and_data_check(reference):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+@pytest.mark.e2e
 def test_sigkilled_rank_restarted_by_agent_resumes_exactly(reference, killed):
     ref, got = _by_step(reference[0]), _by_step(killed[0])
     out = killed[1].stdout
@@ -155,6 +158,7 @@ def _corrupt(shard: Path) -> tuple[str, str]:
     return before, checkpoint.crc32(shard)
 
 
+@pytest.mark.e2e
 def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tmp_path):
     """The job stopped after step 5 (no step 6); step-5 has a shard corrupted in place (same size); a leftover
     .partial is ignored. The resumed run's frozen.yaml replays it: from the same step-4, not from the newest."""
@@ -183,6 +187,7 @@ def test_manual_restart_skips_corrupted_latest_and_resumes_exactly(reference, tm
     assert frozen.checkpoint.resume_from == str(folder / "step-4")
 
 
+@pytest.mark.e2e
 def test_pipeline_run_resumes_fsdp_tp_checkpoint_and_saves_its_own(reference, assets, tmp_path):
     """dp_shard=2 x tp=2 -> pp=2 through DCP resharding: same samples, losses within reduction-order noise."""
     folder = _copy_checkpoints(reference, tmp_path / "ckpt", [4])
@@ -316,6 +321,7 @@ def test_text_data_shards_are_disjoint_and_position_survives_a_batch_change(asse
     assert sorted(first) == sorted(second) and first != second
 
 
+@pytest.mark.e2e
 def test_checkpoint_folder_and_text_data_fail_before_launch(tmp_path, assets):
     """Not writable (a file where a folder should be), no room, missing data: exit 2, one message, nothing written."""
     blocker = tmp_path / "file"

@@ -25,6 +25,7 @@ def _no_traceback_exit2(proc):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.e2e
 def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
     run_dir, sweep = tmp_path / "plan", tmp_path / "sweep"
     image = "nvcr.io/nvidia/pytorch:25.01-py3"
@@ -62,6 +63,7 @@ def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
     assert frozen["provenance"]["world_size"] == 16
 
 
+@pytest.mark.e2e
 def test_launch_plan_128_nodes_for_the_worked_example(tmp_path):
     proc = run_cli("recipe=llama3_70b_h100x1024", *SLURM, "cluster.num_nodes=128", "mode=launch_plan", run_dir=tmp_path / "p")
     assert proc.returncode == 0, proc.stderr
@@ -80,6 +82,7 @@ def _fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, calls
 
 
+@pytest.mark.e2e
 def test_launch_plan_under_multirun_submits_nothing(tmp_path):
     env, calls = _fake_slurm(tmp_path)
     sweep = tmp_path / "sweep"
@@ -95,6 +98,7 @@ def test_launch_plan_under_multirun_submits_nothing(tmp_path):
     assert not (sweep / ".submitit").exists()
 
 
+@pytest.mark.e2e
 def test_slurm_sweep_mixing_previews_and_submissions_is_refused(tmp_path):
     env, calls = _fake_slurm(tmp_path)
     sweep = f"hydra.sweep.dir={tmp_path / 's'}"
@@ -105,6 +109,7 @@ def test_slurm_sweep_mixing_previews_and_submissions_is_refused(tmp_path):
     assert not calls.exists() and not (tmp_path / "s").exists()
 
 
+@pytest.mark.e2e
 def test_slurm_config_missing_fields_is_rejected(tmp_path):
     proc = run_cli("cluster=slurm_h100", "mode=launch_plan", run_dir=tmp_path / "p")
     _no_traceback_exit2(proc)
@@ -127,6 +132,7 @@ def _path_without_slurm(tmp_path: Path) -> str:
     return f"{Path(sys.executable).parent}:{bin_dir}"
 
 
+@pytest.mark.e2e
 def test_submission_without_sbatch_says_so(tmp_path):
     sweep = tmp_path / "sweep"
     argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32"]
@@ -138,6 +144,7 @@ def test_submission_without_sbatch_says_so(tmp_path):
     assert not sweep.exists()
 
 
+@pytest.mark.e2e
 def test_scheduler_refusing_the_submission_is_reported_as_such(tmp_path):
     """sbatch exists but no controller answers: its command, its message, exit 3, no traceback, no sweep folder."""
     bin_dir, sweep = tmp_path / "bin", tmp_path / "sweep"
@@ -159,6 +166,7 @@ def test_scheduler_refusing_the_submission_is_reported_as_such(tmp_path):
     assert not sweep.exists()
 
 
+@pytest.mark.e2e
 def test_starting_a_cluster_run_here_points_to_the_right_command(tmp_path):
     proc = run_cli(*SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32", run_dir=tmp_path / "a")
     _no_traceback_exit2(proc)
@@ -189,6 +197,7 @@ def test_node_identity_override(monkeypatch, names, expected):
     assert mesh.node_name(2) == (expected or "solo")
 
 
+@pytest.mark.e2e
 def test_the_node_command_runs_the_same_preflight(tmp_path):
     """`python -m runner.launch` (what mode=launch_plan prints for each node) refuses what `python -m runner` refuses."""
     huge = "cluster.rank_overhead_gb=1000000"  # no machine holds 4 ranks of a million GB

@@ -44,6 +44,7 @@ def test_ranks_outside_the_layout_are_named(compose):
     assert "dryrun.ranks = [3, 1024]: [1024] outside the layout's 1024 ranks. Fix: pick ranks in 0..1023." in str(e.value)
 
 
+@pytest.mark.e2e
 def test_ranks_outside_the_layout_exit_2_with_nothing_written(tmp_path):
     proc = run_cli("mode=dryrun", "recipe=llama3_70b_h100x1024", "dryrun.ranks=[5000]", run_dir=tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -72,6 +73,7 @@ def _real_ledger(cfg, tmp_path) -> dict:
     return json.loads((tmp_path / "ledger_rank0.json").read_text())
 
 
+@pytest.mark.e2e
 def test_ledger_of_the_dry_run_matches_real_ranks(tmp_path, compose):
     real = _real_ledger(compose(SMALL), tmp_path / "real")
     proc = run_cli("mode=dryrun", *SMALL, "dryrun.ranks=[0]", run_dir=tmp_path / "dry")
@@ -92,6 +94,7 @@ def test_ledger_of_the_dry_run_matches_real_ranks(tmp_path, compose):
     }
 
 
+@pytest.mark.e2e
 def test_8b_fsdp_dry_run_writes_the_expected_shards(tmp_path, compose):
     proc = run_cli("mode=dryrun", "recipe=llama3_8b_fsdp8_h100", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -59,6 +59,7 @@ def trained(parity_runs):
     return parity_runs  # trained with the other module's points, one launch per rank count (conftest)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", POINTS)
 def test_family_trains_like_one_rank(trained, name):
     family = name.split("-")[0]
@@ -74,6 +75,7 @@ def test_family_trains_like_one_rank(trained, name):
     assert got["weights"]["update_sq"] == pytest.approx(ref["weights"]["update_sq"], rel=1e-4)
 
 
+@pytest.mark.e2e
 def test_references_start_at_the_uniform_loss(trained):
     """ln(2048) = 7.62 at init; a second step after the clipped update moves the loss."""
     for family in LAUNCHES[1]:
@@ -82,6 +84,7 @@ def test_references_start_at_the_uniform_loss(trained):
         assert rows[0]["grad_norm"] == pytest.approx(trained[family]["grad_norm_fp64"], rel=1e-4), family
 
 
+@pytest.mark.e2e
 def test_layouts_ran_as_named(trained):
     assert trained["qwen3-dp2_tp2"]["degrees"] == "dp_shard=2 x tp=2"
     assert trained["kimi-ep2"]["degrees"] == trained["qwen3_moe-ep2"]["degrees"] == "dp_shard=2 x ep=2"
@@ -111,6 +114,7 @@ def test_rejected_on_cpu_stays_valid_for_gpu_clusters(compose):
     assert validate.check(cfg).world_size == 8
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["gpt_oss", "qwen3_5"])
 def test_cpu_rejection_reproduces(case):
     """The reproduction the rejection cites still fails on CPU (it exits 1 once it no longer does)."""

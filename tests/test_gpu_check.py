@@ -33,6 +33,7 @@ def assets(tmp_path_factory):
     return gc.make_assets(tmp_path_factory.mktemp("gpu_check") / "assets", SEQ, num_docs=4)
 
 
+@pytest.mark.e2e
 def test_no_gpu_exits_2_with_the_reason():
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

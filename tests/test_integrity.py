@@ -71,6 +71,7 @@ def outside(tmp_path_factory):
     return run_dir, proc.returncode, out, err, len(cycles)
 
 
+@pytest.mark.e2e
 def test_rank_slowed_from_outside_is_flagged_alone(outside):
     run_dir, _, out, _, cycles = outside
     assert cycles > 20  # the duty cycle ran through the training steps
@@ -86,6 +87,7 @@ def test_rank_slowed_from_outside_is_flagged_alone(outside):
     assert "ms after its peers' median (its peers wait for it; steps " in flat
 
 
+@pytest.mark.e2e
 def test_flipped_bit_is_found_at_the_next_interval_and_rewinds(outside):
     run_dir, rc, out, err, _ = outside
     assert rc == 0, err[-3000:]
@@ -128,6 +130,7 @@ def test_mismatch_stops_the_run_or_finds_no_checkpoint():
     assert train._check_replicas(loop, 8) == {}
 
 
+@pytest.mark.e2e
 def test_replay_names_the_rank_that_does_not_reproduce(outside):
     run_dir, _, out, _, _ = outside
     report = json.loads((run_dir / runfiles.INTEGRITY_REPORT).read_text())
@@ -142,6 +145,7 @@ def test_replay_names_the_rank_that_does_not_reproduce(outside):
     assert "integrity: step 5 replay differs on rank 3 (host" in " ".join(out.split())
 
 
+@pytest.mark.e2e
 def test_startup_block_names_the_replica_groups(outside):
     out = outside[2]
     assert (

@@ -50,6 +50,7 @@ def test_counts_take_their_number():
     assert (device_unit("cpu"), device_unit("cuda")) == ("CPU rank", "GPU")
 
 
+@pytest.mark.e2e
 def test_validate_report_counts_and_labels(tmp_path):
     replicas = ["parallelism=single", "parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
     proc = run_cli(*replicas, "training.global_batch_size=4", "mode=validate")

@@ -100,6 +100,7 @@ def clean(tmp_path_factory):
 # ---------------------------------------------------------------- straggler monitor
 
 
+@pytest.mark.e2e
 def test_straggler_named_within_window_count(slow):
     run_dir, proc, _ = slow
     flagged = [json.loads(line) for line in (run_dir / runfiles.STRAGGLERS).read_text().splitlines()]
@@ -116,6 +117,7 @@ def test_straggler_named_within_window_count(slow):
     assert "straggler: rank 2 (host" in flat and "local rank 2, mesh pp=0 dp_replicate=0 dp_shard=1 cp=0 tp=0) forward" in flat
 
 
+@pytest.mark.e2e
 def test_clean_run_flags_nobody_over_30_steps(clean):
     run_dir = clean[0]
     rows = metrics(run_dir)
@@ -126,6 +128,7 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
     assert not any("stragglers" in r for r in rows)
 
 
+@pytest.mark.e2e
 def test_clean_run_replicas_agree_and_replays_reproduce(clean):
     """HSDP replicas (ranks 0|2 and 1|3) compared at steps 5, 10, 15, ..., 30 (across the rewind), replays at 9, 18, 27."""
     run_dir, proc = clean[0], clean[1]
@@ -155,6 +158,7 @@ def test_straggler_judge_needs_consecutive_windows():
 # ---------------------------------------------------------------- loss guard
 
 
+@pytest.mark.e2e
 def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
     run_dir, proc, _ = slow
     rows = {r["step"]: r for r in metrics(run_dir)}
@@ -165,6 +169,7 @@ def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
     assert "loss guard: step 8 non-finite (loss nan, grad norm nan): skip" in " ".join(proc.stdout.split())
 
 
+@pytest.mark.e2e
 def test_repeated_spikes_rewind_to_last_checkpoint(clean):
     run_dir = clean[0]
     rows = metrics(run_dir)
@@ -216,6 +221,7 @@ def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_s
     return report
 
 
+@pytest.mark.e2e
 def test_sleeping_rank_hang_is_reported(slow):
     run_dir, proc, ended = slow
     rank1 = _records(run_dir)[1]
@@ -228,6 +234,7 @@ def test_sleeping_rank_hang_is_reported(slow):
     assert body["entries"] and all(v["ranks"].startswith("[") for v in body["pg_config"].values())  # torchfrtrace-ready
 
 
+@pytest.mark.e2e
 def test_sigstopped_rank_hang_is_reported(clean):
     run_dir, proc, stopped_at, ended = clean
     assert stopped_at is not None, proc.stderr[-3000:]
@@ -264,6 +271,7 @@ def test_hang_report_follows_the_chain_to_the_missing_rank():
 # ---------------------------------------------------------------- flight recorder set-up, start-up block, config
 
 
+@pytest.mark.e2e
 def test_ranks_receive_flight_recorder_environment(slow):
     run_dir = slow[0]
     for rec in _records(run_dir).values():
@@ -284,6 +292,7 @@ def test_cuda_flight_recorder_environment(tmp_path):
     assert forensics.rank_env(cfg, tmp_path)["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
 
 
+@pytest.mark.e2e
 def test_startup_block(slow):
     out = slow[1].stdout
     assert "layout tp2_dp2: dp_shard=2 x tp=2, 4 ranks on 1 node of 4" in out
@@ -307,6 +316,7 @@ def test_startup_links_across_nodes(compose):
     assert "1 converted modules: layers.0.attention.wq" in text
 
 
+@pytest.mark.e2e
 def test_monitor_and_distributed_values_are_validated():
     proc = run_cli(
         "mode=validate",
@@ -325,6 +335,7 @@ def test_monitor_and_distributed_values_are_validated():
         assert text in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
 def test_monitor_config_side_is_torch_free():
     modules = "runner.config.validate.monitor, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
     code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"

@@ -23,6 +23,8 @@ import pytest
 
 from runner.config import pipeline
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 # eval: one held-out batch after the last step (forward only; under PP the schedule's eval step), in every layout
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false", "eval.interval=2", "eval.steps=1"]
 PP2 = ["parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"]

@@ -109,6 +109,7 @@ def test_titan_convention_on_request(budget):
     assert b["flops_per_token_6N"] == 6 * b["params"]
 
 
+@pytest.mark.e2e
 def test_plan_cli_writes_plan_json_without_torch(tmp_path):
     run_dir = tmp_path / "plan"
     code = (
@@ -126,6 +127,7 @@ def test_plan_cli_writes_plan_json_without_torch(tmp_path):
     assert "mode: plan" in (run_dir / "frozen.yaml").read_text()
 
 
+@pytest.mark.e2e
 def test_plan_warns_when_memory_does_not_fit(tmp_path):
     proc = run_cli(
         *SEED, "mode=plan", "parallelism.pp=1", "parallelism.tp=1", "parallelism.fsdp_reshard_after_forward=never", run_dir=tmp_path / "p"
@@ -136,6 +138,7 @@ def test_plan_warns_when_memory_does_not_fit(tmp_path):
     assert "DOES NOT FIT in 80 GB" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_sweep_records_invalid_points_and_compare_tables_them(tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = run_cli("-m", *SEED, "mode=plan", "parallelism.tp=4,16", f"hydra.sweep.dir={sweep_dir}")
@@ -157,6 +160,7 @@ def test_sweep_records_invalid_points_and_compare_tables_them(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+@pytest.mark.e2e
 def test_compare_rejects_a_folder_without_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "runner.compare", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -179,6 +183,7 @@ def test_sweeper_composes_one_point_per_new_override_value():
     assert composed == [["tp=1", f"pp={p}"] for p in (1, 2, 4, 8, 16)] + [[f"tp={t}", "pp=1"] for t in (2, 4, 8)]
 
 
+@pytest.mark.e2e
 def test_bad_sweep_value_fails_before_any_point_runs(tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = run_cli("-m", *SEED, "mode=plan", "parallelism.tp=4,8,x", f"hydra.sweep.dir={sweep_dir}")
@@ -207,6 +212,7 @@ def test_mode_probe_is_skipped_only_when_no_config_can_set_hydra_mode(tmp_path):
     assert mode_probe_needed(["mode=plan"], conf) is True  # another group pulls in a file that sets the mode
 
 
+@pytest.mark.e2e
 def test_sweep_file_still_runs_as_a_multirun(tmp_path):
     proc = run_cli("sweep=llama3_70b_layouts", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr

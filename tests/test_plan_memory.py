@@ -44,6 +44,7 @@ def _held(rank: dict) -> dict[str, float]:
     return {name: rows[name]["ratio"] for name in (*HELD, "total (peak)")}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "case, overrides, ranks",
     [

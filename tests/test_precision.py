@@ -330,6 +330,7 @@ def test_excluded_layer_is_not_shape_checked(compose):
     assert precision.conversion(keep_all) == ([], {la.fqn: "*" for la in precision.linear_layers(keep_all.model)})
 
 
+@pytest.mark.e2e
 def test_cli_headline_validates_and_rejects_with_exit_2(tmp_path):
     seed = ["model=llama3_70b", "training.seq_len=4096", "training.global_batch_size=1024", "training.microbatch_size=1"]
     proc = run_cli("parallelism=tp8_pp4", "precision=fp8_blockwise", "cluster=h100x1024", *seed, "mode=validate", run_dir=tmp_path / "a")

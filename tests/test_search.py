@@ -136,6 +136,7 @@ def test_bounds_and_why_line_are_printed(small):
     )
 
 
+@pytest.mark.e2e
 def test_search_cli_writes_a_sweep_that_runs_as_it_is(tmp_path):
     run = tmp_path / "search"
     proc = run_cli(
@@ -162,6 +163,7 @@ def test_search_cli_writes_a_sweep_that_runs_as_it_is(tmp_path):
     assert not (sweep / "3").exists()
 
 
+@pytest.mark.e2e
 def test_search_needs_a_fixed_device_count(tmp_path):
     proc = run_cli("mode=search", run_dir=tmp_path / "r")
     assert proc.returncode == 2
@@ -191,6 +193,7 @@ def _verify_profile(tmp_path):
     return steptime_profile.write(prof, tmp_path / "profile.json")
 
 
+@pytest.mark.e2e
 def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
     """search.verify=3 on this machine: one multirun of the written sweep's first 3 points, 3 steps each; every row of
     the printed table is the search's prediction and the job folder's measured median, and the rank agreement is
@@ -267,6 +270,7 @@ def test_verify_lists_a_failed_point_with_its_reason(small, tmp_path):
     assert (v["spearman"], v["first"], v["fastest"]) == (None, 2, 3)
 
 
+@pytest.mark.e2e
 def test_verify_is_refused_before_anything_runs(tmp_path):
     """More than the sweep holds, on a cluster whose runs start elsewhere: both problems, exit 2, no search.json."""
     proc = run_cli("cluster=h100x64", "model=llama3_8b", "search.top_k=2", "search.verify=3", "mode=search", run_dir=tmp_path / "r")

@@ -51,6 +51,7 @@ def layout_sweep(slurm_cluster, tmp_path_factory):
     return sweep
 
 
+@pytest.mark.e2e
 def test_layout_sweep_runs_as_two_two_node_jobs(layout_sweep):
     jobs = _job_dirs(layout_sweep)
     assert [j.name.rsplit("_", 1)[1] for j in jobs] == ["0", "1"]  # one array job, a task per point
@@ -68,6 +69,7 @@ def test_layout_sweep_runs_as_two_two_node_jobs(layout_sweep):
         assert sorted(part.split(" ranks ")[0] for part in nodes[len("nodes: ") :].split("; ")) == ["n1", "n2"], nodes
 
 
+@pytest.mark.e2e
 def test_two_node_job_matches_one_node_losses(layout_sweep, tmp_path):
     one_node = tmp_path / "one_node"
     proc = run_cli(*SHORT, run_dir=one_node)  # cluster=local_cpu: the default dp2_tp2 on 4 ranks of one node
@@ -121,6 +123,7 @@ def requeued(slurm_cluster, layout_sweep, tmp_path_factory):
     return sweep, times
 
 
+@pytest.mark.e2e
 def test_signalled_job_checkpoints_requeues_and_resumes_bitwise(requeued, layout_sweep):
     sweep, times = requeued
     run, ref = sweep / "0", metrics(layout_sweep / "0")
@@ -142,6 +145,7 @@ def test_signalled_job_checkpoints_requeues_and_resumes_bitwise(requeued, layout
     print(f"requeue timings: {times}")
 
 
+@pytest.mark.e2e
 def test_launch_plan_prints_the_script_that_was_submitted(requeued, tmp_path):
     """mode=launch_plan with the submission's overrides prints exactly the sbatch file submitit wrote."""
     sweep, _ = requeued

@@ -25,6 +25,7 @@ def _results(sweep) -> dict:
     return yaml.safe_load((sweep / "optimization_results.yaml").read_text())
 
 
+@pytest.mark.e2e
 def test_optuna_sweep_over_plans_finds_the_best_layout(tmp_path, budget):
     sweep = tmp_path / "optuna"
     space = [f"{k}=choice({','.join(map(str, v))})" for k, v in GRID.items()]
@@ -61,6 +62,7 @@ def test_neg_mfu_and_an_invalid_point_as_objectives():
 AC_MODES = ("none", "selective_op", "selective_layer")
 
 
+@pytest.mark.e2e
 def test_trained_optuna_sweep_returns_the_measured_loss_and_selective_ac_keeps_the_math(tmp_path):
     """One short trained sweep: Optuna's grid over the AC modes on one rank. Each mode trains the same losses as none
     (recomputation does not change the math), logs its HFU, and the sweep's best value is the measured final loss."""

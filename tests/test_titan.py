@@ -87,6 +87,7 @@ def test_layer_table_equals_titan_for_both_families(compose):
     assert (wkv_a.in_dim, wkv_a.out_dim, precision.local_gemm_dims(wkv_a, 4)) == (256, 576, (256, 576))  # replicated over TP
 
 
+@pytest.mark.e2e
 def test_moe_fp8_validates_with_its_layer_count(tmp_path):
     proc = run_cli(*MOE_FP8, "parallelism=ep2", "mode=validate", run_dir=tmp_path / "v")
     assert proc.returncode == 0, proc.stderr
@@ -101,6 +102,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return multirun({"wide": WIDE, "moe_fp8": MOE_FP8}, SHORT, sweep)[0]
 
 
+@pytest.mark.e2e
 def test_widened_model_trains_at_the_config_size(runs, compose):
     m = compose([*WIDE, *SHORT]).model
     s = summary(runs["wide"])
@@ -109,6 +111,7 @@ def test_widened_model_trains_at_the_config_size(runs, compose):
     assert s["flops_per_token_6n"] == 6 * WIDE_PARAMS
 
 
+@pytest.mark.e2e
 def test_moe_model_trains_in_fp8(runs, compose):
     cfg = compose([*MOE_FP8, *SHORT])
     rec = json.loads((runs["moe_fp8"] / "precision.json").read_text())

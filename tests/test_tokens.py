@@ -68,6 +68,7 @@ def _expected(corpus: Path, tok: Path) -> dict[str, tuple[list[int], list[int]]]
 # ---- prepare -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_prepare_writes_tokens_index_and_manifest(assets):
     m = manifest.load(assets.a)
     want = _expected(assets.corpus, assets.tok)
@@ -87,6 +88,7 @@ def test_prepare_writes_tokens_index_and_manifest(assets):
     assert not (assets.a / ".cache").exists() and not list(assets.a.glob("*.tmp"))
 
 
+@pytest.mark.e2e
 def test_data_package_is_torch_free():
     code = "import sys, runner.data.cli, runner.data.prepare, runner.data.order; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
@@ -97,6 +99,7 @@ def test_dtype_is_uint16_while_the_vocabulary_fits():
     assert [manifest.dtype_for(v) for v in (512, 65_536, 65_537, 128_256)] == ["uint16", "uint16", "uint32", "uint32"]
 
 
+@pytest.mark.e2e
 def test_prepare_is_idempotent_and_resumes_after_an_interruption(assets, tmp_path, capsys):
     out = tmp_path / "ab"
     assert _prepare([assets.corpus, assets.other], assets.tok, out) == 0
@@ -117,6 +120,7 @@ def test_prepare_is_idempotent_and_resumes_after_an_interruption(assets, tmp_pat
     assert (out / "part-00000.train.bin").stat().st_mtime_ns == stamps["part-00000.train.bin"]  # part 0 was not redone
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "change,option",
     [
@@ -177,6 +181,7 @@ def _data(assets, dp_rank=0, dp=1, gb=8, sources=None, **kw) -> TokenData:
     )
 
 
+@pytest.mark.e2e
 def test_token_data_reads_the_prepared_stream_and_keeps_the_stream_guarantees(assets):
     want = _expected(assets.corpus, assets.tok)
     whole = _data(assets)
@@ -197,6 +202,7 @@ def test_token_data_reads_the_prepared_stream_and_keeps_the_stream_guarantees(as
     assert ev.sample(0).tolist() == want["eval"][0][: SEQ + 1] and ev.num_samples == [(len(want["eval"][0]) - 1) // SEQ]
 
 
+@pytest.mark.e2e
 def test_mixture_reads_each_source_in_its_share(assets):
     mixed = _data(assets, sources=[(str(assets.a), 0.7), (str(assets.b), 0.3)])
     b = np.fromfile(manifest.tokens_file(assets.b, "part-00000", "train"), dtype=np.uint16).tolist()
@@ -210,6 +216,7 @@ def test_mixture_reads_each_source_in_its_share(assets):
             assert mixed.sample(g).tolist() == b[s : s + SEQ + 1]
 
 
+@pytest.mark.e2e
 def test_prefetch_uses_a_read_ahead_only_for_the_same_position(assets):
     d = _data(assets)
     feed = Prefetch(d)
@@ -239,6 +246,7 @@ def test_config_needs_one_prepared_source_with_positive_weights(compose, tmp_pat
     assert sorted(p.field for p in got) == ["data.mix", "data.mix[0].weight", "data.mix[1].path"]
 
 
+@pytest.mark.e2e
 def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(assets.a, broken)
@@ -274,6 +282,7 @@ def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
     assert validate_tokens.split_problem("data.path", str(assets.a), "eval", 64) is None
 
 
+@pytest.mark.e2e
 def test_mixture_of_different_tokenizers_is_refused(compose, assets, tmp_path):
     other = tmp_path / "other"
     assert _prepare([assets.other], text_assets.tokenizer("BPE", tmp_path / "bpe.json"), other) == 0
@@ -281,6 +290,7 @@ def test_mixture_of_different_tokenizers_is_refused(compose, assets, tmp_path):
     assert [p.field for p in got] == ["data.mix"] and "prepared with different tokenizers" in got[0].why
 
 
+@pytest.mark.e2e
 def test_cli_exits_2_before_writing_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli("data=tokens", f"data.path={tmp_path / 'nowhere'}", run_dir=run_dir)
@@ -322,6 +332,7 @@ def _by_step(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(run_dir)}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["tok", "mix"])
 def test_sigkilled_rank_resumes_bitwise_exactly(trained, name):
     ref, got = _by_step(trained[f"{name}_ref"][0]), _by_step(trained[f"{name}_killed"][0])
@@ -333,6 +344,7 @@ def test_sigkilled_rank_resumes_bitwise_exactly(trained, name):
     assert all(0 <= r["data_s"] < r["step_time_s"] for r in ref.values())
 
 
+@pytest.mark.e2e
 def test_layout_change_on_resume_continues_at_the_same_global_sample(trained):
     ref, got = _by_step(trained["tok_ref"][0]), _by_step(trained["tok_pp"][0])
     assert sorted(got) == [2, 3]

@@ -21,6 +21,8 @@ import yaml
 
 from tests.conftest import ROOT, metrics, multirun, run_cli, summary
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 SHORT = ["training.steps=3", "training.seq_len=64", "logging.progress=false"]
 LAYOUTS = {
     "single": ["parallelism=single", "logging=wandb", "logging.progress=false"],

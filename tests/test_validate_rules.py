@@ -59,6 +59,7 @@ def test_keys_added_with_plus_are_rejected(compose, override, field, fix):
         assert "a `+` override adds keys the schema does not have" in p.why
 
 
+@pytest.mark.e2e
 def test_cli_rejects_a_plus_key_but_keeps_plus_groups_and_hydra_keys(tmp_path):
     proc = run_cli("+training.lr_warmup=100", "mode=validate", run_dir=tmp_path / "bad")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
