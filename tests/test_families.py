@@ -1,4 +1,4 @@
-"""Every TorchTitan flavor is a model option: conf/model/ and the README table are what scripts/gen_models.py
+"""Every TorchTitan flavor is a model option: conf/model/ and the table in docs/models.md are what scripts/gen_models.py
 writes from the registries, and runner.config.flops counts what TorchTitan counts (total and active parameters,
 FLOPs per token) for every one of them, built on the meta device."""
 
@@ -52,9 +52,9 @@ def test_model_files_are_the_registry():
     assert stale == [], "run .venv/bin/python scripts/gen_models.py"
 
 
-def test_readme_table_is_generated():
+def test_model_table_is_generated():
     g = gen()
-    assert g.readme_text(g.readme_table(registry_fields())) == g.README.read_text(), "run .venv/bin/python scripts/gen_models.py"
+    assert g.models_doc_text(g.model_table(registry_fields())) == g.MODELS_DOC.read_text(), "run .venv/bin/python scripts/gen_models.py"
 
 
 @contextlib.contextmanager

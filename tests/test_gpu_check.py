@@ -1,5 +1,5 @@
 """scripts/gpu_check.py: what can be checked without a GPU (its assets, command lines, TorchTitan config,
-table and exit status). The GPU runs themselves are for a user's machine (README: Check the GPU path)."""
+table and exit status). The GPU runs themselves are for a user's machine (docs/clusters.md: the GPU check)."""
 
 from __future__ import annotations
 

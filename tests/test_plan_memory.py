@@ -1,7 +1,7 @@
 """The plan's memory is held to the dry run: for debug layouts (PP with and without full activation
 checkpointing, TP + SP without PP) each rank's weights + gradients and optimizer state within 2 % of what the
 dry run measures at its peak, activations within 15 % (runner.config.dryrun.report.TOLERANCE). The cluster
-configs of issue 14 are checked by bench/dryrun_vs_plan.py (minutes), whose output the README quotes."""
+configs of issue 14 are checked by bench/dryrun_vs_plan.py (minutes), whose output bench/README.md quotes."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ refuses them (runner.config.validate.keys), so `+training.lr_warmup=100` fails t
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,8 +22,9 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (`conf/<group>/<option>.yaml`); `conf/recipe` and `conf/sweep` link to `recipes/` and `sweeps/`."""
 
 
+@functools.cache  # once per process: a test session or a bench composes hundreds of configs
 def register() -> None:
-    """The schema in Hydra's ConfigStore and the resolvers the cluster files use; idempotent."""
+    """The schema in Hydra's ConfigStore and the resolvers the cluster files use."""
     register_schema()
     slurm.register_resolvers()
 

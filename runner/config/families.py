@@ -1,5 +1,5 @@
 """What the runner knows of each TorchTitan model family without importing it: its registered flavors, how
-its blocks are built (for conf/model/ comments and the README table), and where it cannot run.
+its blocks are built (for conf/model/ comments and the model table of docs/models.md), and where it cannot run.
 
 Torch-free. The architecture numbers of each flavor live in conf/model/<family>_<flavor>.yaml, written by
 scripts/gen_models.py from TorchTitan's registries; tests/test_families.py checks the flavors below, the files
@@ -22,13 +22,13 @@ class Family:
     flavors: tuple[str, ...]
     """TorchTitan's registered flavors, in its registry's order."""
     shape: str
-    """How its blocks are built, in a few words (the README's list of families above the model table)."""
+    """How its blocks are built, in a few words (docs/models.md's list of families above the model table)."""
     kernel_package: str = ""
     """A GPU kernel package the family's model module imports on load (qwen3_5: flash-linear-attention's `fla`,
     Triton), which CPU machines lack; scripts/gen_models.py and tests/test_families.py read the registry with
     placeholders for it (building a config or a meta-device model calls no kernel)."""
     cpu_flavors: tuple[str, ...] = ()
-    """Flavors a test trains on CPU ranks (the README table's CPU column says yes for them, plan only for the rest)."""
+    """Flavors a test trains on CPU ranks (the model table's CPU column says yes for them, plan only for the rest)."""
     cpu_rejection: str = ""
     """Why the family cannot train on CPU ranks, with the fix; "" = it can. Validation refuses such a model
     on a CPU cluster with this reason and keeps it valid for GPU clusters."""
@@ -125,7 +125,7 @@ def size(n: int) -> str:
 
 
 def legend() -> list[str]:
-    """The README's list of families: module, title, shape, the GPU kernel package it needs."""
+    """docs/models.md's list of families: module, title, shape, the GPU kernel package it needs."""
     out = []
     for name, f in FAMILIES.items():
         line = f"- **{f.title}** (`{name}`): {f.shape}"
@@ -135,7 +135,7 @@ def legend() -> list[str]:
 
 
 def table_rows(options: dict[str, ModelConfig], alias_of: dict[str, str]) -> list[str]:
-    """The README's model table: one row per option (its alias beside it), counted by runner.config.flops."""
+    """docs/models.md's model table: one row per option (its alias beside it), counted by runner.config.flops."""
     from runner.config import flops
 
     rows = [
