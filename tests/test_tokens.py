@@ -147,6 +147,43 @@ def test_prepare_refuses_bad_arguments_before_writing(assets, tmp_path, capsys, 
     assert not (tmp_path / "prepared").exists()
 
 
+# ---- bad input: in-process (--num-proc 1), no launch ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 40-document corpus, its tokenizer, and the corpus prepared into `prepared`."""
+    root = tmp_path_factory.mktemp("small")
+    corpus, tok = text_assets.make(root, n_docs=40, vocab_size=300)
+    assert _prepare([corpus], tok, root / "prepared") == 0
+    return SimpleNamespace(corpus=corpus, tok=tok, lines=corpus.read_text().splitlines(), root=root, prepared=root / "prepared")
+
+
+MANIFEST_EDITS = [
+    (lambda m: m.pop("splits"), "lacks the key 'splits'"),
+    (lambda m: m["tokenizer"].pop("vocab_size"), "lacks the key 'tokenizer.vocab_size'"),
+    (lambda m: m["splits"]["eval"]["parts"][0].pop("tokens"), "lacks the key 'splits.eval.parts[0].tokens'"),
+    (lambda m: m["splits"]["train"].update(tokens="many"), """'splits.train.tokens' is "many", not int"""),
+    (lambda m: m.update(dtype="float7"), "has dtype 'float7', not one of uint16, uint32"),
+]
+
+
+def test_validate_names_the_key_a_manifest_lacks(compose, small, tmp_path):
+    folder = tmp_path / "edited"
+    shutil.copytree(small.prepared, folder)
+    good = json.loads((folder / manifest.MANIFEST).read_text())
+    cfg = compose(["mode=validate", "data=tokens", f"data.path={folder}", f"training.seq_len={SEQ}"])
+    for edit, why in MANIFEST_EDITS:
+        m = json.loads(json.dumps(good))
+        edit(m)
+        (folder / manifest.MANIFEST).write_text(json.dumps(m))
+        with pytest.raises(ConfigError) as e:
+            validate.check(cfg)
+        got = [p for p in e.value.problems if p.field.startswith("data.")]
+        assert [(p.field, p.value) for p in got] == [("data.path", str(folder))], [str(p) for p in got]
+        assert got[0].why.startswith(f"{folder / manifest.MANIFEST} {why}") and "python -m runner.data prepare" in got[0].fix, got[0]
+
+
 # ---- order ----------------------------------------------------------------------------------------------
 
 

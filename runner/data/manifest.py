@@ -21,6 +21,14 @@ import numpy as np
 VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
+DTYPES = ("uint16", "uint32")
+_COUNTS = {"tokens": int, "documents": int}
+SCHEMA = {  # what readers of a manifest rely on: load() refuses a manifest without it, naming the key
+    "version": int,
+    "tokenizer": {"sha256": str, "vocab_size": int},
+    "dtype": str,
+    "splits": {s: {**_COUNTS, "parts": [{"name": str, **_COUNTS}]} for s in SPLITS},
+}
 
 
 class ManifestError(ValueError):
@@ -66,6 +74,26 @@ def tokenizer_info(path: Path) -> dict:
     return {"sha256": sha, "vocab_size": vocab}
 
 
+def schema_problem(body: object, spec: object, at: str = "") -> str | None:
+    """Why `body` does not have the shape of `spec` (nested dicts of types, a list of one spec for a list), naming
+    the first key that is missing or of another type; None when it has it."""
+    if isinstance(spec, dict):
+        if not isinstance(body, dict):
+            return f"{at or 'its content'} is {type(body).__name__}, not an object"
+        for key, sub in spec.items():
+            path = f"{at}.{key}" if at else key
+            if key not in body:
+                return f"lacks the key '{path}'"
+            if why := schema_problem(body[key], sub, path):
+                return why
+        return None
+    if isinstance(spec, list):
+        if not isinstance(body, list):
+            return f"'{at}' is {type(body).__name__}, not a list"
+        return next((why for i, b in enumerate(body) if (why := schema_problem(b, spec[0], f"{at}[{i}]"))), None)
+    return None if isinstance(body, spec) else f"'{at}' is {json.dumps(body)[:40]}, not {spec.__name__}"
+
+
 def write_json(path: Path, body: dict) -> None:
     """Write then rename: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -87,6 +115,10 @@ def load(folder: str | Path) -> dict:
         raise ManifestError(f"{path} is not JSON ({e})") from e
     if not isinstance(m, dict) or m.get("version") != VERSION:
         raise ManifestError(f"{path} has version {m.get('version') if isinstance(m, dict) else None}, this runner reads {VERSION}")
+    if why := schema_problem(m, SCHEMA):
+        raise ManifestError(f"{path} {why} (edited, or not written by `python -m runner.data prepare`)")
+    if m["dtype"] not in DTYPES:
+        raise ManifestError(f"{path} has dtype {m['dtype']!r}, not one of {', '.join(DTYPES)}")
     itemsize = np.dtype(m["dtype"]).itemsize
     for split in SPLITS:
         for p in m["splits"][split]["parts"]:
