@@ -159,6 +159,117 @@ def small(tmp_path_factory):
     return SimpleNamespace(corpus=corpus, tok=tok, lines=corpus.read_text().splitlines(), root=root, prepared=root / "prepared")
 
 
+def _files(folder: Path) -> dict[str, bytes] | None:
+    return {p.name: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} if folder.exists() else None
+
+
+def _jsonl(path: Path, lines: list[str], end: str = "\n") -> Path:
+    path.write_text("\n".join(lines) + end)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case,where,message",
+    [
+        ("corrupt", "bad.jsonl:6", "not JSON (Unterminated string starting at column 10)"),
+        (
+            "truncated",
+            "bad.jsonl:41",
+            "not JSON (Unterminated string starting at column 10); the file ends inside this line: it was cut short",
+        ),
+        ("number", "bad.jsonl:4", "its 'text' is 42, not a string"),
+        ("list", "bad.jsonl:2", """its 'text' is ["a", "b"], not a string"""),
+    ],
+)
+def test_prepare_refuses_a_bad_record_naming_its_line_and_leaves_the_folder_as_it_was(small, tmp_path, capsys, case, where, message):
+    lines = small.lines
+    bad = tmp_path / "bad.jsonl"
+    if case == "truncated":
+        _jsonl(bad, [*lines, '{"text": "Ka lo'], end="")
+    else:
+        row = {"corrupt": (5, '{"text": "Ka lo}'), "number": (3, '{"text": 42}'), "list": (1, '{"text": ["a", "b"]}')}[case]
+        _jsonl(bad, [*lines[: row[0]], row[1], *lines[row[0] :]])
+    out = tmp_path / "out"
+    shutil.copytree(small.prepared, out)
+    before = _files(out)
+    assert _prepare([bad], small.tok, out) == 2
+    err = capsys.readouterr().err
+    assert f"  - --input = {tmp_path / where}: {message}. Fix: repair or delete that line" in err, err
+    assert _files(out) == before  # the previous preparation is intact: no .cache, no temporary file
+    assert _prepare([bad], small.tok, tmp_path / "new") == 2 and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("empty", "--input = {tmp}/empty.jsonl: the file holds no records. Fix: leave it out of --input"),
+        ("foreign", "--out = {tmp}/out: part-00000.json is not JSON (Expecting value: line 1 column 1 (char 0)). "
+                    "Fix: move {tmp}/out/part-00000.json away"),
+        ("eos", "--eos-token = <nope>: not a token of {tok}: documents would run together with no separator. "
+                "Fix: give the tokenizer's end-of-document token, one of its special tokens ['<|end_of_text|>']"),
+    ],
+)  # fmt: skip
+def test_prepare_refuses_an_empty_input_a_foreign_out_and_an_unknown_eos_token(small, tmp_path, capsys, case, message):
+    inp, extra, out = small.corpus, [], tmp_path / "out"
+    if case == "empty":
+        inp = tmp_path / "empty.jsonl"
+        inp.write_text("\n \n")
+    if case == "foreign":
+        out.mkdir()
+        (out / "part-00000.json").write_text("not a record\n")
+    if case == "eos":
+        extra = ["--eos-token", "<nope>"]
+    before = _files(out)
+    assert _prepare([inp], small.tok, out, *extra) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path, tok=small.tok) in err, err
+    assert _files(out) == before
+
+
+def test_prepare_skips_and_counts_records_without_text(small, tmp_path, capsys):
+    """The choice for a null, missing or empty text: skip the record, count it (manifest and console)."""
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [*small.lines[:3], '{"text": null}', '{"id": 7}', '{"text": ""}', *small.lines[3:]])
+    assert _prepare([mixed], small.tok, tmp_path / "out") == 0
+    assert "skipped 3 records whose text was null, missing or empty (skipped_records in manifest.json)" in capsys.readouterr().out
+    m, clean = manifest.load(tmp_path / "out"), manifest.load(small.prepared)
+    assert m["skipped_records"] == m["sources"][0]["skipped_records"] == 3 and clean["skipped_records"] == 0
+    assert sum(m["splits"][s]["documents"] for s in manifest.SPLITS) == 40  # every document with text, once
+    assert sum(m["splits"][s]["tokens"] for s in manifest.SPLITS) == sum(clean["splits"][s]["tokens"] for s in manifest.SPLITS)
+
+
+def test_prepare_with_fewer_inputs_removes_the_stale_parts(small, tmp_path, capsys):
+    other = _jsonl(tmp_path / "other.jsonl", [json.dumps({"text": d}) for d in text_assets.documents(10, seed=2)])
+    out = tmp_path / "out"
+    assert _prepare([small.corpus, other], small.tok, out) == 0 and (out / "part-00001.train.bin").is_file()
+    capsys.readouterr()
+    assert _prepare([small.corpus], small.tok, out) == 0
+    assert "removed part-00001: parts of inputs no longer given" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in small.prepared.iterdir())
+    assert [p["name"] for p in manifest.load(out)["splits"]["train"]["parts"]] == ["part-00000"]
+
+
+def test_ctrl_c_exits_130_and_leaves_the_folder_as_it_was(small, tmp_path, capsys, monkeypatch):
+    from runner.data import prepare
+
+    def interrupted(self, batch, indices):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare._Encode, "__call__", interrupted)
+    other = _jsonl(tmp_path / "other.jsonl", [json.dumps({"text": d}) for d in text_assets.documents(10, seed=2)])
+    out = tmp_path / "out"
+    shutil.copytree(small.prepared, out)
+    before = _files(out)
+    for folder in (out, tmp_path / "new"):
+        try:
+            rc = _prepare([other], small.tok, folder)
+        except KeyboardInterrupt:
+            rc = "KeyboardInterrupt escaped"
+        assert rc == 130
+        err = capsys.readouterr().err
+        assert f"interrupted: {folder} holds no half-written file and no .cache" in err and "Fix: rerun the same command to resume" in err
+    assert _files(out) == before and not (tmp_path / "new").exists()
+
+
 MANIFEST_EDITS = [
     (lambda m: m.pop("splits"), "lacks the key 'splits'"),
     (lambda m: m["tokenizer"].pop("vocab_size"), "lacks the key 'tokenizer.vocab_size'"),

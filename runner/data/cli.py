@@ -4,7 +4,11 @@
         [--text-field text] [--eos-token '<|end_of_text|>'] [--eval-fraction 0.01] [--num-proc N]
 
 The format of each input comes from its extension (.jsonl/.json, .txt, .parquet). Bad arguments are
-reported all at once, naming the option, the value and the fix, with exit code 2 before anything is written.
+reported all at once, naming the option, the value and the fix, with exit code 2 before anything is written;
+so is an --out holding files of the prepared layout that prepare did not write. A bad record (a line that is
+not JSON, a text that is not a string) exits 2 naming the file and line; Ctrl-C exits 130. Either way nothing
+half-written and no .cache is left (prepare.py). Records whose text is null, missing or empty are skipped and
+counted.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers JSON file (tokenizer.json)")
     q.add_argument("--out", required=True, help="the prepared folder (created; a rerun reuses what is already done)")
     q.add_argument("--text-field", default="text", help="jsonl/parquet: the column holding each document")
-    q.add_argument("--eos-token", default="<|end_of_text|>", help="appended after every document (skipped if the tokenizer lacks it)")
+    q.add_argument("--eos-token", default="<|end_of_text|>", help="a token of the tokenizer, appended after every document")
     q.add_argument("--eval-fraction", type=float, default=0.01, help="share of each file's documents held out as the eval split")
     q.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizing processes (datasets.map num_proc)")
     return p
@@ -35,18 +39,37 @@ def parser() -> argparse.ArgumentParser:
 
 def _inputs(files: list[str], text_field: str) -> list[Problem]:
     from runner.config.schema import DataConfig, TextFormat
-    from runner.config.validate.data import first_record_lacks
+    from runner.config.validate.data import first_record_lacks, holds_no_records
 
     out = []
     for f in files:
         path = Path(f)
+        d = DataConfig(format=TextFormat(FORMATS[path.suffix.lower()]), text_field=text_field) if path.suffix.lower() in FORMATS else None
         if not path.is_file():
             out.append(Problem("--input", f, "no such file", "give existing local data files"))
-        elif path.suffix.lower() not in FORMATS:
+        elif d is None:
             out.append(Problem("--input", f, f"unknown extension {path.suffix!r}", f"use one of {', '.join(FORMATS)}"))
-        elif why := first_record_lacks(path, DataConfig(format=TextFormat(FORMATS[path.suffix.lower()]), text_field=text_field)):
+        elif holds_no_records(path, d):
+            out.append(Problem("--input", f, "the file holds no records", "leave it out of --input, or give it its documents"))
+        elif why := first_record_lacks(path, d):
             out.append(Problem("--text-field", text_field, f"{f}: {why}", "set --text-field to the column holding the documents"))
     return out
+
+
+def _tokenizer(path: str, eos: str, out: list[Problem]) -> None:
+    from tokenizers import Tokenizer
+
+    try:
+        mf.tokenizer_info(Path(path))
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        out.append(Problem("--tokenizer", path, f"not a tokenizers JSON file ({e})", "save one with tokenizers' Tokenizer.save"))
+        return
+    if tok.token_to_id(eos) is None:
+        special = sorted(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
+        out.append(Problem("--eos-token", eos, f"not a token of {path}: documents would run together with no separator",
+                           f"give the tokenizer's end-of-document token, one of its special tokens {special}" if special
+                           else "give the token that ends a document in this tokenizer's vocabulary"))  # fmt: skip
 
 
 def check(a: argparse.Namespace) -> None:
@@ -55,18 +78,24 @@ def check(a: argparse.Namespace) -> None:
     if not Path(a.tokenizer).is_file():
         out.append(Problem("--tokenizer", a.tokenizer, "no such file", "point --tokenizer at a local tokenizer.json"))
     else:
-        try:
-            mf.tokenizer_info(Path(a.tokenizer))
-        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-            out.append(Problem("--tokenizer", a.tokenizer, f"not a tokenizers JSON file ({e})", "save one with tokenizers' Tokenizer.save"))
+        _tokenizer(a.tokenizer, a.eos_token, out)
     if Path(a.out).exists() and not Path(a.out).is_dir():
         out.append(Problem("--out", a.out, "is a file", "name a folder (it is created)"))
+    elif Path(a.out).is_dir():
+        for path, why in mf.foreign(Path(a.out)):
+            out.append(Problem("--out", a.out, f"{path.name} is {why}", f"move {path} away, or name another folder"))
     if not 0 <= a.eval_fraction < 1:
         out.append(Problem("--eval-fraction", a.eval_fraction, "must be in [0, 1)", "hold out a small share, e.g. 0.01, or 0 for none"))
     if a.num_proc < 1:
         out.append(Problem("--num-proc", a.num_proc, "must be >= 1", "use the number of CPU cores to give to tokenizing"))
     if out:
         raise ConfigError(out)
+
+
+def _interrupted(e: BaseException | None) -> bool:
+    while e is not None and not isinstance(e, KeyboardInterrupt):
+        e = e.__context__
+    return e is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,9 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         inputs=[Path(f) for f in a.input], tokenizer=Path(a.tokenizer), out=Path(a.out), text_field=a.text_field,
         eos_token=a.eos_token, eval_fraction=a.eval_fraction, num_proc=a.num_proc,
     )  # fmt: skip
-    m, wrote = prepare(req)
+    try:
+        m, wrote = prepare(req)
+    except ConfigError as e:  # a bad record: the file and line
+        print(e, file=sys.stderr)
+        return 2
+    except BaseException as e:  # Ctrl-C; datasets' multiprocess map re-raises it as a TimeoutError whose context it is
+        if not _interrupted(e):
+            raise
+        print(f"interrupted: {a.out} holds no half-written file and no .cache (parts finished before are kept, with the previous "
+              "manifest). Fix: rerun the same command to resume.", file=sys.stderr)  # fmt: skip
+        return 130
     s = m["splits"]
     verb = "prepared" if wrote else "already up to date:"
     print(f"{verb} {a.out}: {s['train']['tokens']:,} train tokens in {s['train']['documents']:,} documents, "
           f"{s['eval']['tokens']:,} held-out tokens in {s['eval']['documents']:,} documents ({m['dtype']})")  # fmt: skip
+    if n := m["skipped_records"]:
+        print(f"skipped {n:,} record{'s' * (n > 1)} whose text was null, missing or empty (skipped_records in manifest.json)")
     return 0

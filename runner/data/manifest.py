@@ -2,8 +2,9 @@
 
 <folder>/
   manifest.json               tokenizer (sha256 of its normalized JSON, vocabulary), dtype, EOS, the
-                              held-out fraction, sources (path, bytes, sha256), per split: tokens,
-                              documents and parts; written last, atomically
+                              held-out fraction, sources (path, bytes, sha256, skipped_records), per
+                              split: tokens, documents and parts, skipped_records (records whose text
+                              was null, missing or empty: skipped); written last, atomically
   part-<i>.json               part i's record (its source, settings and counts): its files are complete
   part-<i>.<split>.bin        the split's documents of source i, each followed by EOS (uint16 or uint32)
   part-<i>.<split>.idx        uint64 end offset (in tokens) of each document in the .bin file
@@ -29,6 +30,7 @@ SCHEMA = {  # what readers of a manifest rely on: load() refuses a manifest with
     "dtype": str,
     "splits": {s: {**_COUNTS, "parts": [{"name": str, **_COUNTS}]} for s in SPLITS},
 }
+RECORD = {"name": str, "source": dict, "settings": {"dtype": str}, "splits": {s: _COUNTS for s in SPLITS}}
 
 
 class ManifestError(ValueError):
@@ -92,6 +94,23 @@ def schema_problem(body: object, spec: object, at: str = "") -> str | None:
             return f"'{at}' is {type(body).__name__}, not a list"
         return next((why for i, b in enumerate(body) if (why := schema_problem(b, spec[0], f"{at}[{i}]"))), None)
     return None if isinstance(body, spec) else f"'{at}' is {json.dumps(body)[:40]}, not {spec.__name__}"
+
+
+def foreign(folder: Path) -> list[tuple[Path, str]]:
+    """Files of `folder` with a name of this layout but not its content (a prepare would read or replace them)."""
+    out = []
+    for path in sorted(folder.glob("part-*.json")) + [folder / MANIFEST]:
+        if not path.is_file():
+            continue
+        try:
+            body = json.loads(path.read_text())
+        except ValueError as e:  # UnicodeDecodeError included
+            out.append((path, f"not JSON ({e})"))
+            continue
+        spec = {"version": int} if path.name == MANIFEST else RECORD
+        if why := schema_problem(body, spec):
+            out.append((path, f"{why}: not written by `python -m runner.data prepare`"))
+    return out
 
 
 def write_json(path: Path, body: dict) -> None:

@@ -1,26 +1,34 @@
 """Tokenize local corpora into a prepared folder (layout in manifest.py), one part per input file.
 
-Each input file is read by Hugging Face `datasets` (json/text/parquet builders, local paths only),
-tokenized by `datasets.map(batched=True, num_proc=...)` with a local `tokenizers` JSON file, and written as
-a train and a held-out (eval) token file with their document indexes. Document j of a file is held out when
-floor((j + 1) f) > floor(j f), f the eval fraction: an exact share, evenly spread, the same on every run.
+Each input file's documents are read into an Arrow file of one column (read.py: a bad line is refused
+with its file and line), tokenized by `datasets.map(batched=True, num_proc=...)` with a local `tokenizers`
+JSON file, and written as a train and a held-out (eval) token file with their document indexes. Document j
+of a file is held out when floor((j + 1) f) > floor(j f), f the eval fraction: an exact share, evenly
+spread, the same on every run. A record whose text is null, missing or empty is skipped (it keeps its j),
+and counted: `skipped_records`, per source and in all.
 A part is published by renaming its files into place and then writing its record; the manifest comes
-last. A rerun skips every part whose record matches its source (size and sha256) and settings, so it is
-idempotent and resumes an interrupted preparation where it stopped.
+last; then the files of parts beyond the inputs (a rerun with fewer of them) are removed. A rerun skips
+every part whose record matches its source (size and sha256) and settings, so it is idempotent and resumes
+an interrupted preparation where it stopped. A failure or an interruption leaves no file of the part it
+was writing and no `.cache`; the parts finished before it stay, and the manifest is the previous one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from runner.data import manifest as mf
+from runner.data import read
 
+PART_FILE = re.compile(r"part-(\d+)\.")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 
 
@@ -40,16 +48,18 @@ class _Encode:
     """The batched map function (picklable for num_proc workers): token ids + EOS of each non-empty
     document, and whether it is held out."""
 
-    def __init__(self, tokenizer: str, column: str, eos_id: int | None, eval_fraction: float):
-        self.tokenizer, self.column, self.eos_id, self.f = tokenizer, column, eos_id, eval_fraction
-        self._tok = None
+    def __init__(self, tokenizer: str, eos_id: int | None, eval_fraction: float):
+        self.tokenizer, self.eos_id, self.f = tokenizer, eos_id, eval_fraction
+        self.parent, self._tok = os.getpid(), None
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         if self._tok is None:
             from tokenizers import Tokenizer
 
+            if os.getpid() != self.parent:  # a num_proc worker: Ctrl-C is the parent's to handle, not a traceback per worker
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._tok = Tokenizer.from_file(self.tokenizer)
-        keep = [(j, d) for j, d in zip(indices, batch[self.column], strict=True) if d]
+        keep = [(j, d) for j, d in zip(indices, batch[read.COLUMN], strict=True) if d]
         tail = [] if self.eos_id is None else [self.eos_id]
         ids = [e.ids + tail for e in self._tok.encode_batch([d for _, d in keep])]
         held = [int((j + 1) * self.f) > int(j * self.f) for j, _ in keep]
@@ -70,28 +80,25 @@ def _published(out: Path, part: str, source: dict, settings: dict) -> dict | Non
     path = mf.record_file(out, part)
     if not path.is_file():
         return None
-    rec = json.loads(path.read_text())
-    if rec.get("source") != source or rec.get("settings") != settings:
+    rec = json.loads(path.read_text())  # its schema was checked before anything was written (mf.foreign)
+    if rec["source"] != source or rec["settings"] != settings or "skipped_records" not in rec:
         return None
     itemsize = np.dtype(settings["dtype"]).itemsize
     for split in mf.SPLITS:
         s = rec["splits"][split]
-        if mf.tokens_file(out, part, split).stat().st_size != s["tokens"] * itemsize:
+        f = mf.tokens_file(out, part, split)
+        if not f.is_file() or f.stat().st_size != s["tokens"] * itemsize:
             return None
     return rec
 
 
 def _tokenized(req: Request, src: Path, fmt: str, eos_id: int | None, cache: Path):
-    from datasets import load_dataset
-
-    ds = load_dataset(fmt, data_files=[str(src.resolve())], split="train", cache_dir=str(cache))
-    column = "text" if fmt == "text" else req.text_field
-    if column not in ds.column_names:
-        raise ValueError(f"{src} has the columns {ds.column_names}, no {column!r}")
-    fn = _Encode(str(req.tokenizer), column, eos_id, req.eval_fraction)
+    """The number of records read, and their tokens."""
+    ds = read.texts(src, fmt, req.text_field, cache)
+    fn = _Encode(str(req.tokenizer), eos_id, req.eval_fraction)
     nproc = max(1, min(req.num_proc, len(ds)))  # datasets shards the rows over the processes
-    return ds.map(fn, batched=True, batch_size=req.batch_size, with_indices=True, remove_columns=ds.column_names,
-                  num_proc=nproc if nproc > 1 else None, desc=f"tokenizing {src.name}")  # fmt: skip
+    return len(ds), ds.map(fn, batched=True, batch_size=req.batch_size, with_indices=True, remove_columns=ds.column_names,
+                           num_proc=nproc if nproc > 1 else None, desc=f"tokenizing {src.name}")  # fmt: skip
 
 
 def _tmp(path: Path) -> Path:
@@ -135,15 +142,31 @@ def _part(req: Request, i: int, src: Path, tok: dict, eos_id: int | None, dtype:
         return rec, False
     cache = req.out / ".cache" / part
     shutil.rmtree(cache, ignore_errors=True)
-    counts = _write(_tokenized(req, src, fmt, eos_id, cache), req.out, part, dtype)
-    for split in mf.SPLITS:  # publish: the files first, the record that vouches for them last
-        for f in (mf.tokens_file(req.out, part, split), mf.index_file(req.out, part, split)):
-            os.replace(_tmp(f), f)
-    rec = {"name": part, "source": source, "settings": settings, "splits": counts}
+    files = [f(req.out, part, split) for split in mf.SPLITS for f in (mf.tokens_file, mf.index_file)]
+    try:
+        records, ds = _tokenized(req, src, fmt, eos_id, cache)
+        counts = _write(ds, req.out, part, dtype)
+    except BaseException:  # an input error or Ctrl-C: nothing of this part is left
+        for f in files:
+            _tmp(f).unlink(missing_ok=True)
+        raise
+    for f in files:  # publish: the files first, the record that vouches for them last
+        os.replace(_tmp(f), f)
+    skipped = records - sum(c["documents"] for c in counts.values())
+    rec = {"name": part, "source": source, "settings": settings, "splits": counts, "skipped_records": skipped}
     mf.write_json(mf.record_file(req.out, part), rec)
     shutil.rmtree(cache, ignore_errors=True)
     say(f"{part}: {src.name} -> {counts['train']['tokens']:,} train / {counts['eval']['tokens']:,} held-out tokens")
     return rec, True
+
+
+def _remove_stale(out: Path, n: int) -> list[str]:
+    """Remove the files of parts n and above (after the manifest that no longer names them); return their names.
+    Records go first, so a record never vouches for a removed file."""
+    stale = [f for f in out.iterdir() if (m := PART_FILE.match(f.name)) and int(m[1]) >= n]
+    for f in sorted(stale, key=lambda f: f.suffix != ".json"):
+        f.unlink()
+    return sorted({f.name.split(".")[0] for f in stale})
 
 
 def _manifest(req: Request, tok: dict, eos_id: int | None, dtype: str, records: list[dict]) -> dict:
@@ -162,7 +185,10 @@ def _manifest(req: Request, tok: dict, eos_id: int | None, dtype: str, records: 
         "eos_id": eos_id,
         "dtype": dtype,
         "eval_fraction": req.eval_fraction,
-        "sources": [r["source"] | {"part": r["name"], "format": r["settings"]["format"]} for r in records],
+        "sources": [
+            r["source"] | {"part": r["name"], "format": r["settings"]["format"], "skipped_records": r["skipped_records"]} for r in records
+        ],
+        "skipped_records": sum(r["skipped_records"] for r in records),
         "splits": splits,
     }
 
@@ -176,13 +202,19 @@ def prepare(req: Request, say=print) -> tuple[dict, bool]:
     tok = mf.tokenizer_info(req.tokenizer)
     eos_id = Tokenizer.from_file(str(req.tokenizer)).token_to_id(req.eos_token)
     dtype = mf.dtype_for(tok["vocab_size"])
+    created = not req.out.exists()
     req.out.mkdir(parents=True, exist_ok=True)
-    parts = [_part(req, i, Path(src), tok, eos_id, dtype, say) for i, src in enumerate(req.inputs)]
+    try:
+        parts = [_part(req, i, Path(src), tok, eos_id, dtype, say) for i, src in enumerate(req.inputs)]
+    finally:
+        shutil.rmtree(req.out / ".cache", ignore_errors=True)
+        if created and not any(req.out.iterdir()):
+            req.out.rmdir()  # failed before any part was published: the folder is as it was, absent
     m = _manifest(req, tok, eos_id, dtype, [rec for rec, _ in parts])
     path = req.out / mf.MANIFEST
-    fresh = any(new for _, new in parts)
-    shutil.rmtree(req.out / ".cache", ignore_errors=True)
-    if not fresh and path.is_file() and json.loads(path.read_text()) == m:
-        return m, False
-    mf.write_json(path, m)
-    return m, True
+    wrote = any(new for _, new in parts) or not path.is_file() or json.loads(path.read_text()) != m
+    if wrote:
+        mf.write_json(path, m)
+    if stale := _remove_stale(req.out, len(req.inputs)):
+        say(f"removed {', '.join(stale)}: parts of inputs no longer given")
+    return m, wrote or bool(stale)

@@ -79,9 +79,27 @@ def _text(d: DataConfig, vocab_size: int, out: list[Problem]) -> None:
             Problem("data.files", missing, "not found (paths are relative to where `python -m runner` starts)", "give existing local files")
         )
     for f in d.files:
-        if f not in missing and (why := first_record_lacks(Path(f), d)):
+        if f not in missing and holds_no_records(Path(f), d):
+            out.append(Problem("data.files", f, "the file holds no records", "leave it out of data.files, or give it its documents"))
+        elif f not in missing and (why := first_record_lacks(Path(f), d)):
             out.append(Problem("data.text_field", d.text_field, f"{f}: {why}", "set data.text_field to the column holding the documents"))
     _tokenizer(d.tokenizer, vocab_size, out)
+
+
+def holds_no_records(path: Path, d: DataConfig) -> bool:
+    """Whether the file is empty: blank (JSON, text), or parquet with no rows. Reads until the first non-blank byte."""
+    if d.format == TextFormat.parquet:
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_metadata(path).num_rows == 0
+        except Exception:  # not parquet: first_record_lacks says so
+            return False
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def first_record_lacks(path: Path, d: DataConfig) -> str | None:
@@ -99,7 +117,7 @@ def first_record_lacks(path: Path, d: DataConfig) -> str | None:
     with open(path, encoding="utf-8", errors="replace") as fh:
         line = next((ln for ln in fh if ln.strip()), None)
     if line is None:
-        return "it holds no records"
+        return None  # an empty file: holds_no_records says so
     try:
         first = json.loads(line)
     except ValueError:
