@@ -244,3 +244,38 @@ def test_calibrate_refuses_bad_input_before_measuring(capsys):
     assert "--ranks '3': give rank counts that are 1 or powers of two, e.g. --ranks 1,2,4" in capsys.readouterr().err
     assert calibrate.main(["model.dim=0"]) == 2
     assert "model.dim = 0: must be >= 1" in capsys.readouterr().err
+
+
+MOE_PLAN = ["mode=plan", "parallelism=fsdp", "cluster=h100x64", "precision=bf16", "training.seq_len=4096", "training.global_batch_size=512"]
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3_16b", "qwen3_30b_a3b"])
+def test_moe_expert_flops_per_gpu_do_not_change_with_ep(compose, model):
+    """EP changes the routed experts' GEMM shapes (more tokens per local expert), not the FLOPs a GPU does: under
+    ep a rank's num_experts / ep local experts receive the tokens of all ep ranks of its group. So a block's GEMM
+    FLOPs are equal for ep 1, 2, 4 and 8, the routed ones n x top-k x 3 GEMMs of dim x moe_hidden_dim, and the
+    compute term never falls below the plan's ideal (all model FLOPs at 100 % of the peak)."""
+    import dataclasses
+
+    from runner.config.predict import work
+
+    base = compose([f"model={model}", *MOE_PLAN, "training.microbatch_size=4"])
+
+    def at(tp: int, ep: int):
+        cfg = dataclasses.replace(base, parallelism=dataclasses.replace(base.parallelism, tp=tp, ep=ep))
+        return cfg, validate.check(cfg)
+
+    runs = {ep: at(1, ep) for ep in (1, 2, 4, 8)}
+    totals = {ep: sum(work.gemm_flops(g) for g in work.block(cfg, lay).gemms) for ep, (cfg, lay) in runs.items()}
+    assert len(set(totals.values())) == 1, totals
+    for ep, (cfg, lay) in runs.items():
+        b = plan.compute(cfg, lay)
+        assert b["predicted_terms_s"]["compute"] >= b["ideal_compute_s"], ep
+    m, n = base.model, work.tokens(*runs[1])
+
+    def routed(cfg, lay) -> float:
+        return sum(work.gemm_flops(g) for g in work.routed_gemms(cfg, lay, work.tokens(cfg, lay)))
+
+    assert {routed(*r) for r in runs.values()} == {2.0 * n * m.num_experts_per_token * 3 * m.dim * m.moe_hidden_dim}
+    # TP 2: the experts' hidden dim is split without EP, the tokens with it; half the FLOPs either way
+    assert routed(*at(2, 1)) == routed(*at(2, 4)) == routed(*runs[1]) / 2

@@ -51,18 +51,26 @@ def _attention_gemms(cfg: RunConfig, lay: Layout, n: int) -> list[Gemm]:
     ]
 
 
+def routed_gemms(cfg: RunConfig, lay: Layout, n: int) -> list[Gemm]:
+    """The routed experts' grouped GEMMs on one rank (balanced routing), as TorchTitan shards them. Without EP
+    every TP rank sees the microbatch's n tokens and holds 1/tp of each expert's hidden dim. With EP the TP
+    ranks split the tokens (the MoE reuses the TP axis for sequence sharding) and a rank's num_experts / ep
+    local experts receive the tokens of all ep ranks of its group: n / tp x ep x top-k / num_experts each.
+    Either way a rank does n x top-k / tp tokens' expert FLOPs, whatever ep is; EP changes the shapes."""
+    m, tp, ep = cfg.model, lay.tp, lay.ep
+    h = m.moe_hidden_dim // (tp if ep == 1 else 1)
+    per_expert = max(1, n * m.num_experts_per_token * ep // ((tp if ep > 1 else 1) * m.num_experts))
+    return [(per_expert, m.dim, h), (per_expert, m.dim, h), (per_expert, h, m.dim)] * max(1, m.num_experts // ep)
+
+
 def _ffn_gemms(cfg: RunConfig, lay: Layout, n: int) -> list[Gemm]:
-    """SwiGLU (w1, w3 column-parallel, w2 row-parallel); an MoE block's experts as grouped GEMMs of the
-    tokens routed to each local expert (balanced routing), its shared experts and router."""
+    """SwiGLU (w1, w3 column-parallel, w2 row-parallel); an MoE block's router, routed experts and shared experts."""
     m, tp = cfg.model, lay.tp
     if not flops.is_moe(m):
         f = m.ffn_hidden_dim // tp
         return [(n, m.dim, f), (n, m.dim, f), (n, f, m.dim)]
-    local_experts = max(1, m.num_experts // lay.ep)
-    per_expert = max(1, n * m.num_experts_per_token // m.num_experts)
-    h = m.moe_hidden_dim
-    out = [(n, m.dim, m.num_experts)] + [(per_expert, m.dim, h), (per_expert, m.dim, h), (per_expert, h, m.dim)] * local_experts
     shared = m.moe_hidden_dim * m.num_shared_experts // tp
+    out = [(n, m.dim, m.num_experts), *routed_gemms(cfg, lay, n)]
     return out + ([(n, m.dim, shared), (n, m.dim, shared), (n, shared, m.dim)] if shared else [])
 
 
