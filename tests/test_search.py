@@ -136,6 +136,29 @@ def test_bounds_and_why_line_are_printed(small):
     )
 
 
+def test_search_space_names_the_precision_and_warns_once_at_the_debug_defaults(compose, small):
+    """A GPU cluster searched with the CPU smoke run's batch 8, seq 256 and fp32 ranks layouts for a toy problem: one
+    warning names the fields at their defaults; the search-space lines name the precision. Set, no warning; a CPU
+    cluster (where those defaults are the point) none either."""
+    cfg = compose(["cluster=h100_node", "search.max_cp=1", "search.max_microbatch_size=1", "mode=search"])
+    text = "\n".join(search_render.lines(cfg, search.run(cfg)))
+    warning = (
+        "warning: cluster h100_node is searched with the debug defaults training.global_batch_size=8, training.seq_len=256, "
+        "precision=fp32 (float32 compute), so the layouts are ranked for that toy problem; set training.global_batch_size, "
+        "training.seq_len and precision to the run's own (e.g. precision=bf16)"
+    )
+    assert text.count("warning:") == 1 and warning in text.splitlines()
+    assert "  8 devices (1 nodes x 8), global batch 8, seq_len 256, precision fp32 (float32 compute)" in text.splitlines()
+    small_cfg, res = small
+    assert res.warning is None and "warning" not in "\n".join(search_render.lines(small_cfg, res))
+    assert res.bounds[0].endswith("global batch 16, seq_len 8192, precision bf16 (bfloat16 compute)")
+    assert search.debug_defaults(compose(["cluster=h100_node", "precision=bf16", "training.seq_len=4096", "mode=search"])) == (
+        "warning: cluster h100_node is searched with the debug defaults training.global_batch_size=8, so the layouts are ranked "
+        "for that toy problem; set training.global_batch_size to the run's own"
+    )
+    assert search.debug_defaults(compose(["cluster.devices_per_node=4", "mode=search"])) is None
+
+
 @pytest.mark.e2e
 def test_search_cli_writes_a_sweep_that_runs_as_it_is(tmp_path):
     run = tmp_path / "search"

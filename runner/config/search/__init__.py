@@ -32,7 +32,7 @@ from runner.config import flops, layout, memory, pipeline, precision, validate
 from runner.config.layout import Layout, label
 from runner.config.predict import steptime
 from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, ReshardPolicy, RunConfig
+from runner.config.schema import ActivationCheckpoint, DeviceType, DType, Fp8Recipe, ReshardPolicy, RunConfig, TrainingConfig
 from runner.config.validate import layout as validate_layout
 from runner.config.validate import pipeline as pipeline_rules
 
@@ -126,6 +126,8 @@ class Result:
     predictions: int = 0
     seconds: float = 0.0
     source: str = steptime.DATASHEET
+    warning: str | None = None
+    """debug_defaults' warning, printed once above the report."""
 
 
 def world_size(cfg: RunConfig) -> int:
@@ -185,11 +187,37 @@ def layouts(cfg: RunConfig, ws: int):
                         yield tp, cp, pp, dpr, dp // dpr, ep
 
 
+def _precision(cfg: RunConfig) -> str:
+    """'bf16 (bfloat16 compute)', 'fp8_rowwise (bfloat16 compute, FP8 rowwise)'."""
+    pr = cfg.precision
+    return f"{pr.name} ({pr.param_dtype.value} compute" + (f", FP8 {pr.fp8.value})" if pr.fp8 != Fp8Recipe.none else ")")
+
+
+def debug_defaults(cfg: RunConfig) -> str | None:
+    """The warning for a GPU cluster searched at the schema's debug defaults (the CPU smoke run's global batch and
+    sequence length, fp32): the layouts would be ranked for that toy problem, not for the run's."""
+    if cfg.cluster.device == DeviceType.cpu:
+        return None
+    t, default = cfg.training, TrainingConfig()
+    at_default = [k for k in ("global_batch_size", "seq_len") if getattr(t, k) == getattr(default, k)]
+    found = {f"training.{k}": f"training.{k}={getattr(t, k)}" for k in at_default}
+    if cfg.precision.param_dtype == DType.float32:
+        found["precision"] = f"precision={cfg.precision.name} (float32 compute)"
+    if not found:
+        return None
+    fields = list(found)
+    named = ", ".join(fields[:-1]) + " and " + fields[-1] if len(fields) > 1 else fields[0]
+    return (
+        f"warning: cluster {cfg.cluster.name} is searched with the debug defaults {', '.join(found.values())}, so the layouts "
+        f"are ranked for that toy problem; set {named} to the run's own" + (" (e.g. precision=bf16)" if "precision" in found else "")
+    )
+
+
 def bounds(cfg: RunConfig, ws: int) -> list[str]:
     s, t = cfg.search, cfg.training
     return [
         f"{ws:,} devices ({cfg.cluster.num_nodes} nodes x {cfg.cluster.devices_per_node}), global batch {t.global_batch_size}, "
-        f"seq_len {t.seq_len}",
+        f"seq_len {t.seq_len}, precision {_precision(cfg)}",
         f"tp | ws, <= {cfg.cluster.devices_per_node} (a node); cp | ws, <= search.max_cp = {s.max_cp}; "
         f"pp | ws, <= num_layers + 2 = {cfg.model.num_layers + 2}; dp_replicate x dp_shard = the rest"
         + (f"; ep | num_experts = {cfg.model.num_experts}" if cfg.model.num_experts else ""),
@@ -365,6 +393,6 @@ def run(cfg: RunConfig, keep: int = 10) -> Result:
     for degrees in layouts(cfg, search.ws):
         search.layout(degrees)
     res = search.res
-    res.ranked = search.best
+    res.ranked, res.warning = search.best, debug_defaults(cfg)
     res.seconds = time.perf_counter() - t0
     return res

@@ -90,6 +90,7 @@ def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str
     out = [
         f"search: {m.name} {m.flavor} on {res.world_size:,} devices: {res.candidates:,} candidates, "
         f"{rejected:,} rejected, {res.predictions:,} predicted in {res.seconds:.2f} s (step times: {res.source})",
+        *([res.warning] if res.warning else []),
         "search space:",
         *(f"  {b}" for b in res.bounds),
         "rejected, by reason:",
@@ -114,6 +115,7 @@ def to_json(res: Result) -> dict:
         "predictions": res.predictions,
         "seconds": res.seconds,
         "source": res.source,
+        "warning": res.warning,
         "ranked": [
             {
                 "label": r.label,
