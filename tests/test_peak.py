@@ -120,3 +120,77 @@ class _InProcess:
 def test_spread_is_shown_beside_a_measured_peak_only():
     assert peak.spread_text({"peak_spread": 0.031}) == ", spread 3.1 %"
     assert peak.spread_text({"peak_spread": None}) == ""
+
+
+def _cached(cache, machine: dict, created: str):
+    """A profile (tests/test_predictor.py's, with round figures) stored in the cache as runner.calibrate stores it."""
+    from runner.config.predict import profile as steptime_profile
+    from tests.test_predictor import _profile
+
+    prof = _profile() | {"machine": machine | {"created": created}}
+    path = steptime_profile.write(prof, cache / "made.json")
+    return peak.store_profile(str(cache), path)
+
+
+def test_a_cpu_run_without_a_profile_predicts_nothing_and_says_how_to_make_one(compose, tmp_path):
+    """The datasheet model describes GPUs (2.4x off on this CPU): with no profile of this machine in the cache the
+    summary has no predicted step time, records why, and the console's one line names python -m runner.calibrate."""
+    from runner.config import validate
+    from runner.observe import plan_check
+    from runner.run import metrics
+
+    cfg = compose([f"cluster.peak_cache_dir={tmp_path / 'cache'}"])
+    cal = plan_check.compare(cfg, validate.check(cfg), 0.05, 1.0, 1.354, None)
+    assert (cal["step_time_predicted_s"], cal["step_time_ratio"], cal["prediction_source"]) == (None, None, None)
+    assert (cal["profile"], cal["profile_from"]) == (None, "none")
+    assert metrics.calibration_line(cal) == (
+        "calibration: step time measured 1.354 s; no prediction without a machine profile of this CPU: "
+        "make one with `python -m runner.calibrate` (later runs here use it; or set cluster.profile)"
+    )
+
+
+def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machine(compose, tmp_path, monkeypatch, capsys):
+    """python -m runner.calibrate (its measurements replaced by a fixture's figures) writes --out and a copy in
+    cluster.peak_cache_dir named after the machine; a run without cluster.profile predicts with the newest profile
+    measured on this machine, passing over older ones, another machine's, and files that are no profile."""
+    import torch
+
+    from runner.calibrate import machine as calibrate
+    from runner.calibrate import runs as calibrate_runs
+    from runner.config import validate
+    from runner.config.predict import steptime
+    from runner.observe import plan_check
+    from runner.run import metrics
+    from tests.test_predictor import _profile
+
+    fixture, cache = _profile(), tmp_path / "cache"
+    monkeypatch.setattr(calibrate, "by_ranks", lambda *a: fixture["by_ranks"])
+    monkeypatch.setattr(calibrate_runs, "collectives", lambda cfg, n, *a: fixture["collectives"][str(n)])
+    monkeypatch.setattr(calibrate_runs, "fixed_costs", lambda *a, **k: dict(fixture["constants"]))
+    monkeypatch.setattr(calibrate_runs, "in_run_shares", lambda *a, **k: ({}, {}))
+    assert calibrate.main([f"cluster.peak_cache_dir={cache}", "--out", str(tmp_path / "p.json"), "--ranks", "1,2,4"]) == 0
+    made = json.loads((tmp_path / "p.json").read_text())
+    (stored,) = cache.glob("profile-*.json")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", peak.cpu_model()).strip("-")
+    assert stored.name == f"profile-{slug}-float32-{re.sub(r'[^0-9T]', '', made['machine']['created'].split('+')[0])}.json"
+    assert json.loads(stored.read_text()) == made and f"stored in the cache as {stored}" in capsys.readouterr().out
+
+    here = {k: made["machine"][k] for k in ("cpu", "cores", "device", "backend", "torch", "dtype")}
+    _cached(cache, here, "2020-01-01T00:00:00+00:00")  # older
+    _cached(cache, here | {"cores": here["cores"] + 1}, "2099-01-01T00:00:00+00:00")  # newer, another machine
+    _cached(cache, here | {"torch": "1.0"}, "2099-01-02T00:00:00+00:00")  # newer, another torch
+    (cache / f"profile-{slug}-float32-29990101T000000.json").write_text("{not json")
+    assert peak.cached_profile(str(cache), "float32") == stored and here["torch"] == torch.__version__
+    assert peak.cached_profile(str(cache), "bfloat16") is None and peak.cached_profile(None, "float32") is None
+
+    cfg = compose([f"cluster.peak_cache_dir={cache}"])
+    lay = validate.check(cfg)
+    cal = plan_check.compare(cfg, lay, 0.05, 1.0, 1.354, None)
+    predicted = steptime.predict(cfg, lay, str(stored)).step_s
+    assert (cal["profile"], cal["profile_from"], cal["prediction_source"]) == (str(stored), "cache", str(stored))
+    assert cal["step_time_predicted_s"] == predicted and cal["step_time_ratio"] == pytest.approx(1.354 / predicted)
+    assert f"measured 1.354 s (measured/predicted {1.354 / predicted:.2f}), {stored} (the newest cached profile of this machine)" in (
+        metrics.calibration_line(cal)
+    )
+    given = compose([f"cluster.peak_cache_dir={cache}", f"cluster.profile={tmp_path / 'p.json'}"])
+    assert plan_check.compare(given, lay, 0.05, 1.0, 1.354, None)["profile_from"] == "cluster.profile"

@@ -42,7 +42,7 @@ from runner.config.predict import profile as steptime_profile
 from runner.config.predict import steptime
 from runner.config.predict import work as steptime_work
 from runner.config.schema import RunConfig
-from runner.run import procs
+from runner.run import peak, procs
 from runner.run.peak import cpu_model
 
 SIZES_BYTES = (1 << 16, 1 << 20, 1 << 22)  # collective sizes: latency-bound to bandwidth-bound
@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*row)
     console.print(table)
     console.print(f"use it with: python -m runner ... cluster.profile={path.resolve()}")
+    cached = peak.store_profile(cfgs[0].cluster.peak_cache_dir, path) if cfgs[0].cluster.device.value == "cpu" else None
+    if cached:
+        console.print(f"stored in the cache as {cached}: runs on this machine without cluster.profile use the newest one")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Check the planner against a measurement: predicted vs measured step time and bubble.
 
 After a run, the step-time predictor (runner/config/predict/steptime.py) is set beside the measured
-medians: on the machine profile of `cluster.profile` (python -m runner.calibrate) when there is one,
-else on the datasheet model with what this run measured (the matmul peak, shared by the ranks of one
-CPU machine, and an all-reduce bandwidth over the job's own process group), labelled "datasheet, not
+medians: on the machine profile of `cluster.profile` (python -m runner.calibrate) when there is one; on CPU
+without one on the newest profile of this machine that runner.calibrate cached, else nothing (the run
+says how to make one); on GPUs without one on the datasheet model with what this run measured (the
+matmul peak and an all-reduce bandwidth over the job's own process group), labelled "datasheet, not
 calibrated". The measured bubble is the idle fraction of each pipeline rank: one
 minus the time inside its stages' forward/backward chunks over the schedule's wall time.
 """
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from runner.config import plan
 from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.config.schema import DeviceType, RunConfig
+from runner.run import peak
 
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -74,19 +76,36 @@ def mean_over_ranks(policy, value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
+def machine_profile(cfg: RunConfig) -> tuple[str | None, str]:
+    """The machine profile the run's prediction uses and where it comes from (summary.json's `profile_from`):
+    "cluster.profile"; on CPU without one, "cache", the newest profile of this machine that python -m
+    runner.calibrate stored in cluster.peak_cache_dir, else "none" (no prediction: the datasheet model describes
+    GPUs, and is off by 2x or more on a CPU); on GPUs without one, "datasheet"."""
+    c = cfg.cluster
+    if c.profile:
+        return c.profile, "cluster.profile"
+    if c.device != DeviceType.cpu:
+        return None, "datasheet"
+    found = peak.cached_profile(c.peak_cache_dir, cfg.precision.param_dtype.value)
+    return (str(found), "cache") if found else (None, "none")
+
+
 def compare(cfg: RunConfig, lay: Layout, peak_tflops_per_rank: float, link_gbs: float, measured_step_s: float, bubble: float | None):
-    """Predicted beside measured figures. With cluster.profile the predictor runs on the machine's profile;
+    """Predicted beside measured figures. The predictor runs on the machine's profile (machine_profile); on GPUs
     without one on the datasheet model, given this run's measured peak and all-reduce bandwidth."""
     links = {"intra-node": 2 * link_gbs, "scale-out": 2 * link_gbs}  # planner figures are both directions together
-    budget = plan.compute(cfg, lay, peak_tflops=peak_tflops_per_rank, link_gbs=links)
-    predicted = budget["estimated_step_time_s"]
+    profile, origin = machine_profile(cfg)
+    budget = plan.compute(cfg, lay, peak_tflops=peak_tflops_per_rank, link_gbs=links, profile=profile)
+    predicted = budget["estimated_step_time_s"] if origin != "none" else None
     return {
         "peak_tflops_per_rank": peak_tflops_per_rank,
         "allreduce_gbs_per_direction": link_gbs,
         "step_time_predicted_s": predicted,
         "step_time_measured_s": measured_step_s,
         "step_time_ratio": measured_step_s / predicted if predicted else None,
-        "prediction_source": budget["predicted_source"],
+        "profile": profile,
+        "profile_from": origin,
+        "prediction_source": budget["predicted_source"] if predicted is not None else None,
         "prediction_binding": budget["predicted_binding"],
         "tp_comm_predicted_s": budget["tp_comm_s"],
         "bubble_predicted": budget["bubble_fraction"],

@@ -81,16 +81,27 @@ class ConsoleSink:
             )
         cal = summary.get("calibration")
         if cal:
-            self.console.print(
-                f"calibration: step time predicted {_s(cal['step_time_predicted_s'])}, measured {cal['step_time_measured_s']:.3f} s "
-                f"(measured/predicted {_s(cal['step_time_ratio'], '.2f', '')}), {cal['prediction_source']}; measured peak "
-                f"{cal['peak_tflops_per_rank']:.3g} TFLOP/s per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
-            )
+            self.console.print(calibration_line(cal))
             if cal["bubble_measured"] is not None:
                 self.console.print(
                     f"calibration: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
                     f"measured idle {100 * cal['bubble_measured']:.1f} %"
                 )
+
+
+def calibration_line(cal: dict[str, Any]) -> str:
+    """The predicted step time beside the measured one, or, on a CPU without a machine profile, how to make one."""
+    if cal["profile_from"] == "none":
+        return (
+            f"calibration: step time measured {cal['step_time_measured_s']:.3f} s; no prediction without a machine profile of "
+            "this CPU: make one with `python -m runner.calibrate` (later runs here use it; or set cluster.profile)"
+        )
+    cached = " (the newest cached profile of this machine)" if cal["profile_from"] == "cache" else ""
+    return (
+        f"calibration: step time predicted {_s(cal['step_time_predicted_s'])}, measured {cal['step_time_measured_s']:.3f} s "
+        f"(measured/predicted {_s(cal['step_time_ratio'], '.2f', '')}), {cal['prediction_source']}{cached}; measured peak "
+        f"{cal['peak_tflops_per_rank']:.3g} TFLOP/s per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
+    )
 
 
 def _s(x: float | None, fmt: str = ".3f", unit: str = " s") -> str:

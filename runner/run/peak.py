@@ -14,6 +14,9 @@ The CPU measurement (one rank's share of the node, as the ranks will run):
   A run checks the cached figure with a short round (check_round), unless it was measured or checked in
   the last CHECK_EVERY_S: a round more than OUTLIER faster means the figure was measured while other
   processes held the cores (it would put MFU above 100 %), so it is measured again and replaced.
+- profiles: `python -m runner.calibrate` stores a copy of each machine profile it writes in the same folder
+  (`profile-<cpu model>-<dtype>-<created>.json`); a CPU run without cluster.profile predicts its step time
+  with the newest one measured on this machine (the same CPU model, core count and torch version).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from runner.config import precision, runfiles
+from runner.config.predict import machine as steptime_machine
 from runner.config.schema import RunConfig
 from runner.config.wording import count
 from runner.run.device import DevicePolicy
@@ -154,9 +158,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _slug() -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-") or "cpu"
+
+
 def _cache_file(folder: str, dtype_name: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-") or "cpu"
-    return Path(folder).expanduser() / f"peak-{slug}-{dtype_name}.json"
+    return Path(folder).expanduser() / f"peak-{_slug()}-{dtype_name}.json"
 
 
 def _cache_key(ranks_per_node: int) -> str:
@@ -193,6 +200,40 @@ def _store(path: Path, cached: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs starting at once: the last complete file wins
     tmp.write_text(json.dumps(cached, indent=2) + "\n")
     tmp.replace(path)
+
+
+def _identity(dtype_name: str) -> dict[str, Any]:
+    """What a machine profile must have been measured on to stand for this machine: as the cached peak's file and
+    key, the CPU model, core count and torch version (and the dtype its kernels ran in)."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__, "dtype": dtype_name}
+
+
+def store_profile(folder: str | None, profile: Path) -> Path | None:
+    """A copy of the machine profile at `profile` (python -m runner.calibrate's) in the cache folder, named after the
+    machine, the dtype and when it was made; None when the cache is off."""
+    if not folder:
+        return None
+    found = json.loads(profile.read_text())
+    stamp = re.sub(r"[^0-9T]", "", found["machine"]["created"].split("+")[0])
+    path = Path(folder).expanduser() / f"profile-{_slug()}-{found['machine']['dtype']}-{stamp}.json"
+    _store(path, found)
+    return path
+
+
+def cached_profile(folder: str | None, dtype_name: str) -> Path | None:
+    """The newest machine profile in the cache folder measured on this machine in this dtype (files that are no
+    profile of the current version, or of another machine, are passed over)."""
+    if not folder:
+        return None
+    me, found = _identity(dtype_name), []
+    for path in Path(folder).expanduser().glob(f"profile-{_slug()}-{dtype_name}-*.json"):
+        try:
+            machine = steptime_machine.load(path)["machine"]
+        except (OSError, ValueError, KeyError, AttributeError):  # unreadable, not JSON, not a runner profile (of this version)
+            continue
+        if all(machine.get(k) == v for k, v in me.items()):
+            found.append((machine["created"], path))
+    return max(found)[1] if found else None
 
 
 def source(cfg: RunConfig) -> str:

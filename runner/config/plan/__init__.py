@@ -104,10 +104,11 @@ def compute(
     link_gbs: dict[str, float] | None = None,
     device_memory_gb: float | None = None,
     matmul_efficiency: float | None = None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     """Every figure of the budget. `peak_tflops` (per device), `link_gbs` ({'intra-node': x,
     'scale-out': y}, both directions together) and `device_memory_gb` override the cluster's,
-    e.g. with figures measured on this machine."""
+    e.g. with figures measured on this machine; `profile` (a machine profile's path) cluster.profile."""
     m, t, p, c = cfg.model, cfg.training, cfg.parallelism, cfg.cluster
     micro = t.global_batch_size // (lay.dp * t.microbatch_size)
     v = p.pp_virtual_stages if lay.pp > 1 else 1
@@ -117,7 +118,7 @@ def compute(
     ct = _compute_time(cfg, lay, peak_tflops)
     comm = communication(cfg, lay, micro, v, dpn, gbs_of)
     eff = matmul_efficiency if matmul_efficiency is not None else c.matmul_efficiency
-    pred = steptime.predict(cfg, lay, peak_tflops=peak_tflops, link_gbs=link_gbs, matmul_efficiency=matmul_efficiency)
+    pred = steptime.predict(cfg, lay, profile, peak_tflops=peak_tflops, link_gbs=link_gbs, matmul_efficiency=matmul_efficiency)
     return {
         "model": f"{m.name} {m.flavor}",
         "params": flops.num_params(m),

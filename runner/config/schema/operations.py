@@ -100,7 +100,8 @@ class ClusterConfig:
     dtype and thread layout (cached in peak_cache_dir)."""
     peak_cache_dir: str | None = "~/.cache/runner"
     """Folder of the measured CPU peaks (peak-<cpu model>-<dtype>.json, keyed by cores, torch version
-    and threads per rank); null = measure every run and cache nothing."""
+    and threads per rank) and of the machine profiles `python -m runner.calibrate` made here
+    (profile-<cpu model>-<dtype>-<created>.json); null = measure every run and cache nothing."""
     compute_capability: str = ""
     """CUDA compute capability ("major.minor", e.g. "9.0" for H100) that FP8 recipes are checked
     against; empty on CPU."""
@@ -145,7 +146,8 @@ class ClusterConfig:
     the elementwise kernels; 0 = unknown (that term is left out)."""
     profile: str | None = None
     """Machine profile (JSON) written by `python -m runner.calibrate` on this cluster: the step-time predictor uses
-    its measured figures instead of the datasheet ones; null = datasheet figures, labelled "datasheet, not calibrated"."""
+    its measured figures instead of the datasheet ones; null = on CPU the newest profile of this machine in
+    peak_cache_dir (none there: no prediction), on GPUs the datasheet figures, labelled "datasheet, not calibrated"."""
 
 
 @dataclass
