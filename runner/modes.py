@@ -43,12 +43,17 @@ def plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> float:
 
 def search(cfg: RunConfig, lay: None, dcfg: DictConfig, run_dir: Path) -> float:
     """Search every layout of the model on the cluster; print the report, write search.json and the top-k sweep;
-    with search.verify=k, train the top k here briefly and print measured beside predicted."""
+    with search.verify=k, train the top k here briefly and print measured beside predicted. No candidate left: the
+    report, then the binding reason as a ConfigError (exit 2; in a multirun an invalid point), and no files."""
     from runner.config import search as search_mod
     from runner.config.search import render as search_render
+    from runner.config.search import verdict
     from runner.config.search import verify as search_verify
 
     res = search_mod.run(cfg)
+    if not res.ranked:
+        print("\n".join(search_render.lines(cfg, res)))
+        raise verdict.nothing_survived(cfg, res)
     path, cmd = search_render.write(cfg, res, run_dir, list(HydraConfig.get().overrides.task))
     print("\n".join(search_render.lines(cfg, res, cmd)))
     print(f"search written to {path}")
@@ -57,10 +62,6 @@ def search(cfg: RunConfig, lay: None, dcfg: DictConfig, run_dir: Path) -> float:
         v = search_verify.run(res, run_dir, k, cfg.search.verify_steps)
         print("\n".join(search_verify.lines(v)))
         search_verify.write(path, v)
-    elif cfg.search.verify:
-        print("verify: no candidate survived, nothing to train")
-    if not res.ranked:
-        return search_objective.WORST
     best = res.ranked[0]
     return search_objective.of_plan(cfg, {"estimated_step_time_s": best.step_s, "estimated_mfu": best.mfu})
 

@@ -97,7 +97,9 @@ def test_pruning_keeps_the_brute_force_best(small):
         recompute = flops.recompute_fraction(c.model, cand.ac, c.training.ac_layer_frequency)
         micro = c.training.global_batch_size // (lay.dp * cand.microbatch_size)
         keys.append((steptime.predict(c, lay).step_s, recompute, memory.memory(c, lay, micro, None)["total_gb_per_gpu"]))
-    assert [r.key() for r in res.ranked] == sorted(keys)[: len(res.ranked)]  # the same functions: equal to the bit
+    # the same functions: equal to the bit; candidates only the schedule tells apart, priced alike, are one (search.TIED)
+    keys = [k for _, k in {(cand._replace(schedule=""), k) for cand, k in zip(keep, keys, strict=True)}]
+    assert [r.key() for r in res.ranked] == sorted(keys)[: len(res.ranked)]
     top = res.ranked[0]
     budget = plan.compute(_as_plan(top.candidate.config(cfg)), top.candidate.layout())
     assert budget["estimated_step_time_s"] == pytest.approx(top.step_s) and budget["total_gb_per_gpu"] == pytest.approx(top.memory_gb)
@@ -116,8 +118,8 @@ def test_a_rule_rejects_every_candidate_under_its_layout(compose):
     assert res.rejected["parallelism.tp"] == len(tp8) > 0
     with pytest.raises(ConfigError) as e:
         validate.check(_as_plan(tp8[0].config(cfg)))
-    assert res.examples["parallelism.tp"] == str(e.value.problems[0])
-    assert "must divide model.num_heads = 16 and model.num_kv_heads = 4" in res.examples["parallelism.tp"]
+    assert res.examples["parallelism.tp"] == e.value.problems[0]
+    assert "must divide model.num_heads = 16 and model.num_kv_heads = 4" in str(res.examples["parallelism.tp"])
 
 
 def test_bounds_and_why_line_are_printed(small):
@@ -194,15 +196,66 @@ def test_search_needs_a_fixed_device_count(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "r" / "search.json").exists()
 
 
-def test_a_cluster_without_a_peak_prices_nothing_and_writes_no_sweep(compose, tmp_path):
-    """local_cpu measures its peak at start-up: without a profile the predictor has nothing to price with."""
+def test_no_surviving_candidate_is_an_error_naming_the_binding_reason(compose, tmp_path, capsys):
+    """local_cpu measures its peak at start-up: without a profile the predictor has nothing to price with. The report
+    still prints, then the reason that rejected the most candidates is a ConfigError (exit 2, nothing written; in a
+    multirun an invalid point); a model no device holds names memory."""
+    from runner import modes
+
     cfg = compose(["cluster.devices_per_node=4", "mode=search"])
+    with pytest.raises(ConfigError) as e:
+        modes.search(cfg, None, None, tmp_path)
+    (p,) = e.value.problems
+    assert (p.field, p.value) == ("cluster.profile", None)
     res = search.run(cfg)
-    assert res.ranked == [] and res.rejected[search.UNPRICED] > 0
-    assert sum(res.rejected.values()) == res.candidates
-    path, cmd = search_render.write(cfg, res, tmp_path, [])
-    assert cmd is None and path.is_file() and not (tmp_path / "search").exists()
-    assert "unpriced: the cluster has no peak or link bandwidth" in "\n".join(search_render.lines(cfg, res))
+    assert res.rejected.most_common(1)[0][0] == search.UNPRICED
+    assert p.why == (
+        f"no candidate of mode=search survived: {res.rejected[search.UNPRICED]:,} of the {res.candidates:,} were rejected as "
+        "unpriced: cluster local_cpu has no float32 peak or link bandwidth to predict with"
+    )
+    assert "python -m runner.calibrate" in p.fix and list(tmp_path.iterdir()) == []
+    out = capsys.readouterr().out
+    assert "unpriced: the cluster has no peak or link bandwidth" in out and out.rstrip().endswith("no candidate survived")
+    big = compose(["model=llama3_70b", "cluster=h100_node", "precision=bf16", "training.seq_len=2048", "search.max_cp=1", "mode=search"])
+    with pytest.raises(ConfigError) as e:
+        modes.search(big, None, None, tmp_path)
+    assert (e.value.problems[0].field, e.value.problems[0].value) == ("cluster.device_memory_gb", 80.0)
+    assert "were rejected by memory: even the lightest setting (full recomputation, resharding) needs more than a device's 80 GB" in str(
+        e.value
+    )
+
+
+def test_schedules_predicted_alike_are_listed_once_and_the_one_line_plan_names_the_schedule(compose, tmp_path):
+    """Interleaved1F1B and InterleavedZeroBubble (ZBVZeroBubble and DualPipeV) are priced alike: each such pair is one
+    row with "(also: ...)", counted as tied, never two rows; the one-line plan of a sweep point names its schedule."""
+    cfg = compose(
+        [
+            "model=llama3_70b",
+            "cluster=h100x64",
+            "precision=bf16",
+            "training.seq_len=4096",
+            "training.global_batch_size=64",
+            "search.max_microbatch_size=1",
+            "search.max_virtual_stages=2",
+            "search.max_cp=1",
+            "mode=search",
+        ]
+    )
+    res = search.run(cfg)
+    first = res.ranked[0]
+    assert (first.label, first.also) == ("tp4_pp4_Interleaved1F1B_v2_dp4", ("InterleavedZeroBubble",))
+    twin = first.candidate._replace(schedule="InterleavedZeroBubble")
+    assert steptime.predict(twin.config(cfg), twin.layout()).step_s == first.step_s
+    shapes = [(r.candidate._replace(schedule=""), r.key()) for r in res.ranked]
+    assert len(set(shapes)) == len(shapes)  # no two rows that only the schedule tells apart
+    assert res.rejected[search.TIED] >= sum(len(r.also) for r in res.ranked) > 0
+    assert sum(res.rejected.values()) + len(res.ranked) == res.candidates
+    text = search_render.lines(cfg, res)
+    assert text[text.index(next(t for t in text if t.startswith("  #  layout"))) + 1].endswith("  (also: InterleavedZeroBubble)")
+    assert search_render.to_json(res)["ranked"][0]["also"] == ["InterleavedZeroBubble"]
+    lines = [plan.one_line(plan.compute(_as_plan(c.config(cfg)), c.layout())) for c in (first.candidate, twin)]
+    assert lines[0].startswith("plan tp4_pp4_Interleaved1F1B_v2_dp4 [pp=4 x dp_shard=4 x tp=4]: estimated step")
+    assert lines[1].startswith("plan tp4_pp4_InterleavedZeroBubble_v2_dp4 [")
 
 
 def _verify_profile(tmp_path):

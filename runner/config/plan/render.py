@@ -135,9 +135,12 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
 
 
 def one_line(plan: dict[str, Any]) -> str:
+    """A sweep point's plan. The layout's label names the pipeline schedule and its stages per rank, so points that differ
+    only in them (the search's top candidates) print apart."""
     fit = {True: "fits", False: "DOES NOT FIT", None: "fit unknown"}[plan["fits_memory"]]
+    step = _f(plan["estimated_step_time_s"], ".3f", " s")
     return (
-        f"plan [{plan['degrees']}]: estimated step {_f(plan['estimated_step_time_s'], '.3f', ' s')} ({plan['predicted_source']}) "
+        f"plan {plan['layout']} [{plan['degrees']}]: estimated step {step} ({plan['predicted_source']}) "
         f"(MFU {_f(plan['estimated_mfu'] and 100 * plan['estimated_mfu'], '.1f', ' %')}), m={plan['microbatches']}, "
         f"bubble {100 * plan['bubble_fraction']:.1f} %, TP {_f(plan['tp_comm_s'], '.3f', ' s')}, "
         f"memory {plan['total_gb_per_gpu']:.3g} GB ({fit})"

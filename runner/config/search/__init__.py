@@ -23,6 +23,7 @@ kept (never), fits: it cannot be faster (recomputation and re-gathering only add
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 MEMORY = "memory"
 DOMINATED = "dominated"
 UNPRICED = "unpriced"
+TIED = "tied"
 
 
 class Candidate(NamedTuple):
@@ -108,6 +110,10 @@ class Ranked:
     mfu: float | None
     recompute: float
     """Share of the forward recomputed (runner.config.flops): at equal predicted time, less is better."""
+    also: tuple[str, ...] = ()
+    """Schedules of the candidates that differ from this one only in the schedule and are predicted exactly alike (time,
+    recomputation, memory): the predictor prices a zero-bubble schedule's bubble as its plain twin's, so they are listed
+    once, here."""
 
     def key(self) -> tuple[float, float, float]:
         return (self.step_s, self.recompute, self.memory_gb)
@@ -120,8 +126,8 @@ class Result:
     candidates: int = 0
     rejected: Counter = field(default_factory=Counter)
     """Candidates rejected per reason: a config field (validation's rule), MEMORY or DOMINATED."""
-    examples: dict[str, str] = field(default_factory=dict)
-    """One problem per reason, as validation words it."""
+    examples: dict[str, Problem] = field(default_factory=dict)
+    """One problem per rule, as validation words it."""
     ranked: list[Ranked] = field(default_factory=list)
     predictions: int = 0
     seconds: float = 0.0
@@ -240,7 +246,7 @@ class _Search:
         self._batch: dict[tuple, list[Problem]] = {}
         self._peak: dict[tuple, float] = {}
 
-    def reject(self, reason: str, n: int, example: str = "") -> None:
+    def reject(self, reason: str, n: int, example: Problem | None = None) -> None:
         self.res.rejected[reason] += n
         if example and reason not in self.res.examples:
             self.res.examples[reason] = example
@@ -304,6 +310,8 @@ class _Search:
             mfu(cfg, pred.step_s),
             recompute,
         )
+        if self._merge(r):
+            return
         if r.key() >= self.bar():
             self.reject("slower", 1)
             return
@@ -311,6 +319,16 @@ class _Search:
         self.best.sort(key=Ranked.key)
         self.reject("slower", len(self.best[self.keep :]))  # displaced from the kept list
         del self.best[self.keep :]
+
+    def _merge(self, r: Ranked) -> bool:
+        """Add r's schedule to the kept candidate it ties exactly and differs from only in the schedule (counted TIED)."""
+        same = r.candidate._replace(schedule="")
+        for i, b in enumerate(self.best):
+            if b.key() == r.key() and b.candidate._replace(schedule="") == same:
+                self.best[i] = dataclasses.replace(b, also=(*b.also, r.candidate.schedule))
+                self.reject(TIED, 1)
+                return True
+        return False
 
     def settings(self, cand: Candidate) -> None:
         """AC and resharding of one layout, schedule and microbatch: bounded by the fastest setting's prediction,
@@ -362,14 +380,14 @@ class _Search:
         lay = base.layout()
         bad = self.layout_problems(base.config(self.cfg), lay)
         if bad:
-            self.reject(bad[0].field, len(scheds) * s.max_microbatch_size * per, str(bad[0]))
+            self.reject(bad[0].field, len(scheds) * s.max_microbatch_size * per, bad[0])
             return
         for sched, v in scheds:
             cand = base._replace(schedule=sched, v=v)
             for mbs in range(1, s.max_microbatch_size + 1):
                 bad = self.batch_problems(cand, dpr * dps, mbs)
                 if bad:
-                    self.reject(bad[0].field, per, str(bad[0]))
+                    self.reject(bad[0].field, per, bad[0])
                 else:
                     self.settings(cand._replace(microbatch_size=mbs))
 

@@ -18,7 +18,7 @@ import yaml
 
 from runner.config import runfiles
 from runner.config.schema import RunConfig
-from runner.config.search import DOMINATED, MEMORY, UNPRICED, Ranked, Result
+from runner.config.search import DOMINATED, MEMORY, TIED, UNPRICED, Ranked, Result
 
 SHOWN = 10
 SWEEP_NAME = "search_top"
@@ -27,6 +27,7 @@ REASONS = {
     MEMORY: "memory: more than a device holds (the plan's memory model, which mode=dryrun checks)",
     DOMINATED: "dominated: the same candidate with less recomputation, or keeping gathered weights, fits",
     "slower": f"slower: even its fastest setting is predicted no faster than the best {SHOWN}",
+    TIED: "tied: predicted exactly as a listed candidate that differs only in the schedule, shown on its row as (also: ...)",
     UNPRICED: "unpriced: the cluster has no peak or link bandwidth to predict with (set cluster.peak_tflops and the "
     "bandwidths, or cluster.profile from python -m runner.calibrate)",
 }
@@ -43,7 +44,7 @@ def _row(i: int, r: Ranked) -> str:
     mfu = f"{100 * r.mfu:5.1f} %" if r.mfu is not None else "    -  "
     return (
         f"{i:>3}  {r.label:<48} {c.microbatch_size:>3}  {c.ac.value:<15} {c.reshard.value:<7} {r.step_s:>9.3f} {mfu}  "
-        f"{r.binding:<10} {r.terms.get(r.binding, 0):>8.3f} {r.memory_gb:>8.1f}"
+        f"{r.binding:<10} {r.terms.get(r.binding, 0):>8.3f} {r.memory_gb:>8.1f}" + (f"  (also: {', '.join(r.also)})" if r.also else "")
     )
 
 
@@ -125,6 +126,7 @@ def to_json(res: Result) -> dict:
                 "binding": r.binding,
                 "terms": r.terms,
                 "memory_gb": r.memory_gb,
+                "also": list(r.also),
             }
             for r in res.ranked
         ],
