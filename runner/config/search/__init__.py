@@ -14,6 +14,8 @@ parallelism and training fields replaced (dataclasses.replace). The space and it
 - activation checkpointing: none, selective_op, selective_layer (every training.ac_layer_frequency-th block), full;
 - fsdp_reshard_after_forward: always and never when dp_shard > 1 (default is one of the two), else default.
 
+The space is runner/config/search/space.py.
+
 Pruning, each counted under its reason: a rule that fails for a layout rejects every candidate under it; a layout
 and schedule whose lightest setting (full AC, resharding, that microbatch) does not fit rejects its settings by
 memory; and a candidate is dominated when the same candidate with less recomputation, or with gathered weights
@@ -33,13 +35,12 @@ from runner.config import flops, layout, memory, pipeline, precision, validate
 from runner.config.layout import Layout, label
 from runner.config.predict import steptime
 from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, DType, Fp8Recipe, ReshardPolicy, RunConfig, TrainingConfig
-from runner.config.validate import layout as validate_layout
+from runner.config.schema import ActivationCheckpoint, DeviceType, ReshardPolicy, RunConfig
+from runner.config.search.space import _reshards, bounds, debug_defaults, layouts, schedules  # noqa: F401  (the space)
 from runner.config.validate import pipeline as pipeline_rules
 
 AC = ActivationCheckpoint
 AC_TIERS = ((AC.none,), (AC.selective_op, AC.selective_layer), (AC.full,))  # least recomputation first
-LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 MEMORY = "memory"
 DOMINATED = "dominated"
 UNPRICED = "unpriced"
@@ -167,71 +168,6 @@ def capacity_gb(cfg: RunConfig, ws: int) -> float | None:
     if c.device == DeviceType.cpu and c.device_memory_gb <= 0:
         return memory.machine_memory_gb() / ws
     return c.device_memory_gb or None
-
-
-def schedules(pp: int, max_v: int) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [("1F1B", 1)]
-    looped = [(s, v) for s in LOOPED for v in range(2, max_v + 1)]
-    return [("1F1B", 1), ("GPipe", 1), *looped, ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
-
-
-def _reshards(dp_shard: int) -> tuple[ReshardPolicy, ...]:
-    return (ReshardPolicy.never, ReshardPolicy.always) if dp_shard > 1 else (ReshardPolicy.default,)
-
-
-def layouts(cfg: RunConfig, ws: int):
-    """(tp, cp, pp, dp_replicate, dp_shard, ep) with product ws, inside the stated bounds."""
-    per_node, m, s = cfg.cluster.devices_per_node, cfg.model, cfg.search
-    eps = validate_layout.divisors(m.num_experts) if m.num_experts else [1]
-    for tp in (d for d in validate_layout.divisors(ws) if d <= per_node):
-        for cp in (d for d in validate_layout.divisors(ws // tp) if d <= s.max_cp):
-            for pp in (d for d in validate_layout.divisors(ws // (tp * cp)) if d <= m.num_layers + 2):
-                dp = ws // (tp * cp * pp)
-                for dpr in validate_layout.divisors(dp):
-                    for ep in eps:
-                        yield tp, cp, pp, dpr, dp // dpr, ep
-
-
-def _precision(cfg: RunConfig) -> str:
-    """'bf16 (bfloat16 compute)', 'fp8_rowwise (bfloat16 compute, FP8 rowwise)'."""
-    pr = cfg.precision
-    return f"{pr.name} ({pr.param_dtype.value} compute" + (f", FP8 {pr.fp8.value})" if pr.fp8 != Fp8Recipe.none else ")")
-
-
-def debug_defaults(cfg: RunConfig) -> str | None:
-    """The warning for a GPU cluster searched at the schema's debug defaults (the CPU smoke run's global batch and
-    sequence length, fp32): the layouts would be ranked for that toy problem, not for the run's."""
-    if cfg.cluster.device == DeviceType.cpu:
-        return None
-    t, default = cfg.training, TrainingConfig()
-    at_default = [k for k in ("global_batch_size", "seq_len") if getattr(t, k) == getattr(default, k)]
-    found = {f"training.{k}": f"training.{k}={getattr(t, k)}" for k in at_default}
-    if cfg.precision.param_dtype == DType.float32:
-        found["precision"] = f"precision={cfg.precision.name} (float32 compute)"
-    if not found:
-        return None
-    fields = list(found)
-    named = ", ".join(fields[:-1]) + " and " + fields[-1] if len(fields) > 1 else fields[0]
-    return (
-        f"warning: cluster {cfg.cluster.name} is searched with the debug defaults {', '.join(found.values())}, so the layouts "
-        f"are ranked for that toy problem; set {named} to the run's own" + (" (e.g. precision=bf16)" if "precision" in found else "")
-    )
-
-
-def bounds(cfg: RunConfig, ws: int) -> list[str]:
-    s, t = cfg.search, cfg.training
-    return [
-        f"{ws:,} devices ({cfg.cluster.num_nodes} nodes x {cfg.cluster.devices_per_node}), global batch {t.global_batch_size}, "
-        f"seq_len {t.seq_len}, precision {_precision(cfg)}",
-        f"tp | ws, <= {cfg.cluster.devices_per_node} (a node); cp | ws, <= search.max_cp = {s.max_cp}; "
-        f"pp | ws, <= num_layers + 2 = {cfg.model.num_layers + 2}; dp_replicate x dp_shard = the rest"
-        + (f"; ep | num_experts = {cfg.model.num_experts}" if cfg.model.num_experts else ""),
-        f"schedules: 1F1B, GPipe (v=1), {', '.join(LOOPED)} (v = 2..search.max_virtual_stages = {s.max_virtual_stages}), "
-        "ZBVZeroBubble, DualPipeV (v=2)",
-        f"microbatch 1..search.max_microbatch_size = {s.max_microbatch_size}; AC none, selective_op, "
-        f"selective_layer (every {t.ac_layer_frequency}), full; fsdp_reshard_after_forward always/never when dp_shard > 1",
-    ]
 
 
 class _Search:
