@@ -164,12 +164,16 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
     from tests.test_predictor import _profile
 
     fixture, cache = _profile(), tmp_path / "cache"
+    run = compose(["model=debug", "parallelism=single", *calibrate_runs.RUN_AT_SHAPE])
     monkeypatch.setattr(calibrate, "by_ranks", lambda *a: fixture["by_ranks"])
     monkeypatch.setattr(calibrate_runs, "collectives", lambda cfg, n, *a: fixture["collectives"][str(n)])
-    monkeypatch.setattr(calibrate_runs, "fixed_costs", lambda *a, **k: dict(fixture["constants"]))
-    monkeypatch.setattr(calibrate_runs, "in_run_shares", lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(calibrate_runs, "fixed_costs", lambda *a, **k: (dict(fixture["constants"]), []))
+    monkeypatch.setattr(calibrate_runs, "in_run_shares", lambda *a, **k: ({}, {}, [(run, 1.0)]))
     assert calibrate.main([f"cluster.peak_cache_dir={cache}", "--out", str(tmp_path / "p.json"), "--ranks", "1,2,4"]) == 0
     made = json.loads((tmp_path / "p.json").read_text())
+    assert made["residuals"] == [
+        {"run": "single, 6 blocks of dim 256", "measured_s": 1.0, "predicted_s": steptime.predict(run, validate.check(run), made).step_s}
+    ]
     (stored,) = cache.glob("profile-*.json")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", peak.cpu_model()).strip("-")
     assert stored.name == f"profile-{slug}-float32-{re.sub(r'[^0-9T]', '', made['machine']['created'].split('+')[0])}.json"

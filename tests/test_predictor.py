@@ -42,6 +42,34 @@ def test_llama3_paper_held_out_within_15_percent(references):
     assert held["l3_405b_16k_gpus_cp16"].predicted.terms["cp"] > 0
 
 
+def test_reference_error_band_is_the_rms_error_of_the_reference_runs(references):
+    """mode=search's error band on the datasheet model (machine.REFERENCE_ERROR, kept as a figure because pricing the rows
+    takes seconds) is the RMS of predicted / measured - 1 over every modelled reference run."""
+    import math
+
+    from runner.config.predict import machine
+
+    errors = [r.error for r in references.values()]
+    assert machine.REFERENCE_ERROR == pytest.approx(math.sqrt(sum(e * e for e in errors) / len(errors)), abs=5e-4)
+
+
+def test_calibration_residuals_are_its_runs_predicted_by_the_finished_profile(compose):
+    """runner.calibrate records each of its runs predicted by the profile it made; their RMS error is the band."""
+    from runner.calibrate import runs as calibrate_runs
+
+    prof = _profile()
+    cfgs = [compose(["model=debug", f"parallelism={p}", *calibrate_runs.RUN_AT_SHAPE]) for p in ("single", "tp2")]
+    predicted = [steptime.predict(c, validate.check(c), prof).step_s for c in cfgs]
+    found = calibrate_runs.residuals(prof, [(cfgs[0], predicted[0] / 1.1), (cfgs[1], predicted[1] / 0.9)])
+    assert [(r["run"], r["predicted_s"]) for r in found] == [
+        ("single, 6 blocks of dim 256", predicted[0]),
+        ("tp2, 6 blocks of dim 256", predicted[1]),
+    ]
+    assert steptime_profile.error_band({"residuals": found}) == pytest.approx(0.1)
+    rows = {name: value for name, value, _ in steptime_profile.describe(prof | {"residuals": found})}
+    assert rows["error band"] == "+/-10.0 %" and "error band" not in {name for name, _, _ in steptime_profile.describe(prof)}
+
+
 def test_reference_file_names_every_source():
     rows = steptime_refs.rows()
     assert {r["role"] for r in rows} == {"fit", "heldout", "not_modelled"}

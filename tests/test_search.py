@@ -269,6 +269,43 @@ def _verify_profile(tmp_path):
     return steptime_profile.write(prof, tmp_path / "profile.json")
 
 
+def test_candidates_closer_than_the_error_band_are_one_tier(compose, tmp_path):
+    """The same search (local_cpu, 2 ranks: dp2 at 0.159 s, then 2.4 %, 11 % and 15 % slower, the 5th 32 %) on two
+    profiles that differ only in their calibration residuals: predicted within a +/-17 % band, the first four are one
+    tier and search.verify is the next step; with a +/-1 % band #1 is a clear winner and no tier is reported."""
+    from runner.config.predict import profile as steptime_profile
+    from tests.test_predictor import _profile
+
+    def searched(error: float, name: str):
+        prof = _profile()
+        for links in prof["collectives"].values():
+            links["send_recv@2"] = {"latency_s": 0.05, "gbs": 0.001}  # no pipeline near the top
+        prof["residuals"] = [
+            {"run": "a", "measured_s": 1.0, "predicted_s": 1 + error},
+            {"run": "b", "measured_s": 2.0, "predicted_s": 2 - 2 * error},
+        ]
+        path = steptime_profile.write(prof, tmp_path / name)
+        cfg = compose(
+            ["cluster.devices_per_node=2", f"cluster.profile={path}", "training.seq_len=64", "training.global_batch_size=4", "mode=search"]
+        )
+        res = search.run(cfg)
+        (tmp_path / name.removesuffix(".json")).mkdir()
+        found, _ = search_render.write(cfg, res, tmp_path / name.removesuffix(".json"), [])
+        return path, res, search_render.lines(cfg, res), json.loads(found.read_text())
+
+    path, res, text, found = searched(0.17, "wide.json")
+    steps = [r.step_s for r in res.ranked]
+    assert steps[3] / steps[0] - 1 < 0.17 < steps[4] / steps[0] - 1  # the band ends after #4
+    assert text[-1] == (
+        f"tier: #1-#4 are predicted within {100 * (steps[3] / steps[0] - 1):.1f} % of #1, inside the predictor's error band of "
+        f"+/-17.0 % (RMS error of the 2 calibration runs of {path}): it cannot order them; measure them here with search.verify=4"
+    )
+    assert found["tier"]["ranks"] == [1, 2, 3, 4] and found["tier"]["band"] == pytest.approx(0.17)
+    _, res, text, found = searched(0.01, "narrow.json")
+    assert res.ranked[1].step_s / res.ranked[0].step_s - 1 > 0.01  # #2 is further from #1 than the band
+    assert not any(line.startswith("tier:") for line in text) and found["tier"] is None
+
+
 @pytest.mark.e2e
 def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
     """search.verify=3 on this machine: one multirun of the written sweep's first 3 points, 3 steps each; every row of

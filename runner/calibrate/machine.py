@@ -15,7 +15,10 @@ What it measures (runner/config/predict/profile.py describes the file):
   collective from the same runs with TP 2;
 - per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the
   fixed cost of a collective inside a step, from short runs of the calibrated model in one multirun:
-  1 rank; a 2-stage pipeline and TP 2 on 2 ranks; a 2-stage pipeline with FSDP over the rest on 4 ... ranks.
+  1 rank; a 2-stage pipeline and TP 2 on 2 ranks; a 2-stage pipeline with FSDP over the rest on 4 ... ranks;
+- the residuals: every one of those runs predicted by the finished profile, whose RMS error is the predictor's
+  error band on this machine (mode=search groups candidates closer than it into one tier).
+The profile goes to --out and, on CPU, a copy into cluster.peak_cache_dir for runs without cluster.profile.
 """
 
 from __future__ import annotations
@@ -293,12 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     profile["collectives"] = {str(n): calibrate_runs.collectives(cfgs[0], n, sizes, reps) for n in rank_counts if n > 1}
     console.print("short runs for the fixed costs ...")
     with tempfile.TemporaryDirectory() as tmp:
-        profile["constants"] = calibrate_runs.fixed_costs(profile, base, Path(tmp) / "fixed", quick=args.quick)
+        profile["constants"], short = calibrate_runs.fixed_costs(profile, base, Path(tmp) / "fixed", quick=args.quick)
         console.print("short runs of the model (FSDP; a pipeline and TP on 2 ranks) for the in-run shares and collective costs ...")
-        shares, constants = calibrate_runs.in_run_shares(profile, base, rank_counts, Path(tmp) / "share", quick=args.quick)
+        shares, constants, runs = calibrate_runs.in_run_shares(profile, base, rank_counts, Path(tmp) / "share", quick=args.quick)
     for n, share in shares.items():
         profile["by_ranks"][str(n)]["in_run_share"] = share
     profile["constants"].update({k: steptime_profile.constant(k, v) for k, v in constants.items()})
+    profile["residuals"] = calibrate_runs.residuals(profile, [*short, *runs])
     path = steptime_profile.write(profile, Path(args.out).expanduser())
     table = Table(title=f"machine profile {path}", title_justify="left")
     for col in ("figure", "value", "meaning"):

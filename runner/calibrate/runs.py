@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from runner.config import freeze, points, runfiles
-from runner.config.layout import resolve
+from runner.config.layout import label, resolve
 from runner.config.predict import profile as steptime_profile
 from runner.config.predict import steptime
 from runner.config.schema import RunConfig
@@ -134,9 +134,23 @@ def _residual(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float
     return measured - steptime.predict(cfg, resolve(cfg.parallelism, cfg.cluster), profile).step_s
 
 
-def fixed_costs(profile: dict[str, Any], base: list[str], folder: Path, quick: bool) -> dict[str, Any]:
-    """The block and DTensor costs fitted from short runs of the runner (fit_fixed_costs)."""
-    return fit_fixed_costs(profile, _short_runs(base, folder, quick))
+def fixed_costs(
+    profile: dict[str, Any], base: list[str], folder: Path, quick: bool
+) -> tuple[dict[str, Any], list[tuple[RunConfig, float]]]:
+    """The block and DTensor costs fitted from short runs of the runner (fit_fixed_costs), and those runs."""
+    runs = _short_runs(base, folder, quick)
+    return fit_fixed_costs(profile, runs), runs
+
+
+def residuals(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]) -> list[dict[str, Any]]:
+    """Each run of the calibration, measured and predicted by the finished profile (the profile's `residuals`, whose
+    RMS error is the predictor's error band on this machine: mode=search does not order candidates closer than it)."""
+    out = []
+    for cfg, measured in runs:
+        lay = resolve(cfg.parallelism, cfg.cluster)
+        name = f"{label(lay, cfg.parallelism)}, {cfg.model.num_layers} blocks of dim {cfg.model.dim}"
+        out.append({"run": name, "measured_s": measured, "predicted_s": steptime.predict(cfg, lay, profile).step_s})
+    return out
 
 
 def fit_fixed_costs(profile: dict[str, Any], runs: list[tuple[RunConfig, float]]) -> dict[str, Any]:
@@ -241,12 +255,12 @@ def _median_points(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunC
 
 def in_run_shares(
     profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
-) -> tuple[dict[int, float], dict[str, float]]:
+) -> tuple[dict[int, float], dict[str, float], list[tuple[RunConfig, float]]]:
     """Train the calibrated model (its first shapes) on 1 rank, on 2 ranks as a 2-stage 1F1B pipeline and with TP 2,
     and on each larger rank count n as a 2-stage pipeline with FSDP over n / 2, all in one Hydra multirun, 3 times
     in alternating order (once with `quick`): a shared machine's speed drifts by tens of percent over minutes,
     and runs measured together see the same drift, so the shares keep their ratios. Fit fit_in_run_shares on
-    each point's median and the profile as measured so far (its in-run shares 1)."""
+    each point's median and the profile as measured so far (its in-run shares 1); the runs come back with the fit."""
     steps = "training.steps=4" if quick else "training.steps=8"
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
     pts = {"single": ["parallelism=fsdp", "parallelism.dp_shard=1"]} if 1 in rank_counts else {}
@@ -263,4 +277,4 @@ def in_run_shares(
     pipeline = _median_points([[r for r in runs if r[0].parallelism.pp == 2 and r[0].parallelism.dp_shard == 1]])
     tp = _median_points([[r for r in runs if r[0].parallelism.tp == 2]])
     others = [[r for r in rep if r[0].parallelism.tp == 1 and (r[0].parallelism.pp, r[0].parallelism.dp_shard) != (2, 1)] for rep in reps]
-    return fit_in_run_shares(profile, _median_points(others), pipeline, tp)
+    return (*fit_in_run_shares(profile, _median_points(others), pipeline, tp), runs)

@@ -9,7 +9,8 @@ Layout of the file, everything measured on the machine with the backend the runs
   training step, by which the predictor scales them;
 - `collectives["<n>"]`: with n ranks running, latency and bandwidth of each op per group size
   ("all_gather@2"), fitted as seconds = latency + bytes sent / bandwidth;
-- `constants`: the stack's fixed costs and overlap, each with its unit and meaning.
+- `constants`: the stack's fixed costs and overlap, each with its unit and meaning;
+- `residuals`: each short run of the calibration, measured and predicted by the finished profile (error_band).
 Torch-free: the predictor and mode=search read it.
 """
 
@@ -39,6 +40,11 @@ CONSTANTS = {
 @functools.lru_cache(maxsize=16)
 def _load_path(path: str) -> dict[str, Any]:
     return sm.load(path)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """The profile at `path`, read once (ValueError naming it when it is not a runner profile)."""
+    return _load_path(str(Path(path).expanduser()))
 
 
 def nearest(keys, n: int) -> str:
@@ -124,6 +130,15 @@ def write(profile: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def error_band(prof: dict[str, Any]) -> float | None:
+    """Root mean square of predicted / measured - 1 over the calibration's own runs, each predicted by the finished
+    profile (`residuals`, written by python -m runner.calibrate): the predictor's error on this machine, what the fit
+    leaves and the machine's drift between repetitions. None for a profile without them."""
+    found = prof.get("residuals") or []
+    errors = [r["predicted_s"] / r["measured_s"] - 1 for r in found if r["measured_s"] > 0]
+    return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else None
+
+
 def describe(prof: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(name, value, meaning) rows of the profile's named figures, for printing."""
     m = prof["machine"]
@@ -155,4 +170,8 @@ def describe(prof: dict[str, Any]) -> list[tuple[str, str, str]]:
                 )
             )
     out += [(k, f"{v['value']:.3g} {v['unit']}", v["meaning"]) for k, v in prof["constants"].items()]
+    band = error_band(prof)
+    if band is not None:
+        n = len(prof["residuals"])
+        out.append(("error band", f"+/-{100 * band:.1f} %", f"RMS of predicted / measured - 1 over the calibration's {n} runs"))
     return out

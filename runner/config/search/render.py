@@ -11,6 +11,7 @@ The sweep is a Hydra config folder in the run folder, runnable as it is:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import yaml
 
 from runner.config import runfiles
 from runner.config.schema import RunConfig
-from runner.config.search import DOMINATED, MEMORY, TIED, UNPRICED, Ranked, Result
+from runner.config.search import DOMINATED, MEMORY, TIED, UNPRICED, Ranked, Result, verdict
 
 SHOWN = 10
 SWEEP_NAME = "search_top"
@@ -102,6 +103,9 @@ def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str
         *(_row(i + 1, r) for i, r in enumerate(res.ranked[:SHOWN])),
         why_first(res),
     ]
+    t = verdict.tier(cfg, res, SHOWN)
+    if t:
+        out.append(verdict.tier_line(cfg, t))
     if sweep_cmd:
         out.append(f"sweep of the top {min(cfg.search.top_k, len(res.ranked))} (add mode=plan to price them one by one): {sweep_cmd}")
     return out
@@ -170,5 +174,7 @@ def write(cfg: RunConfig, res: Result, run_dir: Path, overrides: list[str]) -> t
     """search.json, and the sweep when a candidate survived (None: nothing to sweep)."""
     cmd = write_sweep(cfg, res, run_dir, overrides) if res.ranked else None
     path = run_dir / runfiles.SEARCH
-    path.write_text(json.dumps(to_json(res) | {"sweep": cmd}, indent=2) + "\n")
+    t = verdict.tier(cfg, res, SHOWN)
+    found = to_json(res) | {"sweep": cmd, "tier": dataclasses.asdict(t) if t else None}
+    path.write_text(json.dumps(found, indent=2) + "\n")
     return path, cmd

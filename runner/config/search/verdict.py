@@ -1,14 +1,72 @@
 """What mode=search's ranking can and cannot tell: no candidate left, and candidates closer than the predictor's error.
 
-Torch-free, like the search.
+The error band: with cluster.profile, the RMS error of the calibration's own runs as the finished profile predicts them
+(the profile's `residuals`); on the datasheet model, its RMS error over the published reference runs
+(machine.REFERENCE_ERROR). Candidates predicted within the band of #1 are one tier: the predictor cannot order them,
+only a measurement can (search.verify). Torch-free, like the search.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from runner.config import precision
+from runner.config.predict import machine as steptime_machine
+from runner.config.predict import profile as steptime_profile
 from runner.config.problems import ConfigError, Problem
-from runner.config.schema import RunConfig
+from runner.config.schema import Launcher, RunConfig
 from runner.config.search import MEMORY, UNPRICED, Result, capacity_gb
+
+
+@dataclass(frozen=True)
+class Tier:
+    ranks: list[int]
+    """1-based ranks of the candidates predicted within the band of #1 (#1 first)."""
+    band: float
+    """The predictor's relative error (RMS)."""
+    source: str
+    """Where the band comes from, in words."""
+    spread: float
+    """The slowest of the tier over #1, minus one."""
+
+
+def error_band(cfg: RunConfig) -> tuple[float, str] | None:
+    """(the predictor's RMS relative error, where it comes from) for the machine figures the search priced with; None
+    for a profile that records no calibration residuals (written before they were)."""
+    if cfg.cluster.profile is None:
+        return steptime_machine.REFERENCE_ERROR, "the datasheet model's RMS error over the published reference runs"
+    prof = steptime_profile.load(cfg.cluster.profile)
+    band = steptime_profile.error_band(prof)
+    if band is None:
+        return None
+    return band, f"RMS error of the {len(prof['residuals'])} calibration runs of {cfg.cluster.profile}"
+
+
+def tier(cfg: RunConfig, res: Result, shown: int) -> Tier | None:
+    """The first `shown` candidates predicted within the error band of #1, when there are two or more."""
+    found = error_band(cfg) if len(res.ranked) > 1 else None
+    if found is None:
+        return None
+    band, source = found
+    best = res.ranked[0].step_s
+    ranks = [i + 1 for i, r in enumerate(res.ranked[:shown]) if r.step_s <= best * (1 + band)]
+    if len(ranks) < 2:
+        return None
+    return Tier(ranks, band, source, res.ranked[ranks[-1] - 1].step_s / best - 1)
+
+
+def tier_line(cfg: RunConfig, t: Tier) -> str:
+    """The tier in words, and how to order it: search.verify where the cluster starts here, else the sweep on the cluster."""
+    k, s, c = len(t.ranks), cfg.search, cfg.cluster
+    head = (
+        f"tier: #1-#{k} are predicted within {100 * t.spread:.1f} % of #1, inside the predictor's error band of "
+        f"+/-{100 * t.band:.1f} % ({t.source}): it cannot order them; "
+    )
+    if c.launcher != Launcher.local or c.num_nodes != 1:
+        return head + f"train the written sweep's top {k} briefly on the cluster (search.top_k={max(k, s.top_k)}) to order them"
+    if s.verify >= k:
+        return head + f"search.verify={s.verify} measures them below"
+    return head + f"measure them here with search.verify={k}" + (f" search.top_k={k}" if s.top_k < k else "")
 
 
 def nothing_survived(cfg: RunConfig, res: Result) -> ConfigError:
