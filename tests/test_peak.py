@@ -122,6 +122,12 @@ def test_spread_is_shown_beside_a_measured_peak_only():
     assert peak.spread_text({"peak_spread": None}) == ""
 
 
+def _policy(cfg):
+    from runner.run.device import DevicePolicy
+
+    return DevicePolicy.of(cfg.cluster, cfg.distributed)
+
+
 def _cached(cache, machine: dict, created: str):
     """A profile (tests/test_predictor.py's, with round figures) stored in the cache as runner.calibrate stores it."""
     from runner.config.predict import profile as steptime_profile
@@ -140,7 +146,7 @@ def test_a_cpu_run_without_a_profile_predicts_nothing_and_says_how_to_make_one(c
     from runner.run import metrics
 
     cfg = compose([f"cluster.peak_cache_dir={tmp_path / 'cache'}"])
-    cal = plan_check.compare(cfg, validate.check(cfg), 0.05, 1.0, 1.354, None)
+    cal = plan_check.compare(cfg, validate.check(cfg), _policy(cfg), 0.05, 1.0, 1.354, None)
     assert (cal["step_time_predicted_s"], cal["step_time_ratio"], cal["prediction_source"]) == (None, None, None)
     assert (cal["profile"], cal["profile_from"]) == (None, "none")
     assert metrics.calibration_line(cal) == (
@@ -189,7 +195,7 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
 
     cfg = compose([f"cluster.peak_cache_dir={cache}"])
     lay = validate.check(cfg)
-    cal = plan_check.compare(cfg, lay, 0.05, 1.0, 1.354, None)
+    cal = plan_check.compare(cfg, lay, _policy(cfg), 0.05, 1.0, 1.354, None)
     predicted = steptime.predict(cfg, lay, str(stored)).step_s
     assert (cal["profile"], cal["profile_from"], cal["prediction_source"]) == (str(stored), "cache", str(stored))
     assert cal["step_time_predicted_s"] == predicted and cal["step_time_ratio"] == pytest.approx(1.354 / predicted)
@@ -197,4 +203,4 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
         metrics.calibration_line(cal)
     )
     given = compose([f"cluster.peak_cache_dir={cache}", f"cluster.profile={tmp_path / 'p.json'}"])
-    assert plan_check.compare(given, lay, 0.05, 1.0, 1.354, None)["profile_from"] == "cluster.profile"
+    assert plan_check.compare(given, lay, _policy(given), 0.05, 1.0, 1.354, None)["profile_from"] == "cluster.profile"

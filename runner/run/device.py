@@ -13,6 +13,7 @@
 | threads per rank                  | cores / ranks on the machine       | torch's default                              |
 | flight recorder                   | torch's; the runner dumps on hang  | NCCL's, which dumps by itself                |
 | a peak FLOP/s figure counts       | the node (its ranks share cores)   | one GPU                                      |
+| step time predicted, no profile   | only from a cached machine profile | the datasheet model (its constants are GPUs')|
 
 `distributed.host_group=dedicated` gives CPU runs the CUDA arrangement of host collectives (their
 own gloo group), which is how the test suite proves on CPU that no runner collective bypasses the
@@ -121,6 +122,12 @@ class DevicePolicy:
             "TORCH_NCCL_ENABLE_TIMING": "1" if timing else "0",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down the communicator on timeout (default; made explicit)
         }
+
+    @property
+    def datasheet_predicts(self) -> bool:
+        """Whether the predictor's datasheet model (NVIDIA GPU constants) may price this device's step: a CPU's it misses
+        by 2x or more, so a CPU run predicts only from a machine profile (runner.observe.plan_check.machine_profile)."""
+        return not self.cpu
 
     def peak_devices(self, world_size: int, num_nodes: int) -> int:
         """What one peak FLOP/s figure counts: a GPU; on CPU the node, whose ranks share its cores (runner.run.peak)."""

@@ -318,7 +318,13 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     idle = loop.idle
     bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
     summary["calibration"] = plan_check.compare(
-        cfg, lay, acc.peak_flops_total / lay.world_size / 1e12, plan_check.allreduce_gbs(policy), summary["step_time_s_median"], bubble
+        cfg,
+        lay,
+        policy,
+        acc.peak_flops_total / lay.world_size / 1e12,
+        plan_check.allreduce_gbs(policy),
+        summary["step_time_s_median"],
+        bubble,
     )
     return summary
 
