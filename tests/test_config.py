@@ -241,7 +241,9 @@ def test_rank_memory_estimate_of_debug_rank(compose):
     assert memory.cpu_rank_gb(ac, validate.check(ac)) == pytest.approx(want_ac)
     per_layer = memory.activation_bytes_per_layer(cfg, lay, recompute=False)
     assert per_layer == 256 * 2 * 256 * 34 / 2 * 2
-    assert plan.compute(cfg, lay)["activations_gb_per_microbatch_seed"] == pytest.approx(6 * per_layer / 1e9)  # the seed budget uses it
+    assert plan.compute(cfg, lay)["activations_gb_per_microbatch_worked_example"] == pytest.approx(
+        6 * per_layer / 1e9
+    )  # the worked example's budget uses it
 
 
 def test_layout_coordinates_tp_fastest():

@@ -24,10 +24,12 @@ def test_worked_example_reproduces_the_published_budget(budget):
     assert b["params"] == pytest.approx(70.6e9, rel=0.001)
     assert b["tokens_per_step"] == 4_194_304
     assert b["microbatches"] == 32
-    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 2 * 2 / 1e9)  # bf16 weights + grads, seed
-    assert b["weights_grads_gb_per_gpu_seed"] < 10
-    assert b["optimizer_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 12 / 32 / 1e9)  # 12 B/param over DP=32
-    assert b["optimizer_gb_per_gpu_seed"] < 1
+    assert b["weights_grads_gb_per_gpu_worked_example"] == pytest.approx(
+        70.553706496e9 / 32 * 2 * 2 / 1e9
+    )  # bf16 weights + grads, worked example
+    assert b["weights_grads_gb_per_gpu_worked_example"] < 10
+    assert b["optimizer_gb_per_gpu_worked_example"] == pytest.approx(70.553706496e9 / 32 * 12 / 32 / 1e9)  # 12 B/param over DP=32
+    assert b["optimizer_gb_per_gpu_worked_example"] < 1
     assert b["step_time_s"] == pytest.approx(4.35, rel=0.02)  # 6N at 40 % of 989 TFLOP/s
     assert b["flops_convention"] == "6N" and b["peak_tflops"] == 989.0
     assert b["tp_comm_gb"] == pytest.approx(300.6, abs=0.1)
@@ -38,10 +40,34 @@ def test_worked_example_reproduces_the_published_budget(budget):
     assert b["links"] == {"pp": "scale-out", "dp_shard": "scale-out", "tp": "intra-node"}
 
 
+def test_worked_example_convention_is_named_and_the_two_tp_shares_say_what_of(budget, tmp_path):
+    """The worked example's budget convention replaces "seed's convention" (and keys ending `_seed`): one row of the
+    table says what it is; plan.json still carries the old key names, equal, for one release. The two TP figures each
+    say what they are a share of: the step time at the assumed MFU, and the bottom-up estimate."""
+    from runner.config import plan
+
+    b = budget(SEED)
+    rows = plan.rows(b)
+    assert not any("seed" in " ".join(r) for r in rows) and not any(k.endswith("_seed") for k in b)
+    notes = {name: note for name, _, note in rows}
+    assert notes["memory"] == (
+        "as TorchTitan allocates it; 'worked example' rows: the worked example's budget convention (training-dtype gradients, "
+        "Korthikanti activations)"
+    )
+    assert [value for name, value, _ in rows if name == "  worked example"] == ["8.82 GB", "0.827 GB", "2.85 GB", "21.1 GB"]
+    assert notes["TP traffic"] == f"300.6 GB, {100 * b['tp_comm_share']:.1f} % of the step time at 40 % MFU"
+    share = 100 * b["predicted_terms_s"]["tp"] / b["estimated_step_time_s"]
+    assert f"; shares of this estimate: compute 59 %, tp {share:.0f} %, non_matmul 13 %; " in notes["bottom-up step estimate"]
+    saved = json.loads(plan.write(b, tmp_path).read_text())
+    assert saved["renamed_keys"]["total_gb_per_gpu_seed"] == "total_gb_per_gpu_worked_example"
+    assert saved["renamed_keys"]["fits_memory_seed"] == "fits_memory_worked_example" and len(saved["renamed_keys"]) == 7
+    assert all(saved[old] == saved[new] == b[new] for old, new in saved["renamed_keys"].items())
+
+
 def test_pp8_halves_weights_and_raises_bubble_to_9_9_percent(budget):
     base, b = budget(SEED), budget([*SEED, "parallelism.pp=8"])
     assert (b["degrees"], b["microbatches"]) == ("pp=8 x dp_shard=16 x tp=8", 64)
-    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(base["weights_grads_gb_per_gpu_seed"] / 2)
+    assert b["weights_grads_gb_per_gpu_worked_example"] == pytest.approx(base["weights_grads_gb_per_gpu_worked_example"] / 2)
     assert b["bubble_fraction"] == pytest.approx(7 / 71) and round(100 * b["bubble_fraction"], 1) == 9.9
 
 
@@ -49,21 +75,23 @@ def test_tp4_cuts_tp_traffic_doubles_weights_and_bubble_16_percent(budget):
     base, b = budget(SEED), budget([*SEED, "parallelism.tp=4"])
     assert (b["degrees"], b["microbatches"]) == ("pp=4 x dp_shard=64 x tp=4", 16)
     assert b["tp_comm_s"] == pytest.approx(0.29, abs=0.005)
-    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(2 * base["weights_grads_gb_per_gpu_seed"])
+    assert b["weights_grads_gb_per_gpu_worked_example"] == pytest.approx(2 * base["weights_grads_gb_per_gpu_worked_example"])
     assert b["bubble_fraction"] == pytest.approx(3 / 19) and round(100 * b["bubble_fraction"]) == 16
 
 
-def test_seed_activation_memory_follows_korthikanti(budget):
+def test_worked_example_activation_memory_follows_korthikanti(budget):
     sbh = 4096 * 1 * 8192
     with_sp = budget(SEED)
-    assert with_sp["activations_gb_per_microbatch_seed"] == pytest.approx(20 * sbh * 34 / 8 / 1e9)
-    assert with_sp["activations_gb_per_microbatch_recompute_seed"] == pytest.approx(20 * 2 * sbh / 8 / 1e9)
+    assert with_sp["activations_gb_per_microbatch_worked_example"] == pytest.approx(20 * sbh * 34 / 8 / 1e9)
+    assert with_sp["activations_gb_per_microbatch_recompute_worked_example"] == pytest.approx(20 * 2 * sbh / 8 / 1e9)
     assert with_sp["microbatches_in_flight"] == 4  # 1F1B: the first stage holds p microbatches
-    assert with_sp["activations_gb_per_gpu_seed"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch_seed"])
+    assert with_sp["activations_gb_per_gpu_worked_example"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch_worked_example"])
     no_sp = budget([*SEED, "parallelism.sequence_parallel=false"])
-    assert no_sp["activations_gb_per_microbatch_seed"] == pytest.approx(20 * sbh * (10 + 24 / 8) / 1e9)
+    assert no_sp["activations_gb_per_microbatch_worked_example"] == pytest.approx(20 * sbh * (10 + 24 / 8) / 1e9)
     ac = budget([*SEED, "training.activation_checkpoint=full"])
-    assert ac["activations_gb_per_gpu_seed"] == pytest.approx(4 * with_sp["activations_gb_per_microbatch_recompute_seed"])
+    assert ac["activations_gb_per_gpu_worked_example"] == pytest.approx(
+        4 * with_sp["activations_gb_per_microbatch_recompute_worked_example"]
+    )
     assert ac["tp_comm_gb"] == pytest.approx(with_sp["tp_comm_gb"] * 6 / 4)  # the recomputed forward repeats 2 all-reduces
 
 
@@ -84,7 +112,7 @@ def test_interleaved_bubble_and_sharded_weights_without_pp(budget):
     n = 8.030261248e9
     layer = (4096 * 128 * (32 + 2 * 8) + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096) * 4  # two gathered bf16 blocks
     assert fsdp["weights_gathered_during_step"] is False  # no PP: TorchTitan reshards after forward
-    assert fsdp["weights_grads_gb_per_gpu_seed"] == pytest.approx((n * 4 / 8 + layer) / 1e9, rel=1e-3)
+    assert fsdp["weights_grads_gb_per_gpu_worked_example"] == pytest.approx((n * 4 / 8 + layer) / 1e9, rel=1e-3)
     assert fsdp["dp_comm_gb"] == pytest.approx(n * (2 * 2 + 4) * 7 / 8 / 1e9, rel=1e-3)  # AG fwd + bwd (bf16), RS (fp32)
 
 

@@ -63,7 +63,7 @@ def test_plan_matches_the_dry_run(tmp_path, case, overrides, ranks):
 def test_70b_first_stage_figures_are_titans_allocation(budget, compose):
     """Stage 0 of the 70B example: 20 blocks + the embedding / tp 8; bf16 gathered + fp32 unsharded gradients (6 B)
     plus, at the peak inside a block's backward, two of its FFN's bf16 gradients (FSDP2 casts them to fp32 at post-backward);
-    fp32 master + Adam moments over dp_shard 32 (12 B), 4 microbatches in flight; the seed's figures beside them."""
+    fp32 master + Adam moments over dp_shard 32 (12 B), 4 microbatches in flight; the worked example's figures beside them."""
     b = budget(["recipe=llama3_70b_h100x1024"])
     m = compose(["recipe=llama3_70b_h100x1024"]).model
     local = (20 * flops.block_params(m) + flops.embedding_params(m)) / 8
@@ -72,8 +72,8 @@ def test_70b_first_stage_figures_are_titans_allocation(budget, compose):
     assert b["weights_grads_gb_per_gpu"] == pytest.approx((local * 6 + ffn_bf16_grads) / 1e9)  # 13.74 GB; dry run 13.80
     assert b["optimizer_gb_per_gpu"] == pytest.approx(local * 12 / 32 / 1e9)  # 0.851 GB; dry run 0.851
     assert b["buffers_gb_per_gpu"] == pytest.approx(20 * 131072 * 64 * 8 / 1e9)  # a complex64 RoPE table per layer
-    assert b["weights_grads_gb_per_gpu_seed"] == pytest.approx(70.553706496e9 / 32 * 4 / 1e9)
-    assert b["total_gb_per_gpu"] > b["total_gb_per_gpu_seed"] and b["fits_memory"] is b["fits_memory_seed"] is True
+    assert b["weights_grads_gb_per_gpu_worked_example"] == pytest.approx(70.553706496e9 / 32 * 4 / 1e9)
+    assert b["total_gb_per_gpu"] > b["total_gb_per_gpu_worked_example"] and b["fits_memory"] is b["fits_memory_worked_example"] is True
 
 
 def test_fits_memory_follows_titans_allocation(budget, compose):

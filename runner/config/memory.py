@@ -29,8 +29,9 @@ The default figures follow what TorchTitan allocates, category by category as th
   Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
   runner keeps whatever training.seq_len.
 
-The seed documents' budget is kept beside it, labelled `*_seed`: weights and gradients both in the training
-dtype, 12 B of optimizer state per parameter over dp_shard, and Korthikanti et al. 2022 (Table 2) for
+The budget convention of the worked example (the 70B plan on 1,024 H100s the docs work through) is kept beside it,
+under keys ending in `_worked_example`: weights and gradients both in the training dtype, 12 B of optimizer state per
+parameter over dp_shard, and Korthikanti et al. 2022 (Table 2) for
 activations: s*b*h*(10 + 24/t) per layer with TP, s*b*h*34/t with TP + SP, 2*s*b*h (/t with SP) with full
 recomputation, the 5*a*s/h score term dropped (fused attention).
 """
@@ -66,7 +67,7 @@ def keeps_weights_gathered(cfg: RunConfig, lay: Layout) -> bool:
 
 
 def activation_bytes_per_layer(cfg: RunConfig, lay: Layout, recompute: bool) -> float:
-    """Korthikanti's bytes per layer per microbatch, scaled to the activation dtype (the seed's convention)."""
+    """Korthikanti's bytes per layer per microbatch, scaled to the activation dtype (the worked example's convention)."""
     t = cfg.training
     s, b, h, tp = t.seq_len / lay.cp, t.microbatch_size, cfg.model.dim, lay.tp
     sp = cfg.parallelism.sequence_parallel and tp > 1
@@ -303,8 +304,8 @@ def cpu_rank_gb(cfg: RunConfig, lay: Layout) -> float:
     return cfg.cluster.rank_overhead_gb + (state + acts + logits) / 1e9
 
 
-def _seed(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
-    """The seed documents' budget: training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti."""
+def _worked_example(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
+    """The worked example's budget convention: training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti."""
     m, p = cfg.model, cfg.parallelism
     bw = BYTES[cfg.precision.param_dtype.value]
     params_gpu = flops.num_params(m) / (lay.tp * lay.pp)
@@ -321,25 +322,25 @@ def _seed(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
     activations = (act_mb_ac if ac else act_mb) * flight
     return {
         "params_per_gpu": params_gpu,
-        "weights_grads_gb_per_gpu_seed": weights_grads / 1e9,
-        "optimizer_gb_per_gpu_seed": optimizer / 1e9,
-        "activations_gb_per_microbatch_seed": act_mb / 1e9,
-        "activations_gb_per_microbatch_recompute_seed": act_mb_ac / 1e9,
+        "weights_grads_gb_per_gpu_worked_example": weights_grads / 1e9,
+        "optimizer_gb_per_gpu_worked_example": optimizer / 1e9,
+        "activations_gb_per_microbatch_worked_example": act_mb / 1e9,
+        "activations_gb_per_microbatch_recompute_worked_example": act_mb_ac / 1e9,
         "microbatches_in_flight": flight,
-        "activations_gb_per_gpu_seed": activations / 1e9,
-        "total_gb_per_gpu_seed": (weights_grads + optimizer + activations) / 1e9,
+        "activations_gb_per_gpu_worked_example": activations / 1e9,
+        "total_gb_per_gpu_worked_example": (weights_grads + optimizer + activations) / 1e9,
     }
 
 
 def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | None) -> dict[str, Any]:
-    """Per device: the stage with the largest total (TorchTitan's allocation), the seed's budget beside it, the verdicts."""
+    """Per device: the stage with the largest total (TorchTitan's allocation), the worked example's budget beside it, the verdicts."""
     stages = [stage_gb(cfg, lay, micro, s) for s in range(lay.pp)]
     worst = max(range(lay.pp), key=lambda s: stages[s]["total"])
     w = stages[worst]
-    seed = _seed(cfg, lay, micro)
+    example = _worked_example(cfg, lay, micro)
     capacity = device_memory_gb if device_memory_gb is not None else cfg.cluster.device_memory_gb
     return {
-        **seed,
+        **example,
         "weights_gathered_during_step": keeps_weights_gathered(cfg, lay),
         "memory_stage": worst,
         "weights_grads_gb_per_gpu": w["weights_grads"],
@@ -352,7 +353,7 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         "total_gb_per_stage": [s["total"] for s in stages],
         "device_memory_gb": capacity,
         "fits_memory": w["total"] <= capacity if capacity else None,
-        "fits_memory_seed": seed["total_gb_per_gpu_seed"] <= capacity if capacity else None,
+        "fits_memory_worked_example": example["total_gb_per_gpu_worked_example"] <= capacity if capacity else None,
     }
 
 

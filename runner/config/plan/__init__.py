@@ -16,10 +16,12 @@ Conventions, stated once and used throughout:
 - Memory (runner.config.memory): what TorchTitan allocates on each pipeline stage at its peak (fp32
   master shards and Adam moments over dp_shard x cp, gathered param_dtype weights, fp32 gradients
   unsharded under PP, the activations its blocks save for backward, the loss's logits, RoPE tables);
-  the keys describe the stage with the largest total, which mode=dryrun measures. The seed documents'
-  budget (training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti et al. 2022
-  activations) stays beside it under keys ending in `_seed`. With 1F1B-type schedules stage s holds
+  the keys describe the stage with the largest total, which mode=dryrun measures. The budget convention of
+  the worked example (training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti et al. 2022
+  activations) stays beside it under keys ending in `_worked_example`. With 1F1B-type schedules stage s holds
   min(m, p - s) microbatches in flight, with GPipe all m.
+- plan.json also carries those keys under their names before the rename (ending in `_seed`), read-only
+  aliases for one release, listed in its `renamed_keys`.
 """
 
 from __future__ import annotations
@@ -144,5 +146,19 @@ def compute(
     }
 
 
+RENAMED_SUFFIX = ("_seed", "_worked_example")
+"""The worked example's keys were named after the 'seed documents' until this release; plan.json keeps the old names
+beside the new ones for one release, so that readers of it have time to move (remove the aliases after that)."""
+
+
+def renamed_keys(plan: dict[str, Any]) -> dict[str, str]:
+    """Old key -> new key of the worked example's figures."""
+    old, new = RENAMED_SUFFIX
+    return {k.removesuffix(new) + old: k for k in plan if k.endswith(new)}
+
+
 def write(plan: dict[str, Any], run_dir: Path) -> Path:
-    return runfiles.write_json(run_dir / runfiles.PLAN, plan)
+    """plan.json: the plan, with the worked example's figures also under their old names (renamed_keys)."""
+    renamed = renamed_keys(plan)
+    aliases = {old: plan[new] for old, new in renamed.items()}
+    return runfiles.write_json(run_dir / runfiles.PLAN, plan | aliases | {"renamed_keys": renamed})

@@ -27,11 +27,22 @@ def _pp(plan: dict[str, Any]) -> bool:
     return len(plan["total_gb_per_stage"]) > 1
 
 
+EXAMPLE = "  worked example"
+"""The label of the rows in the budget convention of the worked example."""
+
+
 def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The memory rows: the default figures (what TorchTitan allocates, checked by mode=dryrun) and the seed's."""
+    """The memory rows: the default figures (what TorchTitan allocates, checked by mode=dryrun) and, indented below
+    them, the worked example's convention, which one row explains."""
     mem = plan["device_memory_gb"]
     fit = {True: "fits", False: "DOES NOT FIT", None: "device memory unknown"}[plan["fits_memory"]]
     return [
+        (
+            "memory",
+            "",
+            f"as TorchTitan allocates it; '{EXAMPLE.strip()}' rows: the worked example's budget convention (training-dtype "
+            "gradients, Korthikanti activations)",
+        ),
         (
             "weights + gradients",
             _f(plan["weights_grads_gb_per_gpu"], ".3g", " GB"),
@@ -39,18 +50,18 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             if plan["weights_gathered_during_step"] and _pp(plan)
             else "fp32 gradient shard + the head gathered",
         ),
-        ("  seed's convention", _f(plan["weights_grads_gb_per_gpu_seed"], ".3g", " GB"), "weights and gradients in the training dtype"),
+        (EXAMPLE, _f(plan["weights_grads_gb_per_gpu_worked_example"], ".3g", " GB"), "weights and gradients in the training dtype"),
         ("optimizer state", _f(plan["optimizer_gb_per_gpu"], ".3g", " GB"), "fp32 master + Adam moments / (dp_shard x cp)"),
-        ("  seed's convention", _f(plan["optimizer_gb_per_gpu_seed"], ".3g", " GB"), "12 B per parameter / dp_shard"),
+        (EXAMPLE, _f(plan["optimizer_gb_per_gpu_worked_example"], ".3g", " GB"), "12 B per parameter / dp_shard"),
         (
             "activations per microbatch",
             _f(plan["activations_gb_per_microbatch"], ".3g", " GB"),
             "what TorchTitan's blocks save for backward, with the loss's on the last stage",
         ),
         (
-            "  Korthikanti 2022 (seed)",
-            _f(plan["activations_gb_per_microbatch_seed"], ".3g", " GB"),
-            f"{plan['activations_gb_per_microbatch_recompute_seed']:.3g} GB with full recomputation",
+            EXAMPLE,
+            _f(plan["activations_gb_per_microbatch_worked_example"], ".3g", " GB"),
+            f"Korthikanti 2022; {plan['activations_gb_per_microbatch_recompute_worked_example']:.3g} GB with full recomputation",
         ),
         ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), count(plan["microbatches_in_flight"], "microbatch")),
         (
@@ -66,7 +77,7 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             + (f"; stage {plan['memory_stage']}" if _pp(plan) else "")
             + "; checked by mode=dryrun",
         ),
-        ("  seed's convention", _f(plan["total_gb_per_gpu_seed"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
+        (EXAMPLE, _f(plan["total_gb_per_gpu_worked_example"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
     ]
 
 
@@ -112,9 +123,13 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
         (
             "bottom-up step estimate",
             _f(plan["estimated_step_time_s"], ".3f", " s"),
-            f"MFU {pct(plan['estimated_mfu'])}; {_binding(plan)}; {plan['predicted_source']}",
+            f"MFU {pct(plan['estimated_mfu'])}; shares of this estimate: {_binding(plan)}; {plan['predicted_source']}",
         ),
-        ("TP traffic", _f(plan["tp_comm_s"], ".3f", " s"), f"{plan['tp_comm_gb']:.1f} GB, {pct(plan['tp_comm_share'])} of the step"),
+        (
+            "TP traffic",
+            _f(plan["tp_comm_s"], ".3f", " s"),
+            f"{plan['tp_comm_gb']:.1f} GB, {pct(plan['tp_comm_share'])} of the step time at {100 * plan['mfu_assumed']:.0f} % MFU",
+        ),
         ("PP traffic", _f(plan["pp_comm_s"], ".4f", " s"), f"{plan['pp_comm_gb']:.2f} GB point-to-point"),
         (
             "DP traffic",
