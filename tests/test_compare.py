@@ -27,3 +27,51 @@ def test_spearman_ranks_ties_by_their_mean_rank():
     assert compare.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
     assert compare.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ranks 0.5, 0.5, 2
     assert compare.spearman([1, 1, 1], [1, 2, 3]) != compare.spearman([1, 1, 1], [1, 2, 3])  # NaN: no order to agree with
+
+
+def _plan(folder, tp: int, step_s: float, fits: bool, gb: float) -> None:
+    folder.mkdir()
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra" / "overrides.yaml").write_text(f"- mode=plan\n- parallelism.tp={tp}\n")
+    plan = {"degrees": f"dp_shard=4 x tp={tp}", "device": "cuda", "total_gb_per_gpu": gb, "fits_memory": fits}
+    plan |= {"bubble_fraction": 0.0, "tp_comm_share": 0.1, "estimated_step_time_s": step_s, "estimated_mfu": 0.4}
+    (folder / "plan.json").write_text(json.dumps(plan))
+
+
+def _sweep_with_a_layout_that_does_not_fit(tmp_path):
+    """Plans of tp 1, 2, 4 (tp=2 the fastest, and 117 GB: it does not fit), an invalid tp=16 and a failed tp=8."""
+    _plan(tmp_path / "0", 1, 1.2, True, 70.0)
+    _plan(tmp_path / "1", 2, 0.9, False, 117.0)
+    _plan(tmp_path / "2", 4, 1.0, True, 40.0)
+    for name, tp, result, body in (
+        ("3", 16, "invalid.json", {"overrides": [], "problems": ["parallelism.tp = 16: must divide model.num_heads = 64"]}),
+        ("4", 8, "failed.json", {"overrides": [], "exit_code": 1, "error": "RuntimeError: loss guard", "logs": "/l", "report": None}),
+    ):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- mode=plan\n- parallelism.tp={tp}\n")
+        (tmp_path / name / result).write_text(json.dumps(body))
+    return compare.collect([tmp_path])
+
+
+def test_layouts_that_do_not_fit_rank_after_those_that_fit_in_the_table(tmp_path, capsys):
+    _sweep_with_a_layout_that_does_not_fit(tmp_path)
+    assert compare.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    order = [ln.split("│")[1].strip() for ln in out.splitlines() if ln.startswith("│ tp=")]
+    assert order == ["tp=4", "tp=1", "tp=2", "tp=16", "tp=8"]  # tp=2 is the fastest, but 117 GB does not fit
+    assert "1 layout does not fit in device memory: ranked after those that fit (yellow)" in out
+
+
+def test_the_figure_marks_what_does_not_fit_and_lists_points_without_a_bar(tmp_path):
+    fig = compare.figure(_sweep_with_a_layout_that_does_not_fit(tmp_path))
+    bars_ax, list_ax = fig.axes
+    assert [t.get_text() for t in bars_ax.get_yticklabels()] == ["tp=4", "tp=1", "tp=2"]
+    assert [bar.get_hatch() for bar in bars_ax.patches] == [None, None, "//"]
+    assert [t.get_text() for t in bars_ax.texts] == ["1 s", "1.2 s", "0.9 s  117 GB DOES NOT FIT"]
+    assert bars_ax.get_title(loc="left") == "1 layout does not fit in device memory: ranked after those that fit (hatched)"
+    (listed,) = [t.get_text() for t in list_ax.texts]
+    assert listed.splitlines() == [
+        "not drawn: 2 points without a result",
+        "tp=16 (invalid): parallelism.tp = 16: must divide model.num_heads = 64",
+        "tp=8 (failed): exit code 1: RuntimeError: loss guard",
+    ]

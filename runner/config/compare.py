@@ -4,8 +4,9 @@ Torch-free. Reads what each run folder holds: summary.json (a measured run), pla
 (mode=plan), invalid.json (a sweep point that failed validation), failed.json (a run whose
 ranks failed). Measured runs are compared by their measured step time and MFU, plans by the
 predicted ones; a measured run also shows the step time the predictor gave it (summary.json's
-calibration block) and the error, so a sweep's folder shows both. Invalid and failed points are
-listed with their reason. No W&B account needed. Also home of `spearman`, the rank agreement of
+calibration block) and the error, so a sweep's folder shows both. A layout that does not fit in device
+memory is marked and ranked after every one that fits, in the table and the figure; invalid and failed
+points are listed with their reason in both. No W&B account needed. Also home of `spearman`, the rank agreement of
 predicted and measured times (mode=search's verify, bench/predictor_grid.py).
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
+from runner.config.wording import count
 
 
 def _overrides(run: Path) -> list[str]:
@@ -60,6 +62,7 @@ def load(run: Path) -> dict[str, Any] | None:
             "memory": f"{s['memory_gb_max']:.2f} GB peak" if "memory_gb_max" in s else "-",
             "bubble": cal.get("bubble_measured", cal.get("bubble_predicted")),
             "tp_share": None,
+            "fits": True,  # it ran
             "step_time_s": s["step_time_s_median"],
             "predicted_s": cal.get("step_time_predicted_s"),  # the predictor on this run's measured peak, or its profile
             "mfu": s["mfu_median"],
@@ -75,6 +78,7 @@ def load(run: Path) -> dict[str, Any] | None:
             "memory": _plan_memory(p),
             "bubble": p["bubble_fraction"],
             "tp_share": p["tp_comm_share"],
+            "fits": p["fits_memory"],  # None: the device memory is unknown
             "step_time_s": p["estimated_step_time_s"],
             "predicted_s": p["estimated_step_time_s"],
             "mfu": p["estimated_mfu"],
@@ -100,8 +104,21 @@ def collect(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def _sort_key(r: dict[str, Any]) -> tuple:
+    """Layouts that fit by step time, then those that do not fit in device memory (a fast plan that cannot run
+    ranks after every one that can), then invalid and failed points."""
     t = r.get("step_time_s")
-    return (r["source"] in ("invalid", "failed"), t is None, t or 0.0)
+    return (r["source"] in ("invalid", "failed"), r.get("fits") is False, t is None, t or 0.0)
+
+
+def _unfit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["source"] not in ("invalid", "failed") and r.get("fits") is False]
+
+
+def _unfit_note(rows: list[dict[str, Any]]) -> str | None:
+    n = len(_unfit(rows))
+    if not n:
+        return None
+    return f"{count(n, 'layout')} {'does' if n == 1 else 'do'} not fit in device memory: ranked after those that fit"
 
 
 def _ranks(xs: list[float]) -> list[float]:
@@ -145,7 +162,8 @@ def _error(r: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
-    t = Table(title="layouts by step time", title_justify="left")
+    note = _unfit_note(rows)
+    t = Table(title="layouts by step time", title_justify="left", caption=note and f"{note} (yellow)", caption_justify="left")
     for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "predicted", "error", "MFU", "eval loss"):
         t.add_column(col)
     for r in sorted(rows, key=_sort_key):
@@ -166,30 +184,78 @@ def table(rows: list[dict[str, Any]]):
             _error(r),
             f"{_pct(r['mfu'])} ({r['mfu_note']})",
             "-" if r.get("eval_loss") is None else f"{r['eval_loss']:.4f}",
+            style="yellow" if r.get("fits") is False else None,
         )
     return t
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
-    """Horizontal bars: measured MFU when every run was measured, else step time."""
+NOT_DRAWN_WIDTH = 120
+"""Characters of a point's reason in the figure's list of points without a bar (the table has it whole)."""
+
+
+def _not_drawn(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per invalid or failed point: its label, what it is and its first reason."""
+    import textwrap
+
+    out = []
+    for r in sorted((r for r in rows if r["source"] in ("invalid", "failed")), key=lambda r: r["run"]):
+        out.append(textwrap.shorten(f"{r['run']} ({r['source']}): {r['problems'][0]}", NOT_DRAWN_WIDTH, placeholder=" ..."))
+    return out
+
+
+def _bars(ax, valid: list[dict[str, Any]], measured: bool) -> None:
+    """One bar per layout; those that do not fit are grey, hatched and say so, below a line under the ones that fit."""
+    values = [100 * r["mfu"] if measured else r["step_time_s"] for r in valid]
+    unfit = [r.get("fits") is False for r in valid]
+    colors = ["lightgrey" if u else ("tab:green" if measured else "tab:blue") for u in unfit]
+    bars = ax.barh([r["run"] or r["degrees"] for r in valid], values, color=colors)
+    for bar, u in zip(bars, unfit, strict=True):
+        if u:
+            bar.set_hatch("//")
+            bar.set_edgecolor("tab:red")
+    ax.invert_yaxis()
+    ax.set_xlabel("measured MFU (%)" if measured else "step time (s; predicted for plans, measured for runs)")
+    for y, (v, r, u) in enumerate(zip(values, valid, unfit, strict=True)):
+        text = f"{v:.3g} {'%' if measured else 's'}" + (f"  {r['memory'].split(' (')[0]}" if u else "")
+        ax.annotate(text, (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8, color="tab:red" if u else "black")
+    if any(unfit):
+        ax.axhline(unfit.index(True) - 0.5, color="tab:red", linestyle="--", linewidth=0.8)
+        ax.set_title(_unfit_note(valid) + " (hatched)", fontsize=9, loc="left", color="tab:red")
+    ax.margins(x=0.25)
+
+
+def figure(rows: list[dict[str, Any]]):
+    """The comparison figure: bars in the table's order (measured MFU when every run was measured, else step
+    time), and under them the invalid and failed points that have no bar, each with its reason; None without rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     valid = sorted((r for r in rows if r["source"] not in ("invalid", "failed") and r["step_time_s"] is not None), key=_sort_key)
-    if not valid:
+    missing = _not_drawn(rows)
+    if not valid and not missing:
         return None
-    measured = all(r["source"] == "measured" for r in valid)
-    values = [100 * r["mfu"] if measured else r["step_time_s"] for r in valid]
-    labels = [r["run"] or r["degrees"] for r in valid]
-    fig, ax = plt.subplots(figsize=(9, 0.4 * len(valid) + 1.5))
-    ax.barh(labels, values, color="tab:green" if measured else "tab:blue")
-    ax.invert_yaxis()
-    ax.set_xlabel("measured MFU (%)" if measured else "step time (s; predicted for plans, measured for runs)")
-    for y, v in enumerate(values):
-        ax.annotate(f"{v:.3g}", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    heights = ([0.4 * len(valid) + 1.2] if valid else []) + ([0.17 * len(missing) + 0.3] if missing else [])
+    fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.3), height_ratios=heights, squeeze=False)
+    if valid:
+        _bars(axes[0][0], valid, all(r["source"] == "measured" for r in valid))
+    if missing:
+        ax = axes[-1][0]
+        ax.axis("off")
+        listed = "\n".join([f"not drawn: {count(len(missing), 'point')} without a result", *missing])
+        ax.text(0, 1, listed, va="top", fontsize=8, family="monospace")
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """Save `figure(rows)` as a PNG; None when there is nothing to draw."""
+    fig = figure(rows)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
