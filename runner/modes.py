@@ -76,18 +76,27 @@ def launch_plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) ->
     print(f"launch plan: {count(lay.world_size, 'rank')} = {count(c.num_nodes, 'node')} x {per_node} per node [{lay.describe()}]")
     print(f"frozen config: {frozen}")
     if c.launcher == "slurm":
-        params, job_dir = slurm.submission(dcfg)
-        if job_dir != run_dir:
-            print(f"submitted with -m, this command runs as job 0 in {job_dir}; the paths below are that job's")
-        print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`; nothing is submitted):\n")
-        print(slurm.sbatch_script(params))
-        frozen = job_dir / runfiles.FROZEN
+        frozen = _sbatch_preview(dcfg, run_dir) / runfiles.FROZEN
         host, rdzv_id = c.rdzv_host or slurm.FIRST_NODE, "$SLURM_JOB_ID"
-        print("\neach node of the job runs (in the submitted Hydra task, in-process):\n")
+        job = "this point's array task" if sweep.multirun() else "the job"
+        print(f"\neach node of {job} runs (in the submitted Hydra task, in-process):\n")
     else:
         host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
         print(f"\nrun on each of the {count(c.num_nodes, 'node')}:\n")
     print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
+
+
+def _sbatch_preview(dcfg: DictConfig, run_dir: Path) -> Path:
+    """Print the sbatch script of this command submitted with -m (under -m the sweeper has printed the one array job
+    of all the points already: runner_sweeper.ArrayPreview); return the run folder of the job that runs it."""
+    if sweep.multirun():
+        return run_dir
+    params, job_dir = slurm.submission(dcfg)
+    if job_dir != run_dir:
+        print(f"submitted with -m, this command runs as job 0 in {job_dir}; the paths below are that job's")
+    print("\nsbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`; nothing is submitted):\n")
+    print(slurm.sbatch_script(params))
+    return job_dir
 
 
 def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:

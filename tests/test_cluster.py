@@ -4,6 +4,7 @@ launcher) printed by mode=launch_plan, its validation, and the TP placement rule
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def test_launch_plan_two_nodes_prints_sbatch_and_node_command(tmp_path):
         "#SBATCH --exclusive",
         "#SBATCH --time=240",
         "#SBATCH --job-name=runner",
+        "#SBATCH --requeue",
         f"#SBATCH --container-image={image}",
     ):
         assert line in out, line
@@ -83,18 +85,27 @@ def _fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path]:
 
 
 @pytest.mark.e2e
-def test_launch_plan_under_multirun_submits_nothing(tmp_path):
+def test_launch_plan_under_multirun_prints_the_one_array_job_and_submits_nothing(tmp_path):
     env, calls = _fake_slurm(tmp_path)
-    sweep = tmp_path / "sweep"
+    sweep = tmp_path / "my sweep"  # a space: submitit quotes the folder, so must the preview
     args = [*SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32,64", "mode=launch_plan"]
     argv = [sys.executable, "-m", "runner", "-m", *args, f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert not calls.exists(), calls.read_text()
+    out = proc.stdout.splitlines()
+    assert proc.stdout.count("#!/bin/bash") == 1  # submitit submits the sweep as one array job
+    assert "#SBATCH --array=0-1%2" in out and "#SBATCH --requeue" in out
+    assert f"#SBATCH --output='{sweep}/.submitit/%A_%a/%A_%a_0_log.out'" in out
+    (srun,) = [shlex.split(ln) for ln in out if ln.startswith("srun ")]
+    assert srun[-1] == f"{sweep}/.submitit/%j"
+    assert out[out.index("array tasks ($SLURM_ARRAY_TASK_ID: the sweep point it runs):") + 1 :][:2] == [
+        "  0: job 0: training.global_batch_size=32",
+        "  1: job 1: training.global_batch_size=64",
+    ]
     for num in (0, 1):  # each point prints its own job's paths, all in the one sweep folder
-        assert f"--log-dir={sweep / str(num) / 'logs'} " in proc.stdout
+        assert shlex.quote(f"--log-dir={sweep / str(num) / 'logs'}") + " " in proc.stdout
         assert (sweep / str(num) / "frozen.yaml").is_file()
-    assert proc.stdout.count(f"#SBATCH --output={sweep}/.submitit/%j/%j_0_log.out") == 2
     assert not (sweep / ".submitit").exists()
 
 
@@ -176,6 +187,71 @@ def test_starting_a_cluster_run_here_points_to_the_right_command(tmp_path):
     assert "cluster.num_nodes = 2: `python -m runner` starts the ranks of one node" in proc.stderr
     assert "use mode=launch_plan" in proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def _launcher(cluster: list[str], sweep: Path) -> dict:
+    """hydra.launcher of `python -m runner -m <cluster> hydra.sweep.dir=<sweep>`, resolved as Hydra's submitit launcher receives it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from runner.config import compose as runner_compose
+
+    runner_compose.register()
+    with initialize_config_dir(version_base="1.3", config_dir=str(runner_compose.CONF)):
+        cfg = compose("config", [*cluster, f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
+    return OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+
+
+def _submitits_file(launcher: dict, num_jobs: int, monkeypatch) -> str:
+    """The sbatch file submitit itself writes for these parameters, as hydra-submitit-launcher's launch() and
+    submitit's map_array (one array job for several points) set its executor up; no srun needed."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+    from submitit.slurm import slurm as submitit_slurm
+
+    monkeypatch.setattr(submitit_slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # "srun is here"
+    params = {k: v for k, v in launcher.items() if k != "_target_"}
+    auto = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"), slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    auto.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    executor = auto._executor
+    if num_jobs > 1:
+        executor.parameters["map_count"] = num_jobs
+    return executor._make_submission_file_text(executor._submitit_command_str, "uid")
+
+
+@pytest.mark.parametrize("cluster", [[*SLURM, "cluster.num_nodes=2"], ["cluster=slurm_local"]], ids=["slurm_h100", "slurm_local"])
+@pytest.mark.parametrize("num_jobs", [1, 3])
+def test_preview_is_submitits_own_sbatch_file_for_a_sweep_folder_with_a_space(tmp_path, monkeypatch, cluster, num_jobs):
+    from runner.config import slurm
+
+    sweep = tmp_path / "my sweep"
+    launcher = _launcher(cluster, sweep)
+    script = slurm.sbatch_script(launcher, num_jobs)
+    assert script == _submitits_file(launcher, num_jobs, monkeypatch)
+    lines = script.splitlines()
+    (srun,) = [shlex.split(ln) for ln in lines if ln.startswith("srun ")]
+    assert srun[-4:] == ["-u", "-m", "submitit.core._submit", f"{sweep}/.submitit/%j"]  # one argument, space and all
+    assert "#SBATCH --requeue" in lines  # requeue after preemption whatever the site's JobRequeue
+    assert ("#SBATCH --array=0-2%3" in lines) == (num_jobs == 3)
+
+
+def test_array_preview_lists_each_task_by_what_sets_its_point_apart(tmp_path):
+    from runner.config import slurm
+
+    jobs = [["cluster=slurm_local", f"training.global_batch_size={b}", "mode=launch_plan"] for b in (8, 16)]
+    text = slurm.array_preview(_launcher(["cluster=slurm_local"], tmp_path), jobs, 0).splitlines()
+    assert text[0] == (
+        "sbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`: one array job of 2 tasks, "
+        "one per sweep point; nothing is submitted):"
+    )
+    assert "#SBATCH --array=0-1%2" in text
+    assert text[-3:] == [
+        "array tasks ($SLURM_ARRAY_TASK_ID: the sweep point it runs):",
+        "  0: job 0: training.global_batch_size=8",
+        "  1: job 1: training.global_batch_size=16",
+    ]
 
 
 def test_tp_groups_must_not_span_nodes():

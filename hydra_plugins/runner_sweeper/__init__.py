@@ -30,9 +30,9 @@ class RunnerSweeper(BasicSweeper):
 
     Hydra's submitit launcher submits in its `launch()`, before the task function (and so before
     `mode=launch_plan`) is seen. With that launcher the sweeper reads each point's mode first: a
-    sweep of previews runs them here with Hydra's basic launcher (same sweep folder, same job
-    numbers, so the printed paths are those of the real submission); a real submission is checked
-    for sbatch/srun before anything is written.
+    sweep of previews prints the one array job submitit would submit and runs the points here with
+    Hydra's basic launcher (same sweep folder, same job numbers, so the printed paths are those of
+    the real submission); a real submission is checked for sbatch/srun before anything is written.
     """
 
     def setup(self, *, hydra_context, task_function, config) -> None:
@@ -80,8 +80,8 @@ class RunnerSweeper(BasicSweeper):
                 file=sys.stderr,
             )
             sys.exit(2)
-        if previews:  # print each point's sbatch script and node command here; submit nothing
-            launcher = BasicLauncher()
+        if previews:  # print the array job, then each point's node command here; submit nothing
+            launcher = ArrayPreview(self.launcher.params)
             launcher.setup(hydra_context=self.hydra_context, task_function=self._task_function, config=self.config)
             self.launcher = launcher
             return
@@ -98,6 +98,19 @@ class RunnerSweeper(BasicSweeper):
                 seen.update(overrides)
                 sample.append(overrides)
         super().validate_batch_is_legal(sample)
+
+
+class ArrayPreview(BasicLauncher):
+    """Hydra's basic launcher, printing first what the submitit launcher would submit for each batch of points:
+    one array job (submitit's map_array), the same sbatch script for every point."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.params = params  # the submitit launcher's, resolved against the sweep's config as it would submit them
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
+        print(slurm.array_preview(self.params, [list(o) for o in job_overrides], initial_job_idx), flush=True)
+        return super().launch(job_overrides, initial_job_idx)
 
 
 @dataclass

@@ -28,8 +28,10 @@ SCHEDULER_ERROR_EXIT = 3
 
 
 def sbatch_extra(exclusive: bool, container_image: str | None) -> dict[str, Any]:
-    """sbatch flags that SlurmQueueConf lacks, for its `additional_parameters`."""
-    out: dict[str, Any] = {}
+    """sbatch flags that SlurmQueueConf lacks, for its `additional_parameters`. `--requeue` always: a preempted job
+    checkpoints and hands over to submitit's requeue (runner.run.preempt), which sites with `JobRequeue=0` refuse
+    for jobs that did not ask for it."""
+    out: dict[str, Any] = {"requeue": True}
     if exclusive:
         out["exclusive"] = True
     if container_image:
@@ -54,9 +56,10 @@ def submission(job_cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     return OmegaConf.to_container(root.hydra.launcher, resolve=True), job_dir
 
 
-def sbatch_script(launcher: dict[str, Any]) -> str:
+def sbatch_script(launcher: dict[str, Any], num_jobs: int = 1) -> str:
     """The sbatch file submitit writes for these launcher parameters (submitit's own
-    generator and name mapping, as hydra-submitit-launcher and AutoExecutor apply them)."""
+    generator and name mapping, as hydra-submitit-launcher and AutoExecutor apply them).
+    Several jobs are one array job, as submitit's map_array submits a sweep's batch."""
     from submitit.slurm import slurm
 
     generic = slurm.SlurmExecutor._equivalence_dict()
@@ -67,9 +70,25 @@ def sbatch_script(launcher: dict[str, Any]) -> str:
         params[generic.get(key, key)] = value
     if "mem" in params:
         params["mem"] = f"{params['mem']}GB"
+    if num_jobs > 1:
+        params["map_count"] = num_jobs
     folder = str(Path(launcher["submitit_folder"]).expanduser().absolute())  # as submitit's executor does
-    command = f"{sys.executable} -u -m submitit.core._submit {folder}"
+    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)])  # SlurmExecutor's
     return slurm._make_sbatch_string(command=command, folder=folder, **params)
+
+
+def array_preview(launcher: dict[str, Any], jobs: list[list[str]], first_job: int) -> str:
+    """What Hydra's submitit launcher submits for one batch of a sweep: the sbatch script of the one (array) job, and
+    the sweep point each array task runs, by the overrides that set it apart."""
+    common = set.intersection(*map(set, jobs))
+    what = "one job" if len(jobs) == 1 else f"one array job of {len(jobs)} tasks, one per sweep point"
+    lines = [f"sbatch script (what hydra-submitit-launcher submits for `python -m runner -m ...`: {what}; nothing is submitted):\n"]
+    lines.append(sbatch_script(launcher, len(jobs)))
+    if len(jobs) > 1:
+        lines.append("\narray tasks ($SLURM_ARRAY_TASK_ID: the sweep point it runs):")
+        for i, job in enumerate(jobs):
+            lines.append(f"  {i}: job {first_job + i}: {' '.join(o for o in job if o not in common) or '(same overrides)'}")
+    return "\n".join(lines)
 
 
 def in_job() -> bool:
