@@ -81,3 +81,48 @@ def test_wandb_sink_writes_the_flat_summary(tmp_path, monkeypatch, compose):
     sink.close(SUMMARY)
     assert seen["calibration/step_time_ratio"] == 1.7 and list(seen["monitor/bad_steps"]) == [12, 13]
     assert "calibration" not in seen
+
+
+def test_known_harmless_warnings_leave_the_console_only(monkeypatch):
+    """runner.run.known_warnings on a console process (local rank 0, the launcher) and on a rank with a log file."""
+    import logging
+    import warnings
+
+    from runner.run import known_warnings
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    pytree, redistribute = logging.getLogger("torch.utils._pytree"), logging.getLogger("torch.distributed.tensor._redistribute")
+    handler = Keep()
+    for logger in (pytree, redistribute):
+        logger.addHandler(handler)
+    enum = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
+    enum += "Calling register_constant() on Enum subclasses is deprecated and will be an error in a future release."
+    norm = "While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), Replicate()), 2 sequential all_reduce ops"
+    other = "While redistributing from (Shard(0), Shard(1)) to (Replicate(), Replicate()), 2 sequential all_gather ops"
+
+    def emitted(console: bool) -> tuple[list[str], list[str]]:
+        records.clear()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            monkeypatch.setenv("LOCAL_RANK", "0" if console else "1")
+            known_warnings.apply(known_warnings.on_console())
+            warnings.warn("DTensor random operators may not have complete support on cpu device mesh", UserWarning, stacklevel=1)
+            warnings.warn("DTensor random operators may not have complete support on meta device mesh", UserWarning, stacklevel=1)
+            pytree.warning(enum)
+            redistribute.warning(norm)
+            redistribute.warning(other)
+        return [str(w.message) for w in got], list(records)
+
+    try:
+        assert emitted(console=True) == (["DTensor random operators may not have complete support on meta device mesh"], [other])
+        shown, logged = emitted(console=False)  # a rank whose output is its log file: everything, as without the filter
+        assert len(shown) == 2 and logged == [enum, norm, other]
+    finally:
+        known_warnings.apply(False)
+        for logger in (pytree, redistribute):
+            logger.removeHandler(handler)

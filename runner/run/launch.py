@@ -24,7 +24,7 @@ from runner.config import runfiles, validate
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig, WorkerStart
-from runner.run import procs
+from runner.run import known_warnings, procs
 
 MONITOR_INTERVAL_S = 0.5
 
@@ -100,6 +100,7 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
             print(e, file=sys.stderr)
             procs.exit_now(2)
     _node_setup(cfg, lay, frozen)
+    known_warnings.apply(known_warnings.on_console())  # the launcher's console: before the ranks import TorchTitan here
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
         if cfg.cluster.worker_start == WorkerStart.fork:

@@ -50,7 +50,7 @@ def _events(row: dict[str, Any]) -> list[str]:
 
 class ConsoleSink:
     def __init__(self, steps: int, progress: bool, header: str):
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, soft_wrap=True)  # one line per step in SLURM and CI logs too (80 columns off a terminal)
         self.console.print(header, markup=False)
         self.progress = None
         if progress:

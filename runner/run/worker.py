@@ -19,7 +19,7 @@ from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.config.validate import data as validate_tokens
 from runner.observe import forensics
-from runner.run import accounting, device, evaluate, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
+from runner.run import accounting, device, evaluate, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
 from runner.run.device import DevicePolicy
 
 
@@ -70,6 +70,7 @@ def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: Device
 @record
 def main(frozen_path: str) -> None:
     preempt.watch_rank()  # before anything slow: SLURM's USR2 would otherwise end the rank
+    known_warnings.apply(known_warnings.on_console())  # a forked rank inherits the launcher's: ranks 1.. keep every warning
     frozen = Path(frozen_path)
     run_dir = frozen.parent
     cfg = freeze.load(frozen)
