@@ -355,6 +355,8 @@ def test_help_and_info():
     ):
         assert line in lines  # whole lines: a prefix would hide a missing or extra option
     assert any(ln.strip().startswith("python -m runner --config-dir <run folder> --config-name frozen") for ln in lines)
+    modes = lines[lines.index("== Modes ==") + 1 : lines.index("== Configuration groups ==")]
+    assert [ln.split()[0] for ln in modes if ln.startswith("  ")] == [m.value for m in Mode]  # one line each, all of them
     info = run_cli("--info")
     assert info.returncode == 0
     assert "Config search path" in info.stdout and f"file://{ROOT}/conf" in info.stdout
