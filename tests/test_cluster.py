@@ -288,3 +288,19 @@ def test_the_node_command_runs_the_same_preflight(tmp_path):
     _no_traceback_exit2(launched)
     assert "4 ranks x 1000000." in launched.stderr
     assert not (run_dir / "logs").exists()  # no rank was started
+
+
+def test_cluster_table_is_generated_from_every_cluster_file():
+    """scripts/gen_clusters.py renders the README's cluster table from conf/cluster/; the file it is compared with
+    is what the README carries (regenerate: python scripts/gen_clusters.py > tests/data/cluster_table.md)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_clusters", ROOT / "scripts" / "gen_clusters.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.table()
+    assert text == (ROOT / "tests" / "data" / "cluster_table.md").read_text()
+    options = [ln.split("|")[1].strip().strip("`") for ln in text.splitlines()[2:]]
+    assert options == sorted(p.stem for p in (ROOT / "conf" / "cluster").glob("*.yaml"))  # a100_node, h100_96gb_node, slurm_local too
+    (local,) = [ln for ln in text.splitlines() if ln.startswith("| `slurm_local` |")]
+    assert "| 2 x 2 | cpu (gloo) | measured at start-up | the machine's RAM | SLURM: `python -m runner -m` submits it |" in local
