@@ -39,13 +39,19 @@ def multirun() -> bool:
 
 
 def discard(run_dir: Path) -> None:
-    """Remove the run folder Hydra just made, so a rejected config leaves nothing behind."""
+    """Remove the run folder Hydra just made, and the folders above it that it leaves empty up to the working
+    folder (outputs/<date>/ and outputs/ of Hydra's default run folder), so a check or a rejected config leaves
+    nothing behind. A run folder outside the working folder takes its parent along only if that is left empty."""
     ours = set(runfiles.HYDRA_LOGS)
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= ours:
-        shutil.rmtree(run_dir)
-        parent = run_dir.parent  # outputs/<date> left empty
-        if parent.is_dir() and not any(parent.iterdir()):
-            parent.rmdir()
+    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= ours:
+        return
+    shutil.rmtree(run_dir)
+    cwd = Path(HydraConfig.get().runtime.cwd)
+    stop = cwd if run_dir.is_relative_to(cwd) else run_dir.parent.parent
+    for parent in run_dir.parents:
+        if parent == stop or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 def fail(msg: str, run_dir: Path) -> None:

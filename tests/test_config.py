@@ -291,11 +291,12 @@ def test_every_composition_refuses_a_key_the_schema_lacks(capsys):
 
 @pytest.mark.e2e
 def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
-    proc = run_cli("recipe=llama3_70b_h100x1024", "mode=validate", run_dir=tmp_path / "run")
+    """From any folder, with Hydra's default run folder (outputs/<date>/<time>): nothing is left, outputs/ included."""
+    proc = run_cli("recipe=llama3_70b_h100x1024", "mode=validate", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "1024 ranks, layout tp8_pp4_1F1B_dp32 [pp=4 x dp_shard=32 x tp=8]" in proc.stdout
     assert "4,194,304 tokens/step, 32 microbatches of 1 per DP rank" in proc.stdout
-    assert not (tmp_path / "run").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.e2e
