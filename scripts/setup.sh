@@ -5,6 +5,8 @@
 #   scripts/setup.sh                  Python packages only; never a system package
 #   scripts/setup.sh --with-slurm     also Debian's slurm-wlm and munge (apt-get, as root), which the
 #                                     localhost SLURM cluster of the tests needs (scripts/slurm_local/)
+# TORCH_INDEX_URL: the package index of torch's CPU wheels, asked only when pip's configured index has
+# no torch==2.13.0+cpu (the README's Setup says what to set it to).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_SLURM=0
@@ -29,8 +31,13 @@ command -v "$PY" >/dev/null || PY=python3
 pip=(.venv/bin/python -m pip install --quiet)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   "${pip[@]}" torch==2.13.0
-elif ! "${pip[@]}" torch==2.13.0+cpu; then  # the CPU wheel on local disk (pip's find-links), its dependencies from PyPI
-  "${pip[@]}" torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+elif ! "${pip[@]}" torch==2.13.0+cpu; then  # from pip's configured index or find-links, if either has the CPU wheel
+  if [ -z "${TORCH_INDEX_URL:-}" ]; then
+    echo "setup.sh: torch==2.13.0+cpu is not on this machine's package index; set TORCH_INDEX_URL to an index that has" \
+      "torch's CPU wheels (see the README's Setup) and run it again" >&2
+    exit 2
+  fi
+  "${pip[@]}" torch==2.13.0+cpu --extra-index-url "$TORCH_INDEX_URL"  # its dependencies from the configured index
 fi
 "${pip[@]}" -e ".[dev]"
 .venv/bin/python -c "import torch, torchtitan; print('torch', torch.__version__, '| cuda' if torch.cuda.is_available() else '| cpu')"
