@@ -177,3 +177,68 @@ def test_takeover_hands_usr2_to_submitit_only_after_this_runs_checkpoint(tmp_pat
         assert calls == [signal.SIGUSR2]  # the earlier run's record requeues nothing
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+SIGNALLED_RANK = r"""
+import json, os, signal, sys, time
+from runner.run import preempt
+
+watch = preempt.watch_rank()  # first, as runner.run.worker.main does: before torch starts a thread
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+
+rank, n = int(os.environ["RANK"]), 1 << 14
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.set_num_threads(2)  # OpenMP threads too
+print("ready", flush=True)
+done = wrong = 0
+start = time.monotonic()
+while True:
+    go = torch.tensor([float(time.monotonic() - start < float(sys.argv[1]))])
+    dist.all_reduce(go, op=dist.ReduceOp.MIN)  # both ranks stop after the same round
+    if not go.item():
+        break
+    x = torch.arange(n, dtype=torch.float32) + rank
+    part = fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD))  # as FSDP's and TP's steps
+    whole = fc.wait_tensor(fc.all_gather_tensor(part, 0, dist.group.WORLD))
+    y = torch.full((n,), float(rank + 1))
+    dist.all_reduce(y)
+    wrong += int(not torch.equal(whole, 2 * torch.arange(n, dtype=torch.float32) + 1)) + int(not bool((y == 3).all()))
+    done += 3
+bit = 1 << (signal.SIGUSR2 - 1)
+masks = [int(next(ln for ln in open(f"/proc/self/task/{t}/status") if ln.startswith("SigBlk:")).split()[1], 16)
+         for t in os.listdir("/proc/self/task")]
+print(json.dumps({"done": done, "wrong": wrong, "signalled": watch.signalled_at is not None, "threads": len(masks),
+                  "unblocked": sum(not m & bit for m in masks)}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.e2e
+def test_gloo_collectives_are_right_while_a_rank_gets_usr2_every_20_ms():
+    """SLURM's USR2 once crashed a rank (SIGSEGV inside gloo). For 10 s of gloo collectives the test sends rank 0 USR2
+    every 20 ms: every collective completes with the right values on both ranks, and no thread but the rank's
+    watcher can be interrupted by it (runner.run.preempt.RankWatch blocks it in every thread the rank starts)."""
+    env = {**os.environ, "SLURM_JOB_ID": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", SIGNALLED_RANK, "10"], cwd=ROOT, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    try:
+        assert ranks[0].stdout.readline() == "ready\n"
+        sent = 0
+        while ranks[0].poll() is None:
+            ranks[0].send_signal(signal.SIGUSR2)
+            sent += 1
+            time.sleep(0.02)
+        results = [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [0, 0]
+    assert sent > 100 and results[0]["signalled"] and not results[1]["signalled"]
+    assert results[0]["done"] == results[1]["done"] > 0 and [r["wrong"] for r in results] == [0, 0]
+    assert results[0]["threads"] > 3 and results[0]["unblocked"] <= 1  # gloo's and OpenMP's threads never take it

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,13 @@ def interruptions(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class RankWatch:
-    """On a rank: whether SLURM asked the job to stop, agreed by all ranks at the end of a step."""
+    """On a rank: whether SLURM asked the job to stop, agreed by all ranks at the end of a step.
+
+    The signal is blocked in every thread the rank starts (gloo's, OpenMP's, c10d's: they inherit the mask of the
+    thread that starts them) and taken by one thread of its own with sigwait, so it never interrupts a compute or
+    communication thread in a system call. `siginterrupt(SIGNAL, False)` would not be enough: socket calls with a
+    timeout (gloo sets SO_RCVTIMEO and SO_SNDTIMEO) and epoll_wait fail with EINTR even under SA_RESTART
+    (signal(7)). The handler stays installed for a thread started before the mask (none on a forked rank)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -52,6 +59,13 @@ class RankWatch:
         self.warned = False  # said once that, without checkpoints, the signal changes nothing
         if enabled:
             signal.signal(SIGNAL, self._note)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {SIGNAL})
+            threading.Thread(target=self._wait, name=f"{SIGNAL.name.lower()}-watch", daemon=True).start()
+
+    def _wait(self) -> None:
+        while True:
+            signal.sigwait({SIGNAL})
+            self._note(SIGNAL, None)
 
     def _note(self, signum: int, frame) -> None:
         if self.signalled_at is None:
@@ -72,7 +86,8 @@ _watch = RankWatch(enabled=False)
 
 
 def watch_rank() -> RankWatch:
-    """Called first thing on a rank (the default action of USR2 would end it): in a SLURM job, start noting the signal."""
+    """Called first thing on a rank, before it starts any thread (the default action of USR2 would end it, and a thread
+    started before would not block it): in a SLURM job, start noting the signal."""
     global _watch
     _watch = RankWatch(enabled=in_slurm_job())
     return _watch
