@@ -3,8 +3,9 @@ nodes, and a pre-submission check.
 
 Torch-free. `conf/cluster/slurm_h100.yaml` maps cluster fields onto `hydra.launcher`
 (hydra-submitit-launcher's SlurmQueueConf); `python -m runner -m cluster=slurm_h100 ...`
-then submits one job per sweep point through the plugin, and every node of a job runs the
-task function, which starts the per-node launcher (runner/launch.py).
+then submits the sweep's points through the plugin as one array job (submitit's map_array), a task
+per point, and every node of a task runs the task function, which starts the per-node launcher
+(runner/launch.py).
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class Launcher(StrEnum):
     local = "local"
     """The per-node launcher runs on this machine (`python -m runner`)."""
     slurm = "slurm"
-    """Hydra's submitit launcher submits one job per run (`python -m runner -m ...`); each node runs the per-node launcher."""
+    """Hydra's submitit launcher submits the points of `python -m runner -m ...` as one array job, a task per point; each
+    node of a task runs the per-node launcher."""
 
 
 class WandbMode(StrEnum):

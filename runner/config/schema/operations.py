@@ -112,8 +112,8 @@ class ClusterConfig:
     """Memory per device in GB (0 on CPU: the machine's RAM is read at validation)."""
     launcher: Launcher = Launcher.local
     """local: the per-node launcher runs on this machine (`python -m runner`); slurm: Hydra's
-    submitit launcher submits one job per run (`python -m runner -m ...`) and each node of the
-    job runs the per-node launcher."""
+    submitit launcher submits the points of `python -m runner -m ...` as one array job, a task per
+    point, and each node of a task runs the per-node launcher."""
     max_restarts: int = 0
     """Times torch's elastic agent restarts the ranks after a failure (torchrun --max-restarts)."""
     worker_start: WorkerStart = WorkerStart.exec
