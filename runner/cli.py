@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import modes, sweep
-from runner.config import compose, validate
+from runner.config import compose, compose_errors, validate
 from runner.config.schema import Mode
 from runner.config.wording import count
 
@@ -87,9 +87,40 @@ def _skip_mode_probe() -> None:
     Hydra.get_mode = lambda self, config_name, overrides: None
 
 
+def _word_config_errors() -> None:
+    """Hydra reports what fails while it composes through `run_and_report`: a YAML syntax error as its traceback,
+    a value of the wrong type as OmegaConf's raw text. Word those two (runner.config.compose_errors) and exit 2;
+    leave the rest to Hydra, and everything to it when HYDRA_FULL_ERROR=1 asks for the full traceback."""
+    from hydra._internal import utils
+
+    report = utils.run_and_report
+    if getattr(report, "worded", False):  # once per process (the tests call cli() more than once)
+        return
+
+    def run_and_report(func):
+        def worded():
+            try:
+                return func()
+            except Exception as e:
+                if utils._is_env_set("HYDRA_FULL_ERROR"):
+                    raise
+                p = compose_errors.problem(e)
+                msg = compose_errors.yaml_message(e) or (str(validate.ConfigError([p])) if p else None)
+                if msg is None:
+                    raise
+                print(msg, file=sys.stderr)
+                sys.exit(2)
+
+        return report(worded)
+
+    run_and_report.worded = True
+    utils.run_and_report = run_and_report
+
+
 def cli() -> None:
     if not mode_probe_needed(sys.argv[1:]):
         _skip_mode_probe()
+    _word_config_errors()
     try:
         main()
     except SystemExit as e:

@@ -263,9 +263,17 @@ def _no_traceback_exit2(proc):
     [
         (["parallelism.tp=3"], "parallelism.tp = 3: must divide model.num_heads"),
         (["training.stepz=3"], "Key 'stepz' not in 'TrainingConfig'"),
-        (["training.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+        (
+            ["training.steps=abc"],
+            "Invalid config (1 problem):\n  - training.steps = abc: not an integer (override training.steps=abc). "
+            "Fix: use an integer, e.g. training.steps=10.",
+        ),
         (["parallelism=nope"], "Could not find 'parallelism/nope'"),
-        (["precision.param_dtype=float16"], "Invalid value 'float16', expected one of [float32, bfloat16]"),
+        (
+            ["precision.param_dtype=float16"],
+            "precision.param_dtype = float16: not one of float32, bfloat16 (override precision.param_dtype=float16). "
+            "Fix: use one of float32, bfloat16, e.g. precision.param_dtype=float32.",
+        ),
     ],
 )
 def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
@@ -274,6 +282,80 @@ def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
     _no_traceback_exit2(proc)
     assert message in proc.stderr
     assert not run_dir.exists()
+
+
+def _here(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
+    """`python -m runner <argv>` in this process, for cases that end before a run starts: its exit code and stderr.
+    What cli() patches in Hydra is put back afterwards."""
+    from hydra._internal import utils
+    from hydra._internal.hydra import Hydra
+
+    from runner import cli, sweep
+
+    monkeypatch.setattr(utils, "run_and_report", utils.run_and_report)
+    monkeypatch.setattr(Hydra, "get_mode", Hydra.get_mode)
+    monkeypatch.setattr(sweep, "STATE", sweep.State())
+    monkeypatch.setattr(sys, "argv", ["runner", *argv])
+    monkeypatch.setattr(cli, "_fast_exit", sys.exit)  # not os._exit, which would end pytest where torch is imported
+    with pytest.raises(SystemExit) as e:
+        cli.cli()
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.fixture
+def frozen(compose, tmp_path):
+    """A run folder holding the frozen file of the default config."""
+    from runner.config import freeze
+
+    cfg = compose([])
+    (tmp_path / "run").mkdir()
+    return freeze.write(cfg, validate.check(cfg), tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "new,first",
+    [
+        ("\tsteps: 10", "{n}:1: found character '\\t' that cannot start any token (while scanning for the next token)"),
+        ("  steps: 10\n  steps: 20", "{n+1}:3: found duplicate key steps (while constructing a mapping at line {n})"),
+        ("  steps: [10", "{n+1}:7: expected ',' or ']', but got ':' (while parsing a flow sequence at line {n})"),
+    ],
+    ids=["tab", "duplicate key", "unclosed list"],
+)
+def test_a_yaml_error_in_a_frozen_file_names_file_line_and_column(monkeypatch, capsys, tmp_path, frozen, new, first):
+    """Hydra printed its traceback (54-80 lines) for these; now the first line is `file:line:column: what`."""
+    text = frozen.read_text()
+    n = text.splitlines().index("  steps: 10") + 1
+    frozen.write_text(text.replace("\n  steps: 10\n", f"\n{new}\n", 1))
+    code, err = _here(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen", f"hydra.run.dir={tmp_path / 'r'}")
+    assert code == 2 and "Traceback" not in err
+    head, fix = err.splitlines()
+    assert head == f"{frozen}:" + first.replace("{n+1}", str(n + 1)).replace("{n}", str(n))
+    assert fix.startswith("Fix: ") and not (tmp_path / "r").exists()
+
+
+def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypatch, capsys, compose):
+    """OmegaConf's raw "Value '[1, 2]' of type 'list' could not be converted to Float" and Hydra's "Set the environment
+    variable HYDRA_FULL_ERROR=1" became a Problem like every other: field, value, the type, an example."""
+    with pytest.raises(validate.ConfigError) as e:
+        compose(["cluster.device_memory_gb=[1,2]"])
+    assert [str(p) for p in e.value.problems] == [
+        "cluster.device_memory_gb = [1, 2]: not a number (override cluster.device_memory_gb=[1,2]). "
+        "Fix: use a number, e.g. cluster.device_memory_gb=0.0."
+    ]
+    for override, message in [  # a list's items, a null-able field, a list's element, a bool
+        ("data.mix=[{path:a,weight:x}]", "data.mix.weight = x: not a number (override data.mix=[{path:a,weight:x}]). Fix: use a number, "),
+        ("cluster.num_nodes=two", "cluster.num_nodes = two: not an integer or null (override cluster.num_nodes=two). Fix: use an "),
+        ("dryrun.ranks=[a]", "dryrun.ranks[0] = a: not an integer (override dryrun.ranks=[a]). Fix: use an integer, e.g. dryrun."),
+        ("training.compile=maybe", "training.compile = maybe: not true or false (override training.compile=maybe). Fix: use true "),
+    ]:
+        with pytest.raises(validate.ConfigError) as e:
+            compose([override])
+        assert str(e.value.problems[0]).startswith(message)
+    code, err = _here(monkeypatch, capsys, "training.lr=[1,2]")
+    assert code == 2 and err == (
+        "Invalid config (1 problem):\n  - training.lr = [1, 2]: not a number (override training.lr=[1,2]). "
+        "Fix: use a number, e.g. training.lr=0.0008.\n"
+    )
 
 
 def test_every_composition_refuses_a_key_the_schema_lacks(capsys):

@@ -2,8 +2,9 @@
 `python -m runner.calibrate`, the tests and the benches, and the one place that knows where `conf/` is.
 
 Hydra composes on top of the `base_config` schema (ConfigStore), so every group option merges into a typed
-node and a wrong type or enum fails at composition. Keys added with `+` slip past the typed nodes; `to_object`
-refuses them (runner.config.validate.keys), so `+training.lr_warmup=100` fails the same way everywhere.
+node and a wrong type or enum fails at composition (a Problem: runner.config.compose_errors). Keys added with `+`
+slip past the typed nodes; `to_object` refuses them (runner.config.validate.keys), so `+training.lr_warmup=100`
+fails the same way everywhere.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import slurm
+from runner.config import compose_errors, slurm
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig
 from runner.config.schema import register as register_schema
@@ -48,10 +49,17 @@ def compose_dict(overrides: list[str], name: str = "config") -> DictConfig:
     """Hydra's composition of `name` with `overrides`, as the command line would compose it (no Hydra app running)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import ConfigCompositionException
 
     register()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        return hydra_compose(config_name=name, overrides=list(overrides))
+        try:
+            return hydra_compose(config_name=name, overrides=list(overrides))
+        except ConfigCompositionException as e:  # a value of the wrong type: worded as every other problem
+            p = compose_errors.problem(e)
+            if p is None:
+                raise
+            raise ConfigError([p]) from e
 
 
 def compose(overrides: list[str], name: str = "config") -> RunConfig:
