@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import modes, sweep
-from runner.config import compose, compose_errors, validate
+from runner.config import compose, compose_errors, freeze, validate
 from runner.config.schema import Mode
 from runner.config.wording import count
 
@@ -117,7 +117,21 @@ def _word_config_errors() -> None:
     utils.run_and_report = run_and_report
 
 
+def refuse_cut_replay(argv: list[str]) -> None:
+    """Exit 2 before Hydra composes a frozen file given as the primary config (`--config-dir <run folder>
+    --config-name frozen`) that was cut short: Hydra would fill what it lost with the schema's defaults."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.config_dir and args.config_name:
+        cut = freeze.cut_short(Path(args.config_dir) / f"{args.config_name.removesuffix('.yaml')}.yaml")
+        if cut is not None:
+            print(cut, file=sys.stderr)
+            sys.exit(2)
+
+
 def cli() -> None:
+    refuse_cut_replay(sys.argv[1:])
     if not mode_probe_needed(sys.argv[1:]):
         _skip_mode_probe()
     _word_config_errors()

@@ -333,6 +333,30 @@ def test_a_yaml_error_in_a_frozen_file_names_file_line_and_column(monkeypatch, c
     assert fix.startswith("Fix: ") and not (tmp_path / "r").exists()
 
 
+def test_a_frozen_file_cut_short_is_refused_naming_it(monkeypatch, capsys, tmp_path, frozen):
+    """Cut at a line boundary a frozen file is still valid YAML, and the replay ran the schema's defaults for what it
+    lost (noticed only when the default batch of 8 failed the batch rule)."""
+    from runner.config import freeze
+
+    lines = frozen.read_text().splitlines(keepends=True)
+    assert lines[-1] == freeze.END + "\n" and freeze.cut_short(frozen) is None
+    assert freeze.load(frozen).training.steps == 10  # a whole file loads
+    cut = lines[: lines.index("training:\n") + 2]  # ... up to `  steps: 10`
+    frozen.write_text("".join(cut))
+    code, err = _here(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen", f"hydra.run.dir={tmp_path / 'r'}")
+    assert code == 2 and not (tmp_path / "r").exists()
+    assert err.splitlines()[0] == (
+        f"{frozen}:{len(cut)}:12: the file ends here, without the line that ends every frozen file ({freeze.END!r}): "
+        "it was cut short, and a replay would fill what it lost with the schema's defaults"
+    )
+    with pytest.raises(ValueError, match="it was cut short"):
+        freeze.load(frozen)  # the ranks' load refuses it too
+    whole = "".join(lines)
+    frozen.write_text(whole[: whole.index("created: '") + 15])  # cut mid-line, inside a quoted value
+    code, err = _here(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen")
+    assert code == 2 and err.startswith(f"{frozen}:{whole[: whole.index('created: ')].count(chr(10)) + 1}:18: the file ends here")
+
+
 def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypatch, capsys, compose):
     """OmegaConf's raw "Value '[1, 2]' of type 'list' could not be converted to Float" and Hydra's "Set the environment
     variable HYDRA_FULL_ERROR=1" became a Problem like every other: field, value, the type, an example."""

@@ -2,6 +2,7 @@
 
 Torch-free. `python -m runner --config-dir <run folder> --config-name frozen` replays a
 run from this one file: it starts from the schema (`base_config`) and sets every field.
+Its last line (END) says the file is whole: a replay refuses a copy cut short.
 A resumed run is frozen with the checkpoint it started from (`checkpoint.resume_from`,
 also `provenance.resumed_from` and a comment), so its replay resumes from that same step.
 """
@@ -98,8 +99,14 @@ def provenance(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
     return out
 
 
+HEADER = "# Replay: python -m runner --config-dir <this folder> --config-name frozen"
+END = "# end of frozen.yaml (a replay refuses a copy without this line)"
+"""The last line of every frozen file. A copy cut at a line boundary is still valid YAML, and Hydra would fill the
+fields it lost with the schema's defaults; a comment rather than a digest, so that a file edited by hand replays."""
+
+
 def _header(cfg: RunConfig) -> str:
-    lines = ["# Replay: python -m runner --config-dir <this folder> --config-name frozen"]
+    lines = [HEADER]
     c = cfg.checkpoint
     if c.resume and c.resume_from:  # pinned by the pre-launch check (runner.config.validate.checkpoint)
         lines += [
@@ -138,13 +145,35 @@ def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
     )
     path = run_dir / runfiles.FROZEN
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(_header(cfg) + text)
+    tmp.write_text(_header(cfg) + text + END + "\n")
     tmp.replace(path)
     return path
 
 
+def cut_short(path: Path) -> str | None:
+    """`file:line:column: what` and a fix for a frozen file that lacks its END line, where the file ends; None for a
+    whole one, a missing file (Hydra names that), and a config that is no frozen file (neither named frozen.yaml nor
+    starting with its HEADER)."""
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    if path.name != runfiles.FROZEN and (not lines or lines[0] != HEADER):
+        return None
+    if END in (line.rstrip() for line in lines):
+        return None
+    where = f"{len(lines)}:{len(lines[-1]) + 1}" if lines else "1:1"
+    return (
+        f"{path}:{where}: the file ends here, without the line that ends every frozen file ({END!r}): it was cut short, "
+        "and a replay would fill what it lost with the schema's defaults\n"
+        "Fix: copy the whole file from its run folder again (a whole file written before frozen files had that line: add it at the end)."
+    )
+
+
 def load(path: str | Path) -> RunConfig:
-    """Read a frozen.yaml back into the typed config (used by every rank)."""
+    """Read a frozen.yaml back into the typed config (used by every rank); refuse one cut short."""
+    cut = cut_short(Path(path))
+    if cut is not None:
+        raise ValueError(cut)
     raw = OmegaConf.load(path)
     raw.pop("defaults", None)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), raw))
