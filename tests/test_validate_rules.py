@@ -3,9 +3,16 @@ says do not fit, and catches settings that silently switch a feature off."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import dataclasses
+import math
+import typing
 
-from runner.config import validate
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from runner.config import schema, validate
+from runner.config.validate import finite
 from tests.conftest import run_cli
 
 BIG_405B = ["model=llama3_405b", "parallelism=tp8_pp16", "cluster=h100x1024", "training.seq_len=8192", "training.global_batch_size=2048"]
@@ -91,3 +98,50 @@ def test_validation_applies_the_plans_memory_verdict(compose, budget):
         assert fix in p.fix
     fitted = compose([*BIG_405B, "precision=bf16", "training.microbatch_size=1", "training.activation_checkpoint=full", "mode=validate"])
     assert validate.check(fitted).world_size == 1024
+
+
+def _float_fields(kind: type = schema.RunConfig, prefix: str = "") -> list[tuple[str, typing.Callable]]:
+    """Every float the schema holds, as (key, what to set there to put a number in it): fields, mapping values, the
+    fields of list items."""
+    out = []
+    for name, hint in typing.get_type_hints(kind).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            out += _float_fields(hint, f"{key}.")
+        elif hint is float:
+            out.append((key, lambda v: v))
+        elif typing.get_args(hint)[-1:] == (float,):  # dict[str, float]
+            out.append((key, lambda v: {"float32": v}))
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
+            out += [(key, lambda v, f=f: [{"path": "a", f: v}]) for f, h in typing.get_type_hints(item).items() if h is float]
+    return out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_every_float_field_refuses_a_non_finite_number(bad):
+    """nan passed every bound ("more than the nan GB") and inf every lower one ("fits in inf GB")."""
+    from runner.config import compose
+
+    fields = _float_fields()
+    assert len(fields) >= 25 and "cluster.device_memory_gb" in dict(fields)  # the walk sees the schema's floats
+    base = compose.compose_dict([])
+    for key, value in fields:
+        cfg = copy.deepcopy(base)
+        with open_dict(cfg):  # peak_tflops has no key of its own to set
+            OmegaConf.update(cfg, key, value(bad))
+        if key in finite.ALLOWED:
+            compose.to_object(cfg)
+            continue
+        with pytest.raises(validate.ConfigError) as e:
+            compose.to_object(cfg)
+        (p,) = e.value.problems
+        assert p.field.startswith(key) and p.why == "not a finite number (no bound can judge nan or inf)", key
+
+
+def test_nan_device_memory_names_the_field_not_a_nan_budget(compose):
+    with pytest.raises(validate.ConfigError) as e:
+        compose(["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16", "cluster.device_memory_gb=nan"])
+    assert str(e.value) == (
+        "Invalid config (1 problem):\n  - cluster.device_memory_gb = nan: not a finite number (no bound can judge nan or inf). "
+        "Fix: use a finite number, e.g. cluster.device_memory_gb=0."
+    )

@@ -4,7 +4,8 @@
 Hydra composes on top of the `base_config` schema (ConfigStore), so every group option merges into a typed
 node and a wrong type or enum fails at composition (a Problem: runner.config.compose_errors). Keys added with `+`
 slip past the typed nodes; `to_object` refuses them (runner.config.validate.keys), so `+training.lr_warmup=100`
-fails the same way everywhere.
+fails the same way everywhere, and it refuses a nan or inf in any float (runner.config.validate.finite), which no
+rule's bound can judge.
 """
 
 from __future__ import annotations
@@ -31,18 +32,23 @@ def register() -> None:
 
 
 def to_object(cfg: DictConfig) -> RunConfig:
-    """The typed config with every schema check applied (unknown keys, wrong types, enums).
+    """The typed config with every schema check applied (unknown keys, wrong types, enums, non-finite numbers).
 
     Re-merging the composed tree into a fresh structured RunConfig cost ~0.3 s per plan; the tree is
     already typed, so only a primary config that does not start from base_config is merged."""
-    import runner.config.validate.keys as keys  # here, not above: validate's rules import this module for CONF
+    import runner.config.validate.finite as finite  # here, not above: validate's rules import this module for CONF
+    import runner.config.validate.keys as keys
 
     if OmegaConf.get_type(cfg) is not RunConfig:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {k: v for k, v in cfg.items() if k != "defaults"})
     stray = keys.unknown(cfg)
     if stray:
         raise ConfigError(stray)
-    return OmegaConf.to_object(cfg)
+    typed = OmegaConf.to_object(cfg)
+    bad = finite.problems(typed)
+    if bad:
+        raise ConfigError(bad)
+    return typed
 
 
 def compose_dict(overrides: list[str], name: str = "config") -> DictConfig:

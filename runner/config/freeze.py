@@ -24,7 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf._utils import get_omega_conf_dumper
 
-from runner.config import runfiles
+from runner.config import compose, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 
@@ -176,4 +176,4 @@ def load(path: str | Path) -> RunConfig:
         raise ValueError(cut)
     raw = OmegaConf.load(path)
     raw.pop("defaults", None)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), raw))
+    return compose.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), raw))
