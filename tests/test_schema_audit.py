@@ -4,12 +4,16 @@ with its field named; and, with a reason each, the fields that have no bad value
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import re
 import typing
 
 import pytest
-from omegaconf import DictConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import compose, schema, validate
 from runner.config.problems import Problem
@@ -115,7 +119,7 @@ BAD = [
     (["training.max_norm=0"], "training.max_norm"),
     (["training.activation_checkpoint=selective"], "training.activation_checkpoint"),
     (["training.ac_layer_frequency=0"], "training.ac_layer_frequency"),
-    (["search.top_k=0"], "search.top_k"),
+    (["search.top_k=-1"], "search.top_k"),  # with search.verify = 0 > top_k, which is not the problem
     (["search.max_virtual_stages=1"], "search.max_virtual_stages"),
     (["search.max_cp=0"], "search.max_cp"),
     (["search.max_microbatch_size=0"], "search.max_microbatch_size"),
@@ -251,3 +255,73 @@ def _problems(composed: DictConfig | validate.ConfigError) -> list[Problem]:
 def test_bad_value_is_refused_naming_its_field(overrides, field):
     problems = _problems(_composed(tuple(overrides)))
     assert field in [p.field for p in problems], "\n".join(map(str, problems))
+
+
+LEAVES = set(_leaves(schema.RunConfig))
+GROUPS = {p.name for p in compose.CONF.iterdir() if p.is_dir()}
+_ASSIGN = re.compile(r"(?<![\w.<>=!])([a-z_][\w.]*)=(\[[^\]]*\]|\"[^\"]*\"|[^\s,;]+)")  # field=value, group=option
+_BOUND = re.compile(r"(?:at most|at least|<=|>=) (-?\d+(?:\.\d+)?)\b")  # "set X to at most 4", "use X <= 20"
+_EXAMPLE = re.compile(r"\b(?:e\.g\.|use) (\"[^\"]*\"|-?\d[\d.]*(?:e-?\d+)?)(?![\w.=])")  # "use e.g. 3e-4", "use 0 for unknown"
+
+
+def _field(key: str, near: str) -> str | None:
+    """`key` as a schema field: whole, or under a parent of the problem's field (a fix may say `ep=1` for parallelism.ep)."""
+    parts = near.split(".")
+    return next((f for f in (".".join([*parts[:i], key]) for i in range(len(parts))) if f in LEAVES), None)
+
+
+def _concrete(p: Problem) -> list[str]:
+    """The overrides the fix of `p` names, each a fix on its own: `field=value` and `group=option`; "at most N" and
+    "<= N" (also "at least", ">=") of the field named before it, else of p.field; "e.g. V" and "use V" of p.field."""
+    text = re.sub(r"\([^()]*\)", "", p.fix)  # a parenthesis explains; the alternatives are outside it
+    found = []
+    for m in _ASSIGN.finditer(text):
+        key = m[1] if m[1] in GROUPS else _field(m[1], p.field)
+        if key and not re.fullmatch(r"<.*>|[A-Z]", m[2]):  # not a placeholder (`=<name>`, `=N`)
+            found.append(f"{key}={m[2]}")
+    for m in _BOUND.finditer(text):
+        named = [f for f in (_field(t, p.field) for t in re.findall(r"[a-z_][\w.]*", text[: m.start()])) if f]
+        found.append(f"{named[-1] if named else p.field}={m[1]}")
+    found += [f"{p.field}={m[1]}" for m in _EXAMPLE.finditer(text)]
+    return found
+
+
+def _rule(p: Problem) -> tuple[str, str]:
+    """What identifies the rule that reported `p`: its field and its reason, numbers aside (they move with the fix)."""
+    return p.field, re.sub(r"-?\d[\d.e+-]*", "#", p.why)
+
+
+def _apply(overrides: tuple[str, ...], fix: str) -> list[Problem]:
+    """The problems of the case with `fix` in place of its own override of that key: composed again for a group,
+    else set on the composed tree (Hydra's composition is most of the time)."""
+    override = OverridesParser.create().parse_override(fix)
+    key, rest = override.key_or_group, tuple(o for o in overrides if o.split("=")[0] != override.key_or_group)
+    if key in GROUPS or isinstance(_composed(rest), validate.ConfigError):
+        return _problems(_composed((*rest, fix)))
+    fixed = copy.deepcopy(_composed(rest))
+    try:
+        OmegaConf.update(fixed, key, override.value())
+    except OmegaConfBaseException as e:
+        return [Problem(key, fix, f"refused at composition: {e}", "")]
+    return _problems(fixed)
+
+
+def test_every_concrete_fix_fixes_its_problem_and_is_not_refused_itself():
+    """Each fix of the audit's problems that names a value is applied alone: the problem's rule must pass, and no rule
+    may refuse the value it suggests (`search.top_k=-1` once got "set search.verify to at most -1")."""
+    failures, applied, prose = [], 0, 0
+    for overrides, _ in BAD:
+        before = _problems(_composed(tuple(overrides)))
+        for p in before:
+            fixes = _concrete(p)
+            prose += not fixes
+            for fix in fixes:
+                applied += 1
+                after = _apply(tuple(overrides), fix)
+                key = fix.split("=")[0]
+                still = [str(q) for q in after if _rule(q) == _rule(p)]
+                refused = [str(q) for q in after if q.field == key and _rule(q) not in map(_rule, before)]
+                if still or refused:
+                    failures.append(f"{' '.join(overrides)} + {fix}: {'; '.join(still + refused)}")
+    assert failures == [], "\n".join(failures)
+    assert applied >= 100, f"{applied} fixes applied, {prose} problems whose fix is prose"  # the parser still reads the fixes

@@ -100,6 +100,34 @@ def test_validation_applies_the_plans_memory_verdict(compose, budget):
     assert validate.check(fitted).world_size == 1024
 
 
+SLURM = ["cluster=slurm_h100", "cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"]
+
+
+def test_a_job_too_short_for_its_signal_gets_a_fix_that_fits(compose):
+    """time_min=1 with signal_s at its default 120 was told "e.g. 120", the very value refused."""
+    (p,) = _problems(compose, [*SLURM, "cluster.slurm.time_min=1"])
+    assert (p.field, p.value) == ("cluster.slurm.signal_s", 120)
+    assert p.fix == (
+        "give the seconds a step and a checkpoint need, below 60, e.g. cluster.slurm.signal_s=30, or cluster.slurm.time_min=3 to keep it"
+    )
+    for fix in ("cluster.slurm.signal_s=30", "cluster.slurm.time_min=3"):
+        validate.check(compose([*SLURM, "cluster.slurm.time_min=1", fix]))
+
+
+@pytest.mark.parametrize(
+    "overrides,problem",
+    [
+        (["mode=search", "search.top_k=-1"], "search.top_k = -1: must be >= 1. Fix: set search.top_k to at least 1."),
+        (["parallelism.ep=0"], "parallelism.ep = 0: a degree must be >= 1. Fix: use 1 to turn the axis off."),
+        (["model.rope_max_seq_len=0"], "model.rope_max_seq_len = 0: must be >= 1. Fix: copy it from TorchTitan's registry for the flavor."),
+    ],
+)
+def test_a_bad_value_is_one_problem_not_a_second_rule_misled_by_it(compose, overrides, problem):
+    """search.top_k=-1 also refused search.verify = 0 ("set search.verify to at most -1, or search.top_k=0"), ep=0 was
+    also "expert parallelism needs a mixture-of-experts model", and rope_max_seq_len=0 also told seq_len "use <= 0"."""
+    assert [str(p) for p in _problems(compose, overrides)] == [problem]
+
+
 def _float_fields(kind: type = schema.RunConfig, prefix: str = "") -> list[tuple[str, typing.Callable]]:
     """Every float the schema holds, as (key, what to set there to put a number in it): fields, mapping values, the
     fields of list items."""

@@ -10,7 +10,7 @@ import math
 
 from runner.config import flops, precision
 from runner.config.problems import Problem
-from runner.config.schema import Backend, DeviceType, Launcher, RunConfig, WorkerStart
+from runner.config.schema import Backend, DeviceType, Launcher, RunConfig, SlurmConfig, WorkerStart
 from runner.config.validate.layout import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
@@ -29,7 +29,10 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
         if getattr(p, name) < 1:
             out.append(Problem(f"parallelism.{name}", getattr(p, name), "a degree must be >= 1", "use 1 to turn the axis off"))
     if p.dp_shard < 1 and p.dp_shard != -1:
-        out.append(Problem("parallelism.dp_shard", p.dp_shard, "must be >= 1 or -1", "use -1 to absorb the remaining ranks"))
+        fix = "use -1 to absorb the remaining ranks"
+        if cfg.cluster.devices_per_node == -1:  # the layout sizes the job: -1 has nothing to absorb (validate.layout)
+            fix = f"use a degree >= 1, e.g. parallelism.dp_shard=1 (cluster {cfg.cluster.name} takes its world size from the layout)"
+        out.append(Problem("parallelism.dp_shard", p.dp_shard, "must be >= 1 or -1", fix))
     for name in ("steps", "seq_len", "global_batch_size", "microbatch_size"):
         if getattr(t, name) < 1:
             out.append(Problem(f"training.{name}", getattr(t, name), "must be >= 1", f"set training.{name} to a positive integer"))
@@ -74,7 +77,7 @@ def _verify(cfg: RunConfig, out: list[Problem]) -> None:
     s, c = cfg.search, cfg.cluster
     if s.verify < 0:
         out.append(Problem("search.verify", s.verify, "must be >= 0 (0 = off)", "set search.verify=0, or k > 0 to train the top k"))
-    elif s.verify > s.top_k:
+    elif s.top_k >= 1 and s.verify > s.top_k:  # a top_k below 1 is its own rule's
         out.append(
             Problem(
                 "search.verify",
@@ -172,19 +175,25 @@ def _slurm(cfg: RunConfig, out: list[Problem]) -> None:
     if s.time_min < 1:
         out.append(Problem("cluster.slurm.time_min", s.time_min, "must be >= 1", "set the job's wall-clock limit in minutes"))
     if s.time_min >= 1 and not 0 < s.signal_s < s.time_min * 60:
-        out.append(
-            Problem(
-                "cluster.slurm.signal_s",
-                s.signal_s,
-                f"SLURM's warning must come after the start and before the time limit ({s.time_min * 60} s)",
-                "give the seconds a step and a checkpoint need, e.g. 120",
-            )
-        )
+        out.append(_signal(s))
     if s.max_requeues < 0:
         out.append(Problem("cluster.slurm.max_requeues", s.max_requeues, "must be >= 0", "use 0 to never requeue at the time limit"))
     for name in ("cpus_per_node", "mem_gb"):
         if getattr(s, name) is not None and getattr(s, name) < 1:
             out.append(Problem(f"cluster.slurm.{name}", getattr(s, name), "must be >= 1", "or null for SLURM's default"))
+
+
+def _signal(s: SlurmConfig) -> Problem:
+    """SLURM's warning must fall inside the job: suggest a value that does, and the time limit that fits the given one."""
+    limit = s.time_min * 60
+    example = min(SlurmConfig().signal_s, limit // 2)  # the schema's default, unless the job is too short for it
+    fits = f", or cluster.slurm.time_min={s.signal_s // 60 + 1} to keep it" if s.signal_s > 0 else ""
+    return Problem(
+        "cluster.slurm.signal_s",
+        s.signal_s,
+        f"SLURM's warning must come after the start and before the time limit ({limit} s)",
+        f"give the seconds a step and a checkpoint need, below {limit}, e.g. cluster.slurm.signal_s={example}{fits}",
+    )
 
 
 def device(cfg: RunConfig, out: list[Problem]) -> None:

@@ -147,13 +147,13 @@ def sequence(cfg: RunConfig, out: list[Problem]) -> None:
                 f"use a multiple of {2 * p.cp}",
             )
         )
-    if t.seq_len > cfg.model.rope_max_seq_len:
+    if cfg.model.rope_max_seq_len >= 1 and t.seq_len > cfg.model.rope_max_seq_len:  # below 1: the model's own rule
         out.append(
             Problem(
                 "training.seq_len",
                 t.seq_len,
                 f"longer than the model's RoPE table ({cfg.model.rope_max_seq_len})",
-                f"use <= {cfg.model.rope_max_seq_len}",
+                f"use training.seq_len <= {cfg.model.rope_max_seq_len}",
             )
         )
 
@@ -195,7 +195,7 @@ def experts(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
     """TorchTitan's EP borrows its ranks from FSDP, CP and TP: ep must divide dp_shard x cp x tp
     (the rest, efsdp, shards the experts further) and the experts must split evenly over ep."""
     m, ep = cfg.model, cfg.parallelism.ep
-    if ep == 1:
+    if ep <= 1:  # below 1: the degree rule's (validate.fields)
         return
     if m.num_experts == 0:
         out.append(

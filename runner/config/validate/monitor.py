@@ -97,7 +97,7 @@ def _distributed(cfg: RunConfig, out: list[Problem]) -> None:
         )
     if d.shutdown_timeout_s < 0:
         out.append(Problem("distributed.shutdown_timeout_s", d.shutdown_timeout_s, "must be >= 0", "use e.g. 30 (torch's own wait)"))
-    if d.flight_recorder.buffer_size < 1:
+    if d.flight_recorder.enable and d.flight_recorder.buffer_size < 1:  # off, it records nothing
         out.append(
             Problem(
                 "distributed.flight_recorder.buffer_size",
