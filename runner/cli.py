@@ -42,6 +42,8 @@ def main(dcfg: DictConfig) -> float | None:
     try:
         cfg = compose.to_object(dcfg)
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit
+        for w in validate.warnings(cfg):
+            print(f"WARNING: {w}", file=sys.stderr)
         if cfg.mode != Mode.train:
             return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
         validate.preflight(cfg, run_dir, lay)

@@ -398,8 +398,9 @@ def test_every_composition_refuses_a_key_the_schema_lacks(capsys):
 @pytest.mark.e2e
 def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
     """From any folder, with Hydra's default run folder (outputs/<date>/<time>): nothing is left, outputs/ included."""
-    proc = run_cli("recipe=llama3_70b_h100x1024", "mode=validate", cwd=tmp_path)
+    proc = run_cli("recipe=llama3_70b_h100x1024", "training.warmup_steps=2000", "mode=validate", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "WARNING: training.warmup_steps = 2000: longer than training.steps = 10: the learning rate ends at 0.5 % of" in proc.stderr
     assert "1024 ranks, layout tp8_pp4_1F1B_dp32 [pp=4 x dp_shard=32 x tp=8]" in proc.stdout
     assert "4,194,304 tokens/step, 32 microbatches of 1 per DP rank" in proc.stdout
     assert list(tmp_path.iterdir()) == []

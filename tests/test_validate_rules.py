@@ -173,3 +173,15 @@ def test_nan_device_memory_names_the_field_not_a_nan_budget(compose):
         "Invalid config (1 problem):\n  - cluster.device_memory_gb = nan: not a finite number (no bound can judge nan or inf). "
         "Fix: use a finite number, e.g. cluster.device_memory_gb=0."
     )
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning_not_a_refusal(compose):
+    """Warned, not refused: the schedule does not depend on training.steps, so a run resumed with more steps goes on
+    warming up, and search.verify trains real configs for a few steps."""
+    cfg = compose(["training.warmup_steps=100000", "training.steps=10"])
+    validate.check(cfg)
+    assert [str(w) for w in validate.warnings(cfg)] == [
+        "training.warmup_steps = 100000: longer than training.steps = 10: the learning rate ends at 0.01 % of training.lr "
+        "(a run resumed with more steps goes on warming up). Fix: use at most 10, e.g. training.warmup_steps=1."
+    ]
+    assert validate.warnings(compose(["training.warmup_steps=10", "training.steps=10"])) == []

@@ -30,7 +30,7 @@ from runner.config.layout import Layout, resolve  # not `layout`: that name is t
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
 
-__all__ = ["RULES", "ConfigError", "Context", "Needs", "Rule", "check", "preflight", "walk"]
+__all__ = ["RULES", "ConfigError", "Context", "Needs", "Rule", "check", "preflight", "walk", "warnings"]
 
 
 class Needs(Enum):
@@ -211,6 +211,10 @@ def check(cfg: RunConfig) -> Layout:
     if out:
         raise ConfigError(out)
     return ctx.lay
+
+
+warnings = fields.warnings
+"""What runs but is likely not what was meant (a warm-up longer than the run): printed, never refused."""
 
 
 def preflight(cfg: RunConfig, run_dir: Path, lay: Layout | None = None, *, node: bool = False) -> None:

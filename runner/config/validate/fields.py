@@ -56,6 +56,23 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
     _search(cfg, out)
 
 
+def warnings(cfg: RunConfig) -> list[Problem]:
+    """What runs but is likely not what was meant: printed before the mode runs, never refused (validate.warnings).
+
+    A warm-up longer than the run is one: the learning rate never reaches training.lr. It is not refused, since the
+    schedule (linear warm-up, then constant) does not depend on training.steps: a run stopped before its warm-up ends
+    and resumed with more steps goes on warming up where it stopped, and search.verify trains real configs for a few
+    steps (search.verify_steps). TorchTitan's own scheduler warns too (and shortens the warm-up to the run)."""
+    t = cfg.training
+    if t.steps < 1 or t.warmup_steps <= t.steps:
+        return []
+    why = (
+        f"longer than training.steps = {t.steps}: the learning rate ends at {100 * t.steps / t.warmup_steps:.2g} % of training.lr "
+        "(a run resumed with more steps goes on warming up)"
+    )
+    return [Problem("training.warmup_steps", t.warmup_steps, why, f"use at most {t.steps}, e.g. training.warmup_steps={t.steps // 10}")]
+
+
 def _search(cfg: RunConfig, out: list[Problem]) -> None:
     """mode=search's bounds, and an objective a plan can return (it trains nothing, so it has no loss)."""
     s = cfg.search
