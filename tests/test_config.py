@@ -44,6 +44,8 @@ CONTEXT = {
     "cluster/h100x64.yaml": ["parallelism=fsdp", "training.global_batch_size=128"],
     "cluster/h800x2048.yaml": ["parallelism=fsdp", "training.global_batch_size=4096"],
     "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
+    # a GPU's datasheet is picked by a cluster file (conf/cluster/*.yaml): tried under an 8-GPU node
+    **{f"gpu/{p.name}": ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"] for p in ROOT.glob("conf/gpu/*.yaml")},
     # Qwen3.5's Gated DeltaNet runs only as Triton kernels: its options validate for GPU clusters, not local_cpu
     **{
         # the MoE flavors with EP: FSDP alone would gather all 512 experts of a block on every GPU
@@ -74,7 +76,8 @@ def _overrides(path: str) -> list[str]:
     if top == "conf":
         group, option = rest.rsplit("/", 1)
         ctx = CONTEXT.get(rest, [])
-        return [*ctx, f"{group}={option.removesuffix('.yaml')}"]
+        key = "gpu@cluster" if group == "gpu" else group  # the datasheet a cluster's defaults list picks (/gpu@_here_)
+        return [*ctx, f"{key}={option.removesuffix('.yaml')}"]
     group = {"recipes": "recipe", "sweeps": "sweep"}[top]
     return [f"{group}={rest.removesuffix('.yaml')}"]
 
