@@ -7,7 +7,10 @@ from types import SimpleNamespace
 
 import torch
 
+from runner.config.schema import DeviceType, LossGuardConfig
+from runner.observe import monitor
 from runner.run import train
+from runner.run.device import DevicePolicy
 from runner.run.loader import Prefetch, SyntheticData
 
 
@@ -33,3 +36,52 @@ def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch)
     train._train_step(loop, 1)
     assert len(seen) == 2 and all(t.device.type == "meta" for mb in seen for t in mb)
     assert [tuple(t.shape) for t in seen[0]] == [(2, 8), (2, 8)]
+
+
+class _RecordingPolicy(DevicePolicy):
+    """A CUDA policy whose device calls only record themselves, in order, into `events`."""
+
+    def __init__(self, events: list[str]):
+        super().__init__(DeviceType.cuda, "nccl", dedicated_host_group=True)
+        self.events = events
+
+    def sync(self) -> None:
+        self.events.append("sync")
+
+    def max_memory_gb(self) -> float:
+        return 0.0
+
+
+def test_step_time_is_taken_after_the_device_finished_the_optimizer(monkeypatch):
+    """On CUDA the host runs ahead of its kernels: a dt read right after `opt.step()` returns times the launches.
+    The step loop waits for the device (the policy's sync) after the optimizer and only then reads the clock."""
+    events: list[str] = []
+    clock = iter(range(100))
+    monkeypatch.setattr(train.time, "perf_counter", lambda: events.append("clock") or float(next(clock)))
+    monkeypatch.setattr(train, "_train_step", lambda loop, step: (torch.zeros(()), 1.0))
+    monkeypatch.setattr(train, "global_loss", lambda local, lay, policy: 2.0)
+    monkeypatch.setattr(train.loader, "global_digest", lambda data, k, policy: "d")
+    monkeypatch.setattr(train, "row", lambda step, loss, norm, dt, *a: events.append(f"row dt={dt:g}") or {})
+    opt = SimpleNamespace(param_groups=[{"lr": 1e-3}], step=lambda: events.append("optimizer"), zero_grad=lambda set_to_none: None)
+    loop = SimpleNamespace(
+        mon=SimpleNamespace(begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], windows_judged=0),
+        integrity=SimpleNamespace(begin_step=lambda s, p: None, check_due=lambda s: False, checks=0, replays=0, take=lambda: []),
+        guard=monitor.LossGuard(LossGuardConfig()),
+        opt=opt,
+        sched=SimpleNamespace(step=lambda: None),
+        built=SimpleNamespace(parts=[]),
+        data=None,
+        lay=None,
+        policy=_RecordingPolicy(events),
+        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=5)),
+        acc=None,
+        feed=SimpleNamespace(waited_s=0.0),
+        eval_data=None,
+        ckpt=SimpleNamespace(due=lambda s: False, poll=lambda: None),
+        watch=SimpleNamespace(agreed=lambda policy: False),
+        stopped=False,
+        sinks=[],
+        rows=[],
+    )
+    assert train._step(loop, 2) == 3
+    assert events == ["clock", "optimizer", "sync", "clock", "row dt=1"]

@@ -233,6 +233,7 @@ def _step(loop: _Loop, step: int) -> int:
     opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
     loop.sched.step()
     replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
+    loop.policy.sync()  # the step's kernels, the optimizer's last, have run: dt times the work, not its launch
     dt = time.perf_counter() - t0
     flagged = mon.end_step()
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
