@@ -341,3 +341,19 @@ def test_cli_headline_validates_and_rejects_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     assert "mxfp8 needs NVIDIA SM 10.0+ (Blackwell B200/GB200)" in proc.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_gpu_blockwise_linear_adds_its_bias(monkeypatch):
+    """torchao's Float8BlockwiseLinear forward returns x @ W.T and drops the bias. The layer the GPU path builds
+    adds it. torchao's capability check and FP8 GEMM are replaced (no SM 9.0 here) by a plain matmul, so the
+    test is about the layer's forward, not the emulation's (which adds the bias itself)."""
+    from torchao.prototype.blockwise_fp8_training import linear
+
+    monkeypatch.setattr(linear, "is_sm_at_least_90", lambda: True)
+    monkeypatch.setattr(linear.fp8_blockwise_mm, "apply", lambda x, w, block, dtype, triton: x @ w.T)
+    layer = titan.blockwise_linear_config()(in_features=128, out_features=256, bias=True).build()
+    with torch.no_grad():
+        layer.bias.copy_(torch.arange(256, dtype=torch.float32))
+    x = torch.randn(2, 3, 128)
+    assert isinstance(layer, linear.Float8BlockwiseLinear)
+    assert torch.equal(layer(x), x @ layer.weight.T + layer.bias)

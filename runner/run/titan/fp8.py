@@ -100,7 +100,7 @@ _BLOCKWISE_LINEAR = None
 
 def blockwise_linear_config():
     """torchao's blockwise FP8 Linear (SM 9.0+, Triton quantization kernels) as a TorchTitan
-    module, wrapped the way TorchTitan wraps torchao's Float8Linear."""
+    module, wrapped the way TorchTitan wraps torchao's Float8Linear; it adds the bias torchao's forward drops."""
     global _BLOCKWISE_LINEAR
     if _BLOCKWISE_LINEAR is None:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
@@ -114,6 +114,10 @@ def blockwise_linear_config():
 
             def __init__(self, config: Config):
                 Float8BlockwiseLinear.__init__(self, config.in_features, config.out_features, bias=config.bias)
+
+            def forward(self, x):
+                out = Float8BlockwiseLinear.forward(self, x)  # torchao's GEMM leaves the bias out (torchao 0.18)
+                return out if self.bias is None else out + self.bias.to(out.dtype)
 
         _BLOCKWISE_LINEAR = BlockwiseFp8Linear
     return _BLOCKWISE_LINEAR.Config
