@@ -1,6 +1,6 @@
 """Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.config.checkpoint).
 
-State: model, optimizer, LR schedule, step, loss-guard history, every rank's RNG and the data loader position.
+State: model, optimizer, LR schedule, step, loss-guard history, every rank's RNGs (host and device) and the data loader position.
 Like TorchTitan's CheckpointManager, the Checkpointer takes its own config section plus the few run values it needs.
 """
 
@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from runner.config import checkpoint, runfiles
@@ -54,8 +53,9 @@ class Checkpointer:
             "train": {"step": step, "lr_scheduler": json.dumps(sched.state_dict()), "guard": json.dumps(guard.state_dict())},
             "data": data.state_dict(step),
         }
-        if rng:  # per rank, so each rank gets its own stream back
-            extra["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
+        if rng:  # per rank, so each rank gets its own streams back: the host's, and the compute device's on CUDA
+            host, device = self.policy.rng_state()
+            extra["rng"] = {f"rank{self.rank}": host} | ({} if device is None else {f"rank{self.rank}_device": device})
         return extra
 
     def due(self, step: int) -> bool:
@@ -173,7 +173,8 @@ class Checkpointer:
             guard.load_state_dict(json.loads(got["train"]["guard"]))
         data.load_state_dict(got["data"], step)
         if same_ranks:
-            torch.set_rng_state(got["rng"][f"rank{self.rank}"])
+            mine = got["rng"]
+            self.policy.set_rng_state((mine[f"rank{self.rank}"], mine.get(f"rank{self.rank}_device")))
         if self.rank == 0:
             rng = "" if same_ranks else f" (RNG states not restored: saved by {info['world_size']} ranks)"
             print(f"checkpoint: resumed from {path} (step {step}, layout {info['layout']}){rng}", flush=True)
