@@ -85,3 +85,19 @@ def test_step_time_is_taken_after_the_device_finished_the_optimizer(monkeypatch)
     )
     assert train._step(loop, 2) == 3
     assert events == ["clock", "optimizer", "sync", "clock", "row dt=1"]
+
+
+def test_prefetch_pins_its_batches_when_the_compute_device_is_cuda(monkeypatch):
+    """`non_blocking=True` copies from pageable memory are synchronous: on CUDA the read-ahead thread pins each batch
+    (the step's copy to the GPU then overlaps), on CPU nothing is pinned (and pinning would fail without CUDA)."""
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(tuple(t.shape)) or t)
+    data = SyntheticData(seed=0, seq_len=8, vocab=64, global_batch=4, microbatch=2, dp_rank=0, dp=1)
+    for device, want in ((DeviceType.cpu, []), (DeviceType.cuda, [(2, 8)] * 8)):
+        pinned.clear()
+        feed = Prefetch(data, pin=DevicePolicy(device, "gloo", dedicated_host_group=False).pins_host_batches)
+        got = feed.get(0)  # read on the spot, then step 1's read ahead starts
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, data.microbatches(0), strict=True))
+        feed.get(1)  # the read-ahead, already pinned
+        feed.close()
+        assert pinned[:8] == want, device  # 2 microbatches x (inputs, labels) x steps 0 and 1

@@ -10,6 +10,7 @@
 | phase clock                       | the process's CPU time             | CUDA events around the phase                 |
 | step-end arrival (stragglers)     | host barrier, wall-clock stamps    | the same, after the device finished the step |
 | memory probe                      | peak resident set                  | peak allocated device memory                 |
+| host batches (Prefetch)           | plain memory                       | pinned, so copies to the device are async    |
 | threads per rank                  | cores / ranks on the machine       | torch's default                              |
 | flight recorder                   | torch's; the runner dumps on hang  | NCCL's, which dumps by itself                |
 | a peak FLOP/s figure counts       | the node (its ranks share cores)   | one GPU                                      |
@@ -122,6 +123,12 @@ class DevicePolicy:
             "TORCH_NCCL_ENABLE_TIMING": "1" if timing else "0",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down the communicator on timeout (default; made explicit)
         }
+
+    @property
+    def pins_host_batches(self) -> bool:
+        """Whether the loader reads batches into pinned host memory: a non_blocking copy to a GPU is asynchronous only from
+        pinned memory (runner.run.loader.Prefetch); a CPU rank copies nothing."""
+        return not self.cpu
 
     @property
     def datasheet_predicts(self) -> bool:

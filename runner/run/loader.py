@@ -309,10 +309,12 @@ class TokenData(_Stream):
 class Prefetch:
     """Reads step s + 1's microbatches in a background thread while step s trains. A batch is a pure function of
     (loader position, step), so a read ahead is used only when that key still holds (a restore or a rewind moves
-    the position, and the batch is then read on the spot). `waited_s`: how long the last `get` waited."""
+    the position, and the batch is then read on the spot). `waited_s`: how long the last `get` waited. With `pin`
+    (a CUDA compute device: DevicePolicy.pins_host_batches) the batches are read into pinned memory, without which
+    the step's non_blocking copy to the device is a synchronous one."""
 
-    def __init__(self, data: _Stream):
-        self.data, self.waited_s = data, 0.0
+    def __init__(self, data: _Stream, pin: bool = False):
+        self.data, self.waited_s, self.pin = data, 0.0, pin
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead = None
 
@@ -325,10 +327,14 @@ class Prefetch:
         if self._ahead is not None and self._ahead[0] == self._key(step):
             mbs = self._ahead[1].result()
         else:
-            mbs = self.data.microbatches(step)
+            mbs = self._read(step)
         self.waited_s = time.perf_counter() - t0
-        self._ahead = (self._key(step + 1), self._pool.submit(self.data.microbatches, step + 1))
+        self._ahead = (self._key(step + 1), self._pool.submit(self._read, step + 1))
         return mbs
+
+    def _read(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mbs = self.data.microbatches(step)
+        return [(x.pin_memory(), y.pin_memory()) for x, y in mbs] if self.pin else mbs
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
