@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from runner.config import layout, runfiles
-from runner.config.schema import DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from runner.config.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 from runner.observe import forensics, monitor
 from runner.run import startup
 from tests.conftest import ROOT, metrics, run_cli
@@ -357,3 +357,40 @@ def test_agent_stops_ranks_within_the_configured_shutdown_timeout():
     agent = SimpleNamespace(_shutdown_timeout=5, _shutdown=lambda **kw: calls.append(kw))
     LocalElasticAgent._stop_workers(agent, None)
     assert calls == [{"timeout": 5}]
+
+
+def _cuda_run_config() -> RunConfig:
+    cfg = RunConfig()
+    cfg.cluster.device, cfg.cluster.backend = DeviceType.cuda, Backend.nccl
+    return cfg
+
+
+def test_dump_folder_exists_before_the_process_group_starts(monkeypatch, tmp_path):
+    """NCCL's dump writer opens <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank> without creating its folder: a timeout's dump is lost
+    unless the folder exists before the group (and its watchdog) starts, on every path that starts a rank's group."""
+    from runner.run import worker
+
+    cfg = _cuda_run_config()
+    seen = []
+    monkeypatch.setattr(worker.titan, "init_process_group", lambda cfg, policy: seen.append(sorted(p.name for p in tmp_path.rglob("*"))))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for key, value in forensics.rank_env(cfg, tmp_path / "run").items():
+        monkeypatch.setenv(key, value)
+    worker.start_rank(cfg)
+    assert seen == [["flight_recorder", "run"]]
+
+
+def test_nccl_recorder_is_read_beside_the_host_groups(monkeypatch, tmp_path):
+    """On NCCL the model's collectives are in NCCL's recorder, the host group's (gloo) in torch's generic one: a stalled
+    rank's record names the collective of each."""
+    import torch._C._distributed_c10d as c10d
+
+    def dump(group: str, op: str) -> str:
+        entry = {"process_group": [group, "desc"], "profiling_name": op, "collective_seq_id": 7, "record_id": 3}
+        return json.dumps({"entries": [entry]})
+
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *a: dump("1", "gloo:barrier"))
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *a: dump("0", "nccl:all_reduce"), raising=False)
+    got = forensics.RankRecorder(_cuda_run_config(), tmp_path, 0, {})._in_flight()
+    assert {g: c["op"] for g, c in got.items()} == {"0": "nccl:all_reduce", "1": "gloo:barrier"}
+    assert list(forensics.RankRecorder(RunConfig(), tmp_path, 0, {})._in_flight()) == ["1"]  # gloo: the generic recorder only

@@ -65,12 +65,24 @@ def _sequence_numbers(groups: dict[str, dict[str, Any]]) -> dict[str, int]:
     return {name: int(g["pg"]._get_sequence_number_for_group()) for name, g in groups.items()}
 
 
-def _last_collectives() -> dict[str, dict[str, Any]]:
-    """Last flight-recorder entry per process group (on gloo every entry reads 'scheduled', so the last is the one in flight)."""
+def make_dump_folders() -> None:
+    """Create the folders of the recorders' dump prefixes (the environment's, as the recorders will read it) before the
+    process group starts: NCCL's dump writer opens <prefix><rank> and does not create a missing folder."""
+    for key in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        if os.environ.get(key):
+            Path(os.environ[key]).parent.mkdir(parents=True, exist_ok=True)
+
+
+def _last_collectives(nccl: bool) -> dict[str, dict[str, Any]]:
+    """Last flight-recorder entry per process group (on gloo every entry reads 'scheduled', so the last is the one in flight).
+    With `nccl` the NCCL groups' entries are NCCL's recorder's, read beside the generic one (the host group, on gloo)."""
     import torch._C._distributed_c10d as c10d
 
+    dumps = [c10d._dump_fr_trace_json(True, False)]
+    if nccl:
+        dumps.append(c10d._dump_nccl_trace_json(True, False))
     last: dict[str, dict[str, Any]] = {}
-    for e in json.loads(c10d._dump_fr_trace_json(True, False)).get("entries", []):
+    for e in (e for d in dumps for e in json.loads(d).get("entries", [])):
         name, desc = e["process_group"]
         last[name] = {
             "op": e["profiling_name"],
@@ -106,6 +118,9 @@ class RankRecorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval = cfg.distributed.heartbeat_s
         self.use_fr = cfg.distributed.flight_recorder.enable
+        from runner.run.device import DevicePolicy  # here: the launcher reads this module before torch is imported
+
+        self.nccl = DevicePolicy.of(cfg.cluster, cfg.distributed).backend == "nccl"
         self.step, self.phase, self.since = 0, "start-up", time.time()
         self.static = {
             "rank": rank,
@@ -150,7 +165,7 @@ class RankRecorder:
 
     def _in_flight(self) -> dict[str, Any] | None:
         """Last flight-recorder entry per group: with FSDP's prefetch the last one issued need not be the one waited in."""
-        return _last_collectives() if self.use_fr else None
+        return _last_collectives(self.nccl) if self.use_fr else None
 
     def _write(self, seqs: dict[str, int]) -> None:
         body = {

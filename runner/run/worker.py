@@ -29,6 +29,7 @@ def start_rank(cfg) -> DevicePolicy:
     policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
     policy.set_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     titan.quiet_torchao(cfg)
+    forensics.make_dump_folders()  # the recorders' dump folders, before the process group reads their prefixes
     titan.init_process_group(cfg, policy)
     return policy
 
