@@ -3,6 +3,8 @@ whose device calls are recorded (no GPU here)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +42,9 @@ def test_device_rng_is_saved_and_restored_through_the_policy(monkeypatch, tmp_pa
     continues with another device stream than the uninterrupted run."""
     monkeypatch.setattr(checkpointer.dist, "get_rank", lambda: 0)
     saved = {}
-    monkeypatch.setattr(checkpointer.titan, "save_state", lambda parts, opt, extra, path, group: saved.update(extra))
+    monkeypatch.setattr(
+        checkpointer.titan, "save_state", lambda parts, opt, extra, path, group, stager: saved.update(extra) or (None, None)
+    )
     monkeypatch.setattr(checkpointer.titan, "load_state", lambda parts, opt, template, path: saved)
     monkeypatch.setattr(checkpointer.checkpoint, "file_records", lambda partial, checksum: {})
     monkeypatch.setattr(checkpointer.checkpoint, "publish", lambda partial, final, info, files: final)
@@ -56,3 +60,34 @@ def test_device_rng_is_saved_and_restored_through_the_policy(monkeypatch, tmp_pa
     assert ckpt.restore(built, None, sched, data, guard) == 2
     ((host, device),) = policy.restored
     assert torch.equal(host, saved["rng"]["rank0"]) and device.tolist() == [7, 8, 9]
+
+
+def test_async_saves_keep_one_stager_with_the_devices_options(monkeypatch, tmp_path: Path):
+    """One DCP stager for the run: on CUDA pinned buffers reused across saves and the copy in a background thread (the
+    optimizer waits for it), on CPU neither (torch refuses both without CUDA)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    monkeypatch.setattr(checkpointer.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(checkpointer.dist, "new_group", lambda backend: "ckpt-group")
+    made, used = [], []
+    monkeypatch.setattr(checkpointer, "DefaultStager", lambda options: made.append(options) or SimpleNamespace(options=options))
+    copied = Future()
+    monkeypatch.setattr(
+        checkpointer.titan, "save_state", lambda parts, opt, extra, path, group, stager: used.append((group, stager)) or (None, copied)
+    )
+    for policy in (CudaLikePolicy(torch.zeros(1)), DevicePolicy(DeviceType.cpu, "gloo", dedicated_host_group=False)):
+        made.clear(), used.clear()
+        ckpt = checkpointer.Checkpointer(CheckpointConfig(enable=True), tmp_path, num_steps=4, origin={}, policy=policy)
+        built, sched, data, guard = _state()
+        ckpt.save(1, built, None, sched, data, guard)
+        ckpt.save(2, built, None, sched, data, guard)
+        cuda = not policy.cpu
+        assert made == [StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda)]
+        assert len(used) == 2 and all(u == ("ckpt-group", used[0][1]) for u in used) and used[0][1].options is made[0]
+    waiter = threading.Thread(target=ckpt.staged)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # the optimizer waits while the copy is being taken
+    copied.set_result(None)
+    waiter.join(5)
+    assert not waiter.is_alive() and ckpt.staging is None

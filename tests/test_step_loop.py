@@ -77,14 +77,14 @@ def test_step_time_is_taken_after_the_device_finished_the_optimizer(monkeypatch)
         acc=None,
         feed=SimpleNamespace(waited_s=0.0),
         eval_data=None,
-        ckpt=SimpleNamespace(due=lambda s: False, poll=lambda: None),
+        ckpt=SimpleNamespace(due=lambda s: False, poll=lambda: None, staged=lambda: events.append("staged")),
         watch=SimpleNamespace(agreed=lambda policy: False),
         stopped=False,
         sinks=[],
         rows=[],
     )
     assert train._step(loop, 2) == 3
-    assert events == ["clock", "optimizer", "sync", "clock", "row dt=1"]
+    assert events == ["clock", "staged", "optimizer", "sync", "clock", "row dt=1"]
 
 
 def test_prefetch_pins_its_batches_when_the_compute_device_is_cuda(monkeypatch):

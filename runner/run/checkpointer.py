@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from runner.config import checkpoint, runfiles
 from runner.config.schema import CheckpointConfig
@@ -43,6 +44,9 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if self.enabled and c.async_save else None
         # rank 0 checksums an async save's files in a thread of its own, once DCP has written them
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") if self.group is not None and self.rank == 0 else None
+        # one stager for every save, so its (pinned, on CUDA) buffers are reused: DCP makes and frees its own per save otherwise
+        self.stager = DefaultStager(policy.staging_options()) if self.group is not None else None
+        self.staging: Future | None = None
         self.pending: tuple[Future | None, int] | None = None
         self.published: list[int] = []
         self.blocked_s: list[float] = []
@@ -67,7 +71,7 @@ class Checkpointer:
         self.wait()  # a previous async save still writing (normally long done)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = checkpoint.partial_path(self.folder, step)
-        fut = titan.save_state(built.parts, opt, self._extra(step, sched, data, guard), partial, self.group)
+        fut, self.staging = titan.save_state(built.parts, opt, self._extra(step, sched, data, guard), partial, self.group, self.stager)
         if fut is not None and self.hasher is not None:
             fut = self.hasher.submit(self._records, fut, partial)
         self.pending = (fut, step)
@@ -76,6 +80,12 @@ class Checkpointer:
         held = time.perf_counter() - t0
         self.blocked_s.append(held)
         return held
+
+    def staged(self) -> None:
+        """Block until an async save's copy of the state is taken: before the optimizer changes the weights it copies."""
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
 
     def _records(self, written: Future, partial: Path) -> dict[str, dict[str, Any]]:
         written.result()  # every rank's shard is on disk (see runner.config.checkpoint)

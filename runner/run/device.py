@@ -149,6 +149,14 @@ class DevicePolicy:
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], self.compute_device())
 
+    def staging_options(self):
+        """How an async checkpoint copies the state off the device (torch's DCP stager, kept across saves): on CUDA into
+        reused pinned buffers, in a background thread; on CPU plainly (torch raises for pinning or async staging without CUDA)."""
+        from torch.distributed.checkpoint.staging import StagingOptions
+
+        cuda = not self.cpu
+        return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda)
+
     def compute_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 

@@ -228,6 +228,7 @@ def _step(loop: _Loop, step: int) -> int:
     verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
     lr = opt.param_groups[0]["lr"]
     if verdict.action == "ok":
+        loop.ckpt.staged()  # an async checkpoint's copy of the weights is taken before they change
         with mon.phase("optimizer"):
             opt.step()
     opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights

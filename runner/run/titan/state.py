@@ -17,21 +17,25 @@ def _holder(parts: list[torch.nn.Module]) -> torch.nn.Module:
     return parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
 
 
-def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path, async_group=None):
+def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path, async_group=None, stager=None):
     """Sharded checkpoint through PyTorch DCP: the model with TorchTitan's ModelWrapper (canonical,
     unfused keys, so another layout can load it), the optimizer with flattened FQN keys, and `extra`
     (step, LR schedule, RNG, data position). With `async_group` (a gloo group kept for checkpoints,
     so the writer thread's collectives never interleave with training's) DCP copies the state and
-    writes it in a background thread; the returned future resolves when every rank has written."""
+    writes it in a background thread with `stager` (DCP's DefaultStager); returns (written, staged): futures that resolve when
+    every rank has written, and when the copy is taken (None: taken before the return)."""
     import torch.distributed.checkpoint as dcp
     from torchtitan.components.checkpointer.base import ModelWrapper
 
     options, get_optim, _ = _optim_io()
     state = {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), optimizer, options=options), **extra}
     if async_group is not None:
-        return dcp.async_save(state, checkpoint_id=str(path), process_group=async_group)
+        got = dcp.async_save(state, checkpoint_id=str(path), process_group=async_group, async_stager=stager)
+        if isinstance(got, dcp.state_dict_saver.AsyncSaveResponse):  # async staging: the copy is still being taken
+            return got.upload_completion, got.staging_completion
+        return got, None
     dcp.save(state, checkpoint_id=str(path))
-    return None
+    return None, None
 
 
 def save_model(parts: list[torch.nn.Module], path: Path) -> None:
