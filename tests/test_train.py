@@ -59,6 +59,7 @@ def test_default_command_trains_into_one_folder(tmp_path):
     made = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(made) == 1, made  # Hydra's outputs/<date>/<time>/, not one per rank
     assert sorted(p.name for p in made[0].iterdir() if not p.name.startswith(".")) == [
+        "flight_recorder",  # made before the process group starts: NCCL's dump writer makes no folder
         "frozen.yaml",
         "logs",
         "metrics.jsonl",
