@@ -304,3 +304,26 @@ def test_cluster_table_is_generated_from_every_cluster_file():
     assert options == sorted(p.stem for p in (ROOT / "conf" / "cluster").glob("*.yaml"))  # a100_node, h100_96gb_node, slurm_local too
     (local,) = [ln for ln in text.splitlines() if ln.startswith("| `slurm_local` |")]
     assert "| 2 x 2 | cpu (gloo) | measured at start-up | the machine's RAM | SLURM: `python -m runner -m` submits it |" in local
+
+
+@pytest.mark.parametrize("recipe", ["llama3_70b_h100x1024", "gpt_oss_120b_h100x64"])
+def test_preflight_starts_pipeline_recipes_on_cuda(compose, monkeypatch, recipe):
+    """The pipeline step passes FlexAttention's block masks (runner.run.titan.step.batch_masks), so a node with an
+    NVIDIA driver starts the PP recipes: no launch-time rule refuses them any more."""
+    from runner.config import validate
+    from runner.config.problems import ConfigError
+    from runner.config.validate import launch as launch_rules
+
+    cfg = compose([f"recipe={recipe}"])
+    lay = validate.check(cfg)
+    assert lay.pp > 1
+    real = os.path.exists
+    monkeypatch.setattr(launch_rules.os.path, "exists", lambda path: path == "/proc/driver/nvidia/version" or real(path))
+    out = []
+    launch_rules.this_machine(cfg, lay, True, out)
+    assert out == []
+    cfg.eval.cpu_flex_attention = True  # the test-only switch of runner.run.parity is refused in a launch
+    launch_rules.this_machine(cfg, lay, True, out)
+    assert [(p.field, p.value) for p in out] == [("eval.cpu_flex_attention", True)]
+    with pytest.raises(ConfigError, match="eval.cpu_flex_attention"):
+        validate.preflight(cfg, Path("/nonexistent-run"), lay, node=True)

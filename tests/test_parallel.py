@@ -29,6 +29,8 @@ pytestmark = pytest.mark.e2e  # every test here starts processes
 COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false", "eval.interval=2", "eval.steps=1"]
 PP2 = ["parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"]
 LOOPED = ["parallelism=pp2_interleaved"]
+# TEST-ONLY: FlexAttention and its block masks, one forward-only eval pass of 2 microbatches of 2 samples
+FLEX = ["eval.cpu_flex_attention=true", "training.global_batch_size=4"]
 MOE = [
     "model=debug_moe",
     "training.global_batch_size=2",
@@ -37,13 +39,15 @@ MOE = [
 REFERENCE = {"ep2": "moe_single"}  # the one-rank run of the same model; the rest compare with the dense "single"
 SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 LAUNCHES = {
-    1: {"single": ["parallelism=single"], "moe_single": [*MOE, "parallelism=single"]},
+    1: {"single": ["parallelism=single"], "moe_single": [*MOE, "parallelism=single"], "flex_single": [*FLEX, "parallelism=single"]},
     2: {
         "cp2": ["parallelism=cp2"],
         "ep2": [*MOE, "parallelism=ep2"],
         "dp2": ["parallelism=dp2"],
         "tp2": ["parallelism=tp2"],
         "tp2_no_sp": ["parallelism=tp2", "parallelism.sequence_parallel=false"],
+        "flex_pp2": [*FLEX, *PP2],
+        "flex_pp2_interleaved": [*FLEX, *LOOPED],
         **{f"pp2_{s}": (PP2 if pipeline.SCHEDULES[s].style == "single" else LOOPED) + [f"parallelism.pp_schedule={s}"] for s in SCHEDULES},
     },
     4: {
@@ -55,7 +59,7 @@ LAUNCHES = {
         "cp2_pp2": ["parallelism=cp2", "parallelism.name=cp2_pp2", "parallelism.pp=2"],  # every stage on the CP chunks
     },
 }
-MULTI = [name for n, presets in LAUNCHES.items() if n > 1 for name in presets]
+MULTI = [name for n, presets in LAUNCHES.items() if n > 1 for name in presets if not name.startswith("flex_")]  # flex_: eval only
 EXACT_NORM_RTOL = 1e-8
 GRAD_NORM_RTOL = 1e-5
 SHARDED_GRAD_NORM_RTOL = 1e-4
@@ -122,6 +126,24 @@ def test_pipeline_schedules_give_the_same_loss(trained):
         got = trained[f"pp2_{s}"]
         assert got["schedule"] == f"Schedule{s}"
         assert [r["loss"] for r in got["rows"]] == [pytest.approx(x, abs=SCHEDULE_LOSS_ATOL) for x in base], s
+
+
+def test_flex_attention_masks_pass_through_the_pipeline_schedule(trained):
+    """FlexAttention (the GPU attention; kept on CPU by the test-only eval.cpu_flex_attention for one forward-only
+    pass, as its CPU backward does not exist): the pipeline's eval step under 1F1B and interleaved 1F1B (v=2) gives
+    one rank's eval loss. The batch's block mask is split by the schedule: every attention call of rank 0's stages
+    sees a mask of one microbatch (2 samples), not of the whole local batch (4)."""
+    ref = trained["flex_single"]
+    assert ref["attention"] == ["FlexAttention"] and ref["schedule"] is None
+    assert 7.0 < ref["rows"][0]["eval_loss"] < 9.0  # ln(2048) = 7.62 at init
+    for name, schedule in (("flex_pp2", "Schedule1F1B"), ("flex_pp2_interleaved", "ScheduleInterleaved1F1B")):
+        got = trained[name]
+        assert (got["schedule"], got["attention"]) == (schedule, ["FlexAttention"])
+        assert got["rows"][0]["eval_loss"] == pytest.approx(ref["rows"][0]["eval_loss"], abs=LOSS_ATOL), name
+    # rank 0's blocks x 2 microbatches; a pipeline stage also runs its first microbatch once for shape inference
+    calls = {"flex_single": 6 * 2, "flex_pp2": 3 * (2 + 1), "flex_pp2_interleaved": (1 + 2) * (2 + 1)}
+    for name, n in calls.items():
+        assert trained[name]["mask_batches"] == [2] * n, name
 
 
 def test_stage_split_follows_torchtitan(trained):

@@ -41,6 +41,8 @@ class Built:
     """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
     post_optimizer_build_fn: object = None
     """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
+    attention_masks: bool = False
+    """The inner attention takes block masks (FlexAttention, the GPU default): a pipeline step builds them per batch."""
 
 
 def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
@@ -52,7 +54,10 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
     if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:  # the CPU adaptations (runner.run.titan.cpu)
         import runner.run.titan.cpu as cpu
 
-        cpu.use_sdpa(mcfg)
+        if cfg.eval.cpu_flex_attention:  # TEST-ONLY: keep FlexAttention for parity's forward-only pass
+            cpu.eager_flex_attention()
+        else:
+            cpu.use_sdpa(mcfg)
         if materialize:  # the dry run keeps the GPU's grouped GEMM (it reads no token counts)
             cpu.use_float32_experts(mcfg)
         if lay.cp > 1:
@@ -75,10 +80,12 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     schedule, parts, has_first, has_last = _parallelize(cfg, lay, pd, run_dir, spec, model, device)
     for part in parts if materialize else ():
         _materialize(part, mcfg, cfg, device)
-    extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
+    masks = _uses_flex(mcfg)
+    extra = _extra_inputs(parts[0], cfg, device) if lay.pp == 1 and masks else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
     built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
     built.post_optimizer_build_fn = spec.post_optimizer_build_fn
+    built.attention_masks = masks
     return built
 
 
@@ -148,9 +155,7 @@ def register_optimizer_hooks(built: Built, optimizer: torch.optim.Optimizer) -> 
 
 def _cp_load_balancer(mcfg) -> str:
     """TorchTitan's pairing: head-tail chunks for causal SDPA, PTRR for FlexAttention block masks."""
-    from torchtitan.models.common.attention import FlexAttention
-
-    return "ptrr" if isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config) else "headtail"
+    return "ptrr" if _uses_flex(mcfg) else "headtail"
 
 
 def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
@@ -169,12 +174,15 @@ def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
     part.train()
 
 
-def _extra_inputs(model, mcfg, cfg: RunConfig, device) -> dict:
-    """FlexAttention (the GPU default) needs a mask; one document per sample, causal."""
+def _uses_flex(mcfg) -> bool:
     from torchtitan.models.common.attention import FlexAttention
 
-    if not isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config):
-        return {}
+    return isinstance(mcfg.layers[0].attention.inner_attention, FlexAttention.Config)
+
+
+def _extra_inputs(model, cfg: RunConfig, device) -> dict:
+    """FlexAttention (the GPU default) needs a mask; without a pipeline every microbatch has the same shape, so one
+    mask (one document per sample, causal) is built here. The pipeline step builds its own per batch (titan.step)."""
     t = cfg.training
     positions = torch.arange(t.seq_len, device=device).expand(t.microbatch_size, t.seq_len)
     return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}

@@ -40,6 +40,18 @@ def use_sdpa(model_config) -> None:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
+def eager_flex_attention() -> None:
+    """TEST-ONLY (eval.cpu_flex_attention): TorchTitan calls flex_attention (with max_autotune) and create_block_mask
+    through torch.compile, whose cold CPU compiles cost ~100 s of CPU per process here (docs/CPU.md). The eager ops
+    are the same attention and the same block masks (torch's reference paths), which is what the forward-only check
+    of the masks needs; the GPU keeps TorchTitan's compiled ones."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan.models.common import attention
+
+    attention.FlexAttention._compiled_flex_attn = flex_attention
+    attention._compiled_create_block_mask = create_block_mask
+
+
 def force_sum_reduction(model: torch.nn.Module) -> None:
     """TorchTitan sets FSDP's gradient divide factor to 1, i.e. PREMUL_SUM, which gloo lacks."""
     from torch.distributed.fsdp import FSDPModule

@@ -37,16 +37,28 @@ def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> 
     return clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
 
 
-def model_inputs(built, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Tokens, labels and keyword inputs of one microbatch; with CP, this rank's sequence chunks
-    (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+def model_inputs(built, inputs: torch.Tensor, labels: torch.Tensor, extra: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Tokens, labels and keyword inputs of one microbatch (`extra`, default the model's built ones); with CP, this
+    rank's sequence chunks (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+    extra = built.extra_inputs if extra is None else extra
     if built.cp_load_balancer is None:
-        return inputs, labels, built.extra_inputs
+        return inputs, labels, extra
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
     positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
-    extra = {"positions": positions} | {k: v for k, v in built.extra_inputs.items() if k != "positions"}
+    extra = {"positions": positions} | {k: v for k, v in extra.items() if k != "positions"}
     return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
+
+
+def batch_masks(built, inputs: torch.Tensor) -> dict:
+    """Keyword inputs of a pipeline step's whole local batch, as TorchTitan's trainer builds them: positions, then the
+    model's get_attention_masks (FlexAttention's BlockMask, one document per sample). The schedule splits both along
+    the batch, one part per microbatch (torch.distributed.pipelining.microbatch splits a BlockMask), and hands
+    them to every stage. Without masks (SDPA, the CPU attention) the model's built inputs."""
+    if not built.attention_masks:
+        return built.extra_inputs
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
+    return {"positions": positions, "attention_masks": built.parts[0].get_attention_masks(positions=positions)}
 
 
 def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
@@ -92,7 +104,8 @@ def _forward_actions_only(schedule):
 
 
 def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
-    inputs, labels, extra = model_inputs(built, torch.cat([i for i, _ in microbatches]), torch.cat([lab for _, lab in microbatches]))
+    inputs = torch.cat([i for i, _ in microbatches])
+    inputs, labels, extra = model_inputs(built, inputs, torch.cat([lab for _, lab in microbatches]), batch_masks(built, inputs))
     losses = [] if built.has_last else None
     run(
         *((inputs,) if built.has_first else ()),
