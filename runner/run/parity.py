@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from runner.config import freeze, layout, runfiles
 from runner.config.schema import RunConfig, WorkerStart
-from runner.run import accounting, peak, procs, titan, train, worker
+from runner.run import accounting, evaluate, peak, procs, titan, train, worker
 
 
 class Collect:
@@ -52,17 +52,22 @@ def full_weights(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def exact_grad_norm(parts: list[torch.nn.Module], lay: layout.Layout) -> float:
+def exact_grad_norm(parts: list[torch.nn.Module], lay: layout.Layout, policy) -> float:
     """The global gradient norm in float64 from the full gradients (DTensor shards gathered).
 
     The logged norm is TorchTitan's clip in float32, where torch's CPU vector norm rounds at ~4e-5 relative
     on the 0.5M-element output head, differently for each shard shape; this one compares layouts at ~1e-9."""
     grads = [titan.local_value(p.grad).double() for part in parts for p in part.parameters() if p.grad is not None]
-    sq = torch.zeros(1, dtype=torch.float64)
-    if _is_stage_lead(lay):
-        sq += sum(g.square().sum() for g in grads)
-    dist.all_reduce(sq)
-    return float(sq.sqrt())
+    terms = [[g.square().sum()] for g in grads] if _is_stage_lead(lay) else []
+    return float(global_sums(terms, 1, policy)[0].sqrt())
+
+
+def global_sums(terms: list[list[torch.Tensor]], width: int, policy) -> torch.Tensor:
+    """Sum over ranks of this rank's terms (rows of `width` scalars, on the device that computed them): added up on
+    that device, then copied to the host once and summed over the ranks on the policy's host group (NCCL takes no
+    host tensors; the default group would be NCCL on CUDA)."""
+    local = torch.stack([torch.stack(row) for row in terms]).sum(0) if terms else torch.zeros(width, dtype=torch.float64)
+    return policy.all_reduce(local.to("cpu", torch.float64))
 
 
 def _is_stage_lead(lay: layout.Layout) -> bool:
@@ -71,14 +76,11 @@ def _is_stage_lead(lay: layout.Layout) -> bool:
     return all(c[a] == 0 for a in ("dp_replicate", "dp_shard", "cp", "tp"))
 
 
-def fingerprint(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], lay: layout.Layout) -> dict[str, float]:
+def fingerprint(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], lay: layout.Layout, policy) -> dict[str, float]:
     """Global sums over all parameters (each counted once: by the rank at dp/cp/tp coordinate 0 of its
     pipeline stage): sum of squares of the weights, and of the update (after - before)."""
-    sums = torch.zeros(3, dtype=torch.float64)
-    if _is_stage_lead(lay):
-        for name, w in after.items():
-            sums += torch.stack([w.square().sum(), (w - before[name]).square().sum(), w.sum()])
-    dist.all_reduce(sums)
+    terms = [[w.square().sum(), (w - before[name]).square().sum(), w.sum()] for name, w in after.items()] if _is_stage_lead(lay) else []
+    sums = global_sums(terms, 3, policy)
     return {"weights_sq": float(sums[0]), "update_sq": float(sums[1]), "weights_sum": float(sums[2])}
 
 
@@ -89,32 +91,66 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     pd, _ = worker.build_mesh(cfg, lay, policy)
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
-    data = worker.data_for(cfg, lay, rank, run_dir, policy)
     eval_data = worker.eval_data_for(cfg, lay, rank, run_dir, policy)
-    seen = _first_norm_output(built)
-    before = full_weights(built.parts)
-    sink, exact = Collect(), []
-    # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
-    hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None)
-    acc = accounting.accounting(cfg, built, peak.read(run_dir))
-    train.run(cfg, lay, built, data, acc, [sink], run_dir, policy, hooks=hooks, eval_data=eval_data)
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),
         "schedule": type(built.schedule).__name__ if built.schedule is not None else None,
-        "stages": _stages(built),
+    }
+    if cfg.eval.cpu_flex_attention:
+        result |= _evaluate_only(cfg, lay, built, eval_data, policy)
+    else:
+        result |= _train(cfg, lay, built, run_dir, policy, eval_data)
+    result["stages"] = policy.all_gather_object(_stages(built))
+    if rank == 0:
+        (run_dir / runfiles.PARITY).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path, policy, eval_data) -> dict[str, Any]:
+    """Train with the runner's step loop: per-step rows, the exact step-1 norm, the weights' fingerprint, the summary."""
+    data = worker.data_for(cfg, lay, dist.get_rank(), run_dir, policy)
+    seen = _first_norm_output(built)
+    before = full_weights(built.parts)
+    sink, exact = Collect(), []
+    # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
+    hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay, policy)) if step == 1 else None)
+    acc = accounting.accounting(cfg, built, peak.read(run_dir))
+    train.run(cfg, lay, built, data, acc, [sink], run_dir, policy, hooks=hooks, eval_data=eval_data)
+    return {
         "rows": sink.rows,
         "norm_output_shape": seen,
         "grad_norm_fp64": exact[0],
-        "weights": fingerprint(before, full_weights(built.parts), lay),
+        "weights": fingerprint(before, full_weights(built.parts), lay, policy),
+        "summary": sink.summary,
     }
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result["stages"])
-    result["stages"] = gathered
-    if rank == 0:
-        result["summary"] = sink.summary
-        (run_dir / runfiles.PARITY).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+
+
+def _evaluate_only(cfg: RunConfig, lay: layout.Layout, built: titan.Built, eval_data, policy) -> dict[str, Any]:
+    """eval.cpu_flex_attention: one evaluation pass of the initial weights (FlexAttention has no backward on CPU), with
+    the inner attention kinds the model holds and the batch of every block mask an attention call received."""
+    kinds = sorted({type(m.inner_attention).__name__ for part in built.parts for m in part.modules() if hasattr(m, "inner_attention")})
+    mask_batches = _mask_batches(built)
+    t = cfg.training
+    batches = (train.on_device(eval_data.microbatches(k), policy.compute_device()) for k in range(cfg.eval.steps))
+    local = evaluate.local_loss(built, titan.loss_fn(cfg), batches, torch.tensor(float(t.global_batch_size * t.seq_len)))
+    loss = train.global_loss(local, lay, policy) / cfg.eval.steps
+    return {"rows": [{"step": 0, "eval_loss": loss}], "attention": kinds, "mask_batches": mask_batches}
+
+
+def _mask_batches(built: titan.Built) -> list[int]:
+    """Filled during the forwards: the batch size of the BlockMask each inner attention call receives."""
+    seen: list[int] = []
+
+    def hook(module, args, kwargs):
+        masks = kwargs.get("attention_masks")
+        seen.append(int(masks.kv_num_blocks.shape[0]) if masks is not None else -1)
+
+    for part in built.parts:
+        for m in part.modules():
+            if hasattr(m, "inner_attention"):
+                m.inner_attention.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
 
 
 def _first_norm_output(built: titan.Built) -> list[int]:
@@ -147,7 +183,7 @@ def main(frozen_paths: list[str]) -> None:
     policy = worker.start_rank(first)
     for cfg, run_dir in cfgs:
         run_one(cfg, run_dir, policy)
-        dist.barrier()
+        policy.barrier()
     dist.destroy_process_group()
 
 
