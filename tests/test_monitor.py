@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -266,6 +267,76 @@ def test_hang_report_follows_the_chain_to_the_missing_rank():
     assert forensics.build_report(records, 3, 1.0)["ranks"]["1"]["state"] == "frozen (record stale)"
     del records[1]
     assert forensics.build_report(records, 3, 1.0)["missing_ranks"] == [1]
+
+
+def _nccl_watchdog_run(run_dir: Path, logged: bool) -> None:
+    """The files an NCCL job leaves when rank 1 never enters an FSDP all-gather its peers wait in, at step 11, and NCCL's
+    watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) aborts the peers after the timeout: their records stop at their last
+    heartbeat, running, with no error (the worker's `except` never ran); rank 1's goes on until the agent stops it 8 s
+    later. Ranks 1-3 log to logs/<rdzv id>/attempt_0/<local rank>/stderr.log (rank 0 keeps the console)."""
+    group = {"0": {"desc": "default_pg", "ranks": [0, 1, 2, 3]}}
+    folder = run_dir / runfiles.RANK_RECORDS
+    folder.mkdir(parents=True)
+    for rank in range(4):
+        seq = 40 if rank == 1 else 41
+        entry = {"op": "nccl:_allgather_base", "group": "0", "group_desc": "default_pg", "seq": seq, "record_id": 90, "input_sizes": [[64]]}
+        body = {"rank": rank, "host": "gpu-node-1", "local_rank": rank, "pid": 100 + rank, "coords": {"dp_shard": rank}, "step": 11}
+        body |= {"time": 1000.0 + (8.0 if rank == 1 else 0.0), "state": "running", "phase": "forward", "phase_since": 980.0}
+        body |= {"seq": {"0": seq}, "groups": group, "stall": {"since": 985.0, "collectives": {"0": entry}}, "error": None}
+        (folder / f"rank_{rank}.json").write_text(json.dumps(body))
+    for local in (1, 2, 3):
+        log = run_dir / runfiles.LOGS / "runner-1a2b3c4d_x7q" / "attempt_0" / str(local) / "stderr.log"
+        log.parent.mkdir(parents=True)
+        lines = [f"[rank{local}]:W1201 10:00:01.000000 100 site-packages/torch/distributed/tensor/_dispatch.py:342] UserWarning"]
+        if logged and local != 1:
+            lines += [
+                f"[rank{local}]:[E1201 10:16:40.408271257 ProcessGroupNCCL.cpp:632] [Rank {local}] {forensics.WATCHDOG}: "
+                f"WorkNCCL(SeqNum=41, OpType=_ALLGATHER_BASE, NumelIn=64, NumelOut=256, Timeout(ms)={TIMEOUT_S * 1000}) ran for "
+                f"{TIMEOUT_S * 1000 + 4} milliseconds before timing out.",
+                f"[rank{local}]:[E1201 10:16:40.409000000 ProcessGroupNCCL.cpp:695] [Rank {local}] To avoid data inconsistency, "
+                "we are taking the entire process down.",
+            ]
+        log.write_text("\n".join(lines) + "\n")
+
+
+SIGABRT_AGENT_ERROR = """runner.worker FAILED
+Root Cause (first observed failure):
+[0]:
+  rank      : 2 (local_rank: 2)
+  exitcode  : -6 (pid: 102)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 102"""
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_nccl_watchdog_teardown_is_reported_as_a_hang(tmp_path, logged):
+    """A watchdog timeout on NCCL is a hang, not a rank failure, from the ranks' logs (the watchdog's line) or, without
+    them, from the agent's record (the ranks it lost died on SIGABRT) and the records (every rank stalled in a
+    collective); the missing rank is named as on gloo, and the torn-down ranks, whose records stopped early, are not."""
+    run_dir = tmp_path / "run"
+    _nccl_watchdog_run(run_dir, logged)
+    got = forensics.write_report(_cuda_run_config(), run_dir, 4, SIGABRT_AGENT_ERROR, {2: "SIGABRT"})
+    assert got == ("collective timeout", run_dir / runfiles.HANG_REPORT)
+    assert not (run_dir / runfiles.FAILURE_REPORT).exists()
+    report = json.loads(got[1].read_text())
+    assert report["missing_ranks"] == [1]
+    assert report["ranks"]["1"]["state"] == "did not enter the collective its peers wait in"
+    for r in ("0", "2", "3"):
+        assert report["ranks"][r]["state"] == "waiting in collective (torn down by NCCL's watchdog)"
+        assert report["ranks"][r]["waiting_for"] == [1] and report["ranks"][r]["waiting_in"][0]["op"] == "nccl:_allgather_base"
+    assert report["watchdog"] == {"lost": {"2": "SIGABRT"}, "logged_timeout": [2, 3] if logged else []}
+
+
+def test_a_rank_that_raised_on_nccl_stays_a_rank_failure(tmp_path):
+    """The watchdog rule does not swallow real failures: a rank that raised (its record says so, exit code 1) is one."""
+    run_dir = tmp_path / "run"
+    _nccl_watchdog_run(run_dir, logged=False)
+    rec = json.loads((run_dir / runfiles.RANK_RECORDS / "rank_3.json").read_text())
+    rec |= {"state": "failed", "error": "ValueError: bad batch"}
+    (run_dir / runfiles.RANK_RECORDS / "rank_3.json").write_text(json.dumps(rec))
+    assert forensics.write_report(_cuda_run_config(), run_dir, 4, "exitcode  : 1", {3: "exit code 1"})[0] == "rank failure"
+    failures = {3: SimpleNamespace(exitcode=-6, signal_name=lambda: "SIGABRT"), 0: SimpleNamespace(exitcode=1, signal_name=lambda: "<N/A>")}
+    assert forensics.torn_down(failures) == {0: "exit code 1", 3: "SIGABRT"}
 
 
 # ---------------------------------------------------------------- flight recorder set-up, start-up block, config

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -28,6 +29,9 @@ from runner.config import runfiles
 from runner.config.schema import RunConfig
 
 STALE_HEARTBEATS = 3  # a record older than this many heartbeats before the freshest one is a frozen rank
+WATCHDOG = "Watchdog caught collective operation timeout"
+"""What NCCL's watchdog logs (ProcessGroupNCCL) before TORCH_NCCL_ASYNC_ERROR_HANDLING=3 takes the process down."""
+_WATCHDOG_LINE = re.compile(r"\[rank(\d+)\]:.*" + WATCHDOG)  # c10d prefixes its log lines with the global rank
 
 
 def dump_folder(cfg: RunConfig, run_dir: Path) -> Path:
@@ -235,10 +239,14 @@ def _waiting_in(rec: dict[str, Any], groups: dict[str, list[int]]) -> list[dict[
     return out
 
 
-def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_s: float) -> dict[str, Any]:
-    """missing_ranks: ranks with no record or a stale one (frozen), plus ranks that peers wait for and that wait for nobody."""
+def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_s: float, torn_down: set[int] = frozenset()) -> dict:
+    """missing_ranks: ranks with no record or a stale one (frozen), plus ranks that peers wait for and that wait for nobody.
+    `torn_down`: ranks NCCL's watchdog ended (their records stop there, so they are not frozen; nor, then, is a rank whose
+    record shows it waiting for peers)."""
     freshest = max((r["time"] for r in records.values()), default=0.0)
     stale = {r for r, rec in records.items() if rec["state"] == "running" and rec["time"] < freshest - STALE_HEARTBEATS * heartbeat_s}
+    if torn_down:
+        stale -= {r for r in stale if r in torn_down or _waiting_for(records, r)}
     waiting = {r: _waiting_for(records, r) for r in records if r not in stale}
     waiting = {r: w for r, w in waiting.items() if w}
     missing = set(range(world_size)) - set(records) | stale
@@ -254,7 +262,8 @@ def build_report(records: dict[int, dict[str, Any]], world_size: int, heartbeat_
             entry["state"] = "frozen (record stale)" if r in stale else "did not enter the collective its peers wait in"
             entry["last_seen_s_before_end"] = round(freshest - rec["time"], 1)
         elif r in waiting:
-            entry["state"] = "waiting in collective" + (" (timed out)" if rec["error"] else "")
+            how = " (timed out)" if rec["error"] else " (torn down by NCCL's watchdog)" if torn_down else ""
+            entry["state"] = "waiting in collective" + how
             entry["waiting_in"] = _waiting_in(rec, waiting[r])
             entry["waiting_for"] = sorted({m for who in waiting[r].values() for m in who})
         else:
@@ -269,15 +278,44 @@ def timed_out(agent_error: str, records: dict[int, dict[str, Any]]) -> bool:
     return any("timed out" in e.lower() for e in errors)
 
 
-def write_report(cfg: RunConfig, run_dir: Path, world_size: int, agent_error: str) -> tuple[str, Path] | None:
-    """After the agent stopped a failed job: (cause, report path) from the ranks' records; None when no rank left one.
+def watchdog_ranks(run_dir: Path) -> list[int]:
+    """Ranks whose torchrun log (logs/<rdzv id>/attempt_<n>/<local rank>/std{out,err}.log) has NCCL's watchdog timeout."""
+    found = set()
+    for log in (run_dir / runfiles.LOGS).glob("*/attempt_*/*/std*.log"):
+        found |= {int(m.group(1)) for m in _WATCHDOG_LINE.finditer(log.read_text(errors="replace"))}
+    return sorted(found)
 
-    A hang (collective timeout) gets hang_report.json with the collective each rank was in and the
-    flight-recorder dumps; a rank that raised gets failure_report.json with each rank's exception."""
+
+def torn_down(failures: dict[int, Any]) -> dict[int, str]:
+    """The agent's record of the ranks it lost (ChildFailedError.failures): rank -> the signal that ended it, or its exit code."""
+    return {r: f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}" for r, f in sorted(failures.items())}
+
+
+def watchdog_timeout(records: dict[int, dict[str, Any]], lost: dict[int, str], logged: list[int]) -> bool:
+    """NCCL's watchdog ended the job: with TORCH_NCCL_ASYNC_ERROR_HANDLING=3 it tears a timed-out rank down, so the rank's
+    `except` never runs and its record carries no error. Either a rank's log has the watchdog's line, or every rank the
+    agent lost died on SIGABRT while every rank's record shows it stalled (running, in a collective)."""
+    if logged:
+        return True
+    stalled = all(rec["state"] == "running" and rec.get("stall") for rec in records.values())
+    return bool(lost) and stalled and all(sig == "SIGABRT" for sig in lost.values())
+
+
+def write_report(
+    cfg: RunConfig, run_dir: Path, world_size: int, agent_error: str, lost: dict[int, str] | None = None
+) -> tuple[str, Path] | None:
+    """After the agent stopped a failed job: (cause, report path) from the ranks' records; None when no rank left one.
+    `lost`: the ranks the agent saw fail (torn_down).
+
+    A hang (collective timeout, raised on gloo, or NCCL's watchdog tearing ranks down) gets hang_report.json with the
+    collective each rank was in and the flight-recorder dumps; a rank that raised gets failure_report.json with each
+    rank's exception."""
     records = read_records(run_dir)
     if not records:
         return None
-    if not timed_out(agent_error, records):
+    lost, logged = lost or {}, watchdog_ranks(run_dir)
+    watchdog = watchdog_timeout(records, lost, logged)
+    if not (watchdog or timed_out(agent_error, records)):
         raised = {str(r): rec["error"] for r, rec in sorted(records.items()) if rec.get("error")}
         keys = ("host", "local_rank", "pid", "coords", "step", "phase", "state", "error")
         ranks = {str(r): {k: rec[k] for k in keys} for r, rec in sorted(records.items())}
@@ -286,7 +324,9 @@ def write_report(cfg: RunConfig, run_dir: Path, world_size: int, agent_error: st
         path.write_text(json.dumps(report, indent=2) + "\n")
         return "rank failure", path
     report = {"cause": "collective timeout", "timeout_s": cfg.distributed.timeout_s}
-    report |= build_report(records, world_size, cfg.distributed.heartbeat_s)
+    report |= build_report(records, world_size, cfg.distributed.heartbeat_s, set(lost) | set(logged) if watchdog else set())
+    if watchdog:
+        report["watchdog"] = {"lost": {str(r): why for r, why in lost.items()}, "logged_timeout": logged}
     folder = dump_folder(cfg, run_dir)
     if folder.is_dir():
         report["flight_recorder_dumps"] = str(folder)

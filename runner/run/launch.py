@@ -111,7 +111,7 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
         else:
             torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
-        written = forensics.write_report(cfg, run_dir, lay.world_size, str(e))
+        written = forensics.write_report(cfg, run_dir, lay.world_size, str(e), forensics.torn_down(e.failures))
         if written is not None:
             print(f"{written[0]}: report in {written[1]}", file=sys.stderr)
         raise
