@@ -236,6 +236,19 @@ def test_sleeping_rank_hang_is_reported(slow):
 
 
 @pytest.mark.e2e
+def test_torchs_analyzer_names_the_rank_the_hang_report_names(slow):
+    """torchfrtrace (torch's flight-recorder analyzer, run as `torchfrtrace <run>/flight_recorder -p rank_`) reads the
+    gloo dumps of the ranks that timed out and names the rank that left none: the hang report's missing rank."""
+    from torch.distributed.flight_recorder import fr_trace
+
+    run_dir = slow[0]
+    report = json.loads((run_dir / runfiles.HANG_REPORT).read_text())
+    assert report["missing_ranks"] == [1]
+    with pytest.raises(AssertionError, match=r"^Missing dump files from ranks \{1\}$"):
+        fr_trace.main([str(run_dir / "flight_recorder"), "-p", "rank_"])
+
+
+@pytest.mark.e2e
 def test_sigstopped_rank_hang_is_reported(clean):
     run_dir, proc, stopped_at, ended = clean
     assert stopped_at is not None, proc.stderr[-3000:]
