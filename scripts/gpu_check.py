@@ -6,8 +6,10 @@ prints the runner's median tokens/s and MFU (summary.json) and, where TorchTitan
 that trainer's figures on the equivalent config (scripts/gpu_check_titan.py) with the tokens/s ratio.
 Exit status: 0 all runs finished, 1 a run failed or the time budget ran out, 2 no GPU or a config problem.
 
-    scripts/gpu_check.sh                # on the GPU machine, under 8 minutes
+    scripts/gpu_check.sh [--quick]      # on the GPU machine, under 8 minutes
     scripts/gpu_check.sh --device cpu   # the runner side only, a few steps on CPU: proves the plumbing
+    scripts/gpu_check.sh --node         # an 8-GPU node, under 15 minutes (scripts/gpu_check_node.py)
+    scripts/gpu_check.sh --node --list  # the node cases' exact commands, without a GPU
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's runner, whatever the environment has installed
+sys.path.insert(0, str(ROOT / "scripts"))  # gpu_check_node imports this module as gpu_check
 
 from runner.config import runfiles  # noqa: E402  (torch-free)
 from runner.config.precision import RECIPES  # noqa: E402
@@ -132,7 +135,7 @@ def cluster_for(gpu_name: str) -> tuple[str, str]:
     for pattern, cluster, note in CLUSTERS:
         if pattern in gpu_name:
             return cluster, note
-    return "h100_node", f"unknown GPU {gpu_name!r}: MFU against the H100 SXM's dense peaks (conf/cluster/h100_node.yaml)"
+    return "h100_node", f"unknown GPU {gpu_name!r}: MFU against the H100 SXM's dense peaks (conf/gpu/h100_sxm_80gb.yaml)"
 
 
 def unsupported(case: Case, gpu: Gpu) -> str:
@@ -400,7 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the runner side only, 3 short steps (plumbing)")
     parser.add_argument("--work-dir", type=Path, help="where assets, run folders and logs go (default: a new temp folder)")
+    parser.add_argument("--quick", action="store_true", help="the one-GPU cases (the default)")
+    parser.add_argument("--node", action="store_true", help="the 8-GPU node cases (scripts/gpu_check_node.py), under 15 minutes")
+    parser.add_argument("--list", action="store_true", help="with --node: print each case's exact commands, run nothing")
     args = parser.parse_args(argv)
+    if args.node or args.list:
+        if not args.node or args.quick:
+            parser.error("--list goes with --node, and --node not with --quick")
+        import gpu_check_node
+
+        return gpu_check_node.main(args)
     deadline = time.monotonic() + BUDGET_S
     gpu = None
     if args.device == "cuda":

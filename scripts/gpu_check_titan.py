@@ -1,6 +1,7 @@
-"""TorchTitan's own trainer on the config scripts/gpu_check.py runs through the runner, on one GPU.
+"""TorchTitan's own trainer on the config scripts/gpu_check.py runs through the runner, on one GPU (or, for
+scripts/gpu_check_node.py, on the node's GPUs with the runner layout's degrees).
 
-Started by gpu_check.py under torchrun (one process): builds TorchTitan's Trainer.Config in Python from a
+Started by gpu_check.py under torchrun (one process per GPU): builds TorchTitan's Trainer.Config in Python from a
 spec (gpu_check.titan_spec), trains, and writes each step's tokens/s and MFU as TorchTitan's MetricsProcessor
 computed them (its metric logger is the place TorchTitan hands them out) with their medians.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,23 +78,41 @@ def trainer_config(spec: dict, model_spec=None):
         ),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=spec["dataset_path"]),
         metrics=MetricsProcessor.Config(log_freq=1),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=1, spmd_backend=SPMD_BACKEND),
+        parallelism=parallelism_config(spec, ParallelismConfig, SPMD_BACKEND),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
-        compile=CompileConfig(enable=spec["compile"]),
+        compile=CompileConfig(enable=spec["compile"], enable_async_tensor_parallel=spec.get("parallelism", {}).get("async_tp", False)),
         validator=Validator.Config(enable=False),
     )
 
 
-class StepRecorder:
-    """A TorchTitan metric logger (BaseLogger's interface) that keeps what MetricsProcessor.log computed."""
+def parallelism_config(spec: dict, ParallelismConfig, spmd_backend: str):
+    """TorchTitan's degrees for the spec: one GPU, or (gpu_check_node) the runner layout's dp_shard, tp, pp and schedule,
+    with the runner's microbatch as the pipeline microbatch."""
+    p = spec.get("parallelism", {})
+    return ParallelismConfig(
+        data_parallel_shard_degree=p.get("dp_shard", 1),
+        tensor_parallel_degree=p.get("tp", 1),
+        pipeline_parallel_degree=p.get("pp", 1),
+        pipeline_parallel_schedule=p.get("pp_schedule", "1F1B"),
+        pipeline_parallel_microbatch_size=p.get("microbatch", 1),
+        spmd_backend=spmd_backend,
+    )
 
-    def __init__(self) -> None:
+
+class StepRecorder:
+    """A TorchTitan metric logger (BaseLogger's interface) that keeps what MetricsProcessor.log computed. TorchTitan's
+    throughput is per device (the rank's tokens over its non-data-parallel group); times the world size it is the
+    job's, which is what the runner's tokens_per_s counts (the global batch over the step time)."""
+
+    def __init__(self, world_size: int = 1) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.world_size = world_size
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         mfu = metrics.get("mfu(%)")  # TorchTitan reports none with FP8 (its peak is the bf16 one)
-        self.rows.append({"step": step, "tokens_per_s": metrics["throughput(tps)"], "mfu": None if mfu is None else mfu / 100})
+        tps = metrics["throughput(tps)"] * self.world_size
+        self.rows.append({"step": step, "tokens_per_s": tps, "mfu": None if mfu is None else mfu / 100})
 
     def close(self) -> None:
         pass
@@ -109,14 +129,15 @@ def main() -> None:
     args = parser.parse_args()
     init_logger()
     trainer = trainer_config(json.loads(args.spec.read_text())).build()
-    recorder = StepRecorder()
+    recorder = StepRecorder(int(os.environ.get("WORLD_SIZE", "1")))
     trainer.metrics_processor.logger = recorder
     try:
         trainer.train()
     finally:
         trainer.close()
     out = {"rows": recorder.rows, "peak_tflops": trainer.metrics_processor.gpu_peak_flops / 1e12, **titan_medians(recorder.rows)}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    if int(os.environ.get("RANK", "0")) == 0:
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

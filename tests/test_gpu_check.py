@@ -57,7 +57,7 @@ def test_cluster_by_gpu_name_and_fp8_support():
     assert gc.cluster_for("NVIDIA H200")[0] == "h100_node" and "H200" in gc.cluster_for("NVIDIA H200")[1]
     assert gc.cluster_for("NVIDIA L40S") == (
         "h100_node",
-        "unknown GPU 'NVIDIA L40S': MFU against the H100 SXM's dense peaks (conf/cluster/h100_node.yaml)",
+        "unknown GPU 'NVIDIA L40S': MFU against the H100 SXM's dense peaks (conf/gpu/h100_sxm_80gb.yaml)",
     )
     ada = gc.Gpu("NVIDIA L40S", (8, 9), 48.0)
     assert gc.unsupported(CASES["fp8_rowwise"], ada) == ""
@@ -183,3 +183,89 @@ def test_time_budget_spent_is_a_failure(tmp_path, assets):
     assert r.runner is None and r.titan is None
     assert r.errors == [f"not run: less than 30 s of the {gc.BUDGET_S:.0f} s budget left"]
     assert gc.verdict([r])[0] is False
+
+
+def test_node_list_prints_commands_that_validate(tmp_path, capsys, compose):
+    """`gpu_check.sh --node --list` needs no GPU: it prints every node case's commands (plan, dry run, training, the
+    resume, torchfrtrace, TorchTitan's trainer with its spec), and each printed runner config validates in-process for
+    8 H100s, with TorchTitan's degrees equal to the runner layout's."""
+    import dataclasses
+    import shlex
+
+    from runner.config import validate
+    from runner.config.schema import Mode
+
+    gct = _load("gpu_check_titan")
+    assert gc.main(["--node", "--list", "--work-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cases = [ln.removeprefix("# case: ") for ln in lines if ln.startswith("# case: ")]
+    assert cases == [
+        "dp_shard4 x tp2 bf16, checkpoint + resume",
+        "dp_shard2 x tp2 x pp2 FlexAttention",
+        "fp8_rowwise FSDP8",
+        "injected hang, NCCL flight recorder",
+        "async TP compiled",
+    ]
+    runner_lines = [shlex.split(ln) for ln in lines if " -m runner " in ln]
+    modes, layouts, composed = [], {}, {}
+    for argv in runner_lines:
+        overrides = [a for a in argv[3:] if not a.startswith(("hydra.run.dir=", "mode="))]
+        mode = argv[3].removeprefix("mode=")
+        if tuple(overrides) not in composed:  # plan, dry run and training of a case differ only in mode: compose once
+            composed[tuple(overrides)] = compose(overrides)
+        cfg = dataclasses.replace(composed[tuple(overrides)], mode=Mode(mode))
+        lay = validate.check(cfg)
+        assert (lay.world_size, cfg.cluster.device.value, cfg.cluster.name) == (8, "cuda", "h100_node")
+        modes.append(mode)
+        layouts[Path(argv[-1].split("=", 1)[1]).parent.name] = lay
+    assert modes.count("train") == 6 and modes.count("plan") == modes.count("dryrun") == 4  # 5 runs + the resume; no plan for the hang
+    resume = next(a for a in runner_lines if "checkpoint.resume=true" in a)
+    assert f"checkpoint.resume_from={tmp_path}/runs/dp_shard4_x_tp2_bf16/train/checkpoints/step-10" in resume
+    assert any(ln.endswith("injected_hang/train/flight_recorder -p rank_") for ln in lines)
+    specs = [json.loads(ln.split("): ", 1)[1]) for ln in lines if ln.startswith("# titan spec (")]
+    assert len(specs) == 4
+    from torchtitan.config import ParallelismConfig
+
+    for spec in specs:
+        p = gct.parallelism_config(spec, ParallelismConfig, "partial_dtensor")
+        lay = layouts[Path(spec["dump_folder"]).parent.name]
+        assert (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree) == (lay.dp_shard, lay.tp, lay.pp)
+        assert spec["local_batch_size"] == 32 // lay.dp and spec["nproc"] == 8
+    assert [spec["fp8_recipe"] for spec in specs] == [None, None, "rowwise", None]
+    assert [spec["compile"] for spec in specs] == [False, False, True, True]
+
+
+def test_host_syncs_are_counted_between_optimizer_steps(tmp_path, monkeypatch):
+    """scripts/gpu_check_syncs/sitecustomize.py (first on the node runs' PYTHONPATH) counts, per optimizer step, the syncs
+    torch's sync debug mode warns about and the explicit synchronize calls; gpu_check_node reads the median of steps 2..
+    On this CPU build the CUDA calls are stand-ins that only count."""
+    import warnings
+
+    import torch
+
+    gcn = _load("gpu_check_node")
+    monkeypatch.setenv("GPU_CHECK_SYNC_DIR", str(tmp_path / "syncs"))
+    monkeypatch.setenv("RANK", "3")
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for cls in (torch.cuda.Stream, torch.cuda.Event):  # the module wraps their synchronize: put them back afterwards
+        monkeypatch.setattr(cls, "synchronize", cls.synchronize)
+    spec = importlib.util.spec_from_file_location("sitecustomize_under_test", ROOT / "scripts" / "gpu_check_syncs" / "sitecustomize.py")
+    hooks = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings():
+        spec.loader.exec_module(hooks)
+        try:
+            p = torch.nn.Parameter(torch.ones(2))
+            opt = torch.optim.SGD([p], lr=0.1)
+            for syncs in (1, 2, 2, 5):  # step 1 holds start-up; the debug mode is armed after it
+                p.grad = torch.ones(2)
+                torch.cuda.synchronize()  # one explicit sync per step
+                for _ in range(syncs - 1):
+                    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # same call site each time
+                opt.step()
+        finally:
+            hooks._handle.remove()
+    got = json.loads((tmp_path / "syncs" / "rank_3.json").read_text())
+    assert modes == ["warn"] and got == {"rank": 3, "per_step": [1, 2, 2, 5]}
+    assert gcn.syncs_per_step(tmp_path / "syncs") == 2
