@@ -42,9 +42,9 @@ def use_sdpa(model_config) -> None:
 
 def eager_flex_attention() -> None:
     """TEST-ONLY (eval.cpu_flex_attention): TorchTitan calls flex_attention (with max_autotune) and create_block_mask
-    through torch.compile, whose cold CPU compiles cost ~100 s per process here (measured under load; see
-    docs/parallelism.md). The eager ops are the same attention and the same block masks (torch's reference paths),
-    which is what the forward-only check of the masks needs; the GPU keeps TorchTitan's compiled ones."""
+    through torch.compile, whose cold CPU compiles cost minutes per process here (docs/parallelism.md). The eager ops
+    are the same attention and the same block masks (torch's reference paths), which is what the forward-only check
+    of the masks needs; the GPU keeps TorchTitan's compiled ones."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from torchtitan.models.common import attention
 
