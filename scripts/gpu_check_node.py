@@ -263,11 +263,16 @@ def read_outputs(r: NodeResult, what: str, folder: Path, log: Path) -> None:
     elif what == "resume":
         r.checks.append(resume_check(folder.parent / "train", folder, r.case.resume_at))
     elif what == "torchfrtrace":
-        text = log.read_text(errors="replace")
-        want = f"Missing dump files from ranks {{{r.case.hang_rank}}}"
-        r.checks.append(f"torchfrtrace: {want}" if want in text else f"FAILED torchfrtrace: no '{want}' in {log}")
+        r.checks.append(frtrace_check(log.read_text(errors="replace"), r.case.hang_rank))
     elif what == "titan":
         r.titan = json.loads((folder / "out.json").read_text())
+
+
+def frtrace_check(text: str, rank: int) -> str:
+    """torchfrtrace names the hung rank: with its dump missing (what the gloo dumps give, tests/test_monitor.py), or, where
+    NCCL's dump-on-timeout signal made the sleeping rank's watchdog thread dump too, as the collective's missing rank."""
+    said = [w for w in (f"Missing dump files from ranks {{{rank}}}", f"missing ranks: {{{rank}}}") if w in text]
+    return f"torchfrtrace: {said[0]}" if said else f"FAILED torchfrtrace: rank {rank} not named"
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -269,3 +269,39 @@ def test_host_syncs_are_counted_between_optimizer_steps(tmp_path, monkeypatch):
     got = json.loads((tmp_path / "syncs" / "rank_3.json").read_text())
     assert modes == ["warn"] and got == {"rank": 3, "per_step": [1, 2, 2, 5]}
     assert gcn.syncs_per_step(tmp_path / "syncs") == 2
+
+
+def test_torchfrtrace_naming_the_hung_rank():
+    gcn = _load("gpu_check_node")
+    assert gcn.frtrace_check("AssertionError: Missing dump files from ranks {1}\n", 1) == "torchfrtrace: Missing dump files from ranks {1}"
+    assert gcn.frtrace_check("INFO missing ranks: {1}\n", 1) == "torchfrtrace: missing ranks: {1}"
+    assert gcn.frtrace_check("Missing dump files from ranks {2}\n", 1) == "FAILED torchfrtrace: rank 1 not named"
+
+
+def test_node_checks_and_table(tmp_path):
+    """The node check's verdicts from the files its runs leave: the resumed losses bitwise, the hang report's rank and
+    dumps; and its row: tokens/s beside TorchTitan's with the ratio, the three peak memories, the syncs per step."""
+    gcn = _load("gpu_check_node")
+    first, resumed = tmp_path / "train", tmp_path / "resume"
+    for run, tail in ((first, [7.25, 7.125]), (resumed, [7.25, 7.125])):
+        run.mkdir()
+        rows = [{"step": s, "loss": v} for s, v in zip((9, 10, 11, 12), [7.5, 7.375, *tail], strict=False)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if run is first or r["step"] > 10))
+    assert gcn.resume_check(first, resumed, 10) == "resume from step 10: steps 11-12 bitwise equal"
+    (resumed / "metrics.jsonl").write_text(json.dumps({"step": 11, "loss": 7.25 + 1e-12}) + "\n")
+    assert gcn.resume_check(first, resumed, 10).startswith("FAILED resume from step 10")
+    hang = tmp_path / "hang"
+    (hang / "flight_recorder").mkdir(parents=True)
+    assert gcn.hang_check(hang, 1) == f"FAILED hang: no hang_report.json in {hang}"
+    (hang / "hang_report.json").write_text(json.dumps({"missing_ranks": [1]}))
+    (hang / "flight_recorder" / "rank_0").write_text("x")
+    assert gcn.hang_check(hang, 1) == "hang: rank 1 named, NCCL dumps ['rank_0']"
+    case = gcn.CASES[0]
+    r = gcn.NodeResult(case, runner={"tokens_per_s_median": 980_000.0, "memory_gb_max": 3.5}, titan={"tokens_per_s_median": 1_000_000.0})
+    r.plan_gb, r.dryrun_gb, r.syncs, r.checks = 4.25, 3.0, 1.0, ["resume from step 10: steps 11-20 bitwise equal"]
+    assert gcn.table_rows([r]) == [
+        (case.name, "980,000", "1,000,000", "0.980", "3.50", "3.00", "4.25", "1", "resume from step 10: steps 11-20 bitwise equal")
+    ]
+    assert gcn.verdict([r]) == (True, "PASS: 1 cases on 8 GPUs")
+    r.checks.append("FAILED torchfrtrace: rank 1 not named")
+    assert gcn.verdict([r]) == (False, f"FAIL: 1 of 1 cases failed ({case.name})")
