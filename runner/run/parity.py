@@ -129,6 +129,8 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
 def _evaluate_only(cfg: RunConfig, lay: layout.Layout, built: titan.Built, eval_data, policy) -> dict[str, Any]:
     """eval.cpu_flex_attention: one evaluation pass of the initial weights (FlexAttention has no backward on CPU), with
     the inner attention kinds the model holds and the batch of every block mask an attention call received."""
+    if eval_data is None:
+        raise ValueError(f"{cfg.parallelism.name}: eval.cpu_flex_attention only evaluates, and eval.interval=0 evaluates nothing")
     kinds = sorted({type(m.inner_attention).__name__ for part in built.parts for m in part.modules() if hasattr(m, "inner_attention")})
     mask_batches = _mask_batches(built)
     t = cfg.training
