@@ -2,11 +2,12 @@
 their PYTHONPATH, so Python imports this module at start-up); without GPU_CHECK_SYNC_DIR it does nothing.
 
 Counted, without the profiler: the implicit syncs torch's sync debug mode reports (torch.cuda.set_sync_debug_mode("warn"):
-device-to-host copies such as .item(), .cpu(), float() of a CUDA tensor, nonzero), set on the first optimizer step,
-once CUDA is up in the rank; and the explicit torch.cuda.synchronize(), Stream.synchronize() and Event.synchronize()
-calls. torch says the debug mode does not cover every synchronizing op (torch.distributed's among them), so this is
-a lower bound. The count between two optimizer steps is written to <GPU_CHECK_SYNC_DIR>/rank_<RANK>.json after
-every step (the runner's ranks leave through os._exit, so nothing waits for exit)."""
+device-to-host copies such as .item(), .cpu(), float() of a CUDA tensor, nonzero, and stream synchronizes), set on the
+first optimizer step, once CUDA is up in the rank; and the explicit torch.cuda.synchronize() and Event.synchronize()
+calls, which c10 does not report (device and event synchronizes bypass its check). torch says the debug mode does
+not cover every synchronizing op (torch.distributed's among them), so this is a lower bound. The count between two
+optimizer steps is written to <GPU_CHECK_SYNC_DIR>/rank_<RANK>.json after every step (the runner's ranks leave through
+os._exit, so nothing waits for exit)."""
 
 import os
 
@@ -38,7 +39,6 @@ if _DIR and "RANK" in os.environ:
         return wrapped
 
     torch.cuda.synchronize = _explicit(torch.cuda.synchronize)
-    torch.cuda.Stream.synchronize = _explicit(torch.cuda.Stream.synchronize)
     torch.cuda.Event.synchronize = _explicit(torch.cuda.Event.synchronize)
 
     def _after_step(optimizer, args, kwargs):
