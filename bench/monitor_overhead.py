@@ -8,8 +8,10 @@ python bench/monitor_overhead.py [--reps 3] [--steps 12] [--seq-len 256]
    reads, a record mark), one straggler window (all_gather_single + judging), one rank-record heartbeat,
    scaled to the step: 9 hook calls per step at 2 microbatches plus one window every `interval` steps plus one
    heartbeat per second of step time.
-3. The arrival judge's step-end barrier on 4 gloo ranks (spawned here, no model): median wall time of a
-   stamped barrier when the ranks arrive together, i.e. what it adds to every step.
+3. The step's one host collective on 4 gloo ranks (spawned here, no model): median wall time of the exchange
+   (runner.run.step_sync: loss, data digest and stop flag in one 4-float all-reduce, stamped for the arrival judge)
+   when the ranks arrive together, i.e. what it adds to every step. (Until 2026-12-01 this timed the step-end barrier
+   the arrival judge used to add beside the loss all-reduce, the digest all-gather and the stop flag's all-reduce.)
 4. The integrity checks on a model of the default's size (--params-m, flat fp32 tensors): one replica
    check (checksums + their all-gather) per monitor.integrity.interval steps; a replay repeats one step's
    forward/backward per replay_interval steps, i.e. at most 1 / replay_interval of the step time.
@@ -65,7 +67,7 @@ def hooks(interval: int) -> dict[str, float]:
         t0, reps = time.perf_counter(), 200
         for _ in range(reps):
             mon.begin_step(2)
-            mon.window, mon.window_stamps = list(full), [[(0.0, 1.0)]] * (interval - 1)  # one stamped barrier per step
+            mon.window, mon.window_stamps = list(full), [[(0.0, 1.0)]] * (interval - 1)  # one stamped collective per step
             mon.end_step()
         window = (time.perf_counter() - t0) / reps
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -78,6 +80,7 @@ def hooks(interval: int) -> dict[str, float]:
 
 
 def _barrier_rank(rank: int, world: int, port: int, reps: int, out) -> None:
+    import torch
     import torch.distributed as dist
 
     from runner.config.schema import RunConfig
@@ -89,16 +92,16 @@ def _barrier_rank(rank: int, world: int, port: int, reps: int, out) -> None:
     policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
     times = []
     for _ in range(reps):
-        policy.barrier()  # line the ranks up, then time one stamped barrier
+        policy.barrier()  # line the ranks up, then time one exchange
         t0 = time.perf_counter()
-        policy.timed_arrival()
+        policy.all_reduce(torch.zeros(4, dtype=torch.float64))  # runner.run.step_sync.exchange's collective
         times.append(time.perf_counter() - t0)
     out.put((rank, statistics.median(times)))
     dist.destroy_process_group()
 
 
 def barrier_cost(world: int = 4, reps: int = 200) -> float:
-    """Median seconds of DevicePolicy.timed_arrival on `world` gloo ranks of this machine (max over ranks)."""
+    """Median seconds of the step's one host collective on `world` gloo ranks of this machine (max over ranks)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -163,7 +166,7 @@ def main() -> None:
         f"per step {per_step * 1e3:.3f} ms of a {step:.2f} s median step = {100 * per_step / step:.3f} % (budget 1 %)"
     )
     barrier = barrier_cost()
-    print(f"arrival barrier (4 gloo ranks): {barrier * 1e3:.3f} ms per step = {100 * barrier / step:.3f} % of the step (budget 1 %)")
+    print(f"step exchange (4 gloo ranks): {barrier * 1e3:.3f} ms per step = {100 * barrier / step:.3f} % of the step (budget 1 %)")
     check = integrity_cost(a.params_m)
     per_step = check / a.integrity_interval
     print(

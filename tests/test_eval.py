@@ -2,12 +2,14 @@
 
 The eval loss in every layout and pipeline schedule (against one rank) and its place in the rows and summary.json
 ride in the parity launches of tests/test_parallel.py; here one in-process rank (gloo over a file store) checks
-the loss itself.
+the loss itself, and (sharing that rank's build) counts the step loop's host synchronizations and collectives per step.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 
 import pytest
 import torch
@@ -200,3 +202,106 @@ def test_compare_shows_the_final_eval_loss(tmp_path):
     table = compare.table(rows)
     assert table.columns[-1].header == "eval loss"
     assert {r["run"]: cell for r, cell in zip(rows, table.columns[-1]._cells, strict=True)} == {"with": "6.5432", "without": "-"}
+
+
+# ---------------------------------------------------------------- the step loop's host synchronizations
+# (here, beside the evaluation, to share the module's one-rank build: ~1 min on a loaded machine)
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast_object_list", "barrier", "all_gather_into_tensor", "broadcast")
+CONVERSIONS = ("item", "cpu", "__float__", "tolist")
+
+
+class _Counts:
+    """Per step (the step loop's `_step` calls): host synchronizations (a conversion of a tensor to the host, or the
+    policy's sync) and host collectives, on the thread that runs the step loop. Tensors that live on the host on CUDA
+    too are not counted: a host collective's own buffers, and the optimizer's step counters (torch's foreach AdamW keeps
+    `state["step"]` on the host unless capturable or fused, and reads it with .item())."""
+
+    def __init__(self):
+        self.step, self.by_step, self.host = 0, {}, {}
+        self.main = threading.get_ident()
+        self.opt = None
+
+    def add(self, kind: str, what: str) -> None:
+        if threading.get_ident() == self.main and self.step:
+            self.by_step.setdefault(self.step, {"sync": [], "collective": []})[kind].append(what)
+
+    def buffer(self, t) -> None:
+        for x in t if isinstance(t, list) else [t]:
+            if isinstance(x, torch.Tensor):
+                self.host[id(x)] = weakref.ref(x)
+
+    def is_host(self, t) -> bool:
+        ref = self.host.get(id(t))
+        if ref is not None and ref() is t:
+            return True
+        return t.dim() == 0 and self.opt is not None and any(t is state.get("step") for state in self.opt.state.values())
+
+
+def _instrument(monkeypatch, counts: _Counts, train, DevicePolicy) -> None:
+    import torch.distributed as dist
+
+    for name in CONVERSIONS:
+        original = getattr(torch.Tensor, name)
+
+        def converted(t, *args, _name=name, _original=original, **kwargs):
+            if not counts.is_host(t):
+                counts.add("sync", _name)
+            return _original(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, converted)
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def collective(*args, _name=name, _original=original, **kwargs):
+            counts.add("collective", _name)
+            for a in (*args, *kwargs.values()):
+                counts.buffer(a)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, collective)
+    sync = DevicePolicy.sync
+    monkeypatch.setattr(DevicePolicy, "sync", lambda self: counts.add("sync", "policy.sync") or sync(self))
+    step = train._step
+
+    def counted_step(loop, k):
+        counts.step, counts.opt = k, loop.opt
+        try:
+            return step(loop, k)
+        finally:
+            counts.step = 0
+
+    monkeypatch.setattr(train, "_step", counted_step)
+
+
+def _train_one_rank(one_rank, tmp_path, monkeypatch, counts: _Counts) -> list[dict]:
+    """train.run over 3 steps of the module's one-rank debug model, logging every 10th step (and the last)."""
+    import copy
+
+    from runner.run import accounting, train
+    from runner.run.device import DevicePolicy
+
+    cfg, lay, built, policy = one_rank
+    cfg = copy.deepcopy(cfg)
+    cfg.training.steps, cfg.logging.log_every = 3, 10
+    acc = accounting.Accounting(1.0, 1e12, "test", built.flops_per_token, built.flops_per_token, "float32", False, built.num_params, None)
+    data = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **_shape())
+    _instrument(monkeypatch, counts, train, DevicePolicy)
+    try:
+        return train.run(cfg, lay, built, data, acc, [], tmp_path, policy)
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_non_logging_step_synchronizes_once_and_runs_one_host_collective(one_rank, tmp_path, monkeypatch):
+    """logging.log_every=10 over 3 steps: steps 1 and 2 are plain steps (step 3, the last, logs; step 2 runs step 1's
+    deferred update, the optimizer's first). Each reads its loss and grad norm to the host once (the policy's read) and
+    runs one host collective (the exchange of loss, data digest and stop flag), and says so in its row's host_syncs;
+    before, a plain step made 4 host synchronizations and 3 host collectives."""
+    counts = _Counts()
+    rows = _train_one_rank(one_rank, tmp_path, monkeypatch, counts)
+    print({k: c for k, c in counts.by_step.items()})
+    plain = {k: counts.by_step[k] for k in (1, 2)}
+    assert all(c == {"sync": ["tolist"], "collective": ["all_reduce"]} for c in plain.values()), plain
+    assert [r["host_syncs"] for r in rows] == [1, 1, 1]  # the last step's update runs at once: on CPU no sync of its own
+    assert len({r["data_hash"] for r in rows}) == 3 and all(len(r["data_hash"]) == 16 for r in rows)

@@ -1,8 +1,11 @@
 """Straggler monitor, loss guard, flight-recorder set-up and hang forensics, each proven by injecting its fault.
 
 Two 4-rank launches (imports cost ~25-45 s each, so each launch carries several checks):
-- `slow`: rank 2 computes 60 % longer in every forward, step 8's batch is corrupted to NaN (guard: skip),
-  and at step 11 rank 1 sleeps before its forward past distributed.timeout_s (the hang).
+- `slow`: dp2_tp2 whose rank 2 the test stops for 60 ms of every 100 ms with SIGSTOP/SIGCONT from outside until
+  step 11 (its own work, net of its waits inside collectives, must name it alone), step 8's batch is corrupted to NaN
+  (guard: skip), and at step 11 rank 1 sleeps before its forward past distributed.timeout_s (the hang). The rank slowed
+  from inside (a busy forward) rides on tests/test_integrity.py's launch: two slow ranks in one launch would move the
+  median the judges compare against, and a busy rank's own work grows too, so the outside case would prove nothing.
 - `clean`: 31 clean steps of 4-rank HSDP (2 replicas x 2 shards; nobody may be flagged, by phase time or by
   arrival, and the replica and replay checks of tests/test_integrity.py find nothing; HSDP steps cost 0.4x a
   dp2_tp2 step here), steps 12-13 corrupted x1e4 (guard: rewind to step 10's checkpoint), then the test freezes
@@ -18,6 +21,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +32,7 @@ from runner.config import layout, runfiles
 from runner.config.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 from runner.observe import forensics, monitor
 from runner.run import startup
-from tests.conftest import ROOT, metrics, run_cli
+from tests.conftest import ROOT, metrics, run_cli, summary
 
 TIMEOUT_S = 12
 # The job must end on its own within this after the hang starts: the collective timeout, then at most
@@ -51,14 +55,48 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return forensics.read_records(run_dir)
 
 
+STOP_S, PERIOD_S = 0.06, 0.1
+
+
+def _duty_cycle(proc: subprocess.Popen, record: Path, until_step: int, cycles: list[int]) -> None:
+    """Stop the rank whose record this is for STOP_S of every PERIOD_S (a noisy neighbour, from outside), from its first
+    training step until its record reaches `until_step` or the job ends."""
+    rec: dict = {}
+    while proc.poll() is None and rec.get("step", 0) < 1:
+        time.sleep(0.05)
+        try:
+            rec = json.loads(record.read_text())
+        except (OSError, ValueError):
+            pass
+    try:
+        while proc.poll() is None and json.loads(record.read_text())["step"] < until_step:
+            os.kill(rec["pid"], signal.SIGSTOP)
+            time.sleep(STOP_S)
+            os.kill(rec["pid"], signal.SIGCONT)
+            time.sleep(PERIOD_S - STOP_S)
+            cycles.append(1)
+    except (ProcessLookupError, KeyError, OSError, ValueError):
+        pass
+    finally:
+        if "pid" in rec and not _gone(rec["pid"]):
+            os.kill(rec["pid"], signal.SIGCONT)
+
+
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("slow") / "run"
-    args = [*SHORT, *STRAGGLER, "training.steps=20", "monitor.inject.delay_rank=2", "monitor.inject.delay_frac=0.6"]
-    args += ["monitor.inject.corrupt_steps=[8]", "monitor.inject.corrupt_scale=nan", "monitor.inject.hang_rank=1"]
-    args += ["monitor.inject.hang_at_step=11"]
-    proc = run_cli(*args, run_dir=run_dir)
-    return run_dir, proc, time.time()
+    args = [*SHORT, *STRAGGLER, "training.steps=20", "monitor.inject.corrupt_steps=[8]", "monitor.inject.corrupt_scale=nan"]
+    args += ["monitor.inject.hang_rank=1", "monitor.inject.hang_at_step=11"]
+    argv = [sys.executable, "-m", "runner", *args, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cycles: list[int] = []
+    record = run_dir / runfiles.RANK_RECORDS / "rank_2.json"
+    stopper = threading.Thread(target=_duty_cycle, args=(proc, record, 11, cycles), daemon=True)
+    stopper.start()
+    out, err = proc.communicate(timeout=900)
+    stopper.join(timeout=5)
+    return run_dir, subprocess.CompletedProcess(argv, proc.returncode, out, err), time.time(), len(cycles)
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +140,23 @@ def clean(tmp_path_factory):
 
 
 @pytest.mark.e2e
-def test_straggler_named_within_window_count(slow):
-    run_dir, proc, _ = slow
+def test_rank_slowed_from_outside_is_flagged_alone_under_tp(slow):
+    """The TP and FSDP collectives keep dp2_tp2's ranks in lockstep, so every rank's step is as long as the stopped
+    rank's and arrival at the host collective tells little; its own work (the step less its waits) is what grows."""
+    run_dir, proc, _, cycles = slow
+    assert cycles > 20, proc.stderr[-3000:]  # the duty cycle ran through the training steps
     flagged = [json.loads(line) for line in (run_dir / runfiles.STRAGGLERS).read_text().splitlines()]
     assert {f["rank"] for f in flagged} == {2}, flagged  # nobody else, in any phase
-    first = flagged[0]
-    assert first["phase"] == "forward"
-    assert first["step"] == 1 + 3 * 2  # step 1 is not judged; windows end at steps 4 and 7: named at the 2nd window
-    assert first["windows"] == 2 and first["slowdown"] > 1.3
-    assert (first["local_rank"], first["coords"]) == (2, {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0})
-    assert first["host"] and first["median_s"] > 0
-    row = next(r for r in metrics(run_dir) if r["step"] == 7)
-    assert row["stragglers"][0]["rank"] == 2 and row["straggler_windows"] == 2
+    assert {f["phase"] for f in flagged} <= {"own", "arrival"} and "forward" not in {f["phase"] for f in flagged}
+    own = [f for f in flagged if f["phase"] == "own"]
+    assert own, flagged
+    # step 1 is not judged; windows end at steps 4, 7, 10 (then the hang): named within three windows
+    assert own[0]["step"] in (7, 10) and own[0]["windows"] >= 2 and own[0]["slowdown"] > 1.3
+    assert (own[0]["local_rank"], own[0]["coords"]) == (2, {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0})
+    row = next(r for r in metrics(run_dir) if r["step"] == own[0]["step"])
+    assert any(f["rank"] == 2 for f in row["stragglers"])
     flat = " ".join(proc.stdout.split())  # rich wraps the console at its width
-    assert "straggler: rank 2 (host" in flat and "local rank 2, mesh pp=0 dp_replicate=0 dp_shard=1 cp=0 tp=0) forward" in flat
+    assert "local rank 2, mesh pp=0 dp_replicate=0 dp_shard=1 cp=0 tp=0) own work (its step less its waits in collectives) " in flat
 
 
 @pytest.mark.e2e
@@ -127,6 +168,8 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
     flagged = run_dir / runfiles.STRAGGLERS
     assert not flagged.exists(), flagged.read_text()
     assert not any("stragglers" in r for r in rows)
+    tables = summary(run_dir)["monitor"]["window_medians_s"]  # own work and waits were judged on every rank
+    assert all(t["own"] > 0 and t["waits"] > 0 for w in tables for t in w["ranks"]), tables
 
 
 @pytest.mark.e2e
@@ -161,7 +204,7 @@ def test_straggler_judge_needs_consecutive_windows():
 
 @pytest.mark.e2e
 def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
-    run_dir, proc, _ = slow
+    run_dir, proc, _, _ = slow
     rows = {r["step"]: r for r in metrics(run_dir)}
     assert math.isnan(rows[8]["loss"]) and rows[8]["action"] == "skip" and "non-finite" in rows[8]["spike"]
     assert rows[8]["skipped_steps"] == 1 and rows[7]["skipped_steps"] == 0
@@ -224,7 +267,7 @@ def _check_hang(run_dir: Path, proc, hang_started: float, ended: float, frozen_s
 
 @pytest.mark.e2e
 def test_sleeping_rank_hang_is_reported(slow):
-    run_dir, proc, ended = slow
+    run_dir, proc, ended, _ = slow
     rank1 = _records(run_dir)[1]
     assert (rank1["step"], rank1["phase"]) == (11, "forward")
     report = _check_hang(run_dir, proc, rank1["phase_since"], ended, "did not enter the collective its peers wait in")
@@ -478,3 +521,46 @@ def test_nccl_recorder_is_read_beside_the_host_groups(monkeypatch, tmp_path):
     got = forensics.RankRecorder(_cuda_run_config(), tmp_path, 0, {})._in_flight()
     assert {g: c["op"] for g, c in got.items()} == {"0": "nccl:all_reduce", "1": "gloo:barrier"}
     assert list(forensics.RankRecorder(RunConfig(), tmp_path, 0, {})._in_flight()) == ["1"]  # gloo: the generic recorder only
+
+
+def test_waits_inside_collectives_are_timed_on_the_step_thread(tmp_path):
+    """A rank's own work is its step less its waits inside collectives: c10d's Work.wait (FSDP2, the host collectives)
+    and the functional collectives' wait_tensor (DTensor's TP), also when an AsyncCollectiveTensor is first waited for
+    inside another op. A wait on another thread (a checkpoint's writer) is not the step's. One in-process gloo rank."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from runner.observe.waits import Waits
+
+    class Counting:
+        def start(self):
+            return None
+
+        def stop(self, started):
+            return 1.0
+
+        def resolve(self, value):
+            return value
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        waits, original = Waits(Counting()), torch._C._distributed_c10d.Work.wait
+        waits.start()
+        try:
+            dist.all_reduce(torch.ones(2))  # Work.wait
+            funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD).wait()  # wait_tensor
+            assert torch.equal(funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD) + 1, torch.full((2,), 2.0))  # waited in add
+            other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)))
+            other.start()
+            other.join()
+        finally:
+            waits.stop()
+        assert waits.take() == 3.0
+        dist.all_reduce(torch.ones(2))
+        assert waits.take() == 0.0  # stopped: Work.wait is torch's own again
+        assert torch._C._distributed_c10d.Work.wait is original
+    finally:
+        dist.destroy_process_group()

@@ -19,7 +19,7 @@ def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch)
     FSDP's forward would not move). A policy whose compute device is `meta` shows where they go."""
     seen = []
     monkeypatch.setattr(train, "forward_backward", lambda built, loss_fn, mbs, tokens, mon: seen.extend(mbs) or torch.zeros(()))
-    monkeypatch.setattr(train.titan, "clip_grad_norm", lambda parts, max_norm, pd: 0.0)
+    monkeypatch.setattr(train.titan, "clip_grad_norm_tensor", lambda parts, max_norm, pd: torch.zeros(()))
     data = SyntheticData(seed=0, seq_len=8, vocab=64, global_batch=4, microbatch=2, dp_rank=0, dp=1)
     loop = SimpleNamespace(
         data=data,
@@ -48,43 +48,88 @@ class _RecordingPolicy(DevicePolicy):
     def sync(self) -> None:
         self.events.append("sync")
 
+    def read(self, *values: torch.Tensor) -> list[float]:
+        self.events.append("read")
+        return [float(v) for v in values]
+
     def max_memory_gb(self) -> float:
         return 0.0
 
 
-def test_step_time_is_taken_after_the_device_finished_the_optimizer(monkeypatch):
-    """On CUDA the host runs ahead of its kernels: a dt read right after `opt.step()` returns times the launches.
-    The step loop waits for the device (the policy's sync) after the optimizer and only then reads the clock."""
-    events: list[str] = []
+def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: int = 5, due=()):
+    """A step loop whose model, optimizer, checkpointer and host collective only record themselves into `events`;
+    `losses[step]` is the step's global loss, `due` the steps a checkpoint is due after. opt.step records which step's
+    gradients it applies (events "applied <k>")."""
     clock = iter(range(100))
+    grads: list[int | None] = [None]
     monkeypatch.setattr(train.time, "perf_counter", lambda: events.append("clock") or float(next(clock)))
-    monkeypatch.setattr(train, "_train_step", lambda loop, step: (torch.zeros(()), 1.0))
-    monkeypatch.setattr(train, "global_loss", lambda local, lay, policy: 2.0)
-    monkeypatch.setattr(train.loader, "global_digest", lambda data, k, policy: "d")
+    monkeypatch.setattr(train.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(train.loader, "digest_lanes", lambda data, k: (0.0, 0.0))
+
+    def train_step(loop, step):
+        events.append("forward/backward")
+        grads[0] = step
+        return torch.tensor(losses[step]), torch.ones(())
+
+    monkeypatch.setattr(train, "_train_step", train_step)
+    shared = train.step_sync.Shared
+    monkeypatch.setattr(train.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop: shared(share, "d", False))
     monkeypatch.setattr(train, "row", lambda step, loss, norm, dt, *a: events.append(f"row dt={dt:g}") or {})
-    opt = SimpleNamespace(param_groups=[{"lr": 1e-3}], step=lambda: events.append("optimizer"), zero_grad=lambda set_to_none: None)
-    loop = SimpleNamespace(
+    opt = SimpleNamespace(
+        param_groups=[{"lr": 1e-3}],
+        step=lambda: events.append(f"applied {grads[0]}"),
+        zero_grad=lambda set_to_none: grads.__setitem__(0, None),
+    )
+    return SimpleNamespace(
         mon=SimpleNamespace(begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], windows_judged=0),
         integrity=SimpleNamespace(begin_step=lambda s, p: None, check_due=lambda s: False, checks=0, replays=0, take=lambda: []),
-        guard=monitor.LossGuard(LossGuardConfig()),
+        guard=monitor.LossGuard(LossGuardConfig(warmup_steps=1)),
         opt=opt,
         sched=SimpleNamespace(step=lambda: None),
         built=SimpleNamespace(parts=[]),
         data=None,
         lay=None,
         policy=_RecordingPolicy(events),
-        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=5)),
+        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=steps)),
         acc=None,
         feed=SimpleNamespace(waited_s=0.0),
         eval_data=None,
-        ckpt=SimpleNamespace(due=lambda s: False, poll=lambda: None, staged=lambda: events.append("staged")),
-        watch=SimpleNamespace(agreed=lambda policy: False),
+        ckpt=SimpleNamespace(
+            due=lambda s: s in due,
+            poll=lambda: None,
+            staged=lambda: events.append("staged"),
+            save=lambda step, *a: events.append(f"save {step}") or 0.0,
+        ),
+        watch=SimpleNamespace(signalled=False),
         stopped=False,
+        pending=False,
         sinks=[],
         rows=[],
     )
+
+
+def test_step_time_is_taken_after_the_device_finished_the_step(monkeypatch):
+    """On CUDA the host runs ahead of its kernels: a dt read right after `opt.step()` returns times the launches.
+    A step's one host synchronization (the policy's read of its loss and grad norm) waits for every kernel queued before
+    it: the last step's accepted update (run one step late, inside this step's time) and this step's forward/backward;
+    dt is read after it and the host collective."""
+    events: list[str] = []
+    loop = _fake_loop(monkeypatch, events, {2: 2.0})
+    loop.pending = True  # step 1 was accepted; its update has not run yet
     assert train._step(loop, 2) == 3
-    assert events == ["clock", "staged", "optimizer", "sync", "clock", "row dt=1"]
+    assert events == ["clock", "staged", "applied None", "forward/backward", "read", "clock", "row dt=1"]
+    assert loop.pending  # step 2's own update waits for step 3
+
+
+def test_a_spike_never_reaches_the_weights_and_updates_land_before_the_weights_are_read(monkeypatch):
+    """Each accepted step's gradients are applied once, at the start of the next step; step 3's spike (100 x the median
+    loss) is dropped; a checkpoint due after step 4 and the last step (5) get their own step's update first."""
+    events: list[str] = []
+    loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0}, due=(4,))
+    for step in range(1, 6):
+        train._step(loop, step)
+    assert [e for e in events if e.startswith(("applied", "save"))] == ["applied 1", "applied 2", "applied 4", "save 4", "applied 5"]
+    assert loop.guard.bad_steps == {3} and not loop.pending
 
 
 def test_prefetch_pins_its_batches_when_the_compute_device_is_cuda(monkeypatch):
@@ -139,3 +184,90 @@ def test_parity_sums_go_through_the_policys_host_group(compose, monkeypatch):
     after = {"w": torch.tensor([1.0, 3.0], dtype=torch.float64)}
     assert parity.fingerprint(before, after, lay, policy) == {"weights_sq": 10.0, "update_sq": 4.0, "weights_sum": 4.0}
     assert policy.calls == [("all_reduce", "cpu", torch.float64, [25.0]), ("all_reduce", "cpu", torch.float64, [10.0, 4.0, 4.0])]
+
+
+class _Clock:
+    """A device clock that records its use: the k-th span started lasts `seconds[k]` when resolved."""
+
+    measures_cpu_time = False
+
+    def __init__(self, name: str, seconds: list[float], used: list[str]):
+        self.name, self.seconds, self.used, self.started = name, seconds, used, 0
+
+    def now(self) -> float:
+        raise AssertionError(f"{self.name}: a host clock read")
+
+    def start(self) -> int:
+        self.started += 1
+        return self.started - 1
+
+    def stop(self, k: int) -> int:
+        return k
+
+    def resolve(self, k: int) -> float:
+        self.used.append(f"{self.name} {k}")
+        return self.seconds[k]
+
+
+class _ClockPolicy(DevicePolicy):
+    """A CUDA policy whose phase clock and timeline clock are _Clocks (all_gather_object answers for one rank)."""
+
+    def __init__(self, phase: _Clock, timeline: _Clock):
+        super().__init__(DeviceType.cuda, "nccl", dedicated_host_group=True)
+        self.phase, self.timeline = phase, timeline
+
+    def clock(self):
+        return self.phase
+
+    def timeline_clock(self):
+        return self.timeline
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+def test_stage_and_phase_times_come_from_the_policys_device_clock(monkeypatch, tmp_path):
+    """On CUDA the host clock times kernel launches: a pipeline step's stages, the schedule's span and the step itself
+    are timed on the policy's timeline clock (CUDA events), its phases on the policy's phase clock; no host clock is read.
+    Timeline spans: 0 the step (2 s), 1 the schedule (1 s), 2 and 3 its two stage chunks (0.25 s each)."""
+    from runner.config.schema import MonitorConfig
+    from runner.observe import plan_check
+
+    used: list[str] = []
+    policy = _ClockPolicy(_Clock("phase", [0.9], used), _Clock("timeline", [2.0, 1.0, 0.25, 0.25], used))
+    mon = monitor.StepMonitor(MonitorConfig(), policy, lambda r: {}, 0, None, tmp_path)
+    stage = SimpleNamespace(forward_one_chunk=lambda: None)
+    timer = plan_check.StageTimer(SimpleNamespace(_stage=stage), mon.timeline)
+    chunks = lambda built, mbs, tokens: [stage.forward_one_chunk() for _ in mbs] and torch.ones(())  # noqa: E731
+    monkeypatch.setattr(train.titan, "pipeline_step", chunks)
+    loop = SimpleNamespace(built=SimpleNamespace(schedule=object()), mon=mon, timer=timer, global_tokens=None)
+    mon.begin_step(2)
+    train._compute(loop, [1, 2])
+    mon.end_step()
+    assert mon.now["pipeline"] == 0.9  # the phase clock
+    assert (mon.now["pp_compute"], mon.now["pp_wait"], mon.idle) == (0.5, 0.5, [0.5])  # busy 2 x 0.25 of the 1 s schedule
+    assert (mon.now["own"], mon.now["waits"]) == (2.0, 0.0)  # the step on the timeline clock, less its waits (none here)
+    assert sorted(used) == ["phase 0", "timeline 0", "timeline 1", "timeline 2", "timeline 3"]
+
+
+def test_cuda_host_syncs_are_counted_from_torchs_sync_debug_mode(monkeypatch):
+    """On CUDA every synchronizing CUDA operation (an .item(), a device-to-host copy, a synchronize) counts into
+    host_syncs: torch's sync debug mode warns on each, and the policy counts the warning instead of printing it. GPU-only
+    (CPU torch has no sync debug mode): here a CUDA policy gets the warning torch would raise."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    policy = DevicePolicy(DeviceType.cuda, "nccl", dedicated_host_group=True)
+    with warnings.catch_warnings(record=True) as shown:
+        policy.count_syncs()
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # torch's wording
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert modes == ["warn"] and policy.host_syncs == 3
+    assert [str(w.message) for w in shown] == ["something else"]
+    cpu = DevicePolicy(DeviceType.cpu, "gloo", dedicated_host_group=False)
+    cpu.count_syncs()  # nothing to switch on
+    cpu.read(torch.ones(()), torch.zeros(()))
+    cpu.sync()
+    assert modes == ["warn"] and cpu.host_syncs == 2  # on CPU the policy counts its own read and sync

@@ -1,8 +1,9 @@
 """Observers of the step loop: phase timing and the straggler monitor, the loss-spike guard, test-only fault injection.
 
 `StragglerJudge` and `LossGuard` are plain Python (unit-tested without ranks); `StepMonitor` is what the
-step loop calls at its phase boundaries: it times each phase (two perf_counter reads), tells the rank's
-forensics record where the rank is, and every `monitor.straggler.interval` steps gathers the per-rank
+step loop calls at its phase boundaries: it times each phase on the policy's clock, the step and its waits inside
+collectives on the policy's timeline clock (runner.observe.waits: a rank's own work is the step less its waits), tells
+the rank's forensics record where the rank is, and every `monitor.straggler.interval` steps gathers the per-rank
 medians in one small all-gather.
 """
 
@@ -23,10 +24,13 @@ from typing import Any
 
 from runner.config import runfiles
 from runner.config.schema import GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
+from runner.observe import waits
 
-JUDGED = ("forward", "backward", "optimizer", "pp_compute")
-"""Phases whose slowness makes a straggler. Waiting (pp_wait, the loss all-reduce) is a symptom of someone else."""
-TIMED = (*JUDGED, "pp_wait")
+JUDGED = ("forward", "backward", "optimizer", "pp_compute", "own")
+"""Phases whose slowness makes a straggler; `own` is the step on the timeline clock less its waits inside collectives
+(a rank slowed from outside accrues no CPU time, but its own work grows). Waiting (pp_wait, waits, the loss exchange)
+is a symptom of someone else."""
+TIMED = (*JUDGED, "pp_wait", "waits")
 
 
 class StragglerJudge:
@@ -56,10 +60,11 @@ class ArrivalJudge:
     """Per window: the rank its peers wait for at the step's end. A rank slowed from outside (descheduled,
     stopped, a noisy neighbour) accrues no extra CPU time, so the phase judge cannot see it; it arrives last.
 
-    Each step every rank stamps its arrival at, and departure from, the two host collectives of the step: the loss
-    all-reduce and a barrier at the step's end (device.DevicePolicy.timed_arrival); a step's lateness is the sum
-    over both. All ranks leave a collective together, so the median difference of departure stamps is the
-    difference of the hosts' clocks, which is taken out of the arrival stamps. On an oversubscribed machine every rank is
+    Each step every rank stamps its arrival at, and departure from, the step's one host collective (the exchange of
+    the loss, data digest and stop flag, runner.run.step_sync), after the step's read of its loss (on CUDA: after the
+    device finished the step); with several stamped collectives a step's lateness is their sum. All ranks leave a
+    collective together, so the median difference of departure stamps is the difference of the hosts' clocks, which
+    is taken out of the arrival stamps. On an oversubscribed machine every rank is
     descheduled now and then and arrives last once in a while, so one step proves nothing: a straggler arrives
     last in at least `last_frac` of a window's steps (a majority), and later than the median of its peers by
     `min_late_s` (median over the steps), for `windows` windows in a row."""
@@ -175,7 +180,7 @@ class LossGuard:
 class StepMonitor:
     """Phase hooks for the step loop (one per rank)."""
 
-    def __init__(self, cfg: MonitorConfig, policy, coords_of, rank: int, recorder, run_dir: Path):
+    def __init__(self, cfg: MonitorConfig, policy, coords_of, rank: int, recorder, run_dir: Path, compiled: bool = False):
         self.rank, self.recorder, self.policy = rank, recorder, policy
         self.s, self.inject = cfg.straggler, cfg.inject
         self.judge = StragglerJudge(self.s)
@@ -200,12 +205,21 @@ class StepMonitor:
         # blocked in a gloo collective accrues none, so the peers that wait for a slow rank do not look as slow
         # as it), on CUDA events around the phase's kernels.
         self.clock = policy.clock()
+        self.timeline = policy.timeline_clock()  # the step, its waits and pipeline stages (runner.observe.waits)
+        self.waits = waits.Waits(self.timeline, functional=not compiled)
+        self._span: Any = None
+        self._spans: list[Any] = []  # this step's pipeline schedules (two at a replay check) on the timeline clock
+        self._stages: Any = None  # their stage timer (plan_check.StageTimer)
+        self.idle: list[float] = []  # per step: this rank's idle fraction inside the pipeline schedule
         self._hung = False
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.now, self._pending = {}, []
+        self.now, self._pending, self._spans = {}, [], []
         self._wall0 = time.perf_counter()
+        if self.s.enable:
+            self._span = self.timeline.start()
+            self.waits.start()
         self._stamps: list[tuple[float, float]] = []  # (arrival, departure) at this step's host collectives
         self._maybe_kill()
         self.mark("data")
@@ -225,7 +239,8 @@ class StepMonitor:
         self.mark(name)
         if name == "forward":
             self._maybe_hang()
-        self._t0 = self.clock.now()
+            if self.inject.delay_frac > 0:  # the test-only delay (after_forward) scales the forward's compute so far
+                self._t0 = self.clock.now()
         started = self.clock.start()
         arrive = time.time()
         try:
@@ -237,6 +252,26 @@ class StepMonitor:
 
     def add(self, name: str, seconds: float) -> None:
         self.now[name] = self.now.get(name, 0.0) + seconds
+
+    def pipeline(self, span, timer) -> None:
+        """A schedule's span on the timeline clock and its stage timer (plan_check.StageTimer), resolved at end_step."""
+        self._spans.append(span)
+        self._stages = timer
+
+    def _resolve(self) -> None:
+        """The step's phase, pipeline and wait times (CUDA events: after the step's host synchronization)."""
+        for name, value in self._pending:
+            self.add(name, self.clock.resolve(value))
+        self._pending = []
+        if self._spans:
+            total, busy = sum(self.timeline.resolve(span) for span in self._spans), self._stages.take()
+            self.idle.append(1 - busy / total)
+            self.add("pp_compute", self.now["pipeline"] if self.clock.measures_cpu_time else busy)  # CPU: see StepMonitor.clock
+            self.add("pp_wait", total - busy)
+        if self.s.enable:
+            self.waits.stop()
+            waited = self.waits.take()
+            self.now |= {"own": self.timeline.resolve(self.timeline.stop(self._span)) - waited, "waits": waited}
 
     def after_forward(self) -> None:
         """TEST-ONLY: make this rank's forward compute delay_frac longer, as a slower device would (busy, not sleeping)."""
@@ -262,12 +297,9 @@ class StepMonitor:
     def end_step(self) -> list[dict[str, Any]]:
         """Close the step; at the end of a window gather and judge. Returns the stragglers flagged now (every rank)."""
         self.mark("between steps")
-        for name, value in self._pending:
-            self.now[name] = self.now.get(name, 0.0) + self.clock.resolve(value)
-        self._pending = []
-        if self.s.enable and self.s.arrival:  # every rank, every step: the barrier is a collective
+        self._resolve()
+        if self.s.enable and self.s.arrival:
             self.now["step_wall"] = time.perf_counter() - self._wall0
-            self._stamps.append(self.policy.timed_arrival())
         self.all_steps.append(self.now)
         if not self.s.enable or self.step == 1:  # step 1 carries one-time costs on every rank: not judged
             return []
@@ -278,7 +310,7 @@ class StepMonitor:
         return self._judge()
 
     def _judge(self) -> list[dict[str, Any]]:
-        """One all-gather of this rank's phase medians, median step time and per-step barrier stamps; every rank judges alike."""
+        """One all-gather of this rank's phase medians, median step time and per-step arrival stamps; every rank judges alike."""
         import torch
 
         arrival = self.s.arrival
@@ -326,8 +358,9 @@ def describe(f: dict[str, Any]) -> str:
             f"{f['late_s'] * 1e3:.1f} ms after its peers' median (its peers wait for it; "
             f"steps {f['slowdown']:.2f}x longer) for {f['windows']} windows, step {f['step']}"
         )
+    phase = "own work (its step less its waits in collectives)" if f["phase"] == "own" else f["phase"]
     return (
         f"straggler: rank {f['rank']} (host {f['host']}, local rank {f['local_rank']}, mesh {coords}) "
-        f"{f['phase']} {f['slowdown']:.2f}x the median over ranks ({f['rank_s'] * 1e3:.1f} vs {f['median_s'] * 1e3:.1f} ms) "
+        f"{phase} {f['slowdown']:.2f}x the median over ranks ({f['rank_s'] * 1e3:.1f} vs {f['median_s'] * 1e3:.1f} ms) "
         f"for {f['windows']} windows, step {f['step']}"
     )

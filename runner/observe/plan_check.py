@@ -27,11 +27,12 @@ CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one
 
 
 class StageTimer:
-    """Seconds this rank spends computing inside its pipeline stages (wrapping the stage
-    methods the torch.distributed.pipelining schedules call)."""
+    """Seconds this rank spends computing inside its pipeline stages (wrapping the stage methods the
+    torch.distributed.pipelining schedules call), on the policy's timeline clock (DevicePolicy.timeline_clock): CUDA
+    events on CUDA, where the host clock would time the kernels' launches; the wall clock on CPU."""
 
-    def __init__(self, schedule):
-        self.busy = 0.0
+    def __init__(self, schedule, clock):
+        self.clock, self.pending = clock, []
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
             for name in CHUNK_METHODS:
@@ -40,16 +41,18 @@ class StageTimer:
 
     def _timed(self, fn):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            started = self.clock.start()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.busy += time.perf_counter() - t0
+                self.pending.append(self.clock.stop(started))
 
         return wrapper
 
     def take(self) -> float:
-        busy, self.busy = self.busy, 0.0
+        """The busy seconds since the last take (CUDA events: read after the step's host synchronization)."""
+        busy = sum(self.clock.resolve(v) for v in self.pending)
+        self.pending = []
         return busy
 
 

@@ -8,7 +8,10 @@
 | monitor windows, calibration)     |                                    | tensors                                      |
 | bandwidth probe                   | the default group, CPU tensors     | the default group, CUDA tensors              |
 | phase clock                       | the process's CPU time             | CUDA events around the phase                 |
-| step-end arrival (stragglers)     | host barrier, wall-clock stamps    | the same, after the device finished the step |
+| step timeline (stages, waits)     | wall clock                         | CUDA events                                  |
+| step-end arrival (stragglers)     | stamps at the step's one host      | the same, after the step's one read (the     |
+|                                   | collective (runner.run.step_sync)  | device finished the step)                    |
+| host synchronizations counted     | the policy's reads and syncs       | every synchronizing CUDA op (sync debug mode)|
 | memory probe                      | peak resident set                  | peak allocated device memory                 |
 | host batches (Prefetch)           | plain memory                       | pinned, so copies to the device are async    |
 | threads per rank                  | cores / ranks on the machine       | torch's default                              |
@@ -62,9 +65,29 @@ class CpuClock:
         return value
 
 
+class WallClock:
+    """The step's timeline on a CPU rank: wall-clock seconds, waits and stops included (a rank stopped from outside
+    accrues none of CPU time, but all of this)."""
+
+    measures_cpu_time = False
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, started: float) -> float:
+        return time.perf_counter() - started
+
+    def resolve(self, value: Any) -> float:
+        return value
+
+
 class CudaEventClock:
     """Phase times from CUDA events recorded on the current stream: kernels run asynchronously, so the
-    host clock would time the launches, not the work. Elapsed times are read at the end of each step (`resolve`)."""
+    host clock would time the launches, not the work. Elapsed times are read at the end of each step (`resolve`), after
+    the step's one host synchronization (DevicePolicy.read): its events have completed, so reading them waits for nothing."""
 
     measures_cpu_time = False
 
@@ -85,7 +108,7 @@ class CudaEventClock:
         if isinstance(value, float):
             return value
         start, end = value
-        end.synchronize()
+        end.synchronize()  # returns at once after the step's read; an event recorded after it (the host collective's) is near
         return start.elapsed_time(end) / 1000
 
 
@@ -96,6 +119,9 @@ class DevicePolicy:
     dedicated_host_group: bool
     host_group: Any = field(default=None, repr=False)
     """The group of host collectives; None means the default group."""
+    host_syncs: int = 0
+    """Host synchronizations with the device so far (metrics.jsonl's `host_syncs` is their count in a step): on CPU the
+    policy's own reads and syncs; on CUDA every synchronizing CUDA operation torch reports (count_syncs)."""
 
     @classmethod
     def of(cls, cluster: ClusterConfig, distributed: DistributedConfig) -> DevicePolicy:
@@ -180,7 +206,40 @@ class DevicePolicy:
             self.host_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def clock(self) -> CpuClock | CudaEventClock:
+        """What a phase costs this rank: CPU time on CPU, CUDA events on CUDA (runner.observe.monitor.StepMonitor)."""
         return CpuClock() if self.cpu else CudaEventClock()
+
+    def timeline_clock(self) -> WallClock | CudaEventClock:
+        """The step's timeline: pipeline stages, waits inside collectives and the step itself (wall clock on CPU, CUDA
+        events on CUDA). A rank's own work is its step on this clock less its waits (runner.observe.waits)."""
+        return WallClock() if self.cpu else CudaEventClock()
+
+    def read(self, *values: torch.Tensor) -> list[float]:
+        """The step's one host synchronization: these device scalars in one device-to-host copy, which waits for every
+        kernel queued before it (the step's forward/backward and clip, and the previous step's optimizer)."""
+        if self.cpu:
+            self.host_syncs += 1  # on CUDA the copy is counted by count_syncs, as every synchronizing op is
+        device = self.compute_device()
+        return torch.stack([v.detach().reshape(()).to(device, torch.float64) for v in values]).tolist()
+
+    def count_syncs(self) -> None:
+        """On CUDA: count every synchronizing CUDA operation into host_syncs (torch's sync debug mode warns on each;
+        the warning is counted and kept off the console). GPU-only: pinned on CPU by a test that raises the warning."""
+        if self.cpu:
+            return
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        shown = warnings.showwarning
+
+        def counted(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                self.host_syncs += 1
+                return
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = counted
 
     def max_memory_gb(self) -> float:
         """Peak memory of this rank so far: resident set on CPU, allocated device memory on CUDA."""
@@ -211,23 +270,19 @@ class DevicePolicy:
     def barrier(self) -> None:
         dist.barrier(group=self.host_group)
 
-    def timed_arrival(self) -> tuple[float, float]:
-        """(arrival, departure) at a host barrier at the step's end, on this host's clock (time.time). On CUDA the
-        step's kernels are waited for first (the phase clock's events are read there anyway), so arrival is when
-        the device finished the step. Which rank arrives last is what the straggler monitor's arrival judge reads."""
-        self.sync()
-        arrive = time.time()
-        dist.barrier(group=self.host_group)
-        return arrive, time.time()
-
     # The bandwidth probe: device tensors on the default group, the links the model's collectives use.
     def probe_tensor(self, numel: int) -> torch.Tensor:
         return torch.ones(numel, dtype=torch.float32, device=self.compute_device())
 
     def sync(self) -> None:
-        if not self.cpu:
+        if self.cpu:
+            self.host_syncs += 1
+        else:
             torch.cuda.synchronize()
 
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What torch's sync debug mode warns (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync)."""
 
 AUDITED = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
 

@@ -7,8 +7,8 @@ step: the submitted task on each node (which runs the elastic agent) and every r
 submitit's own handler in the task of global rank 0 would checkpoint the Hydra call, `scontrol requeue`
 and `sys.exit(-1)` at once, ending the agent before its ranks have saved. So the runner takes over:
 
-- every rank (`RankWatch`) notes the signal; at the end of each step the ranks agree (one all-reduce of a
-  flag) so that all stop after the same step, write a synchronous checkpoint (published atomically by the
+- every rank (`RankWatch`) notes the signal; at the end of each step the ranks agree (a flag in the step's one
+  host collective, runner.run.step_sync) so that all stop after the same step, write a synchronous checkpoint (published atomically by the
   Checkpointer), rank 0 appends the interruption to `preempted.json` and the ranks exit cleanly;
 - the task (`AgentTakeover`) waits for its ranks and only then hands the signal to submitit's handler,
   which requeues the job as a checkpointable task (hydra-submitit-launcher's `checkpoint`), counting time
@@ -71,15 +71,10 @@ class RankWatch:
         if self.signalled_at is None:
             self.signalled_at = time.time()
 
-    def agreed(self, policy) -> bool:
-        """True on every rank once any rank has the signal (one MAX all-reduce of a flag per step)."""
-        if not self.enabled:
-            return False
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.signalled_at is not None else 0.0])
-        return bool(policy.all_reduce(flag, op=dist.ReduceOp.MAX).item() > 0)
+    @property
+    def signalled(self) -> bool:
+        """This rank has the signal; the ranks agree on it in the step's one host collective (runner.run.step_sync)."""
+        return self.signalled_at is not None
 
 
 _watch = RankWatch(enabled=False)

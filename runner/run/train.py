@@ -21,7 +21,7 @@ from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, loader, preempt, titan
+from runner.run import evaluate, loader, preempt, step_sync, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -52,7 +52,7 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
         with mon.phase("backward"):
             loss.backward()
         losses.append(loss.detach())
-    return titan.local_value(sum(losses)).cpu()  # one conversion per step, not per microbatch
+    return titan.local_value(sum(losses))  # left on the device: the step reads it once, with the grad norm (DevicePolicy.read)
 
 
 def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,8 +62,9 @@ def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: tor
 
 
 def global_loss(local: torch.Tensor, lay: Layout, policy: DevicePolicy) -> float:
-    """Sum of the per-rank shares = mean token loss. Ranks of a TP group hold the same share,
-    so only TP rank 0 contributes; non-last pipeline stages hold zero."""
+    """Sum of the per-rank shares = mean token loss (the evaluation's; a training step's goes through
+    runner.run.step_sync). Ranks of a TP group hold the same share, so only TP rank 0 contributes; non-last
+    pipeline stages hold zero."""
     share = local if lay.coords(dist.get_rank())["tp"] == 0 else torch.zeros_like(local)
     return float(policy.all_reduce(share))
 
@@ -103,28 +104,25 @@ class _Loop:
     """The held-out split (runner.run.loader, split="eval"); None when eval.interval is 0."""
     feed: loader.Prefetch = None
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
-    idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
+    pending: bool = False  # the last step was accepted and its optimizer step is still to run (_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _compute(loop: _Loop, microbatches) -> torch.Tensor:
     """Forward/backward (or the pipeline schedule); returns this rank's loss share."""
     built, mon = loop.built, loop.mon
-    if built.schedule is not None:
-        t_pp, c_pp = time.perf_counter(), mon.clock.now()
-        with mon.phase("pipeline"):
-            local = titan.pipeline_step(built, microbatches, loop.global_tokens)
-        total, busy = time.perf_counter() - t_pp, loop.timer.take()
-        loop.idle.append(1 - busy / total)
-        mon.add("pp_compute", mon.clock.now() - c_pp if mon.clock.measures_cpu_time else busy)  # see StepMonitor.clock
-        mon.add("pp_wait", total - busy)
-    else:
-        local = forward_backward(built, loop.loss_fn, microbatches, loop.global_tokens, mon)
+    if built.schedule is None:
+        return forward_backward(built, loop.loss_fn, microbatches, loop.global_tokens, mon)
+    span = mon.timeline.start()  # the schedule on the policy's timeline clock, beside its stages' busy time
+    with mon.phase("pipeline"):
+        local = titan.pipeline_step(built, microbatches, loop.global_tokens)
+    mon.pipeline(mon.timeline.stop(span), loop.timer)
     return local
 
 
-def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
-    """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm."""
+def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm,
+    both on the device."""
     built, mon = loop.built, loop.mon
     microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
     if loop.integrity.replay_due(step):
@@ -136,8 +134,8 @@ def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
     if loop.hooks.before_clip is not None:
         loop.hooks.before_clip(step, built.parts)
     with mon.phase("optimizer"):
-        grad_norm = titan.clip_grad_norm(built.parts, loop.cfg.training.max_norm, built.parallel_dims)
-    return local, grad_norm
+        grad_norm = titan.clip_grad_norm_tensor(built.parts, loop.cfg.training.max_norm, built.parallel_dims)
+    return local, titan.local_value(grad_norm)
 
 
 def _rewind(loop: _Loop) -> int:
@@ -184,7 +182,8 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
     t = cfg.training
     opt, sched = build_optimizer(cfg, built.parts)
     titan.register_optimizer_hooks(built, opt)
-    mon = StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir)
+    mon = StepMonitor(cfg.monitor, policy, lay.coords, dist.get_rank(), recorder, run_dir, compiled=t.compile)
+    policy.count_syncs()
     return _Loop(
         cfg=cfg,
         lay=lay,
@@ -198,7 +197,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         sched=sched,
         loss_fn=titan.loss_fn(cfg),
         global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
-        timer=plan_check.StageTimer(built.schedule) if built.schedule is not None else None,
+        timer=plan_check.StageTimer(built.schedule, mon.timeline) if built.schedule is not None else None,
         mon=mon,
         guard=monitor.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(
@@ -212,56 +211,95 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
     )
 
 
+def _update(loop: _Loop) -> None:
+    """The optimizer step of the last step, once the guard accepted it. It runs one step late, at the start of the next
+    step (or at once when something reads the weights: _decide): the verdict needs the global loss and grad norm on the
+    host, which costs the step's one host synchronization (DevicePolicy.read); run after the verdict in the same step,
+    the update would need a second one before dt. So a step's dt holds one update and one forward/backward, and a spike
+    still never reaches the weights."""
+    if not loop.pending:
+        return
+    loop.pending = False
+    loop.ckpt.staged()  # an async checkpoint's copy of the weights is taken before they change
+    with loop.mon.phase("optimizer"):
+        loop.opt.step()
+    loop.opt.zero_grad(set_to_none=True)
+    loop.sched.step()
+
+
+def _reads_weights(loop: _Loop, step: int, stop: bool) -> bool:
+    """Whether anything reads the weights after `step` before the next step updates them."""
+    cfg = loop.cfg
+    evaluating = loop.eval_data is not None and evaluate.due(cfg.eval.interval, step, cfg.training.steps)
+    return step >= cfg.training.steps or stop or evaluating or loop.ckpt.due(step) or loop.integrity.check_due(step)
+
+
+def _decide(loop: _Loop, step: int, verdict: monitor.Verdict, stop: bool) -> None:
+    """An accepted step's update waits for the next step (_update); a spike's gradients are dropped now."""
+    loop.pending = verdict.action == "ok"
+    if not loop.pending:
+        loop.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
+        loop.sched.step()
+    elif _reads_weights(loop, step, stop):
+        _update(loop)
+
+
+def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, bool]:
+    """Train the step and judge it: its metrics row, the guard's verdict, whether the ranks stop for SLURM. Outside
+    logging and check steps this is the step's one host synchronization and its one host collective."""
+    mon, policy = loop.mon, loop.policy
+    mon.begin_step(step)
+    lanes = loader.digest_lanes(loop.data, step - 1)
+    t0 = time.perf_counter()
+    _update(loop)  # the last step's accepted update, timed with this step
+    loop.integrity.begin_step(step, loop.built.parts)
+    local, norm = _train_step(loop, step)
+    share, grad_norm = policy.read(local, norm)  # waits for the step's kernels (the update's too)
+    with mon.phase("loss"):
+        shared = step_sync.exchange(policy, loop.lay, dist.get_rank(), share, lanes, loop.watch.signalled)
+    dt = time.perf_counter() - t0
+    verdict = loop.guard.check(step, shared.loss, grad_norm)  # loss and norm are global: every rank decides alike
+    lr = loop.opt.param_groups[0]["lr"]
+    _decide(loop, step, verdict, shared.stop)
+    replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
+    flagged = mon.end_step()
+    r = row(step, shared.loss, grad_norm, dt, lr, loop.cfg, loop.acc, policy.max_memory_gb())
+    r |= {"skipped_steps": loop.guard.skipped, "straggler_windows": mon.windows_judged}
+    r |= {"integrity_checks": loop.integrity.checks, "replay_checks": loop.integrity.replays}
+    r["data_hash"] = shared.data_hash
+    r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+    if flagged:
+        r["stragglers"] = flagged
+    return r | replicas, verdict, shared.stop
+
+
 def _step(loop: _Loop, step: int) -> int:
     """Train `step` (or leave it out after a rewind); returns the next step."""
-    mon, guard, opt = loop.mon, loop.guard, loop.opt
-    mon.begin_step(step)
-    loop.integrity.begin_step(step, loop.built.parts)
+    guard, policy = loop.guard, loop.policy
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
+        _update(loop)
         loop.sched.step()
         return step + 1
-    digest = loader.global_digest(loop.data, step - 1, loop.policy)
-    t0 = time.perf_counter()
-    local, grad_norm = _train_step(loop, step)
-    with mon.phase("loss"):
-        loss = global_loss(local, loop.lay, loop.policy)
-    verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
-    lr = opt.param_groups[0]["lr"]
-    if verdict.action == "ok":
-        loop.ckpt.staged()  # an async checkpoint's copy of the weights is taken before they change
-        with mon.phase("optimizer"):
-            opt.step()
-    opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
-    loop.sched.step()
-    replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
-    loop.policy.sync()  # the step's kernels, the optimizer's last, have run: dt times the work, not its launch
-    dt = time.perf_counter() - t0
-    flagged = mon.end_step()
-    r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
-    r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
-    r |= {"integrity_checks": loop.integrity.checks, "replay_checks": loop.integrity.replays}
-    r["data_hash"] = digest
-    r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+    syncs = policy.host_syncs
+    r, verdict, stop = _measure(loop, step)
     if preempt.requeued():
         r["slurm_restart"] = preempt.restart_count()
     if verdict.spike:
         r |= {"spike": verdict.spike, "action": verdict.action}
-    if flagged:
-        r["stragglers"] = flagged
     found = loop.integrity.take()
     if found:
         r["integrity"] = found
-    if replicas:
-        r |= replicas
-    elif verdict.action == "rewind":
-        r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
-    elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
-        r |= _evaluate(loop)
-    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r) and loop.ckpt.due(step):
-        r["checkpoint_s"] = loop.ckpt.save(step, loop.built, opt, loop.sched, loop.data, guard)
+    if "rewound_to" not in r:  # else the replicas disagreed and the run rewound already
+        if verdict.action == "rewind":
+            r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
+        elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
+            r |= _evaluate(loop)
+    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step):
+        r["checkpoint_s"] = loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, guard)
     loop.ckpt.poll()
+    r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
     loop.rows.append(r)
-    logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged
+    logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or "stragglers" in r
     if logged or "eval_loss" in r or loop.stopped or found:
         for s in loop.sinks:
             s.log(r)
@@ -276,11 +314,11 @@ def _evaluate(loop: _Loop) -> dict[str, float]:
     return evaluate.row(global_loss(local, loop.lay, loop.policy) / loop.cfg.eval.steps, time.perf_counter() - t0)
 
 
-def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any]) -> bool:
+def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any], agreed: bool) -> bool:
     """SLURM's warning signal reached some rank: every rank stops after this step with a synchronous,
     published checkpoint (runner.run.preempt). Without checkpoints there is nothing to resume from: the
     job trains on until SLURM ends it."""
-    if loop.stopped or step >= loop.cfg.training.steps or not loop.watch.agreed(loop.policy):  # the last step just finishes
+    if loop.stopped or step >= loop.cfg.training.steps or not agreed:  # the last step just finishes
         return False
     if not loop.ckpt.enabled:
         if dist.get_rank() == 0 and not loop.watch.warned:
@@ -303,6 +341,7 @@ def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any]) -> bool:
 def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
     cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
+    _update(loop)  # the last step's update ran at once (_reads_weights); this is the guarantee
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
     loop.feed.close()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
@@ -317,7 +356,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     policy = loop.policy
     peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
     summary["memory_gb_max"] = float(peak_mem)
-    idle = loop.idle
+    idle = loop.mon.idle
     bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
     summary["calibration"] = plan_check.compare(
         cfg,

@@ -179,7 +179,8 @@ class LoggingConfig:
 @dataclass
 class StragglerConfig:
     enable: bool = True
-    """Time forward, backward and optimizer (with PP: stage compute and wait) on every rank."""
+    """Time forward, backward and optimizer (with PP: stage compute and wait) on every rank, and its own work: the step
+    less its waits inside collectives (runner.observe.waits)."""
     interval: int = 10
     """Steps per window: every this many steps the per-rank medians are gathered and judged."""
     factor: float = 1.3
@@ -189,8 +190,8 @@ class StragglerConfig:
     min_seconds: float = 0.005
     """Phases whose median over ranks is below this many seconds are not judged (timer noise)."""
     arrival: bool = True
-    """Also judge arrival: each step every rank times a host barrier at the step's end (wall clock; CUDA events
-    around a one-element all-reduce on GPUs); the rank its peers wait for, whatever slows it, arrives last."""
+    """Also judge arrival: each step every rank stamps (wall clock) its arrival at the step's one host collective,
+    after the step's read of its loss (runner.run.step_sync); the rank its peers wait for arrives last."""
     last_frac: float = 0.5
     """Arrival straggler: last to arrive in at least this fraction of a window's steps (on an oversubscribed
     machine every rank is descheduled now and then and arrives last by chance, 1 / ranks of the steps on average) ..."""

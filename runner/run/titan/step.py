@@ -72,7 +72,7 @@ def pipeline_eval(built, microbatches, global_tokens: torch.Tensor) -> torch.Ten
     """The schedule's forward-only step (`eval`, as TorchTitan's Validator runs it; call it under torch.no_grad)
     over this DP rank's batch: the loss share as pipeline_step's, on the last stage."""
     with _forward_actions_only(built.schedule):
-        return _schedule(built, built.schedule.eval, microbatches, global_tokens)
+        return _schedule(built, built.schedule.eval, microbatches, global_tokens).cpu()
 
 
 @contextmanager
@@ -115,4 +115,4 @@ def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Te
         loss_kwargs={"global_valid_tokens": global_tokens},
         return_outputs=False,
     )
-    return local_value(sum(loss.detach() for loss in losses)).cpu() if built.has_last else torch.zeros(())
+    return local_value(sum(loss.detach() for loss in losses)) if built.has_last else torch.zeros(())  # read by the policy
