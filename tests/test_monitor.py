@@ -32,7 +32,7 @@ from runner.config import layout, runfiles
 from runner.config.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
 from runner.observe import forensics, monitor
 from runner.run import startup
-from tests.conftest import ROOT, metrics, run_cli, summary
+from tests.conftest import ROOT, metrics, run_cli
 
 TIMEOUT_S = 12
 # The job must end on its own within this after the hang starts: the collective timeout, then at most
@@ -168,8 +168,6 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
     flagged = run_dir / runfiles.STRAGGLERS
     assert not flagged.exists(), flagged.read_text()
     assert not any("stragglers" in r for r in rows)
-    tables = summary(run_dir)["monitor"]["window_medians_s"]  # own work and waits were judged on every rank
-    assert all(t["own"] > 0 and t["waits"] > 0 for w in tables for t in w["ranks"]), tables
 
 
 @pytest.mark.e2e
