@@ -37,7 +37,7 @@ MODES = {
 def main(dcfg: DictConfig) -> float | None:
     """The Hydra task: returns the config's objective (a float an optimizing sweeper minimizes; +inf for an
     invalid or failed point) where the mode has one."""
-    sweep.STATE.entered = True
+    sweep.STATE.begin_task()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         cfg = compose.to_object(dcfg)

@@ -9,13 +9,14 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner.config import freeze, runfiles, slurm, validate
+from runner.config import freeze, goodput, runfiles, slurm, validate
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.config.search import objective as search_objective
@@ -29,6 +30,13 @@ class State:
     """Hydra handed over a composed config (before that, an exit 1 is Hydra rejecting the command line)."""
     failed: list[str] = field(default_factory=list)
     """Overrides of the sweep points whose ranks failed."""
+    task_started: float = 0.0
+    """When the Hydra task began: the process's start for the first task, the task's call for later sweep points
+    (wall clock; the launch of the point's goodput, runner.config.goodput)."""
+
+    def begin_task(self) -> None:
+        self.task_started = time.time() if self.entered else goodput.process_start()
+        self.entered = True
 
 
 STATE = State()
@@ -91,6 +99,8 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
         freeze.write(cfg, lay, run_dir)
     else:
         slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
+    if node == 0:
+        goodput.Timeline(run_dir).launch(STATE.task_started)
     from runner.run import launch
 
     try:

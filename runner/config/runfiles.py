@@ -9,6 +9,8 @@
       precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
       metrics.jsonl        one row per step (rank 0)
       summary.json         the run's medians (rank 0); runner.compare reads it
+      timeline.jsonl       launch, start-up marks, steps, failures and ends of every attempt, timestamped (runner.config.goodput)
+      goodput.json         the run's wall time since its first launch, split into parts (runner.config.goodput.PARTS)
       preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
       stragglers.jsonl     the straggler monitor's per-window tables
       integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
@@ -41,6 +43,8 @@ PEAK = "peak.json"
 PRECISION = "precision.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+TIMELINE = "timeline.jsonl"  # every attempt's timestamped events, across restarts and requeues (runner.config.goodput)
+GOODPUT = "goodput.json"  # the wall time since the first launch, part by part (runner.config.goodput)
 PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"

@@ -225,9 +225,11 @@ class StepMonitor:
         self.mark("data")
 
     def _maybe_kill(self) -> None:
-        """TEST-ONLY: die at the start of a step as a lost node does (SIGKILL: no handler, no cleanup), first attempt only."""
+        """TEST-ONLY: die at the start of a step as a lost node does (SIGKILL: no handler, no cleanup), first attempt only;
+        the rank's log says when (the time the goodput's lost work is checked against)."""
         i = self.inject
         if self.rank == i.kill_rank and self.step == i.kill_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(f"inject: SIGKILL rank {self.rank} at step {self.step}, time {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def mark(self, phase: str) -> None:

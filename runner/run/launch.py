@@ -20,7 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.config import runfiles, validate
+from runner.config import goodput, runfiles, validate
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig, WorkerStart
@@ -62,6 +62,8 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     from runner.run import peak
 
     procs.honour_shutdown_timeout()
+    timeline = goodput.Timeline(frozen.parent)
+    procs.note_agent_restarts(lambda attempt: timeline.failure("agent: restarting the ranks", attempt=attempt))
     if not (frozen.parent / runfiles.PEAK).exists():
         peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)

@@ -26,6 +26,27 @@ def honour_shutdown_timeout() -> None:
     LocalElasticAgent._stop_workers = lambda self, worker_group: self._shutdown(timeout=self._shutdown_timeout)
 
 
+_agent_restart = None
+
+
+def note_agent_restarts(on_failure: Callable[[int], None]) -> None:
+    """Call `on_failure(attempt)` when the elastic agent is about to restart its ranks after one failed (torch 2.13's
+    agent only logs it): the time a rank that died without a word (SIGKILL, a lost node) ended its attempt, at the
+    latest (one monitor interval late)."""
+    global _agent_restart
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+
+    _agent_restart = _agent_restart or SimpleElasticAgent._restart_workers
+    restart = _agent_restart
+
+    def noted(self, worker_group) -> None:
+        if worker_group.state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:  # not a membership change
+            on_failure(worker_group.spec.max_restarts - self._remaining_restarts - 1)  # the agent counted this restart
+        restart(self, worker_group)
+
+    SimpleElasticAgent._restart_workers = noted
+
+
 def fork_ranks(flags: list[str], entry: Callable[..., None], *args: str) -> None:
     """torchrun with a function entrypoint: the agent imports `entry`'s module (torch, TorchTitan)
     once and its multiprocessing context forks every rank, and every restart, from itself."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint
+from runner.config import checkpoint, goodput, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import integrity, monitor, plan_check
@@ -106,6 +106,10 @@ class _Loop:
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    timeline: goodput.Timeline | None = None
+    """Rank 0 of a launched run: where each step and the end are recorded (runner.config.goodput); None elsewhere."""
+    final_checkpoint_s: float = 0.0  # the end: waiting for the last async save, exporting the model
+    finish_from: float = 0.0  # wall clock once the last save is written: the finish part starts (runner.config.goodput)
 
 
 def _compute(loop: _Loop, microbatches) -> torch.Tensor:
@@ -159,6 +163,8 @@ def _start(loop: _Loop) -> int:
     line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     if dist.get_rank() == 0:
         print(line, flush=True)
+    if loop.timeline is not None:
+        loop.timeline.mark("restored", step=step - 1)
     return step
 
 
@@ -276,12 +282,14 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
 def _step(loop: _Loop, step: int) -> int:
     """Train `step` (or leave it out after a rewind); returns the next step."""
     guard, policy = loop.guard, loop.policy
+    started, p0 = time.time(), time.perf_counter()
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
         _update(loop)
         loop.sched.step()
         return step + 1
     syncs = policy.host_syncs
     r, verdict, stop = _measure(loop, step)
+    spent = {"overhead_s": time.perf_counter() - p0 - r["step_time_s"]}  # outside dt: the batch check, the monitors, the row
     if preempt.requeued():
         r["slurm_restart"] = preempt.restart_count()
     if verdict.spike:
@@ -296,14 +304,33 @@ def _step(loop: _Loop, step: int) -> int:
             r |= _evaluate(loop)
     if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step):
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, guard)
-    loop.ckpt.poll()
     r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
+    _publish(loop, r, bool(verdict.spike or "stragglers" in r or found), started, spent)
+    return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
+
+
+def _publish(loop: _Loop, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
+    """After the step's save: publish a finished async save, log the row when due, record the step on the timeline."""
+    p2 = time.perf_counter()
+    loop.ckpt.poll()
+    p3 = time.perf_counter()
+    spent["publish_s"] = p3 - p2
     loop.rows.append(r)
-    logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or "stragglers" in r
-    if logged or "eval_loss" in r or loop.stopped or found:
+    step = r["step"]
+    if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or notable or "eval_loss" in r or loop.stopped:
         for s in loop.sinks:
             s.log(r)
-    return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
+    spent["overhead_s"] += time.perf_counter() - p3
+    if loop.timeline is not None:
+        _record_step(loop.timeline, r, started, spent)
+
+
+def _record_step(timeline: goodput.Timeline, r: dict[str, Any], started: float, spent: dict[str, float]) -> None:
+    """The step's timeline record: its span on rank 0 and the parts inside it, each timed (runner.config.goodput)."""
+    saved = r.get("checkpoint_s", 0.0) + spent["publish_s"]  # the save's blocking part, and publishing an async one
+    parts = {"step_s": r["step_time_s"], "data_s": r["data_s"], "checkpoint_s": saved, "eval_s": r.get("eval_s", 0.0)}
+    rewound = {"rewound_to": r["rewound_to"]} if "rewound_to" in r else {}
+    timeline.write("step", step=r["step"], start=started, end=time.time(), overhead_s=spent["overhead_s"], **parts, **rewound)
 
 
 def _evaluate(loop: _Loop) -> dict[str, float]:
@@ -342,10 +369,13 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
     cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
     _update(loop)  # the last step's update ran at once (_reads_weights); this is the guarantee
+    t0 = time.perf_counter()
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
     loop.feed.close()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)
+    loop.final_checkpoint_s = time.perf_counter() - t0
+    loop.finish_from = time.time()
     if not rows:
         raise RuntimeError(f"nothing to train: the checkpoint resumed from is at step {step - 1} >= training.steps {cfg.training.steps}")
     guard = loop.guard
@@ -382,17 +412,34 @@ def run(
     recorder=None,
     hooks: Hooks | None = None,
     eval_data: loader.SyntheticData | loader.TextData | None = None,
+    timeline: goodput.Timeline | None = None,
 ) -> list[dict[str, Any]]:
     """Train cfg.training.steps steps (from a checkpoint when resuming), evaluating on `eval_data` (the held-out split)
-    every eval.interval steps; every rank returns its rows."""
+    every eval.interval steps; every rank returns its rows. Rank 0 of a launched run records its steps and its end in
+    `timeline` and closes with the goodput line (runner.config.goodput)."""
     loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
+    loop.timeline = timeline
     step = _start(loop)
     while step <= cfg.training.steps and not loop.stopped:
         step = _step(loop, step)
     if loop.stopped:  # requeued: the summary is the finished run's
         loop.feed.close()
+        loop.finish_from = time.time()
+        if timeline is not None:
+            print(goodput.line(_account(loop), run_dir / runfiles.GOODPUT, " so far (the job is requeued)"), flush=True)
         return loop.rows
     summary = _finish(loop, step)
+    if timeline is not None:
+        summary["goodput"] = _account(loop)  # before the sinks close: summary.json and W&B's summary keep it
     for s in sinks:
         s.close(summary)
+    if timeline is not None:
+        print(goodput.line(summary["goodput"], run_dir / runfiles.GOODPUT), flush=True)
     return loop.rows
+
+
+def _account(loop: _Loop) -> dict[str, Any]:
+    """Rank 0: record the attempt's end, write goodput.json over every attempt so far, and return its flat figures."""
+    ends = {"finish_from": loop.finish_from, "checkpoint_s": loop.final_checkpoint_s, "stopped": loop.stopped}
+    loop.timeline.write("end", time=time.time(), **ends)
+    return goodput.flat(goodput.write(loop.run_dir))

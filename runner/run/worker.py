@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision, runfiles, wording
+from runner.config import freeze, goodput, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.config.validate import data as validate_tokens
 from runner.observe import forensics
@@ -71,6 +72,7 @@ def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: Device
 @record
 def main(frozen_path: str) -> None:
     preempt.watch_rank()  # before anything slow: SLURM's USR2 would otherwise end the rank
+    entered = time.time()
     known_warnings.apply(known_warnings.on_console())  # a forked rank inherits the launcher's: ranks 1.. keep every warning
     frozen = Path(frozen_path)
     run_dir = frozen.parent
@@ -78,15 +80,21 @@ def main(frozen_path: str) -> None:
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
+    timeline = goodput.Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline
+    if timeline is not None:
+        timeline.mark("rank_start", goodput.process_start())
+        timeline.mark("main", entered)
     policy = start_rank(cfg)
+    if timeline is not None:
+        timeline.mark("process_group")
     audited = cfg.distributed.audit_collectives
     with device.audit(policy, run_dir / runfiles.COLLECTIVES / f"rank_{dist.get_rank()}.json") if audited else nullcontext():
-        recorder = _start_and_train(cfg, lay, run_dir, policy)
+        recorder = _start_and_train(cfg, lay, run_dir, policy, timeline)
     recorder.done()
     dist.destroy_process_group()
 
 
-def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolicy):
+def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolicy, timeline: goodput.Timeline | None):
     """Mesh and placement check, then training under this rank's forensics recorder (returned)."""
     rank = dist.get_rank()
     try:
@@ -99,8 +107,9 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
     recorder = forensics.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
     recorder.start()
     try:
-        _train(cfg, lay, pd, rank, run_dir, recorder, places, policy)
+        _train(cfg, lay, pd, rank, run_dir, recorder, places, policy, timeline)
     except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
+        goodput.Timeline(run_dir).failure(f"rank {rank}: {type(e).__name__}: {e}", since=recorder.since)  # for goodput's lost work
         recorder.failed(e, cfg, run_dir)
         raise
     return recorder
@@ -137,13 +146,17 @@ def eval_data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: Dev
     return data
 
 
-def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list, policy: DevicePolicy) -> None:
+def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, places: list, policy: DevicePolicy, timeline=None) -> None:
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
+    if timeline is not None:
+        timeline.mark("built")
     pk = peak.read(run_dir)
     peak_tflops, source = pk["peak_tflops"], pk["peak_source"]
     acc = accounting.accounting(cfg, built, pk)
     data = data_for(cfg, lay, rank, run_dir, policy)
     eval_data = eval_data_for(cfg, lay, rank, run_dir, policy)
+    if timeline is not None:
+        timeline.mark("data")
     sinks = []
     if rank == 0:
         header = (
@@ -157,7 +170,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
-    train.run(cfg, lay, built, data, acc, sinks, run_dir, policy, recorder, eval_data=eval_data)
+    train.run(cfg, lay, built, data, acc, sinks, run_dir, policy, recorder, eval_data=eval_data, timeline=timeline)
 
 
 def forked_main(frozen_path: str) -> None:

@@ -1,0 +1,327 @@
+"""Goodput: where a run's wall time went, from its first launch to its end, across elastic restarts and SLURM requeues.
+
+The launcher of node 0 and rank 0 append what they did, with its wall-clock time (time.time(), one clock for every
+attempt and requeued job), to the run folder's timeline.jsonl (runfiles.TIMELINE), one JSON object a line:
+
+    launch   python -m runner started this run (`job`: SLURM's restart count, 0 outside SLURM)
+    mark     rank 0 of attempt (`job`, `attempt`) reached a start-up mark (MARKS; `restored` names the step resumed from)
+    step     one step on rank 0: `start`, `end` (after its checkpoint save, evaluation and logging), `step_s`, `data_s`,
+             `checkpoint_s`, `eval_s`, `overhead_s`, and `rewound_to` after a rewind
+    failure  a rank raised (`by`: "rank r: error", `since`: the start of the phase it was in), or the elastic agent saw
+             a rank fail ("agent")
+    end      rank 0 left the step loop (`stopped`: for SLURM's requeue), with the final save's blocking seconds
+
+`account` reads them back into PARTS, one row per part, each measured from its own timestamps; what no part covers
+is `unaccounted`. A part that a later feature measures (e.g. the capacity lost to a torchft replica group that
+dropped out) joins as one more row of PARTS. Torch-free: the launcher writes its event before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.config import runfiles, slurm
+from runner.config.wording import count
+
+MARKS = ("rank_start", "main", "process_group", "built", "data", "restored")
+"""Start-up marks of an attempt on rank 0, in order; its first step's start ends the start-up."""
+STARTUP = {
+    "launcher": "the launch to rank 0's process (compose, validate, peak measurement, torchrun, rendezvous of the agents)",
+    "imports": "rank 0's process start to its main (torch and TorchTitan imports; ~0 for a forked rank)",
+    "rendezvous": "the process groups (init_process_group)",
+    "build": "mesh, model, parallelize, FP8 conversion",
+    "data": "this rank's train and held-out data",
+    "restore": "metric sinks (W&B's init), optimizer, monitors, checkpoint restore, the first batch's check, up to the first step",
+}
+"""Start-up of an attempt, split at its marks (the launcher row only for the first attempt of a job)."""
+
+
+def process_start() -> float:
+    """Wall-clock time this process started (a forked rank: its fork), from Linux's /proc (10 ms ticks); now elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return time.time()
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class Timeline:
+    """Appends this process's events to a run folder's timeline.jsonl: one write per line (O_APPEND), so the ranks and
+    the agents that report a failure at once do not interleave."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / runfiles.TIMELINE
+        self.job = slurm.restart_count()
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def write(self, event: str, **fields: Any) -> None:
+        body = {"event": event, "job": self.job, "attempt": self.attempt} | fields
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(body) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def launch(self, at: float) -> None:
+        self.write("launch", time=at)
+
+    def mark(self, name: str, at: float | None = None, **fields: Any) -> None:
+        self.write("mark", name=name, time=time.time() if at is None else at, **fields)
+
+    def failure(self, by: str, *, attempt: int | None = None, since: float | None = None) -> None:
+        """A rank raised (`since`: when it last made progress, its current phase's start), or the agent saw one fail."""
+        fields = ({} if attempt is None else {"attempt": attempt}) | ({} if since is None else {"since": since})
+        self.write("failure", time=time.time(), by=by[:300], **fields)
+
+
+def failed_at(failures: list[dict[str, Any]]) -> float:
+    """When an attempt failed: the earliest error a rank or an agent reported, unless the ranks that raised had all
+    stopped making progress before it. A rank that dies without a word (SIGKILL, a lost node) is heard of only when
+    its sockets close, after its memory is torn down (~0.2 s on this machine); its peers stopped at their next
+    collective with it, so the latest phase a failing rank entered is when the attempt's work ended."""
+    first = min(f["time"] for f in failures)
+    stalled = [f["since"] for f in failures if "since" in f]
+    return min(first, max(stalled)) if stalled else first
+
+
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / runfiles.TIMELINE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+@dataclass
+class Attempt:
+    """One attempt of the run: an elastic agent's start of the ranks within one SLURM job (`job`)."""
+
+    job: int
+    attempt: int
+    marks: dict[str, float] = field(default_factory=dict)
+    restored: int = 0
+    """The step the attempt resumed from (0: from the start)."""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    start: float = 0.0
+    """The job's launch for its first attempt, rank 0's process start for a restart."""
+    first_of_job: bool = True
+
+    @property
+    def stop(self) -> float:
+        """Its end record, else its failure, else its last step's end."""
+        if self.end is not None:
+            return self.end["time"]
+        if self.failures:
+            return failed_at(self.failures)
+        return self.steps[-1]["end"] if self.steps else self.start
+
+    @property
+    def training_from(self) -> float:
+        return self.steps[0]["start"] if self.steps else self.stop
+
+
+@dataclass
+class Run:
+    """A run's timeline, parsed: its attempts in order, and the intervals whose work was thrown away."""
+
+    launches: dict[int, float]
+    attempts: list[Attempt]
+    lost: list[tuple[float, float]] = field(default_factory=list)
+
+    def counted(self) -> list[dict[str, Any]]:
+        """Step records that count: none inside a lost interval."""
+        rows = [s for a in self.attempts for s in a.steps]
+        return [s for s in rows if not any(lo <= s["start"] and s["end"] <= hi for lo, hi in self.lost)]
+
+    def gaps(self, requeue: bool) -> list[float]:
+        """Restart gaps (a failed attempt's stop to the next attempt's rank start) or requeue gaps (a job's last stop
+        to the requeued job's launch)."""
+        pairs = zip(self.attempts, self.attempts[1:], strict=False)
+        return [b.start - a.stop for a, b in pairs if b.first_of_job == requeue]
+
+
+def parse(events: list[dict[str, Any]]) -> Run:
+    launches = {e["job"]: e["time"] for e in events if e["event"] == "launch"}
+    attempts: dict[tuple[int, int], Attempt] = {}
+    for e in events:
+        if e["event"] == "launch":
+            continue
+        a = attempts.setdefault((e["job"], e["attempt"]), Attempt(e["job"], e["attempt"]))
+        if e["event"] == "mark":
+            a.marks[e["name"]] = e["time"]
+            a.restored = e.get("step", a.restored)
+        elif e["event"] == "step":
+            a.steps.append(e)
+        elif e["event"] == "failure":
+            a.failures.append(e)
+        elif e["event"] == "end":
+            a.end = e
+    ordered = [attempts[k] for k in sorted(attempts)]
+    for prev, a in zip([None, *ordered], ordered, strict=False):
+        a.first_of_job = prev is None or prev.job != a.job
+        a.start = launches.get(a.job, a.marks.get("rank_start", a.training_from)) if a.first_of_job else a.marks.get("rank_start", a.stop)
+    run = Run(launches, ordered)
+    run.lost = _lost(ordered)
+    return run
+
+
+def _after(steps: list[dict[str, Any]], step: int, before: float, default: float) -> float:
+    """End of the latest record of `step` that ended by `before`; `default` when there is none."""
+    ends = [s["end"] for s in steps if s["step"] == step and s["end"] <= before]
+    return max(ends) if ends else default
+
+
+def _lost(attempts: list[Attempt]) -> list[tuple[float, float]]:
+    """What was computed and thrown away: a failed attempt's time from the end of the step the next attempt resumed
+    from to the failure, and a rewind's time from the end of the step it rewound to, to its own end."""
+    out = []
+    for a, nxt in zip(attempts, attempts[1:], strict=False):
+        if a.end is None and a.steps:
+            out.append((_after(a.steps, nxt.restored, a.stop, a.steps[0]["start"]), a.stop))
+    for a in attempts:
+        for s in a.steps:
+            if "rewound_to" in s:
+                out.append((_after(a.steps, s["rewound_to"], s["start"], a.steps[0]["start"]), s["end"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Part:
+    """One row of the goodput table: where a share of the wall time went, measured by `measure`."""
+
+    name: str
+    label: str
+    measure: Callable[[Run], float]
+    definition: str
+
+
+def _sum(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in rows)
+
+
+def _startup(a: Attempt) -> float:
+    return min(a.training_from, a.stop) - a.start
+
+
+PARTS: tuple[Part, ...] = (
+    Part(
+        "productive",
+        "productive",
+        lambda r: sum(s["step_s"] - s["data_s"] for s in r.counted()),
+        "the steps that count (not thrown away by a restart or a rewind), at their measured step time, less their data wait",
+    ),
+    Part(
+        "startup",
+        "start-up",
+        lambda r: sum(_startup(a) for a in r.attempts),
+        "per attempt, its start to its first step: " + "; ".join(STARTUP),
+    ),
+    Part(
+        "checkpoint",
+        "checkpoints",
+        lambda r: _sum(r.counted(), "checkpoint_s") + sum(a.end.get("checkpoint_s", 0.0) for a in r.attempts if a.end),
+        "the blocking part of the saves of counted steps, and the wait for the last save and the model export at the end",
+    ),
+    Part("eval", "evaluation", lambda r: _sum(r.counted(), "eval_s"), "the evaluation passes after counted steps"),
+    Part("data_wait", "data waits", lambda r: _sum(r.counted(), "data_s"), "how long counted steps waited for their batch"),
+    Part(
+        "overhead",
+        "step overhead",
+        lambda r: _sum(r.counted(), "overhead_s"),
+        "counted steps outside their timed window: the batch check across ranks (it waits for the slowest), the monitors, the sinks",
+    ),
+    Part("lost", "lost work", lambda r: sum(hi - lo for lo, hi in r.lost), "computed, then thrown away (see docs/profiling.md)"),
+    Part("restart_gap", "restart gaps", lambda r: sum(r.gaps(requeue=False)), "a failed attempt's failure to the restarted rank 0's start"),
+    Part("requeue_gap", "requeue gaps", lambda r: sum(r.gaps(requeue=True)), "a SLURM job's stop to its requeued job's launch"),
+    Part(
+        "finish",
+        "finish",
+        lambda r: sum(a.end["time"] - a.end["finish_from"] for a in r.attempts if a.end),
+        "after the last step and its save: the summary, the calibration's measurements",
+    ),
+)
+"""Every part of the wall time, in the order the line and goodput.json list them."""
+
+
+def _startup_detail(a: Attempt) -> dict[str, float]:
+    """An attempt's start-up split at its marks (a missing mark folds into the next)."""
+    stamps = [("launcher", a.marks.get("rank_start"))] if a.first_of_job else []
+    names = ("imports", "rendezvous", "build", "data")
+    stamps += list(zip(names, (a.marks.get(m) for m in MARKS[1:5]), strict=True)) + [("restore", min(a.training_from, a.stop))]
+    out, since = {}, a.start
+    for name, at in stamps:
+        if at is not None:
+            out[name] = round(at - since, 4)
+            since = at
+    return out
+
+
+def account(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """goodput.json: the run's wall time from its first launch to its last attempt's stop, split into PARTS."""
+    run = parse(events)
+    if not run.attempts:
+        raise ValueError("timeline holds no attempt")
+    begin = min([*run.launches.values(), run.attempts[0].start])
+    total = run.attempts[-1].stop - begin
+    parts = {p.name: p.measure(run) for p in PARTS}
+    unaccounted = total - sum(parts.values())
+    seen: set[int] = set()
+    repeated = 0
+    for s in (s for a in run.attempts for s in a.steps):
+        repeated += s["step"] in seen
+        seen.add(s["step"])
+    return {
+        "goodput": parts["productive"] / total if total > 0 else 0.0,
+        "total_s": total,
+        "parts_s": parts,
+        "unaccounted_s": unaccounted,
+        "unaccounted_fraction": unaccounted / total if total > 0 else 0.0,
+        "restarts": len(run.gaps(requeue=False)),
+        "requeues": len(run.gaps(requeue=True)),
+        "repeated_steps": repeated,
+        "steps_counted": len(run.counted()),
+        "attempts": [_attempt_row(a) for a in run.attempts],
+    }
+
+
+def _attempt_row(a: Attempt) -> dict[str, Any]:
+    how = ("stopped" if a.end.get("stopped") else "ended") if a.end else "failed"
+    row = {"job": a.job, "attempt": a.attempt, "start": a.start, "stop": a.stop, "how": how, "resumed_from_step": a.restored}
+    row |= {"steps": len(a.steps), "startup_s": _startup(a), "startup": _startup_detail(a)}
+    if a.failures:
+        first = min(a.failures, key=lambda f: f["time"])
+        row["failure"] = {"time": failed_at(a.failures), "noticed": first["time"], "by": first["by"]}
+    return row
+
+
+def flat(report: dict[str, Any]) -> dict[str, Any]:
+    """The figures W&B's summary and summary.json keep: goodput, total and each part in seconds."""
+    out = {"fraction": report["goodput"], "total_s": report["total_s"]}
+    out |= {f"{name}_s": s for name, s in report["parts_s"].items()}
+    out |= {k: report[k] for k in ("unaccounted_s", "restarts", "requeues", "repeated_steps")}
+    return out
+
+
+def line(figures: dict[str, Any], path: Path, note: str = "") -> str:
+    """The run's closing goodput line, from `flat`'s figures."""
+    total = figures["total_s"]
+    shown = ", ".join(f"{p.label} {figures[p.name + '_s']:.2f} s" for p in PARTS[1:])
+    counts = f"{count(figures['restarts'], 'restart')}, {count(figures['requeues'], 'requeue')}"
+    counts += f", {count(figures['repeated_steps'], 'repeated step')}"
+    un = figures["unaccounted_s"]
+    return (
+        f"goodput{note}: {100 * figures['fraction']:.1f} % ({figures['productive_s']:.2f} s productive of {total:.2f} s since the "
+        f"first launch; {shown}; unaccounted {un:.2f} s = {100 * un / total:.1f} %; {counts}) in {path}"
+    )
+
+
+def write(run_dir: Path) -> dict[str, Any]:
+    """Account the run folder's timeline into goodput.json; the report."""
+    report = account(read(run_dir))
+    runfiles.write_json(run_dir / runfiles.GOODPUT, report)
+    return report

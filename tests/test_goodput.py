@@ -1,0 +1,119 @@
+"""Goodput accounting (runner.config.goodput) on hand-written timelines: a restart, a requeue, a rewind.
+
+The launched runs that write real timelines are read by the tests that make them: the SIGKILL restart
+(tests/test_checkpoint.py), the SLURM requeue (tests/test_slurm.py), the default run (tests/test_train.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.config import goodput
+
+
+def _marks(job: int, attempt: int, t: float, restored: int = 0) -> list[dict]:
+    """Start-up marks 0.5 s apart from t, the restore at t + 2.5."""
+    names = ["rank_start", "main", "process_group", "built", "data"]
+    out = [{"event": "mark", "job": job, "attempt": attempt, "name": n, "time": t + 0.5 * i} for i, n in enumerate(names)]
+    return out + [{"event": "mark", "job": job, "attempt": attempt, "name": "restored", "time": t + 2.5, "step": restored}]
+
+
+def _step(job: int, attempt: int, step: int, start: float, **extra) -> dict:
+    """A step of 1 s on rank 0: 0.8 s of step time (0.1 s of it waiting for data), a 0.1 s save, 0.05 s of overhead."""
+    body = {"event": "step", "job": job, "attempt": attempt, "step": step, "start": start, "end": start + 1.0}
+    return body | {"step_s": 0.8, "data_s": 0.1, "checkpoint_s": 0.1, "eval_s": 0.0, "overhead_s": 0.05} | extra
+
+
+def _end(job: int, attempt: int, t: float, stopped: bool = False) -> dict:
+    return {
+        "event": "end",
+        "job": job,
+        "attempt": attempt,
+        "time": t + 0.3,
+        "finish_from": t + 0.1,
+        "checkpoint_s": 0.1,
+        "stopped": stopped,
+    }
+
+
+def test_sigkilled_attempt_loses_the_steps_after_its_checkpoint_and_the_step_in_flight():
+    """Attempt 0 logs steps 1-3 and dies in step 4 at t=14.4 (its peers stopped then and heard of it at 14.6); the agent
+    restarts the ranks at t=15, and attempt 1 resumes from step 2's checkpoint."""
+    events = [{"event": "launch", "job": 0, "attempt": 0, "time": 0.0}, *_marks(0, 0, 8.0)]
+    events += [_step(0, 0, s, 10.5 + (s - 1)) for s in (1, 2, 3)]
+    events += [
+        {"event": "failure", "job": 0, "attempt": 0, "time": 14.6, "by": "rank 0: Connection closed by peer", "since": 14.4},
+        {"event": "failure", "job": 0, "attempt": 0, "time": 14.65, "by": "rank 2: Connection closed by peer", "since": 14.35},
+        {"event": "failure", "job": 0, "attempt": 0, "time": 15.0, "by": "agent: restarting the ranks"},
+    ]
+    events += [*_marks(0, 1, 16.0, restored=2), *[_step(0, 1, s, 18.5 + (s - 3)) for s in (3, 4)], _end(0, 1, 20.5)]
+    got = goodput.account(events)
+    parts = got["parts_s"]
+    assert got["total_s"] == pytest.approx(20.8)  # the first launch to the last attempt's end record
+    assert parts["lost"] == pytest.approx(14.4 - 12.5)  # step 3 and step 4's partial work, after step 2's end
+    assert parts["restart_gap"] == pytest.approx(16.0 - 14.4)  # the failure to the restarted rank 0's start
+    assert parts["startup"] == pytest.approx(10.5 + 2.5)  # the launch to step 1; attempt 1's rank start to its step 3
+    assert parts["productive"] == pytest.approx(4 * 0.7)  # steps 1, 2 of attempt 0 and 3, 4 of attempt 1
+    assert (parts["data_wait"], parts["checkpoint"], parts["finish"]) == pytest.approx((0.4, 0.4 + 0.1, 0.2))
+    assert got["unaccounted_s"] == pytest.approx(20.8 - sum(parts.values()))
+    assert parts["overhead"] == pytest.approx(4 * 0.05)
+    assert got["unaccounted_s"] == pytest.approx(4 * 0.05)  # each counted step: 1 s on rank 0 less its 0.95 s of timed parts
+    assert (got["restarts"], got["requeues"], got["repeated_steps"], got["steps_counted"]) == (1, 0, 1, 4)
+    assert got["goodput"] == pytest.approx(2.8 / 20.8)
+    first = got["attempts"][0]
+    assert (first["how"], first["failure"]["time"], first["failure"]["noticed"]) == ("failed", 14.4, 14.6)
+    assert first["startup"] == {"launcher": 8.0, "imports": 0.5, "rendezvous": 0.5, "build": 0.5, "data": 0.5, "restore": 0.5}
+    assert "launcher" not in got["attempts"][1]["startup"] and got["attempts"][1]["resumed_from_step"] == 2
+
+
+def test_silent_failure_noticed_only_by_the_agent_ends_at_its_notice():
+    events = [*_marks(0, 0, 0.0), _step(0, 0, 1, 2.5), {"event": "failure", "job": 0, "attempt": 0, "time": 5.0, "by": "agent"}]
+    events += [*_marks(0, 1, 6.0, restored=1), _step(0, 1, 2, 8.5), _end(0, 1, 9.5)]
+    got = goodput.account(events)
+    assert (got["parts_s"]["lost"], got["parts_s"]["restart_gap"]) == pytest.approx((5.0 - 3.5, 1.0))
+    assert got["total_s"] == pytest.approx(9.8)  # no launch record (a parity harness run): from rank 0's start
+
+
+def test_requeued_job_has_a_requeue_gap_and_repeats_nothing():
+    """Job 0 stops after step 2 with a checkpoint (SLURM's warning signal); the requeued job 1 resumes from it."""
+    events = [{"event": "launch", "job": 0, "attempt": 0, "time": 0.0}, *_marks(0, 0, 1.0)]
+    events += [_step(0, 0, 1, 3.5), _step(0, 0, 2, 4.5), _end(0, 0, 5.5, stopped=True)]
+    events += [{"event": "launch", "job": 1, "attempt": 0, "time": 40.0}, *_marks(1, 0, 41.0, restored=2), _step(1, 0, 3, 43.5)]
+    events += [_end(1, 0, 44.5)]
+    got = goodput.account(events)
+    assert got["parts_s"]["requeue_gap"] == pytest.approx(40.0 - 5.8) and got["parts_s"]["restart_gap"] == 0
+    assert (got["requeues"], got["restarts"], got["repeated_steps"], got["parts_s"]["lost"]) == (1, 0, 0, 0)
+    assert got["parts_s"]["startup"] == pytest.approx(3.5 + 3.5)  # each job's launch to its first step
+    assert [a["how"] for a in got["attempts"]] == ["stopped", "ended"]
+
+
+def test_rewind_loses_the_steps_after_the_checkpoint_it_goes_back_to():
+    """Step 4 is the third spike in a row: the loop reloads step 1's checkpoint (at the end of step 4) and trains 2-4 again."""
+    events = [*_marks(0, 0, 0.0), *[_step(0, 0, s, 2.5 + (s - 1)) for s in (1, 2, 3)]]
+    events += [_step(0, 0, 4, 5.5, rewound_to=1), *[_step(0, 0, s, 6.5 + (s - 2)) for s in (2, 3, 4)], _end(0, 0, 9.5)]
+    got = goodput.account(events)
+    assert got["parts_s"]["lost"] == pytest.approx(6.5 - 3.5)  # steps 2, 3 and the rewinding step 4
+    assert (got["steps_counted"], got["repeated_steps"]) == (4, 3)
+    assert got["parts_s"]["productive"] == pytest.approx(4 * 0.7)
+
+
+def test_line_and_flat_figures_list_every_part(tmp_path):
+    events = [*_marks(0, 0, 0.0), _step(0, 0, 1, 2.5), _end(0, 0, 3.5)]
+    flat = goodput.flat(goodput.account(events))
+    assert sorted(flat) == sorted(
+        ["fraction", "total_s", "unaccounted_s", "restarts", "requeues", "repeated_steps", *[f"{p.name}_s" for p in goodput.PARTS]]
+    )
+    text = goodput.line(flat, tmp_path / "goodput.json")
+    assert text.startswith("goodput: 18.4 % (0.70 s productive of 3.80 s since the first launch; start-up 2.50 s, checkpoints 0.20 s, ")
+    assert text.endswith(f"0 restarts, 0 requeues, 0 repeated steps) in {tmp_path / 'goodput.json'}")
+
+
+def test_timeline_appends_one_line_per_event_with_job_and_attempt(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    tl = goodput.Timeline(tmp_path)
+    tl.mark("built", 5.0)
+    tl.failure("agent: restarting the ranks", attempt=0)
+    got = goodput.read(tmp_path)
+    assert got[0] == {"event": "mark", "job": 2, "attempt": 1, "name": "built", "time": 5.0}
+    assert (got[1]["event"], got[1]["job"], got[1]["attempt"], got[1]["by"]) == ("failure", 2, 0, "agent: restarting the ranks")
