@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, freeze, runfiles, validate
+from runner.config import checkpoint, freeze, goodput, runfiles, validate
 from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
 from tests import text_assets
@@ -138,6 +138,27 @@ def test_sigkilled_rank_restarted_by_agent_resumes_exactly(reference, killed):
     assert [(r["attempt"], r.get("repeat", False)) for r in rows] == [(0, False)] * (KILL_AT - 1) + [
         (1, s < KILL_AT) for s in range(back + 1, STEPS + 1)
     ]
+
+
+@pytest.mark.e2e
+def test_sigkilled_run_reports_its_lost_work_and_one_restart_gap(killed):
+    """goodput.json of the killed run: lost work is attempt 0's time from the end of the step the restart resumed from
+    to the kill (rank 1's log says when: monitor.inject), then one restart gap up to the restarted rank 0's start."""
+    run_dir, proc = killed
+    g, events = json.loads((run_dir / runfiles.GOODPUT).read_text()), goodput.read(run_dir)
+    back = int(next(ln for ln in proc.stdout.splitlines() if ln.startswith("checkpoint: resumed from")).split("(step ")[1].split(",")[0])
+    (kill,) = [ln for p in (run_dir / runfiles.LOGS).rglob("stdout.log") for ln in p.read_text().splitlines() if ln.startswith("inject: ")]
+    assert kill.startswith(f"inject: SIGKILL rank 1 at step {KILL_AT}, time ")
+    (checkpointed,) = [e["end"] for e in events if e["event"] == "step" and (e["attempt"], e["step"]) == (0, back)]
+    expected = float(kill.rsplit(" ", 1)[1]) - checkpointed  # the steps after `back` and the start of step 4
+    # within 5 %; 20 ms at least: the ranks mark their phases that far apart (a checkpoint of step 3 leaves ~10 ms)
+    assert g["parts_s"]["lost"] == pytest.approx(expected, rel=0.05, abs=0.02), (g["parts_s"], expected)
+    first, second = g["attempts"]
+    assert (first["how"], second["how"], second["resumed_from_step"], g["restarts"], g["requeues"]) == ("failed", "ended", back, 1, 0)
+    assert g["parts_s"]["restart_gap"] == pytest.approx(second["start"] - first["failure"]["time"]) and g["parts_s"]["restart_gap"] > 0
+    assert g["repeated_steps"] == KILL_AT - 1 - back == sum(r.get("repeat", False) for r in metrics(run_dir))
+    assert g["unaccounted_s"] < 0.02 * g["total_s"], g
+    assert "1 restart, 0 requeues" in next(ln for ln in proc.stdout.splitlines() if ln.startswith("goodput: "))
 
 
 def _copy_checkpoints(reference, dest: Path, steps: list[int]) -> Path:

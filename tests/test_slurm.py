@@ -103,9 +103,10 @@ def _signal_then_release(cluster, run: Path) -> dict[str, float]:
         return state == ["PENDING", "BeginTime"]
 
     _wait("the requeued job", held)
-    requeued = time.monotonic()
+    requeued, released_at = time.monotonic(), time.time()
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    return {"first_step_s": signalled - t0, "signal_to_requeue_s": requeued - signalled, "job_id": job_id}
+    times = {"first_step_s": signalled - t0, "signal_to_requeue_s": requeued - signalled, "job_id": job_id}
+    return times | {"released_at": released_at}  # wall clock, as the run's timeline
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,23 @@ def test_signalled_job_checkpoints_requeues_and_resumes_bitwise(requeued, layout
     # "Requeued job" line is not asserted: SLURM truncates the job's output file when the requeued job starts
     assert f"checkpoint: resumed from {entry['checkpoint']} (step {k}" in logs
     print(f"requeue timings: {times}")
+
+
+@pytest.mark.e2e
+def test_requeued_job_reports_its_requeue_gap_and_no_repeated_step(requeued):
+    """goodput.json of the requeued run: two jobs; the gap between them spans the moment the test released the requeued
+    job from SLURM's hold, and nothing was thrown away."""
+    sweep, times = requeued
+    run = sweep / "0"
+    g = json.loads((run / "goodput.json").read_text())
+    (entry,) = json.loads((run / "preempted.json").read_text())
+    first, second = g["attempts"]
+    assert [(a["job"], a["attempt"], a["how"]) for a in g["attempts"]] == [(0, 0, "stopped"), (1, 0, "ended")]
+    assert (g["requeues"], g["restarts"], g["repeated_steps"], g["parts_s"]["lost"], g["parts_s"]["restart_gap"]) == (1, 0, 0, 0, 0)
+    assert second["resumed_from_step"] == entry["step"] and g["steps_counted"] == 6
+    assert g["parts_s"]["requeue_gap"] == pytest.approx(second["start"] - first["stop"])
+    assert entry["stopped_at"] <= first["stop"] <= times["released_at"] <= second["start"] + 0.02
+    assert g["unaccounted_s"] < 0.02 * g["total_s"], g
 
 
 @pytest.mark.e2e

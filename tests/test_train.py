@@ -15,6 +15,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -54,18 +55,22 @@ def runs(tmp_path_factory):
 
 def test_default_command_trains_into_one_folder(tmp_path):
     """`python -m runner` with no arguments, from an empty folder, as a newcomer types it."""
+    began = time.time()
     proc = run_cli(cwd=tmp_path)
+    wall = time.time() - began
     assert proc.returncode == 0, proc.stderr[-3000:]
     made = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(made) == 1, made  # Hydra's outputs/<date>/<time>/, not one per rank
     assert sorted(p.name for p in made[0].iterdir() if not p.name.startswith(".")) == [
         "flight_recorder",  # made before the process group starts: NCCL's dump writer makes no folder
         "frozen.yaml",
+        "goodput.json",
         "logs",
         "metrics.jsonl",
         "peak.json",
         "runner.log",
         "summary.json",
+        "timeline.jsonl",
     ]
     rows, s = metrics(made[0]), summary(made[0])
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -75,6 +80,25 @@ def test_default_command_trains_into_one_folder(tmp_path):
     assert "train" in proc.stdout and f"step   10  loss {rows[-1]['loss']:.4f}" in proc.stdout
     _one_line_per_step_off_a_terminal(proc.stdout, rows)
     _known_warnings_only_in_rank_logs(proc.stdout + proc.stderr, made[0] / "logs")
+    _clean_run_goodput(made[0], rows, began, wall, proc.stdout)
+
+
+def _clean_run_goodput(run_dir, rows: list[dict], began: float, wall: float, out: str) -> None:
+    """goodput.json of a run without restarts: every part from its own records, under 2 % left unaccounted."""
+    g = json.loads((run_dir / "goodput.json").read_text())
+    parts = g["parts_s"]
+    assert g["unaccounted_s"] == pytest.approx(g["total_s"] - sum(parts.values())) and g["unaccounted_s"] < 0.02 * g["total_s"], g
+    assert g["total_s"] <= wall  # from the process start (after `began`) to rank 0's end record
+    (launch,) = [json.loads(ln) for ln in (run_dir / "timeline.jsonl").read_text().splitlines() if '"launch"' in ln]
+    assert launch["time"] >= began - 0.02  # the process's own start (10 ms ticks), not the task's
+    assert parts["productive"] == pytest.approx(sum(r["step_time_s"] - r["data_s"] for r in rows))  # metrics.jsonl's steps
+    assert (parts["lost"], parts["restart_gap"], parts["requeue_gap"], g["restarts"], g["repeated_steps"]) == (0, 0, 0, 0, 0)
+    assert parts["startup"] > 0 and g["goodput"] == pytest.approx(parts["productive"] / g["total_s"])
+    assert summary(run_dir)["goodput"] == {"fraction": g["goodput"], "total_s": g["total_s"]} | {f"{k}_s": v for k, v in parts.items()} | {
+        k: g[k] for k in ("unaccounted_s", "restarts", "requeues", "repeated_steps")
+    }
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("goodput: ")]
+    assert line.startswith(f"goodput: {100 * g['goodput']:.1f} % ({parts['productive']:.2f} s productive of {g['total_s']:.2f} s")
 
 
 def _one_line_per_step_off_a_terminal(out: str, rows: list[dict]) -> None:
@@ -177,6 +201,9 @@ def test_wandb_offline_run(runs):
         for key in ("loss", "mfu", "grad_norm", "memory_gb", "step_time_s"):
             assert json.dumps(r[key]).encode() in blob, (key, r[key])
     assert b"tokens_per_s_median" in blob  # summary logged
+    g = json.loads((runs["single"] / "goodput.json").read_text())  # its parts as flat summary keys, with their values
+    for key, value in [("fraction", g["goodput"]), ("total_s", g["total_s"])] + [(f"{k}_s", v) for k, v in g["parts_s"].items()]:
+        assert f"goodput/{key}".encode() in blob and json.dumps(value).encode() in blob, key
     assert re.search(rb'parallelism[^{]{1,8}\{"name":"single",', blob) and b'{"name":"dp2_tp2"' not in blob  # the config is this run's
     assert str(runs["single"].parent.resolve()).encode() in blob  # grouped by the Hydra sweep folder's full path
     assert yaml.safe_load((runs["single"] / "frozen.yaml").read_text())["logging"]["wandb"]["group"] is None  # not frozen
