@@ -53,20 +53,24 @@ def process_start() -> float:
 
 class Timeline:
     """Appends this process's events to a run folder's timeline.jsonl: one write per line (O_APPEND), so the ranks and
-    the agents that report a failure at once do not interleave."""
+    the agents that report a failure at once do not interleave. The file stays open (a step costs one write, no open on
+    a network filesystem); the process's exit closes it."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / runfiles.TIMELINE
         self.job = slurm.restart_count()
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._fd: int | None = None
 
     def write(self, event: str, **fields: Any) -> None:
         body = {"event": event, "job": self.job, "attempt": self.attempt} | fields
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(body) + "\n").encode())
-        finally:
-            os.close(fd)
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(self._fd, (json.dumps(body) + "\n").encode())
+
+    def __del__(self) -> None:  # a multirun's launcher makes one per point
+        if self._fd is not None:
+            os.close(self._fd)
 
     def launch(self, at: float) -> None:
         self.write("launch", time=at)
