@@ -6,6 +6,8 @@ The launched runs that write real timelines are read by the tests that make them
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from runner.config import goodput
@@ -37,13 +39,14 @@ def _end(job: int, attempt: int, t: float, stopped: bool = False) -> dict:
 
 
 def test_sigkilled_attempt_loses_the_steps_after_its_checkpoint_and_the_step_in_flight():
-    """Attempt 0 logs steps 1-3 and dies in step 4 at t=14.4 (its peers stopped then and heard of it at 14.6); the agent
-    restarts the ranks at t=15, and attempt 1 resumes from step 2's checkpoint."""
+    """Attempt 0 logs steps 1-3; rank 1 dies silently in step 4, last alive at t=14.4 (its record), its peers hear of it at
+    14.6; the agent restarts the ranks at t=15, and attempt 1 resumes from step 2's checkpoint."""
     events = [{"event": "launch", "job": 0, "attempt": 0, "time": 0.0}, *_marks(0, 0, 8.0)]
     events += [_step(0, 0, s, 10.5 + (s - 1)) for s in (1, 2, 3)]
     events += [
-        {"event": "failure", "job": 0, "attempt": 0, "time": 14.6, "by": "rank 0: Connection closed by peer", "since": 14.4},
-        {"event": "failure", "job": 0, "attempt": 0, "time": 14.65, "by": "rank 2: Connection closed by peer", "since": 14.35},
+        {"event": "failure", "job": 0, "attempt": 0, "time": 14.6, "by": "rank 0: Connection closed by peer"},
+        {"event": "failure", "job": 0, "attempt": 0, "time": 14.65, "by": "rank 2: Connection closed by peer"},
+        {"event": "failure", "job": 0, "attempt": 0, "time": 14.4, "by": "rank 1: no error (its last record)"},
         {"event": "failure", "job": 0, "attempt": 0, "time": 15.0, "by": "agent: restarting the ranks"},
     ]
     events += [*_marks(0, 1, 16.0, restored=2), *[_step(0, 1, s, 18.5 + (s - 3)) for s in (3, 4)], _end(0, 1, 20.5)]
@@ -61,7 +64,7 @@ def test_sigkilled_attempt_loses_the_steps_after_its_checkpoint_and_the_step_in_
     assert (got["restarts"], got["requeues"], got["repeated_steps"], got["steps_counted"]) == (1, 0, 1, 4)
     assert got["goodput"] == pytest.approx(2.8 / 20.8)
     first = got["attempts"][0]
-    assert (first["how"], first["failure"]["time"], first["failure"]["noticed"]) == ("failed", 14.4, 14.6)
+    assert (first["how"], first["failure"]) == ("failed", {"time": 14.4, "by": "rank 1: no error (its last record)"})
     assert first["startup"] == {"launcher": 8.0, "imports": 0.5, "rendezvous": 0.5, "build": 0.5, "data": 0.5, "restore": 0.5}
     assert "launcher" not in got["attempts"][1]["startup"] and got["attempts"][1]["resumed_from_step"] == 2
 
@@ -114,6 +117,42 @@ def test_timeline_appends_one_line_per_event_with_job_and_attempt(tmp_path, monk
     tl = goodput.Timeline(tmp_path)
     tl.mark("built", 5.0)
     tl.failure("agent: restarting the ranks", attempt=0)
+    tl.step({"step": 3, "step_time_s": 0.5, "data_s": 0.1, "checkpoint_s": 0.2, "rewound_to": 1}, 7.0, overhead_s=0.01, publish_s=0.03)
     got = goodput.read(tmp_path)
     assert got[0] == {"event": "mark", "job": 2, "attempt": 1, "name": "built", "time": 5.0}
     assert (got[1]["event"], got[1]["job"], got[1]["attempt"], got[1]["by"]) == ("failure", 2, 0, "agent: restarting the ranks")
+    step = {k: got[2][k] for k in ("step", "start", "step_s", "data_s", "eval_s", "overhead_s", "rewound_to")}
+    assert step == {"step": 3, "start": 7.0, "step_s": 0.5, "data_s": 0.1, "eval_s": 0.0, "overhead_s": 0.01, "rewound_to": 1}
+    assert got[2]["checkpoint_s"] == pytest.approx(0.23)  # the save's blocking part and publishing the one before
+
+
+def test_the_rank_that_went_quiet_first_marks_a_silent_failure(tmp_path):
+    """runner.observe.forensics.last_alive, read by the agent before it restarts attempt 1's ranks: rank 1 raised
+    nothing and finished its last step at t=8.5; rank 0 raised; rank 2 is alive (its heartbeat is recent); rank 3's
+    record is an earlier attempt's."""
+    from runner.observe import forensics
+
+    folder = tmp_path / "logs" / "ranks"
+    folder.mkdir(parents=True)
+    rows = {0: ("failed", 1, 10.0, 9.0), 1: ("running", 1, 8.0, 8.5), 2: ("running", 1, 10.2, 9.1), 3: ("running", 0, 5.0, None)}
+    for rank, (state, attempt, at, progress) in rows.items():
+        body = {"rank": rank, "state": state, "attempt": attempt, "time": at, "progress": progress}
+        (folder / f"rank_{rank}.json").write_text(json.dumps(body))
+    assert forensics.last_alive(tmp_path, attempt=1) == (1, 8.5)
+    assert forensics.last_alive(tmp_path, attempt=2) is None
+
+
+@pytest.mark.parametrize(("restored", "lost", "stop"), [(2, 13.2 - 12.5, 13.2), (3, 0.0, 13.5)])
+def test_rank_that_dies_while_rank_0_finishes_its_step(restored, lost, stop):
+    """Rank 1 dies silently at t=13.2, while rank 0 still saves and logs step 3 (its record ends at 13.5). Resumed from
+    step 2: step 3's record is thrown away and the lost work ends at the death; resumed from step 3: nothing is lost
+    and the attempt stops once rank 0 has finished the step kept."""
+    events = [*_marks(0, 0, 8.0), *[_step(0, 0, s, 10.5 + (s - 1)) for s in (1, 2, 3)]]
+    events += [{"event": "failure", "job": 0, "attempt": 0, "time": 13.2, "by": "rank 1: no error (its last record)"}]
+    events += [{"event": "failure", "job": 0, "attempt": 0, "time": 14.0, "by": "rank 0: Connection closed by peer"}]
+    events += [*_marks(0, 1, 16.0, restored=restored), *[_step(0, 1, s, 18.5 + (s - restored - 1)) for s in range(restored + 1, 5)]]
+    events += [_end(0, 1, 18.5 + 4 - restored)]
+    got = goodput.account(events)
+    assert got["parts_s"]["lost"] == pytest.approx(lost) and got["attempts"][0]["stop"] == stop
+    assert got["parts_s"]["restart_gap"] == pytest.approx(16.0 - stop)
+    assert got["steps_counted"] == 4 and got["unaccounted_s"] == pytest.approx(4 * 0.05)  # no record counted twice

@@ -7,8 +7,8 @@ attempt and requeued job), to the run folder's timeline.jsonl (runfiles.TIMELINE
     mark     rank 0 of attempt (`job`, `attempt`) reached a start-up mark (MARKS; `restored` names the step resumed from)
     step     one step on rank 0: `start`, `end` (after its checkpoint save, evaluation and logging), `step_s`, `data_s`,
              `checkpoint_s`, `eval_s`, `overhead_s`, and `rewound_to` after a rewind
-    failure  a rank raised (`by`: "rank r: error", `since`: the start of the phase it was in), or the elastic agent saw
-             a rank fail ("agent")
+    failure  a rank raised (`by`: "rank r: error"), or the elastic agent saw a rank fail ("agent"), and when the rank
+             that raised nothing was last alive (its record in logs/ranks/)
     end      rank 0 left the step loop (`stopped`: for SLURM's requeue), with the final save's blocking seconds
 
 `account` reads them back into PARTS, one row per part, each measured from its own timestamps; what no part covers
@@ -68,6 +68,18 @@ class Timeline:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(self._fd, (json.dumps(body) + "\n").encode())
 
+    def step(self, row: dict[str, Any], started: float, *, overhead_s: float, publish_s: float) -> None:
+        """One step on rank 0 (`row`: its metrics row): its span and the parts inside it, each timed."""
+        saved = row.get("checkpoint_s", 0.0) + publish_s  # the save's blocking part, and publishing an async one
+        parts = {"step_s": row["step_time_s"], "data_s": row["data_s"], "checkpoint_s": saved, "eval_s": row.get("eval_s", 0.0)}
+        rewound = {"rewound_to": row["rewound_to"]} if "rewound_to" in row else {}
+        self.write("step", step=row["step"], start=started, end=time.time(), overhead_s=overhead_s, **parts, **rewound)
+
+    def end(self, finish_from: float, checkpoint_s: float, stopped: bool = False) -> dict[str, Any]:
+        """Rank 0 left the step loop: record it, account every attempt so far into goodput.json, return `flat`'s figures."""
+        self.write("end", time=time.time(), finish_from=finish_from, checkpoint_s=checkpoint_s, stopped=stopped)
+        return flat(write(self.path.parent))
+
     def __del__(self) -> None:  # a multirun's launcher makes one per point
         if self._fd is not None:
             os.close(self._fd)
@@ -78,20 +90,16 @@ class Timeline:
     def mark(self, name: str, at: float | None = None, **fields: Any) -> None:
         self.write("mark", name=name, time=time.time() if at is None else at, **fields)
 
-    def failure(self, by: str, *, attempt: int | None = None, since: float | None = None) -> None:
-        """A rank raised (`since`: when it last made progress, its current phase's start), or the agent saw one fail."""
-        fields = ({} if attempt is None else {"attempt": attempt}) | ({} if since is None else {"since": since})
-        self.write("failure", time=time.time(), by=by[:300], **fields)
+    def failure(self, by: str, *, attempt: int | None = None) -> None:
+        """A rank raised, or the agent saw one fail: now."""
+        self.write("failure", time=time.time(), by=by[:300], **({} if attempt is None else {"attempt": attempt}))
 
 
 def failed_at(failures: list[dict[str, Any]]) -> float:
-    """When an attempt failed: the earliest error a rank or an agent reported, unless the ranks that raised had all
-    stopped making progress before it. A rank that dies without a word (SIGKILL, a lost node) is heard of only when
-    its sockets close, after its memory is torn down (~0.2 s on this machine); its peers stopped at their next
-    collective with it, so the latest phase a failing rank entered is when the attempt's work ended."""
-    first = min(f["time"] for f in failures)
-    stalled = [f["since"] for f in failures if "since" in f]
-    return min(first, max(stalled)) if stalled else first
+    """When an attempt failed: the earliest of the ranks' own errors, the last sign of life of a rank that raised none
+    (the end of its last step or its last heartbeat record: a SIGKILLed rank, a lost node, is heard of by its peers
+    only when its sockets close, after its memory is torn down, ~0.2-1 s later here) and the agent's notice."""
+    return min(f["time"] for f in failures)
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
@@ -114,14 +122,18 @@ class Attempt:
     start: float = 0.0
     """The job's launch for its first attempt, rank 0's process start for a restart."""
     first_of_job: bool = True
+    kept: int | None = None
+    """A failed attempt: the step the next attempt resumed from; its records of later steps are thrown away."""
+    lost_from: float | None = None
+    """A failed attempt: the end of its record of step `kept` (its first step's start without one)."""
 
     @property
     def stop(self) -> float:
-        """Its end record, else its failure, else its last step's end."""
+        """Its end record, else its failure (not before rank 0 finished the step kept), else its last step's end."""
         if self.end is not None:
             return self.end["time"]
         if self.failures:
-            return failed_at(self.failures)
+            return max(failed_at(self.failures), self.lost_from or 0.0)
         return self.steps[-1]["end"] if self.steps else self.start
 
     @property
@@ -136,11 +148,12 @@ class Run:
     launches: dict[int, float]
     attempts: list[Attempt]
     lost: list[tuple[float, float]] = field(default_factory=list)
+    rewinds: list[tuple[float, float]] = field(default_factory=list)
 
     def counted(self) -> list[dict[str, Any]]:
-        """Step records that count: none inside a lost interval."""
-        rows = [s for a in self.attempts for s in a.steps]
-        return [s for s in rows if not any(lo <= s["start"] and s["end"] <= hi for lo, hi in self.lost)]
+        """Step records that count: not after the step a restart resumed from, not undone by a rewind."""
+        rows = [s for a in self.attempts for s in a.steps if a.kept is None or s["step"] <= a.kept]
+        return [s for s in rows if not any(lo <= s["start"] and s["end"] <= hi for lo, hi in self.rewinds)]
 
     def gaps(self, requeue: bool) -> list[float]:
         """Restart gaps (a failed attempt's stop to the next attempt's rank start) or requeue gaps (a job's last stop
@@ -166,32 +179,32 @@ def parse(events: list[dict[str, Any]]) -> Run:
         elif e["event"] == "end":
             a.end = e
     ordered = [attempts[k] for k in sorted(attempts)]
+    for a, nxt in zip(ordered, ordered[1:], strict=False):
+        if a.end is None:  # failed: the next attempt resumed from its checkpoint of step `kept`
+            a.kept = nxt.restored
+            a.lost_from = _after(a.steps, nxt.restored, a.steps[0]["start"]) if a.steps else None
     for prev, a in zip([None, *ordered], ordered, strict=False):
         a.first_of_job = prev is None or prev.job != a.job
         a.start = launches.get(a.job, a.marks.get("rank_start", a.training_from)) if a.first_of_job else a.marks.get("rank_start", a.stop)
-    run = Run(launches, ordered)
-    run.lost = _lost(ordered)
-    return run
+    rewinds = _rewinds(ordered)
+    lost = [(a.lost_from, a.stop) for a in ordered if a.lost_from is not None]
+    return Run(launches, ordered, lost + rewinds, rewinds)
 
 
-def _after(steps: list[dict[str, Any]], step: int, before: float, default: float) -> float:
+def _after(steps: list[dict[str, Any]], step: int, default: float, before: float = float("inf")) -> float:
     """End of the latest record of `step` that ended by `before`; `default` when there is none."""
     ends = [s["end"] for s in steps if s["step"] == step and s["end"] <= before]
     return max(ends) if ends else default
 
 
-def _lost(attempts: list[Attempt]) -> list[tuple[float, float]]:
-    """What was computed and thrown away: a failed attempt's time from the end of the step the next attempt resumed
-    from to the failure, and a rewind's time from the end of the step it rewound to, to its own end."""
-    out = []
-    for a, nxt in zip(attempts, attempts[1:], strict=False):
-        if a.end is None and a.steps:
-            out.append((_after(a.steps, nxt.restored, a.stop, a.steps[0]["start"]), a.stop))
-    for a in attempts:
-        for s in a.steps:
-            if "rewound_to" in s:
-                out.append((_after(a.steps, s["rewound_to"], s["start"], a.steps[0]["start"]), s["end"]))
-    return out
+def _rewinds(attempts: list[Attempt]) -> list[tuple[float, float]]:
+    """What a loss-guard or integrity rewind threw away: from the end of the step it rewound to, to its own end."""
+    return [
+        (_after(a.steps, s["rewound_to"], a.steps[0]["start"], before=s["start"]), s["end"])
+        for a in attempts
+        for s in a.steps
+        if "rewound_to" in s
+    ]
 
 
 @dataclass(frozen=True)
@@ -299,7 +312,7 @@ def _attempt_row(a: Attempt) -> dict[str, Any]:
     row |= {"steps": len(a.steps), "startup_s": _startup(a), "startup": _startup_detail(a)}
     if a.failures:
         first = min(a.failures, key=lambda f: f["time"])
-        row["failure"] = {"time": failed_at(a.failures), "noticed": first["time"], "by": first["by"]}
+        row["failure"] = {"time": first["time"], "by": first["by"]}
     return row
 
 

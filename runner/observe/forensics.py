@@ -131,11 +131,14 @@ class RankRecorder:
             "host": socket.gethostname(),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "pid": os.getpid(),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "coords": coords,
             "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCH_FR_", "TORCH_NCCL_"))},
         }
         self.groups: dict[str, dict[str, Any]] = {}
         self.state, self.error, self.stall = "running", None, None
+        self.progress: float | None = None  # when this rank last finished a step (wall clock)
+        self._lock = threading.Lock()  # the step loop and the heartbeat thread both write the record
         self._last = None  # (phase, step, seqs) at the previous heartbeat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="runner-heartbeat", daemon=True)
@@ -150,6 +153,12 @@ class RankRecorder:
         self.phase, self.since = phase, time.time()
         if step is not None:
             self.step = step
+
+    def finished_step(self) -> None:
+        """The rank finished a step: its record goes to disk at once, so a rank that then dies without a word (SIGKILL, a
+        lost node) leaves its last progress behind (the failure time of runner.config.goodput)."""
+        self.progress = time.time()
+        self._write(_sequence_numbers(self.groups))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -183,10 +192,12 @@ class RankRecorder:
             "groups": {n: {"desc": g["desc"], "ranks": g["ranks"]} for n, g in self.groups.items()},
             "stall": self.stall,
             "error": self.error,
+            "progress": self.progress,
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(self.path)
+        with self._lock:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(body))
+            tmp.replace(self.path)
 
     def failed(self, exc: BaseException, cfg: RunConfig, run_dir: Path) -> None:
         """The rank is leaving with an error (e.g. a collective timed out): final record and, on gloo, the recorder dump."""
@@ -207,6 +218,20 @@ class RankRecorder:
         self._thread.join()
         self.state, self.phase = "done", "done"
         self._write(_sequence_numbers(self.groups))
+
+
+def last_alive(run_dir: Path, attempt: int) -> tuple[int, float] | None:
+    """The rank of `attempt` whose record went quiet first, among those that raised no error, and the last time it
+    was known alive (its record's write or its last finished step): where a rank that died silently stopped."""
+    quiet = [
+        (max(r["time"], r.get("progress") or 0.0), rank)
+        for rank, r in read_records(run_dir).items()
+        if r["state"] == "running" and r.get("attempt") == attempt
+    ]
+    if not quiet:
+        return None
+    at, rank = min(quiet)
+    return rank, at
 
 
 def read_records(run_dir: Path) -> dict[int, dict[str, Any]]:

@@ -232,6 +232,11 @@ class StepMonitor:
             print(f"inject: SIGKILL rank {self.rank} at step {self.step}, time {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def finished_step(self) -> None:
+        """Every rank, once its step and its save are done: its record on disk (runner.observe.forensics)."""
+        if self.recorder is not None:
+            self.recorder.finished_step()
+
     def mark(self, phase: str) -> None:
         if self.recorder is not None:
             self.recorder.mark(phase, self.step)

@@ -62,8 +62,7 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     from runner.run import peak
 
     procs.honour_shutdown_timeout()
-    timeline = goodput.Timeline(frozen.parent)
-    procs.note_agent_restarts(lambda attempt: timeline.failure("agent: restarting the ranks", attempt=attempt))
+    procs.note_agent_restarts(lambda attempt: _note_failure(goodput.Timeline(frozen.parent), attempt))
     if not (frozen.parent / runfiles.PEAK).exists():
         peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -74,6 +73,17 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
 
     for key, value in DevicePolicy.of(cfg.cluster, cfg.distributed).agent_env(lay.world_size // cfg.cluster.num_nodes).items():
         os.environ.setdefault(key, value)
+
+
+def _note_failure(timeline: goodput.Timeline, attempt: int) -> None:
+    """The agent restarts the ranks of `attempt`: when the one that went quiet first was last alive, and when the
+    agent noticed (runner.config.goodput takes the earliest of these and the ranks' own errors)."""
+    from runner.observe import forensics
+
+    quiet = forensics.last_alive(timeline.path.parent, attempt)
+    if quiet is not None:
+        timeline.write("failure", attempt=attempt, time=quiet[1], by=f"rank {quiet[0]}: no error (its last record)")
+    timeline.failure("agent: restarting the ranks", attempt=attempt)
 
 
 def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:

@@ -320,17 +320,10 @@ def _publish(loop: _Loop, r: dict[str, Any], notable: bool, started: float, spen
     if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or notable or "eval_loss" in r or loop.stopped:
         for s in loop.sinks:
             s.log(r)
+    loop.mon.finished_step()
     spent["overhead_s"] += time.perf_counter() - p3
     if loop.timeline is not None:
-        _record_step(loop.timeline, r, started, spent)
-
-
-def _record_step(timeline: goodput.Timeline, r: dict[str, Any], started: float, spent: dict[str, float]) -> None:
-    """The step's timeline record: its span on rank 0 and the parts inside it, each timed (runner.config.goodput)."""
-    saved = r.get("checkpoint_s", 0.0) + spent["publish_s"]  # the save's blocking part, and publishing an async one
-    parts = {"step_s": r["step_time_s"], "data_s": r["data_s"], "checkpoint_s": saved, "eval_s": r.get("eval_s", 0.0)}
-    rewound = {"rewound_to": r["rewound_to"]} if "rewound_to" in r else {}
-    timeline.write("step", step=r["step"], start=started, end=time.time(), overhead_s=spent["overhead_s"], **parts, **rewound)
+        loop.timeline.step(r, started, **spent)
 
 
 def _evaluate(loop: _Loop) -> dict[str, float]:
@@ -426,20 +419,14 @@ def run(
         loop.feed.close()
         loop.finish_from = time.time()
         if timeline is not None:
-            print(goodput.line(_account(loop), run_dir / runfiles.GOODPUT, " so far (the job is requeued)"), flush=True)
+            figures = timeline.end(loop.finish_from, loop.final_checkpoint_s, stopped=True)
+            print(goodput.line(figures, run_dir / runfiles.GOODPUT, " so far (the job is requeued)"), flush=True)
         return loop.rows
     summary = _finish(loop, step)
     if timeline is not None:
-        summary["goodput"] = _account(loop)  # before the sinks close: summary.json and W&B's summary keep it
+        summary["goodput"] = timeline.end(loop.finish_from, loop.final_checkpoint_s)  # summary.json and W&B keep it
     for s in sinks:
         s.close(summary)
     if timeline is not None:
         print(goodput.line(summary["goodput"], run_dir / runfiles.GOODPUT), flush=True)
     return loop.rows
-
-
-def _account(loop: _Loop) -> dict[str, Any]:
-    """Rank 0: record the attempt's end, write goodput.json over every attempt so far, and return its flat figures."""
-    ends = {"finish_from": loop.finish_from, "checkpoint_s": loop.final_checkpoint_s, "stopped": loop.stopped}
-    loop.timeline.write("end", time=time.time(), **ends)
-    return goodput.flat(goodput.write(loop.run_dir))

@@ -109,7 +109,7 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
     try:
         _train(cfg, lay, pd, rank, run_dir, recorder, places, policy, timeline)
     except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
-        goodput.Timeline(run_dir).failure(f"rank {rank}: {type(e).__name__}: {e}", since=recorder.since)  # for goodput's lost work
+        goodput.Timeline(run_dir).failure(f"rank {rank}: {type(e).__name__}: {e}")  # when the attempt's work ended (goodput)
         recorder.failed(e, cfg, run_dir)
         raise
     return recorder
