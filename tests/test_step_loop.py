@@ -74,14 +74,16 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
     monkeypatch.setattr(train, "_train_step", train_step)
     shared = train.step_sync.Shared
     monkeypatch.setattr(train.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop: shared(share, "d", False))
-    monkeypatch.setattr(train, "row", lambda step, loss, norm, dt, *a: events.append(f"row dt={dt:g}") or {})
+    monkeypatch.setattr(train, "row", lambda step, loss, norm, dt, *a: events.append(f"row dt={dt:g}") or {"step": step, "step_time_s": dt})
     opt = SimpleNamespace(
         param_groups=[{"lr": 1e-3}],
         step=lambda: events.append(f"applied {grads[0]}"),
         zero_grad=lambda set_to_none: grads.__setitem__(0, None),
     )
     return SimpleNamespace(
-        mon=SimpleNamespace(begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], windows_judged=0),
+        mon=SimpleNamespace(
+            begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], finished_step=lambda: None, windows_judged=0
+        ),
         integrity=SimpleNamespace(begin_step=lambda s, p: None, check_due=lambda s: False, checks=0, replays=0, take=lambda: []),
         guard=monitor.LossGuard(LossGuardConfig(warmup_steps=1)),
         opt=opt,
@@ -105,6 +107,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
         pending=False,
         sinks=[],
         rows=[],
+        timeline=None,
     )
 
 
@@ -117,7 +120,9 @@ def test_step_time_is_taken_after_the_device_finished_the_step(monkeypatch):
     loop = _fake_loop(monkeypatch, events, {2: 2.0})
     loop.pending = True  # step 1 was accepted; its update has not run yet
     assert train._step(loop, 2) == 3
-    assert events == ["clock", "staged", "applied None", "forward/backward", "read", "clock", "row dt=1"]
+    # the first clock read starts the step's wall-clock span (goodput); the reads after the row time its overhead
+    assert events[:8] == ["clock", "clock", "staged", "applied None", "forward/backward", "read", "clock", "row dt=1"]
+    assert set(events[8:]) == {"clock"}
     assert loop.pending  # step 2's own update waits for step 3
 
 
