@@ -82,6 +82,8 @@ class ConsoleSink:
         cal = summary.get("calibration")
         if cal:
             self.console.print(calibration_line(cal))
+            if cal.get("terms_measured_s"):
+                self.console.print(terms_line(cal, summary.get("profile", {})), markup=False)
             if cal["bubble_measured"] is not None:
                 self.console.print(
                     f"calibration: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
@@ -102,6 +104,25 @@ def calibration_line(cal: dict[str, Any]) -> str:
         f"(measured/predicted {_s(cal['step_time_ratio'], '.2f', '')}), {cal['prediction_source']}{cached}; measured peak "
         f"{cal['peak_tflops_per_rank']:.3g} TFLOP/s per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
     )
+
+
+def terms_line(cal: dict[str, Any], prof: dict[str, Any]) -> str:
+    """The traced steps' time by the predictor's terms (profile/breakdown.json), beside the prediction when there is one."""
+    from runner.observe.breakdown import TERMS
+
+    measured, predicted = cal["terms_measured_s"], cal.get("terms_predicted_s")
+    where = f"busiest traced rank {prof.get('busiest_rank')}, steps {prof.get('steps')}, {cal['terms_measured_step_s']:.3f} s a step"
+    parts = []
+    for k in TERMS:
+        m, p = measured.get(k, 0.0), (predicted or {}).get(k)
+        if m < 5e-4 and not p:
+            continue
+        if predicted is None or k in ("data_wait", "unattributed"):
+            parts.append(f"{k} {m:.3f}")
+        else:
+            parts.append(f"{k} {m:.3f}/{p:.3f}" + (f" ({m / p:.2f})" if p else ""))
+    head = "measured/predicted s (ratio)" if predicted else "measured s (no prediction without a machine profile)"
+    return f"calibration by term, {head}; {where}: " + ", ".join(parts)
 
 
 def _s(x: float | None, fmt: str = ".3f", unit: str = " s") -> str:

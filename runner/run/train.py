@@ -19,9 +19,9 @@ import torch.distributed as dist
 from runner.config import checkpoint
 from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
-from runner.observe import integrity, monitor, plan_check
+from runner.observe import breakdown, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, loader, preempt, titan
+from runner.run import evaluate, loader, preempt, profiling, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -105,6 +105,8 @@ class _Loop:
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
+    prof: profiling.StepProfiler | None = None  # this rank traces (profile.*)
+    memory: profiling.MemoryRecorder | None = None  # CUDA allocator history (profile.memory)
 
 
 def _compute(loop: _Loop, microbatches) -> torch.Tensor:
@@ -126,7 +128,8 @@ def _compute(loop: _Loop, microbatches) -> torch.Tensor:
 def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, float]:
     """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm."""
     built, mon = loop.built, loop.mon
-    microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
+    with torch.profiler.record_function(breakdown.DATA_SPAN):
+        microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
     if loop.integrity.replay_due(step):
         local = loop.integrity.replay(
             step, lambda: _compute(loop, microbatches), built.parts, lambda: loop.opt.zero_grad(set_to_none=True), mon
@@ -161,6 +164,9 @@ def _start(loop: _Loop) -> int:
     line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     if dist.get_rank() == 0:
         print(line, flush=True)
+        if profiling.enabled(loop.cfg.profile) or loop.cfg.profile.memory:
+            print("\n".join(profiling.console_lines(loop.cfg.profile, loop.lay, loop.run_dir, loop.policy)), flush=True)
+    loop.prof, loop.memory = profiling.start(loop.cfg.profile, loop.lay, dist.get_rank(), loop.run_dir, loop.policy, step)
     return step
 
 
@@ -221,6 +227,7 @@ def _step(loop: _Loop, step: int) -> int:
         loop.sched.step()
         return step + 1
     digest = loader.global_digest(loop.data, step - 1, loop.policy)
+    profiling.enter_step(loop.prof, loop.cfg.profile, step, loop.policy)
     t0 = time.perf_counter()
     local, grad_norm = _train_step(loop, step)
     with mon.phase("loss"):
@@ -236,12 +243,17 @@ def _step(loop: _Loop, step: int) -> int:
     replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
     loop.policy.sync()  # the step's kernels, the optimizer's last, have run: dt times the work, not its launch
     dt = time.perf_counter() - t0
+    if loop.prof is not None:
+        loop.prof.end()
     flagged = mon.end_step()
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
     r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
     r |= {"integrity_checks": loop.integrity.checks, "replay_checks": loop.integrity.replays}
     r["data_hash"] = digest
     r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+    traced = profiling.profiled(loop.cfg.profile, step)
+    if traced:
+        r["profiled"] = True  # the profiler ran: left out of the medians
     if preempt.requeued():
         r["slurm_restart"] = preempt.restart_count()
     if verdict.spike:
@@ -261,7 +273,7 @@ def _step(loop: _Loop, step: int) -> int:
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, opt, loop.sched, loop.data, guard)
     loop.ckpt.poll()
     loop.rows.append(r)
-    logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged
+    logged = step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or verdict.spike or flagged or traced
     if logged or "eval_loss" in r or loop.stopped or found:
         for s in loop.sinks:
             s.log(r)
@@ -300,7 +312,7 @@ def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any]) -> bool:
     return True
 
 
-def _finish(loop: _Loop, step: int) -> dict[str, Any]:
+def _finish(loop: _Loop, step: int, traces: list) -> dict[str, Any]:
     """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
     cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
@@ -319,6 +331,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     summary["memory_gb_max"] = float(peak_mem)
     idle = loop.idle
     bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
+    found = profiling.write_breakdown(traces, rows, policy, loop.run_dir) if profiling.enabled(cfg.profile) else None
     summary["calibration"] = plan_check.compare(
         cfg,
         lay,
@@ -327,7 +340,10 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
         plan_check.allreduce_gbs(policy),
         summary["step_time_s_median"],
         bubble,
+        found,
     )
+    if found:
+        summary["profile"] = {k: found[k] for k in ("busiest_rank", "steps", "step_s", "terms_s", "unattributed_share", "largest")}
     return summary
 
 
@@ -348,12 +364,14 @@ def run(
     every eval.interval steps; every rank returns its rows."""
     loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
     step = _start(loop)
-    while step <= cfg.training.steps and not loop.stopped:
-        step = _step(loop, step)
+    with profiling.oom_dump(loop.memory, dist.get_rank()):
+        while step <= cfg.training.steps and not loop.stopped:
+            step = _step(loop, step)
+    traces = loop.prof.close() if loop.prof is not None else []
     if loop.stopped:  # requeued: the summary is the finished run's
         loop.feed.close()
         return loop.rows
-    summary = _finish(loop, step)
+    summary = _finish(loop, step, traces)
     for s in sinks:
         s.close(summary)
     return loop.rows

@@ -1,0 +1,324 @@
+"""torch.profiler traces of chosen steps (profile.*), and CUDA allocator snapshots at those steps and on OOM.
+
+After TorchTitan's `torchtitan/tools/profiler.py` (its Profiler and MemoryProfiler): torch.profiler with
+`record_shapes`, a `torch.profiler.schedule` of wait/warmup/active for `profile.every`, a Chrome trace per traced
+step, and the allocator history recorded with Python stacks only and pickled with protocol 4 (what
+pytorch.org/memory_viz reads). Two differences: `profile.steps` lists steps outright, and each step's
+`ProfilerStep#<s>` span is closed when the step loop takes the step's time, so the span is the step that
+metrics.jsonl reports (torch's own `step()` would leave it open over the logging and checkpointing between steps).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerAction
+
+from runner.config import runfiles
+from runner.config.layout import Layout
+from runner.config.schema import ProfileConfig
+from runner.run.device import DevicePolicy
+
+MAX_ENTRIES = 1_000_000
+"""Allocation events the CUDA history keeps (a ring buffer; TorchTitan's memory_snapshot_max_entries default)."""
+
+PP_WAIT_SPAN = "runner/pp_wait"  # runner.observe.breakdown reads it as pipeline idle
+
+CUDA_ONLY = "profile.memory: allocator snapshots are CUDA-only; on CPU the traces carry profile_memory's allocation events"
+
+
+def enabled(p: ProfileConfig) -> bool:
+    return bool(p.steps) or p.every > 0
+
+
+def traced_ranks(p: ProfileConfig, lay: Layout) -> list[int]:
+    """profile.ranks, or rank 0 and the first rank of each pipeline stage."""
+    if p.ranks is not None:
+        return sorted(set(p.ranks))
+    firsts = {}
+    for r in range(lay.world_size):
+        firsts.setdefault(lay.coords(r)["pp"], r)
+    return sorted({0, *firsts.values()})
+
+
+def action(p: ProfileConfig, step: int) -> ProfilerAction:
+    """What the profiler does during `step` (1-based): a listed step is recorded after `warmup` steps of running
+    unrecorded; `every` follows torch.profiler.schedule on step - 1, so that every=10 traces steps 10, 20, ..."""
+    if step < 1:
+        return ProfilerAction.NONE
+    if step in p.steps:
+        return ProfilerAction.RECORD_AND_SAVE
+    if p.every:
+        got = torch.profiler.schedule(wait=p.every - p.warmup - p.active, warmup=p.warmup, active=p.active)(step - 1)
+        if got != ProfilerAction.NONE:
+            return ProfilerAction.RECORD_AND_SAVE if got == ProfilerAction.RECORD else got
+    if any(step + k in p.steps for k in range(1, p.warmup + 1)):
+        return ProfilerAction.WARMUP
+    return ProfilerAction.NONE
+
+
+def profiled(p: ProfileConfig, step: int) -> bool:
+    """The profiler runs during `step` (warming up or recording) on the traced ranks: its time is not the run's."""
+    return enabled(p) and action(p, step) != ProfilerAction.NONE
+
+
+class MemoryRecorder:
+    """CUDA allocator history from the run's start; a snapshot at each traced step and on an out-of-memory error."""
+
+    def __init__(self, policy: DevicePolicy, run_dir: Path, rank: int):
+        self.policy, self.path = policy, run_dir / runfiles.memory_snapshot_path(rank)
+        policy.record_allocator_history(MAX_ENTRIES)
+
+    def dump(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "wb") as f:
+            pickle.dump(self.policy.allocator_snapshot(), f, protocol=4)  # protocol 4: what memory_viz's parser reads
+        return self.path
+
+
+class StepProfiler:
+    """One torch.profiler session over the run on a traced rank; `advance`, `open` and `end` bracket each step."""
+
+    def __init__(self, p: ProfileConfig, lay: Layout, rank: int, run_dir: Path, policy: DevicePolicy, first_step: int, memory):
+        self.p, self.rank, self.run_dir, self.memory = p, rank, run_dir, memory
+        self.traces: list[tuple[int, Path]] = []
+        self.recording = 0
+        self.span = None
+        self.names = CollectiveNames(lay, rank, policy)
+        self.prof = torch.profiler.profile(
+            activities=policy.profiler_activities(),
+            schedule=lambda step: action(p, step),
+            on_trace_ready=self._save,
+            record_shapes=True,
+            profile_memory=policy.cpu,  # on CUDA the allocator snapshots say more (profile.memory)
+        )
+        self.prof.record_steps = False  # the step spans are this class's: closed when the step loop takes the step's time
+        self.prof.step_num = first_step - 1
+        self.prof.current_action = self.prof._prev_schedule_action = action(p, first_step - 1)
+        self.prof.start()
+
+    def advance(self, step: int) -> None:
+        """Enter `step` in the schedule (saving the trace of a step just recorded)."""
+        self.prof.step()
+        assert self.prof.step_num == step, (self.prof.step_num, step)
+        self.recording = step
+
+    def open(self, step: int) -> None:
+        """The step's time starts: ProfilerStep#<step>, and its collectives named by process group."""
+        if action(self.p, step) == ProfilerAction.NONE:
+            return
+        self.names.__enter__()
+        self.span = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self.span.__enter__()
+
+    def end(self) -> None:
+        """The step's time is taken: its span ends here."""
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span = None
+            self.names.__exit__()
+
+    def _save(self, prof) -> None:
+        path = self.run_dir / runfiles.trace_path(self.rank, self.recording)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        self.traces.append((self.recording, path))
+        if self.memory is not None:
+            self.memory.dump()
+
+    def close(self) -> list[tuple[int, Path]]:
+        """Stop (saving the last step's trace when it was recorded); every (step, trace) written."""
+        self.end()
+        self.prof.stop()
+        return self.traces
+
+
+def enter_step(prof: StepProfiler | None, p: ProfileConfig, step: int, policy: DevicePolicy) -> None:
+    """Before a step's clock starts: the traced ranks move the schedule on (writing the last step's trace), and after a
+    traced step every rank waits for them, so that no rank's next step absorbs the writing."""
+    if prof is not None:
+        prof.advance(step)
+    if enabled(p) and action(p, step - 1) == ProfilerAction.RECORD_AND_SAVE:
+        policy.barrier()
+    if prof is not None:
+        prof.open(step)
+
+
+@contextmanager
+def oom_dump(memory: MemoryRecorder | None, rank: int) -> Iterator[None]:
+    """On an out-of-memory error, dump the allocator's snapshot before the error ends the rank (TorchTitan dumps
+    on exiting its profiler context with torch.OutOfMemoryError)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        if memory is not None:
+            path = memory.dump()
+            print(f"rank {rank}: out of memory; allocator snapshot {path} (open it at https://pytorch.org/memory_viz)", flush=True)
+        raise
+
+
+def console_lines(p: ProfileConfig, lay: Layout, run_dir: Path, policy: DevicePolicy) -> list[str]:
+    """Where the traces go and how to open them (rank 0 prints these at start)."""
+    ranks = traced_ranks(p, lay)
+    where = run_dir / runfiles.PROFILE
+    steps = ", ".join(map(str, p.steps)) + (f"; {p.active} of every {p.every}" if p.every else "")
+    out = [
+        f"profile: tracing steps {steps} on ranks {', '.join(map(str, ranks))} into {where}/rank_<r>/step_<s>.json.gz; "
+        "open one at https://ui.perfetto.dev (or chrome://tracing); the breakdown by term goes to "
+        f'{run_dir / runfiles.BREAKDOWN}. Traced steps are marked "profiled" in metrics.jsonl and left out of the medians'
+    ]
+    if p.memory:
+        out.append(
+            CUDA_ONLY
+            if not policy.allocator_snapshots
+            else f"profile.memory: allocator snapshots in {where}/memory_snapshot_rank_<r>.pickle; open at https://pytorch.org/memory_viz"
+        )
+    return out
+
+
+def start(p: ProfileConfig, lay: Layout, rank: int, run_dir: Path, policy: DevicePolicy, first_step: int):
+    """This rank's (profiler, memory recorder): either may be None (not traced here, profile.memory off or on CPU)."""
+    memory = MemoryRecorder(policy, run_dir, rank) if p.memory and policy.allocator_snapshots else None
+    if not enabled(p) or rank not in traced_ranks(p, lay):
+        return None, memory
+    return StepProfiler(p, lay, rank, run_dir, policy, first_step, memory), memory
+
+
+DIST_OPS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "batch_isend_irecv",  # not isend/irecv themselves: P2POp checks them by identity
+    "all_gather_object",
+    "broadcast_object_list",
+)
+
+
+def funcol_ops(funcol) -> list[str]:
+    """The functional collectives (DTensor's redistributes, ring attention, TorchTitan's clip): every public function of
+    torch.distributed._functional_collectives that takes a group, but the legacy aliases."""
+    import inspect
+
+    return [
+        name
+        for name, fn in vars(funcol).items()
+        if inspect.isfunction(fn) and not name.startswith(("_", "legacy_")) and "group" in inspect.signature(fn).parameters
+    ]
+
+
+DP_GROUPS = ("fsdp", "efsdp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp", "dp", "batch", "loss_mesh")
+
+
+def axis_of_ranks(lay: Layout, rank: int, ranks: list[int]) -> str:
+    """The mesh axis whose group through `rank` is `ranks` (data-parallel axes, and dp_shard x cp, are all dp)."""
+    me = lay.coords(rank)
+    differing = {a for r in ranks for a, c in lay.coords(r).items() if c != me[a]}
+    if differing and differing <= {"dp_replicate", "dp_shard"} | ({"cp"} if "cp" in differing and len(differing) > 1 else set()):
+        return "dp"
+    return next(iter(differing)) if len(differing) == 1 else "host"
+
+
+class CollectiveNames:
+    """While a traced step runs, each torch.distributed and functional-collective call opens a span naming its process
+    group's axis and ranks (`runner.comm tp [0, 1] reduce_scatter_tensor`), which runner.observe.breakdown reads. The group
+    is known at the call only; the trace's own collective events (gloo's, NCCL's) do not say it."""
+
+    def __init__(self, lay: Layout, rank: int, policy: DevicePolicy):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        self.lay, self.rank, self.policy, self.dist, self.funcol = lay, rank, policy, dist, funcol
+        self.saved: list[tuple[object, str, object]] = []
+        self.names: dict[int, str] = {}
+
+    def _label(self, group) -> str:
+        dist = self.dist
+        key = id(group)
+        if key not in self.names:
+            if group is None or group is dist.group.WORLD or group is self.policy.host_group:
+                self.names[key] = "host [all]"
+            else:
+                ranks = dist.get_process_group_ranks(group)
+                desc = (getattr(group, "group_desc", "") or "").removeprefix("mesh_")
+                by_desc = desc if desc in ("tp", "pp", "cp", "ep") else "dp" if desc in DP_GROUPS else None
+                axis = by_desc or axis_of_ranks(self.lay, self.rank, ranks)
+                self.names[key] = f"{axis} {ranks}"
+        return self.names[key]
+
+    def _group(self, fn, op: str, args, kwargs, funcol: bool):
+        import inspect
+
+        if op == "batch_isend_irecv":
+            return args[0][0].group if args and args[0] else None
+        group = inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+        if funcol and group is not None:
+            name = self.funcol._resolve_group_name(group)
+            group = self.dist.distributed_c10d._resolve_process_group(name)
+        return group
+
+    def _wrap(self, fn, op: str, funcol: bool):
+        def named(*args, **kwargs):
+            with torch.profiler.record_function(f"runner.comm {self._label(self._group(fn, op, args, kwargs, funcol))} {op}"):
+                return fn(*args, **kwargs)
+
+        return named
+
+    def __enter__(self) -> CollectiveNames:
+        for module, ops, funcol in ((self.dist, DIST_OPS, False), (self.funcol, funcol_ops(self.funcol), True)):
+            for op in ops:
+                fn = getattr(module, op, None)
+                if fn is not None:
+                    self.saved.append((module, op, fn))
+                    setattr(module, op, self._wrap(fn, op, funcol))
+
+        from torch.distributed.pipelining import schedules
+
+        wait = schedules._wait_batch_p2p  # the schedules' wait for their sends and receives: pipeline idle
+
+        def waited(*args, **kwargs):
+            with torch.profiler.record_function(PP_WAIT_SPAN):
+                return wait(*args, **kwargs)
+
+        self.saved.append((schedules, "_wait_batch_p2p", wait))
+        schedules._wait_batch_p2p = waited
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, op, fn in reversed(self.saved):
+            setattr(module, op, fn)
+        self.saved.clear()
+
+
+def write_breakdown(traces: list[tuple[int, Path]], rows: list[dict], policy: DevicePolicy, run_dir: Path) -> dict | None:
+    """Collective over every rank: each traced rank's steps split by term (runner.observe.breakdown), gathered; rank 0
+    writes profile/breakdown.json and returns it (the others None)."""
+    import torch.distributed as dist
+
+    from runner.observe import breakdown
+
+    mine = {}
+    for _, path in traces:
+        mine |= breakdown.steps(breakdown.load(path))
+    dts = {r["step"]: r["step_time_s"] for r in rows if r["step"] in mine}
+    gathered = policy.all_gather_object((mine, dts))
+    if dist.get_rank() != 0:
+        return None
+    per_rank = {r: g[0] for r, g in enumerate(gathered) if g[0]}
+    if not per_rank:
+        return None
+    out = breakdown.combine(per_rank, {})
+    busiest = gathered[out["busiest_rank"]][1]
+    out["step_time_s_metrics"] = sum(busiest.values()) / len(busiest) if busiest else None
+    out["traces"] = {str(r): [str(runfiles.trace_path(r, s)) for s in sorted(g[0])] for r, g in enumerate(gathered) if g[0]}
+    runfiles.write_json(run_dir / runfiles.BREAKDOWN, out)
+    return out
