@@ -4,8 +4,8 @@ Read from the step's `ProfilerStep#<s>` span on the thread that ran it (on CPU t
 CPU backward runs on the calling thread). Every microsecond of the span goes to exactly one term, by the innermost
 event covering it (its self time):
 - compute: GEMMs and attention kernels (COMPUTE);
-- recompute: forward ops that run again inside backward under activation checkpointing (a FORWARD_ONLY op below an
-  autograd `evaluate_function` span, and everything under it);
+- recompute: the ops of the forward that activation checkpointing runs again inside backward (torch.utils.checkpoint's
+  recompute, named `runner/recompute` in the trace by runner.run.profiling); its collectives stay their axis's;
 - non_matmul: every other ATen op: elementwise, norms, the loss, copies, the optimizer's foreach kernels;
 - tp, pp, cp, ep, dp: collectives, by the process group each ran on: the runner names each collective call in the
   trace (`runner.comm <axis> [<ranks>] <op>`, runner.run.profiling) with its group's ranks; a functional
@@ -35,14 +35,12 @@ STEP_SPAN = re.compile(r"ProfilerStep#(\d+)$")
 COMM_SPAN = "runner.comm"
 DATA_SPAN = "runner/data_wait"
 PP_WAIT_SPAN = "runner/pp_wait"  # runner.run.profiling: the pipeline schedule waits for its sends and receives
+RECOMPUTE_SPAN = "runner/recompute"  # runner.run.profiling: torch.utils.checkpoint runs a block's forward again
 
+SPANS = {DATA_SPAN: "data_wait", PP_WAIT_SPAN: "bubble", RECOMPUTE_SPAN: "recompute"}  # the runner's own spans and their terms
 COMPUTE = re.compile(
     r"aten::(mm|addmm|bmm|baddbmm|_scaled_mm|_grouped_mm|_scaled_grouped_mm|_int_mm|"
     r"_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+|_cudnn_attention_\w+)$"
-)
-FORWARD_ONLY = re.compile(
-    r"aten::(linear|matmul|scaled_dot_product_attention|_scaled_dot_product_\w+_attention(_for_cpu)?|rms_norm|_fused_rms_norm|"
-    r"embedding|silu|softmax|_softmax)$"
 )
 METADATA = re.compile(
     r"aten::(view|_unsafe_view|view_as|as_strided|reshape|_reshape_alias|t|transpose|permute|slice|narrow|select|expand|"
@@ -120,11 +118,9 @@ def _comm_axis(name: str) -> str:
     return axis if axis in AXES else "overhead"
 
 
-def _own_term(e: _Event, ctx: str | None, backward: bool, w: _Walk) -> str:
-    """The term of an event's self time, given the term its enclosing span imposes (`ctx`)."""
+def _by_name(e: _Event, w: _Walk) -> str:
+    """The term of an event's self time from its name alone."""
     n = e.name
-    if ctx is not None:
-        return ctx
     if n.endswith("wait_tensor"):
         key = json.dumps(e.dims[0] if e.dims else None)
         for i, (dims, axis) in enumerate(w.pending):
@@ -144,35 +140,31 @@ def _own_term(e: _Event, ctx: str | None, backward: bool, w: _Walk) -> str:
     return "unattributed"
 
 
-def _context(e: _Event, ctx: str | None, backward: bool) -> tuple[str | None, bool]:
-    """What an event imposes on everything under it."""
-    n = e.name
+def _context(name: str, ctx: str | None) -> str | None:
+    """The term an event imposes on everything under it (a collective's axis also inside a recomputed forward)."""
+    if ctx not in (None, "recompute"):
+        return ctx
+    if name.startswith(COMM_SPAN + " "):
+        return _comm_axis(name)
     if ctx is not None:
-        return ctx, backward
-    if n.startswith(COMM_SPAN + " "):
-        return _comm_axis(n), backward
-    if n == DATA_SPAN:
-        return "data_wait", backward
-    if n == PP_WAIT_SPAN:
-        return "bubble", backward
-    if n.startswith("FSDP::"):
-        return "dp", backward
-    if backward and FORWARD_ONLY.match(n):
-        return "recompute", backward
-    return None, backward or n.startswith("autograd::engine::evaluate_function")
+        return ctx
+    return {DATA_SPAN: "data_wait", PP_WAIT_SPAN: "bubble", RECOMPUTE_SPAN: "recompute"}.get(
+        name, "dp" if name.startswith("FSDP::") else None
+    )
 
 
-def _visit(e: _Event, ctx: str | None, backward: bool, w: _Walk) -> None:
-    sub_ctx, sub_backward = _context(e, ctx, backward)
-    term = _own_term(e, sub_ctx, backward, w)
+def _visit(e: _Event, ctx: str | None, w: _Walk) -> None:
+    sub = _context(e.name, ctx)
+    term = _by_name(e, w) if sub in (None, "recompute") else sub
+    if sub == "recompute" and term in ("compute", "non_matmul", "overhead"):
+        term = "recompute"
     if e.name.startswith(COMM_SPAN + " "):
         w.last_axis = term
-    if e.name.startswith("_c10d_functional::") and not e.name.endswith(("wait_tensor", "_wrap_tensor_autograd")) and sub_ctx in AXES:
-        out = e.dims[0] if e.dims else None
-        w.pending.append((json.dumps(out), sub_ctx))
+    if e.name.startswith("_c10d_functional::") and not e.name.endswith(("wait_tensor", "_wrap_tensor_autograd")) and sub in AXES:
+        w.pending.append((json.dumps(e.dims[0] if e.dims else None), sub))
     w.terms[term] += e.self_time()
     for k in e.kids:
-        _visit(k, sub_ctx, sub_backward, w)
+        _visit(k, sub, w)
 
 
 def steps(trace: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -187,7 +179,7 @@ def steps(trace: dict[str, Any]) -> dict[int, dict[str, Any]]:
         roots = _tree(events, span)
         w = _Walk()
         for r in roots:
-            _visit(r, None, False, w)
+            _visit(r, None, w)
         w.terms["overhead"] += max(0.0, span["dur"] - sum(r.dur for r in roots))  # Python between ops: no event covers it
         unknown = sorted(w.unknown.items(), key=lambda kv: -kv[1])[:5]
         out[int(m.group(1))] = {
@@ -204,9 +196,9 @@ def busy_s(step: dict[str, Any]) -> float:
     return step["step_s"] - t["bubble"] - t["data_wait"]
 
 
-def combine(per_rank: dict[int, dict[int, dict[str, Any]]], metrics_step_s: dict[int, float]) -> dict[str, Any]:
+def combine(per_rank: dict[int, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     """breakdown.json: per traced step every traced rank's terms, and the busiest rank's (most working time, summed over
-    the traced steps) terms averaged over the steps, beside the step time metrics.jsonl reports."""
+    the traced steps) terms averaged over the steps, beside its step time in metrics.jsonl (`step_time_s_metrics`)."""
     ranks = sorted(r for r, s in per_rank.items() if s)
     if not ranks:
         return {}
@@ -215,7 +207,7 @@ def combine(per_rank: dict[int, dict[int, dict[str, Any]]], metrics_step_s: dict
     n = len(mine)
     terms = {k: sum(s["terms_s"][k] for s in mine.values()) / n for k in TERMS}
     span = sum(s["step_s"] for s in mine.values()) / n
-    measured = [metrics_step_s[s] for s in mine if s in metrics_step_s]
+    measured = [s["step_time_s_metrics"] for s in mine.values() if s.get("step_time_s_metrics") is not None]
     return {
         "busiest_rank": busiest,
         "steps": sorted(mine),

@@ -17,6 +17,10 @@ from runner.config.schema import RunConfig
 class Sink(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
 
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        """A traced step's time by term, once its trace is read (runner.run.profiling.Session): the step, the busiest
+        traced rank and its terms (runner.observe.breakdown.steps)."""
+
     def close(self, summary: dict[str, Any]) -> None: ...
 
 
@@ -64,6 +68,9 @@ class ConsoleSink:
             self.console.print(line, markup=False)
         if self.progress:
             self.progress.update(self.task, completed=row["step"])
+
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        pass  # the run's end prints the breakdown (terms_line); profile/breakdown.json holds every step
 
     def close(self, summary: dict[str, Any]) -> None:
         if self.progress:
@@ -149,6 +156,9 @@ class JsonlSink:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
 
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        pass  # profile/breakdown.json holds it
+
     def close(self, summary: dict[str, Any]) -> None:
         self.file.close()
         (self.run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
@@ -179,6 +189,11 @@ class WandbSink:
         for f in row.get("stragglers", []):  # one series per rank and phase: the slowdown when flagged
             scalars[f"straggler/rank{f['rank']}_{f['phase']}"] = f["slowdown"]
         self.run.log(scalars, step=row["step"])
+
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        """One series per term (breakdown/<term>_s) at the traced step, beside its step time."""
+        scalars = {f"breakdown/{k}_s": v for k, v in found["terms_s"].items()}
+        self.run.log(scalars | {"breakdown/busiest_rank": found["busiest_rank"], "breakdown/step_s": found["step_s"]}, step=found["step"])
 
     def close(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(flatten(summary) | predicted(summary))

@@ -21,12 +21,12 @@ from torch.profiler import ProfilerAction
 from runner.config import runfiles
 from runner.config.layout import Layout
 from runner.config.schema import ProfileConfig
+from runner.observe import breakdown
+from runner.observe.breakdown import COMM_SPAN, PP_WAIT_SPAN, RECOMPUTE_SPAN
 from runner.run.device import DevicePolicy
 
 MAX_ENTRIES = 1_000_000
 """Allocation events the CUDA history keeps (a ring buffer; TorchTitan's memory_snapshot_max_entries default)."""
-
-PP_WAIT_SPAN = "runner/pp_wait"  # runner.observe.breakdown reads it as pipeline idle
 
 CUDA_ONLY = "profile.memory: allocator snapshots are CUDA-only; on CPU the traces carry profile_memory's allocation events"
 
@@ -137,17 +137,6 @@ class StepProfiler:
         return self.traces
 
 
-def enter_step(prof: StepProfiler | None, p: ProfileConfig, step: int, policy: DevicePolicy) -> None:
-    """Before a step's clock starts: the traced ranks move the schedule on (writing the last step's trace), and after a
-    traced step every rank waits for them, so that no rank's next step absorbs the writing."""
-    if prof is not None:
-        prof.advance(step)
-    if enabled(p) and action(p, step - 1) == ProfilerAction.RECORD_AND_SAVE:
-        policy.barrier()
-    if prof is not None:
-        prof.open(step)
-
-
 @contextmanager
 def oom_dump(memory: MemoryRecorder | None, rank: int) -> Iterator[None]:
     """On an out-of-memory error, dump the allocator's snapshot before the error ends the rank (TorchTitan dumps
@@ -178,14 +167,6 @@ def console_lines(p: ProfileConfig, lay: Layout, run_dir: Path, policy: DevicePo
             else f"profile.memory: allocator snapshots in {where}/memory_snapshot_rank_<r>.pickle; open at https://pytorch.org/memory_viz"
         )
     return out
-
-
-def start(p: ProfileConfig, lay: Layout, rank: int, run_dir: Path, policy: DevicePolicy, first_step: int):
-    """This rank's (profiler, memory recorder): either may be None (not traced here, profile.memory off or on CPU)."""
-    memory = MemoryRecorder(policy, run_dir, rank) if p.memory and policy.allocator_snapshots else None
-    if not enabled(p) or rank not in traced_ranks(p, lay):
-        return None, memory
-    return StepProfiler(p, lay, rank, run_dir, policy, first_step, memory), memory
 
 
 DIST_OPS = (
@@ -220,10 +201,11 @@ DP_GROUPS = ("fsdp", "efsdp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp"
 
 
 def axis_of_ranks(lay: Layout, rank: int, ranks: list[int]) -> str:
-    """The mesh axis whose group through `rank` is `ranks` (data-parallel axes, and dp_shard x cp, are all dp)."""
+    """The mesh axis whose group through `rank` is `ranks`: the one axis along which they differ (dp_replicate, dp_shard
+    and their product with cp, FSDP's group, are all dp); "host" for any other group."""
     me = lay.coords(rank)
     differing = {a for r in ranks for a, c in lay.coords(r).items() if c != me[a]}
-    if differing and differing <= {"dp_replicate", "dp_shard"} | ({"cp"} if "cp" in differing and len(differing) > 1 else set()):
+    if differing & {"dp_replicate", "dp_shard"} and differing <= {"dp_replicate", "dp_shard", "cp"}:
         return "dp"
     return next(iter(differing)) if len(differing) == 1 else "host"
 
@@ -268,7 +250,7 @@ class CollectiveNames:
 
     def _wrap(self, fn, op: str, funcol: bool):
         def named(*args, **kwargs):
-            with torch.profiler.record_function(f"runner.comm {self._label(self._group(fn, op, args, kwargs, funcol))} {op}"):
+            with torch.profiler.record_function(f"{COMM_SPAN} {self._label(self._group(fn, op, args, kwargs, funcol))} {op}"):
                 return fn(*args, **kwargs)
 
         return named
@@ -291,6 +273,16 @@ class CollectiveNames:
 
         self.saved.append((schedules, "_wait_batch_p2p", wait))
         schedules._wait_batch_p2p = waited
+        import torch.utils.checkpoint as ckpt
+
+        rerun = ckpt._run_fn_with_dynamo_disabled  # how non-reentrant checkpointing (TorchTitan's AC) runs the forward again
+
+        def recomputed(*args, **kwargs):
+            with torch.profiler.record_function(RECOMPUTE_SPAN):
+                return rerun(*args, **kwargs)
+
+        self.saved.append((ckpt, "_run_fn_with_dynamo_disabled", rerun))
+        ckpt._run_fn_with_dynamo_disabled = recomputed
         return self
 
     def __exit__(self, *exc) -> None:
@@ -299,26 +291,64 @@ class CollectiveNames:
         self.saved.clear()
 
 
-def write_breakdown(traces: list[tuple[int, Path]], rows: list[dict], policy: DevicePolicy, run_dir: Path) -> dict | None:
-    """Collective over every rank: each traced rank's steps split by term (runner.observe.breakdown), gathered; rank 0
-    writes profile/breakdown.json and returns it (the others None)."""
-    import torch.distributed as dist
+class Session:
+    """Every rank's part in profiling: the traced ranks' profiler; after a traced step every rank waits for the traced ranks
+    to write and read their traces and gathers each one's terms, which rank 0 keeps for profile/breakdown.json."""
 
-    from runner.observe import breakdown
+    def __init__(self, p: ProfileConfig, lay: Layout, rank: int, run_dir: Path, policy: DevicePolicy, first_step: int):
+        self.p, self.rank, self.run_dir, self.policy = p, rank, run_dir, policy
+        self.memory = MemoryRecorder(policy, run_dir, rank) if p.memory and policy.allocator_snapshots else None
+        traced = enabled(p) and rank in traced_ranks(p, lay)
+        self.prof = StepProfiler(p, lay, rank, run_dir, policy, first_step, self.memory) if traced else None
+        self.dts: dict[int, float] = {}
+        self.per_rank: dict[int, dict[int, dict]] = {}  # rank 0: every traced rank's steps (runner.observe.breakdown.steps)
 
-    mine = {}
-    for _, path in traces:
-        mine |= breakdown.steps(breakdown.load(path))
-    dts = {r["step"]: r["step_time_s"] for r in rows if r["step"] in mine}
-    gathered = policy.all_gather_object((mine, dts))
-    if dist.get_rank() != 0:
-        return None
-    per_rank = {r: g[0] for r, g in enumerate(gathered) if g[0]}
-    if not per_rank:
-        return None
-    out = breakdown.combine(per_rank, {})
-    busiest = gathered[out["busiest_rank"]][1]
-    out["step_time_s_metrics"] = sum(busiest.values()) / len(busiest) if busiest else None
-    out["traces"] = {str(r): [str(runfiles.trace_path(r, s)) for s in sorted(g[0])] for r, g in enumerate(gathered) if g[0]}
-    runfiles.write_json(run_dir / runfiles.BREAKDOWN, out)
-    return out
+    def enter(self, step: int) -> dict | None:
+        """Before `step`'s clock starts. After a traced step: the busiest rank's terms of it (rank 0; None elsewhere)."""
+        if self.prof is not None:
+            self.prof.advance(step)  # writes the trace of step - 1 when it was recorded
+        found = self._gather(step - 1) if self._saved(step - 1) else None
+        if self.prof is not None:
+            self.prof.open(step)
+        return found
+
+    def end(self, step: int, dt: float) -> None:
+        """`step`'s time `dt` is taken."""
+        if self.prof is not None:
+            self.prof.end()
+        if self._saved(step):
+            self.dts[step] = dt
+
+    def close(self, last_step: int) -> dict | None:
+        """After the last step that ran: stop the profiler; that step's terms when it was traced (rank 0)."""
+        if self.prof is not None:
+            self.prof.close()
+        return self._gather(last_step) if self._saved(last_step) else None
+
+    def _saved(self, step: int) -> bool:
+        return step >= 1 and enabled(self.p) and action(self.p, step) == ProfilerAction.RECORD_AND_SAVE
+
+    def _gather(self, step: int) -> dict | None:
+        mine = None
+        if self.prof is not None and self.prof.traces and self.prof.traces[-1][0] == step:
+            mine = breakdown.steps(breakdown.load(self.prof.traces[-1][1])).get(step)
+        got = self.policy.all_gather_object((mine, self.dts.get(step)))
+        if self.rank != 0:
+            return None
+        for r, (terms, dt) in enumerate(got):
+            if terms is not None:
+                self.per_rank.setdefault(r, {})[step] = terms | {"step_time_s_metrics": dt}
+        traced = {r: steps[step] for r, steps in self.per_rank.items() if step in steps}
+        if not traced:
+            return None
+        busiest = max(traced, key=lambda r: breakdown.busy_s(traced[r]))
+        return {"step": step, "busiest_rank": busiest, **traced[busiest]}
+
+    def write(self) -> dict | None:
+        """Rank 0: profile/breakdown.json over every traced step (runner.observe.breakdown.combine); None elsewhere."""
+        if self.rank != 0 or not self.per_rank:
+            return None
+        out = breakdown.combine(self.per_rank)
+        out["traces"] = {str(r): [str(runfiles.trace_path(r, s)) for s in sorted(steps)] for r, steps in self.per_rank.items()}
+        runfiles.write_json(self.run_dir / runfiles.BREAKDOWN, out)
+        return out

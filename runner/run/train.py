@@ -105,8 +105,7 @@ class _Loop:
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
-    prof: profiling.StepProfiler | None = None  # this rank traces (profile.*)
-    memory: profiling.MemoryRecorder | None = None  # CUDA allocator history (profile.memory)
+    prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
 
 
 def _compute(loop: _Loop, microbatches) -> torch.Tensor:
@@ -166,7 +165,8 @@ def _start(loop: _Loop) -> int:
         print(line, flush=True)
         if profiling.enabled(loop.cfg.profile) or loop.cfg.profile.memory:
             print("\n".join(profiling.console_lines(loop.cfg.profile, loop.lay, loop.run_dir, loop.policy)), flush=True)
-    loop.prof, loop.memory = profiling.start(loop.cfg.profile, loop.lay, dist.get_rank(), loop.run_dir, loop.policy, step)
+    if profiling.enabled(loop.cfg.profile) or loop.cfg.profile.memory:
+        loop.prof = profiling.Session(loop.cfg.profile, loop.lay, dist.get_rank(), loop.run_dir, loop.policy, step)
     return step
 
 
@@ -227,7 +227,8 @@ def _step(loop: _Loop, step: int) -> int:
         loop.sched.step()
         return step + 1
     digest = loader.global_digest(loop.data, step - 1, loop.policy)
-    profiling.enter_step(loop.prof, loop.cfg.profile, step, loop.policy)
+    if loop.prof is not None:
+        _log_terms(loop, loop.prof.enter(step))
     t0 = time.perf_counter()
     local, grad_norm = _train_step(loop, step)
     with mon.phase("loss"):
@@ -244,7 +245,7 @@ def _step(loop: _Loop, step: int) -> int:
     loop.policy.sync()  # the step's kernels, the optimizer's last, have run: dt times the work, not its launch
     dt = time.perf_counter() - t0
     if loop.prof is not None:
-        loop.prof.end()
+        loop.prof.end(step, dt)
     flagged = mon.end_step()
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, loop.policy.max_memory_gb())
     r |= {"skipped_steps": guard.skipped, "straggler_windows": mon.windows_judged}
@@ -280,6 +281,13 @@ def _step(loop: _Loop, step: int) -> int:
     return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
 
 
+def _log_terms(loop: _Loop, found: dict[str, Any] | None) -> None:
+    """A traced step's terms (the busiest traced rank's) to the sinks that chart them per step (W&B)."""
+    if found is not None:
+        for s in loop.sinks:
+            s.log_breakdown(found)
+
+
 def _evaluate(loop: _Loop) -> dict[str, float]:
     """One evaluation pass (runner.run.evaluate) on the weights after this step's update: its loss, perplexity and time."""
     t0, device = time.perf_counter(), loop.policy.compute_device()
@@ -312,7 +320,7 @@ def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any]) -> bool:
     return True
 
 
-def _finish(loop: _Loop, step: int, traces: list) -> dict[str, Any]:
+def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
     cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
@@ -331,7 +339,7 @@ def _finish(loop: _Loop, step: int, traces: list) -> dict[str, Any]:
     summary["memory_gb_max"] = float(peak_mem)
     idle = loop.idle
     bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
-    found = profiling.write_breakdown(traces, rows, policy, loop.run_dir) if profiling.enabled(cfg.profile) else None
+    found = loop.prof.write() if loop.prof is not None else None
     summary["calibration"] = plan_check.compare(
         cfg,
         lay,
@@ -364,14 +372,15 @@ def run(
     every eval.interval steps; every rank returns its rows."""
     loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
     step = _start(loop)
-    with profiling.oom_dump(loop.memory, dist.get_rank()):
+    with profiling.oom_dump(loop.prof and loop.prof.memory, dist.get_rank()):
         while step <= cfg.training.steps and not loop.stopped:
             step = _step(loop, step)
-    traces = loop.prof.close() if loop.prof is not None else []
+    if loop.prof is not None:
+        _log_terms(loop, loop.prof.close(step - 1))
     if loop.stopped:  # requeued: the summary is the finished run's
         loop.feed.close()
         return loop.rows
-    summary = _finish(loop, step, traces)
+    summary = _finish(loop, step)
     for s in sinks:
         s.close(summary)
     return loop.rows
