@@ -155,7 +155,7 @@ def _context(name: str, ctx: str | None) -> str | None:
 
 def _visit(e: _Event, ctx: str | None, w: _Walk) -> None:
     sub = _context(e.name, ctx)
-    term = _by_name(e, w) if sub in (None, "recompute") else sub
+    term = _by_name(e, w) if sub in (None, "recompute") and e.name not in SPANS else sub
     if sub == "recompute" and term in ("compute", "non_matmul", "overhead"):
         term = "recompute"
     if e.name.startswith(COMM_SPAN + " "):

@@ -11,6 +11,7 @@ metrics.jsonl reports (torch's own `step()` would leave it open over the logging
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -263,27 +264,23 @@ class CollectiveNames:
                     self.saved.append((module, op, fn))
                     setattr(module, op, self._wrap(fn, op, funcol))
 
-        from torch.distributed.pipelining import schedules
-
-        wait = schedules._wait_batch_p2p  # the schedules' wait for their sends and receives: pipeline idle
-
-        def waited(*args, **kwargs):
-            with torch.profiler.record_function(PP_WAIT_SPAN):
-                return wait(*args, **kwargs)
-
-        self.saved.append((schedules, "_wait_batch_p2p", wait))
-        schedules._wait_batch_p2p = waited
-        import torch.utils.checkpoint as ckpt
-
-        rerun = ckpt._run_fn_with_dynamo_disabled  # how non-reentrant checkpointing (TorchTitan's AC) runs the forward again
-
-        def recomputed(*args, **kwargs):
-            with torch.profiler.record_function(RECOMPUTE_SPAN):
-                return rerun(*args, **kwargs)
-
-        self.saved.append((ckpt, "_run_fn_with_dynamo_disabled", rerun))
-        ckpt._run_fn_with_dynamo_disabled = recomputed
+        self._name_span("torch.distributed.pipelining.schedules", "_wait_batch_p2p", PP_WAIT_SPAN)  # the schedules' P2P waits
+        self._name_span("torch.utils.checkpoint", "_run_fn_with_dynamo_disabled", RECOMPUTE_SPAN)  # non-reentrant AC's rerun
         return self
+
+    def _name_span(self, module_name: str, fn_name: str, span: str) -> None:
+        """Run `module_name.fn_name` inside a span named `span`; a module nobody imported runs nothing."""
+        module = sys.modules.get(module_name)
+        if module is None:
+            return
+        fn = getattr(module, fn_name)
+
+        def named(*args, **kwargs):
+            with torch.profiler.record_function(span):
+                return fn(*args, **kwargs)
+
+        self.saved.append((module, fn_name, fn))
+        setattr(module, fn_name, named)
 
     def __exit__(self, *exc) -> None:
         for module, op, fn in reversed(self.saved):
