@@ -52,12 +52,9 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     spread = {k: (max(v) - min(v)) / med[k] for k, v in times.items()}
     diff = med["this"] / med["base"] - 1
-    print(
-        f"base {a.base}: median {med['base']:.3f} s, spread {100 * spread['base']:.1f} % ({', '.join(f'{t:.3f}' for t in times['base'])})"
-    )
-    print(
-        f"this checkout, profile off: median {med['this']:.3f} s, spread {100 * spread['this']:.1f} % ({', '.join(f'{t:.3f}' for t in times['this'])})"
-    )
+    for side, label in (("base", f"base {a.base}"), ("this", "this checkout, profile off")):
+        runs = ", ".join(f"{t:.3f}" for t in times[side])
+        print(f"{label}: median {med[side]:.3f} s, spread {100 * spread[side]:.1f} % ({runs})")
     verdict = "within" if abs(diff) <= max(spread.values()) else "OUTSIDE"
     print(f"difference {100 * diff:+.1f} %: {verdict} the bench's run-to-run spread ({100 * max(spread.values()):.1f} %)")
     load = os.getloadavg()
