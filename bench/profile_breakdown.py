@@ -1,6 +1,6 @@
 """Benchmark: where the step time goes, measured from a traced step, beside the predictor's terms.
 
-python bench/profile_breakdown.py [--profile machine_profile.json] [--steps 4] [--trace 3] [--out bench_out]
+python bench/profile_breakdown.py [--profile machine_profile.json | --measured-only] [--steps 4] [--trace 3] [--out bench_out]
 
 Trains the default run (dp2_tp2) and tp2_pp2, cp2 and dp2_pp2 in one Hydra multirun with profile.steps=[--trace]
 and the machine profile as cluster.profile (without --profile the machine is calibrated first, as
@@ -41,11 +41,12 @@ def calibrate(out: Path) -> Path:
     return out
 
 
-def measure(steps: int, trace: int, profile: Path, folder: Path) -> dict[str, dict | None]:
+def measure(steps: int, trace: int, profile: Path | None, folder: Path) -> dict[str, dict | None]:
     """Each layout's summary.json after one multirun (None for a point that failed)."""
     names = points_file.write({f"p{i}": [*COMMON, *o] for i, o in enumerate(LAYOUTS.values())}, folder / "points")
     argv = [sys.executable, "-m", "runner", "-m", *points_file.argv(list(names.values()), folder / "points")]
-    argv += [f"training.steps={steps}", f"profile.steps=[{trace}]", f"cluster.profile={profile}", f"hydra.sweep.dir={folder / 'sweep'}"]
+    argv += [f"training.steps={steps}", f"profile.steps=[{trace}]", f"hydra.sweep.dir={folder / 'sweep'}"]
+    argv += [f"cluster.profile={profile}"] if profile else ["cluster.peak_cache_dir=null"]  # measured alone: no cached profile either
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
@@ -90,13 +91,14 @@ def report(found: dict[str, dict | None]) -> dict[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", type=Path, help="machine profile; default: calibrate this machine first")
+    ap.add_argument("--measured-only", action="store_true", help="no machine profile, no calibration: the measured terms alone")
     ap.add_argument("--steps", type=int, default=4, help="steps per run")
     ap.add_argument("--trace", type=int, default=3, help="the traced step (after warm-up steps)")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the profile and the JSON result")
     a = ap.parse_args()
     started = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
-    profile = (a.profile or calibrate(a.out / "machine_profile.json")).resolve()
+    profile = None if a.measured_only else (a.profile or calibrate(a.out / "machine_profile.json")).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         result = report(measure(a.steps, a.trace, profile, Path(tmp)))
     (a.out / "profile_breakdown.json").write_text(json.dumps(result, indent=1) + "\n")
