@@ -75,3 +75,47 @@ def test_the_figure_marks_what_does_not_fit_and_lists_points_without_a_bar(tmp_p
         "tp=16 (invalid): parallelism.tp = 16: must divide model.num_heads = 64",
         "tp=8 (failed): exit code 1: RuntimeError: loss guard",
     ]
+
+
+def _traced(folder, name: str, measured: dict, predicted: dict | None) -> None:
+    """A traced run's summary.json: the busiest rank's terms (profile/breakdown.json) beside the predictor's."""
+    (folder / name).mkdir()
+    total = sum(measured.values())
+    body = {"degrees": name, "memory_gb_max": 1.0, "step_time_s_median": total, "mfu_median": 0.1}
+    body |= {"calibration": {"step_time_predicted_s": sum(predicted.values()) if predicted else None, "terms_predicted_s": predicted}}
+    body["profile"] = {"terms_s": measured}
+    (folder / name / "summary.json").write_text(json.dumps(body))
+
+
+def test_traced_layouts_show_each_term_measured_beside_predicted_and_the_term_behind_the_gap(tmp_path, capsys):
+    _traced(tmp_path, "dp2_pp2", {"compute": 0.5, "bubble": 0.1, "pp": 0.02}, {"compute": 0.4, "bubble": 0.1, "pp": 0.01})
+    _traced(tmp_path, "dp2_tp2", {"compute": 0.5, "tp": 0.6, "overhead": 0.2}, {"compute": 0.4, "tp": 0.2})
+    _traced(tmp_path, "cp2", {"compute": 0.7, "cp": 0.1}, None)  # no machine profile: measured alone
+    assert compare.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "where the step time goes" in out
+    rows = {
+        ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[3:-1]]
+        for ln in out.split("where the step time goes")[1].splitlines()
+        if ln.startswith("│ ")
+    }
+    # columns: compute, overhead, bubble, tp, pp, cp, largest gap
+    assert rows["dp2_tp2"] == [
+        "0.500 / 0.400 (1.25)",
+        "0.200 / 0.000",
+        "0.000 / 0.000",
+        "0.600 / 0.200 (3.00)",
+        "0.000 / 0.000",
+        "0.000 / 0.000",
+        "tp +0.400 s",
+    ]
+    assert rows["cp2"][0] == "0.700" and rows["cp2"][-1] == "-"
+    fig = compare.figure(compare.collect([tmp_path]))
+    split = fig.axes[1]
+    labels = [t.get_text() for t in split.get_yticklabels()]
+    assert labels == [f"{n}  {w}" for n in ("dp2_pp2", "cp2", "dp2_tp2") for w in ("predicted", "measured")]  # fastest first
+    notes = [t.get_text() for t in split.texts]
+    assert notes[2] == "no prediction (no machine profile)" and notes[5] == "1.3 s; the gap is mostly tp (+0.4 s)"
+    assert {t.get_text() for t in split.get_legend().get_texts()} == {"compute", "overhead", "bubble", "tp", "pp", "cp"}
+    widths = [round(p.get_width(), 3) for p in split.patches[24:30]]  # dp2_tp2's predicted bar (the 5th), term by term
+    assert widths == [0.4, 0.0, 0.0, 0.2, 0.0, 0.0]

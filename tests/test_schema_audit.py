@@ -163,6 +163,11 @@ BAD = [
     (["eval.steps=0"], "eval.steps"),
     (["data.eval_fraction=1.0"], "data.eval_fraction"),
     (["data=text", "data.files=[a.jsonl]", "data.tokenizer=tok.json", "eval.interval=5"], "data.eval_files"),  # no held-out split
+    (["profile.steps=[11]"], "profile.steps"),  # a 10-step run
+    (["profile.every=2", "profile.warmup=2"], "profile.every"),  # a cycle of 3 steps
+    (["profile.warmup=-1"], "profile.warmup"),
+    (["profile.active=0"], "profile.active"),
+    (["profile.ranks=[4]"], "profile.ranks"),  # 4 ranks: 0..3
 ]
 
 # Fields with no value the config layer can call wrong, and why.
@@ -213,6 +218,7 @@ NO_BAD_VALUE = [
     ("checkpoint.checksum", "either setting runs (off: completeness by file size only)"),
     ("dryrun.full_batch", "either setting runs (the reduced batch's peak differs only by the receive buffers the note names)"),
     ("cluster.peak_cache_dir", "any folder, created when the peak is cached; null turns the cache off"),
+    ("profile.memory", "either setting runs (on CPU the run says allocator snapshots are CUDA-only)"),
     ("provenance", "filled by the runner, ignored on input"),
 ]
 

@@ -8,6 +8,8 @@ checkpointing, DCP checkpoints and FP8.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -26,7 +28,8 @@ pytestmark = pytest.mark.e2e  # every test here starts processes
 
 SHORT = ["training.steps=3", "training.seq_len=64", "logging.progress=false"]
 LAYOUTS = {
-    "single": ["parallelism=single", "logging=wandb", "logging.progress=false"],
+    # traced at step 2 (the W&B run gets its breakdown); profile.memory on CPU says allocator snapshots are CUDA-only
+    "single": ["parallelism=single", "logging=wandb", "logging.progress=false", "profile.steps=[2]", "profile.memory=true"],
     "dp2": ["parallelism=dp2", "training.activation_checkpoint=full"],
     # FSDP2 x 1F1B through TorchTitan's pipeline_llm; host collectives on their own group, as on CUDA, and audited
     "dp2_pp2": [
@@ -209,6 +212,9 @@ def test_wandb_offline_run(runs):
     assert str(runs["single"].parent.resolve()).encode() in blob  # grouped by the Hydra sweep folder's full path
     assert yaml.safe_load((runs["single"] / "frozen.yaml").read_text())["logging"]["wandb"]["group"] is None  # not frozen
     assert "step    3  loss" in (offline[0] / "files" / "output.log").read_text()
+    traced = json.loads((runs["single"] / "profile" / "breakdown.json").read_text())["ranks"]["0"]["2"]["terms_s"]
+    for term in ("compute", "non_matmul", "overhead"):  # step 2's breakdown, logged at step 2
+        assert f"breakdown/{term}_s".encode() in blob and json.dumps(traced[term]).encode() in blob, term
 
 
 def test_bf16_runs_on_cpu(runs):
@@ -329,7 +335,8 @@ FP8_RUNS = {
     "fp8_tensorwise": ["precision=fp8_tensorwise", *FP8_STEPS],
     "fp8_rowwise": ["precision=fp8_rowwise", *FP8_STEPS],
     "fp8_blockwise": ["precision=fp8_blockwise", *FP8_STEPS],  # emulated on CPU
-    "fp8_blockwise_tp2_pp2": ["precision=fp8_blockwise", "parallelism=tp2_pp2", *FP8_STEPS],
+    # traced at step 2 (step 1 warms the profiler up): tests/test_train.py::test_a_tp2_pp2_step_traced_and_split_by_term
+    "fp8_blockwise_tp2_pp2": ["precision=fp8_blockwise", "parallelism=tp2_pp2", *FP8_STEPS, "profile.steps=[2]"],
 }
 FP8_LOSS_ATOL = 1e-3
 FP8_GRAD_NORM_RTOL = 2e-3  # measured: 2e-4
@@ -359,6 +366,42 @@ def test_fp8_converted_layers_and_accounting(runs):
         for r in metrics(run_dir):
             assert r["mfu"] == pytest.approx(r["tokens_per_s"] * s["flops_per_token"] / (peak["peak_tflops"] * 1e12))
     assert summary(runs["fp8_blockwise_tp2_pp2"])["degrees"] == "pp=2 x tp=2"
+
+
+def test_a_tp2_pp2_step_traced_and_split_by_term(runs):
+    """profile.steps=[2] on the multirun's tp2_pp2 point: traces of rank 0 and of stage 1's first rank, each step's
+    ProfilerStep span the step metrics.jsonl reports, a breakdown whose unattributed remainder is small, the console
+    lines, and runner.compare over the sweep showing the breakdown per traced layout."""
+    from runner.config import compare
+    from runner.observe import breakdown
+
+    run_dir, console = runs["fp8_blockwise_tp2_pp2"], " ".join(runs["_console"]["fp8_blockwise_tp2_pp2"].split())
+    rows = metrics(run_dir)
+    assert [r.get("profiled") for r in rows] == [True, True]  # step 1 warmed the profiler up, step 2 was traced
+    assert sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "profile").rglob("*.gz")) == [
+        "profile/rank_0/step_2.json.gz",
+        "profile/rank_2/step_2.json.gz",
+    ]
+    rank0 = breakdown.steps(breakdown.load(run_dir / "profile" / "rank_0" / "step_2.json.gz"))[2]
+    assert rank0["step_s"] == pytest.approx(rows[1]["step_time_s"], rel=0.05)  # metrics.jsonl's rows are rank 0's
+    b = json.loads((run_dir / "profile" / "breakdown.json").read_text())
+    assert b["step_s"] == pytest.approx(b["step_time_s_metrics"], rel=0.05)  # the busiest rank's span and its own step time
+    assert sum(b["terms_s"].values()) == pytest.approx(b["step_s"], rel=1e-6)
+    assert b["unattributed_share"] < 0.15, b["ranks"]
+    assert min(b["terms_s"][k] for k in ("compute", "non_matmul", "overhead", "tp", "bubble")) > 0, b["terms_s"]
+    assert b["terms_s"]["cp"] == b["terms_s"]["ep"] == b["terms_s"]["recompute"] == 0.0  # no CP, no experts, no AC here
+    assert "profile: tracing steps 2 on ranks 0, 2 into" in console and "https://ui.perfetto.dev (or chrome://tracing)" in console
+    # beside the prediction when a profile of this machine is cached, the measured terms alone without one
+    by_term = r"calibration by term, (measured/predicted s \(ratio\)|measured s \(no prediction without a machine profile\)); "
+    assert re.search(by_term + f"busiest traced rank {b['busiest_rank']}, steps \\[2\\], ", console), console[-2000:]
+    assert summary(run_dir)["steps_profiled"] == 2
+    assert "profile.memory: allocator snapshots are CUDA-only" in " ".join(runs["_console"]["single"].split())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert compare.main([str(run_dir.parent), "--plot", str(run_dir.parent / "comparison.png")]) == 0
+    by_term = out.getvalue().split("where the step time goes")[1]
+    traced = [ln.split("│")[2].strip() for ln in by_term.splitlines() if ln.startswith("│ ")]
+    assert sorted(traced) == ["pp=2 x tp=2", "single rank"], traced  # the two traced points, and no other
 
 
 def test_runner_collectives_follow_the_device_policy(runs):

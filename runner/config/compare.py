@@ -68,6 +68,8 @@ def load(run: Path) -> dict[str, Any] | None:
             "mfu": s["mfu_median"],
             "mfu_note": f"measured, {s.get('flop_convention', 'titan')}",
             "eval_loss": s.get("eval_loss_final"),  # None for runs without evaluation (eval.interval=0)
+            "terms_measured": (s.get("profile") or {}).get("terms_s"),  # profile/breakdown.json's busiest rank (profile.*)
+            "terms_predicted": cal.get("terms_predicted_s"),
         }
     if (run / runfiles.PLAN).is_file():
         p = json.loads((run / runfiles.PLAN).read_text())
@@ -83,6 +85,8 @@ def load(run: Path) -> dict[str, Any] | None:
             "predicted_s": p["estimated_step_time_s"],
             "mfu": p["estimated_mfu"],
             "mfu_note": "estimated",
+            "terms_measured": None,
+            "terms_predicted": p.get("predicted_terms_s"),
         }
     if (run / runfiles.INVALID).is_file():
         inv = json.loads((run / runfiles.INVALID).read_text())
@@ -189,6 +193,93 @@ def table(rows: list[dict[str, Any]]):
     return t
 
 
+TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "data_wait", "unattributed")
+"""The predictor's terms (runner.config.predict.steptime.TERMS) and the breakdown's two more (runner.observe.breakdown)."""
+MEASURED_ONLY = ("data_wait", "unattributed")  # the predictor has no such terms
+
+
+def _with_terms(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in sorted(rows, key=_sort_key) if r.get("terms_measured") or r.get("terms_predicted")]
+
+
+def _shown_terms(rows: list[dict[str, Any]]) -> list[str]:
+    """Terms that hold time in some row (measured or predicted), in TERMS order."""
+    return [k for k in TERMS if any(((r.get(w) or {}).get(k) or 0) >= 5e-4 for r in rows for w in ("terms_measured", "terms_predicted"))]
+
+
+def gap_term(r: dict[str, Any]) -> tuple[str, float] | None:
+    """The term whose measured time exceeds its prediction most (what explains a slow layout), and by how much (s)."""
+    m, p = r.get("terms_measured"), r.get("terms_predicted")
+    if not m or not p:
+        return None
+    k = max(TERMS, key=lambda k: m.get(k, 0.0) - p.get(k, 0.0))
+    return k, m.get(k, 0.0) - p.get(k, 0.0)
+
+
+def _term_cell(m: float | None, p: float | None) -> str:
+    if m is None:
+        return "-" if p is None else f"- / {p:.3f}"
+    if p is None:
+        return f"{m:.3f}"
+    return f"{m:.3f} / {p:.3f}" + (f" ({m / p:.2f})" if p >= 5e-4 else "")
+
+
+def terms_table(rows: list[dict[str, Any]]):
+    """Where each layout's step time goes: per term, seconds measured on the busiest traced rank / predicted (ratio);
+    measured alone without a prediction (a CPU without a machine profile), predicted alone for a plan; None when no row
+    has terms (nothing traced, nothing predicted)."""
+    from rich.table import Table
+
+    shown = _with_terms(rows)
+    if not shown or not any(r.get("terms_measured") for r in shown):
+        return None
+    keys = _shown_terms(shown)
+    t = Table(title="where the step time goes (s per step by term, measured / predicted (ratio); profile/breakdown.json)")
+    for col in ("run", "layout", *keys, "largest gap"):
+        t.add_column(col)
+    for r in shown:
+        m, p = r.get("terms_measured"), r.get("terms_predicted")
+        cells = [_term_cell(None if m is None else m.get(k, 0.0), None if p is None or k in MEASURED_ONLY else p.get(k, 0.0)) for k in keys]
+        gap = gap_term(r)
+        t.add_row(r["run"], r["degrees"], *cells, "-" if gap is None else f"{gap[0]} +{gap[1]:.3f} s")
+    return t
+
+
+def _term_bars(ax, rows: list[dict[str, Any]]) -> None:
+    """Per layout a predicted and a measured bar, each stacked by term in one colour per term, and beside the measured
+    one the term that explains the gap."""
+    import matplotlib.pyplot as plt
+
+    keys = _shown_terms(rows)
+    colors = dict(zip(TERMS, [*plt.get_cmap("tab10").colors, "dimgrey", "black"], strict=True))  # one colour per term in every plot
+    labels, ys, y, widest = [], [], 0.0, 0.0
+    for r in rows:
+        for which, name in (("terms_predicted", "predicted"), ("terms_measured", "measured")):
+            terms = r.get(which) or {}
+            labels.append(f"{r['run'] or r['degrees']}  {name}")
+            ys.append(y)
+            left = 0.0
+            for k in keys:
+                ax.barh(y, terms.get(k, 0.0), left=left, color=colors[k], label=k if len(labels) == 1 else None)
+                left += terms.get(k, 0.0)
+            ax.annotate(_bar_note(r, which, left), (left, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+            widest = max(widest, left)
+            y += 1
+        y += 0.5
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step by term: the predictor's, and the busiest traced rank's (profile/breakdown.json)")
+    ax.legend(fontsize=7, ncol=len(keys), loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
+    ax.set_xlim(0, 1.7 * widest or 1)
+
+
+def _bar_note(r: dict[str, Any], which: str, total: float) -> str:
+    if not r.get(which):
+        return "no prediction (no machine profile)" if which == "terms_predicted" else "not traced (profile.steps)"
+    gap = gap_term(r) if which == "terms_measured" else None
+    return f"{total:.3g} s" + (f"; the gap is mostly {gap[0]} (+{gap[1]:.3g} s)" if gap else "")
+
+
 NOT_DRAWN_WIDTH = 120
 """Characters of a point's reason in the figure's list of points without a bar (the table has it whole)."""
 
@@ -226,7 +317,8 @@ def _bars(ax, valid: list[dict[str, Any]], measured: bool) -> None:
 
 def figure(rows: list[dict[str, Any]]):
     """The comparison figure: bars in the table's order (measured MFU when every run was measured, else step
-    time), and under them the invalid and failed points that have no bar, each with its reason; None without rows."""
+    time); for the traced runs (profile.*) their step time stacked by term, predicted beside measured; under them the
+    invalid and failed points that have no bar, each with its reason; None without rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,10 +328,14 @@ def figure(rows: list[dict[str, Any]]):
     missing = _not_drawn(rows)
     if not valid and not missing:
         return None
-    heights = ([0.4 * len(valid) + 1.2] if valid else []) + ([0.17 * len(missing) + 0.3] if missing else [])
+    split = [r for r in _with_terms(valid) if r.get("terms_measured")]
+    heights = ([0.4 * len(valid) + 1.2] if valid else []) + ([0.75 * len(split) + 1.4] if split else [])
+    heights += [0.17 * len(missing) + 0.3] if missing else []
     fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.3), height_ratios=heights, squeeze=False)
     if valid:
         _bars(axes[0][0], valid, all(r["source"] == "measured" for r in valid))
+    if split:
+        _term_bars(axes[1][0], split)
     if missing:
         ax = axes[-1][0]
         ax.axis("off")
@@ -288,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(highlight=False, width=240)  # wide enough for a failed run's reason on one line beside 11 columns
     console.print(table(rows))
+    by_term = terms_table(rows)
+    if by_term is not None:
+        console.print(by_term)
     out = plot(rows, args.plot or plot_folder(args.paths) / runfiles.PLOT)
     if out:
         console.print(f"plot saved to {out}")

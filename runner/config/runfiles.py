@@ -21,6 +21,9 @@
       search/              mode=search: the sweep of the top candidates (`--config-dir <run folder>/search sweep=search_top`)
       search/verify/       mode=search with search.verify=k: the top k trained briefly, one multirun job folder each
       dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
+      profile/rank_<r>/step_<s>.json.gz  torch.profiler's Chrome/Perfetto trace of a traced step (profile.*)
+      profile/breakdown.json   the busiest traced rank's step time by the predictor's terms (runner.observe.breakdown)
+      profile/memory_snapshot_rank_<r>.pickle  CUDA allocator history at traced steps and on OOM (profile.memory)
       comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
       logs/ranks/          each rank's last state (the forensics records)
       logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
@@ -56,6 +59,20 @@ SEARCH = "search.json"  # mode=search: space, rejections, ranked candidates
 SEARCH_SWEEP = "search"  # mode=search: the Hydra config folder of the top-k sweep
 SEARCH_VERIFY = Path(SEARCH_SWEEP) / "verify"  # search.verify: the sweep folder of the top k trained briefly
 PLOT = "comparison.png"
+PROFILE = "profile"  # profile.*: traces, the breakdown, memory snapshots
+BREAKDOWN = Path(PROFILE) / "breakdown.json"
+
+
+def trace_path(rank: int, step: int) -> Path:
+    """A traced step's Chrome/Perfetto trace, relative to the run folder."""
+    return Path(PROFILE) / f"rank_{rank}" / f"step_{step}.json.gz"
+
+
+def memory_snapshot_path(rank: int) -> Path:
+    """A rank's CUDA allocator snapshot (the latest traced step's, or the one taken on an out-of-memory error)."""
+    return Path(PROFILE) / f"memory_snapshot_rank_{rank}.pickle"
+
+
 LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"
 COLLECTIVES = Path(LOGS) / "collectives"  # distributed.audit_collectives (tests)

@@ -102,6 +102,7 @@ def compare(
     link_gbs: float,
     measured_step_s: float,
     bubble: float | None,
+    measured_terms: dict | None = None,
 ):
     """Predicted beside measured figures. The predictor runs on the machine's profile (machine_profile); on GPUs
     without one on the datasheet model, given this run's measured peak and all-reduce bandwidth."""
@@ -122,4 +123,7 @@ def compare(
         "tp_comm_predicted_s": budget["tp_comm_s"],
         "bubble_predicted": budget["bubble_fraction"],
         "bubble_measured": bubble,
+        "terms_predicted_s": dict(budget["predicted_terms_s"]) if predicted is not None else None,
+        "terms_measured_s": measured_terms["terms_s"] if measured_terms else None,
+        "terms_measured_step_s": measured_terms["step_s"] if measured_terms else None,
     }

@@ -69,8 +69,9 @@ def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: Run
 
 
 def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Accounting) -> dict[str, Any]:
-    """Medians skip the first step (warm-up) when there is more than one."""
-    steady = rows[1:] or rows
+    """Medians skip the first step (warm-up) when there is more than one, and the steps the profiler ran in
+    (`"profiled": true`: it slows them) unless nothing else is left."""
+    steady = [r for r in rows[1:] if not r.get("profiled")] or rows[1:] or rows
     out = {
         "final_loss": rows[-1]["loss"],
         "first_loss": rows[0]["loss"],
@@ -93,6 +94,7 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "layout": label(lay, cfg.parallelism),
         "preset": cfg.parallelism.name,
         "degrees": lay.describe(),
+        "steps_profiled": sum(1 for r in rows if r.get("profiled")),
     }
     if "hfu" in rows[0]:
         out["hfu_median"] = statistics.median(r["hfu"] for r in steady)

@@ -18,6 +18,8 @@
 | flight recorder                   | torch's; the runner dumps on hang  | NCCL's, which dumps by itself                |
 | a peak FLOP/s figure counts       | the node (its ranks share cores)   | one GPU                                      |
 | step time predicted, no profile   | only from a cached machine profile | the datasheet model (its constants are GPUs')|
+| profiler activities               | CPU ops, with profile_memory       | CPU ops and CUDA kernels                     |
+| allocator snapshots (profile.memory)| none: CUDA-only                  | torch.cuda.memory history, pickled snapshots |
 
 `distributed.host_group=dedicated` gives CPU runs the CUDA arrangement of host collectives (their
 own gloo group), which is how the test suite proves on CPU that no runner collective bypasses the
@@ -182,6 +184,26 @@ class DevicePolicy:
 
         cuda = not self.cpu
         return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda)
+
+    @property
+    def allocator_snapshots(self) -> bool:
+        """Whether profile.memory can record the allocator's history and dump snapshots (pytorch.org/memory_viz): torch's
+        caching allocator is CUDA's; a CPU rank's memory shows only in the traces' profile_memory events."""
+        return not self.cpu
+
+    def record_allocator_history(self, max_entries: int) -> None:
+        """Start recording every allocation and free, as TorchTitan's MemoryProfiler does (Python stacks only: C++ frames
+        make the dump take minutes)."""
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=max_entries)
+
+    def allocator_snapshot(self) -> dict[str, Any]:
+        """The allocator's segments and recorded history, as torch.cuda.memory._dump_snapshot would pickle them."""
+        return torch.cuda.memory._snapshot()
+
+    def profiler_activities(self) -> list:
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU] if self.cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
     def compute_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -52,6 +52,13 @@ HARMLESS = (
         "torchao registers its own enums when it is imported (torchao.utils.register_as_pytree_constant); the "
         "runner calls nothing deprecated, and torch still supports it",
     ),
+    Harmless(
+        UserWarning,
+        None,
+        r"Warning: Profiler clears events at the end of each cycle",
+        "profile.*: each traced step is its own cycle of torch.profiler and is written to its own trace as the cycle ends "
+        "(runner.run.profiling), so no event of an earlier cycle is wanted again",
+    ),
 )
 
 

@@ -17,6 +17,10 @@ from runner.config.schema import RunConfig
 class Sink(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
 
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        """A traced step's time by term, once its trace is read (runner.run.profiling.Session): the step, the busiest
+        traced rank and its terms (runner.observe.breakdown.steps)."""
+
     def close(self, summary: dict[str, Any]) -> None: ...
 
 
@@ -65,6 +69,9 @@ class ConsoleSink:
         if self.progress:
             self.progress.update(self.task, completed=row["step"])
 
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        pass  # the run's end prints the breakdown (terms_line); profile/breakdown.json holds every step
+
     def close(self, summary: dict[str, Any]) -> None:
         if self.progress:
             self.progress.stop()
@@ -82,6 +89,8 @@ class ConsoleSink:
         cal = summary.get("calibration")
         if cal:
             self.console.print(calibration_line(cal))
+            if cal.get("terms_measured_s"):
+                self.console.print(terms_line(cal, summary.get("profile", {})), markup=False)
             if cal["bubble_measured"] is not None:
                 self.console.print(
                     f"calibration: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
@@ -102,6 +111,25 @@ def calibration_line(cal: dict[str, Any]) -> str:
         f"(measured/predicted {_s(cal['step_time_ratio'], '.2f', '')}), {cal['prediction_source']}{cached}; measured peak "
         f"{cal['peak_tflops_per_rank']:.3g} TFLOP/s per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
     )
+
+
+def terms_line(cal: dict[str, Any], prof: dict[str, Any]) -> str:
+    """The traced steps' time by the predictor's terms (profile/breakdown.json), beside the prediction when there is one."""
+    from runner.observe.breakdown import TERMS
+
+    measured, predicted = cal["terms_measured_s"], cal.get("terms_predicted_s")
+    where = f"busiest traced rank {prof.get('busiest_rank')}, steps {prof.get('steps')}, {cal['terms_measured_step_s']:.3f} s a step"
+    parts = []
+    for k in TERMS:
+        m, p = measured.get(k, 0.0), (predicted or {}).get(k)
+        if m < 5e-4 and not p:
+            continue
+        if predicted is None or k in ("data_wait", "unattributed"):
+            parts.append(f"{k} {m:.3f}")
+        else:
+            parts.append(f"{k} {m:.3f}/{p:.3f}" + (f" ({m / p:.2f})" if p else ""))
+    head = "measured/predicted s (ratio)" if predicted else "measured s (no prediction without a machine profile)"
+    return f"calibration by term, {head}; {where}: " + ", ".join(parts)
 
 
 def _s(x: float | None, fmt: str = ".3f", unit: str = " s") -> str:
@@ -127,6 +155,9 @@ class JsonlSink:
         self.seen.add(row["step"])
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        pass  # profile/breakdown.json holds it
 
     def close(self, summary: dict[str, Any]) -> None:
         self.file.close()
@@ -158,6 +189,11 @@ class WandbSink:
         for f in row.get("stragglers", []):  # one series per rank and phase: the slowdown when flagged
             scalars[f"straggler/rank{f['rank']}_{f['phase']}"] = f["slowdown"]
         self.run.log(scalars, step=row["step"])
+
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        """One series per term (breakdown/<term>_s) at the traced step, beside its step time."""
+        scalars = {f"breakdown/{k}_s": v for k, v in found["terms_s"].items()}
+        self.run.log(scalars | {"breakdown/busiest_rank": found["busiest_rank"], "breakdown/step_s": found["step_s"]}, step=found["step"])
 
     def close(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(flatten(summary) | predicted(summary))

@@ -39,6 +39,10 @@ class Collect:
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
 
+    def log_breakdown(self, found: dict[str, Any]) -> None:
+        row = next(r for r in reversed(self.rows) if r["step"] == found["step"])  # logged before its trace was read
+        row["breakdown"] = found
+
     def close(self, summary: dict[str, Any]) -> None:
         self.summary = summary
 

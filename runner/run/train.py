@@ -19,9 +19,9 @@ import torch.distributed as dist
 from runner.config import checkpoint, goodput, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
-from runner.observe import integrity, monitor, plan_check
+from runner.observe import breakdown, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, loader, preempt, step_sync, titan
+from runner.run import evaluate, loader, preempt, profiling, step_sync, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -110,6 +110,7 @@ class _Loop:
     """Rank 0 of a launched run: where each step and the end are recorded (runner.config.goodput); None elsewhere."""
     final_checkpoint_s: float = 0.0  # the end: waiting for the last async save, exporting the model
     finish_from: float = 0.0  # wall clock once the last save is written: the finish part starts (runner.config.goodput)
+    prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
 
 
 def _compute(loop: _Loop, microbatches) -> torch.Tensor:
@@ -128,7 +129,8 @@ def _train_step(loop: _Loop, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm,
     both on the device."""
     built, mon = loop.built, loop.mon
-    microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
+    with torch.profiler.record_function(breakdown.DATA_SPAN):
+        microbatches = on_device(loop.feed.get(step - 1), loop.policy.compute_device())
     if loop.integrity.replay_due(step):
         local = loop.integrity.replay(
             step, lambda: _compute(loop, microbatches), built.parts, lambda: loop.opt.zero_grad(set_to_none=True), mon
@@ -163,6 +165,10 @@ def _start(loop: _Loop) -> int:
     line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     if dist.get_rank() == 0:
         print(line, flush=True)
+        if profiling.enabled(loop.cfg.profile) or loop.cfg.profile.memory:
+            print("\n".join(profiling.console_lines(loop.cfg.profile, loop.lay, loop.run_dir, loop.policy)), flush=True)
+    if profiling.enabled(loop.cfg.profile) or loop.cfg.profile.memory:
+        loop.prof = profiling.Session(loop.cfg.profile, loop.lay, dist.get_rank(), loop.run_dir, loop.policy, step)
     if loop.timeline is not None:
         loop.timeline.mark("restored", step=step - 1)
     return step
@@ -256,6 +262,8 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     mon, policy = loop.mon, loop.policy
     mon.begin_step(step)
     lanes = loader.digest_lanes(loop.data, step - 1)
+    if loop.prof is not None:
+        _log_terms(loop, loop.prof.enter(step))
     t0 = time.perf_counter()
     _update(loop)  # the last step's accepted update, timed with this step
     loop.integrity.begin_step(step, loop.built.parts)
@@ -264,6 +272,8 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     with mon.phase("loss"):
         shared = step_sync.exchange(policy, loop.lay, dist.get_rank(), share, lanes, loop.watch.signalled)
     dt = time.perf_counter() - t0
+    if loop.prof is not None:
+        loop.prof.end(step, dt)
     verdict = loop.guard.check(step, shared.loss, grad_norm)  # loss and norm are global: every rank decides alike
     lr = loop.opt.param_groups[0]["lr"]
     _decide(loop, step, verdict, shared.stop)
@@ -276,6 +286,8 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
     if flagged:
         r["stragglers"] = flagged
+    if profiling.profiled(loop.cfg.profile, step):
+        r["profiled"] = True  # the profiler ran: left out of the medians
     return r | replicas, verdict, shared.stop
 
 
@@ -305,7 +317,7 @@ def _step(loop: _Loop, step: int) -> int:
     if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step):
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, guard)
     r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
-    _publish(loop, r, bool(verdict.spike or "stragglers" in r or found), started, spent)
+    _publish(loop, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
     return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
 
 
@@ -324,6 +336,13 @@ def _publish(loop: _Loop, r: dict[str, Any], notable: bool, started: float, spen
     spent["overhead_s"] += time.perf_counter() - p3
     if loop.timeline is not None:
         loop.timeline.step(r, started, **spent)
+
+
+def _log_terms(loop: _Loop, found: dict[str, Any] | None) -> None:
+    """A traced step's terms (the busiest traced rank's) to the sinks that chart them per step (W&B)."""
+    if found is not None:
+        for s in loop.sinks:
+            s.log_breakdown(found)
 
 
 def _evaluate(loop: _Loop) -> dict[str, float]:
@@ -381,6 +400,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     summary["memory_gb_max"] = float(peak_mem)
     idle = loop.mon.idle
     bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
+    found = loop.prof.write() if loop.prof is not None else None
     summary["calibration"] = plan_check.compare(
         cfg,
         lay,
@@ -389,7 +409,10 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
         plan_check.allreduce_gbs(policy),
         summary["step_time_s_median"],
         bubble,
+        found,
     )
+    if found:
+        summary["profile"] = {k: found[k] for k in ("busiest_rank", "steps", "step_s", "terms_s", "unattributed_share", "largest")}
     return summary
 
 
@@ -413,8 +436,11 @@ def run(
     loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
     loop.timeline = timeline
     step = _start(loop)
-    while step <= cfg.training.steps and not loop.stopped:
-        step = _step(loop, step)
+    with profiling.oom_dump(loop.prof and loop.prof.memory, dist.get_rank()):
+        while step <= cfg.training.steps and not loop.stopped:
+            step = _step(loop, step)
+    if loop.prof is not None:
+        _log_terms(loop, loop.prof.close(step - 1))
     if loop.stopped:  # requeued: the summary is the finished run's
         loop.feed.close()
         loop.finish_from = time.time()

@@ -39,6 +39,7 @@ from runner.config.schema.operations import (
     LoggingConfig,
     LossGuardConfig,
     MonitorConfig,
+    ProfileConfig,
     SlurmConfig,
     StragglerConfig,
     WandbConfig,
@@ -86,6 +87,7 @@ __all__ = [
     "ParallelismConfig",
     "PlanConfig",
     "PrecisionConfig",
+    "ProfileConfig",
     "ReshardPolicy",
     "RunConfig",
     "SearchConfig",
@@ -117,6 +119,7 @@ class RunConfig:
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     objective: Objective = Objective.step_time
     """The float `python -m runner` returns to a Hydra sweeper (Optuna minimizes it); +inf for an invalid or failed point."""
     provenance: dict[str, Any] = field(default_factory=dict)

@@ -298,3 +298,22 @@ class DistributedConfig:
     audit_collectives: bool = False
     """TEST-ONLY: record every torch.distributed collective the runner's modules call, with its group and
     tensor device, in logs/collectives/rank_<r>.json."""
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces of chosen steps (runner.run.profiling); off while `steps` is empty and `every` is 0."""
+
+    steps: list[int] = field(default_factory=list)
+    """Steps to trace, each into profile/rank_<r>/step_<s>.json.gz (after `warmup` steps of the profiler running unrecorded)."""
+    every: int = 0
+    """Trace `active` steps of every this many (torch.profiler.schedule's cycle of wait + warmup + active); 0 = only `steps`."""
+    warmup: int = 1
+    """Steps the profiler runs before each traced step without recording (torch.profiler.schedule's warmup: its first step costs more)."""
+    active: int = 1
+    """Steps traced per cycle of `every` (torch.profiler.schedule's active)."""
+    ranks: list[int] | None = None
+    """Ranks that trace; null = rank 0 and the first rank of each pipeline stage."""
+    memory: bool = False
+    """CUDA: record the allocator's history and dump memory_snapshot_rank_<r>.pickle at traced steps and on an out-of-memory
+    error (pytorch.org/memory_viz). CPU: the traces' profile_memory only (allocator snapshots are CUDA-only)."""

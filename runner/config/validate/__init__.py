@@ -26,6 +26,7 @@ import runner.config.validate.layout as layout_rules
 import runner.config.validate.model as model_rules
 import runner.config.validate.monitor as monitor_rules
 import runner.config.validate.pipeline as pipeline_rules
+import runner.config.validate.profile as profile_rules
 from runner.config.layout import Layout, resolve  # not `layout`: that name is this package's module of layout rules
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
@@ -181,6 +182,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint", checkpoint_rules.check, Needs.CONFIG),
     Rule("data", data_rules.check, Needs.CONFIG),
     Rule("evaluation", eval_rules.check, Needs.CONFIG),
+    Rule("profiler", profile_rules.check, Needs.CONFIG, reads=_WS),
     Rule("dry-run ranks", _dryrun_ranks, Needs.LAYOUT, "dryrun.ranks are ranks of the layout mode=dryrun plays; a search plays none", _CTX),
     Rule(
         "device memory",
