@@ -108,6 +108,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
         sinks=[],
         rows=[],
         timeline=None,
+        prof=None,
     )
 
 

@@ -286,7 +286,7 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     r["data_s"] = loop.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
     if flagged:
         r["stragglers"] = flagged
-    if profiling.profiled(loop.cfg.profile, step):
+    if loop.prof is not None and profiling.profiled(loop.cfg.profile, step):
         r["profiled"] = True  # the profiler ran: left out of the medians
     return r | replicas, verdict, shared.stop
 
