@@ -12,7 +12,7 @@ every RoPE, norm and router setting is the one TorchTitan's flavor uses, so the 
 - qwen3_moe: Qwen3 MoE's debug model in 2 blocks with 8 experts of 768, top-2, softmax router with normalized weights;
 - deepseek_v3: latent attention (kv rank 512, direct q) with 2 shared experts and 16 routed experts of 256, top-4 of 8
   groups limited to 4, sigmoid scores with the correction bias, route scale 2.5 (TorchTitan's 671B router:
-  transformers' DeepseekV3 has only the sigmoid router); YaRN RoPE factor 40 on 4096 positions, theta 10000.
+  transformers' DeepseekV3 has only the sigmoid router); YaRN RoPE factor 40 on 4096 positions (163840), theta 10000.
 
 The weights are transformers' own initialization (seeded), with every norm weight and router bias moved off its
 constant start so a swapped or dropped norm shows in the loss.
@@ -40,7 +40,7 @@ _DSV3 = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=16, num_k
 _DSV3 |= dict(intermediate_size=1024, moe_intermediate_size=256, n_shared_experts=2, n_routed_experts=16, num_experts_per_tok=4)
 _DSV3 |= dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, num_mtp_layers=0)
 _DSV3 |= dict(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-5)
-_DSV3 |= dict(max_position_embeddings=16384, rope_parameters=_DSV3_ROPE, rope_interleave=True, tie_word_embeddings=False)
+_DSV3 |= dict(max_position_embeddings=163840, rope_parameters=_DSV3_ROPE, rope_interleave=True, tie_word_embeddings=False)
 
 TINY: dict[str, tuple[list[str], str, dict]] = {
     "llama3": (LLAMA3, "LlamaConfig", _LLAMA3 | dict(num_key_value_heads=16)),
