@@ -101,17 +101,20 @@ def test_each_pipeline_stage_reads_only_its_blocks(parity_runs):
     assert [r["blocks"] for r in dsv3] == [[0], [0], [1], [1]]
 
 
+MAX_SHARE = 0.6
+"""The largest part of the model one rank of a 2- or 4-rank layout may read (measured <= 0.58)."""
+SHARDED = ["hf-llama3-dp2_tp2", "hf-qwen3_moe-dp2_tp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2", "hf-llama3_gqa-hsdp2x2"]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "point", ["hf-llama3-dp2_tp2", "hf-qwen3_moe-dp2_tp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2", "hf-llama3_gqa-hsdp2x2"]
-)
+@pytest.mark.parametrize("point", SHARDED)
 def test_no_rank_reads_the_whole_model(parity_runs, point):
-    """Under FSDP x TP every rank reads its shards: a quarter of one rank's elements; a half under ep2 (FSDP 2 x EP 2) and
-    hsdp2x2 (FSDP 2 in each replica)."""
+    """Under FSDP x TP, EP and HSDP each rank reads a part of the checkpoint. Not exactly 1/ranks (measured: 0.26-0.44 of
+    the one-rank read under dp2_tp2, 0.5-0.58 under ep2 and hsdp2x2): tensors the layout replicates (norms, routers)
+    and the ones TorchTitan's to_hf re-lays to rename or permute are read whole; MAX_SHARE bounds it."""
     one = parity_runs[f"hf-{point.split('-')[1]}-single"]["hf_init"][0]["local_elements"]
     ranks = [r["local_elements"] for r in parity_runs[point]["hf_init"]]
-    share = 4 if "tp2" in point else 2
-    assert all(n <= one / share * 1.01 for n in ranks), (ranks, one)
+    assert all(n <= MAX_SHARE * one for n in ranks), (ranks, one)
 
 
 @pytest.mark.e2e
@@ -307,6 +310,32 @@ def test_the_model_identity_of_a_checkpoint_ignores_where_weights_started(compos
 
     a, b = compose([]).model, compose([f"model.init_from={tmp_path}"]).model
     assert checkpoint.model_identity(a) == checkpoint.model_identity(b) and "init_from" not in checkpoint.model_identity(a)
+
+
+def test_a_sharded_bfloat16_checkpoint_loads_exactly(compose, tmp_path):
+    """Published checkpoints are bf16 and sharded with an index: read in this process (DCP without a process group)
+    into the fp32 model, every tensor is the checkpoint's, widened exactly (Llama 3's q/k permuted back, qkv fused)."""
+    import torch
+    from safetensors.torch import load_file
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    import runner.run.titan.cpu as cpu
+    from runner.run.titan import hf as titan_hf
+    from runner.run.titan.model import model_spec
+
+    hf_models.build("llama3_gqa").to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="5MB")
+    assert len(hf.shards(tmp_path)) == 3
+    spec = model_spec(compose(hf_models.overrides("llama3_gqa")).model)
+    cpu.use_sdpa(spec.model)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    got = titan_hf.load([model], spec, tmp_path)
+    published = {k: v for name in hf.shards(tmp_path) for k, v in load_file(tmp_path / name).items()}
+    want = titan_hf.adapter(spec, tmp_path).from_hf({k: v.float() for k, v in published.items()})
+    state = ModelWrapper(model).state_dict()
+    assert len(got["keys"]) == len(published) == 57 and set(want) == set(state)
+    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], want[k]) for k in state)
 
 
 # --- the recipe: Llama 3.1 8B's published config.json, written by transformers, no weights -----------------------
