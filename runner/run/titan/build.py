@@ -43,6 +43,8 @@ class Built:
     """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
     attention_masks: bool = False
     """The inner attention takes block masks (FlexAttention, the GPU default): a pipeline step builds them per batch."""
+    spec: object = None
+    """TorchTitan's ModelSpec the parts were built from (its state_dict_adapter reads Hugging Face weights)."""
 
 
 def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
@@ -84,7 +86,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     extra = _extra_inputs(parts[0], cfg, device) if lay.pp == 1 and masks else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
     built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
-    built.post_optimizer_build_fn = spec.post_optimizer_build_fn
+    built.post_optimizer_build_fn, built.spec = spec.post_optimizer_build_fn, spec
     built.attention_masks = masks
     return built
 
