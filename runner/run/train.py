@@ -307,6 +307,8 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     loop.feed.close()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)
+    if cfg.checkpoint.enable and cfg.checkpoint.export_hf:
+        loop.ckpt.export_hf(cfg.data)
     if not rows:
         raise RuntimeError(f"nothing to train: the checkpoint resumed from is at step {step - 1} >= training.steps {cfg.training.steps}")
     guard = loop.guard

@@ -1,0 +1,39 @@
+"""Which families export to Hugging Face, as which `transformers` architecture (torch-free: validation reads it).
+
+Every family the runner trains has a TorchTitan `state_dict_adapter` (TorchTitan 0.3.0); an export also needs a
+`transformers` class that computes the same function with the family's numbers. Kimi K2 has none without remote
+code; gpt-oss and Qwen3.5 do not train on CPU, where exports are checked against `transformers`' logits, so
+they are not offered until they are.
+"""
+
+from __future__ import annotations
+
+from runner.config.schema import ModelConfig
+
+ARCHITECTURES = {
+    "llama3": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+"""Export key (the family, `qwen3_moe` for Qwen3 with experts) -> the `transformers` class its config.json names."""
+
+NOT_EXPORTED = {
+    "kimi_k2_7": "transformers has no Kimi K2 class without remote code",
+    "gpt_oss": "gpt-oss does not train on CPU, where an export is checked against transformers' logits",
+    "qwen3_5": "Qwen3.5 does not train on CPU, where an export is checked against transformers' logits",
+}
+"""Families with a TorchTitan adapter but no checked export, and why."""
+
+
+def key(m: ModelConfig) -> str:
+    """The ARCHITECTURES key of a model: its family, or qwen3_moe for Qwen3 with routed experts."""
+    return "qwen3_moe" if m.name == "qwen3" and m.num_experts > 0 else m.name
+
+
+def refusal(m: ModelConfig) -> str | None:
+    """Why `m` cannot be exported to Hugging Face (None: it can)."""
+    if key(m) in ARCHITECTURES:
+        return None
+    why = NOT_EXPORTED.get(m.name, "the runner has no transformers architecture for it")
+    return f"model.name {m.name} has no Hugging Face export: {why}; families that export: {', '.join(sorted(ARCHITECTURES))}"
