@@ -228,7 +228,8 @@ def test_refuses_a_family_without_a_transformers_export(compose, tmp_path, capsy
 
 def test_refuses_a_router_transformers_computes_otherwise(compose, tmp_path, capsys):
     err = _refused(capsys, tmp_path, _fake(compose, tmp_path / "dsv3", ["model=deepseek_v3_debugmodel"]))
-    assert "transformers' DeepseekV3 scores experts with a sigmoid; TorchTitan's deepseek_v3 debugmodel uses softmax" in err
+    want = "model.name deepseek_v3 (flavor debugmodel) cannot be exported: transformers' DeepseekV3ForCausalLM scores experts with a"
+    assert f"export refused: {want} sigmoid, TorchTitan's debugmodel with a softmax; flavors that export: 671B" in err
 
 
 def test_refuses_an_out_folder_holding_other_files(saved, tmp_path, capsys):
@@ -274,4 +275,22 @@ def test_export_hf_needs_checkpoints_and_an_exported_family(compose):
     with pytest.raises(ConfigError) as e:
         validate.check(compose(["model=kimi_k2_7_debugmodel", "checkpoint=local", "checkpoint.export_hf=true"]))
     assert "model.name kimi_k2_7 has no Hugging Face export" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(["model=deepseek_v3_debugmodel", "checkpoint=local", "checkpoint.export_hf=true"]))
+    assert "scores experts with a sigmoid, TorchTitan's debugmodel with a softmax" in str(e.value)
     validate.check(compose(["checkpoint=local", "checkpoint.export_hf=true"]))
+
+
+def test_sigmoid_router_flavors_are_the_registry_ones():
+    """runner.config.hf_export.SIGMOID_ROUTER (validation's torch-free list) is what TorchTitan's registry builds."""
+    import importlib
+
+    from runner.config import hf_export
+
+    for family, flavors in hf_export.SIGMOID_ROUTER.items():
+        module = importlib.import_module(f"torchtitan.models.{family}")
+        scores = {
+            name: next(x.moe for x in module.model_registry(name).model.layers if x.moe).router.score_func
+            for name in ("debugmodel", "16B", "671B")
+        }
+        assert sorted(f for f, s in scores.items() if s == "sigmoid") == sorted(flavors), scores

@@ -26,6 +26,11 @@ NOT_EXPORTED = {
 """Families with a TorchTitan adapter but no checked export, and why."""
 
 
+SIGMOID_ROUTER = {"deepseek_v3": ("671B",)}
+"""Families whose transformers class routes only with sigmoid scores -> the TorchTitan flavors that do (the others use a
+softmax; a test checks this against TorchTitan's registry, and the export checks the built model's router itself)."""
+
+
 def key(m: ModelConfig) -> str:
     """The ARCHITECTURES key of a model: its family, or qwen3_moe for Qwen3 with routed experts."""
     return "qwen3_moe" if m.name == "qwen3" and m.num_experts > 0 else m.name
@@ -34,6 +39,12 @@ def key(m: ModelConfig) -> str:
 def refusal(m: ModelConfig) -> str | None:
     """Why `m` cannot be exported to Hugging Face (None: it can)."""
     if key(m) in ARCHITECTURES:
+        flavors = SIGMOID_ROUTER.get(m.name)
+        if flavors and m.flavor not in flavors:
+            return (
+                f"model.name {m.name} (flavor {m.flavor}) cannot be exported: transformers' {ARCHITECTURES[key(m)]} scores experts "
+                f"with a sigmoid, TorchTitan's {m.flavor} with a softmax; flavors that export: {', '.join(flavors)}"
+            )
         return None
     why = NOT_EXPORTED.get(m.name, "the runner has no transformers architecture for it")
     return f"model.name {m.name} has no Hugging Face export: {why}; families that export: {', '.join(sorted(ARCHITECTURES))}"

@@ -94,7 +94,7 @@ def refusal(m: ModelConfig) -> str | None:
     why = hf_export.refusal(m)
     if why:
         return why
-    from runner.run.titan import hf
+    from runner.run.titan import hf_export as hf
 
     model_config, _ = hf.model_and_adapter(m)
     differ = hf.mismatches(m, model_config)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from runner.config.schema import ModelConfig
-from runner.run.titan import hf
+from runner.run.titan import hf_export as hf
 
 INDEX = "model.safetensors.index.json"
 _LAYER = re.compile(r"layers\.(\d+)\.")

@@ -1,4 +1,4 @@
-"""Hugging Face's side of a model: the family's TorchTitan `state_dict_adapter` and the `transformers` config with
+"""Hugging Face's side of an export: the family's TorchTitan `state_dict_adapter` and the `transformers` config with
 the run's numbers (runner.config.hf_export names the architecture of each family).
 
 The architecture numbers come from model.*; what the schema does not name (RoPE theta and scaling, norm epsilon,
