@@ -253,6 +253,7 @@ def test_reference_exports_hf_that_transformers_reads_with_the_runner_logits(ref
     assert sorted(p.name for p in folder.iterdir()) == HF_FILES
     cfg = freeze.load(run_dir / runfiles.FROZEN)
     model, hf = hf_export_tests.titan_from_checkpoint(cfg, run_dir / "checkpoints" / "step-6"), hf_export_tests.load_hf(folder)
+    hf_export_tests.assert_round_trip(model, cfg, folder)  # the 4 ranks' shards, whole and bitwise
     tokens = _held_out(assets)
     gap, top = hf_export_tests.logits_gap(model, hf, tokens)
     assert gap <= hf_export_tests.LOGITS_RTOL * top
