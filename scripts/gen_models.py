@@ -199,7 +199,7 @@ def model_fields(family: str, flavor: str) -> dict:
     rope = attention.rope
     out |= {"ffn_hidden_dim": dense[0].feed_forward.w1.out_features if dense else 0, "weight_tying": cfg.enable_weight_tying}
     out |= _moe_fields(layers) | _sliding_window(layers) | _linear_attention(layers)
-    out |= {"rope_max_seq_len": rope.max_seq_len, "rope_cos_sin": type(rope).__name__ == "CosSinRoPE"}
+    out |= {"rope_max_seq_len": rope.max_seq_len, "rope_cos_sin": type(rope).__name__ == "CosSinRoPE", "rope_theta": float(rope.theta)}
     return out
 
 

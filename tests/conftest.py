@@ -176,13 +176,19 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
     """The parity points of tests/test_parallel.py and tests/test_family_train.py, each with its own module's
     COMMON, in one launch per rank count: a launch imports torch and TorchTitan and starts a process group
     (~10 s), so the two modules share theirs."""
-    from tests import test_family_train, test_parallel
+    from tests import test_family_train, test_hf_load, test_parallel
 
     launches: dict[int, dict[str, list[str]]] = {}
     for module in (test_parallel, test_family_train):
         for nproc, points in module.LAUNCHES.items():
             launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
+    for nproc, points in test_hf_load.launches(tmp_path_factory.mktemp("hf_models")).items():  # its own COMMON inside
+        launches.setdefault(nproc, {}).update(points)
     return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
+
+
+CONSOLES: dict[int, str] = {}
+"""The console (stdout) of parity_launches' last launch of each rank count."""
 
 
 def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
@@ -200,6 +206,7 @@ def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: 
         argv = [sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        CONSOLES[nproc] = proc.stdout
         for name, path in zip(points, paths, strict=True):
             out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
     return out

@@ -90,6 +90,10 @@ def test_every_config_file_composes_and_validates(compose, path, tmp_path):
         extra = [f"data.files=[{corpus}]", f"data.tokenizer={tokenizer}"]
     if path == "conf/data/tokens.yaml":  # validation reads the prepared folder: prepare one
         extra = [f"data.path={text_assets.prepared(tmp_path)}"]
+    if path == "recipes/llama3_8b_continue_h100x64.yaml":  # validation reads config.json and the index, and the tokens
+        from tests.test_hf_load import published_llama
+
+        extra = [f"data.path={text_assets.prepared(tmp_path)}", f"model.init_from={published_llama(tmp_path / 'hf', '8B')}"]
     cfg = compose([*extra, *_overrides(path), "mode=validate"])
     lay = validate.check(cfg)
     p, c = cfg.parallelism, cfg.cluster

@@ -48,6 +48,9 @@ BAD = [
     (["model.sliding_window=-1"], "model.sliding_window"),
     (["model.full_attention_interval=0"], "model.full_attention_interval"),
     (["model.rope_max_seq_len=0"], "model.rope_max_seq_len"),
+    (["model.rope_theta=0"], "model.rope_theta"),
+    (["model.init_from=/nonexistent/hf", "mode=validate"], "model.init_from"),
+    (["+model.init_record.config_sha256=abc"], "model.init_record"),
     (["model=qwen3_5_debugmodel", "model.num_linear_key_heads=3"], "model.num_linear_value_heads"),  # 4 value heads
     (["model=qwen3_5_debugmodel", "model.num_linear_key_heads=0"], "model.num_linear_key_heads"),
     (["model=qwen3_5_debugmodel", "model.linear_key_head_dim=0"], "model.linear_key_head_dim"),
@@ -177,6 +180,7 @@ NO_BAD_VALUE = [
     ("model.attention_output_gate", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
     ("model.shared_expert_gate", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
     ("model.rope_cos_sin", "either setting builds; scripts/gen_models.py writes the flavor's from TorchTitan's registry"),
+    ("model.init_format", "one choice (hf): OmegaConf refuses any other name at composition"),
     ("parallelism.name", "a label for reports"),
     ("parallelism.sequence_parallel", "both settings run with any tp (validation checks seq_len against tp when it is on)"),
     ("precision.name", "a label for reports"),

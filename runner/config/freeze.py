@@ -48,11 +48,26 @@ def pin(cfg: RunConfig, run_dir: Path) -> None:
     d.path = os.path.abspath(d.path) if d.path else d.path
     for m in d.mix:
         m.path = os.path.abspath(m.path) if m.path else m.path
+    _pin_init(cfg)
     c = cfg.checkpoint
     if c.enable and c.resume:
         pick = checkpoint_rules.resume_point(cfg, checkpoint.folder(c, run_dir), [], warn=False)
         if pick is not None:
             c.resume_from = os.path.abspath(pick)
+
+
+def _pin_init(cfg: RunConfig) -> None:
+    """model.init_from made absolute, and (on the first freeze, not a replay's) the folder's fingerprint in
+    model.init_record: sha256 of config.json and the index, each shard's size and header hash."""
+    import os
+
+    from runner.config import hf
+
+    m = cfg.model
+    if m.init_from:
+        m.init_from = os.path.abspath(m.init_from)
+        if not m.init_record:
+            m.init_record = hf.record(Path(m.init_from))
 
 
 @functools.cache  # a multirun freezes every point in one process

@@ -93,9 +93,11 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     eval_data = worker.eval_data_for(cfg, lay, rank, run_dir, policy)
     seen = _first_norm_output(built)
     before = full_weights(built.parts)
-    sink, exact = Collect(), []
+    sink, exact, init = Collect(), [], []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
-    hooks = train.Hooks(before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None)
+    hooks = train.Hooks(
+        before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay)) if step == 1 else None, after_init=init.append
+    )
     acc = accounting.accounting(cfg, built, peak.read(run_dir))
     train.run(cfg, lay, built, data, acc, [sink], run_dir, policy, hooks=hooks, eval_data=eval_data)
     result = {
@@ -105,16 +107,27 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
         "stages": _stages(built),
         "rows": sink.rows,
         "norm_output_shape": seen,
-        "grad_norm_fp64": exact[0],
+        "grad_norm_fp64": exact[0] if exact else None,  # None: a resumed run that starts after step 1
         "weights": fingerprint(before, full_weights(built.parts), lay),
     }
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result["stages"])
-    result["stages"] = gathered
+    for key, mine in (("stages", result["stages"]), ("hf_init", _hf_read(init))):
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        result[key] = gathered
     if rank == 0:
         result["summary"] = sink.summary
         (run_dir / runfiles.PARITY).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _hf_read(init: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What this rank read of model.init_from: how many tensors, the blocks they belong to, its elements (None: not
+    started from Hugging Face weights)."""
+    if not init:
+        return None
+    keys = init[0]["keys"]
+    blocks = sorted({int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")})
+    return {"tensors": len(keys), "blocks": blocks, "local_elements": init[0]["local_elements"], "keys": keys}
 
 
 def _first_norm_output(built: titan.Built) -> list[int]:

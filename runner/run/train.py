@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint
+from runner.config import checkpoint, hf
 from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import integrity, monitor, plan_check
@@ -74,6 +74,8 @@ class Hooks:
 
     before_clip: Callable[[int, list[torch.nn.Module]], None] | None = None
     """Called with the step and the model parts once the gradients are complete, before the global-norm clip."""
+    after_init: Callable[[dict[str, Any]], None] | None = None
+    """Called with what this rank read of model.init_from (titan.load_hf's record), once the weights are in."""
 
 
 @dataclass
@@ -152,16 +154,35 @@ def _rewind(loop: _Loop) -> int:
 
 def _start(loop: _Loop) -> int:
     """First step to run: after the newest complete checkpoint when resuming (by hand or after an elastic restart)."""
-    step = 1
+    step, done = 1, None
     if loop.cfg.checkpoint.resume or restarted() or preempt.requeued():
         done = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, loop.guard)
         step = 1 if done is None else done + 1
         if done is None and dist.get_rank() == 0:
             print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
+    if done is None and loop.cfg.model.init_from:  # the run's own checkpoint takes precedence
+        _from_hf(loop)
     line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     if dist.get_rank() == 0:
         print(line, flush=True)
     return step
+
+
+def _from_hf(loop: _Loop) -> None:
+    """Step 0: this rank's share of model.init_from's weights. The optimizer holds no state before its first step,
+    so it starts fresh on them."""
+    m = loop.cfg.model
+    t0 = time.perf_counter()
+    got = titan.load_hf(loop.built, Path(m.init_from))
+    if loop.hooks.after_init is not None:
+        loop.hooks.after_init(got)
+    if dist.get_rank() == 0:
+        sha = (m.init_record or hf.record(Path(m.init_from)))["config_sha256"]
+        print(
+            f"step 0: started from Hugging Face weights in {m.init_from} (config.json sha256 {sha}; rank 0 read "
+            f"{len(got['keys'])} tensors in {time.perf_counter() - t0:.1f} s); optimizer state starts fresh",
+            flush=True,
+        )
 
 
 def _check_replicas(loop: _Loop, step: int) -> dict[str, Any]:

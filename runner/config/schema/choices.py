@@ -24,6 +24,11 @@ class Mode(Enum):
     the top search.top_k; start nothing."""
 
 
+class InitFormat(Enum):
+    hf = "hf"
+    """A Hugging Face folder: config.json with model.safetensors or a sharded model.safetensors.index.json."""
+
+
 class DeviceType(Enum):
     cpu = "cpu"
     cuda = "cuda"

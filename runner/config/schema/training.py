@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from runner.config.schema.choices import ActivationCheckpoint, DataSource, DType, Fp8Recipe, ReshardPolicy, TextFormat
+from runner.config.schema.choices import ActivationCheckpoint, DataSource, DType, Fp8Recipe, InitFormat, ReshardPolicy, TextFormat
 
 
 @dataclass
@@ -87,6 +88,17 @@ class ModelConfig:
     rope_cos_sin: bool = False
     """The RoPE table holds real cos and sin (fp32, 2 x head_dim per position; Qwen3, gpt-oss) rather than
     complex64 rotations (head_dim / 2 per position; Llama 3, DeepSeek-V3)."""
+    rope_theta: float = 500000.0
+    """RoPE base frequency (Llama 3: 500000, Qwen3: 1e6, DeepSeek-V3: 10000)."""
+    init_from: str = ""
+    """A local folder of Hugging Face weights the run starts from (config.json with model.safetensors or a sharded
+    model.safetensors.index.json; nothing is downloaded); '' = TorchTitan's random initialization. A resume from
+    the run's own checkpoint takes precedence; the optimizer starts fresh."""
+    init_format: InitFormat = InitFormat.hf
+    """Format of model.init_from: hf (read through the family's TorchTitan state_dict_adapter)."""
+    init_record: dict[str, Any] = field(default_factory=dict)
+    """Filled when the run is frozen (leave empty): sha256 of init_from's config.json and index, each shard's size and
+    the sha256 of its safetensors header; a replay refuses a folder that no longer matches."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ import runner.config.validate.checkpoint as checkpoint_rules
 import runner.config.validate.data as data_rules
 import runner.config.validate.eval as eval_rules
 import runner.config.validate.fields as fields
+import runner.config.validate.hf as hf_rules
 import runner.config.validate.launch as launch_rules
 import runner.config.validate.layout as layout_rules
 import runner.config.validate.model as model_rules
@@ -161,6 +162,7 @@ _CTX, _LAY, _WS = ("ctx",), ("cfg", "lay"), ("cfg", "ws")
 RULES: tuple[Rule, ...] = (
     Rule("ranges of training, plan and search fields", fields.training, Needs.CONFIG),
     Rule("model shape and family", model_rules.check, Needs.CONFIG),
+    Rule("Hugging Face weights to start from", hf_rules.check, Needs.CONFIG),
     Rule("world size", _world, Needs.CONFIG, "search enumerates only layouts whose degrees multiply to the world size", _CTX),
     Rule("tensor parallel against heads and node", _tensor_parallel, Needs.LAYOUT, reads=_WS),
     Rule(
@@ -171,6 +173,7 @@ RULES: tuple[Rule, ...] = (
         _LAY,
     ),
     Rule("expert parallel", layout_rules.experts, Needs.LAYOUT, reads=_LAY),
+    Rule("tied embedding under pipeline parallel", layout_rules.tied_pipeline, Needs.LAYOUT),
     Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT, reads=_CTX),
     Rule("sequence against CP and TP", layout_rules.sequence, Needs.LAYOUT),
     Rule("async TP", layout_rules.async_tp, Needs.LAYOUT),
@@ -193,6 +196,7 @@ RULES: tuple[Rule, ...] = (
     Rule("this machine: driver, kernels, memory", launch_rules.this_machine, Needs.FILES, _LAUNCH, ("cfg", "lay", "node")),
     Rule("data files and tokenizer", data_rules.files, Needs.FILES, _LAUNCH),
     Rule("held-out files", eval_rules.files, Needs.FILES, _LAUNCH),
+    Rule("Hugging Face folder to start from", hf_rules.files, Needs.FILES, _LAUNCH),
     Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
 )
 

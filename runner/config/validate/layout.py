@@ -227,3 +227,18 @@ def experts(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
                 f"use ep in {divisors(region)}, or raise parallelism.dp_shard",
             )
         )
+
+
+def tied_pipeline(cfg: RunConfig, out: list[Problem]) -> None:
+    """TorchTitan's Decoder.update_from_config raises NotImplementedError for a tied embedding under PP (the embedding
+    and the head sit on different stages)."""
+    if cfg.model.weight_tying and cfg.parallelism.pp > 1:
+        out.append(
+            Problem(
+                "parallelism.pp",
+                cfg.parallelism.pp,
+                f"model {cfg.model.name} {cfg.model.flavor} ties its embedding to the output head, which TorchTitan does not "
+                "support with pipeline parallelism",
+                "use pp=1 (FSDP, TP or CP instead), or model.weight_tying=false",
+            )
+        )

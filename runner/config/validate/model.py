@@ -36,6 +36,8 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
     for name in OPTIONAL_SIZES:
         if getattr(m, name) < 0:
             out.append(Problem(f"model.{name}", getattr(m, name), "must be >= 0", "use 0 for off, or copy it from TorchTitan's registry"))
+    if not m.rope_theta > 0:
+        out.append(Problem("model.rope_theta", m.rope_theta, "must be > 0", "copy it from TorchTitan's registry for the flavor"))
     if m.ffn_hidden_dim < 1 and not (flops.is_moe(m) and m.num_dense_layers == 0):
         why = "the dense blocks need a hidden size" if flops.is_moe(m) else "every block of a dense model is a SwiGLU MLP of this size"
         out.append(Problem("model.ffn_hidden_dim", m.ffn_hidden_dim, why, "copy it from TorchTitan's registry for the flavor (>= 1)"))

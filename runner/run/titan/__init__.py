@@ -7,7 +7,7 @@ the step loop needs:
 - distributed: process group, ParallelDims and mesh, the modules ranks preload;
 - model: TorchTitan's model config with the config's architecture (dim, layers, heads, experts, ...);
 - fp8: which Linear layers run in FP8 and the recipe's module for them;
-- build: the parallelized, initialized model (Built);
+- build: the parallelized, initialized model (Built); hf: its weights from a Hugging Face folder;
 - step, state: loss, clipping, pipeline step; DCP checkpoints;
 - cpu: the adaptations for CPU ranks on gloo (docs/CPU.md).
 """
@@ -25,6 +25,7 @@ from runner.run.titan.distributed import (
     titan_configs,
 )
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
+from runner.run.titan.hf import load_hf
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.state import load_state, save_model, save_state
 from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
@@ -43,6 +44,7 @@ __all__ = [
     "convert_precision",
     "fp8_layers",
     "init_process_group",
+    "load_hf",
     "load_state",
     "local_value",
     "loss_fn",

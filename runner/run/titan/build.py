@@ -41,6 +41,8 @@ class Built:
     """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
     post_optimizer_build_fn: object = None
     """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
+    spec: object = None
+    """TorchTitan's ModelSpec the parts were built from (its state_dict_adapter reads Hugging Face weights)."""
 
 
 def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
@@ -78,7 +80,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     extra = _extra_inputs(parts[0], mcfg, cfg, device) if lay.pp == 1 else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
     built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
-    built.post_optimizer_build_fn = spec.post_optimizer_build_fn
+    built.post_optimizer_build_fn, built.spec = spec.post_optimizer_build_fn, spec
     return built
 
 

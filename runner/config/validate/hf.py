@@ -1,0 +1,159 @@
+"""model.init_from: a local Hugging Face folder the run starts from. Torch-free.
+
+`check` (CONFIG) needs no files: the family must have a TorchTitan state_dict_adapter; with mode=validate it also
+reads the folder's config.json and index (never the weights). `files` (FILES, the launch's preflight) reads them too,
+and the shards' safetensors headers, and on a replay compares the folder with what the frozen file recorded
+(model.init_record, written by runner.config.freeze.pin).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runner.config import hf
+from runner.config.problems import Problem
+from runner.config.schema import Mode, ModelConfig, RunConfig
+
+FIELD = "model.init_from"
+SAVE = "a folder written by transformers' save_pretrained (or `hf download <repo> --local-dir <folder>`)"
+
+
+def check(cfg: RunConfig, out: list[Problem]) -> None:
+    m = cfg.model
+    if not m.init_from:
+        if m.init_record:
+            out.append(Problem("model.init_record", "(set)", "records a Hugging Face folder, but model.init_from is empty", "drop it"))
+        return
+    if m.name not in hf.ADAPTERS:
+        why = hf.NO_ADAPTER.get(m.name, f"TorchTitan has no state_dict_adapter for {m.name}")
+        out.append(
+            Problem(
+                "model.name",
+                m.name,
+                f"{why}, so {FIELD} cannot be read into it",
+                f"start {', '.join(hf.ADAPTERS)} from Hugging Face weights, or drop {FIELD}",
+            )
+        )
+        return
+    if cfg.mode == Mode.validate:
+        folder(m, out, weights=False)
+
+
+def files(cfg: RunConfig, out: list[Problem]) -> None:
+    """The folder on this machine now: config.json, the shards' headers and, on a replay, the frozen record."""
+    m = cfg.model
+    if m.init_from and m.name in hf.ADAPTERS and folder(m, out, weights=True):
+        _unchanged(m, out)
+
+
+def folder(m: ModelConfig, out: list[Problem], *, weights: bool) -> bool:
+    """config.json against model.*, the index, the dtype (and with `weights` each shard's header); True when the
+    folder could be read far enough to compare."""
+    path = Path(m.init_from)
+    config = _config(path, out)
+    if config is None or not _has_weights(path, out):
+        return False
+    if not _family(m, path, config, out):
+        return False
+    for name, want, got, key in hf.differences(config, m):
+        out.append(
+            Problem(
+                f"model.{name}",
+                want,
+                f"{path}/{hf.CONFIG} has {key} = {got}: the run's model is not the checkpoint's",
+                f"set model.{name}={got} (or pick the model option of that checkpoint, or another {FIELD})",
+            )
+        )
+    _router(m, path, config, out)
+    _dtype(path, config, out)
+    return not weights or _shards(path, out)
+
+
+def _router(m: ModelConfig, path: Path, config: dict, out: list[Problem]) -> None:
+    diff = hf.router_differences(config, m)
+    flavors = ", ".join(hf.ROUTERS.get(m.name, {}))
+    if diff is None:
+        why = f"TorchTitan's {m.name} {m.flavor} routes with softmax scores; {path} is a checkpoint of the sigmoid, grouped router"
+        out.append(Problem("model.flavor", m.flavor, why, f"set model.flavor to {flavors} (the router; model.* keep the numbers)"))
+    for key, ours, theirs in diff or []:
+        why = f"{path}/{hf.CONFIG} has {key} = {theirs}, the flavor's router {ours}"
+        out.append(Problem("model.flavor", m.flavor, why, f"a checkpoint with {m.name} {m.flavor}'s router, or drop {FIELD}"))
+
+
+def _config(path: Path, out: list[Problem]) -> dict | None:
+    if not path.is_dir():
+        out.append(Problem(FIELD, str(path), "no such local folder (nothing is downloaded)", f"give {SAVE}"))
+        return None
+    try:
+        return json.loads((path / hf.CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        out.append(Problem(FIELD, str(path), f"its {hf.CONFIG} cannot be read ({e})", f"give {SAVE}"))
+        return None
+
+
+def _has_weights(path: Path, out: list[Problem]) -> bool:
+    index = path / hf.INDEX
+    if index.is_file():
+        try:
+            if json.loads(index.read_text()).get("weight_map"):
+                return True
+            why = f"its {hf.INDEX} maps no tensors"
+        except (OSError, ValueError) as e:
+            why = f"its {hf.INDEX} cannot be read ({e})"
+    elif (path / hf.SINGLE).is_file():
+        return True
+    else:
+        why = f"holds no weights: neither {hf.INDEX} nor {hf.SINGLE}"
+    out.append(Problem(FIELD, str(path), why, f"give {SAVE} (safetensors: save_pretrained(..., safe_serialization=True))"))
+    return False
+
+
+def _family(m: ModelConfig, path: Path, config: dict, out: list[Problem]) -> bool:
+    kind = hf.model_type(config)
+    if kind in hf.ADAPTERS[m.name]:
+        return True
+    fits = [f for f, kinds in hf.ADAPTERS.items() if kind in kinds]
+    fix = f"model=<a {fits[0]} option> (conf/model/)" if fits else f"a checkpoint of {m.name} ({', '.join(hf.ADAPTERS[m.name])})"
+    out.append(Problem("model.name", m.name, f"{path}/{hf.CONFIG} is a {kind or 'unnamed'} checkpoint (model_type)", f"use {fix}"))
+    return False
+
+
+def _dtype(path: Path, config: dict, out: list[Problem]) -> None:
+    quant, dtype = hf.quantization(config), hf.dtype(config)
+    if quant:
+        why = f"{path}/{hf.CONFIG} declares {quant} quantized weights, which the run's fp32 master weights cannot take as they are"
+    elif dtype and dtype not in hf.HOLDS:
+        why = f"{path}/{hf.CONFIG} has dtype {dtype}: the run holds {', '.join(hf.HOLDS)} weights exactly (its master weights are fp32)"
+    else:
+        return
+    out.append(Problem(FIELD, str(path), why, "convert it first: model.to(torch.bfloat16).save_pretrained(<folder>)"))
+
+
+def _shards(path: Path, out: list[Problem]) -> bool:
+    missing = [name for name in hf.shards(path) if not (path / name).is_file()]
+    if missing:
+        out.append(Problem(FIELD, str(path), f"the index names shards that are not there: {', '.join(missing)}", f"give {SAVE}"))
+        return False
+    held = set(hf.HOLDS.values())
+    for name in hf.shards(path):
+        other = sorted(hf.header_dtypes(path / name) - held)
+        if other:
+            why = f"{name} holds {', '.join(other)} tensors: the run holds {', '.join(sorted(held))} weights exactly"
+            out.append(Problem(FIELD, str(path), why, "convert it first: model.to(torch.bfloat16).save_pretrained(<folder>)"))
+    return True
+
+
+def _unchanged(m: ModelConfig, out: list[Problem]) -> None:
+    if not m.init_record:
+        return
+    diff = hf.changed(m.init_record, hf.record(Path(m.init_from)))
+    if diff:
+        out.append(
+            Problem(
+                FIELD,
+                m.init_from,
+                f"changed since this run was frozen ({'; '.join(diff)}): the replay would start from other weights",
+                "restore the folder the run started from, or start a new run from this one (without model.init_record)",
+            )
+        )
