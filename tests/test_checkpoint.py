@@ -64,7 +64,10 @@ def _by_step(run_dir: Path) -> dict[int, dict]:
 def trained(tmp_path_factory, assets):
     """The reference and the killed run, in one Hydra multirun: {name: (run folder, its console)}."""
     points = {
-        "reference": ["checkpoint.export_final_model=true", "cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"],
+        "reference": [
+            *("checkpoint.export_final_model=true", "checkpoint.export_hf=true"),
+            *("cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"),
+        ],
         "killed": ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"],
     }
     dirs, consoles = multirun(points, _common(assets), tmp_path_factory.mktemp("ckpt") / "sweep")
@@ -88,7 +91,7 @@ def killed(trained):
 def test_reference_run_keeps_last_three_complete_and_exports_model(reference):
     run_dir, proc = reference
     folder = run_dir / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["model-final", "step-4", "step-5", "step-6"]
+    assert sorted(p.name for p in folder.iterdir()) == ["model-final", "model-hf", "step-4", "step-5", "step-6"]
     for step in (4, 5, 6):
         path = folder / f"step-{step}"
         assert checkpoint.verify(path) is None  # the async save of the last step completed before exit
@@ -225,6 +228,61 @@ def test_pipeline_run_resumes_fsdp_tp_checkpoint_and_saves_its_own(reference, as
     info = checkpoint.marker(folder / "step-6")
     assert (info["world_size"], info["degrees"]) == (2, "pp=2") and checkpoint.verify(folder / "step-6") is None
     assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard per pipeline stage
+    # the pipeline layout's checkpoint (one file per stage) exports too, with the logits of the runner's model
+    from runner.run import export
+    from tests import test_hf_export as hf_export_tests
+
+    code = export.main([str(folder / "step-6"), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert code == 0
+    cfg = freeze.load(run_dir / runfiles.FROZEN)
+    gap, top = hf_export_tests.logits_gap(
+        hf_export_tests.titan_from_checkpoint(cfg, folder / "step-6"), hf_export_tests.load_hf(tmp_path / "hf"), _held_out(assets)
+    )
+    assert gap <= hf_export_tests.LOGITS_RTOL * top
+
+
+def _held_out(assets):
+    """2 x 64 tokens of documents the runs never read (another seed of the same made-up language)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(assets[1])).encode(" ".join(text_assets.documents(8, seed=99))).ids
+    return torch.tensor(ids[:128]).view(2, 64)
+
+
+HF_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model-00001-of-00001.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+
+
+@pytest.mark.e2e
+def test_reference_exports_hf_that_transformers_reads_with_the_runner_logits(reference, assets):
+    """checkpoint.export_hf: the FSDP2 x TP run's last checkpoint (4 ranks' shards) as a Hugging Face folder with the
+    run's tokenizer; transformers' logits on held-out tokens equal the runner's model of the same checkpoint."""
+    import torch
+
+    from tests import test_hf_export as hf_export_tests
+
+    run_dir, proc = reference
+    folder = run_dir / "checkpoints" / "model-hf"
+    assert f"checkpoint: Hugging Face export of step-6 in {folder}" in proc.stdout
+    assert sorted(p.name for p in folder.iterdir()) == HF_FILES
+    cfg = freeze.load(run_dir / runfiles.FROZEN)
+    model, hf = hf_export_tests.titan_from_checkpoint(cfg, run_dir / "checkpoints" / "step-6"), hf_export_tests.load_hf(folder)
+    hf_export_tests.assert_round_trip(model, cfg, folder)  # the 4 ranks' shards, whole and bitwise
+    tokens = _held_out(assets)
+    gap, top = hf_export_tests.logits_gap(model, hf, tokens)
+    assert gap <= hf_export_tests.LOGITS_RTOL * top
+    with torch.no_grad():  # the runner's loss on the same tokens, as its evaluation computes it, and transformers'
+        want = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        got = torch.nn.functional.cross_entropy(hf(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert float(want) < 7.2  # 6 steps trained: below the uniform ln(2048) = 7.62 on text it never saw
 
 
 # ---- without ranks -----------------------------------------------------------------------------------
@@ -452,3 +510,68 @@ def test_resume_from_needs_resume(compose):
     with pytest.raises(ConfigError) as e:
         validate.check(compose(["checkpoint=local", "checkpoint.resume_from=/x/step-3"]))
     assert [(p.field, p.why) for p in e.value.problems] == [("checkpoint.resume_from", "is read only when resuming")]
+
+
+LM_EVAL_TASK = """task: runner_export_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+  cache_dir: {cache}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+"""
+"""A local lm-evaluation-harness task (docs/huggingface.md shows the same): `dataset_path: json` over a local file, so
+nothing is downloaded; each item is scored by the log-likelihood of its continuation after its context."""
+
+
+def _lm_eval_items(n: int = 4) -> list[dict[str, str]]:
+    """Sentences the runs never read: the first three words as the context, the rest of the sentence as the continuation."""
+    out = []
+    for doc in text_assets.documents(n, seed=5):
+        words = doc.split(".")[0].split(" ")
+        out.append({"context": " ".join(words[:3]), "continuation": " " + " ".join(words[3:]) + "."})
+    return out
+
+
+@pytest.mark.e2e
+def test_lm_eval_scores_the_export_with_transformers_log_likelihoods(reference, tmp_path):
+    """lm-evaluation-harness (`--model hf`, pretrained=<the export>) on a local task: each item's log-likelihood equals
+    transformers' on the same tokens. lm-eval is not a CI dependency: without it this test is skipped."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (not a CI dependency; `pip install lm-eval` runs this test)")
+    import torch
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from tests import test_hf_export as hf_export_tests
+
+    folder = reference[0] / "checkpoints" / "model-hf"
+    items = _lm_eval_items()
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "check.yaml").write_text(LM_EVAL_TASK.format(items=tmp_path / "items.jsonl", cache=tmp_path / "cache"))
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={folder},dtype=float32",
+        tasks=["runner_export_check"],
+        device="cpu",
+        batch_size=1,
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        log_samples=True,
+    )
+    samples = sorted(res["samples"]["runner_export_check"], key=lambda s: s["doc_id"])
+    tok, hf = AutoTokenizer.from_pretrained(str(folder)), hf_export_tests.load_hf(folder)
+    for item, sample in zip(items, samples, strict=True):
+        context, whole = tok(item["context"])["input_ids"], tok(item["context"] + item["continuation"])["input_ids"]
+        assert whole[: len(context)] == context and len(whole) > len(context)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([whole])).logits[0], dim=-1)
+        want = sum(float(logp[i - 1, whole[i]]) for i in range(len(context), len(whole)))
+        assert sample["resps"][0][0][0] == pytest.approx(want, rel=1e-5), item

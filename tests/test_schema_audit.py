@@ -75,6 +75,7 @@ BAD = [
     (["checkpoint.keep=-1"], "checkpoint.keep"),
     (["checkpoint.resume=true"], "checkpoint.resume"),  # with checkpoints off
     (["checkpoint.min_free_gb=-1"], "checkpoint.min_free_gb"),
+    (["checkpoint.export_hf=true"], "checkpoint.export_hf"),  # with checkpoints off
     ([*SLURM, "cluster.slurm.partition=null"], "cluster.slurm.partition"),
     ([*SLURM, "cluster.slurm.time_min=0"], "cluster.slurm.time_min"),
     ([*SLURM, "cluster.slurm.gpus_per_node_max=0"], "cluster.slurm.gpus_per_node_max"),

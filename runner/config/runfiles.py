@@ -30,6 +30,7 @@
       logs/<rdzv id>/      torchrun's per-rank stdout/stderr
       data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
       checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
+      checkpoints/model-hf/    the last checkpoint as a Hugging Face folder (checkpoint.export_hf)
       flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
 """
 
@@ -83,6 +84,7 @@ CHECKPOINT_MARKER = "COMPLETE.json"  # inside a checkpoint folder: written last,
 CHECKPOINT_PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
 CHECKPOINT_PREFIX = "step-"
 FINAL_MODEL = "model-final"
+HF_EXPORT = "model-hf"  # checkpoint.export_hf: the last checkpoint as a Hugging Face folder (runner.run.export)
 
 
 def write_json(path: Path, body: dict) -> Path:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from runner.config import checkpoint, runfiles
-from runner.config.schema import CheckpointConfig
+from runner.config.schema import CheckpointConfig, ModelConfig
 from runner.run import titan
 
 
@@ -123,6 +123,17 @@ class Checkpointer:
         titan.save_model(built.parts, path)
         if self.rank == 0:
             print(f"checkpoint: model-only export in {path}", flush=True)
+
+    def export_hf(self, data) -> None:
+        """Rank 0 writes the last published checkpoint as a Hugging Face folder (runner.run.export); the others wait."""
+        if self.rank == 0:
+            from runner.run import export
+
+            last = checkpoint.final_path(self.folder, self.published[-1])
+            src = export.Source(last, ModelConfig(**self.origin["model"]), data.tokenizer, data.eos_token)
+            out = export.export(src, self.folder / runfiles.HF_EXPORT)
+            print(f"checkpoint: Hugging Face export of {last.name} in {out}", flush=True)
+        self.policy.barrier()
 
     def _pick(self, before: int | None) -> tuple[Path | None, str | None]:
         """Rank 0: the checkpoint to load, or why there is none that may be loaded."""

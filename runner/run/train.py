@@ -407,6 +407,8 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     loop.feed.close()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)
+    if cfg.checkpoint.enable and cfg.checkpoint.export_hf:
+        loop.ckpt.export_hf(cfg.data)
     loop.final_checkpoint_s = time.perf_counter() - t0
     loop.finish_from = time.time()
     if not rows:

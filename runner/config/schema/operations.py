@@ -42,6 +42,10 @@ class CheckpointConfig:
     checkpoint once more per save and per resume)."""
     export_final_model: bool = False
     """After the last step also write the model weights alone (no optimizer) to `<folder>/model-final`."""
+    export_hf: bool = False
+    """After the last step also export the last checkpoint as a Hugging Face folder `<folder>/model-hf` that `transformers`
+    loads (config.json, safetensors shards, generation_config.json, the tokenizer of data=text), as
+    `python -m runner.export <run folder> --format hf` does; needs checkpoint.enable and a family runner.config.hf_export lists."""
     min_free_gb: float = 0.0
     """Free space the checkpoint filesystem must keep beyond `keep` + 1 checkpoints, GB (pre-flight check)."""
 

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.config import checkpoint, flops
+from runner.config import checkpoint, flops, hf_export
 from runner.config.problems import Problem
 from runner.config.schema import RunConfig
 
@@ -25,6 +25,11 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("checkpoint.min_free_gb", c.min_free_gb, "must be >= 0", "use 0 for no margin"))
     if c.resume and not c.enable:
         out.append(Problem("checkpoint.resume", True, "resuming needs checkpoints", "use checkpoint=local (or checkpoint.enable=true)"))
+    if c.export_hf and not c.enable:
+        why = "exports the last checkpoint, and none is written"
+        out.append(Problem("checkpoint.export_hf", True, why, "use checkpoint=local (or checkpoint.enable=true)"))
+    if c.export_hf and (why := hf_export.refusal(cfg.model)):
+        out.append(Problem("checkpoint.export_hf", True, why, "set checkpoint.export_hf=false (train another family to export)"))
     if c.resume_from and not c.resume:
         out.append(
             Problem("checkpoint.resume_from", c.resume_from, "is read only when resuming", "add checkpoint.resume=true, or leave it empty")

@@ -1,0 +1,156 @@
+"""`python -m runner.export <run folder | checkpoint folder> --format hf --out <folder>`: a checkpoint of any layout
+as a Hugging Face folder that `transformers` loads (config.json, sharded safetensors with their index,
+generation_config.json, the run's tokenizer).
+
+One process streams the DCP checkpoint shard by shard: DCP reads the tensors of one output shard (whatever layout
+wrote them: DCP reassembles each from the ranks' pieces), the family's TorchTitan adapter maps them to HF names
+(`to_hf`), safetensors writes the shard, and they are dropped, so at most one shard's weights (`--max-shard-gb`)
+are in memory. Everything is written into `<out>.partial` and renamed to `<out>` at the end: a refusal or a
+crash leaves nothing under `<out>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.config import checkpoint, freeze, hf_export, runfiles
+from runner.config.schema import ModelConfig
+
+WRITTEN = re.compile(
+    r"^(config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja)$"
+)
+"""The names an export writes: an out folder holding only these is an earlier export, replaced; anything else is refused."""
+
+
+class ExportRefused(Exception):
+    """The input or the out folder cannot be exported to; the message names the path, the value and the fix."""
+
+
+@dataclass
+class Source:
+    checkpoint: Path
+    """A published `step-<n>` checkpoint folder (COMPLETE.json)."""
+    model: ModelConfig
+    tokenizer: str = ""
+    """The run's tokenizers JSON file ('' = the run had none: no tokenizer files are written)."""
+    eos_token: str = ""
+
+
+def _run_config(run_dir: Path):
+    frozen = run_dir / runfiles.FROZEN
+    return freeze.load(frozen) if frozen.is_file() else None
+
+
+def source(path: Path) -> Source:
+    """The checkpoint to export from a run folder (its newest checkpoint) or a checkpoint folder, checksums verified."""
+    if (path / runfiles.CHECKPOINT_MARKER).is_file():
+        ckpt, cfg = path, _run_config(path.parent.parent)  # <run folder>/<checkpoint.folder>/step-<n>, when it is that
+    elif (path / runfiles.FROZEN).is_file():
+        cfg = _run_config(path)
+        ckpt = _newest(checkpoint.folder(cfg.checkpoint, path))
+        if ckpt is None:
+            raise ExportRefused(f"{path} holds no checkpoint. Fix: train with checkpoint.enable=true, or name a checkpoint folder")
+    else:
+        raise ExportRefused(
+            f"{path} is neither a run folder ({runfiles.FROZEN}) nor a checkpoint folder ({runfiles.CHECKPOINT_MARKER}). "
+            "Fix: name a run folder or one of its checkpoints/step-<n> folders"
+        )
+    why = checkpoint.verify(ckpt, deep=True)
+    if why:
+        raise ExportRefused(f"checkpoint {ckpt} fails its check: {why}. Fix: export another checkpoint (an older step-<n> folder)")
+    model = ModelConfig(**checkpoint.marker(ckpt)["model"])
+    data = cfg.data if cfg is not None else None
+    return Source(ckpt, model, data.tokenizer if data else "", data.eos_token if data else "")
+
+
+def _newest(folder: Path) -> Path | None:
+    """The newest `step-<n>` folder, intact or not (a damaged newest one is refused, not silently passed over)."""
+    found = checkpoint.scan(folder)
+    paths = [p for _, p in found.complete] + [p for p, _ in found.skipped]
+    return max(paths, key=checkpoint.step_of, default=None)
+
+
+def check_out(out: Path) -> None:
+    """Refuse an out folder that holds anything an export does not write."""
+    if out.exists() and not out.is_dir():
+        raise ExportRefused(f"--out {out} is a file. Fix: name a new or empty folder")
+    other = sorted(p.name for p in out.iterdir() if not WRITTEN.match(p.name)) if out.is_dir() else []
+    if other:
+        raise ExportRefused(
+            f"--out {out} holds other files ({', '.join(other[:5])}{', ...' if len(other) > 5 else ''}). "
+            "Fix: name a new or empty folder (an earlier export there is replaced)"
+        )
+
+
+def refusal(m: ModelConfig) -> str | None:
+    """Why `m` cannot be exported: its family has no checked export, or transformers would compute another function."""
+    why = hf_export.refusal(m)
+    if why:
+        return why
+    from runner.run.titan import hf_export as hf
+
+    model_config, _ = hf.model_and_adapter(m)
+    differ = hf.mismatches(m, model_config)
+    return f"model.name {m.name} (flavor {m.flavor}) cannot be exported: {'; '.join(differ)}" if differ else None
+
+
+def export(src: Source, out: Path, max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write `src` as a Hugging Face folder `out` (refusing first, writing nothing, when it cannot); return `out`."""
+    why = refusal(src.model)
+    if why:
+        raise ExportRefused(f"{why}. Fix: export a model of another family")
+    check_out(out)
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    try:
+        _write(src, partial, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
+
+
+def _write(src: Source, folder: Path, max_shard_bytes: int) -> None:
+    from runner.run import hf_write
+
+    token_ids = hf_write.tokenizer(src.tokenizer, src.eos_token, folder) if src.tokenizer else {}
+    hf_write.weights(src.checkpoint, src.model, folder, max_shard_bytes)
+    hf_write.configs(src.model, token_ids, folder)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runner.export", description="Export a run's checkpoint to another format.")
+    p.add_argument("path", type=Path, help="a run folder (its newest checkpoint) or a checkpoint folder (<run>/checkpoints/step-<n>)")
+    p.add_argument("--format", choices=["hf"], required=True, help="hf: a Hugging Face folder that transformers loads")
+    p.add_argument("--out", type=Path, required=True, help="the folder to write (new, empty, or an earlier export)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (also the weights held in memory)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        src = source(args.path.resolve())
+        out = export(src, args.out.resolve(), int(args.max_shard_gb * 1e9))
+    except ExportRefused as e:
+        print(f"export refused: {e}", file=sys.stderr)
+        return 2
+    print(f"export: {src.checkpoint} -> {out} ({', '.join(sorted(os.listdir(out)))})")
+    return 0
+
+
+def cli() -> None:
+    """`python -m runner.export` (runner/export.py)."""
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""`python -m runner.export --format hf`, in-process (no ranks): a checkpoint of each family that exports is read
+by `transformers` with the logits of the TorchTitan model it was saved from; every refusal exits 2 and writes nothing.
+
+Each checkpoint is a tiny TorchTitan model (2 blocks) built and saved here through DCP in one process, with its
+norms, and the MoE models' expert biases, moved off their initial values so that a swapped or dropped key shows.
+Logit tolerance: 1e-5 of the largest logit (measured: Llama 3 1.8e-7, Qwen3 0, Qwen3 MoE 4e-7, DeepSeek-V3 3e-6).
+The multi-rank layouts' checkpoints are exported in tests/test_checkpoint.py, from the runs it already makes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+
+import pytest
+
+from runner.config import checkpoint, freeze, layout, validate
+from runner.config.problems import ConfigError
+from tests import text_assets
+
+torch = pytest.importorskip("torch")
+
+TINY_MLA = [  # DeepSeek-V3 671B's router (sigmoid scores, expert groups, route scale) with tiny numbers
+    "model=deepseek_v3_671b",
+    *("model.dim=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4", "model.vocab_size=512"),
+    *("model.ffn_hidden_dim=128", "model.num_experts=16", "model.num_experts_per_token=2", "model.moe_hidden_dim=32"),
+    *("model.num_dense_layers=1", "model.kv_lora_rank=32", "model.q_lora_rank=48", "model.qk_nope_head_dim=16"),
+    *("model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.rope_max_seq_len=4096"),
+]
+SMALL = ["model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=256"]
+QWEN3 = ["model=qwen3_debugmodel", *SMALL, "model.head_dim=16", "model.ffn_hidden_dim=128"]
+FAMILIES = {  # overrides, the architecture config.json names
+    "llama3_gqa_tied": (["model=debug", *SMALL, "model.ffn_hidden_dim=128", "model.weight_tying=true"], "LlamaForCausalLM"),
+    "qwen3": (QWEN3, "Qwen3ForCausalLM"),
+    "qwen3_moe": (
+        [
+            "model=qwen3_debugmodel_moe",
+            *SMALL,
+            "model.head_dim=16",
+            *("model.num_experts=4", "model.num_experts_per_token=2", "model.moe_hidden_dim=32"),
+        ],
+        "Qwen3MoeForCausalLM",
+    ),
+    "deepseek_v3": (TINY_MLA, "DeepseekV3ForCausalLM"),
+}
+LOGITS_RTOL = 1e-5
+QK_WEIGHTS, QK_SCALE = r"attention\.(qkv_linear\.w[qk]|wq|wq_b|wkv_a|wkv_b)\.weight$", 8.0
+"""Query and key projections (and MLA's latent ones) of the test models, times this."""
+LATENT_WEIGHTS, LATENT_SCALE = r"attention\.(wq_a|wkv_a)\.weight$", 30.0
+"""MLA's latent projections times this (on top of QK_SCALE): TorchTitan normalizes the q and kv latents with eps 1e-5,
+transformers' DeepseekV3 with a fixed 1e-6; at init a latent's mean square is ~1e-2, where that differs by ~1e-4
+relative; far above both, it does not show (a trained checkpoint's latents are O(1): ~1e-5)."""
+
+
+def _titan_model(cfg, expert_bias: bool):
+    """The TorchTitan model of cfg.model on CPU (SDPA, float32 experts), initialized, norms (and expert biases) moved."""
+    import runner.run.titan.cpu as cpu
+    from runner.run.titan.model import model_spec
+
+    mcfg = model_spec(cfg.model).model
+    cpu.use_sdpa(mcfg)
+    cpu.use_float32_experts(mcfg)
+    with torch.device("meta"):
+        model = mcfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if re.search(QK_WEIGHTS, name):  # sharp attention: at init it is near uniform, and RoPE mistakes vanish in it
+                p.mul_(QK_SCALE)
+            if re.search(LATENT_WEIGHTS, name):  # MLA's latents far above either norm's eps (see LATENT_SCALE)
+                p.mul_(LATENT_SCALE)
+        for name, b in model.named_buffers():
+            if "expert_bias" in name and expert_bias:
+                b.add_(0.01 * torch.randn_like(b))
+    return model.eval()
+
+
+def _save(model, cfg, folder: Path, step: int = 1) -> Path:
+    """A published checkpoint of the model's weights, as the runner's checkpointer writes one (DCP + COMPLETE.json)."""
+    import torch.distributed.checkpoint as dcp
+
+    part = checkpoint.partial_path(folder, step)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(part), no_dist=True)
+    info = {"step": step, "model": checkpoint.model_identity(cfg.model)}
+    return checkpoint.publish(part, checkpoint.final_path(folder, step), info, checkpoint.file_records(part))
+
+
+def titan_from_checkpoint(cfg, ckpt: Path):
+    """The runner's model of cfg.model in one process, its weights read from the checkpoint `ckpt` (any layout's)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _titan_model(cfg, expert_bias=False)
+    state = model.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(state)
+    return model
+
+
+def load_hf(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def logits_gap(model, hf, tokens) -> tuple[float, float]:
+    """(largest |logit difference| between the TorchTitan model and transformers' `hf`, largest |logit|) on `tokens`."""
+    with torch.no_grad():
+        want, got = model(tokens), hf(tokens).logits
+    return (got - want).abs().max().item(), want.abs().max().item()
+
+
+def exported(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out |= load_file(shard)
+    return out
+
+
+def assert_round_trip(model, cfg, folder: Path) -> None:
+    """The export holds every weight of `model` bitwise: mapped back through the adapter's from_hf, the exported
+    tensors are the model's state (the expert-bias buffer of a model whose HF class has none aside)."""
+    from runner.run.titan import hf_export
+
+    _, adapter = hf_export.model_and_adapter(cfg.model)
+    back = adapter.from_hf(exported(folder))
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("tokens_per_expert_E")}
+    if cfg.model.name == "qwen3":
+        state = {k: v for k, v in state.items() if not k.endswith("expert_bias_E")}
+    assert sorted(back) == sorted(state)
+    assert [k for k in state if not torch.equal(back[k], state[k])] == []
+
+
+def _export(capsys, *argv) -> tuple[int, str, str]:
+    from runner.run import export
+
+    code = export.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def saved(compose, tmp_path_factory):
+    """name -> (TorchTitan model, config, its checkpoint folder)."""
+    out = {}
+    for name, (overrides, _) in FAMILIES.items():
+        cfg = compose(overrides)
+        model = _titan_model(cfg, expert_bias=name == "deepseek_v3")  # transformers' DeepseekV3 has the bias; Qwen3 MoE's has none
+        out[name] = (model, cfg, _save(model, cfg, tmp_path_factory.mktemp(name)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_export_loads_in_transformers_with_the_same_logits(saved, name, tmp_path, capsys):
+    model, cfg, ckpt = saved[name]
+    code, out, err = _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "hf", "--max-shard-gb", "0.00005")
+    assert code == 0, err
+    folder = tmp_path / "hf"
+    conf = json.loads((folder / "config.json").read_text())
+    m = cfg.model
+    assert conf["architectures"] == [FAMILIES[name][1]]
+    assert (conf["hidden_size"], conf["num_hidden_layers"], conf["num_attention_heads"], conf["vocab_size"]) == (
+        m.dim,
+        m.num_layers,
+        m.num_heads,
+        m.vocab_size,
+    )
+    assert conf["tie_word_embeddings"] is m.weight_tying
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards == sorted(p.name for p in folder.glob("model-*.safetensors"))  # 50 kB shards
+    assert (folder / "generation_config.json").is_file() and not (folder / "tokenizer.json").exists()  # synthetic data: no tokenizer
+    hf = load_hf(folder)
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())  # a tied head counted once in both
+    assert_round_trip(model, cfg, folder)
+    gap, top = logits_gap(model, hf, torch.randint(0, m.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1)))
+    assert gap <= LOGITS_RTOL * top
+    assert "WARNING" not in err
+
+
+def test_qwen3_moe_expert_bias_is_named_when_left_out(compose, tmp_path, capsys):
+    """transformers' Qwen3 MoE routes without TorchTitan's load-balancing bias: a trained (nonzero) one is reported."""
+    cfg = compose(FAMILIES["qwen3_moe"][0])
+    ckpt = _save(_titan_model(cfg, expert_bias=True), cfg, tmp_path / "ckpt")
+    code, _, err = _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0
+    for layer in (0, 1):
+        assert f"WARNING: export: layers.{layer}.moe.expert_bias_E has no place in transformers' model and is left out" in err
+
+
+def test_run_folder_exports_its_newest_checkpoint_with_the_tokenizer(saved, compose, tmp_path, capsys):
+    import transformers
+    from tokenizers import Tokenizer
+
+    model, _, ckpt = saved["llama3_gqa_tied"]
+    corpus, tok = text_assets.make(tmp_path / "assets")
+    cfg = compose([*FAMILIES["llama3_gqa_tied"][0], "data=text", f"data.files=[{corpus}]", f"data.tokenizer={tok}", "checkpoint=local"])
+    run = tmp_path / "run"
+    run.mkdir()
+    freeze.write(cfg, layout.resolve(cfg.parallelism, cfg.cluster), run)
+    _save(model, cfg, run / "checkpoints", step=1)
+    (run / "checkpoints" / "step-1" / "__0_0.distcp").write_bytes(b"older")  # damaged: must not be the one read
+    _save(model, cfg, run / "checkpoints", step=2)
+    code, out, err = _export(capsys, run, "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    assert f"export: {run / 'checkpoints' / 'step-2'} -> {tmp_path / 'hf'}" in out
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = text_assets.documents(1, seed=7)[0]
+    assert hf_tok(text)["input_ids"] == Tokenizer.from_file(str(tok)).encode(text).ids
+    eos = Tokenizer.from_file(str(tok)).token_to_id(text_assets.EOS)
+    assert hf_tok.eos_token == text_assets.EOS
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eos
+
+
+# ---- refusals: exit 2, one line naming the path, the value and the fix, nothing written ----------------------
+
+
+def _refused(capsys, tmp_path, *argv) -> str:
+    code, out, err = _export(capsys, *argv, "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 2 and "Traceback" not in err and out == ""
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+    return err
+
+
+def test_refuses_a_checkpoint_that_fails_its_checksum(saved, tmp_path, capsys):
+    _, cfg, ckpt = saved["llama3_gqa_tied"]
+    copy = tmp_path / "ckpt"
+    import shutil
+
+    shutil.copytree(ckpt, copy)
+    shard = copy / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    err = _refused(capsys, tmp_path, copy)
+    want = f"{zlib.crc32(bytes(data)):08x}"
+    assert f"export refused: checkpoint {copy} fails its check: __0_0.distcp has crc32 {want}" in err
+    assert "Fix: export another checkpoint" in err
+
+
+def _fake(compose, folder: Path, overrides: list[str]) -> Path:
+    """A published checkpoint folder of the model that holds no real weights (refused before any is read)."""
+    part = checkpoint.partial_path(folder, 1)
+    part.mkdir(parents=True)
+    (part / ".metadata").write_bytes(b"m")
+    info = {"step": 1, "model": checkpoint.model_identity(compose(overrides).model)}
+    return checkpoint.publish(part, checkpoint.final_path(folder, 1), info, checkpoint.file_records(part))
+
+
+def test_refuses_a_family_without_a_transformers_export(compose, tmp_path, capsys):
+    err = _refused(capsys, tmp_path, _fake(compose, tmp_path / "kimi", ["model=kimi_k2_7_debugmodel"]))
+    assert "export refused: model.name kimi_k2_7 has no Hugging Face export: transformers has no Kimi K2 class without remote code" in err
+    assert "families that export: deepseek_v3, llama3, qwen3, qwen3_moe" in err
+
+
+def test_refuses_a_router_transformers_computes_otherwise(compose, tmp_path, capsys):
+    err = _refused(capsys, tmp_path, _fake(compose, tmp_path / "dsv3", ["model=deepseek_v3_debugmodel"]))
+    want = "model.name deepseek_v3 (flavor debugmodel) cannot be exported: transformers' DeepseekV3ForCausalLM scores experts with a"
+    assert f"export refused: {want} sigmoid, TorchTitan's debugmodel with a softmax; flavors that export: 671B" in err
+
+
+def test_refuses_an_out_folder_holding_other_files(saved, tmp_path, capsys):
+    _, _, ckpt = saved["llama3_gqa_tied"]
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = _export(capsys, ckpt, "--format", "hf", "--out", out)
+    assert code == 2 and "Traceback" not in err
+    assert f"export refused: --out {out} holds other files (notes.txt). Fix: name a new or empty folder" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and not (tmp_path / "hf.partial").exists()
+
+
+def test_replaces_an_earlier_export(saved, tmp_path, capsys):
+    _, _, ckpt = saved["llama3_gqa_tied"]
+    assert _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "hf", "--max-shard-gb", "0.00005")[0] == 0
+    assert _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "hf")[0] == 0  # one 5 GB shard now
+    assert sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
+
+
+def test_refuses_a_folder_that_is_neither_run_nor_checkpoint(tmp_path, capsys):
+    (tmp_path / "other").mkdir()
+    err = _refused(capsys, tmp_path, tmp_path / "other")
+    assert f"export refused: {tmp_path / 'other'} is neither a run folder (frozen.yaml) nor a checkpoint folder (COMPLETE.json)" in err
+
+
+def test_refuses_a_run_folder_whose_newest_checkpoint_is_damaged(saved, compose, tmp_path, capsys):
+    model, cfg, _ = saved["llama3_gqa_tied"]
+    run = tmp_path / "run"
+    run.mkdir()
+    freeze.write(cfg, layout.resolve(cfg.parallelism, cfg.cluster), run)
+    _save(model, cfg, run / "checkpoints", step=1)
+    _save(model, cfg, run / "checkpoints", step=2)
+    (run / "checkpoints" / "step-2" / "__0_0.distcp").write_bytes(b"cut")
+    err = _refused(capsys, tmp_path, run)
+    assert f"export refused: checkpoint {run / 'checkpoints' / 'step-2'} fails its check: __0_0.distcp has 3 bytes" in err
+
+
+def test_export_hf_needs_checkpoints_and_an_exported_family(compose):
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(["checkpoint.export_hf=true"]))
+    assert "checkpoint.export_hf" in str(e.value) and "exports the last checkpoint, and none is written" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(["model=kimi_k2_7_debugmodel", "checkpoint=local", "checkpoint.export_hf=true"]))
+    assert "model.name kimi_k2_7 has no Hugging Face export" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(["model=deepseek_v3_debugmodel", "checkpoint=local", "checkpoint.export_hf=true"]))
+    assert "scores experts with a sigmoid, TorchTitan's debugmodel with a softmax" in str(e.value)
+    validate.check(compose(["checkpoint=local", "checkpoint.export_hf=true"]))
+
+
+def test_sigmoid_router_flavors_are_the_registry_ones():
+    """runner.config.hf_export.SIGMOID_ROUTER (validation's torch-free list) is what TorchTitan's registry builds."""
+    import importlib
+
+    from runner.config import hf_export
+
+    for family, flavors in hf_export.SIGMOID_ROUTER.items():
+        module = importlib.import_module(f"torchtitan.models.{family}")
+        scores = {
+            name: next(x.moe for x in module.model_registry(name).model.layers if x.moe).router.score_func
+            for name in ("debugmodel", "16B", "671B")
+        }
+        assert sorted(f for f, s in scores.items() if s == "sigmoid") == sorted(flavors), scores
