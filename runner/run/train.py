@@ -21,7 +21,7 @@ from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, loader, preempt, titan
+from runner.run import evaluate, ft, loader, preempt, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -102,6 +102,8 @@ class _Loop:
     eval_data: Any = None
     """The held-out split (runner.run.loader, split="eval"); None when eval.interval is 0."""
     feed: loader.Prefetch = None
+    ft: Any = ft.OFF
+    """fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off."""
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     idle: list[float] = field(default_factory=list)  # per step: this rank's idle fraction inside the pipeline schedule
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -156,6 +158,7 @@ def _start(loop: _Loop) -> int:
     if loop.cfg.checkpoint.resume or restarted() or preempt.requeued():
         done = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, loop.guard)
         step = 1 if done is None else done + 1
+        loop.ft.resume_at(step)
         if done is None and dist.get_rank() == 0:
             print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
     line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
@@ -209,6 +212,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         watch=preempt.rank_watch(),
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
+        ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
     )
 
 
@@ -216,6 +220,7 @@ def _step(loop: _Loop, step: int) -> int:
     """Train `step` (or leave it out after a rewind); returns the next step."""
     mon, guard, opt = loop.mon, loop.guard, loop.opt
     mon.begin_step(step)
+    loop.ft.begin(step)
     loop.integrity.begin_step(step, loop.built.parts)
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
         loop.sched.step()
@@ -224,15 +229,17 @@ def _step(loop: _Loop, step: int) -> int:
     t0 = time.perf_counter()
     local, grad_norm = _train_step(loop, step)
     with mon.phase("loss"):
-        loss = global_loss(local, loop.lay, loop.policy)
+        loss = loop.ft.global_loss(global_loss(local, loop.lay, loop.policy))
     verdict = guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
     lr = opt.param_groups[0]["lr"]
-    if verdict.action == "ok":
+    committed = loop.ft.should_commit()  # torchft's vote (always True with fault tolerance off)
+    if verdict.action == "ok" and committed:
         loop.ckpt.staged()  # an async checkpoint's copy of the weights is taken before they change
         with mon.phase("optimizer"):
             opt.step()
     opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
-    loop.sched.step()
+    if committed:
+        loop.sched.step()
     replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
     loop.policy.sync()  # the step's kernels, the optimizer's last, have run: dt times the work, not its launch
     dt = time.perf_counter() - t0
@@ -251,13 +258,14 @@ def _step(loop: _Loop, step: int) -> int:
     found = loop.integrity.take()
     if found:
         r["integrity"] = found
+    r |= loop.ft.row(step, r, loop.built.parts)
     if replicas:
         r |= replicas
     elif verdict.action == "rewind":
         r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
     elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
         r |= _evaluate(loop)
-    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r) and loop.ckpt.due(step):
+    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r) and loop.ckpt.due(step) and loop.ft.saves():
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, opt, loop.sched, loop.data, guard)
     loop.ckpt.poll()
     loop.rows.append(r)
@@ -265,7 +273,7 @@ def _step(loop: _Loop, step: int) -> int:
     if logged or "eval_loss" in r or loop.stopped or found:
         for s in loop.sinks:
             s.log(r)
-    return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
+    return r["rewound_to"] + 1 if "rewound_to" in r else loop.ft.next_step(step)
 
 
 def _evaluate(loop: _Loop) -> dict[str, float]:
@@ -354,6 +362,7 @@ def run(
         loop.feed.close()
         return loop.rows
     summary = _finish(loop, step)
+    loop.ft.close()
     for s in sinks:
         s.close(summary)
     return loop.rows

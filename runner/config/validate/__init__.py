@@ -20,6 +20,7 @@ from pathlib import Path
 import runner.config.validate.checkpoint as checkpoint_rules
 import runner.config.validate.data as data_rules
 import runner.config.validate.eval as eval_rules
+import runner.config.validate.fault_tolerance as ft_rules
 import runner.config.validate.fields as fields
 import runner.config.validate.launch as launch_rules
 import runner.config.validate.layout as layout_rules
@@ -181,6 +182,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint", checkpoint_rules.check, Needs.CONFIG),
     Rule("data", data_rules.check, Needs.CONFIG),
     Rule("evaluation", eval_rules.check, Needs.CONFIG),
+    Rule("fault tolerance (torchft)", ft_rules.check, Needs.LAYOUT, reads=_LAY),
     Rule("dry-run ranks", _dryrun_ranks, Needs.LAYOUT, "dryrun.ranks are ranks of the layout mode=dryrun plays; a search plays none", _CTX),
     Rule(
         "device memory",
@@ -194,6 +196,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data files and tokenizer", data_rules.files, Needs.FILES, _LAUNCH),
     Rule("held-out files", eval_rules.files, Needs.FILES, _LAUNCH),
     Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
+    Rule("torchft installed, lighthouse answering", ft_rules.launch, Needs.FILES, _LAUNCH),
 )
 
 
