@@ -124,14 +124,10 @@ class Replica:
 
     def _state(self) -> dict[str, Any]:
         """What a recovering group receives from a live peer (torchft's checkpoint transport, rank by rank)."""
-        from runner.run import titan
-
-        return titan.live_state(self.parts, self.opt) | {"sched": self.sched.state_dict(), "skipped": self.samples_skipped}
+        return live_state(self.parts, self.opt) | {"sched": self.sched.state_dict(), "skipped": self.samples_skipped}
 
     def _load(self, sd: dict[str, Any]) -> None:
-        from runner.run import titan
-
-        titan.load_live_state(self.parts, self.opt, sd)
+        load_live_state(self.parts, self.opt, sd)
         self.sched.load_state_dict(sd["sched"])
         self.samples_skipped = sd["skipped"]
 
@@ -164,6 +160,7 @@ class Replica:
         """Per step: live groups, what was trained, what was skipped; tokens/s and MFU count only trained tokens; at
         monitor.integrity.interval the replica groups' checksums compared."""
         out: dict[str, Any] = {
+            "step": self.manager.current_step() if self.committed else step,  # a recovering group trained its peers' step
             "ft_replica_id": self.replica_id,
             "ft_live_groups": self.live,
             "ft_committed": self.committed,
@@ -200,6 +197,41 @@ class Replica:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _params(parts: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    return [p for part in parts for p in part.parameters()]
+
+
+def live_state(parts: list[torch.nn.Module], opt) -> dict[str, Any]:
+    """This rank's shards of the weights and the optimizer state, as plain tensors in parameter order. Called on
+    torchft's quorum thread while the main thread trains, so it issues no collective (DCP's state-dict API gathers
+    over the job's group, which the main thread's FSDP collectives share: gloo aborted on the interleaving)."""
+    with torch.no_grad():
+        params = _params(parts)
+        state = [{k: integrity.local_shard(v).detach().clone() for k, v in opt.state[p].items()} for p in params]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"params": [integrity.local_shard(p).detach().clone() for p in params], "optim": state, "groups": groups}
+
+
+def load_live_state(parts: list[torch.nn.Module], opt, sd: dict[str, Any]) -> None:
+    """Copy a peer's live_state (the same rank of a group of the same layout) into this rank's shards, in place; an
+    optimizer that has not stepped yet gets its state built around the received shards."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for p, v, st in zip(_params(parts), sd["params"], sd["optim"], strict=True):
+            integrity.local_shard(p).copy_(v)
+            mine = opt.state[p]
+            for k, got in st.items():
+                if k in mine:
+                    integrity.local_shard(mine[k]).copy_(got)
+                elif isinstance(p, DTensor) and got.shape == p.to_local().shape and got.dim() > 0:
+                    mine[k] = DTensor.from_local(got, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                else:
+                    mine[k] = got
+        for g, src in zip(opt.param_groups, sd["groups"], strict=True):
+            g.update(src)
 
 
 def _set_all_reduce_hook(parts: list[torch.nn.Module], group) -> None:
