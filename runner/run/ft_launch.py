@@ -136,3 +136,32 @@ def lighthouse_message(cfg: RunConfig, run_dir: Path, address: str, lighthouse: 
         f"the torchft lighthouse {address} (pid {lighthouse.pid}) stopped with exit code {lighthouse.returncode}: "
         f"the replica groups cannot form a quorum without it, so every group is stopped; {kept}"
     )
+
+
+def plan(cfg: RunConfig, lay: Layout, run_dir: Path) -> str:
+    """mode=launch_plan under fault_tolerance=torchft on several nodes: one job per replica group (on SLURM one sbatch
+    job each: SLURM ends a whole job when one of its nodes fails, so groups sharing a job would not survive each
+    other), every group's nodes running the per-node launcher with a rendezvous of their own, and a lighthouse
+    outside the groups' jobs (fault_tolerance.lighthouse)."""
+    from runner.run import launch
+
+    c, group = cfg.cluster, ft.group_layout(lay)
+    nodes = max(1, c.num_nodes // lay.dp_replicate)
+    slurm = c.launcher == "slurm"
+    env = " ".join(f"{k}={v}" for k, v in ft.env(cfg, cfg.fault_tolerance.lighthouse or "http://<lighthouse host>:29510").items())
+    lines = [
+        f"torchft lighthouse, on a host every node reaches, outside the groups' jobs: {' '.join(ft.lighthouse_command(cfg))}",
+        f"{lay.dp_replicate} jobs, one per replica group, each {nodes} node(s) x {group.world_size // nodes} rank(s):",
+    ]
+    job_cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(c, num_nodes=nodes))
+    for r, frozen in enumerate(write_replicas(cfg, lay, run_dir)):
+        head = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)" if slurm else f"$GROUP{r}_HEAD_ADDR"
+        rdzv_id = "$SLURM_JOB_ID" if slurm else f"runner-{run_dir.name}-replica{r}"
+        cmd = launch.node_command(job_cfg, group, frozen, rdzv_endpoint=f"{head}:{c.rdzv_port}", rdzv_id=rdzv_id)
+        where = (
+            f"sbatch --nodes={nodes} --ntasks-per-node=1 --job-name={cfg.parallelism.name}-replica{r}, its task:"
+            if slurm
+            else (f"on each of its {nodes} node(s):")
+        )
+        lines += [f"\n  # replica group {r}: {where}", f"  {'srun ' if slurm else ''}env {env} {cmd}"]
+    return "\n".join(lines)

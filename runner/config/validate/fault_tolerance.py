@@ -17,7 +17,7 @@ from runner.config import fault_tolerance as ft
 from runner.config import layout
 from runner.config.layout import Layout
 from runner.config.problems import Problem
-from runner.config.schema import GuardAction, MismatchAction, RunConfig
+from runner.config.schema import GuardAction, Launcher, MismatchAction, Mode, RunConfig
 
 OFF = "or fault_tolerance=none"
 
@@ -39,6 +39,7 @@ def check(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
         why = "a dead replica group restarts through its own torchrun job; with 0 restarts it never comes back"
         out.append(Problem("cluster.max_restarts", cfg.cluster.max_restarts, why, "use cluster.max_restarts=3"))
     _nodes(cfg, lay, out)
+    _slurm(cfg, out)
     if cfg.monitor.guard.enable and cfg.monitor.guard.action == GuardAction.rewind:
         why = "a rewind reloads one replica group's checkpoint while the others train on"
         out.append(Problem("monitor.guard.action", "rewind", why, f"use monitor.guard.action=skip {OFF}"))
@@ -58,6 +59,19 @@ def _nodes(cfg: RunConfig, lay: Layout, out: list[Problem]) -> None:
     )
     fix = f"make world_size / dp_replicate ({group}) a multiple or a divisor of cluster.devices_per_node ({per_node})"
     out.append(Problem("parallelism.dp_replicate", lay.dp_replicate, why, fix))
+
+
+def _slurm(cfg: RunConfig, out: list[Problem]) -> None:
+    """On SLURM every replica group is its own job (runner.run.ft_launch.slurm_plan): the lighthouse must live outside them."""
+    if cfg.cluster.launcher != Launcher.slurm:
+        return
+    if not cfg.fault_tolerance.lighthouse:
+        why = "on SLURM each replica group is its own job, and a lighthouse started inside one would end with that group"
+        fix = "start torchft_lighthouse on a host every node reaches and set fault_tolerance.lighthouse=http://<host>:29510"
+        out.append(Problem("fault_tolerance.lighthouse", "", why, fix))
+    if cfg.mode == Mode.train:
+        why = "fault_tolerance=torchft on SLURM is one sbatch job per replica group, which mode=train does not submit"
+        out.append(Problem("mode", "train", why, "print the jobs with mode=launch_plan and submit each with sbatch"))
 
 
 def launch(cfg: RunConfig, out: list[Problem]) -> None:
