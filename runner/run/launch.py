@@ -121,15 +121,8 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path, *, checked: bool = False) -> None:
-    """One node: every rank on this machine, rendezvous on 127.0.0.1 (with fault_tolerance=torchft, one job per
-    replica group under a lighthouse: runner.run.ft_launch)."""
-    from runner.config import fault_tolerance as ft
-
-    if ft.enabled(cfg):
-        from runner.run import ft_launch
-
-        ft_launch.run(cfg, lay, frozen)
-        return
+    """One node: every rank on this machine, rendezvous on 127.0.0.1 (with fault_tolerance=torchft runner.run.ft_launch
+    starts one job per replica group instead)."""
     flags = torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}")
     start(flags, frozen, checked=checked)
 

@@ -1,6 +1,7 @@
 """fault_tolerance=torchft rules (torch-free): `check` reads the config and layout, `launch` this machine.
 
-Refused, each with the field and the fix: fewer than 2 replica groups; a quorum that needs every group (none may be
+Refused, each with the field and the fix: fewer than 2 replica groups; dp_shard=1 (no FSDP module for the cross-group
+gradient all-reduce hook); a quorum that needs every group (none may be
 lost); groups that cannot restart (cluster.max_restarts=0); PP (TorchTitan 0.3.0's torchft experiment and its tests
 cover FSDP/HSDP only); a replica group that shares a node with another group's ranks, so one node's loss takes two
 groups; the loss guard's and the integrity check's rewinds (a rewind inside one group alone puts the replicas
@@ -32,6 +33,11 @@ def check(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
     elif f.min_replicas >= lay.dp_replicate or f.min_replicas < 1:
         why = f"a step needs min_replicas groups of the {lay.dp_replicate}: no replica group could be lost"
         out.append(Problem("fault_tolerance.min_replicas", f.min_replicas, why, f"use 1 <= min_replicas < {lay.dp_replicate}"))
+    if lay.dp_shard < 2:
+        why = "torchft averages gradients over the groups in FSDP's all-reduce hook (TorchTitan's way); dp_shard=1 builds no FSDP module"
+        out.append(
+            Problem("parallelism.dp_shard", lay.dp_shard, why, f"use dp_shard >= 2 inside each replica group (parallelism=hsdp2x2) {OFF}")
+        )
     if lay.pp > 1:
         why = "TorchTitan 0.3.0's torchft experiment covers FSDP/HSDP only (no PP in its tests), and a stage cannot heal alone"
         out.append(Problem("parallelism.pp", lay.pp, why, f"use pp=1 with fault_tolerance=torchft {OFF}"))

@@ -1,0 +1,144 @@
+"""fault_tolerance=torchft: lose a replica, keep training (docs/fault-tolerance.md).
+
+The in-process tests check the rules before launch, the per-group frozen files and launch plan, the data view of a
+replica group and the flight-recorder paths torchft rewrites. One e2e launch (`outage`) carries the scenario of
+issue 30: two replica groups of two ranks (hsdp2x2) under one lighthouse, one rank of group 1 SIGKILLed from this
+process at step 4, group 0 training on alone, group 1 restarting, recovering the weights from group 0 and training
+on; then the lighthouse is SIGKILLed from here and the run resumed from its last checkpoint (a second launch).
+Its first steps (both groups healthy) are compared with the plain hsdp2x2 run of tests/test_parallel.py's shared
+parity launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from runner.config import fault_tolerance as ft
+from runner.config import layout, runfiles, validate
+from runner.config.problems import ConfigError
+
+FT = ["fault_tolerance=torchft", "parallelism=hsdp2x2"]
+
+
+def problems(cfg) -> dict[str, str]:
+    with pytest.raises(ConfigError) as e:
+        validate.check(cfg)
+    return {p.field: str(p) for p in e.value.problems}
+
+
+def test_issue_command_validates_and_splits_the_layout(compose):
+    cfg = compose(FT)
+    lay = validate.check(cfg)
+    assert (cfg.fault_tolerance.name.value, cfg.cluster.max_restarts) == ("torchft", 3)  # the group turns restarts on
+    assert ft.group_layout(lay) == dataclasses.replace(lay, dp_replicate=1)
+    assert [ft.global_rank(lay, 1, r) for r in range(2)] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "words"),
+    [
+        (["parallelism.dp_replicate=1"], "parallelism.dp_replicate", "no peer to recover from"),
+        (["parallelism=dp2"], "parallelism.dp_shard", "builds no FSDP module"),
+        (["fault_tolerance.min_replicas=2"], "fault_tolerance.min_replicas", "no replica group could be lost"),
+        (["parallelism.pp=2", "training.global_batch_size=16"], "parallelism.pp", "covers FSDP/HSDP only"),
+        (["cluster.max_restarts=0"], "cluster.max_restarts", "never comes back"),
+        (["monitor.guard.action=rewind"], "monitor.guard.action", "while the others train on"),
+        (["monitor.integrity.on_mismatch=rewind", "checkpoint=local"], "monitor.integrity.on_mismatch", "while the others train on"),
+        (["cluster=slurm_h100", "parallelism.dp_shard=4"], "fault_tolerance.lighthouse", "end with that group"),
+        (["cluster=slurm_h100", "parallelism.dp_shard=4", "fault_tolerance.lighthouse=http://h:1"], "mode", "launch_plan"),
+    ],
+)
+def test_refused_before_launch(compose, overrides, field, words):
+    found = problems(compose([*FT, *overrides]))
+    assert field in found and words in found[field], found
+
+
+def test_a_replica_group_sharing_a_node_with_another_is_refused(compose):
+    # 16 ranks on nodes of 8 in 4 groups of 4 is fine (2 groups per node); 3 groups of 8 on nodes of 12: no
+    cfg = compose([*FT, "cluster=h100_node", "cluster.num_nodes=2", "cluster.devices_per_node=12", "parallelism.dp_replicate=3"])
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, dp_shard=8))
+    found = problems(cfg)
+    assert "one node would hold ranks of two groups" in found["parallelism.dp_replicate"], found
+
+
+def test_preflight_refuses_a_silent_lighthouse_and_a_missing_torchft(compose, tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = compose([*FT, f"fault_tolerance.lighthouse=http://127.0.0.1:{port}"])
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(cfg, tmp_path)
+    (p,) = [p for p in e.value.problems if p.field == "fault_tolerance.lighthouse"]
+    assert f"127.0.0.1:{port}" in p.why and "does not answer" in p.why
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(compose(FT), tmp_path)
+    assert [p.fix for p in e.value.problems if p.field == "fault_tolerance.name"] == [
+        "pip install torchft==0.2.0 (scripts/setup.sh installs it) or fault_tolerance=none"
+    ]
+
+
+def test_each_group_reads_its_own_shards_of_the_whole_batch(compose):
+    from runner.run import ft as ftrun
+
+    cfg = compose(FT)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    job = dataclasses.replace(cfg, fault_tolerance=dataclasses.replace(cfg.fault_tolerance, replica_id=1))
+    job_cfg, job_lay = ftrun.job_view(job, lay)
+    assert (job_cfg.training.global_batch_size, job_lay.world_size) == (4, 2)  # the loss divides by the job's tokens
+    # the same samples as ranks 2 and 3 of the plain hsdp2x2 layout
+    assert [ftrun.data_coords(job_cfg, job_lay, r) for r in range(2)] == [(lay.dp_rank(2), 4, 8), (lay.dp_rank(3), 4, 8)]
+
+
+def test_launch_plan_is_one_job_per_replica_group(compose, tmp_path):
+    from runner.run import ft_launch
+
+    cfg = compose([*FT, "cluster=slurm_h100", "parallelism.dp_shard=8", "fault_tolerance.lighthouse=http://login1:29510"])
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_nodes=2))
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    text = ft_launch.plan(cfg, lay, tmp_path)
+    assert text.count("sbatch --nodes=1 --ntasks-per-node=1") == 2 and "TORCHFT_LIGHTHOUSE=http://login1:29510" in text
+    for r in range(2):
+        frozen = tmp_path / f"replica_{r}" / runfiles.FROZEN
+        assert "--nnodes=1 --nproc-per-node=8" in text and str(frozen) in text
+        from runner.config import freeze
+
+        got = freeze.load(frozen)
+        assert got.fault_tolerance.replica_id == r
+        assert got.checkpoint.folder == str((tmp_path / "checkpoints").resolve())  # one folder for every group
+
+
+def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, monkeypatch):
+    """torchft's Manager rewrites TORCH_FR_DUMP_TEMP_FILE to <prefix>_quorum_<id>/<global rank>: the runner's gloo
+    dump follows it, the hang report names the quorum folder, and torchfrtrace reads it with an empty prefix."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.flight_recorder.components import loader as fr_loader
+
+    from runner.observe import forensics
+
+    cfg = compose(FT)
+    folder = forensics.dump_folder(cfg, tmp_path)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/rank__quorum_2/3")
+    path = forensics.dump_path(cfg, tmp_path, 1)
+    assert path == folder / "rank__quorum_2" / "3"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(2))
+        path.parent.mkdir(parents=True)
+        forensics.dump_flight_recorder(path)
+    finally:
+        dist.destroy_process_group()
+    assert forensics.analyse_commands(folder) == [f"torchfrtrace {path.parent} --prefix '' --allow-incomplete-ranks"]
+    args = type("Args", (), {"trace_dir": str(path.parent), "prefix": "", "selected_ranks": None, "pg_filters": None})()
+    details, _ = fr_loader.read_dir(args)
+    (dump,) = details.values()
+    assert [e["frames"][0]["name"] for e in dump["entries"]] == ["all_reduce"]
