@@ -12,11 +12,15 @@ parity launch.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
+from runner.config import checkpoint, layout, runfiles, validate
 from runner.config import fault_tolerance as ft
-from runner.config import layout, runfiles, validate
 from runner.config.problems import ConfigError
 
 FT = ["fault_tolerance=torchft", "parallelism=hsdp2x2"]
@@ -142,3 +146,136 @@ def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, m
     details, _ = fr_loader.read_dir(args)
     (dump,) = details.values()
     assert [e["frames"][0]["name"] for e in dump["entries"]] == ["all_reduce"]
+
+
+# ---- the outage scenario: one launch, then its resume ------------------------------------------------------------
+
+STEPS, KILL_AT, INTERVAL = 30, 4, 5
+
+
+def _lighthouse_pid(out: Path) -> int:
+    import re
+
+    m = re.search(r"fault tolerance: torchft lighthouse \S+ \(pid (\d+)\)", out.read_text())
+    return int(m.group(1)) if m else 0
+
+
+def _recovered(fo, run: Path) -> int:
+    """The newest checkpoint step after group 1 trained 3 steps beside group 0 following its recovery (0: not yet)."""
+    rows = [r for r in fo.rows(run / "replica_1") if r["ft_trained"]]
+    back = [r["step"] for r in rows if r["step"] > KILL_AT and r["ft_live_groups"] == 2]
+    saved = [s for s, _ in checkpoint.scan(run / "checkpoints").complete]
+    return max(saved) if len(back) >= 3 and saved and max(saved) > back[0] else 0
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory):
+    from bench import ft_outage as fo
+    from tests import test_parallel
+    from tests.conftest import _free_port
+
+    base = tmp_path_factory.mktemp("torchft")
+    overrides = [
+        *fo.COMMON,
+        *fo.FT,
+        *(o for o in test_parallel.COMMON if o.startswith(("training.seq_len", "training.max_norm"))),  # the parity run's
+        f"fault_tolerance.lighthouse_port={_free_port()}",
+        f"training.steps={STEPS}",
+        "checkpoint=local",
+        f"checkpoint.interval={INTERVAL}",
+        "checkpoint.async_save=false",
+        "monitor.integrity.interval=1",
+        "eval.interval=0",
+    ]
+    run, t0 = base / "run", time.time()
+    proc = fo.start(run, overrides)
+    first = [fo.wait_for(f"group 0 rank {r}", lambda r=r: fo.record(run / "replica_0", r), proc, 600)["pid"] for r in (0, 1)]
+    killed, _ = fo.kill_rank_at(run / "replica_1", 1, KILL_AT, proc)
+    saved = fo.wait_for("group 1 back and a checkpoint after it", lambda: _recovered(fo, run), proc, 600)
+    lighthouse = _lighthouse_pid(base / "run.out")
+    os.kill(lighthouse, signal.SIGKILL)
+    code = proc.wait(120)
+    took = time.time() - t0
+    kept = [fo.record(run / "replica_0", r)["pid"] for r in (0, 1)]
+    resumed = base / "resumed"
+    again = fo.start(resumed, [*overrides, f"checkpoint.folder={run / 'checkpoints'}", "checkpoint.resume=true"])
+    again_code = again.wait(600)
+    print(f"torchft outage: first launch {took:.0f} s, resume {time.time() - t0 - took:.0f} s")
+    return {
+        "run": run,
+        "resumed": resumed,
+        "code": code,
+        "again_code": again_code,
+        "out": (base / "run.out").read_text(),
+        "again_out": (base / "resumed.out").read_text(),
+        "pids": (first, kept),
+        "killed": killed,
+        "lighthouse": lighthouse,
+        "saved": saved,
+        "rows": {r: fo.rows(run / f"replica_{r}") for r in (0, 1)},
+        "resumed_rows": {r: fo.rows(resumed / f"replica_{r}") for r in (0, 1)},
+    }
+
+
+def _attempts(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("logs/runner-ft*/attempt_*"))
+
+
+@pytest.mark.e2e
+def test_group_0_trains_on_while_group_1_is_down_and_recovers(outage):
+    run, rows = outage["run"], outage["rows"]
+    first, kept = outage["pids"]
+    assert first == kept and _attempts(run / "replica_0") == ["attempt_0"]  # group 0 never restarted
+    assert _attempts(run / "replica_1") == ["attempt_0", "attempt_1"] and outage["killed"] not in kept
+    trained0 = [r for r in rows[0] if r["ft_trained"]]
+    assert [r["step"] for r in trained0] == list(range(1, len(trained0) + 1))  # every step once, none trained twice
+    alone = [r["step"] for r in trained0 if r["ft_live_groups"] == 1]
+    assert len(alone) >= 3 and alone[0] == KILL_AT, alone  # group 1's step KILL_AT never committed: group 0 redid it alone
+    trained1 = [r for r in rows[1] if r["ft_trained"]]
+    before, after = [r["step"] for r in trained1 if r["step"] < KILL_AT], [r["step"] for r in trained1 if r["step"] > KILL_AT]
+    assert before == list(range(1, KILL_AT)) and len(after) >= 3
+    assert after == list(range(alone[-1] + 1, alone[-1] + 1 + len(after)))  # back at its peers' step, not its own
+    heal = [r for r in rows[1] if r["ft_committed"] and not r["ft_trained"]]
+    assert [r["step"] for r in heal] == [alone[-1]] and heal[0]["tokens_per_s"] == 0.0  # it loaded the weights, trained none
+    by_step = {r["step"]: r for r in trained0}
+    for r in trained1:  # checksums compared through torchft's managed group, and equal bitwise on both groups' ranks 0
+        assert r["ft_replicas_agree"] and r["ft_checksum"] == by_step[r["step"]]["ft_checksum"]
+    rates = {
+        phase: [round(1 / r["step_time_s"], 2) for r in trained0 if (r["ft_live_groups"] == 1) == (phase == "during")][:8]
+        for phase in ("before", "during")
+    }
+    print(f"group 0 steps/s before/after (2 groups) {rates['before']}, during the outage {rates['during']}")
+
+
+@pytest.mark.e2e
+def test_samples_follow_the_skip_rule(outage):
+    """While a group is down its shards of those steps are skipped and counted; every committed step trains live x 4."""
+    per_group = 4  # global batch 8 over 2 groups
+    rows = [r for r in outage["rows"][0] if r["ft_committed"]]
+    for r in rows:
+        assert r["samples_trained"] == r["ft_live_groups"] * per_group
+        assert r["tokens_trained"] == r["samples_trained"] * 64
+    skipped = sum((2 - r["ft_live_groups"]) * per_group for r in rows)
+    assert rows[-1]["samples_skipped"] == skipped >= 3 * per_group
+    assert sum(r["samples_trained"] for r in rows) + skipped == 8 * len(rows)
+
+
+@pytest.mark.e2e
+def test_healthy_steps_equal_plain_hsdp2x2(outage, parity_runs):
+    """Before the kill both groups train: the same losses and gradient norms as the plain hsdp2x2 run, bitwise."""
+    plain = parity_runs["hsdp2x2"]["rows"]
+    ft_rows = {r["step"]: r for r in outage["rows"][0] if r["ft_trained"]}
+    for p in plain:
+        assert (ft_rows[p["step"]]["loss"], ft_rows[p["step"]]["grad_norm"]) == (p["loss"], p["grad_norm"])
+
+
+@pytest.mark.e2e
+def test_lighthouse_killed_stops_every_group_and_the_checkpoint_resumes(outage):
+    assert outage["code"] == 1
+    assert "the torchft lighthouse http://localhost:" in outage["out"] and f"(pid {outage['lighthouse']}) stopped" in outage["out"]
+    last = checkpoint.final_path(outage["run"] / "checkpoints", outage["saved"])
+    assert checkpoint.verify(last, deep=True) is None and f"the last checkpoint is {last}" in outage["out"]
+    assert outage["again_code"] == 0, outage["again_out"][-3000:]
+    for r in (0, 1):
+        steps = [row["step"] for row in outage["resumed_rows"][r] if row["ft_trained"]]
+        assert steps == list(range(outage["saved"] + 1, STEPS + 1)), steps  # from the checkpoint to the last step
