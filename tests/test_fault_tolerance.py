@@ -150,7 +150,7 @@ def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, m
 
 # ---- the outage scenario: one launch, then its resume ------------------------------------------------------------
 
-STEPS, KILL_AT, INTERVAL = 30, 4, 5
+STEPS, KILL_AT, INTERVAL = 30, 4, 3
 
 
 def _lighthouse_pid(out: Path) -> int:
@@ -197,6 +197,8 @@ def outage(tmp_path_factory):
     code = proc.wait(120)
     took = time.time() - t0
     kept = [fo.record(run / "replica_0", r)["pid"] for r in (0, 1)]
+    last = checkpoint.final_path(run / "checkpoints", saved)
+    intact = checkpoint.verify(last, deep=True)  # before the resumed run prunes it (checkpoint.keep)
     resumed = base / "resumed"
     again = fo.start(resumed, [*overrides, f"checkpoint.folder={run / 'checkpoints'}", "checkpoint.resume=true"])
     again_code = again.wait(600)
@@ -212,6 +214,8 @@ def outage(tmp_path_factory):
         "killed": killed,
         "lighthouse": lighthouse,
         "saved": saved,
+        "last": last,
+        "intact": intact,
         "rows": {r: fo.rows(run / f"replica_{r}") for r in (0, 1)},
         "resumed_rows": {r: fo.rows(resumed / f"replica_{r}") for r in (0, 1)},
     }
@@ -273,8 +277,7 @@ def test_healthy_steps_equal_plain_hsdp2x2(outage, parity_runs):
 def test_lighthouse_killed_stops_every_group_and_the_checkpoint_resumes(outage):
     assert outage["code"] == 1
     assert "the torchft lighthouse http://localhost:" in outage["out"] and f"(pid {outage['lighthouse']}) stopped" in outage["out"]
-    last = checkpoint.final_path(outage["run"] / "checkpoints", outage["saved"])
-    assert checkpoint.verify(last, deep=True) is None and f"the last checkpoint is {last}" in outage["out"]
+    assert outage["intact"] is None and f"the last checkpoint is {outage['last']}" in outage["out"]
     assert outage["again_code"] == 0, outage["again_out"][-3000:]
     for r in (0, 1):
         steps = [row["step"] for row in outage["resumed_rows"][r] if row["ft_trained"]]
