@@ -124,10 +124,10 @@ class Replica:
 
     def _state(self) -> dict[str, Any]:
         """What a recovering group receives from a live peer (torchft's checkpoint transport, rank by rank)."""
-        return live_state(self.parts, self.opt) | {"sched": self.sched.state_dict(), "skipped": self.samples_skipped}
+        return live_state(self.opt) | {"sched": self.sched.state_dict(), "skipped": self.samples_skipped}
 
     def _load(self, sd: dict[str, Any]) -> None:
-        load_live_state(self.parts, self.opt, sd)
+        load_live_state(self.opt, sd)
         self.sched.load_state_dict(sd["sched"])
         self.samples_skipped = sd["skipped"]
 
@@ -146,6 +146,7 @@ class Replica:
 
     def should_commit(self) -> bool:
         """torchft's vote: every group's ranks succeeded; a recovering group loads the peer's state here."""
+        self.manager.wait_quorum()  # the quorum thread is done with this step's state (a peer's copy is taken)
         self.live, self.trained = self.manager.num_participants(), self.manager.is_participating()
         self.committed = self.manager.should_commit()
         if self.committed:
@@ -199,28 +200,32 @@ class Replica:
         self.manager.shutdown(wait=False)
 
 
-def _params(parts: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    return [p for part in parts for p in part.parameters()]
+def _params(opt) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters: FSDP's sharded DTensors, the same objects for the whole run. Not module.parameters():
+    FSDP swaps a module's registered parameters for unsharded ones during its forward and backward, and another
+    thread reading them then (torchft's quorum thread does) gets tensors whose storage FSDP frees (seen: a
+    segmentation fault, and a full 256-element norm weight sent where its 128-element shard was expected)."""
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
-def live_state(parts: list[torch.nn.Module], opt) -> dict[str, Any]:
+def live_state(opt) -> dict[str, Any]:
     """This rank's shards of the weights and the optimizer state, as plain tensors in parameter order. Called on
     torchft's quorum thread while the main thread trains, so it issues no collective (DCP's state-dict API gathers
     over the job's group, which the main thread's FSDP collectives share: gloo aborted on the interleaving)."""
     with torch.no_grad():
-        params = _params(parts)
+        params = _params(opt)
         state = [{k: integrity.local_shard(v).detach().clone() for k, v in opt.state[p].items()} for p in params]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         return {"params": [integrity.local_shard(p).detach().clone() for p in params], "optim": state, "groups": groups}
 
 
-def load_live_state(parts: list[torch.nn.Module], opt, sd: dict[str, Any]) -> None:
+def load_live_state(opt, sd: dict[str, Any]) -> None:
     """Copy a peer's live_state (the same rank of a group of the same layout) into this rank's shards, in place; an
     optimizer that has not stepped yet gets its state built around the received shards."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
-        for p, v, st in zip(_params(parts), sd["params"], sd["optim"], strict=True):
+        for p, v, st in zip(_params(opt), sd["params"], sd["optim"], strict=True):
             integrity.local_shard(p).copy_(v)
             mine = opt.state[p]
             for k, got in st.items():

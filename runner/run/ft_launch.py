@@ -106,6 +106,9 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     print(f"fault tolerance: torchft lighthouse {address}" + (f" (pid {lighthouse.pid})" if lighthouse else "") + f"; {pids}", flush=True)
     try:
         watch(cfg, run_dir, groups, lighthouse, address)
+        first = run_dir / ft.replica_dir_name(0) / runfiles.SUMMARY
+        if first.is_file():  # the run's summary (and a sweep's objective) is replica group 0's
+            shutil.copyfile(first, run_dir / runfiles.SUMMARY)
     finally:
         for g in groups:
             stop_pid(g)
