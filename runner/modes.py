@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner import sweep
-from runner.config import flops, freeze, precision, runfiles, slurm
+from runner.config import fault_tolerance, flops, freeze, precision, runfiles, slurm
 from runner.config.layout import Layout, label
 from runner.config.schema import Fp8Recipe, RunConfig
 from runner.config.search import objective as search_objective
@@ -72,6 +72,12 @@ def launch_plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) ->
 
     frozen = freeze.write(cfg, lay, run_dir)
     c = cfg.cluster
+    if fault_tolerance.enabled(cfg):
+        from runner.run import ft_launch
+
+        print(f"launch plan (fault_tolerance=torchft): {count(lay.world_size, 'rank')} in {count(lay.dp_replicate, 'replica group')}")
+        print(ft_launch.plan(cfg, lay, run_dir))
+        return
     per_node = lay.world_size // c.num_nodes
     print(f"launch plan: {count(lay.world_size, 'rank')} = {count(c.num_nodes, 'node')} x {per_node} per node [{lay.describe()}]")
     print(f"frozen config: {frozen}")

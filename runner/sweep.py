@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner.config import freeze, goodput, runfiles, slurm, validate
+from runner.config import fault_tolerance, freeze, goodput, runfiles, slurm, validate
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.config.search import objective as search_objective
@@ -104,7 +104,11 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
     from runner.run import launch
 
     try:
-        if job_id is None:
+        if job_id is None and fault_tolerance.enabled(cfg):  # a lighthouse and one job per replica group
+            from runner.run import ft_launch
+
+            ft_launch.run(cfg, lay, frozen)
+        elif job_id is None:
             launch.run(cfg, lay, frozen, checked=True)
         else:
             _slurm_node(cfg, lay, run_dir, frozen, first_host, job_id)

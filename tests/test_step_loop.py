@@ -109,6 +109,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
         rows=[],
         timeline=None,
         prof=None,
+        ft=train.ft.OFF,
     )
 
 

@@ -78,6 +78,8 @@ LOGS = "logs"
 RANK_RECORDS = Path(LOGS) / "ranks"
 COLLECTIVES = Path(LOGS) / "collectives"  # distributed.audit_collectives (tests)
 DATA_CACHE = "data_cache"
+FT_READY = "ft_ready"  # fault_tolerance=torchft: one file per replica group whose manager started (runner.run.ft)
+LIGHTHOUSE_LOG = Path(LOGS) / "lighthouse.log"  # fault_tolerance=torchft: the lighthouse the runner started
 HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
 HYDRA_LOGS = (".hydra", "runner.log", "__main__.log", "cli.log")  # what Hydra itself puts in a run folder
 CHECKPOINT_MARKER = "COMPLETE.json"  # inside a checkpoint folder: written last, so its presence means complete

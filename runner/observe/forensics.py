@@ -34,6 +34,10 @@ WATCHDOG = "Watchdog caught collective operation timeout"
 _WATCHDOG_LINE = re.compile(r"\[rank(\d+)\]:.*" + WATCHDOG)  # c10d prefixes its log lines with the global rank
 
 
+QUORUM_TAG = "_quorum_"
+"""torchft's Manager appends _quorum_<id> to the dump prefix's folder for every quorum."""
+
+
 def dump_folder(cfg: RunConfig, run_dir: Path) -> Path:
     return run_dir / cfg.distributed.flight_recorder.folder
 
@@ -49,6 +53,23 @@ def rank_env(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
     policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
     env |= policy.flight_recorder_env(size, prefix, fr.enable and fr.dump_on_timeout, fr.enable_timing)
     return env
+
+
+def dump_path(cfg: RunConfig, run_dir: Path, rank: int) -> Path:
+    """Where this rank's recorder dump goes: <folder>/rank_<r>, or under fault_tolerance=torchft the file torchft's
+    Manager named in TORCH_FR_DUMP_TEMP_FILE for the current quorum (Manager._update_fr_path:
+    <folder>/rank__quorum_<id>/<global rank>)."""
+    live = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "")
+    return Path(live) if QUORUM_TAG in live else dump_folder(cfg, run_dir) / f"rank_{rank}"
+
+
+def analyse_commands(folder: Path) -> list[str]:
+    """torchfrtrace commands for the dumps in `folder`: its rank_<r> files, and each torchft quorum's sub-folder
+    (files named by global rank alone, so the prefix is empty)."""
+    out = [f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"] if any(folder.glob("rank_[0-9]*")) else []
+    for sub in sorted(p for p in folder.glob(f"rank_{QUORUM_TAG}*") if p.is_dir() and any(p.iterdir())):
+        out.append(f"torchfrtrace {sub} --prefix '' --allow-incomplete-ranks")
+    return out
 
 
 def process_groups() -> dict[str, dict[str, Any]]:
@@ -211,7 +232,7 @@ class RankRecorder:
         from runner.run.device import DevicePolicy
 
         if hang and fr.enable and fr.dump_on_timeout and not DevicePolicy.of(cfg.cluster, cfg.distributed).collective_library_dumps:
-            dump_flight_recorder(dump_folder(cfg, run_dir) / f"rank_{self.static['rank']}")
+            dump_flight_recorder(dump_path(cfg, run_dir, self.static["rank"]))
 
     def done(self) -> None:
         self._stop.set()
@@ -355,7 +376,8 @@ def write_report(
     folder = dump_folder(cfg, run_dir)
     if folder.is_dir():
         report["flight_recorder_dumps"] = str(folder)
-        report["analyse_with"] = f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"
+        commands = analyse_commands(folder) or [f"torchfrtrace {folder} --prefix rank_ --allow-incomplete-ranks"]
+        report["analyse_with"] = commands[0] if len(commands) == 1 else commands
     path = run_dir / runfiles.HANG_REPORT
     path.write_text(json.dumps(report, indent=2) + "\n")
     return "collective timeout", path

@@ -99,12 +99,15 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
+    from runner.config import fault_tolerance as ft
     from runner.config import freeze, layout
     from runner.observe import forensics
 
     cfg = freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     run_dir = frozen.parent
+    if ft.enabled(cfg):  # one replica group's job (runner.run.ft_launch): its ranks are the group's
+        lay = ft.group_layout(lay)
     if not checked:
         try:
             validate.preflight(cfg, run_dir, lay, node=True)
@@ -130,7 +133,8 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path, *, checked: bool = False) -> None:
-    """One node: every rank on this machine, rendezvous on 127.0.0.1."""
+    """One node: every rank on this machine, rendezvous on 127.0.0.1 (with fault_tolerance=torchft runner.run.ft_launch
+    starts one job per replica group instead)."""
     flags = torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}")
     start(flags, frozen, checked=checked)
 

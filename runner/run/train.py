@@ -21,7 +21,7 @@ from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import breakdown, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, loader, preempt, profiling, step_sync, titan
+from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
 from runner.run.accounting import Accounting, row, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -105,6 +105,8 @@ class _Loop:
     eval_data: Any = None
     """The held-out split (runner.run.loader, split="eval"); None when eval.interval is 0."""
     feed: loader.Prefetch = None
+    ft: Any = ft.OFF
+    """fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off."""
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -162,6 +164,7 @@ def _start(loop: _Loop) -> int:
     if loop.cfg.checkpoint.resume or restarted() or preempt.requeued():
         done = loop.ckpt.restore(loop.built, loop.opt, loop.sched, loop.data, loop.guard)
         step = 1 if done is None else done + 1
+        loop.ft.resume_at(step)
         if done is None and dist.get_rank() == 0:
             print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
     if done is None and loop.cfg.model.init_from:  # the run's own checkpoint takes precedence
@@ -241,6 +244,7 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         watch=preempt.rank_watch(),
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
+        ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
     )
 
 
@@ -261,18 +265,22 @@ def _update(loop: _Loop) -> None:
 
 
 def _reads_weights(loop: _Loop, step: int, stop: bool) -> bool:
-    """Whether anything reads the weights after `step` before the next step updates them."""
+    """Whether anything reads the weights after `step` before the next step updates them. Under torchft the next
+    step's quorum may send them to a recovering group, so the update is never deferred there."""
     cfg = loop.cfg
     evaluating = loop.eval_data is not None and evaluate.due(cfg.eval.interval, step, cfg.training.steps)
-    return step >= cfg.training.steps or stop or evaluating or loop.ckpt.due(step) or loop.integrity.check_due(step)
+    due = step >= cfg.training.steps or stop or evaluating or loop.ckpt.due(step) or loop.integrity.check_due(step)
+    return due or loop.ft is not ft.OFF
 
 
-def _decide(loop: _Loop, step: int, verdict: monitor.Verdict, stop: bool) -> None:
-    """An accepted step's update waits for the next step (_update); a spike's gradients are dropped now."""
-    loop.pending = verdict.action == "ok"
+def _decide(loop: _Loop, step: int, verdict: monitor.Verdict, stop: bool, committed: bool) -> None:
+    """An accepted step's update waits for the next step (_update); a spike's gradients are dropped now, and so are
+    a step's that torchft's quorum did not commit (its schedule does not advance either)."""
+    loop.pending = verdict.action == "ok" and committed
     if not loop.pending:
         loop.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
-        loop.sched.step()
+        if committed:
+            loop.sched.step()
     elif _reads_weights(loop, step, stop):
         _update(loop)
 
@@ -282,6 +290,7 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     logging and check steps this is the step's one host synchronization and its one host collective."""
     mon, policy = loop.mon, loop.policy
     mon.begin_step(step)
+    loop.ft.begin(step)
     lanes = loader.digest_lanes(loop.data, step - 1)
     if loop.prof is not None:
         _log_terms(loop, loop.prof.enter(step))
@@ -295,12 +304,13 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     dt = time.perf_counter() - t0
     if loop.prof is not None:
         loop.prof.end(step, dt)
-    verdict = loop.guard.check(step, shared.loss, grad_norm)  # loss and norm are global: every rank decides alike
+    loss = loop.ft.global_loss(shared.loss)
+    verdict = loop.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
     lr = loop.opt.param_groups[0]["lr"]
-    _decide(loop, step, verdict, shared.stop)
+    _decide(loop, step, verdict, shared.stop, loop.ft.should_commit())  # torchft's vote (always True with it off)
     replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
     flagged = mon.end_step()
-    r = row(step, shared.loss, grad_norm, dt, lr, loop.cfg, loop.acc, policy.max_memory_gb())
+    r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, policy.max_memory_gb())
     r |= {"skipped_steps": loop.guard.skipped, "straggler_windows": mon.windows_judged}
     r |= {"integrity_checks": loop.integrity.checks, "replay_checks": loop.integrity.replays}
     r["data_hash"] = shared.data_hash
@@ -309,6 +319,7 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
         r["stragglers"] = flagged
     if loop.prof is not None and profiling.profiled(loop.cfg.profile, step):
         r["profiled"] = True  # the profiler ran: left out of the medians
+    r |= loop.ft.row(step, r, loop.built.parts)
     return r | replicas, verdict, shared.stop
 
 
@@ -335,11 +346,11 @@ def _step(loop: _Loop, step: int) -> int:
             r |= {"rewound_to": _rewind(loop), "bad_steps": sorted(guard.bad_steps)}
         elif loop.eval_data is not None and evaluate.due(loop.cfg.eval.interval, step, loop.cfg.training.steps):
             r |= _evaluate(loop)
-    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step):
+    if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step) and loop.ft.saves():
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, guard)
     r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
     _publish(loop, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
-    return r["rewound_to"] + 1 if "rewound_to" in r else step + 1
+    return r["rewound_to"] + 1 if "rewound_to" in r else loop.ft.next_step(step)
 
 
 def _publish(loop: _Loop, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
@@ -474,6 +485,7 @@ def run(
     summary = _finish(loop, step)
     if timeline is not None:
         summary["goodput"] = timeline.end(loop.finish_from, loop.final_checkpoint_s)  # summary.json and W&B keep it
+    loop.ft.close()
     for s in sinks:
         s.close(summary)
     if timeline is not None:

@@ -20,7 +20,7 @@ from runner.config import freeze, goodput, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
 from runner.config.validate import data as validate_tokens
 from runner.observe import forensics
-from runner.run import accounting, device, evaluate, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
+from runner.run import accounting, device, evaluate, ft, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
 from runner.run.device import DevicePolicy
 
 
@@ -69,6 +69,11 @@ def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: Device
     )
 
 
+def _load(frozen: Path):
+    cfg = freeze.load(frozen)
+    return cfg, layout.resolve(cfg.parallelism, cfg.cluster)
+
+
 @record
 def main(frozen_path: str) -> None:
     preempt.watch_rank()  # before anything slow: SLURM's USR2 would otherwise end the rank
@@ -76,8 +81,7 @@ def main(frozen_path: str) -> None:
     known_warnings.apply(known_warnings.on_console())  # a forked rank inherits the launcher's: ranks 1.. keep every warning
     frozen = Path(frozen_path)
     run_dir = frozen.parent
-    cfg = freeze.load(frozen)
-    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    cfg, lay = ft.job_view(*_load(frozen))  # fault_tolerance=torchft: this replica group's job
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
     timeline = goodput.Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline
@@ -120,7 +124,8 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
     ("eval": the held-out split: for text data.eval_files or the documents data.eval_fraction holds out of data.files,
     for tokens the prepared eval split; never shuffled)."""
     t, d = cfg.training, cfg.data
-    common = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=lay.dp_rank(rank), dp=lay.dp)
+    dp_rank, dp, global_batch = ft.data_coords(cfg, lay, rank)  # under torchft: this replica's shards of the whole batch
+    common = dict(seq_len=t.seq_len, global_batch=global_batch, microbatch=t.microbatch_size, dp_rank=dp_rank, dp=dp)
     if d.name == DataSource.synthetic:
         return loader.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
     if d.name == DataSource.tokens:

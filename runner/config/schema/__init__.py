@@ -17,6 +17,7 @@ from runner.config.schema.choices import (
     DataSource,
     DeviceType,
     DType,
+    FaultTolerance,
     Fp8Recipe,
     GuardAction,
     HostGroup,
@@ -34,6 +35,7 @@ from runner.config.schema.operations import (
     CheckpointConfig,
     ClusterConfig,
     DistributedConfig,
+    FaultToleranceConfig,
     FlightRecorderConfig,
     InjectConfig,
     IntegrityConfig,
@@ -68,6 +70,8 @@ __all__ = [
     "DataSource",
     "DeviceType",
     "DistributedConfig",
+    "FaultTolerance",
+    "FaultToleranceConfig",
     "DryrunConfig",
     "EvalConfig",
     "FlightRecorderConfig",
@@ -118,6 +122,7 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     dryrun: DryrunConfig = field(default_factory=DryrunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     search: SearchConfig = field(default_factory=SearchConfig)

@@ -133,6 +133,14 @@ class MismatchAction(Enum):
     """Reload the newest checkpoint at or before the step (every replica loads the same values) and go on."""
 
 
+class FaultTolerance(Enum):
+    none = "none"
+    """A dead rank stops every rank; torch's elastic agent restarts the job (cluster.max_restarts) from its checkpoint."""
+    torchft = "torchft"
+    """Per-replica fault tolerance through torchft: each dp_replicate group is its own torchrun job and a dead one
+    restarts alone and recovers the weights from a live peer while the others train on (docs/fault-tolerance.md)."""
+
+
 class GuardAction(Enum):
     skip = "skip"
     """Drop the batch: no optimizer step; counted and logged."""

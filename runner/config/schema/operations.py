@@ -8,6 +8,7 @@ from runner.config.schema.choices import (
     Backend,
     DeviceType,
     DType,
+    FaultTolerance,
     GuardAction,
     HostGroup,
     Launcher,
@@ -282,6 +283,32 @@ class FlightRecorderConfig:
     """Dump folder; relative paths are inside the run folder. Files are `rank_<r>` (torchfrtrace's layout)."""
     enable_timing: bool = False
     """CUDA only: time every collective with CUDA events (TORCH_NCCL_ENABLE_TIMING); costs a little per collective."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    name: FaultTolerance = FaultTolerance.none
+    """none: one torchrun job for every rank; torchft: one torchrun job per dp_replicate group under a torchft lighthouse."""
+    lighthouse: str = ""
+    """Address of a running torchft lighthouse (http://host:port); "" starts one on the first node at lighthouse_port."""
+    lighthouse_port: int = 29510
+    """Port of the lighthouse the runner starts (lighthouse ""), on the first node."""
+    min_replicas: int = 1
+    """Replica groups a step needs to commit (the lighthouse's --min_replicas and the manager's min_replica_size)."""
+    join_timeout_ms: int = 60000
+    """Milliseconds the lighthouse waits for heartbeating replica groups to join a new quorum before it forms one without them."""
+    heartbeat_timeout_ms: int = 5000
+    """Milliseconds without a heartbeat after which the lighthouse counts a replica group dead."""
+    timeout_s: int = 60
+    """Seconds torchft's collectives, should_commit and checkpoint transfers may take (TORCHFT_TIMEOUT_SEC)."""
+    quorum_timeout_s: int = 60
+    """Seconds a replica group waits for a quorum (TORCHFT_QUORUM_TIMEOUT_SEC); longer than a step."""
+    connect_timeout_s: int = 60
+    """Seconds to connect to the lighthouse and the replica groups' managers (TORCHFT_CONNECT_TIMEOUT_SEC)."""
+    process_group_timeout_ms: int = 10000
+    """Milliseconds after which torchft's cross-replica gloo/NCCL group aborts an operation (TorchTitan's TorchFTManager)."""
+    replica_id: int = -1
+    """This job's replica group (0..dp_replicate-1); set by the runner in each group's frozen file, -1 in a user config."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 import runner.config.validate.checkpoint as checkpoint_rules
 import runner.config.validate.data as data_rules
 import runner.config.validate.eval as eval_rules
+import runner.config.validate.fault_tolerance as ft_rules
 import runner.config.validate.fields as fields
 import runner.config.validate.hf as hf_rules
 import runner.config.validate.launch as launch_rules
@@ -186,6 +187,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data", data_rules.check, Needs.CONFIG),
     Rule("evaluation", eval_rules.check, Needs.CONFIG),
     Rule("profiler", profile_rules.check, Needs.CONFIG, reads=_WS),
+    Rule("fault tolerance (torchft)", ft_rules.check, Needs.LAYOUT, reads=_LAY),
     Rule("dry-run ranks", _dryrun_ranks, Needs.LAYOUT, "dryrun.ranks are ranks of the layout mode=dryrun plays; a search plays none", _CTX),
     Rule(
         "device memory",
@@ -200,6 +202,7 @@ RULES: tuple[Rule, ...] = (
     Rule("held-out files", eval_rules.files, Needs.FILES, _LAUNCH),
     Rule("Hugging Face folder to start from", hf_rules.files, Needs.FILES, _LAUNCH),
     Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
+    Rule("torchft installed, lighthouse answering", ft_rules.launch, Needs.FILES, _LAUNCH),
 )
 
 

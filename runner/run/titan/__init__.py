@@ -27,7 +27,7 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.hf import load_hf
 from runner.run.titan.model import check_size, model_spec
-from runner.run.titan.state import load_state, save_model, save_state
+from runner.run.titan.state import live_state, load_live_state, load_state, save_model, save_state
 from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
     "convert_precision",
     "fp8_layers",
     "init_process_group",
+    "live_state",
+    "load_live_state",
     "load_hf",
     "load_state",
     "local_value",

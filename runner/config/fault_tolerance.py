@@ -1,0 +1,64 @@
+"""Per-replica fault tolerance through torchft, as plain numbers and commands (torch-free).
+
+With fault_tolerance=torchft, the configured layout's dp_replicate groups become torchft replica groups: each is
+its own torchrun job with dp_replicate=1 (`group_layout`), knows its `replica_id`, and reads the data of its own
+replica's shards (`global_rank`), while a torchft lighthouse (`lighthouse_command`) keeps the quorum. The rules
+that refuse what cannot work are in runner/config/validate/fault_tolerance.py; docs/fault-tolerance.md says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runner.config.layout import Layout
+from runner.config.schema import FaultTolerance, RunConfig
+
+
+def enabled(cfg: RunConfig) -> bool:
+    return cfg.fault_tolerance.name == FaultTolerance.torchft
+
+
+def group_layout(lay: Layout) -> Layout:
+    """One replica group's torchrun job: the layout with dp_replicate=1 (TorchTitan's TorchFTManager expects it)."""
+    return dataclasses.replace(lay, dp_replicate=1)
+
+
+def global_rank(lay: Layout, replica_id: int, job_rank: int) -> int:
+    """The rank `job_rank` of replica group `replica_id` holds in the configured layout (pp=1: groups are consecutive)."""
+    return replica_id * group_layout(lay).world_size + job_rank
+
+
+def lighthouse_address(cfg: RunConfig, host: str) -> str:
+    """The lighthouse the replica groups talk to: the configured one, or the one the runner starts on `host`."""
+    f = cfg.fault_tolerance
+    return f.lighthouse or f"http://{host}:{f.lighthouse_port}"
+
+
+def lighthouse_command(cfg: RunConfig) -> list[str]:
+    """torchft's own lighthouse binary (bundled in the torchft wheel) for this run."""
+    f = cfg.fault_tolerance
+    return [
+        "torchft_lighthouse",
+        f"--min_replicas={f.min_replicas}",
+        "--quorum_tick_ms=100",
+        f"--join_timeout_ms={f.join_timeout_ms}",
+        f"--heartbeat_timeout_ms={f.heartbeat_timeout_ms}",
+        f"--bind=[::]:{f.lighthouse_port}",
+    ]
+
+
+def env(cfg: RunConfig, lighthouse: str) -> dict[str, str]:
+    """What every rank of every replica group receives: the lighthouse and torchft's timeouts."""
+    f = cfg.fault_tolerance
+    return {
+        "TORCHFT_LIGHTHOUSE": lighthouse,
+        "TORCHFT_TIMEOUT_SEC": str(f.timeout_s),
+        "TORCHFT_QUORUM_TIMEOUT_SEC": str(f.quorum_timeout_s),
+        "TORCHFT_CONNECT_TIMEOUT_SEC": str(f.connect_timeout_s),
+        "RUST_LOG": "warn",  # torchft's Rust side logs every quorum and commit at info; warnings and errors remain
+    }
+
+
+def replica_dir_name(replica_id: int) -> str:
+    """The sub-folder of the run folder that holds one replica group's frozen file, rank records, logs and checkpoints."""
+    return f"replica_{replica_id}"

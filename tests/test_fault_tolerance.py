@@ -1,0 +1,289 @@
+"""fault_tolerance=torchft: lose a replica, keep training (docs/fault-tolerance.md).
+
+The in-process tests check the rules before launch, the per-group frozen files and launch plan, the data view of a
+replica group and the flight-recorder paths torchft rewrites. One e2e launch (`outage`) carries the scenario of
+issue 30: two replica groups of two ranks (hsdp2x2) under one lighthouse, one rank of group 1 SIGKILLed from this
+process at step 4, group 0 training on alone, group 1 restarting, recovering the weights from group 0 and training
+on; then the lighthouse is SIGKILLed from here and the run resumed from its last checkpoint (a second launch).
+Its first steps (both groups healthy) are compared with the plain hsdp2x2 run of tests/test_parallel.py's shared
+parity launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.config import checkpoint, layout, runfiles, validate
+from runner.config import fault_tolerance as ft
+from runner.config.problems import ConfigError
+
+FT = ["fault_tolerance=torchft", "parallelism=hsdp2x2"]
+
+
+def problems(cfg) -> dict[str, str]:
+    with pytest.raises(ConfigError) as e:
+        validate.check(cfg)
+    return {p.field: str(p) for p in e.value.problems}
+
+
+def test_issue_command_validates_and_splits_the_layout(compose):
+    cfg = compose(FT)
+    lay = validate.check(cfg)
+    assert (cfg.fault_tolerance.name.value, cfg.cluster.max_restarts) == ("torchft", 3)  # the group turns restarts on
+    assert ft.group_layout(lay) == dataclasses.replace(lay, dp_replicate=1)
+    assert [ft.global_rank(lay, 1, r) for r in range(2)] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "words"),
+    [
+        (["parallelism.dp_replicate=1"], "parallelism.dp_replicate", "no peer to recover from"),
+        (["parallelism=dp2"], "parallelism.dp_shard", "builds no FSDP module"),
+        (["fault_tolerance.min_replicas=2"], "fault_tolerance.min_replicas", "no replica group could be lost"),
+        (["parallelism.pp=2", "training.global_batch_size=16"], "parallelism.pp", "covers FSDP/HSDP only"),
+        (["cluster.max_restarts=0"], "cluster.max_restarts", "never comes back"),
+        (["monitor.guard.action=rewind"], "monitor.guard.action", "while the others train on"),
+        (["monitor.integrity.on_mismatch=rewind", "checkpoint=local"], "monitor.integrity.on_mismatch", "while the others train on"),
+        (["cluster=slurm_h100", "parallelism.dp_shard=4"], "fault_tolerance.lighthouse", "end with that group"),
+        (["cluster=slurm_h100", "parallelism.dp_shard=4", "fault_tolerance.lighthouse=http://h:1"], "mode", "launch_plan"),
+    ],
+)
+def test_refused_before_launch(compose, overrides, field, words):
+    found = problems(compose([*FT, *overrides]))
+    assert field in found and words in found[field], found
+
+
+def test_a_replica_group_sharing_a_node_with_another_is_refused(compose):
+    # 16 ranks on nodes of 8 in 4 groups of 4 is fine (2 groups per node); 3 groups of 8 on nodes of 12: no
+    cfg = compose([*FT, "cluster=h100_node", "cluster.num_nodes=2", "cluster.devices_per_node=12", "parallelism.dp_replicate=3"])
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, dp_shard=8))
+    found = problems(cfg)
+    assert "one node would hold ranks of two groups" in found["parallelism.dp_replicate"], found
+
+
+def test_preflight_refuses_a_silent_lighthouse_and_a_missing_torchft(compose, tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = compose([*FT, f"fault_tolerance.lighthouse=http://127.0.0.1:{port}"])
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(cfg, tmp_path)
+    (p,) = [p for p in e.value.problems if p.field == "fault_tolerance.lighthouse"]
+    assert f"127.0.0.1:{port}" in p.why and "does not answer" in p.why
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(compose(FT), tmp_path)
+    assert [p.fix for p in e.value.problems if p.field == "fault_tolerance.name"] == [
+        "pip install torchft==0.2.0 (scripts/setup.sh installs it) or fault_tolerance=none"
+    ]
+
+
+def test_each_group_reads_its_own_shards_of_the_whole_batch(compose):
+    from runner.run import ft as ftrun
+
+    cfg = compose(FT)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    job = dataclasses.replace(cfg, fault_tolerance=dataclasses.replace(cfg.fault_tolerance, replica_id=1))
+    job_cfg, job_lay = ftrun.job_view(job, lay)
+    assert (job_cfg.training.global_batch_size, job_lay.world_size) == (4, 2)  # the loss divides by the job's tokens
+    # the same samples as ranks 2 and 3 of the plain hsdp2x2 layout
+    assert [ftrun.data_coords(job_cfg, job_lay, r) for r in range(2)] == [(lay.dp_rank(2), 4, 8), (lay.dp_rank(3), 4, 8)]
+
+
+def test_launch_plan_is_one_job_per_replica_group(compose, tmp_path):
+    from runner.run import ft_launch
+
+    cfg = compose([*FT, "cluster=slurm_h100", "parallelism.dp_shard=8", "fault_tolerance.lighthouse=http://login1:29510"])
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_nodes=2))
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    text = ft_launch.plan(cfg, lay, tmp_path)
+    assert text.count("sbatch --nodes=1 --ntasks-per-node=1") == 2 and "TORCHFT_LIGHTHOUSE=http://login1:29510" in text
+    for r in range(2):
+        frozen = tmp_path / f"replica_{r}" / runfiles.FROZEN
+        assert "--nnodes=1 --nproc-per-node=8" in text and str(frozen) in text
+        from runner.config import freeze
+
+        got = freeze.load(frozen)
+        assert got.fault_tolerance.replica_id == r
+        assert got.checkpoint.folder == str((tmp_path / "checkpoints").resolve())  # one folder for every group
+
+
+def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, monkeypatch):
+    """torchft's Manager rewrites TORCH_FR_DUMP_TEMP_FILE to <prefix>_quorum_<id>/<global rank>: the runner's gloo
+    dump follows it, the hang report names the quorum folder, and torchfrtrace reads it with an empty prefix."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.flight_recorder.components import loader as fr_loader
+
+    from runner.observe import forensics
+
+    cfg = compose(FT)
+    folder = forensics.dump_folder(cfg, tmp_path)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/rank__quorum_2/3")
+    path = forensics.dump_path(cfg, tmp_path, 1)
+    assert path == folder / "rank__quorum_2" / "3"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(2))
+        path.parent.mkdir(parents=True)
+        forensics.dump_flight_recorder(path)
+    finally:
+        dist.destroy_process_group()
+    assert forensics.analyse_commands(folder) == [f"torchfrtrace {path.parent} --prefix '' --allow-incomplete-ranks"]
+    args = type("Args", (), {"trace_dir": str(path.parent), "prefix": "", "selected_ranks": None, "pg_filters": None})()
+    details, _ = fr_loader.read_dir(args)
+    (dump,) = details.values()
+    assert [e["frames"][0]["name"] for e in dump["entries"]] == ["all_reduce"]
+
+
+# ---- the outage scenario: one launch, then its resume ------------------------------------------------------------
+
+STEPS, KILL_AT, INTERVAL = 30, 4, 3
+
+
+def _lighthouse_pid(out: Path) -> int:
+    import re
+
+    m = re.search(r"fault tolerance: torchft lighthouse \S+ \(pid (\d+)\)", out.read_text())
+    return int(m.group(1)) if m else 0
+
+
+def _recovered(fo, run: Path) -> int:
+    """The newest checkpoint step after group 1 trained 3 steps beside group 0 following its recovery (0: not yet)."""
+    rows = [r for r in fo.rows(run / "replica_1") if r["ft_trained"]]
+    back = [r["step"] for r in rows if r["step"] > KILL_AT and r["ft_live_groups"] == 2]
+    saved = [s for s, _ in checkpoint.scan(run / "checkpoints").complete]
+    return max(saved) if len(back) >= 3 and saved and max(saved) > back[0] else 0
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory):
+    from bench import ft_outage as fo
+    from tests import test_parallel
+    from tests.conftest import _free_port
+
+    base = tmp_path_factory.mktemp("torchft")
+    overrides = [
+        *fo.COMMON,
+        *fo.FT,
+        *(o for o in test_parallel.COMMON if o.startswith(("training.seq_len", "training.max_norm"))),  # the parity run's
+        f"fault_tolerance.lighthouse_port={_free_port()}",
+        f"training.steps={STEPS}",
+        "checkpoint=local",
+        f"checkpoint.interval={INTERVAL}",
+        "checkpoint.async_save=false",
+        "monitor.integrity.interval=1",
+        "eval.interval=0",
+    ]
+    run, t0 = base / "run", time.time()
+    proc = fo.start(run, overrides)
+    first = [fo.wait_for(f"group 0 rank {r}", lambda r=r: fo.record(run / "replica_0", r), proc, 600)["pid"] for r in (0, 1)]
+    killed, _ = fo.kill_rank_at(run / "replica_1", 1, KILL_AT, proc)
+    saved = fo.wait_for("group 1 back and a checkpoint after it", lambda: _recovered(fo, run), proc, 600)
+    lighthouse = _lighthouse_pid(base / "run.out")
+    os.kill(lighthouse, signal.SIGKILL)
+    code = proc.wait(120)
+    took = time.time() - t0
+    kept = [fo.record(run / "replica_0", r)["pid"] for r in (0, 1)]
+    last = checkpoint.final_path(run / "checkpoints", saved)
+    intact = checkpoint.verify(last, deep=True)  # before the resumed run prunes it (checkpoint.keep)
+    resumed = base / "resumed"
+    again = fo.start(resumed, [*overrides, f"checkpoint.folder={run / 'checkpoints'}", "checkpoint.resume=true"])
+    again_code = again.wait(600)
+    print(f"torchft outage: first launch {took:.0f} s, resume {time.time() - t0 - took:.0f} s")
+    return {
+        "run": run,
+        "resumed": resumed,
+        "code": code,
+        "again_code": again_code,
+        "out": (base / "run.out").read_text(),
+        "again_out": (base / "resumed.out").read_text(),
+        "pids": (first, kept),
+        "killed": killed,
+        "lighthouse": lighthouse,
+        "saved": saved,
+        "last": last,
+        "intact": intact,
+        "rows": {r: fo.rows(run / f"replica_{r}") for r in (0, 1)},
+        "resumed_rows": {r: fo.rows(resumed / f"replica_{r}") for r in (0, 1)},
+    }
+
+
+def _attempts(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("logs/runner-ft*/attempt_*"))
+
+
+@pytest.mark.e2e
+def test_group_0_trains_on_while_group_1_is_down_and_recovers(outage):
+    run, rows = outage["run"], outage["rows"]
+    first, kept = outage["pids"]
+    assert first == kept and _attempts(run / "replica_0") == ["attempt_0"]  # group 0 never restarted
+    assert _attempts(run / "replica_1") == ["attempt_0", "attempt_1"] and outage["killed"] not in kept
+    trained0 = [r for r in rows[0] if r["ft_trained"]]
+    assert [r["step"] for r in trained0] == list(range(1, len(trained0) + 1))  # every step once, none trained twice
+    alone = [r["step"] for r in trained0 if r["ft_live_groups"] == 1]
+    assert len(alone) >= 3 and alone[0] == KILL_AT, alone  # group 1's step KILL_AT never committed: group 0 redid it alone
+    trained1 = [r for r in rows[1] if r["ft_trained"]]
+    before, after = [r["step"] for r in trained1 if r["step"] < KILL_AT], [r["step"] for r in trained1 if r["step"] > KILL_AT]
+    assert before == list(range(1, KILL_AT)) and len(after) >= 3
+    assert after == list(range(alone[-1] + 1, alone[-1] + 1 + len(after)))  # back at its peers' step, not its own
+    heal = [r for r in rows[1] if r["ft_committed"] and not r["ft_trained"]]
+    assert [r["step"] for r in heal] == [alone[-1]] and heal[0]["tokens_per_s"] == 0.0  # it loaded the weights, trained none
+    by_step = {r["step"]: r for r in trained0}
+    for r in trained1:  # checksums compared through torchft's managed group, and equal bitwise on both groups' ranks 0
+        assert r["ft_replicas_agree"] and r["ft_checksum"] == by_step[r["step"]]["ft_checksum"]
+    rates = {  # steps/s of each group before, during and after the outage (reported, not asserted: 2 shared cores)
+        f"group {g} {phase}": [round(1 / r["step_time_s"], 2) for r in (trained0, trained1)[g] if _phase(r) == phase][:6]
+        for g in (0, 1)
+        for phase in ("before", "during", "after")
+    }
+    print("steps/s: " + "; ".join(f"{k} {v}" for k, v in rates.items()))
+
+
+def _phase(r: dict) -> str:
+    return "before" if r["step"] < KILL_AT else "during" if r["ft_live_groups"] == 1 else "after"
+
+
+@pytest.mark.e2e
+def test_samples_follow_the_skip_rule(outage):
+    """While a group is down its shards of those steps are skipped and counted; every committed step trains live x 4."""
+    per_group = 4  # global batch 8 over 2 groups
+    rows = [r for r in outage["rows"][0] if r["ft_committed"]]
+    for r in rows:
+        assert r["samples_trained"] == r["ft_live_groups"] * per_group
+        assert r["tokens_trained"] == r["samples_trained"] * 64
+    skipped = sum((2 - r["ft_live_groups"]) * per_group for r in rows)
+    assert rows[-1]["samples_skipped"] == skipped >= 3 * per_group
+    assert sum(r["samples_trained"] for r in rows) + skipped == 8 * len(rows)
+
+
+@pytest.mark.e2e
+def test_healthy_steps_equal_plain_hsdp2x2(outage, parity_runs):
+    """Before the kill both groups train: the same losses and gradient norms as the plain hsdp2x2 run, bitwise."""
+    plain = parity_runs["hsdp2x2"]["rows"]
+    ft_rows = {r["step"]: r for r in outage["rows"][0] if r["ft_trained"]}
+    for p in plain:
+        assert (ft_rows[p["step"]]["loss"], ft_rows[p["step"]]["grad_norm"]) == (p["loss"], p["grad_norm"])
+
+
+@pytest.mark.e2e
+def test_lighthouse_killed_stops_every_group_and_the_checkpoint_resumes(outage):
+    assert outage["code"] == 1
+    assert "the torchft lighthouse http://localhost:" in outage["out"] and f"(pid {outage['lighthouse']}) stopped" in outage["out"]
+    assert outage["intact"] is None and f"the last checkpoint is {outage['last']}" in outage["out"]
+    assert outage["again_code"] == 0, outage["again_out"][-3000:]
+    for r in (0, 1):
+        steps = [row["step"] for row in outage["resumed_rows"][r] if row["ft_trained"]]
+        assert steps == list(range(outage["saved"] + 1, STEPS + 1)), steps  # from the checkpoint to the last step
