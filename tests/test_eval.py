@@ -284,8 +284,9 @@ def _train_one_rank(one_rank, tmp_path, monkeypatch, counts: _Counts) -> list[di
     cfg, lay, built, policy = one_rank
     cfg = copy.deepcopy(cfg)
     cfg.training.steps, cfg.logging.log_every = 3, 10
+    cfg.training.global_batch_size = cfg.training.microbatch_size = 2  # one microbatch of 2 samples: the cheapest step
     acc = accounting.Accounting(1.0, 1e12, "test", built.flops_per_token, built.flops_per_token, "float32", False, built.num_params, None)
-    data = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **_shape())
+    data = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **(_shape() | {"global_batch": 2, "microbatch": 2}))
     _instrument(monkeypatch, counts, train, DevicePolicy)
     try:
         return train.run(cfg, lay, built, data, acc, [], tmp_path, policy)
