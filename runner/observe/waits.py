@@ -67,6 +67,8 @@ class Waits(TorchDispatchMode):
     def start(self) -> None:
         """Begin timing a step's waits (the step loop's begin_step)."""
         self.pending = []
+        if self._wait is not None:  # still timing (a step that raised before its end): keep the one wrapper
+            return
         original, waits = _WORK.wait, self
 
         def wait(work, *args, **kwargs):
