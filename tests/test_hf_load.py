@@ -134,7 +134,7 @@ def test_step_zero_says_it_started_from_hf(parity_runs):
     console, folder = conftest.CONSOLES[1], HF_FOLDERS["llama3"]
     sha = hashlib.sha256((folder / hf.CONFIG).read_bytes()).hexdigest()
     assert f"step 0: started from Hugging Face weights in {folder} (config.json sha256 {sha};" in console
-    started = [name for name in parity_runs if name.startswith("hf-") and name != RESUMED and not name.endswith(("ep2", "tp2", "pp2"))]
+    started = [n for n in parity_runs if n.startswith("hf-") and (n.endswith("-single") or n == "hf-llama3-two-steps")]
     assert console.count("step 0: started from Hugging Face weights") == len(started) == 6  # 5 singles and the two-step run
 
 
