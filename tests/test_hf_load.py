@@ -252,6 +252,15 @@ def test_a_family_without_a_usable_adapter_is_refused(monkeypatch, capsys, tmp_p
     assert "so model.init_from cannot be read into it. Fix: start llama3, qwen3, deepseek_v3, qwen3_5, kimi_k2_7 from" in err
 
 
+@pytest.mark.parametrize("model", ["llama3_debugmodel", "qwen3_debugmodel", "deepseek_v3_debugmodel"])
+def test_rope_theta_reaches_the_built_model(compose, model):
+    """model.rope_theta (compared with config.json) is the theta every block's RoPE is built with."""
+    from runner.run.titan.model import model_spec
+
+    layers = model_spec(compose([f"model={model}", "model.rope_theta=12345.0"]).model).model.layers
+    assert {la.attention.rope.theta for la in layers} == {12345.0}
+
+
 def test_tied_embedding_under_pp_is_refused(compose):
     with pytest.raises(ConfigError) as e:
         validate.check(compose([*hf_models.QWEN3, "parallelism=tp2_pp2"]))
