@@ -134,7 +134,7 @@ def test_step_zero_says_it_started_from_hf(parity_runs):
     console, folder = conftest.CONSOLES[1], HF_FOLDERS["llama3"]
     sha = hashlib.sha256((folder / hf.CONFIG).read_bytes()).hexdigest()
     assert f"step 0: started from Hugging Face weights in {folder} (config.json sha256 {sha};" in console
-    started = [name for name in parity_runs if name.startswith("hf-") and name != RESUMED and not name.endswith(("ep2", "tp2", "pp2"))]
+    started = [n for n in parity_runs if n.startswith("hf-") and (n.endswith("-single") or n == "hf-llama3-two-steps")]
     assert console.count("step 0: started from Hugging Face weights") == len(started) == 6  # 5 singles and the two-step run
 
 
@@ -250,6 +250,15 @@ def test_a_family_without_a_usable_adapter_is_refused(monkeypatch, capsys, tmp_p
     err = _refused(monkeypatch, capsys, tmp_path, "model=gpt_oss_debugmodel", f"model.init_from={tmp_path}", "cluster=h100_node")
     assert "model.name = gpt_oss: TorchTitan 0.3.0's gpt_oss state_dict_adapter maps the experts as mlp1_weight" in err
     assert "so model.init_from cannot be read into it. Fix: start llama3, qwen3, deepseek_v3, qwen3_5, kimi_k2_7 from" in err
+
+
+@pytest.mark.parametrize("model", ["llama3_debugmodel", "qwen3_debugmodel", "deepseek_v3_debugmodel"])
+def test_rope_theta_reaches_the_built_model(compose, model):
+    """model.rope_theta (compared with config.json) is the theta every block's RoPE is built with."""
+    from runner.run.titan.model import model_spec
+
+    layers = model_spec(compose([f"model={model}", "model.rope_theta=12345.0"]).model).model.layers
+    assert {la.attention.rope.theta for la in layers} == {12345.0}
 
 
 def test_tied_embedding_under_pp_is_refused(compose):

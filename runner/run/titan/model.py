@@ -66,6 +66,13 @@ def _decoder(m: ModelConfig, flavor, layers: list, family) -> object:
     )
 
 
+def _rope(rope, dim: int, m: ModelConfig):
+    """The flavor's RoPE config with m's head dims and, where it differs from the flavor's, m's rope_theta (the
+    flavor's own number kept as the registry writes it, e.g. the int 500000)."""
+    theta = {} if rope.theta == m.rope_theta else {"theta": m.rope_theta}
+    return dataclasses.replace(rope, dim=dim, **theta)
+
+
 def _refuse(m: ModelConfig, fields: tuple[str, ...], what: str) -> None:
     set_fields = [f"model.{f} = {getattr(m, f)}" for f in fields if getattr(m, f)]
     if set_fields:
@@ -82,7 +89,7 @@ def _llama3(m: ModelConfig, flavor, llama3):
         n_heads=m.num_heads,
         n_kv_heads=None if m.num_kv_heads == m.num_heads else m.num_kv_heads,  # as the registry writes a model without GQA
         hidden_dim=m.ffn_hidden_dim,
-        rope=dataclasses.replace(attention.rope, dim=hd, theta=m.rope_theta),
+        rope=_rope(attention.rope, hd, m),
         fuse_qkv=m.fuse_qkv,
         attn_backend=ATTN_BACKEND,
     )
@@ -102,7 +109,7 @@ def _qwen3(m: ModelConfig, flavor, qwen3):
         head_dim=hd,
         fuse_qkv=m.fuse_qkv,
         attn_backend=ATTN_BACKEND,
-        rope=dataclasses.replace(flavor.layers[0].attention.rope, dim=hd, theta=m.rope_theta),
+        rope=_rope(flavor.layers[0].attention.rope, hd, m),
     )
     if flops.is_moe(m):
         layers = qwen3._build_qwen3_moe_layers(
@@ -146,7 +153,7 @@ def _mla_moe(m: ModelConfig, flavor, family):
         attn_backend=ATTN_BACKEND,
         moe_comm_backend="standard",  # the registry's defaults, which model_spec asked for
         non_blocking_capacity_factor=None,
-        rope=dataclasses.replace(attention.rope, dim=m.qk_rope_head_dim, theta=m.rope_theta),
+        rope=_rope(attention.rope, m.qk_rope_head_dim, m),
     )
     out = _decoder(m, flavor, layers, family)
     if hasattr(out, "vision_encoder"):
@@ -161,7 +168,7 @@ def _gpt_oss(m: ModelConfig, flavor, gpt_oss):
     block's attention is rebuilt with m's (the builder's own per-layer initializers)."""
     _refuse(m, (*LATENT_ATTENTION_FIELDS, "num_shared_experts", "num_dense_layers", "qk_norm"), "gpt-oss (GQA with sinks, all-MoE)")
     hd = flops.head_dim(m)
-    rope = dataclasses.replace(flavor.layers[0].attention.rope, dim=hd, theta=m.rope_theta)
+    rope = _rope(flavor.layers[0].attention.rope, hd, m)
     layers = gpt_oss._build_gptoss_layers(
         dim=m.dim,
         n_layers=m.num_layers,
