@@ -248,13 +248,14 @@ def test_hf_through_the_runner_exports_the_same_tensors(parity_runs, point, tmp_
     every tensor bitwise. Only DeepSeek-V3's router bias moves: TorchTitan's load balancing adds its coefficient (1e-3)
     times the sign of each expert's load less the mean of that, at most 2e-3, before the first update whatever the
     learning rate."""
-    from tests import test_hf_load
+    from tests import test_hf_export as filled  # the module conftest imported and round_trip filled (pytest imports
+    from tests import test_hf_load  # this file as another module object: tests/ is no package)
 
     assert parity_runs[point]["rows"][0]["step"] == 1
-    code, _, err = _export(capsys, ROUND_TRIP_FOLDERS[point] / "step-1", "--format", "hf", "--out", tmp_path / "hf")
+    code, _, err = _export(capsys, filled.ROUND_TRIP_FOLDERS[point] / "step-1", "--format", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
     want, got = exported(test_hf_load.HF_FOLDERS[point.split("-")[1]]), exported(tmp_path / "hf")
-    assert sorted(got) == sorted(want)
+    assert len(want) > 10 and sorted(got) == sorted(want)
     balanced = [k for k in want if k.endswith("e_score_correction_bias")]
     assert [k for k in want if k not in balanced and not torch.equal(got[k], want[k])] == []
     for k in balanced:
