@@ -176,7 +176,7 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
     """The parity points of tests/test_parallel.py and tests/test_family_train.py, each with its own module's
     COMMON, in one launch per rank count: a launch imports torch and TorchTitan and starts a process group
     (~10 s), so the two modules share theirs."""
-    from tests import test_family_train, test_hf_load, test_parallel
+    from tests import test_family_train, test_hf_export, test_hf_load, test_parallel
 
     launches: dict[int, dict[str, list[str]]] = {}
     for module in (test_parallel, test_family_train):
@@ -184,6 +184,8 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
             launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
     for nproc, points in test_hf_load.launches(tmp_path_factory.mktemp("hf_models")).items():  # its own COMMON inside
         launches.setdefault(nproc, {}).update(points)
+    for name, extra in test_hf_export.round_trip(tmp_path_factory.mktemp("hf_round_trip")).items():  # some of those points checkpoint
+        next(points for points in launches.values() if name in points)[name] += extra
     return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
 
 

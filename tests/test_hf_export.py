@@ -218,6 +218,48 @@ def test_run_folder_exports_its_newest_checkpoint_with_the_tokenizer(saved, comp
     assert hf_tok.eos_token == text_assets.EOS
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eos
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eos
+    tok.unlink()  # the run's tokenizer gone: refused rather than exported without one
+    code, _, err = _export(capsys, run, "--format", "hf", "--out", tmp_path / "hf2")
+    assert code == 2 and f"export refused: data.tokenizer {tok} (the run's, in its frozen.yaml) is not there" in err
+    assert not (tmp_path / "hf2").exists()
+
+
+# ---- HF -> runner -> HF in each layout (points of test_hf_load's launches, shared through conftest's parity_runs) ------
+
+ROUND_TRIP = ("hf-llama3_gqa-single", "hf-llama3_gqa-dp2_tp2", "hf-llama3_gqa-tp2_pp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2")
+"""Points of tests/test_hf_load.py (started from a tiny transformers model through model.init_from) that also save a
+checkpoint after their one step, with a learning rate (1e-30) too small to change a float32 weight."""
+ROUND_TRIP_FOLDERS: dict[str, Path] = {}
+
+
+def round_trip(folder: Path) -> dict[str, list[str]]:
+    """The overrides that make each ROUND_TRIP point checkpoint its untrained weights into a folder under `folder`."""
+    out = {}
+    for point in ROUND_TRIP:
+        ROUND_TRIP_FOLDERS[point] = folder / point
+        out[point] = ["checkpoint.enable=true", f"checkpoint.folder={folder / point}", "checkpoint.async_save=false", "training.lr=1e-30"]
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("point", ROUND_TRIP)
+def test_hf_through_the_runner_exports_the_same_tensors(parity_runs, point, tmp_path, capsys):
+    """A transformers folder read into the layout (model.init_from), checkpointed by its ranks and exported gives back
+    every tensor bitwise. Only DeepSeek-V3's router bias moves: TorchTitan's load balancing adds its coefficient (1e-3)
+    times the sign of each expert's load less the mean of that, at most 2e-3, before the first update whatever the
+    learning rate."""
+    from tests import test_hf_export as filled  # the module conftest imported and round_trip filled (pytest imports
+    from tests import test_hf_load  # this file as another module object: tests/ is no package)
+
+    assert parity_runs[point]["rows"][0]["step"] == 1
+    code, _, err = _export(capsys, filled.ROUND_TRIP_FOLDERS[point] / "step-1", "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    want, got = exported(test_hf_load.HF_FOLDERS[point.split("-")[1]]), exported(tmp_path / "hf")
+    assert len(want) > 10 and sorted(got) == sorted(want)
+    balanced = [k for k in want if k.endswith("e_score_correction_bias")]
+    assert [k for k in want if k not in balanced and not torch.equal(got[k], want[k])] == []
+    for k in balanced:
+        assert 0 < (got[k] - want[k]).abs().max() <= 2e-3 * (1 + 1e-6)
 
 
 # ---- refusals: exit 2, one line naming the path, the value and the fix, nothing written ----------------------

@@ -67,6 +67,11 @@ def source(path: Path) -> Source:
         raise ExportRefused(f"checkpoint {ckpt} fails its check: {why}. Fix: export another checkpoint (an older step-<n> folder)")
     model = ModelConfig(**checkpoint.marker(ckpt)["model"])
     data = cfg.data if cfg is not None else None
+    if data and data.tokenizer and not Path(data.tokenizer).is_file():
+        raise ExportRefused(
+            f"data.tokenizer {data.tokenizer} (the run's, in its {runfiles.FROZEN}) is not there, so the export would have no "
+            "tokenizer. Fix: put the tokenizer back at that path, or export the checkpoint folder from a copy outside the run folder"
+        )
     return Source(ckpt, model, data.tokenizer if data else "", data.eos_token if data else "")
 
 

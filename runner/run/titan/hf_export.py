@@ -63,13 +63,20 @@ def _rope(model_config) -> dict[str, Any]:
     return {"rope_theta": float(r.theta), **scaling}
 
 
+def _positions(m: ModelConfig, model_config) -> int:
+    """Positions the model is meant for: YaRN's factor times its original length (DeepSeek-V3 publishes 40 x 4096, and
+    transformers warns of any other), else the length of TorchTitan's RoPE table."""
+    r = model_config.layers[0].attention.rope
+    return int(r.rope_factor * r.original_seq_len) if r.scaling == "yarn" and r.rope_factor > 1.0 else m.rope_max_seq_len
+
+
 def _common(m: ModelConfig, model_config) -> dict[str, Any]:
     return {
         "vocab_size": m.vocab_size,
         "hidden_size": m.dim,
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads,
-        "max_position_embeddings": m.rope_max_seq_len,
+        "max_position_embeddings": _positions(m, model_config),
         "rms_norm_eps": model_config.norm.eps,
         "tie_word_embeddings": m.weight_tying,
         "rope_parameters": _rope(model_config),
