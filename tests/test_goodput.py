@@ -142,7 +142,7 @@ def test_the_rank_that_went_quiet_first_marks_a_silent_failure(tmp_path):
     assert forensics.last_alive(tmp_path, attempt=2) is None
 
 
-@pytest.mark.parametrize(("restored", "lost", "stop"), [(2, 13.2 - 12.5, 13.2), (3, 0.0, 13.5)])
+@pytest.mark.parametrize(("restored", "lost", "stop"), [(2, 13.2 - 12.5, 13.2), (3, 0.0, 13.5)], ids=["from_step_2", "from_step_3"])
 def test_rank_that_dies_while_rank_0_finishes_its_step(restored, lost, stop):
     """Rank 1 dies silently at t=13.2, while rank 0 still saves and logs step 3 (its record ends at 13.5). Resumed from
     step 2: step 3's record is thrown away and the lost work ends at the death; resumed from step 3: nothing is lost
@@ -156,3 +156,13 @@ def test_rank_that_dies_while_rank_0_finishes_its_step(restored, lost, stop):
     assert got["parts_s"]["lost"] == pytest.approx(lost) and got["attempts"][0]["stop"] == stop
     assert got["parts_s"]["restart_gap"] == pytest.approx(16.0 - stop)
     assert got["steps_counted"] == 4 and got["unaccounted_s"] == pytest.approx(4 * 0.05)  # no record counted twice
+
+
+def test_process_start_is_this_process_start_by_ps():
+    """The launch and a restarted rank's start: this process's start from /proc, against ps's elapsed seconds."""
+    import os
+    import subprocess
+    import time
+
+    elapsed = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True, check=True).stdout)
+    assert goodput.process_start() == pytest.approx(time.time() - elapsed, abs=1.1)  # ps counts whole seconds
