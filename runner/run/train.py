@@ -326,14 +326,14 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
 def _step(loop: _Loop, step: int) -> int:
     """Train `step` (or leave it out after a rewind); returns the next step."""
     guard, policy = loop.guard, loop.policy
-    started, p0 = time.time(), time.perf_counter()
+    started, p0 = time.time(), time.monotonic()  # the step's overhead: its own clock, apart from dt's
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
         _update(loop)
         loop.sched.step()
         return step + 1
     syncs = policy.host_syncs
     r, verdict, stop = _measure(loop, step)
-    spent = {"overhead_s": time.perf_counter() - p0 - r["step_time_s"]}  # outside dt: the batch check, the monitors, the row
+    spent = {"overhead_s": time.monotonic() - p0 - r["step_time_s"]}  # outside dt: the batch check, the monitors, the row
     if preempt.requeued():
         r["slurm_restart"] = preempt.restart_count()
     if verdict.spike:
@@ -349,23 +349,22 @@ def _step(loop: _Loop, step: int) -> int:
     if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step) and loop.ft.saves():
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, guard)
     r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
-    _publish(loop, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
+    _publish(loop, step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
     return r["rewound_to"] + 1 if "rewound_to" in r else loop.ft.next_step(step)
 
 
-def _publish(loop: _Loop, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
+def _publish(loop: _Loop, step: int, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
     """After the step's save: publish a finished async save, log the row when due, record the step on the timeline."""
-    p2 = time.perf_counter()
+    p2 = time.monotonic()
     loop.ckpt.poll()
-    p3 = time.perf_counter()
+    p3 = time.monotonic()
     spent["publish_s"] = p3 - p2
     loop.rows.append(r)
-    step = r["step"]
     if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or notable or "eval_loss" in r or loop.stopped:
         for s in loop.sinks:
             s.log(r)
     loop.mon.finished_step()
-    spent["overhead_s"] += time.perf_counter() - p3
+    spent["overhead_s"] += time.monotonic() - p3
     if loop.timeline is not None:
         loop.timeline.step(r, started, **spent)
 
