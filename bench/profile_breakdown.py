@@ -45,7 +45,7 @@ def calibrate(out: Path) -> Path:
 def measure(steps: int, trace: int, profile: Path | None, folder: Path) -> dict[str, dict | None]:
     """Each layout's summary.json after one multirun (None for a point that failed)."""
     names = points_file.write({f"p{i}": [*COMMON, *o] for i, o in enumerate(LAYOUTS.values())}, folder / "points")
-    argv = [sys.executable, "-m", "runner", "-m", *points_file.argv(list(names.values()), folder / "points")]
+    argv = [sys.executable, "-m", "runner", "-m", *points_file.argv(names, folder / "points")]
     argv += [f"training.steps={steps}", f"profile.steps=[{trace}]", f"hydra.sweep.dir={folder / 'sweep'}"]
     argv += [f"cluster.profile={profile}"] if profile else ["cluster.peak_cache_dir=null"]  # measured alone: no cached profile either
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
