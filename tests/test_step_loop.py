@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.config.schema import DeviceType, LossGuardConfig
+from runner.config.schema import DeviceType, LossGuardConfig, ProfileConfig
 from runner.observe import monitor
 from runner.run import train
 from runner.run.device import DevicePolicy
@@ -73,7 +73,7 @@ def test_step_time_is_taken_after_the_device_finished_the_optimizer(monkeypatch)
         data=None,
         lay=None,
         policy=_RecordingPolicy(events),
-        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=5)),
+        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=5), profile=ProfileConfig()),
         acc=None,
         feed=SimpleNamespace(waited_s=0.0),
         eval_data=None,
@@ -82,6 +82,7 @@ def test_step_time_is_taken_after_the_device_finished_the_optimizer(monkeypatch)
         stopped=False,
         sinks=[],
         rows=[],
+        prof=None,  # profile.* off
     )
     assert train._step(loop, 2) == 3
     assert events == ["clock", "staged", "optimizer", "sync", "clock", "row dt=1"]
