@@ -245,9 +245,10 @@ class CollectiveNames:
         dist = self.dist
         key = (id(group), caller)
         if key not in self.names:
-            if group is None or group is dist.group.WORLD or group is self.policy.host_group:
-                self.names[key] = "host [all]"
-            else:
+            if caller.startswith("runner.") or (group is not None and group is self.policy.host_group):
+                self.names[key] = "host [all]"  # the runner's own host collectives (loss, hashes, monitors)
+            else:  # a mesh axis may run on the default group itself (cp2's CP, dp2's FSDP: their ranks are the world)
+                group = dist.group.WORLD if group is None else group
                 ranks = dist.get_process_group_ranks(group)
                 axis = axis_of(getattr(group, "group_desc", "") or "", ranks, caller, self.lay, self.rank)
                 self.names[key] = f"{axis} {ranks}"
