@@ -47,6 +47,12 @@ def test_a_collective_goes_to_the_axis_its_group_spans():
         "host",
     ]
     assert profiling.axis_of_ranks(Layout(1, 1, 2, 2, 1), 0, [0, 1, 2, 3]) == "dp"  # FSDP's dp_shard x cp group
+    cp2 = Layout(1, 1, 1, 2, 1)  # FSDP shards over dp_shard x cp: its group is the CP ranks, and may be the same group
+    fsdp = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+    assert profiling.axis_of("mesh_fsdp", [0, 1], fsdp, cp2, 0) == "dp"
+    assert profiling.axis_of("mesh_fsdp", [0, 1], "torch.distributed.tensor.experimental._attention", cp2, 0) == "cp"
+    assert profiling.axis_of("mesh_tp", [0, 1], "torch.distributed.tensor._redistribute", lay, 0) == "tp"
+    assert profiling.axis_of("", [0, 4], "torch.distributed.pipelining.schedules", lay, 0) == "pp"  # no mesh name: by ranks
 
 
 def _x(name, ts, dur, tid=1, dims=None):

@@ -211,6 +211,23 @@ def axis_of_ranks(lay: Layout, rank: int, ranks: list[int]) -> str:
     return next(iter(differing)) if len(differing) == 1 else "host"
 
 
+CALLERS = (("torch.distributed.tensor.experimental", "cp"), ("torchtitan.distributed.expert_parallel", "ep"))
+"""Modules whose collectives belong to one axis whatever group they use: ring attention (CP) and the experts' all-to-all
+(EP) run on groups that can be FSDP's own (same ranks: cp2 shards FSDP over dp_shard x cp = the CP ranks)."""
+
+
+def axis_of(desc: str, ranks: list[int], caller: str, lay: Layout, rank: int) -> str:
+    """The axis of a collective: by its caller where the group may be shared (CALLERS), else by the group's mesh name
+    (TorchTitan's `mesh_<dim>`), else by its ranks."""
+    for prefix, axis in CALLERS:
+        if caller.startswith(prefix):
+            return axis
+    desc = desc.removeprefix("mesh_")
+    if desc in ("tp", "pp", "cp", "ep"):
+        return desc
+    return "dp" if desc in DP_GROUPS else axis_of_ranks(lay, rank, ranks)
+
+
 class CollectiveNames:
     """While a traced step runs, each torch.distributed and functional-collective call opens a span naming its process
     group's axis and ranks (`runner.comm tp [0, 1] reduce_scatter_tensor`), which runner.observe.breakdown reads. The group
@@ -224,17 +241,16 @@ class CollectiveNames:
         self.saved: list[tuple[object, str, object]] = []
         self.names: dict[int, str] = {}
 
-    def _label(self, group) -> str:
+    def _label(self, group, caller: str) -> str:
         dist = self.dist
-        key = id(group)
+        key = (id(group), caller)
         if key not in self.names:
-            if group is None or group is dist.group.WORLD or group is self.policy.host_group:
-                self.names[key] = "host [all]"
-            else:
+            if caller.startswith("runner.") or (group is not None and group is self.policy.host_group):
+                self.names[key] = "host [all]"  # the runner's own host collectives (loss, hashes, monitors)
+            else:  # a mesh axis may run on the default group itself (cp2's CP, dp2's FSDP: their ranks are the world)
+                group = dist.group.WORLD if group is None else group
                 ranks = dist.get_process_group_ranks(group)
-                desc = (getattr(group, "group_desc", "") or "").removeprefix("mesh_")
-                by_desc = desc if desc in ("tp", "pp", "cp", "ep") else "dp" if desc in DP_GROUPS else None
-                axis = by_desc or axis_of_ranks(self.lay, self.rank, ranks)
+                axis = axis_of(getattr(group, "group_desc", "") or "", ranks, caller, self.lay, self.rank)
                 self.names[key] = f"{axis} {ranks}"
         return self.names[key]
 
@@ -251,7 +267,8 @@ class CollectiveNames:
 
     def _wrap(self, fn, op: str, funcol: bool):
         def named(*args, **kwargs):
-            with torch.profiler.record_function(f"{COMM_SPAN} {self._label(self._group(fn, op, args, kwargs, funcol))} {op}"):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            with torch.profiler.record_function(f"{COMM_SPAN} {self._label(self._group(fn, op, args, kwargs, funcol), caller)} {op}"):
                 return fn(*args, **kwargs)
 
         return named
