@@ -17,6 +17,7 @@ from tests.conftest import ROOT, run_cli
 # Options that need a context to validate (the rest validate with the defaults).
 CONTEXT = {
     "parallelism/fsdp.yaml": ["cluster.devices_per_node=4"],
+    "fault_tolerance/torchft.yaml": ["parallelism=hsdp2x2"],  # torchft needs dp_replicate >= 2
     "parallelism/tp8_pp4.yaml": ["recipe=llama3_70b_h100x1024"],
     "parallelism/tp4_pp4.yaml": ["recipe=llama3_70b_h100x1024"],
     # 405B at seq 8192 with 1F1B keeps pp microbatches in flight on the first stage: 91.7 GB per GPU at pp=16 without

@@ -145,7 +145,7 @@ def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, m
     args = type("Args", (), {"trace_dir": str(path.parent), "prefix": "", "selected_ranks": None, "pg_filters": None})()
     details, _ = fr_loader.read_dir(args)
     (dump,) = details.values()
-    assert [e["frames"][0]["name"] for e in dump["entries"]] == ["all_reduce"]
+    assert dump["entries"][-1]["frames"][0]["name"] == "all_reduce"  # the buffer is per process: earlier tests left theirs
 
 
 # ---- the outage scenario: one launch, then its resume ------------------------------------------------------------
@@ -271,11 +271,18 @@ def test_samples_follow_the_skip_rule(outage):
 
 @pytest.mark.e2e
 def test_healthy_steps_equal_plain_hsdp2x2(outage, parity_runs):
-    """Before the kill both groups train: the same losses and gradient norms as the plain hsdp2x2 run, bitwise."""
+    """Before the kill both groups train exactly as the plain hsdp2x2 run: gradient norms equal bitwise (the same
+    gradients: FSDP's reduce-scatter inside a group, then the managed group's average, is the plain run's sum with
+    a power-of-two scaling). The logged loss may differ in its last float32 bit: the plain run sums the four ranks'
+    shares in one gloo all-reduce, torchft each group's two and then the two groups' (measured: 0 or 1 ulp)."""
+    import numpy as np
+
     plain = parity_runs["hsdp2x2"]["rows"]
     ft_rows = {r["step"]: r for r in outage["rows"][0] if r["ft_trained"]}
     for p in plain:
-        assert (ft_rows[p["step"]]["loss"], ft_rows[p["step"]]["grad_norm"]) == (p["loss"], p["grad_norm"])
+        got = ft_rows[p["step"]]
+        assert got["grad_norm"] == p["grad_norm"]
+        assert abs(got["loss"] - p["loss"]) <= np.spacing(np.float32(p["loss"])), (got["loss"], p["loss"])
 
 
 @pytest.mark.e2e

@@ -24,6 +24,7 @@ MOE = ["model=debug_moe", "parallelism=single"]
 PP2 = ["parallelism=dp2_pp2"]
 
 # (overrides, the field the error must name). Enum fields are refused by OmegaConf at composition.
+TORCHFT = ["fault_tolerance=torchft", "parallelism=hsdp2x2"]
 BAD = [
     (["mode=fly"], "mode"),
     (["model.name=gpt2"], "model.name"),
@@ -161,6 +162,17 @@ BAD = [
     (["dryrun.ranks=[4]"], "dryrun.ranks"),
     (["checkpoint=local", "checkpoint.resume_from=/nonexistent/step-4"], "checkpoint.resume_from"),
     (["distributed.shutdown_timeout_s=-1"], "distributed.shutdown_timeout_s"),
+    (["fault_tolerance.name=fly"], "fault_tolerance.name"),
+    ([*TORCHFT, "fault_tolerance.lighthouse=nowhere"], "fault_tolerance.lighthouse"),
+    ([*TORCHFT, "fault_tolerance.lighthouse_port=0"], "fault_tolerance.lighthouse_port"),
+    ([*TORCHFT, "fault_tolerance.min_replicas=0"], "fault_tolerance.min_replicas"),
+    ([*TORCHFT, "fault_tolerance.join_timeout_ms=0"], "fault_tolerance.join_timeout_ms"),
+    ([*TORCHFT, "fault_tolerance.heartbeat_timeout_ms=0"], "fault_tolerance.heartbeat_timeout_ms"),
+    ([*TORCHFT, "fault_tolerance.timeout_s=0"], "fault_tolerance.timeout_s"),
+    ([*TORCHFT, "fault_tolerance.quorum_timeout_s=0"], "fault_tolerance.quorum_timeout_s"),
+    ([*TORCHFT, "fault_tolerance.connect_timeout_s=0"], "fault_tolerance.connect_timeout_s"),
+    ([*TORCHFT, "fault_tolerance.process_group_timeout_ms=0"], "fault_tolerance.process_group_timeout_ms"),
+    ([*TORCHFT, "fault_tolerance.replica_id=2"], "fault_tolerance.replica_id"),
     (["distributed.flight_recorder.buffer_size=0"], "distributed.flight_recorder.buffer_size"),
     (["plan.flops_convention=8N"], "plan.flops_convention"),
     (["eval.interval=-1"], "eval.interval"),

@@ -32,6 +32,9 @@
       checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
       checkpoints/model-hf/    the last checkpoint as a Hugging Face folder (checkpoint.export_hf)
       flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
+      replica_<r>/         fault_tolerance=torchft: replica group r's own frozen.yaml, logs/, metrics.jsonl, summary.json
+      ft_ready/            fault_tolerance=torchft: one file per replica group whose torchft manager started
+      logs/lighthouse.log  fault_tolerance=torchft: the torchft lighthouse the runner started
 """
 
 from __future__ import annotations

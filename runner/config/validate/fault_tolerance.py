@@ -46,6 +46,7 @@ def check(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
         out.append(Problem("cluster.max_restarts", cfg.cluster.max_restarts, why, "use cluster.max_restarts=3"))
     _nodes(cfg, lay, out)
     _slurm(cfg, out)
+    _fields(cfg, lay, out)
     if cfg.monitor.guard.enable and cfg.monitor.guard.action == GuardAction.rewind:
         why = "a rewind reloads one replica group's checkpoint while the others train on"
         out.append(Problem("monitor.guard.action", "rewind", why, f"use monitor.guard.action=skip {OFF}"))
@@ -65,6 +66,31 @@ def _nodes(cfg: RunConfig, lay: Layout, out: list[Problem]) -> None:
     )
     fix = f"make world_size / dp_replicate ({group}) a multiple or a divisor of cluster.devices_per_node ({per_node})"
     out.append(Problem("parallelism.dp_replicate", lay.dp_replicate, why, fix))
+
+
+POSITIVE = ("join_timeout_ms", "heartbeat_timeout_ms", "timeout_s", "quorum_timeout_s", "connect_timeout_s", "process_group_timeout_ms")
+
+
+def _fields(cfg: RunConfig, lay: Layout, out: list[Problem]) -> None:
+    f = cfg.fault_tolerance
+    for name in POSITIVE:
+        if getattr(f, name) <= 0:
+            out.append(Problem(f"fault_tolerance.{name}", getattr(f, name), "must be > 0", "use the default from the schema"))
+    if not 0 < f.lighthouse_port < 65536:
+        out.append(Problem("fault_tolerance.lighthouse_port", f.lighthouse_port, "is no TCP port", "use 29510 (torchft's default)"))
+    if not -1 <= f.replica_id < lay.dp_replicate:
+        why = f"replica groups are 0..{lay.dp_replicate - 1}; the runner sets it in each group's frozen file"
+        out.append(Problem("fault_tolerance.replica_id", f.replica_id, why, "leave it at -1"))
+    if f.lighthouse and _address(f.lighthouse) is None:
+        out.append(Problem("fault_tolerance.lighthouse", f.lighthouse, "is not an http://host:port address", "e.g. http://login1:29510"))
+
+
+def _address(address: str) -> tuple[str, int] | None:
+    url = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        return (url.hostname, url.port) if url.hostname and url.port else None
+    except ValueError:  # a port that is no number
+        return None
 
 
 def _slurm(cfg: RunConfig, out: list[Problem]) -> None:
@@ -104,11 +130,11 @@ def launch(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _unreachable(address: str) -> str:
     """Why a TCP connection to the lighthouse's host:port fails ("" when it connects)."""
-    url = urlparse(address if "://" in address else f"http://{address}")
-    if not url.hostname or not url.port:
+    where = _address(address)
+    if where is None:
         return "not an http://host:port address"
     try:
-        with socket.create_connection((url.hostname, url.port), timeout=2.0):
+        with socket.create_connection(where, timeout=2.0):
             return ""
     except OSError as e:
-        return f"{url.hostname}:{url.port}: {e.strerror or e}"
+        return f"{where[0]}:{where[1]}: {e.strerror or e}"
