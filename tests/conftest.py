@@ -173,13 +173,13 @@ def slurm_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
-    """The parity points of tests/test_parallel.py and tests/test_family_train.py, each with its own module's
-    COMMON, in one launch per rank count: a launch imports torch and TorchTitan and starts a process group
-    (~10 s), so the two modules share theirs."""
-    from tests import test_family_train, test_parallel
+    """The parity points of tests/test_parallel.py, tests/test_family_train.py and tests/test_titan.py, each with its
+    own module's COMMON, in one launch per rank count: a launch imports torch and TorchTitan and starts a process
+    group (~10 s), so the modules share theirs."""
+    from tests import test_family_train, test_parallel, test_titan
 
     launches: dict[int, dict[str, list[str]]] = {}
-    for module in (test_parallel, test_family_train):
+    for module in (test_parallel, test_family_train, test_titan):
         for nproc, points in module.LAUNCHES.items():
             launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
     return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
@@ -187,7 +187,8 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
 
 def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
     """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
-    first) and return every point's parity.json by name; `folder(nproc)` gives a fresh folder per launch."""
+    first) and return every point's parity.json by name, with its run folder as "run_dir"; `folder(nproc)` gives a
+    fresh folder per launch."""
     from runner.config import runfiles, validate
     from runner.run import parity
 
@@ -201,5 +202,5 @@ def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: 
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         for name, path in zip(points, paths, strict=True):
-            out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
+            out[name] = json.loads((path.parent / runfiles.PARITY).read_text()) | {"run_dir": path.parent}
     return out
