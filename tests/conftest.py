@@ -73,7 +73,7 @@ def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tu
 
     folder = sweep.parent / f"{sweep.name}-points"
     names = point_files.write(points, folder, common)
-    proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}")
+    proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}", timeout=1800)  # many points, a slow machine
     assert proc.returncode == 0, f"multirun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     parts = re.split(r"\[HYDRA\]\s+#\d+ : ", proc.stdout)[1:]
     assert len(parts) == len(points), proc.stdout[-3000:]
@@ -183,6 +183,18 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
         for nproc, points in module.LAUNCHES.items():
             launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
     return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
+
+
+@pytest.fixture(scope="session")
+def dry_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The mode=dryrun points (DRYRUNS) of tests/test_dryrun.py and tests/test_plan_memory.py in one Hydra multirun:
+    a dry run imports torch and TorchTitan (~10 s), then forks its simulated ranks, so the points share one process.
+    {name: (its run folder, its part of the console)}."""
+    from tests import test_dryrun, test_plan_memory
+
+    points = {name: overrides for module in (test_dryrun, test_plan_memory) for name, overrides in module.DRYRUNS.items()}
+    dirs, consoles = multirun(points, ["mode=dryrun"], tmp_path_factory.mktemp("dryruns") / "sweep")
+    return {name: (dirs[name], consoles[name]) for name in points}
 
 
 def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
