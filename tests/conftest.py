@@ -185,6 +185,26 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
     return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
 
 
+SHARED_RUNS = ("tests.test_train", "tests.test_checkpoint", "tests.test_tokens", "tests.test_slurm")
+"""The modules whose runs through `python -m runner` share conftest's `shared_runs` multirun, each with a
+`shared_points(tmp_path_factory) -> {name: overrides}` (its own common overrides included; names unique)."""
+
+
+@pytest.fixture(scope="session")
+def shared_runs(request, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The training points of the SHARED_RUNS modules this session runs tests of, in one Hydra multirun: each launch
+    imports torch and TorchTitan (~11 s), so the modules share one. Points run in module order, each module's in its
+    own order (a point may resume from an earlier one's checkpoint). {name: (its run folder, its part of the console)}."""
+    import importlib
+
+    collected = {getattr(item, "module", None) and item.module.__name__ for item in request.session.items}
+    points: dict[str, list[str]] = {}
+    for name in (m for m in SHARED_RUNS if m in collected):
+        points.update(importlib.import_module(name).shared_points(tmp_path_factory))
+    dirs, consoles = multirun(points, [], tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep")
+    return {name: (dirs[name], consoles[name]) for name in points}
+
+
 @pytest.fixture(scope="session")
 def dry_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """The mode=dryrun points (DRYRUNS) of tests/test_dryrun.py and tests/test_plan_memory.py in one Hydra multirun:

@@ -19,7 +19,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import ROOT, metrics, multirun, run_cli, summary
+from tests.conftest import ROOT, metrics, run_cli, summary
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -44,12 +44,16 @@ LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 
 
+def shared_points(tmp_path_factory) -> dict[str, list[str]]:
+    """Every layout and FP8 recipe of this file: points of the session's one Hydra multirun (conftest's shared_runs)."""
+    return {name: [*SHORT, *overrides] for name, overrides in (LAYOUTS | FP8_RUNS).items()}
+
+
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Every layout and FP8 recipe of this file, trained in one Hydra multirun (W&B groups it by the sweep)."""
-    sweep = tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep"
-    out, consoles = multirun(LAYOUTS | FP8_RUNS, SHORT, sweep)
-    return out | {"_console": consoles}
+def runs(shared_runs):
+    """Every layout and FP8 recipe of this file, trained in the session's Hydra multirun (W&B groups it by the sweep)."""
+    names = list(LAYOUTS | FP8_RUNS)
+    return {name: shared_runs[name][0] for name in names} | {"_console": {name: shared_runs[name][1] for name in names}}
 
 
 def test_default_command_trains_into_one_folder(tmp_path):
