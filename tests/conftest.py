@@ -37,10 +37,15 @@ def _starts_no_process(item: pytest.Item):
         popen(self, args, *a, **kw)
 
     subprocess.Popen.__init__, os.fork = guarded_popen, lambda: refuse("a forked process")
+    _REFUSE.append(refuse)  # run_cli's commands are forked by the zygote, out of the patches' sight
     try:
         yield
     finally:
         subprocess.Popen.__init__, os.fork = popen, fork
+        _REFUSE.remove(refuse)
+
+
+_REFUSE: list = []
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -56,12 +61,82 @@ def pytest_runtest_call(item):
 
 
 def run_cli(*args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder."""
+    """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder. Run by a
+    child of the session's zygote (tests/zygote.py), which has a launch's imports done: its own process, argv,
+    folder, environment and output, without paying the imports again."""
     argv = [sys.executable, "-m", "runner", *args]
     if run_dir is not None:
         argv.append(f"hydra.run.dir={run_dir}")
+    for refuse in _REFUSE:
+        refuse(" ".join(map(str, argv[:4])))
     env = {**os.environ, "WANDB_SILENT": "true"}
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return _zygote().run(argv, cwd, env, timeout)
+
+
+class _Zygote:
+    """`python -m tests.zygote`, started at the first run_cli of the session and ended with it."""
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="zygote-"))
+        read, write = os.pipe()
+        log = open(self.folder / "zygote.log", "w")  # noqa: SIM115 - kept open for the process's life
+        env = {**os.environ, "WANDB_SILENT": "true"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", str(write)], cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=log,
+            pass_fds=(write,), env=env, text=True,
+        )  # fmt: skip
+        os.close(write)
+        self.answers, self.pending, self.count = read, b"", 0
+        atexit.register(self.close)
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        import time
+
+        self.count += 1
+        out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
+        req = {"args": argv[3:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = self._answer(deadline + 60)["pid"]
+        try:
+            code = self._answer(deadline)["returncode"]
+        except TimeoutError:
+            os.kill(pid, 9)
+            self._answer(time.monotonic() + 60)
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_bytes(), err.read_bytes()) from None
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+    def _answer(self, deadline: float) -> dict:
+        import select
+        import time
+
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.answers], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(self.answers, 4096)
+            assert chunk, f"the zygote ended: {(self.folder / 'zygote.log').read_text()[-3000:]}"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+_ZYGOTE: list[_Zygote] = []
+
+
+def _zygote() -> _Zygote:
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_Zygote()]
+    return _ZYGOTE[0]
 
 
 def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tuple[dict[str, Path], dict[str, str]]:
