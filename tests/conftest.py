@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -165,10 +166,20 @@ def summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def compose():
-    """compose(overrides) -> typed RunConfig, through the same Hydra search path as the CLI."""
-    from runner.config.compose import compose
+    """compose(overrides) -> typed RunConfig, through the same Hydra search path as the CLI. Each list of overrides
+    is composed once per session (Hydra's composition is most of a config test's time; many tests compose the same
+    lists), and every call gets its own copy to change. A list that fails to compose raises every time."""
+    from runner.config.compose import compose as compose_config
 
-    return compose
+    composed = {}
+
+    def _compose(overrides: list[str]):
+        key = tuple(overrides)
+        if key not in composed:
+            composed[key] = compose_config(list(overrides))
+        return copy.deepcopy(composed[key])
+
+    return _compose
 
 
 @pytest.fixture(scope="session")
