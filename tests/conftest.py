@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,15 +40,12 @@ def _starts_no_process(item: pytest.Item):
         popen(self, args, *a, **kw)
 
     subprocess.Popen.__init__, os.fork = guarded_popen, lambda: refuse("a forked process")
-    _REFUSE.append(refuse)  # run_cli's commands are forked by the zygote, out of the patches' sight
+    zygote.REFUSE.append(refuse)  # run_cli's commands are forked by the zygote, out of the patches' sight
     try:
         yield
     finally:
         subprocess.Popen.__init__, os.fork = popen, fork
-        _REFUSE.remove(refuse)
-
-
-_REFUSE: list = []
+        zygote.REFUSE.remove(refuse)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -61,83 +60,26 @@ def pytest_runtest_call(item):
         yield
 
 
-def run_cli(*args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder. Run by a
-    child of the session's zygote (tests/zygote.py), which has a launch's imports done: its own process, argv,
-    folder, environment and output, without paying the imports again."""
-    argv = [sys.executable, "-m", "runner", *args]
-    if run_dir is not None:
-        argv.append(f"hydra.run.dir={run_dir}")
-    for refuse in _REFUSE:
+def run_cli(
+    *args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder."""
+    run_dir_arg = [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
+    return run_module(
+        "runner", *args, *run_dir_arg, cwd=cwd, timeout=timeout, env={**os.environ, "WANDB_SILENT": "true"} if env is None else env
+    )
+
+
+def run_module(
+    module: str, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` (environment: this one's unless `env`), captured as subprocess.run(text=True) would. Run by
+    a child of the session's zygote (tests/zygote.py), which has a launch's imports done: its own process, argv, folder,
+    environment and output, without paying the imports again."""
+    argv = [sys.executable, "-m", module, *map(str, args)]
+    for refuse in zygote.REFUSE:
         refuse(" ".join(map(str, argv[:4])))
-    env = {**os.environ, "WANDB_SILENT": "true"}
-    return _zygote().run(argv, cwd, env, timeout)
-
-
-class _Zygote:
-    """`python -m tests.zygote`, started at the first run_cli of the session and ended with it."""
-
-    def __init__(self) -> None:
-        import atexit
-        import tempfile
-
-        self.folder = Path(tempfile.mkdtemp(prefix="zygote-"))
-        read, write = os.pipe()
-        log = open(self.folder / "zygote.log", "w")  # noqa: SIM115 - kept open for the process's life
-        env = {**os.environ, "WANDB_SILENT": "true"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", str(write)], cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=log,
-            pass_fds=(write,), env=env, text=True,
-        )  # fmt: skip
-        os.close(write)
-        self.answers, self.pending, self.count = read, b"", 0
-        atexit.register(self.close)
-
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        import time
-
-        self.count += 1
-        out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
-        req = {"args": argv[3:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout
-        pid = self._answer(deadline + 60)["pid"]
-        try:
-            code = self._answer(deadline)["returncode"]
-        except TimeoutError:
-            os.kill(pid, 9)
-            self._answer(time.monotonic() + 60)
-            raise subprocess.TimeoutExpired(argv, timeout, out.read_bytes(), err.read_bytes()) from None
-        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
-
-    def _answer(self, deadline: float) -> dict:
-        import select
-        import time
-
-        while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.answers], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(self.answers, 4096)
-            assert chunk, f"the zygote ended: {(self.folder / 'zygote.log').read_text()[-3000:]}"
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-
-
-_ZYGOTE: list[_Zygote] = []
-
-
-def _zygote() -> _Zygote:
-    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
-        _ZYGOTE[:] = [_Zygote()]
-    return _ZYGOTE[0]
+    return zygote.client().run(argv, cwd, dict(os.environ) if env is None else env, timeout)
 
 
 def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tuple[dict[str, Path], dict[str, str]]:
@@ -271,7 +213,7 @@ def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
     return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
 
 
-SHARED_RUNS = ("tests.test_train", "tests.test_checkpoint", "tests.test_tokens", "tests.test_slurm")
+SHARED_RUNS = ("test_train", "test_checkpoint", "test_tokens", "test_slurm")
 """The modules whose runs through `python -m runner` share conftest's `shared_runs` multirun, each with a
 `shared_points(tmp_path_factory) -> {name: overrides}` (its own common overrides included; names unique)."""
 
@@ -281,12 +223,11 @@ def shared_runs(request, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """The training points of the SHARED_RUNS modules this session runs tests of, in one Hydra multirun: each launch
     imports torch and TorchTitan (~11 s), so the modules share one. Points run in module order, each module's in its
     own order (a point may resume from an earlier one's checkpoint). {name: (its run folder, its part of the console)}."""
-    import importlib
-
-    collected = {getattr(item, "module", None) and item.module.__name__ for item in request.session.items}
+    found = (getattr(item, "module", None) for item in request.session.items)
+    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in found if m is not None}  # pytest's own: their caches are the fixtures'
     points: dict[str, list[str]] = {}
-    for name in (m for m in SHARED_RUNS if m in collected):
-        points.update(importlib.import_module(name).shared_points(tmp_path_factory))
+    for name in (m for m in SHARED_RUNS if m in modules):
+        points.update(modules[name].shared_points(tmp_path_factory))
     dirs, consoles = multirun(points, [], tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep")
     return {name: (dirs[name], consoles[name]) for name in points}
 
@@ -316,8 +257,7 @@ def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: 
         for cfg in cfgs.values():
             validate.check(cfg)
         paths = parity.prepare(cfgs, folder(nproc))
-        argv = [sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)]
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        proc = run_module("runner.parity", str(nproc), *paths, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         for name, path in zip(points, paths, strict=True):
             out[name] = json.loads((path.parent / runfiles.PARITY).read_text()) | {"run_dir": path.parent}
