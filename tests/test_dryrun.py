@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from runner.config import flops, freeze, runfiles, validate
 from runner.config.dryrun import report as dryrun_report
 from runner.config.problems import ConfigError
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli, run_module
 
 SMALL = ["recipe=debug_dp2_tp2_cpu", "training.seq_len=64", "training.global_batch_size=4", "training.microbatch_size=1"]
 # The dry runs below, trained with tests/test_plan_memory.py's in one multirun (conftest's dry_runs)
@@ -59,8 +57,7 @@ def _real_ledger(cfg, tmp_path) -> dict:
     tmp_path.mkdir()
     frozen = freeze.write(cfg, validate.check(cfg), tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "runner.run.dryrun.rehearse", "4", str(tmp_path), str(frozen)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_module("runner.run.dryrun.rehearse", "4", tmp_path, frozen, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "ledger_rank0.json").read_text())
 
