@@ -36,8 +36,9 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _child(req: dict) -> None:
+def _child(req: dict, answers: int) -> None:
     """`python -m <module> <args>` in this forked process; never returns."""
+    os.close(answers)  # the zygote's channel is not the command's (nor its ranks')
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
@@ -71,10 +72,11 @@ def main(answers: int) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(req)
+            _child(req, answers)
         os.write(answers, (json.dumps({"pid": pid}) + "\n").encode())
         _, status = os.waitpid(pid, 0)
         os.write(answers, (json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+    os._exit(0)  # the session ended: skip the interpreter's teardown of torch (seconds)
 
 
 class Client:
@@ -131,7 +133,10 @@ class Client:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 _CLIENT: list[Client] = []
