@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +40,12 @@ def _starts_no_process(item: pytest.Item):
         popen(self, args, *a, **kw)
 
     subprocess.Popen.__init__, os.fork = guarded_popen, lambda: refuse("a forked process")
+    zygote.REFUSE.append(refuse)  # run_cli's commands are forked by the zygote, out of the patches' sight
     try:
         yield
     finally:
         subprocess.Popen.__init__, os.fork = popen, fork
+        zygote.REFUSE.remove(refuse)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -55,13 +60,26 @@ def pytest_runtest_call(item):
         yield
 
 
-def run_cli(*args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder."""
-    argv = [sys.executable, "-m", "runner", *args]
-    if run_dir is not None:
-        argv.append(f"hydra.run.dir={run_dir}")
-    env = {**os.environ, "WANDB_SILENT": "true"}
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    run_dir_arg = [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
+    return run_module(
+        "runner", *args, *run_dir_arg, cwd=cwd, timeout=timeout, env={**os.environ, "WANDB_SILENT": "true"} if env is None else env
+    )
+
+
+def run_module(
+    module: str, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` (environment: this one's unless `env`), captured as subprocess.run(text=True) would. Run by
+    a child of the session's zygote (tests/zygote.py), which has a launch's imports done: its own process, argv, folder,
+    environment and output, without paying the imports again."""
+    argv = [sys.executable, "-m", module, *map(str, args)]
+    for refuse in zygote.REFUSE:
+        refuse(" ".join(map(str, argv[:4])))
+    return zygote.client().run(argv, cwd, dict(os.environ) if env is None else env, timeout)
 
 
 def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tuple[dict[str, Path], dict[str, str]]:
@@ -73,7 +91,7 @@ def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tu
 
     folder = sweep.parent / f"{sweep.name}-points"
     names = point_files.write(points, folder, common)
-    proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}")
+    proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}", timeout=1800)  # many points, a slow machine
     assert proc.returncode == 0, f"multirun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     parts = re.split(r"\[HYDRA\]\s+#\d+ : ", proc.stdout)[1:]
     assert len(parts) == len(points), proc.stdout[-3000:]
@@ -90,10 +108,20 @@ def summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def compose():
-    """compose(overrides) -> typed RunConfig, through the same Hydra search path as the CLI."""
-    from runner.config.compose import compose
+    """compose(overrides) -> typed RunConfig, through the same Hydra search path as the CLI. Each list of overrides
+    is composed once per session (Hydra's composition is most of a config test's time; many tests compose the same
+    lists), and every call gets its own copy to change. A list that fails to compose raises every time."""
+    from runner.config.compose import compose as compose_config
 
-    return compose
+    composed = {}
+
+    def _compose(overrides: list[str]):
+        key = tuple(overrides)
+        if key not in composed:
+            composed[key] = compose_config(list(overrides))
+        return copy.deepcopy(composed[key])
+
+    return _compose
 
 
 @pytest.fixture(scope="session")
@@ -173,13 +201,13 @@ def slurm_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
-    """The parity points of tests/test_parallel.py and tests/test_family_train.py, each with its own module's
-    COMMON, in one launch per rank count: a launch imports torch and TorchTitan and starts a process group
-    (~10 s), so the two modules share theirs."""
-    from tests import test_family_train, test_hf_export, test_hf_load, test_parallel
+    """The parity points of tests/test_parallel.py, tests/test_family_train.py, tests/test_titan.py and the Hugging Face
+    tests (tests/test_hf_load.py, tests/test_hf_export.py), each with its own module's COMMON, in one launch per rank
+    count: a launch imports torch and TorchTitan and starts a process group (~10 s), so the modules share theirs."""
+    from tests import test_family_train, test_hf_export, test_hf_load, test_parallel, test_titan
 
     launches: dict[int, dict[str, list[str]]] = {}
-    for module in (test_parallel, test_family_train):
+    for module in (test_parallel, test_family_train, test_titan):
         for nproc, points in module.LAUNCHES.items():
             launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
     for nproc, points in test_hf_load.launches(tmp_path_factory.mktemp("hf_models")).items():  # its own COMMON inside
@@ -193,9 +221,41 @@ CONSOLES: dict[int, str] = {}
 """The console (stdout) of parity_launches' last launch of each rank count."""
 
 
+SHARED_RUNS = ("test_train", "test_checkpoint", "test_tokens", "test_slurm")
+"""The modules whose runs through `python -m runner` share conftest's `shared_runs` multirun, each with a
+`shared_points(tmp_path_factory) -> {name: overrides}` (its own common overrides included; names unique)."""
+
+
+@pytest.fixture(scope="session")
+def shared_runs(request, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The training points of the SHARED_RUNS modules this session runs tests of, in one Hydra multirun: each launch
+    imports torch and TorchTitan (~11 s), so the modules share one. Points run in module order, each module's in its
+    own order (a point may resume from an earlier one's checkpoint). {name: (its run folder, its part of the console)}."""
+    found = (getattr(item, "module", None) for item in request.session.items)
+    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in found if m is not None}  # pytest's own: their caches are the fixtures'
+    points: dict[str, list[str]] = {}
+    for name in (m for m in SHARED_RUNS if m in modules):
+        points.update(modules[name].shared_points(tmp_path_factory))
+    dirs, consoles = multirun(points, [], tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep")
+    return {name: (dirs[name], consoles[name]) for name in points}
+
+
+@pytest.fixture(scope="session")
+def dry_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The mode=dryrun points (DRYRUNS) of tests/test_dryrun.py and tests/test_plan_memory.py in one Hydra multirun:
+    a dry run imports torch and TorchTitan (~10 s), then forks its simulated ranks, so the points share one process.
+    {name: (its run folder, its part of the console)}."""
+    from tests import test_dryrun, test_plan_memory
+
+    points = {name: overrides for module in (test_dryrun, test_plan_memory) for name, overrides in module.DRYRUNS.items()}
+    dirs, consoles = multirun(points, ["mode=dryrun"], tmp_path_factory.mktemp("dryruns") / "sweep")
+    return {name: (dirs[name], consoles[name]) for name in points}
+
+
 def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
     """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
-    first) and return every point's parity.json by name; `folder(nproc)` gives a fresh folder per launch."""
+    first) and return every point's parity.json by name, with its run folder as "run_dir"; `folder(nproc)` gives a
+    fresh folder per launch."""
     from runner.config import runfiles, validate
     from runner.run import parity
 
@@ -205,10 +265,9 @@ def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: 
         for cfg in cfgs.values():
             validate.check(cfg)
         paths = parity.prepare(cfgs, folder(nproc))
-        argv = [sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)]
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        proc = run_module("runner.parity", str(nproc), *paths, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         CONSOLES[nproc] = proc.stdout
         for name, path in zip(points, paths, strict=True):
-            out[name] = json.loads((path.parent / runfiles.PARITY).read_text())
+            out[name] = json.loads((path.parent / runfiles.PARITY).read_text()) | {"run_dir": path.parent}
     return out

@@ -1,10 +1,11 @@
 """Checkpoints and text data: atomic publishing, keep-last, corrupted-latest fallback, exact resume.
 
-Launches are shared (each costs ~11 s of imports): one Hydra multirun trains an uninterrupted 4-rank
-reference run (FSDP2 x TP, data=text, an async checkpoint every step) that every resume is compared
-with, and a run whose rank 1 is SIGKILLed at step 4 and restarted by the elastic agent; one restart by hand (frozen-YAML replay with
-checkpoint.resume=true) from a copy of the reference checkpoints whose newest is gone and next-newest
-truncated; one 2-rank pipeline run that resumes the FSDP2 x TP checkpoint under another layout.
+Launches are shared (each costs ~11 s of imports): the session's one Hydra multirun (conftest's shared_runs)
+trains an uninterrupted 4-rank reference run (FSDP2 x TP, data=text, an async checkpoint every step) that every
+resume is compared with, and a run whose rank 1 is SIGKILLed at step 4 and restarted by the elastic agent; one
+restart by hand (frozen-YAML replay with checkpoint.resume=true) from a copy of the reference checkpoints whose
+newest is gone and next-newest truncated; one 2-rank pipeline run that resumes the FSDP2 x TP checkpoint under
+another layout.
 The folder logic itself is unit-tested without ranks.
 """
 
@@ -24,15 +25,26 @@ from runner.config import checkpoint, freeze, goodput, runfiles, validate
 from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
 from tests import text_assets
-from tests.conftest import metrics, multirun, run_cli
+from tests.conftest import metrics, run_cli
 
 STEPS, KILL_AT = 6, 4
 LOSS_ATOL = 1e-4  # another layout: float32 reduction-order noise (as in test_train's parity)
 
 
+_MADE: dict[Path, tuple[Path, Path]] = {}
+
+
+def _assets(tmp_path_factory) -> tuple[Path, Path]:
+    """Made once per session (keyed by its temporary folder): the module's fixture and the shared runs read the same files."""
+    base = tmp_path_factory.getbasetemp()
+    if base not in _MADE:
+        _MADE[base] = text_assets.make(tmp_path_factory.mktemp("assets"))
+    return _MADE[base]
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return text_assets.make(tmp_path_factory.mktemp("assets"))
+    return _assets(tmp_path_factory)  # the same files the shared runs read
 
 
 def _common(assets) -> list[str]:
@@ -60,18 +72,25 @@ def _by_step(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(run_dir)}
 
 
+POINTS = {
+    "reference": [
+        *("checkpoint.export_final_model=true", "checkpoint.export_hf=true"),
+        *("cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"),
+    ],
+    "killed": ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"],
+}
+
+
+def shared_points(tmp_path_factory) -> dict[str, list[str]]:
+    """The reference and the killed run: points of the session's one Hydra multirun (conftest's shared_runs)."""
+    common = _common(_assets(tmp_path_factory))
+    return {f"ckpt-{name}": [*common, *overrides] for name, overrides in POINTS.items()}
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, assets):
-    """The reference and the killed run, in one Hydra multirun: {name: (run folder, its console)}."""
-    points = {
-        "reference": [
-            *("checkpoint.export_final_model=true", "checkpoint.export_hf=true"),
-            *("cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"),
-        ],
-        "killed": ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"],
-    }
-    dirs, consoles = multirun(points, _common(assets), tmp_path_factory.mktemp("ckpt") / "sweep")
-    return {name: (dirs[name], SimpleNamespace(stdout=consoles[name])) for name in points}
+def trained(shared_runs):
+    """The reference and the killed run: {name: (run folder, its console)}."""
+    return {name: (shared_runs[f"ckpt-{name}"][0], SimpleNamespace(stdout=shared_runs[f"ckpt-{name}"][1])) for name in POINTS}
 
 
 @pytest.fixture(scope="module")

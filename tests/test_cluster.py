@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import yaml
 
 from runner.config import layout
 from runner.run import mesh
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, run_module
 
 SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu"]
 FIRST_NODE = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
@@ -90,7 +89,7 @@ def test_launch_plan_under_multirun_prints_the_one_array_job_and_submits_nothing
     sweep = tmp_path / "my sweep"  # a space: submitit quotes the folder, so must the preview
     args = [*SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32,64", "mode=launch_plan"]
     argv = [sys.executable, "-m", "runner", "-m", *args, f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_module("runner", *argv[3:], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert not calls.exists(), calls.read_text()
     out = proc.stdout.splitlines()
@@ -114,7 +113,7 @@ def test_slurm_sweep_mixing_previews_and_submissions_is_refused(tmp_path):
     env, calls = _fake_slurm(tmp_path)
     sweep = f"hydra.sweep.dir={tmp_path / 's'}"
     argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "mode=launch_plan,train", sweep]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_module("runner", *argv[3:], env=env, timeout=120)
     _no_traceback_exit2(proc)
     assert "mixes mode=launch_plan previews with points to submit" in proc.stderr
     assert not calls.exists() and not (tmp_path / "s").exists()
@@ -148,7 +147,7 @@ def test_submission_without_sbatch_says_so(tmp_path):
     sweep = tmp_path / "sweep"
     argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32"]
     env = {**os.environ, "PATH": _path_without_slurm(tmp_path)}
-    proc = subprocess.run([*argv, f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_module("runner", *argv[3:], f"hydra.sweep.dir={sweep}", env=env, timeout=120)
     _no_traceback_exit2(proc)
     assert "hydra.launcher = submitit_slurm: sbatch and srun not found on this machine" in proc.stderr
     assert "add mode=launch_plan to print the sbatch script" in proc.stderr
@@ -167,7 +166,7 @@ def test_scheduler_refusing_the_submission_is_reported_as_such(tmp_path):
         (bin_dir / tool).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     argv = [sys.executable, "-m", "runner", "-m", *SLURM, "cluster.num_nodes=2", "parallelism=fsdp", "training.global_batch_size=32"]
-    proc = subprocess.run([*argv, f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_module("runner", *argv[3:], f"hydra.sweep.dir={sweep}", env=env, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr and "Fix the override" not in proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("scheduler error: ")]
@@ -284,7 +283,8 @@ def test_the_node_command_runs_the_same_preflight(tmp_path):
     proc = run_cli(huge, "mode=launch_plan", run_dir=run_dir)
     assert proc.returncode == 0, proc.stderr
     (node,) = [ln.split() for ln in proc.stdout.splitlines() if "runner.launch" in ln]
-    launched = subprocess.run([sys.executable, *node[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert node[1] == "-m"
+    launched = run_module(node[2], *node[3:], timeout=120)
     _no_traceback_exit2(launched)
     assert "4 ranks x 1000000." in launched.stderr
     assert not (run_dir / "logs").exists()  # no rank was started

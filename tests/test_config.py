@@ -44,7 +44,6 @@ CONTEXT = {
     "cluster/h100_96gb_node.yaml": ["parallelism=fsdp", "training.global_batch_size=16"],
     "cluster/h100x64.yaml": ["parallelism=fsdp", "training.global_batch_size=128"],
     "cluster/h800x2048.yaml": ["parallelism=fsdp", "training.global_batch_size=4096"],
-    "fault_tolerance/torchft.yaml": ["parallelism=hsdp2x2"],  # torchft recovers a replica group from a peer: two groups
     "precision/mxfp8.yaml": ["cluster=b200_node", "parallelism=fsdp", "training.global_batch_size=16"],
     # a GPU's datasheet is picked by a cluster file (conf/cluster/*.yaml): tried under an 8-GPU node
     **{f"gpu/{p.name}": ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"] for p in ROOT.glob("conf/gpu/*.yaml")},

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from runner.config import flops, freeze, runfiles, validate
 from runner.config.dryrun import report as dryrun_report
 from runner.config.problems import ConfigError
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli, run_module
 
 SMALL = ["recipe=debug_dp2_tp2_cpu", "training.seq_len=64", "training.global_batch_size=4", "training.microbatch_size=1"]
+# The dry runs below, trained with tests/test_plan_memory.py's in one multirun (conftest's dry_runs)
+DRYRUNS = {"dryrun-ledger": [*SMALL, "dryrun.ranks=[0]"], "dryrun-8b": ["recipe=llama3_8b_fsdp8_h100"]}
 
 
 def test_default_ranks_and_reduced_batch(compose):
@@ -53,32 +53,19 @@ def test_ranks_outside_the_layout_exit_2_with_nothing_written(tmp_path):
 
 
 def _real_ledger(cfg, tmp_path) -> dict:
-    """Rank 0 of 4 real gloo ranks running runner.run.dryrun.rehearse's two steps under the ledger."""
+    """Rank 0 of 4 real gloo ranks running runner.run.dryrun.rehearse's two steps under the ledger (forked after the imports)."""
     tmp_path.mkdir()
     frozen = freeze.write(cfg, validate.check(cfg), tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=4",
-        "-m",
-        "runner.run.dryrun.rehearse",
-        str(tmp_path),
-        str(frozen),
-    ]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_module("runner.run.dryrun.rehearse", "4", tmp_path, frozen, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "ledger_rank0.json").read_text())
 
 
 @pytest.mark.e2e
-def test_ledger_of_the_dry_run_matches_real_ranks(tmp_path, compose):
+def test_ledger_of_the_dry_run_matches_real_ranks(tmp_path, compose, dry_runs):
     real = _real_ledger(compose(SMALL), tmp_path / "real")
-    proc = run_cli("mode=dryrun", *SMALL, "dryrun.ranks=[0]", run_dir=tmp_path / "dry")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    fake = json.loads((tmp_path / "dry" / runfiles.DRYRUN).read_text())["ranks"][0]
+    fake = json.loads((dry_runs["dryrun-ledger"][0] / runfiles.DRYRUN).read_text())["ranks"][0]
     assert fake["fake"] and not real["fake"]
     assert fake["param_shards"] == real["param_shards"]
     for label in ("param_shard", "param_gathered", "grad_shard", "grad_unsharded", "optimizer_state", "buffer"):
@@ -95,13 +82,12 @@ def test_ledger_of_the_dry_run_matches_real_ranks(tmp_path, compose):
 
 
 @pytest.mark.e2e
-def test_8b_fsdp_dry_run_writes_the_expected_shards(tmp_path, compose):
-    proc = run_cli("mode=dryrun", "recipe=llama3_8b_fsdp8_h100", run_dir=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rep = json.loads((tmp_path / runfiles.DRYRUN).read_text())
-    assert "plan GB" in proc.stdout and "total (peak)" in proc.stdout
-    assert "substituted: attention: TorchTitan's causal SDPA in place of FlexAttention" in proc.stdout  # a CUDA config, named
-    assert rep["substitutions"] == [line.removeprefix("  substituted: ") for line in proc.stdout.splitlines() if "substituted:" in line]
+def test_8b_fsdp_dry_run_writes_the_expected_shards(compose, dry_runs):
+    run_dir, out = dry_runs["dryrun-8b"]
+    rep = json.loads((run_dir / runfiles.DRYRUN).read_text())
+    assert "plan GB" in out and "total (peak)" in out
+    assert "substituted: attention: TorchTitan's causal SDPA in place of FlexAttention" in out  # a CUDA config, named
+    assert rep["substitutions"] == [line.removeprefix("  substituted: ") for line in out.splitlines() if "substituted:" in line]
     r = rep["ranks"][0]
     n = flops.num_params(compose(["recipe=llama3_8b_fsdp8_h100"]).model)
     assert r["num_params_local"] * 8 == n  # every 8B dimension splits evenly over 8 FSDP ranks

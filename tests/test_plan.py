@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, run_module
 
 SEED = ["recipe=llama3_70b_h100x1024"]
 REQUIRED_KEYS = (
@@ -178,7 +178,7 @@ def test_sweep_records_invalid_points_and_compare_tables_them(tmp_path):
     assert any(p.startswith("parallelism.tp = 16: must divide model.num_heads = 64") for p in invalid["problems"])
     assert json.loads((sweep_dir / "0" / "plan.json").read_text())["microbatches"] == 16
 
-    out = subprocess.run([sys.executable, "-m", "runner.compare", str(sweep_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = run_module("runner.compare", sweep_dir, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     (valid,) = [ln for ln in lines if ln.startswith("│ tp=4 ")]  # labelled by what differs between the points
@@ -190,7 +190,7 @@ def test_sweep_records_invalid_points_and_compare_tables_them(tmp_path):
 
 @pytest.mark.e2e
 def test_compare_rejects_a_folder_without_runs(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "runner.compare", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = run_module("runner.compare", tmp_path, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"paths = {tmp_path}: no run folder below them holds summary.json, plan.json, invalid.json or failed.json" in out.stderr
 

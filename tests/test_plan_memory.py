@@ -12,7 +12,6 @@ import pytest
 
 from runner.config import flops, runfiles, validate
 from runner.config.schema import DeviceType
-from tests.conftest import run_cli
 
 DEBUG = ["precision=bf16", "training.seq_len=512", "training.microbatch_size=1", "model.num_kv_heads=4", "model.num_layers=12"]
 HELD = ("weights + gradients", "optimizer (master + moments)", "activations")
@@ -30,11 +29,18 @@ P405 = [
 ]
 
 
-def _dryrun(tmp_path, *overrides) -> dict:
-    proc = run_cli("mode=dryrun", *DEBUG, *overrides, run_dir=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "FAIL" not in proc.stdout, proc.stdout
-    return json.loads((tmp_path / runfiles.DRYRUN).read_text())
+CASES = {  # name: (overrides, dry-run ranks)
+    "pp": (["parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),
+    "pp_full_ac": (["parallelism=dp2_pp2", "training.global_batch_size=8", "training.activation_checkpoint=full"], [0]),
+    "tp_sp": (["parallelism=dp2_tp2", "training.global_batch_size=4"], [0]),
+}
+# trained with tests/test_dryrun.py's dry runs in one multirun (conftest's dry_runs)
+DRYRUNS = {f"plan_memory-{case}": [*DEBUG, *o, f"dryrun.ranks={ranks}".replace(" ", "")] for case, (o, ranks) in CASES.items()}
+
+
+def _dryrun(run_dir, console: str) -> dict:
+    assert "FAIL" not in console, console
+    return json.loads((run_dir / runfiles.DRYRUN).read_text())
 
 
 def _held(rank: dict) -> dict[str, float]:
@@ -45,16 +51,10 @@ def _held(rank: dict) -> dict[str, float]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "case, overrides, ranks",
-    [
-        ("pp", ["parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),
-        ("pp_full_ac", ["parallelism=dp2_pp2", "training.global_batch_size=8", "training.activation_checkpoint=full"], [0]),
-        ("tp_sp", ["parallelism=dp2_tp2", "training.global_batch_size=4"], [0]),
-    ],
-)
-def test_plan_matches_the_dry_run(tmp_path, case, overrides, ranks):
-    rep = _dryrun(tmp_path, *overrides, f"dryrun.ranks={ranks}".replace(" ", ""))
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_matches_the_dry_run(dry_runs, case):
+    rep = _dryrun(*dry_runs[f"plan_memory-{case}"])
+    assert [rank["rank"] for rank in rep["ranks"]] == CASES[case][1]
     for rank in rep["ranks"]:
         ratios = _held(rank)
         assert ratios["total (peak)"] == pytest.approx(1.0, abs=0.05), (case, rank["rank"], ratios)

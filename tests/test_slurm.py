@@ -69,11 +69,14 @@ def test_layout_sweep_runs_as_two_two_node_jobs(layout_sweep):
         assert sorted(part.split(" ranks ")[0] for part in nodes[len("nodes: ") :].split("; ")) == ["n1", "n2"], nodes
 
 
+def shared_points(tmp_path_factory) -> dict[str, list[str]]:
+    """The one-node reference, a point of the session's one Hydra multirun (conftest's shared_runs)."""
+    return {"slurm-one_node": SHORT}  # cluster=local_cpu: the default dp2_tp2 on 4 ranks of one node
+
+
 @pytest.mark.e2e
-def test_two_node_job_matches_one_node_losses(layout_sweep, tmp_path):
-    one_node = tmp_path / "one_node"
-    proc = run_cli(*SHORT, run_dir=one_node)  # cluster=local_cpu: the default dp2_tp2 on 4 ranks of one node
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_two_node_job_matches_one_node_losses(layout_sweep, shared_runs):
+    one_node = shared_runs["slurm-one_node"][0]
     got, ref = metrics(layout_sweep / "0"), metrics(one_node)
     assert [r["loss"] for r in got] == [pytest.approx(r["loss"], abs=LOSS_ATOL) for r in ref]
     assert [r["data_hash"] for r in got] == [r["data_hash"] for r in ref]

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from runner.config import flops, precision
 from runner.run import titan
-from tests.conftest import ROOT, multirun, run_cli, summary
+from tests.conftest import ROOT, run_cli
 
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 # qwen3_5's module imports flash-linear-attention, absent here: the runner builds its registry flavor as it is
@@ -95,17 +94,21 @@ def test_moe_fp8_validates_with_its_layer_count(tmp_path):
     assert "routed experts: high precision: the recipes convert Linear layers only" in proc.stdout
 
 
+# A widened debug model and the MoE model in FP8, 2 steps on one rank each: points of the shared one-rank launch of
+# runner.run.parity (conftest's parity_runs), which runs the same build and step loop as a run and reports the same summary.
+COMMON = SHORT
+LAUNCHES = {1: {"titan-wide": WIDE, "titan-moe_fp8": MOE_FP8}}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """A widened debug model and the MoE model in FP8, 2 steps on one rank each, in one multirun."""
-    sweep = tmp_path_factory.mktemp("titan") / "sweep"
-    return multirun({"wide": WIDE, "moe_fp8": MOE_FP8}, SHORT, sweep)[0]
+def runs(parity_runs) -> dict[str, dict]:
+    return {name.removeprefix("titan-"): parity_runs[name] for name in LAUNCHES[1]}
 
 
 @pytest.mark.e2e
 def test_widened_model_trains_at_the_config_size(runs, compose):
     m = compose([*WIDE, *SHORT]).model
-    s = summary(runs["wide"])
+    s = runs["wide"]["summary"]
     assert s["num_params"] == flops.num_params(m) == WIDE_PARAMS == 22_551_040
     assert s["flops_per_token"] == flops.flops_per_token(m, 32, "titan") == 6 * (WIDE_PARAMS - 2048 * 512) + 6 * 6 * 16 * 64 * 32
     assert s["flops_per_token_6n"] == 6 * WIDE_PARAMS
@@ -114,9 +117,9 @@ def test_widened_model_trains_at_the_config_size(runs, compose):
 @pytest.mark.e2e
 def test_moe_model_trains_in_fp8(runs, compose):
     cfg = compose([*MOE_FP8, *SHORT])
-    rec = json.loads((runs["moe_fp8"] / "precision.json").read_text())
+    rec = json.loads((runs["moe_fp8"]["run_dir"] / "precision.json").read_text())
     assert len(rec["converted"]) == MOE_LINEARS - 6 == 42
     assert (rec["converted"], rec["kept_high_precision"]) == (precision.conversion(cfg)[0], MOE_KEPT)
     assert rec["grouped_experts"] == precision.GROUPED_EXPERTS  # the routed experts' grouped GEMMs stay in fp32
-    s = summary(runs["moe_fp8"])
+    s = runs["moe_fp8"]["summary"]
     assert (s["num_params"], s["steps"], s["fp8"]) == (flops.num_params(cfg.model), 2, "tensorwise")

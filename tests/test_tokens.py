@@ -1,10 +1,10 @@
 """data=tokens: `python -m runner.data prepare`, the memory-mapped reader, the on-the-fly permutation, mixtures,
 prefetch, and their checks before launch.
 
-One Hydra multirun (torch and TorchTitan imported once) trains: a 4-rank dp_shard=2 x tp=2 reference on one
-prepared folder with a checkpoint every step, the same run with rank 1 SIGKILLed and restarted by the elastic
-agent, a 2-rank reference and a killed run on a two-folder mixture, and a pp=2 run that resumes the reference's
-step-1 checkpoint. Everything else runs without ranks on a tiny generated corpus.
+The session's one Hydra multirun (conftest's shared_runs: torch and TorchTitan imported once) trains: a 4-rank
+dp_shard=2 x tp=2 reference on one prepared folder with a checkpoint every step, the same run with rank 1 SIGKILLed
+and restarted by the elastic agent, a 2-rank reference and a killed run on a two-folder mixture, and a pp=2 run
+that resumes the reference's step-1 checkpoint. Everything else runs without ranks on a tiny generated corpus.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from runner.config.validate import data as validate_tokens
 from runner.data import cli, manifest, order
 from runner.run.loader import Prefetch, TokenData
 from tests import text_assets
-from tests.conftest import metrics, multirun, run_cli
+from tests.conftest import metrics, run_cli
 
 STEPS, KILL_AT, SEQ = 3, 2, 64  # sync saves: step 1's checkpoint is published when step 2 starts
 FRACTION = 0.05
@@ -40,6 +40,21 @@ def _prepare(inputs: list[Path], tok: Path, out: Path, *extra: str) -> int:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    return _assets(tmp_path_factory)  # the folders the shared runs read
+
+
+_MADE: dict[Path, SimpleNamespace] = {}
+
+
+def _assets(tmp_path_factory) -> SimpleNamespace:
+    """Made once per session (keyed by its temporary folder): the module's fixture and the shared runs read the same folders."""
+    base = tmp_path_factory.getbasetemp()
+    if base not in _MADE:
+        _MADE[base] = _make_assets(tmp_path_factory)
+    return _MADE[base]
+
+
+def _make_assets(tmp_path_factory) -> SimpleNamespace:
     """Two corpora (300 and 200 documents) with one tokenizer, each prepared into its own folder."""
     root = tmp_path_factory.mktemp("tokens")
     corpus, tok = text_assets.make(root / "assets")
@@ -450,10 +465,14 @@ def test_cli_exits_2_before_writing_the_run_folder(tmp_path):
 # ---- with ranks ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, assets):
-    sweep = tmp_path_factory.mktemp("runs")
-    ckpt = sweep / "tok_ckpt"
+POINTS = ("tok_ref", "tok_killed", "mix_ref", "mix_killed", "tok_pp")
+
+
+def shared_points(tmp_path_factory) -> dict[str, list[str]]:
+    """POINTS, in this order (tok_pp resumes from tok_ref's checkpoint): points of the session's one Hydra multirun
+    (conftest's shared_runs)."""
+    assets = _assets(tmp_path_factory)
+    ckpt = tmp_path_factory.mktemp("tok_ckpt") / "ckpt"
     common = [
         "checkpoint=local",
         "checkpoint.interval=1",
@@ -472,8 +491,13 @@ def trained(tmp_path_factory, assets):
         "mix_killed": [*mix, "parallelism=dp2", *kill],
         "tok_pp": [*tok, "parallelism=tp2_pp2", "parallelism.tp=1", "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-1"],
     }
-    dirs, consoles = multirun(points, common, sweep / "sweep")
-    return {name: (dirs[name], consoles[name]) for name in points}
+    assert tuple(points) == POINTS
+    return {name: [*common, *overrides] for name, overrides in points.items()}
+
+
+@pytest.fixture(scope="module")
+def trained(shared_runs):
+    return {name: shared_runs[name] for name in POINTS}
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:

@@ -22,7 +22,7 @@ import time
 import pytest
 import yaml
 
-from tests.conftest import ROOT, metrics, multirun, run_cli, summary
+from tests.conftest import ROOT, metrics, run_cli, run_module, summary
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -48,12 +48,16 @@ LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 
 
+def shared_points(tmp_path_factory) -> dict[str, list[str]]:
+    """Every layout and FP8 recipe of this file: points of the session's one Hydra multirun (conftest's shared_runs)."""
+    return {name: [*SHORT, *overrides] for name, overrides in (LAYOUTS | FP8_RUNS).items()}
+
+
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Every layout and FP8 recipe of this file, trained in one Hydra multirun (W&B groups it by the sweep)."""
-    sweep = tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep"
-    out, consoles = multirun(LAYOUTS | FP8_RUNS, SHORT, sweep)
-    return out | {"_console": consoles}
+def runs(shared_runs):
+    """Every layout and FP8 recipe of this file, trained in the session's Hydra multirun (W&B groups it by the sweep)."""
+    names = list(LAYOUTS | FP8_RUNS)
+    return {name: shared_runs[name][0] for name in names} | {"_console": {name: shared_runs[name][1] for name in names}}
 
 
 def test_default_command_trains_into_one_folder(tmp_path):
@@ -254,13 +258,7 @@ def test_calibration_sets_prediction_beside_measurement(runs):
 def test_compare_measured_runs_by_step_time(runs, tmp_path):
     names = ["dp2", "dp2_pp2", "dp2_tp2", "fp8_blockwise"]
     png = tmp_path / "mfu.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "runner.compare", *(str(runs[n]) for n in names), "--plot", str(png)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_module("runner.compare", *(runs[n] for n in names), "--plot", png, timeout=60)
     assert proc.returncode == 0, proc.stderr
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith("│") and "measured" in ln]
     assert len(table) == 4
@@ -303,8 +301,7 @@ def test_round_robin_placement_refuses_to_train(tmp_path):
     """A launcher that deals ranks to nodes round-robin splits every TP group over two nodes."""
     env = {**os.environ, "RUNNER_NODE_NAMES": "node0,node1"}
     # also the exec start (a fresh interpreter per rank, as on a GPU node); the other local runs fork
-    argv = [sys.executable, "-m", "runner", *SHORT, "parallelism=tp2", "cluster.worker_start=exec", f"hydra.run.dir={tmp_path / 'rr'}"]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_cli(*SHORT, "parallelism=tp2", "cluster.worker_start=exec", run_dir=tmp_path / "rr", env=env)
     assert proc.returncode == 1
     assert "refusing to train: ranks are placed so that tensor-parallel groups cross nodes" in proc.stderr
     assert "TP group [0, 1] spans 2 nodes: rank 0 on node0 (local rank 0), rank 1 on node1 (local rank 1)" in proc.stderr

@@ -7,8 +7,8 @@ builds, for each frozen config in turn, TorchTitan's mesh, model and schedule an
 with the runner's own step loop (runner.run.train.run). Each run folder gets `parity.json`:
 per-step rows (loss, pre-clip global grad norm, tokens/s), the summary (with the measured
 pipeline idle fraction), the stage split, and a fingerprint of the weights before and after
-training, gathered as full tensors. Imports cost ~10 s per rank, so tests and the benchmark
-check many layouts in one launch instead of one launch each.
+training, gathered as full tensors (and an FP8 config's precision.json, as runs write it). Imports
+cost ~10 s per rank, so tests and the benchmark check many layouts in one launch instead of one launch each.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runner.config import freeze, layout, runfiles
-from runner.config.schema import RunConfig, WorkerStart
+from runner.config.schema import Fp8Recipe, RunConfig, WorkerStart
 from runner.run import accounting, evaluate, peak, procs, titan, train, worker
 
 
@@ -95,6 +95,8 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     pd, _ = worker.build_mesh(cfg, lay, policy)
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
+    if rank == 0 and cfg.precision.fp8 != Fp8Recipe.none:
+        worker._record_fp8(cfg, built, peak.read(run_dir), run_dir, policy)  # precision.json, as a run writes it
     eval_data = worker.eval_data_for(cfg, lay, rank, run_dir, policy)
     result = {
         "layout": cfg.parallelism.name,

@@ -7,7 +7,8 @@ parallelize and its pipeline stage (runner.run.titan.build, on meta). It is then
 step parts; the second is measured by the ledger (runner.run.dryrun.ledger). The first is not representative: AdamW
 creates its state lazily and the pipeline schedule infers shapes with an extra forward/backward.
 
-`python -m runner.run.dryrun.rehearse OUT FROZEN` under torchrun does the same on real ranks (the ledger's ground truth).
+`python -m runner.run.dryrun.rehearse NPROC OUT FROZEN` forks NPROC real ranks that do the same (the ledger's ground
+truth); `python -m runner.run.dryrun.rehearse OUT FROZEN` under torchrun is one such rank.
 """
 
 from __future__ import annotations
@@ -314,5 +315,26 @@ def main(out_dir: str, frozen: str) -> None:
     dist.destroy_process_group()
 
 
+def launch_real(nproc: int, out_dir: str, frozen: str) -> None:
+    """`nproc` real ranks of main(out_dir, frozen), forked by torch's elastic agent after the imports (as
+    runner.parity starts its ranks): one import of torch and TorchTitan instead of one per rank."""
+    from runner.run import procs
+
+    titan.preload(freeze.load(Path(frozen)))
+    rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id=ledger-{os.getpid()}"]  # torchrun --standalone
+    procs.fork_ranks([*rdzv, f"--nproc-per-node={nproc}"], _forked_main, out_dir, frozen)
+    procs.exit_now(0)
+
+
+def _forked_main(out_dir: str, frozen: str) -> None:
+    from runner.run import procs
+
+    procs.drop_agent_signal_handlers()
+    main(out_dir, frozen)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if len(sys.argv) == 4:
+        launch_real(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    else:
+        main(*sys.argv[1:])
