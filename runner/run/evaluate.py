@@ -6,7 +6,7 @@ training global batch, each DP replica its slice of them as in training (runner.
 are comparable and independent of the training position. The forward runs without gradients, with the model parts in
 eval mode (MoE routers then leave their load-balancing token counts alone), through the pipeline schedule's
 forward-only step under PP. The loss is averaged per token over the pass like the training loss: every batch's share
-is divided by its global token count, the shares are summed over ranks (runner.run.train.global_loss) and over the
+is divided by its global token count, the shares are summed over ranks (global_loss) and over the
 batches, and divided by eval.steps.
 """
 
@@ -16,10 +16,21 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
+from runner.config.layout import Layout
 from runner.run import titan
+from runner.run.device import DevicePolicy
 
 ROW_KEYS = ("eval_loss", "eval_ppl", "eval_s")
+
+
+def global_loss(local: torch.Tensor, lay: Layout, policy: DevicePolicy) -> float:
+    """Sum of the per-rank shares = mean token loss (an evaluation pass's; a training step's goes through
+    runner.run.step_sync). Ranks of a TP group hold the same share, so only TP rank 0 contributes; non-last
+    pipeline stages hold zero."""
+    share = local if lay.coords(dist.get_rank())["tp"] == 0 else torch.zeros_like(local)
+    return float(policy.all_reduce(share))
 
 
 def due(interval: int, step: int, num_steps: int) -> bool:

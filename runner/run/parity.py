@@ -145,7 +145,7 @@ def _evaluate_only(cfg: RunConfig, lay: layout.Layout, built: titan.Built, eval_
     t = cfg.training
     batches = (train.on_device(eval_data.microbatches(k), policy.compute_device()) for k in range(cfg.eval.steps))
     local = evaluate.local_loss(built, titan.loss_fn(cfg), batches, torch.tensor(float(t.global_batch_size * t.seq_len)))
-    loss = train.global_loss(local, lay, policy) / cfg.eval.steps
+    loss = evaluate.global_loss(local, lay, policy) / cfg.eval.steps
     return {"rows": [{"step": 0, "eval_loss": loss}], "attention": kinds, "mask_batches": mask_batches}
 
 

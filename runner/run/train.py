@@ -6,7 +6,6 @@ monitors can time and trace it.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +20,8 @@ from runner.config.layout import Layout
 from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import breakdown, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
-from runner.run.accounting import Accounting, row, summarize
+from runner.run import evaluate, ft, loader, preempt, profiling, report, step_sync, titan, update
+from runner.run.accounting import Accounting, row
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
@@ -59,14 +58,6 @@ def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     """The data streams produce CPU tensors; the model, the loss and the pipeline schedule take them on the
     compute device (TorchTitan's own train step moves its labels the same way)."""
     return [(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)) for inputs, labels in microbatches]
-
-
-def global_loss(local: torch.Tensor, lay: Layout, policy: DevicePolicy) -> float:
-    """Sum of the per-rank shares = mean token loss (the evaluation's; a training step's goes through
-    runner.run.step_sync). Ranks of a TP group hold the same share, so only TP rank 0 contributes; non-last
-    pipeline stages hold zero."""
-    share = local if lay.coords(dist.get_rank())["tp"] == 0 else torch.zeros_like(local)
-    return float(policy.all_reduce(share))
 
 
 @dataclass
@@ -248,43 +239,6 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
     )
 
 
-def _update(loop: _Loop) -> None:
-    """The optimizer step of the last step, once the guard accepted it. It runs one step late, at the start of the next
-    step (or at once when something reads the weights: _decide): the verdict needs the global loss and grad norm on the
-    host, which costs the step's one host synchronization (DevicePolicy.read); run after the verdict in the same step,
-    the update would need a second one before dt. So a step's dt holds one update and one forward/backward, and a spike
-    still never reaches the weights."""
-    if not loop.pending:
-        return
-    loop.pending = False
-    loop.ckpt.staged()  # an async checkpoint's copy of the weights is taken before they change
-    with loop.mon.phase("optimizer"):
-        loop.opt.step()
-    loop.opt.zero_grad(set_to_none=True)
-    loop.sched.step()
-
-
-def _reads_weights(loop: _Loop, step: int, stop: bool) -> bool:
-    """Whether anything reads the weights after `step` before the next step updates them. Under torchft the next
-    step's quorum may send them to a recovering group, so the update is never deferred there."""
-    cfg = loop.cfg
-    evaluating = loop.eval_data is not None and evaluate.due(cfg.eval.interval, step, cfg.training.steps)
-    due = step >= cfg.training.steps or stop or evaluating or loop.ckpt.due(step) or loop.integrity.check_due(step)
-    return due or loop.ft is not ft.OFF
-
-
-def _decide(loop: _Loop, step: int, verdict: monitor.Verdict, stop: bool, committed: bool) -> None:
-    """An accepted step's update waits for the next step (_update); a spike's gradients are dropped now, and so are
-    a step's that torchft's quorum did not commit (its schedule does not advance either)."""
-    loop.pending = verdict.action == "ok" and committed
-    if not loop.pending:
-        loop.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
-        if committed:
-            loop.sched.step()
-    elif _reads_weights(loop, step, stop):
-        _update(loop)
-
-
 def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, bool]:
     """Train the step and judge it: its metrics row, the guard's verdict, whether the ranks stop for SLURM. Outside
     logging and check steps this is the step's one host synchronization and its one host collective."""
@@ -293,9 +247,9 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     loop.ft.begin(step)
     lanes = loader.digest_lanes(loop.data, step - 1)
     if loop.prof is not None:
-        _log_terms(loop, loop.prof.enter(step))
+        report.log_terms(loop, loop.prof.enter(step))
     t0 = time.perf_counter()
-    _update(loop)  # the last step's accepted update, timed with this step
+    update.apply(loop)  # the last step's accepted update, timed with this step
     loop.integrity.begin_step(step, loop.built.parts)
     local, norm = _train_step(loop, step)
     share, grad_norm = policy.read(local, norm)  # waits for the step's kernels (the update's too)
@@ -307,7 +261,7 @@ def _measure(loop: _Loop, step: int) -> tuple[dict[str, Any], monitor.Verdict, b
     loss = loop.ft.global_loss(shared.loss)
     verdict = loop.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
     lr = loop.opt.param_groups[0]["lr"]
-    _decide(loop, step, verdict, shared.stop, loop.ft.should_commit())  # torchft's vote (always True with it off)
+    update.decide(loop, step, verdict, shared.stop, loop.ft.should_commit())  # torchft's vote (always True with it off)
     replicas = _check_replicas(loop, step) if loop.integrity.check_due(step) else {}
     flagged = mon.end_step()
     r = row(step, loss, grad_norm, dt, lr, loop.cfg, loop.acc, policy.max_memory_gb())
@@ -328,7 +282,7 @@ def _step(loop: _Loop, step: int) -> int:
     guard, policy = loop.guard, loop.policy
     started, p0 = time.time(), time.monotonic()  # the step's overhead: its own clock, apart from dt's
     if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
-        _update(loop)
+        update.apply(loop)
         loop.sched.step()
         return step + 1
     syncs = policy.host_syncs
@@ -349,31 +303,8 @@ def _step(loop: _Loop, step: int) -> int:
     if "rewound_to" not in r and not _stop_for_slurm(loop, step, r, stop) and loop.ckpt.due(step) and loop.ft.saves():
         r["checkpoint_s"] = loop.ckpt.save(step, loop.built, loop.opt, loop.sched, loop.data, guard)
     r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
-    _publish(loop, step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
+    report.publish(loop, step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
     return r["rewound_to"] + 1 if "rewound_to" in r else loop.ft.next_step(step)
-
-
-def _publish(loop: _Loop, step: int, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
-    """After the step's save: publish a finished async save, log the row when due, record the step on the timeline."""
-    p2 = time.monotonic()
-    loop.ckpt.poll()
-    p3 = time.monotonic()
-    spent["publish_s"] = p3 - p2
-    loop.rows.append(r)
-    if step % loop.cfg.logging.log_every == 0 or step == loop.cfg.training.steps or notable or "eval_loss" in r or loop.stopped:
-        for s in loop.sinks:
-            s.log(r)
-    loop.mon.finished_step()
-    spent["overhead_s"] += time.monotonic() - p3
-    if loop.timeline is not None:
-        loop.timeline.step(r, started, **spent)
-
-
-def _log_terms(loop: _Loop, found: dict[str, Any] | None) -> None:
-    """A traced step's terms (the busiest traced rank's) to the sinks that chart them per step (W&B)."""
-    if found is not None:
-        for s in loop.sinks:
-            s.log_breakdown(found)
 
 
 def _evaluate(loop: _Loop) -> dict[str, float]:
@@ -381,7 +312,7 @@ def _evaluate(loop: _Loop) -> dict[str, float]:
     t0, device = time.perf_counter(), loop.policy.compute_device()
     batches = (on_device(loop.eval_data.microbatches(k), device) for k in range(loop.cfg.eval.steps))
     local = evaluate.local_loss(loop.built, loop.loss_fn, batches, loop.global_tokens)  # the eval batch is the training batch
-    return evaluate.row(global_loss(local, loop.lay, loop.policy) / loop.cfg.eval.steps, time.perf_counter() - t0)
+    return evaluate.row(evaluate.global_loss(local, loop.lay, loop.policy) / loop.cfg.eval.steps, time.perf_counter() - t0)
 
 
 def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any], agreed: bool) -> bool:
@@ -410,8 +341,8 @@ def _stop_for_slurm(loop: _Loop, step: int, r: dict[str, Any], agreed: bool) -> 
 
 def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     """Publish the last checkpoint, export the model, and the run's summary (gathered over ranks)."""
-    cfg, lay, rows, acc = loop.cfg, loop.lay, loop.rows, loop.acc
-    _update(loop)  # the last step's update ran at once (_reads_weights); this is the guarantee
+    cfg, rows = loop.cfg, loop.rows
+    update.apply(loop)  # the last step's update ran at once (update.reads_weights); this is the guarantee
     t0 = time.perf_counter()
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
     loop.feed.close()
@@ -423,30 +354,7 @@ def _finish(loop: _Loop, step: int) -> dict[str, Any]:
     loop.finish_from = time.time()
     if not rows:
         raise RuntimeError(f"nothing to train: the checkpoint resumed from is at step {step - 1} >= training.steps {cfg.training.steps}")
-    guard = loop.guard
-    summary = summarize(rows, cfg, lay, acc)
-    guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
-    summary["monitor"] = loop.mon.summary() | guarded | loop.integrity.summary()
-    summary |= evaluate.summary(rows)
-    policy = loop.policy
-    peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
-    summary["memory_gb_max"] = float(peak_mem)
-    idle = loop.mon.idle
-    bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
-    found = loop.prof.write() if loop.prof is not None else None
-    summary["calibration"] = plan_check.compare(
-        cfg,
-        lay,
-        policy,
-        acc.peak_flops_total / lay.world_size / 1e12,
-        plan_check.allreduce_gbs(policy),
-        summary["step_time_s_median"],
-        bubble,
-        found,
-    )
-    if found:
-        summary["profile"] = {k: found[k] for k in ("busiest_rank", "steps", "step_s", "terms_s", "unattributed_share", "largest")}
-    return summary
+    return report.summary(loop)
 
 
 def run(
@@ -473,7 +381,7 @@ def run(
         while step <= cfg.training.steps and not loop.stopped:
             step = _step(loop, step)
     if loop.prof is not None:
-        _log_terms(loop, loop.prof.close(step - 1))
+        report.log_terms(loop, loop.prof.close(step - 1))
     if loop.stopped:  # requeued: the summary is the finished run's
         loop.feed.close()
         loop.finish_from = time.time()
