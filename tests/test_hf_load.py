@@ -72,12 +72,23 @@ def reference(parity_runs) -> dict[str, float]:
     tokens = torch.stack([loader.sample(0, i, 64, 2048) for i in range(4)])
     out = {}
     for name in hf_models.TINY:
-        model = transformers.AutoModelForCausalLM.from_pretrained(HF_FOLDERS[name], dtype=torch.float32, attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_pretrained(_folders()[name], dtype=torch.float32, attn_implementation="eager")
         out[name] = hf_models.hf_loss(model.eval(), tokens[:, :-1], tokens[:, 1:])
     return out
 
 
 HF_FOLDERS: dict[str, Path] = {}
+"""Filled by launches() in the module object conftest imported (tests.test_hf_load); read it through _folders()."""
+
+
+def _folders() -> dict[str, Path]:
+    """The tiny models' folders as conftest's launches() saved them: pytest imports this file as another module object
+    (tests/ is no package), whose HF_FOLDERS stays empty."""
+    from tests import test_hf_load as filled
+
+    return filled.HF_FOLDERS
+
+
 """Where conftest's parity_runs saved each tiny model (filled by launches)."""
 
 
@@ -129,9 +140,9 @@ def test_a_resume_takes_precedence_over_init_from(parity_runs):
 
 @pytest.mark.e2e
 def test_step_zero_says_it_started_from_hf(parity_runs):
-    from tests import conftest
+    import conftest  # pytest's own conftest module, the one parity_launches filled (tests.conftest would be a copy)
 
-    console, folder = conftest.CONSOLES[1], HF_FOLDERS["llama3"]
+    console, folder = conftest.CONSOLES[1], _folders()["llama3"]
     sha = hashlib.sha256((folder / hf.CONFIG).read_bytes()).hexdigest()
     assert f"step 0: started from Hugging Face weights in {folder} (config.json sha256 {sha};" in console
     started = [n for n in parity_runs if n.startswith("hf-") and (n.endswith("-single") or n == "hf-llama3-two-steps")]
