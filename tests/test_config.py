@@ -465,8 +465,8 @@ def test_help_and_info():
         f"model: {', '.join(models)}",
         "parallelism: cp2, dp2, dp2_pp2, dp2_tp2, ep2, fsdp, hsdp2x2, pp2_interleaved, single, tp2, tp2_pp2, tp4_pp4, tp8_pp16, "
         "tp8_pp16_cp16, tp8_pp4, tp8_pp8",
-        "recipe: debug_dp2_tp2_cpu, deepseek_v3_671b_h800x2048, gpt_oss_120b_h100x64, llama3_70b_h100x1024, llama3_8b_fsdp8_h100, "
-        "qwen3_235b_a22b_h100x1024",
+        "recipe: debug_dp2_tp2_cpu, deepseek_v3_671b_h800x2048, gpt_oss_120b_h100x64, llama3_70b_h100x1024, llama3_8b_continue_h100x64, "
+        "llama3_8b_fsdp8_h100, qwen3_235b_a22b_h100x1024",
         "sweep: cpu_layouts, llama3_70b_layouts",
     ):
         assert line in lines  # whole lines: a prefix would hide a missing or extra option
