@@ -84,7 +84,9 @@ def _trace():
             _x("aten::add", 650, 50),  # recompute
             _x("BlockwiseFp8Matmul", 700, 60),  # a name no table knows: unattributed
             _x("aten::view", 760, 20),  # overhead
-            # 780..1000: no event: the framework's Python between ops (overhead)
+            _x("PythonDispatchMode", 780, 20),  # a TorchDispatchMode's Python around an op (observe/waits): overhead
+            _x("aten::mul", 785, 10),  # non_matmul
+            # 800..1000: no event: the framework's Python between ops (overhead)
             _x("aten::mm", 100, 500, tid=2),  # another thread: not the step's
         ]
     }
@@ -97,9 +99,9 @@ def test_a_step_is_split_into_the_predictors_terms_by_its_innermost_events():
     assert got == {
         "data_wait": 20,
         "compute": 150,
-        "overhead": 10 + 40 + 200,
+        "overhead": 10 + 40 + 200 - 20 + 10,  # the dispatch mode covers 20 us of the gap, 10 of them its own
         "tp": 40 + 50 + 30,
-        "non_matmul": 30,
+        "non_matmul": 30 + 10,
         "bubble": 150,
         "pp": 10,
         "dp": 40,

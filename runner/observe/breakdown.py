@@ -50,7 +50,8 @@ METADATA = re.compile(
     r"numel|dim|set_|_to_dense|_nested_tensor_from_mask_left_aligned)$"
 )
 DISPATCH = re.compile(
-    r"(autograd::engine::evaluate_function: .*|.*Backward\d*|torch::autograd::.*|PythonSubclass|Redistribute|NestedRedistribute|"
+    r"(autograd::engine::evaluate_function: .*|.*Backward\d*|torch::autograd::.*|PythonSubclass|PythonDispatchMode|Redistribute|"
+    r"NestedRedistribute|"
     r"_FromTorchTensor|_ToTorchTensor|Optimizer\..*|detach|_c10d_functional::_wrap_tensor_autograd|aten::_foreach_\w*\.?\w*_?zero_|"
     r"record_param_comms|cudaLaunchKernel|cudaMemcpyAsync|cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventRecord)$"
 )

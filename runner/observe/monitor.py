@@ -24,7 +24,6 @@ from typing import Any
 
 from runner.config import runfiles
 from runner.config.schema import GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
-from runner.observe import waits
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute", "own")
 """Phases whose slowness makes a straggler; `own` is the step on the timeline clock less its waits inside collectives
@@ -206,6 +205,8 @@ class StepMonitor:
         # as it), on CUDA events around the phase's kernels.
         self.clock = policy.clock()
         self.timeline = policy.timeline_clock()  # the step, its waits and pipeline stages (runner.observe.waits)
+        from runner.observe import waits  # torch: the config side imports this module torch-free
+
         self.waits = waits.Waits(self.timeline, functional=not compiled)
         self._span: Any = None
         self._spans: list[Any] = []  # this step's pipeline schedules (two at a replay check) on the timeline clock

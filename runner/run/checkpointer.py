@@ -33,11 +33,13 @@ def restarted() -> bool:
 
 
 class Checkpointer:
-    def __init__(self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any], policy):
+    def __init__(self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any], policy, shared: bool = False):
         """`folder`: where checkpoints go (runner.config.checkpoint.folder); `num_steps`: the run's last step (always
         saved); `origin`: what the state is saved from (runner.config.checkpoint.origin), its model checked on resume;
-        `policy`: the device policy, whose host group carries the choice of checkpoint and the export barrier."""
+        `policy`: the device policy, whose host group carries the choice of checkpoint and the export barrier; `shared`:
+        other jobs write the folder too (torchft's replica groups), so a save in flight may be theirs."""
         self.cfg, self.folder, self.num_steps, self.origin, self.policy = c, folder, num_steps, origin, policy
+        self.shared = shared
         self.rank = dist.get_rank()
         self.enabled = c.enable
         # async saves run their collectives on a group of their own (every rank creates it, in the same order)
@@ -154,7 +156,7 @@ class Checkpointer:
         box: list[Any] = [None, None, None]
         if self.rank == 0:
             pick, error = self._pick(before)
-            if before is None:  # a fresh start of the job: no save is in flight, leftovers are from a crash
+            if before is None and not self.shared:  # a fresh start of the job: no save is in flight, leftovers are from a crash
                 for p in self.folder.glob(f"{runfiles.CHECKPOINT_PREFIX}*{runfiles.CHECKPOINT_PARTIAL}"):
                     shutil.rmtree(p)
             box = [str(pick) if pick else None, checkpoint.marker(pick) if pick else None, error]

@@ -1,8 +1,5 @@
-"""The step loop: data -> forward/backward per microbatch -> global-norm clip -> AdamW.
-
-Built from TorchTitan's parts (see runner/run/titan/); each phase is its own function so
-monitors can time and trace it.
-"""
+"""The step loop: data -> forward/backward per microbatch -> global-norm clip -> AdamW, built from TorchTitan's parts
+(runner/run/titan/); each phase is its own function so monitors can time and trace it."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import torch.distributed as dist
 
 from runner.config import checkpoint, goodput, hf, runfiles
 from runner.config.layout import Layout
-from runner.config.schema import MismatchAction, RunConfig
+from runner.config.schema import FaultTolerance, MismatchAction, RunConfig
 from runner.observe import breakdown, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.run import evaluate, ft, loader, preempt, profiling, report, step_sync, titan, update
@@ -62,12 +59,12 @@ def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: tor
 
 @dataclass
 class Hooks:
-    """What a caller may observe inside the step loop (the parity harness does)."""
+    """What a caller may observe inside the step loop (the parity harness does): `before_clip(step, parts)` once the
+    gradients are complete, before the global-norm clip; `after_init(record)` with what this rank read of model.init_from
+    (titan.load_hf's record), once the weights are in."""
 
     before_clip: Callable[[int, list[torch.nn.Module]], None] | None = None
-    """Called with the step and the model parts once the gradients are complete, before the global-norm clip."""
     after_init: Callable[[dict[str, Any]], None] | None = None
-    """Called with what this rank read of model.init_from (titan.load_hf's record), once the weights are in."""
 
 
 @dataclass
@@ -93,16 +90,13 @@ class _Loop:
     watch: preempt.RankWatch
     run_dir: Path
     integrity: integrity.Checker
-    eval_data: Any = None
-    """The held-out split (runner.run.loader, split="eval"); None when eval.interval is 0."""
+    eval_data: Any = None  # the held-out split (runner.run.loader, split="eval"); None when eval.interval is 0
     feed: loader.Prefetch = None
-    ft: Any = ft.OFF
-    """fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off."""
+    ft: Any = ft.OFF  # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
-    timeline: goodput.Timeline | None = None
-    """Rank 0 of a launched run: where each step and the end are recorded (runner.config.goodput); None elsewhere."""
+    timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.config.goodput)
     final_checkpoint_s: float = 0.0  # the end: waiting for the last async save, exporting the model
     finish_from: float = 0.0  # wall clock once the last save is written: the finish part starts (runner.config.goodput)
     prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
@@ -228,7 +222,12 @@ def _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, 
         mon=mon,
         guard=monitor.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(
-            cfg.checkpoint, checkpoint.folder(cfg.checkpoint, run_dir), num_steps=t.steps, origin=checkpoint.origin(cfg, lay), policy=policy
+            cfg.checkpoint,
+            checkpoint.folder(cfg.checkpoint, run_dir),
+            num_steps=t.steps,
+            origin=checkpoint.origin(cfg, lay),
+            policy=policy,
+            shared=cfg.fault_tolerance.name != FaultTolerance.none,  # a restarting replica group leaves the live one's save alone
         ),
         eval_data=eval_data,
         feed=loader.Prefetch(data, pin=policy.pins_host_batches),
