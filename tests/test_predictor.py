@@ -152,7 +152,7 @@ def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(co
 
 def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     """A run that takes what a profile with in_run_share 0.8 predicts gives back 0.8, and that share slows every
-    kernel term (compute, elementwise) by 1 / 0.8 and nothing else."""
+    kernel term by 1 / 0.8 (compute, elementwise, and FSDP's memory-bound copies in dp) and nothing else."""
     from runner.calibrate import runs as calibrate_runs
 
     slow = _profile()
@@ -163,7 +163,11 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, {})
     assert b.terms["compute"] == pytest.approx(a.terms["compute"] / 0.8)
     assert b.terms["non_matmul"] == pytest.approx(a.terms["non_matmul"] / 0.8)
-    assert (b.terms["dp"], b.terms["overhead"]) == (a.terms["dp"], a.terms["overhead"])
+    micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+    copies = cfg.model.num_layers * steptime._fsdp_copies_s(cfg, lay, steptime.resolve_machine(cfg, lay, _profile()), micro)
+    assert copies > 0.05 * a.terms["dp"]  # the debug model's 6 blocks: memory-bound copies of every block, every microbatch
+    assert b.terms["dp"] - a.terms["dp"] == pytest.approx(copies * (1 / 0.8 - 1))  # the collectives do not move
+    assert b.terms["overhead"] == a.terms["overhead"]
     rows = {name: value for name, value, _ in steptime_profile.describe({**slow, "machine": slow["machine"]})}
     assert rows["in_run_share, 2 rank(s)"] == "0.800"
 

@@ -39,7 +39,7 @@ LINK_EFFICIENCY = 0.90
 """Bandwidth NCCL's ring collectives reach over the datasheet figure (per direction)."""
 COLLECTIVE_LATENCY_S = 30e-6
 """Fixed cost of one NCCL collective (launch and ring set-up)."""
-REFERENCE_ERROR = 0.057
+REFERENCE_ERROR = 0.061
 """Root mean square of predicted / measured - 1 over the modelled rows of reference_runs.csv (fit and heldout): the
 datasheet model's error band, inside which mode=search cannot order two candidates. A figure of the rows, kept here
 because pricing them takes seconds (a Hydra composition each); tests/test_predictor.py checks it against them."""

@@ -9,8 +9,8 @@ seconds per step on the busiest rank:
 - overhead: the stack's fixed cost per block pass (dispatch);
 - bubble: pipeline fill and drain around the busiest rank, through the other ranks' first stages;
 - tp, pp, cp, ep: their collectives, on the critical path;
-- dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, less what runs under the
-  block's compute.
+- dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, and FSDP's own copies into
+  and out of their buffers (also with dp_shard = 1), less what runs under the block's compute.
 `binding` names the largest. The machine's figures come from a profile (`cluster.profile`, written by
 `python -m runner.calibrate`) or else from the datasheet ("datasheet, not calibrated").
 """
@@ -166,6 +166,26 @@ def _dp_per_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, s
     return secs + syncs * _collective(mach, kinds["dp_replicate"], "all_reduce", lay.dp_replicate, params / shard * br)
 
 
+def _fsdp_copies_s(cfg: RunConfig, lay: Layout, mach: Machine, micro: int) -> float:
+    """Seconds per step of one block's FSDP2 copies, which run whatever the shard degree: TorchTitan applies FSDP to
+    every block, also with dp_shard = 1 (no peer to talk to). Before each all-gather the local shard is copied into
+    the gather buffer and after it the buffer out into the parameters (a read and a write of 1 / shard + 1 of the
+    block's parameters); before each reduce-scatter the gradients are concatenated into its buffer (a read and a
+    write of all), and after it the shard is divided (a read and a write) and added into the fp32 sharded gradient
+    (two reads and a write). Memory-bound, at the elementwise kernels' bandwidth, stretched like the optimizer when
+    ranks share cores. The gathers follow TorchTitan's reshard_after_forward policy (its own, not the memory model's,
+    whose keeps_weights_gathered counts no resharding without a shard)."""
+    bw, br = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
+    params = flops.block_params(cfg.model) / lay.tp
+    shard = lay.dp_shard * lay.cp
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    gathered = policy == "never" or (policy == "default" and lay.pp > 1)
+    gathers = 1 if gathered else 2 * micro
+    syncs = 1 if lay.pp > 1 else micro
+    moved = gathers * 2 * params * bw * (1 / shard + 1) + syncs * params * (2 * br + (2 * br + 3 * BYTES["float32"]) / shard)
+    return moved / (mach.memory_gbs * 1e9) * mach.cpu_share
+
+
 def _optimizer_s(cfg: RunConfig, lay: Layout, mach: Machine) -> float:
     local = flops.num_params(cfg.model) / (lay.tp * lay.pp * lay.dp_shard * lay.cp)
     return local * machine.ADAMW_BYTES_PER_PARAM / (mach.memory_gbs * 1e9) * mach.cpu_share
@@ -213,7 +233,7 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     shares = work.recomputed_share(ac, _layer_frequency(cfg))
     blk, head, stages = _block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach), _stages(cfg, lay, v)
     rank, bubble, blocks = _pipeline(lay, blk, head, stages, micro, mach.cpu_share)
-    dp_block = _dp_per_block(cfg, lay, mach, kinds, micro)
+    dp_block = _dp_per_block(cfg, lay, mach, kinds, micro) + _fsdp_copies_s(cfg, lay, mach, micro)
     hidden = mach.comm_overlap * min(dp_block, micro * (blk.compute + blk.non_matmul + blk.recompute))
     dp = blocks * (dp_block - hidden) + (hidden if blocks else 0.0)  # the first gather and the last reduce-scatter stay exposed
     out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep")}
