@@ -12,6 +12,7 @@ parity launch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -190,9 +191,10 @@ def outage(tmp_path_factory):
     run, t0 = base / "run", time.time()
     proc = fo.start(run, overrides)
     first = [fo.wait_for(f"group 0 rank {r}", lambda r=r: fo.record(run / "replica_0", r), proc, 600)["pid"] for r in (0, 1)]
-    killed = _kill_and_hold_restart(fo, run, proc)
+    killed, killed_at = _kill_and_hold_restart(fo, run, proc)
     saved = fo.wait_for("group 1 back and a checkpoint after it", lambda: _recovered(fo, run), proc, 600)
     lighthouse = _lighthouse_pid(base / "run.out")
+    lighthouse_at = time.time()
     os.kill(lighthouse, signal.SIGKILL)
     code = proc.wait(120)
     took = time.time() - t0
@@ -212,7 +214,9 @@ def outage(tmp_path_factory):
         "again_out": (base / "resumed.out").read_text(),
         "pids": (first, kept),
         "killed": killed,
+        "killed_at": killed_at,
         "lighthouse": lighthouse,
+        "lighthouse_at": lighthouse_at,
         "saved": saved,
         "last": last,
         "intact": intact,
@@ -221,7 +225,7 @@ def outage(tmp_path_factory):
     }
 
 
-def _kill_and_hold_restart(fo, run: Path, proc) -> int:
+def _kill_and_hold_restart(fo, run: Path, proc) -> tuple[int, float]:
     """SIGKILL rank 1 of replica group 1 at step KILL_AT with its elastic agent (the rank's parent) stopped, and let the
     agent restart the group only once group 0 has trained 3 steps alone: on a quiet machine the agent restarts the group
     within a second or two, before group 0's next quorum, and the outage would last no step."""
@@ -229,12 +233,13 @@ def _kill_and_hold_restart(fo, run: Path, proc) -> int:
     agent = int(Path(f"/proc/{rec['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
     os.kill(agent, signal.SIGSTOP)
     try:
+        killed_at = time.time()
         os.kill(rec["pid"], signal.SIGKILL)
         alone = lambda: len([r for r in fo.rows(run / "replica_0") if r.get("ft_trained") and r.get("ft_live_groups") == 1]) >= 3  # noqa: E731
         fo.wait_for("group 0 training 3 steps alone", alone, proc, 300)
     finally:
         os.kill(agent, signal.SIGCONT)
-    return rec["pid"]
+    return rec["pid"], killed_at
 
 
 def _attempts(folder: Path) -> list[str]:
@@ -310,3 +315,32 @@ def test_lighthouse_killed_stops_every_group_and_the_checkpoint_resumes(outage):
     for r in (0, 1):
         steps = [row["step"] for row in outage["resumed_rows"][r] if row["ft_trained"]]
         assert steps == list(range(outage["saved"] + 1, STEPS + 1)), steps  # from the checkpoint to the last step
+
+
+@pytest.mark.e2e
+def test_goodput_counts_the_outage_as_lost_capacity_not_lost_work(outage):
+    """Group 1's timeline up to the lighthouse's kill: one outage around the SIGKILL, lasting at least the steps group 0
+    trained alone (group 1's agent was held stopped meanwhile); no lost work, no restart gap; its trained steps are its
+    productive ones. The resumed run, which ends, writes the run's goodput.json over both groups."""
+    from runner.config import goodput
+
+    def before(e: dict) -> bool:
+        return e.get("end", e.get("time", 0.0)) < outage["lighthouse_at"]
+
+    events = [e for e in goodput.read(outage["run"] / "replica_1") if before(e)]
+    got, parsed = goodput.account(events), goodput.parse(events)
+    [(lo, hi)], parts = parsed.outages, got["parts_s"]
+    assert lo < outage["killed_at"] < hi and parts["outage"] == pytest.approx(hi - lo)
+    alone = sum(r["step_time_s"] for r in outage["rows"][0] if r["ft_trained"] and r["ft_live_groups"] == 1)
+    assert hi - lo > alone, (hi - lo, alone)
+    assert (parts["restart_gap"], got["restarts"]) == (0.0, 0)
+    retried = [e for e in events if e["event"] == "step" and e["ft_committed"] is False and not lo <= e["start"] <= hi]
+    assert got["repeated_steps"] == len(retried)  # a step the quorum did not commit runs again: lost work, not the outage
+    assert parts["lost"] == pytest.approx(sum(e["end"] - e["start"] for e in retried))
+    last = max(e["step"] for e in events if e["event"] == "step")
+    trained = [r for r in outage["rows"][1] if r["ft_trained"] and r["step"] <= last]  # metrics.jsonl's rows, not the timeline's
+    assert got["steps_counted"] == len(trained) and abs(got["unaccounted_fraction"]) < 0.02
+    assert parts["productive"] == pytest.approx(sum(r["step_time_s"] - r["data_s"] for r in trained), rel=1e-6)
+    run = json.loads((outage["resumed"] / runfiles.GOODPUT).read_text())
+    assert len(run["groups"]) == 2 and run["total_s"] == pytest.approx(sum(g["total_s"] for g in run["groups"]))
+    assert f"goodput of the 2 replica groups (group-seconds): {100 * run['goodput']:.1f} %" in outage["again_out"]

@@ -166,3 +166,27 @@ def test_process_start_is_this_process_start_by_ps():
 
     elapsed = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True, check=True).stdout)
     assert goodput.process_start() == pytest.approx(time.time() - elapsed, abs=1.1)  # ps counts whole seconds
+
+
+def test_a_torchft_replica_group_down_is_lost_capacity_not_lost_work():
+    """Replica group 1 under torchft: steps 1-3 committed with group 0, rank 1 SIGKILLed in step 4 (its peers hear at
+    14.6), the agent restarts the group at 16; it heals from group 0 in a committed step that trains nothing (step 7)
+    and trains steps 8-9. Nothing is recomputed (group 0 trained steps 4-7 alone, group 1's shards of them skipped):
+    the group's time from the end of step 3 to the start of step 8 is lost capacity, no lost work, no restart gap."""
+    ft = {"ft_committed": True, "ft_trained": True}
+    events = [*_marks(0, 0, 8.0), *[_step(0, 0, s, 10.5 + (s - 1), **ft) for s in (1, 2, 3)]]
+    events += [{"event": "failure", "job": 0, "attempt": 0, "time": 14.6, "by": "rank 0: Connection closed by peer"}]
+    events += [*_marks(0, 1, 16.0, restored=3), _step(0, 1, 7, 18.5, ft_committed=True, ft_trained=False)]
+    events += [*[_step(0, 1, s, 19.5 + (s - 8), **ft) for s in (8, 9)], _end(0, 1, 21.5)]
+    got = goodput.account(events)
+    parts = got["parts_s"]
+    assert parts["outage"] == pytest.approx(19.5 - 13.5)  # step 3's end to step 8's start
+    assert (parts["lost"], parts["restart_gap"], got["restarts"]) == (0.0, 0.0, 0)
+    assert parts["startup"] == pytest.approx(10.5 - 8.0)  # attempt 1's start-up is inside the outage
+    assert parts["productive"] == pytest.approx(5 * 0.7) and got["steps_counted"] == 5  # steps 1-3, 8, 9: not the healing step
+    assert got["unaccounted_s"] == pytest.approx(5 * 0.05)  # each counted step's 1 s span less its 0.95 s of parts
+    healthy = goodput.account([*_marks(0, 0, 8.0), *[_step(0, 0, s, 10.5 + (s - 1), **ft) for s in range(1, 10)], _end(0, 0, 19.5)])
+    run = goodput.combine([healthy, got])  # group 0 trained every step: the run's account in group-seconds
+    assert run["total_s"] == pytest.approx(healthy["total_s"] + got["total_s"])
+    assert run["parts_s"]["outage"] == pytest.approx(6.0) and run["goodput"] == pytest.approx((9 + 5) * 0.7 / run["total_s"])
+    assert "lost capacity 6.00 s" in goodput.line(goodput.flat(run), goodput.runfiles.GOODPUT)

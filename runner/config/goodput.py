@@ -6,14 +6,17 @@ attempt and requeued job), to the run folder's timeline.jsonl (runfiles.TIMELINE
     launch   python -m runner started this run (`job`: SLURM's restart count, 0 outside SLURM)
     mark     rank 0 of attempt (`job`, `attempt`) reached a start-up mark (MARKS; `restored` names the step resumed from)
     step     one step on rank 0: `start`, `end` (after its checkpoint save, evaluation and logging), `step_s`, `data_s`,
-             `checkpoint_s`, `eval_s`, `overhead_s`, and `rewound_to` after a rewind
+             `checkpoint_s`, `eval_s`, `overhead_s`, `rewound_to` after a rewind, and under fault_tolerance=torchft
+             `ft_committed` and `ft_trained` (the quorum committed the step; this replica group trained it)
     failure  a rank raised (`by`: "rank r: error"), or the elastic agent saw a rank fail ("agent"), and when the rank
              that raised nothing was last alive (its record in logs/ranks/)
     end      rank 0 left the step loop (`stopped`: for SLURM's requeue), with the final save's blocking seconds
 
 `account` reads them back into PARTS, one row per part, each measured from its own timestamps; what no part covers
-is `unaccounted`. A part that a later feature measures (e.g. the capacity lost to a torchft replica group that
-dropped out) joins as one more row of PARTS. Torch-free: the launcher writes its event before torch is imported.
+is `unaccounted`. Under fault_tolerance=torchft each replica group keeps its own timeline (its folder replica_<r>), a
+failed attempt of a group throws no work away (its committed steps live on in its peers' weights), and the time the
+group is out of training is lost capacity (`outage`); `combine` sums the groups' accounts into the run's, in
+group-seconds. Torch-free: the launcher writes its event before torch is imported.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class Timeline:
         saved = row.get("checkpoint_s", 0.0) + publish_s  # the save's blocking part, and publishing an async one
         parts = {"step_s": row["step_time_s"], "data_s": row["data_s"], "checkpoint_s": saved, "eval_s": row.get("eval_s", 0.0)}
         rewound = {"rewound_to": row["rewound_to"]} if "rewound_to" in row else {}
-        self.write("step", step=row["step"], start=started, end=time.time(), overhead_s=overhead_s, **parts, **rewound)
+        ft = {k: row[k] for k in ("ft_committed", "ft_trained") if k in row}
+        self.write("step", step=row["step"], start=started, end=time.time(), overhead_s=overhead_s, **parts, **rewound, **ft)
 
     def end(self, finish_from: float, checkpoint_s: float, stopped: bool = False) -> dict[str, Any]:
         """Rank 0 left the step loop: record it, account every attempt so far into goodput.json, return `flat`'s figures."""
@@ -148,18 +152,28 @@ class Run:
     launches: dict[int, float]
     attempts: list[Attempt]
     lost: list[tuple[float, float]] = field(default_factory=list)
-    rewinds: list[tuple[float, float]] = field(default_factory=list)
+    thrown: list[tuple[float, float]] = field(default_factory=list)
+    """Intervals whose step records do not count: what a rewind undid, and under torchft a step the quorum did not
+    commit (retried with the same batch), outside an outage."""
+    outages: list[tuple[float, float]] = field(default_factory=list)
+    """torchft: a replica group out of training, from the end of its last committed step before a failure to the start
+    of the first step it trained again (the step in flight, the restart, the start-up, the recovery)."""
 
     def counted(self) -> list[dict[str, Any]]:
-        """Step records that count: not after the step a restart resumed from, not undone by a rewind."""
+        """Step records that count: not after the step a restart resumed from, not undone by a rewind or left
+        uncommitted by torchft's quorum, not inside an outage (a recovering group's step trained nothing)."""
         rows = [s for a in self.attempts for s in a.steps if a.kept is None or s["step"] <= a.kept]
-        return [s for s in rows if not any(lo <= s["start"] and s["end"] <= hi for lo, hi in self.rewinds)]
+        return [s for s in rows if not any(lo <= s["start"] and s["end"] <= hi for lo, hi in [*self.thrown, *self.outages])]
+
+    def out(self, t: float) -> bool:
+        """`t` falls inside an outage (its restart gap and start-up are lost capacity)."""
+        return any(lo <= t <= hi for lo, hi in self.outages)
 
     def gaps(self, requeue: bool) -> list[float]:
         """Restart gaps (a failed attempt's stop to the next attempt's rank start) or requeue gaps (a job's last stop
-        to the requeued job's launch)."""
+        to the requeued job's launch), outside outages."""
         pairs = zip(self.attempts, self.attempts[1:], strict=False)
-        return [b.start - a.stop for a, b in pairs if b.first_of_job == requeue]
+        return [b.start - a.stop for a, b in pairs if b.first_of_job == requeue and not self.out(a.stop)]
 
 
 def parse(events: list[dict[str, Any]]) -> Run:
@@ -179,16 +193,37 @@ def parse(events: list[dict[str, Any]]) -> Run:
         elif e["event"] == "end":
             a.end = e
     ordered = [attempts[k] for k in sorted(attempts)]
+    torchft = any("ft_trained" in s for a in ordered for s in a.steps)
     for a, nxt in zip(ordered, ordered[1:], strict=False):
-        if a.end is None:  # failed: the next attempt resumed from its checkpoint of step `kept`
+        if a.end is None and not torchft:  # failed: the next attempt resumed from its checkpoint of step `kept`
             a.kept = nxt.restored
             a.lost_from = _after(a.steps, nxt.restored, a.steps[0]["start"]) if a.steps else None
     for prev, a in zip([None, *ordered], ordered, strict=False):
         a.first_of_job = prev is None or prev.job != a.job
         a.start = launches.get(a.job, a.marks.get("rank_start", a.training_from)) if a.first_of_job else a.marks.get("rank_start", a.stop)
-    rewinds = _rewinds(ordered)
+    outages = _outages(ordered) if torchft else []
+    thrown = _rewinds(ordered) + [  # torchft: a step the quorum did not commit was computed, then thrown away
+        (s["start"], s["end"])
+        for a in ordered
+        for s in a.steps
+        if s.get("ft_committed") is False and not any(lo <= s["start"] and s["end"] <= hi for lo, hi in outages)
+    ]
     lost = [(a.lost_from, a.stop) for a in ordered if a.lost_from is not None]
-    return Run(launches, ordered, lost + rewinds, rewinds)
+    return Run(launches, ordered, lost + thrown, thrown, outages)
+
+
+def _outages(attempts: list[Attempt]) -> list[tuple[float, float]]:
+    """torchft: each failed attempt's outage, from the end of its last committed step (its first step's start, its stop
+    without a step) to the start of the first step a later attempt trained (the last attempt's stop if none did)."""
+    out = []
+    for i, a in enumerate(attempts[:-1]):
+        if a.end is not None:
+            continue
+        committed = [s["end"] for s in a.steps if s.get("ft_committed")]
+        lo = max(committed) if committed else (a.steps[0]["start"] if a.steps else a.stop)
+        back = [s["start"] for b in attempts[i + 1 :] for s in b.steps if s.get("ft_trained")]
+        out.append((lo, min(back) if back else attempts[-1].stop))
+    return out
 
 
 def _after(steps: list[dict[str, Any]], step: int, default: float, before: float = float("inf")) -> float:
@@ -235,7 +270,7 @@ PARTS: tuple[Part, ...] = (
     Part(
         "startup",
         "start-up",
-        lambda r: sum(_startup(a) for a in r.attempts),
+        lambda r: sum(_startup(a) for a in r.attempts if not r.out(a.start)),
         "per attempt, its start to its first step: " + "; ".join(STARTUP),
     ),
     Part(
@@ -253,6 +288,13 @@ PARTS: tuple[Part, ...] = (
         "counted steps outside their timed window: the batch check across ranks (it waits for the slowest), the monitors, the sinks",
     ),
     Part("lost", "lost work", lambda r: sum(hi - lo for lo, hi in r.lost), "computed, then thrown away (see docs/profiling.md)"),
+    Part(
+        "outage",
+        "lost capacity",
+        lambda r: sum(hi - lo for lo, hi in r.outages),
+        "fault_tolerance=torchft: the replica group out of training while its peers trained on, from the end of its last "
+        "committed step to its first trained step after it rejoined (its shards of those steps skipped, none recomputed)",
+    ),
     Part("restart_gap", "restart gaps", lambda r: sum(r.gaps(requeue=False)), "a failed attempt's failure to the restarted rank 0's start"),
     Part("requeue_gap", "requeue gaps", lambda r: sum(r.gaps(requeue=True)), "a SLURM job's stop to its requeued job's launch"),
     Part(
@@ -289,7 +331,7 @@ def account(events: list[dict[str, Any]]) -> dict[str, Any]:
     unaccounted = total - sum(parts.values())
     seen: set[int] = set()
     repeated = 0
-    for s in (s for a in run.attempts for s in a.steps):
+    for s in (s for a in run.attempts for s in a.steps if not run.out(s["start"])):  # an outage's steps trained nothing
         repeated += s["step"] in seen
         seen.add(s["step"])
     return {
@@ -314,6 +356,25 @@ def _attempt_row(a: Attempt) -> dict[str, Any]:
         first = min(a.failures, key=lambda f: f["time"])
         row["failure"] = {"time": first["time"], "by": first["by"]}
     return row
+
+
+def combine(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's account under fault_tolerance=torchft from its replica groups' (`account` of each group's timeline),
+    in group-seconds: each part and the total summed over the groups, so a group's outage weighs what it cost."""
+    total = sum(r["total_s"] for r in reports)
+    parts = {p.name: sum(r["parts_s"][p.name] for r in reports) for p in PARTS}
+    unaccounted = sum(r["unaccounted_s"] for r in reports)
+    counts = {k: sum(r[k] for r in reports) for k in ("restarts", "requeues", "repeated_steps", "steps_counted")}
+    return {
+        "goodput": parts["productive"] / total if total > 0 else 0.0,
+        "unit": f"group-seconds over {len(reports)} replica groups",
+        "total_s": total,
+        "parts_s": parts,
+        "unaccounted_s": unaccounted,
+        "unaccounted_fraction": unaccounted / total if total > 0 else 0.0,
+        **counts,
+        "groups": reports,
+    }
 
 
 def flat(report: dict[str, Any]) -> dict[str, Any]:

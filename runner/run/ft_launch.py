@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from runner.config import checkpoint, freeze, runfiles
+from runner.config import checkpoint, freeze, goodput, runfiles
 from runner.config import fault_tolerance as ft
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
@@ -109,11 +109,19 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
         first = run_dir / ft.replica_dir_name(0) / runfiles.SUMMARY
         if first.is_file():  # the run's summary (and a sweep's objective) is replica group 0's
             shutil.copyfile(first, run_dir / runfiles.SUMMARY)
+        print(run_goodput(run_dir, len(frozen_files)), flush=True)
     finally:
         for g in groups:
             stop_pid(g)
         if lighthouse is not None:
             stop_pid(lighthouse)
+
+
+def run_goodput(run_dir: Path, groups: int) -> str:
+    """The run's goodput.json from its replica groups' timelines (a group's outage is lost capacity); its line."""
+    report = goodput.combine([goodput.account(goodput.read(run_dir / ft.replica_dir_name(r))) for r in range(groups)])
+    runfiles.write_json(run_dir / runfiles.GOODPUT, report)
+    return goodput.line(goodput.flat(report), run_dir / runfiles.GOODPUT, f" of the {groups} replica groups (group-seconds)")
 
 
 def watch(cfg: RunConfig, run_dir: Path, groups: list[subprocess.Popen], lighthouse: subprocess.Popen | None, address: str) -> None:
