@@ -2,11 +2,9 @@
 
 The tiny random models of tests/hf_models.py are saved with save_pretrained and trained from, for one step, inside the
 launches of runner.run.parity that tests/test_parallel.py and tests/test_family_train.py already make (conftest's
-parity_runs, one per rank count): `single` (1 rank), `ep2` for the MoE models (2 ranks), `dp2_tp2` and `tp2_pp2`
-(4 ranks; and hsdp2x2 for Llama 3 with GQA). The first step's loss must equal transformers' loss on the same tokens
-within 1e-5 relative (fp32; measured <= 1.1e-7, the float32 rounding of the logged loss). Qwen3's debug model ties
-its embedding, which TorchTitan cannot pipeline (validation refuses it: test_tied_embedding_under_pp_is_refused), so
-Qwen3 MoE stands for Qwen3 under tp2_pp2.
+parity_runs, one per rank count): `single` (1 rank) for every model, `ep2` for the MoE models (2 ranks), and the
+4-rank `dp2_tp2`, `tp2_pp2` and `hsdp2x2` on the models ONLY names. The first step's loss must equal transformers'
+loss on the same tokens within 1e-5 relative (fp32; measured <= 1.1e-7, the float32 rounding of the logged loss).
 
 Refusals run in this process through the CLI's main (tests/test_config.py's `_here`): exit 2, every problem named with
 both values and the fix, no traceback, no run folder left.
@@ -27,16 +25,19 @@ from tests.test_config import _here
 
 COMMON = ["training.steps=1", "training.seq_len=64", "logging.progress=false", "training.global_batch_size=4", "training.microbatch_size=2"]
 LAYOUTS = {1: ("single",), 2: ("ep2",), 4: ("dp2_tp2", "tp2_pp2", "hsdp2x2")}
-SKIP = {("qwen3", "tp2_pp2"): "a tied embedding: TorchTitan has no PP for it"}
-ONLY = {"hsdp2x2": ("llama3_gqa",)}
-"""Layouts tried on some models only: HSDP (2 replicas of FSDP 2) reads like FSDP, once per replica."""
+ONLY = {"dp2_tp2": ("llama3_gqa", "qwen3"), "tp2_pp2": ("llama3_gqa", "deepseek_v3"), "hsdp2x2": ("llama3_gqa",)}
+"""The 4-rank layouts are tried on some models only (each 4-rank point costs a build and a step of 4 ranks on 2 cores):
+FSDP x TP on Llama 3 with GQA (its KV heads split by TP) and on Qwen3 (q/k norms, the tied embedding sharded by TP);
+PP on Llama 3 with GQA and on DeepSeek-V3 (latent attention, experts, the first block dense); HSDP, which reads like
+FSDP once per replica, on Llama 3 with GQA. Qwen3's debug model ties its embedding, which TorchTitan cannot pipeline
+(test_tied_embedding_under_pp_is_refused). Every model also loads on one rank, and the MoE models under EP."""
 LOSS_RTOL = 1e-5
 RESUMED = "hf-resumed"
 """A point that resumes the one-rank Llama 3 point's checkpoint while naming model.init_from too: the checkpoint wins."""
 
 
 def _layouts(name: str, nproc: int) -> list[str]:
-    fits = [p for p in LAYOUTS[nproc] if (p != "ep2" or name in hf_models.MOE) and (name, p) not in SKIP]
+    fits = [p for p in LAYOUTS[nproc] if p != "ep2" or name in hf_models.MOE]
     return [p for p in fits if name in ONLY.get(p, (name,))]
 
 
@@ -114,7 +115,7 @@ def test_each_pipeline_stage_reads_only_its_blocks(parity_runs):
 
 MAX_SHARE = 0.6
 """The largest part of the model one rank of a 2- or 4-rank layout may read (measured <= 0.58)."""
-SHARDED = ["hf-llama3-dp2_tp2", "hf-qwen3_moe-dp2_tp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2", "hf-llama3_gqa-hsdp2x2"]
+SHARDED = ["hf-llama3_gqa-dp2_tp2", "hf-qwen3-dp2_tp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2", "hf-llama3_gqa-hsdp2x2"]
 
 
 @pytest.mark.e2e

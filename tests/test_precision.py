@@ -188,8 +188,10 @@ def _fp8_model(cfg):
     return model, converted
 
 
-def _train_step(model) -> None:
-    tokens = torch.randint(0, 2048, (2, 64))  # 128 tokens per GEMM: one blockwise tile row
+def _train_step(model, shape: tuple[int, int] = (1, 16)) -> None:
+    """One forward and backward on random tokens: 16 by default (the smallest M, and K of grad_W, _scaled_mm takes: CPU
+    FP8 GEMMs run at 1/250 of fp32 on some machines), (2, 64) for the blockwise emulation (128 tokens: one tile row)."""
+    tokens = torch.randint(0, 2048, shape)
     model(tokens).float().square().mean().backward()
 
 
@@ -233,7 +235,7 @@ def test_emulated_blockwise_quantizes_every_gemm_operand(compose, monkeypatch):
     monkeypatch.setattr(fe, "quantize_tiles", counting("tiles", fe.quantize_tiles))
     monkeypatch.setattr(fe, "quantize_blocks", counting("blocks", fe.quantize_blocks))
     scaled_mm = _count_scaled_mm(monkeypatch)
-    _train_step(model)
+    _train_step(model, (2, 64))
     assert len(converted) == 10 and scaled_mm == []  # emulated: no FP8 GEMM kernel, dequantized float32 matmuls
     assert calls == {"tiles": 4 * len(converted), "blocks": 2 * len(converted)}
 

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -203,8 +204,12 @@ def main(frozen_paths: list[str]) -> None:
     first = cfgs[0][0]
     policy = worker.start_rank(first)
     for cfg, run_dir in cfgs:
+        started = time.perf_counter()
         run_one(cfg, run_dir, policy)
         policy.barrier()
+        if dist.get_rank() == 0:  # the point's wall time in the shared launch, build to the last rank's end
+            path = run_dir / runfiles.PARITY
+            path.write_text(json.dumps(json.loads(path.read_text()) | {"wall_s": round(time.perf_counter() - started, 3)}, indent=2) + "\n")
     dist.destroy_process_group()
 
 
