@@ -361,20 +361,12 @@ def _attempt_row(a: Attempt) -> dict[str, Any]:
 def combine(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's account under fault_tolerance=torchft from its replica groups' (`account` of each group's timeline),
     in group-seconds: each part and the total summed over the groups, so a group's outage weighs what it cost."""
-    total = sum(r["total_s"] for r in reports)
+    total, unaccounted = sum(r["total_s"] for r in reports), sum(r["unaccounted_s"] for r in reports)
     parts = {p.name: sum(r["parts_s"][p.name] for r in reports) for p in PARTS}
-    unaccounted = sum(r["unaccounted_s"] for r in reports)
     counts = {k: sum(r[k] for r in reports) for k in ("restarts", "requeues", "repeated_steps", "steps_counted")}
-    return {
-        "goodput": parts["productive"] / total if total > 0 else 0.0,
-        "unit": f"group-seconds over {len(reports)} replica groups",
-        "total_s": total,
-        "parts_s": parts,
-        "unaccounted_s": unaccounted,
-        "unaccounted_fraction": unaccounted / total if total > 0 else 0.0,
-        **counts,
-        "groups": reports,
-    }
+    share = {"goodput": parts["productive"] / total, "unaccounted_fraction": unaccounted / total} if total > 0 else {}
+    out = {"goodput": 0.0, "unit": f"group-seconds over {len(reports)} replica groups", "total_s": total, "parts_s": parts}
+    return out | {"unaccounted_s": unaccounted, "unaccounted_fraction": 0.0, **counts, "groups": reports} | share
 
 
 def flat(report: dict[str, Any]) -> dict[str, Any]:
