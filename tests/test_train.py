@@ -329,8 +329,9 @@ def test_submitit_local_sweep_through_the_hydra_launcher(tmp_path):
 # _scaled_mm, which costs 2x fp32 on one machine and 250x on another (a reference loop), so they train 16 tokens
 # per rank and step (2 samples of 16 in microbatches of 1 over dp 2; 16 is the smallest GEMM side _scaled_mm takes):
 # 32x fewer than the layouts' default batch.
-# Measured |loss - fp32 loss| was at most 1.2e-4 per step; the tolerance leaves ~10x for e4m3 rounding
-# noise, and a delta of exactly 0 would mean nothing was quantized.
+# Measured |loss - fp32 loss| was at most 1.2e-4 per step at the default batch (512 tokens a step) and up to 1.1e-3
+# (rowwise, step 2) at the small shape's 32: the loss averages the e4m3 rounding over 16x fewer tokens. The tolerances
+# leave ~3x over what each shape measured, and a delta of exactly 0 would mean nothing was quantized.
 FP8_STEPS = ["training.steps=2"]
 FP8_SMALL = [*FP8_STEPS, "training.seq_len=16", "training.global_batch_size=2", "training.microbatch_size=1"]
 FP8_RUNS = {
@@ -342,7 +343,9 @@ FP8_RUNS = {
 }
 FP8_REF = {"fp8_tensorwise": "fp8_ref", "fp8_rowwise": "fp8_ref"}
 """The fp32 run each FP8 run is compared with (dp2_tp2, the default, unless named)."""
-FP8_LOSS_ATOL = 1e-3
+FP8_LOSS_ATOL = {"fp8_tensorwise": 3e-3, "fp8_rowwise": 3e-3}
+"""Per FP8 run (the small shape's); the default batch's runs allow FP8_LOSS_ATOL_DEFAULT."""
+FP8_LOSS_ATOL_DEFAULT = 1e-3
 FP8_GRAD_NORM_RTOL = 2e-3  # measured: 2e-4
 
 
@@ -350,7 +353,7 @@ FP8_GRAD_NORM_RTOL = 2e-3  # measured: 2e-4
 def test_fp8_loss_within_tolerance_of_fp32(runs, name):
     ref, got = metrics(runs[FP8_REF.get(name, "dp2_tp2")])[:2], metrics(runs[name])
     deltas = [abs(a["loss"] - b["loss"]) for a, b in zip(ref, got, strict=True)]
-    assert len(deltas) == 2 and 0 < max(deltas) < FP8_LOSS_ATOL, deltas
+    assert len(deltas) == 2 and 0 < max(deltas) < FP8_LOSS_ATOL.get(name, FP8_LOSS_ATOL_DEFAULT), deltas
     for a, b in zip(ref, got, strict=True):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=FP8_GRAD_NORM_RTOL)
 
