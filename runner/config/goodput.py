@@ -163,7 +163,7 @@ class Run:
         """Step records that count: not after the step a restart resumed from, not undone by a rewind or left
         uncommitted by torchft's quorum, not inside an outage (a recovering group's step trained nothing)."""
         rows = [s for a in self.attempts for s in a.steps if a.kept is None or s["step"] <= a.kept]
-        return [s for s in rows if not any(lo <= s["start"] and s["end"] <= hi for lo, hi in [*self.thrown, *self.outages])]
+        return [s for s in rows if not _inside(s, [*self.thrown, *self.outages])]
 
     def out(self, t: float) -> bool:
         """`t` falls inside an outage (its restart gap and start-up are lost capacity)."""
@@ -203,13 +203,15 @@ def parse(events: list[dict[str, Any]]) -> Run:
         a.start = launches.get(a.job, a.marks.get("rank_start", a.training_from)) if a.first_of_job else a.marks.get("rank_start", a.stop)
     outages = _outages(ordered) if torchft else []
     thrown = _rewinds(ordered) + [  # torchft: a step the quorum did not commit was computed, then thrown away
-        (s["start"], s["end"])
-        for a in ordered
-        for s in a.steps
-        if s.get("ft_committed") is False and not any(lo <= s["start"] and s["end"] <= hi for lo, hi in outages)
+        (s["start"], s["end"]) for a in ordered for s in a.steps if s.get("ft_committed") is False and not _inside(s, outages)
     ]
     lost = [(a.lost_from, a.stop) for a in ordered if a.lost_from is not None]
     return Run(launches, ordered, lost + thrown, thrown, outages)
+
+
+def _inside(step: dict[str, Any], intervals: list[tuple[float, float]]) -> bool:
+    """The step record lies within one of the intervals."""
+    return any(lo <= step["start"] and step["end"] <= hi for lo, hi in intervals)
 
 
 def _outages(attempts: list[Attempt]) -> list[tuple[float, float]]:
