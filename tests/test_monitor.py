@@ -545,7 +545,7 @@ def test_waits_inside_collectives_are_timed_on_the_step_thread(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        waits, original = Waits(Counting()), torch._C._distributed_c10d.Work.wait
+        waits, original, original_wait_tensor = Waits(Counting()), torch._C._distributed_c10d.Work.wait, funcol.wait_tensor
         waits.start()
         try:
             dist.all_reduce(torch.ones(2))  # Work.wait
@@ -559,6 +559,6 @@ def test_waits_inside_collectives_are_timed_on_the_step_thread(tmp_path):
         assert waits.take() == 3.0
         dist.all_reduce(torch.ones(2))
         assert waits.take() == 0.0  # stopped: Work.wait is torch's own again
-        assert torch._C._distributed_c10d.Work.wait is original
+        assert torch._C._distributed_c10d.Work.wait is original and funcol.wait_tensor is original_wait_tensor
     finally:
         dist.destroy_process_group()

@@ -5,15 +5,16 @@ a noisy neighbour) makes every peer's step as long as its own, and the peers' ex
 collective. A rank's own work is its step on the policy's timeline clock (wall clock on CPU, CUDA events on CUDA) less
 those waits: the slowed rank's grows, the others' does not (NVRx scores kernels' own time for the same reason).
 
-Two kinds of waits are timed, the two ways the runtime's collectives are waited for:
-- functional collectives (DTensor's TP redistributes, async TP): `_c10d_functional.wait_tensor`, seen by a
-  TorchDispatchMode. Ops on DTensors and AsyncCollectiveTensors are handed to the subclass with the mode still active
-  (`NotImplemented`), so the waits their handlers issue are seen too;
-- c10d collectives (FSDP2's all-gathers and reduce-scatters, the runner's host collectives): `Work.wait`, wrapped while
-  a step runs, on the thread that runs the step (a checkpoint's background writer is not the step's).
+Two kinds of waits are timed, the two ways the runtime's collectives are waited for, each by wrapping one Python
+function while a step runs, on the thread that runs the step (a checkpoint's background writer is not the step's):
+- functional collectives (DTensor's TP redistributes, TorchTitan's loss reductions): `wait_tensor` of
+  `torch.distributed._functional_collectives`, through which an AsyncCollectiveTensor is waited for, both when it is
+  waited explicitly and when another op first reads it. Wrapping the one function costs nothing on the step's other
+  ops (a TorchDispatchMode, the first way this was done, ran Python on every op: 5 % of the default CPU run's step);
+- c10d collectives (FSDP2's all-gathers and reduce-scatters, the runner's host collectives): `Work.wait`.
 On gloo the flight recorder's entries carry no durations, so it cannot be the source. Inside compiled regions the waits
-are the compiled code's, not seen here: with `training.compile` the functional waits are not timed (Dynamo does not
-trace under a Python dispatch mode), the c10d waits still are.
+are the compiled code's, not seen here: with `training.compile` the functional waits are not timed (a wrapper would
+break Dynamo's graphs), the c10d waits still are.
 """
 
 from __future__ import annotations
@@ -22,32 +23,19 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed._functional_collectives as funcol
 
 _WORK = torch._C._distributed_c10d.Work
 
 
-def _waiting_subclasses() -> tuple[type, ...]:
-    """The tensor subclasses whose handlers wait for collectives: DTensor (its redistributes) and AsyncCollectiveTensor.
-    Others (FakeTensor inside DTensor's sharding propagation) are left to themselves."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
-    return DTensor, AsyncCollectiveTensor
-
-
-_WAITING = _waiting_subclasses()
-
-
-class Waits(TorchDispatchMode):
+class Waits:
     """Collects one step's waits on `clock` (DevicePolicy.timeline_clock); `take()` resolves and resets them."""
 
     def __init__(self, clock, functional: bool = True):
-        super().__init__()
         self.clock, self.functional = clock, functional
         self.pending: list[Any] = []
         self._thread = threading.get_ident()
-        self._wait = None
+        self._originals: list[tuple[Any, str, Any]] = []
 
     def timed(self, fn, *args, **kwargs):
         started = self.clock.start()
@@ -56,36 +44,30 @@ class Waits(TorchDispatchMode):
         finally:
             self.pending.append(self.clock.stop(started))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, _WAITING) for t in types):
-            return NotImplemented  # the subclass's handler runs with this mode active: its waits come back here
-        if func is torch.ops._c10d_functional.wait_tensor.default:
-            return self.timed(func, *args, **kwargs)
-        return func(*args, **kwargs)
+    def _wrap(self, owner, name: str) -> None:
+        original, waits = getattr(owner, name), self
+
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() != waits._thread:
+                return original(*args, **kwargs)
+            return waits.timed(original, *args, **kwargs)
+
+        self._originals.append((owner, name, original))
+        setattr(owner, name, wrapper)
 
     def start(self) -> None:
         """Begin timing a step's waits (the step loop's begin_step)."""
         self.pending = []
-        if self._wait is not None:  # still timing (a step that raised before its end): keep the one wrapper
+        if self._originals:  # still timing (a step that raised before its end): keep the one set of wrappers
             return
-        original, waits = _WORK.wait, self
-
-        def wait(work, *args, **kwargs):
-            if threading.get_ident() != waits._thread:
-                return original(work, *args, **kwargs)
-            return waits.timed(original, work, *args, **kwargs)
-
-        self._wait, _WORK.wait = original, wait
+        self._wrap(_WORK, "wait")
         if self.functional:
-            self.__enter__()
+            self._wrap(funcol, "wait_tensor")
 
     def stop(self) -> None:
-        if self._wait is None:
-            return
-        if self.functional:
-            self.__exit__(None, None, None)
-        _WORK.wait, self._wait = self._wait, None
+        while self._originals:
+            owner, name, original = self._originals.pop()
+            setattr(owner, name, original)
 
     def take(self) -> float:
         """Seconds waited since start (events resolved: call it after the step's host synchronization)."""
