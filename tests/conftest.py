@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
@@ -10,12 +11,20 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests import zygote
+# The suite runs as on a fresh machine: HOME (the runner's cluster.peak_cache_dir, ~/.cache/runner, with the CPU
+# peaks and the machine profiles `python -m runner.calibrate` stores) is a folder of its own, set before the zygote
+# and every launch inherit it. With the user's cache, a cached machine profile puts predictions into every run.
+_HOME = tempfile.mkdtemp(prefix="runner-tests-home-")
+os.environ["HOME"] = _HOME
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+
+from tests import zygote  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
