@@ -46,7 +46,7 @@ titan_cpu.force_sum_reduction(model)
 model.to_empty(device="cpu")
 with torch.no_grad():
     model.init_weights(buffer_device=None)
-opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)  # as the runner
 loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=2048))
 ntok = torch.tensor(float(gbs * seq))
 dp_rank = pd.get_mesh("batch").get_local_rank()

@@ -214,8 +214,9 @@ CONVERSIONS = ("item", "cpu", "__float__", "tolist")
 class _Counts:
     """Per step (the step loop's `_step` calls): host synchronizations (a conversion of a tensor to the host, or the
     policy's sync) and host collectives, on the thread that runs the step loop. Tensors that live on the host on CUDA
-    too are not counted: a host collective's own buffers, and the optimizer's step counters (torch's foreach AdamW keeps
-    `state["step"]` on the host unless capturable or fused, and reads it with .item())."""
+    too are not counted: a host collective's own buffers, and the optimizer's step counters where they live on the host
+    (torch's fused AdamW keeps `state["step"]` on the parameters' device and never reads it on the host; its foreach
+    AdamW keeps it on the host and reads it with .item())."""
 
     def __init__(self):
         self.step, self.by_step, self.host = 0, {}, {}

@@ -6,7 +6,7 @@ event covering it (its self time):
 - compute: GEMMs and attention kernels (COMPUTE);
 - recompute: the ops of the forward that activation checkpointing runs again inside backward (torch.utils.checkpoint's
   recompute, named `runner/recompute` in the trace by runner.run.profiling); its collectives stay their axis's;
-- non_matmul: every other ATen op: elementwise, norms, the loss, copies, the optimizer's foreach kernels;
+- non_matmul: every other ATen op: elementwise, norms, the loss, copies, the optimizer's fused kernel;
 - tp, pp, cp, ep, dp: collectives, by the process group each ran on: the runner names each collective call in the
   trace (`runner.comm <axis> [<ranks>] <op>`, runner.run.profiling) with its group's ranks; a functional
   collective's later `wait_tensor` goes to the axis of the collective whose output it waits for; FSDP's own spans
