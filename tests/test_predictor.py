@@ -199,6 +199,41 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
     assert calibrate_runs._median_points([[(cfg, 1.0)], [(cfg, 3.0)], [(cfg, 1.5)]]) == [(cfg, 1.5)]  # over repetitions
 
 
+def test_shape_factors_are_the_shares_fitted_at_each_calibrated_shape(compose):
+    """Runs at a wider, longer shape timed as a profile whose shares there are 0.8x (1 rank) and 1.25x (2 ranks) the
+    first shape's give those factors back; a shape is predicted with the nearest calibrated one's factor (4 ranks
+    with the 2-rank one), and a profile without shapes predicts as before."""
+    from runner.calibrate import runs as calibrate_runs
+
+    truth = _profile()
+    truth["by_ranks"]["1"]["in_run_share"], truth["by_ranks"]["2"]["in_run_share"] = 0.9, 0.8
+    wide = ["model.dim=512", "model.ffn_hidden_dim=1536", "training.seq_len=512"]
+    truth["by_shape"] = [
+        {"dim": 256, "seq_len": 256, "factors": {"1": 1.0, "2": 1.0}},
+        {"dim": 512, "seq_len": 512, "factors": {"1": 0.8, "2": 1.25}},
+    ]
+    fitted = {**truth, "by_shape": []}
+
+    def timed(overrides):
+        cfg = compose(["model=debug", *calibrate_runs.RUN_AT_SHAPE, *overrides])
+        return cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s
+
+    layouts = (["parallelism=single"], ["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])
+    first, at_wide = [timed(o) for o in layouts], [timed([*o, *wide]) for o in layouts]
+    assert calibrate_runs.fit_shape_factors(fitted, first, at_wide) == [
+        {"dim": 256, "seq_len": 256, "factors": {"1": pytest.approx(1.0), "2": pytest.approx(1.0)}},
+        {"dim": 512, "seq_len": 512, "factors": {"1": pytest.approx(0.8), "2": pytest.approx(1.25)}},
+    ]
+    cfg = compose(["model=debug", *calibrate_runs.RUN_AT_SHAPE, "parallelism=dp2_pp2", "model.dim=512", "training.seq_len=1024"])
+    lay = validate.check(cfg)
+    assert steptime_profile.shape_factor(truth, lay.world_size, cfg.model.dim, cfg.training.seq_len) == 1.25
+    slow, plain = steptime.predict(cfg, lay, truth), steptime.predict(cfg, lay, fitted)
+    assert slow.terms["compute"] == pytest.approx(plain.terms["compute"] / 1.25, rel=1e-3)
+    assert steptime_profile.shape_factor(truth, 1, 300, 200) == 1.0  # nearest: the first shape
+    rows = {name: value for name, value, _ in steptime_profile.describe({**truth, "residuals": []})}
+    assert rows["in-run share at dim 512, seq 512"] == "x0.800 (1 rank(s)), x1.250 (2 rank(s))"
+
+
 def test_pipeline_bubble_is_the_fill_and_drain_through_the_other_ranks_first_stages(compose):
     """pp 2 x 2 virtual stages on the 6-block debug model: TorchTitan's split is 1, 2, 2, 1 blocks (embedding and head
     count as a layer each); rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 and the head. Rank 1 is the busiest

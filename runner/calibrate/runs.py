@@ -245,36 +245,80 @@ def fit_in_run_shares(
     return dict(sorted(shares.items())), constants
 
 
+def _shape(cfg: RunConfig) -> tuple[int, int]:
+    return cfg.model.dim, cfg.training.seq_len
+
+
 def _median_points(reps: list[list[tuple[RunConfig, float]]]) -> list[tuple[RunConfig, float]]:
-    """Per point (its rank count: the runs of one multirun differ in it), the median step time over repetitions."""
-    by_world: dict[int, list[tuple[RunConfig, float]]] = {}
+    """Per point (its rank count and shape: the runs of one multirun differ in them), the median step time over
+    repetitions."""
+    by_point: dict[tuple[int, int, int], list[tuple[RunConfig, float]]] = {}
     for cfg, t in (r for rep in reps for r in rep):
-        by_world.setdefault(resolve(cfg.parallelism, cfg.cluster).world_size, []).append((cfg, t))
-    return [(runs[0][0], statistics.median(t for _, t in runs)) for _, runs in sorted(by_world.items())]
+        by_point.setdefault((resolve(cfg.parallelism, cfg.cluster).world_size, *_shape(cfg)), []).append((cfg, t))
+    return [(runs[0][0], statistics.median(t for _, t in runs)) for _, runs in sorted(by_point.items())]
+
+
+def fit_shape_factors(
+    profile: dict[str, Any], first: list[tuple[RunConfig, float]], at_shapes: list[tuple[RunConfig, float]]
+) -> list[dict[str, Any]]:
+    """Per calibrated shape (model width, sequence length), the factor on each rank count's in-run share with which
+    the profile predicts that rank count's run at the shape: the share fitted there over the share fitted at the first
+    shape, from the same layout (`first`: the runs at the first shape; `at_shapes`: the same layouts at the others).
+    The first shape's factors are 1. A share fitted at one shape and applied to every shape left the calibrated
+    model's widest shapes 13-59 % slow on one machine (kernels timed alone at a shape ran slower than inside a step)."""
+
+    def world(cfg: RunConfig) -> int:
+        return resolve(cfg.parallelism, cfg.cluster).world_size
+
+    base = {world(c): (c, _share(profile, c, t)) for c, t in first}
+    out: dict[tuple[int, int], dict[str, float]] = {_shape(c): {str(n): 1.0 for n in base} for c, _ in base.values()}
+    for cfg, t in at_shapes:
+        n = world(cfg)
+        out.setdefault(_shape(cfg), {})[str(n)] = _share(profile, cfg, t) / base[n][1]
+    return [{"dim": d, "seq_len": s, "factors": f} for (d, s), f in sorted(out.items())]
 
 
 def in_run_shares(
-    profile: dict[str, Any], base: list[str], rank_counts: list[int], folder: Path, quick: bool
-) -> tuple[dict[int, float], dict[str, float], list[tuple[RunConfig, float]]]:
+    profile: dict[str, Any],
+    base: list[str],
+    rank_counts: list[int],
+    folder: Path,
+    quick: bool,
+    variants: dict[tuple[int, int], list[str]] | None = None,
+) -> tuple[dict[int, float], dict[str, float], list[dict[str, Any]], list[tuple[RunConfig, float]]]:
     """Train the calibrated model (its first shapes) on 1 rank, on 2 ranks as a 2-stage 1F1B pipeline and with TP 2,
-    and on each larger rank count n as a 2-stage pipeline with FSDP over n / 2, all in one Hydra multirun, 3 times
-    in alternating order (once with `quick`): a shared machine's speed drifts by tens of percent over minutes,
-    and runs measured together see the same drift, so the shares keep their ratios. Fit fit_in_run_shares on
-    each point's median and the profile as measured so far (its in-run shares 1); the runs come back with the fit."""
+    and on each larger rank count n as a 2-stage pipeline with FSDP over n / 2, and at each other shape (`variants`:
+    each shape's overrides by (model width, sequence length)) the 1-rank run and the 2-rank pipeline, all in one
+    Hydra multirun, 3 times in alternating order (once with `quick`): a shared machine's speed drifts by tens of
+    percent over minutes, and runs measured together see the same drift, so the shares keep their ratios. Fit
+    fit_in_run_shares on each point's median at the first shape and the profile as measured so far (its in-run
+    shares 1), then fit_shape_factors with those shares; the runs come back with the fit."""
+    variants = variants or {}
     steps = "training.steps=4" if quick else "training.steps=8"
+    varied = {o.split("=", 1)[0].lstrip("+~") for v in variants.values() for o in v}
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
-    pts = {"single": ["parallelism=fsdp", "parallelism.dp_shard=1"]} if 1 in rank_counts else {}
-    if 2 in rank_counts:  # pp2_interleaved as plain 1F1B
-        pts |= {"pp2": ["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]}
-        pts |= {"tp2": ["parallelism=tp2"]}
-    pts |= {f"pp2_fsdp{n // 2}": ["parallelism=dp2_pp2", f"parallelism.dp_shard={n // 2}"] for n in rank_counts if n > 2}
+    first = [o for o in own if o.split("=", 1)[0].lstrip("+~") in varied]  # the first shape's own values of what a variant sets
+    own = [o for o in own if o not in first]
+    single = ["parallelism=fsdp", "parallelism.dp_shard=1"]
+    pp2 = ["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]  # plain 1F1B
+    pts = {"single": [*single, *first]} if 1 in rank_counts else {}
+    if 2 in rank_counts:
+        pts |= {"pp2": [*pp2, *first], "tp2": ["parallelism=tp2", *first]}
+    pts |= {f"pp2_fsdp{n // 2}": ["parallelism=dp2_pp2", f"parallelism.dp_shard={n // 2}", *first] for n in rank_counts if n > 2}
+    for i, v in enumerate(variants.values()):
+        pts |= {f"{name}_shape{i + 1}": [*o, *v] for name, o, n in (("single", single, 1), ("pp2", pp2, 2)) if n in rank_counts}
     names = points.write(pts, folder / "points")
     reps = [
         _multirun([*points.argv(names if r % 2 == 0 else names[::-1], folder / "points"), *own, *RUN_AT_SHAPE, steps], folder / f"rep{r}")
         for r in range(1 if quick else 3)
     ]
     runs = [r for rep in reps for r in rep]
-    pipeline = _median_points([[r for r in runs if r[0].parallelism.pp == 2 and r[0].parallelism.dp_shard == 1]])
-    tp = _median_points([[r for r in runs if r[0].parallelism.tp == 2]])
-    others = [[r for r in rep if r[0].parallelism.tp == 1 and (r[0].parallelism.pp, r[0].parallelism.dp_shard) != (2, 1)] for rep in reps]
-    return (*fit_in_run_shares(profile, _median_points(others), pipeline, tp), runs)
+    here = [[r for r in rep if _shape(r[0]) not in variants] for rep in reps]
+    pipeline = _median_points([[r for rep in here for r in rep if r[0].parallelism.pp == 2 and r[0].parallelism.dp_shard == 1]])
+    tp = _median_points([[r for rep in here for r in rep if r[0].parallelism.tp == 2]])
+    others = [[r for r in rep if r[0].parallelism.tp == 1 and (r[0].parallelism.pp, r[0].parallelism.dp_shard) != (2, 1)] for rep in here]
+    shares, constants = fit_in_run_shares(profile, _median_points(others), pipeline, tp)
+    fitted = _with(profile, shares, constants)
+    alike = _median_points([[r for r in rep if r[0].parallelism.tp == 1 and r[0].parallelism.dp_shard == 1] for rep in here])
+    elsewhere = _median_points([[r for r in rep if _shape(r[0]) in variants] for rep in reps])
+    return shares, constants, fit_shape_factors(fitted, alike, elsewhere), runs

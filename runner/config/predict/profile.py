@@ -7,6 +7,8 @@ Layout of the file, everything measured on the machine with the backend the runs
   them (`matmul_tflops`, `gemm_half_dim`), its attention rate and the bandwidth of its elementwise
   kernels, all timed as kernels; and `in_run_share`, the share of those rates it reaches inside a
   training step, by which the predictor scales them;
+- `by_shape`: per calibrated shape (`dim`, `seq_len`), the factor on each rank count's in-run share there
+  (`factors["<n>"]`; 1 at the first shape): a shape between or beyond them takes the nearest one's;
 - `collectives["<n>"]`: with n ranks running, latency and bandwidth of each op per group size
   ("all_gather@2"), fitted as seconds = latency + bytes sent / bandwidth;
 - `constants`: the stack's fixed costs and overlap, each with its unit and meaning;
@@ -60,10 +62,21 @@ def _links(collectives: dict[str, dict[str, float]]) -> dict[str, Link]:
     return out
 
 
-def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
-    """The Machine of `world` ranks on the profiled machine."""
+def shape_factor(prof: dict[str, Any], world: int, dim: int | None, seq_len: int | None) -> float:
+    """The factor on the in-run share of `world` ranks at the calibrated shape nearest to (dim, seq_len) (on a log
+    scale, width and length alike); 1 for a profile without shapes or a call without one."""
+    shapes = prof.get("by_shape") or []
+    if not shapes or dim is None or seq_len is None:
+        return 1.0
+    near = min(shapes, key=lambda e: abs(math.log(e["dim"] / dim)) + abs(math.log(e["seq_len"] / seq_len)))
+    return near["factors"][nearest(near["factors"], world)]
+
+
+def machine_of(prof: dict[str, Any], world: int, source: str, dim: int | None = None, seq_len: int | None = None) -> Machine:
+    """The Machine of `world` ranks on the profiled machine, for a model of width `dim` at `seq_len` tokens."""
     entry = prof["by_ranks"][nearest(prof["by_ranks"], world)]
-    share = entry.get("in_run_share", 1.0)  # the kernels' rate inside a training step over their rate timed alone
+    # the kernels' rate inside a training step over their rate timed alone
+    share = entry.get("in_run_share", 1.0) * shape_factor(prof, world, dim, seq_len)
     links = _links(prof["collectives"][nearest(prof["collectives"], world)]) if world > 1 and prof["collectives"] else {}
     const = {k: v["value"] for k, v in prof["constants"].items()}
     cores = prof["machine"]["cores"]
@@ -85,14 +98,15 @@ def machine_of(prof: dict[str, Any], world: int, source: str) -> Machine:
 
 
 def machine(cfg: RunConfig, lay: Layout, source: str | Path | dict[str, Any]) -> Machine:
+    at = (cfg.model.dim, cfg.training.seq_len)
     if isinstance(source, dict):
-        return machine_of(source, lay.world_size, str(source.get("path", "profile")))
-    return _machine_at(str(Path(source).expanduser()), lay.world_size)
+        return machine_of(source, lay.world_size, str(source.get("path", "profile")), *at)
+    return _machine_at(str(Path(source).expanduser()), lay.world_size, *at)
 
 
 @functools.lru_cache(maxsize=64)
-def _machine_at(path: str, world: int) -> Machine:
-    return machine_of(_load_path(path), world, path)
+def _machine_at(path: str, world: int, dim: int, seq_len: int) -> Machine:
+    return machine_of(_load_path(path), world, path, dim, seq_len)
 
 
 def fit_link(points: list[tuple[float, float]]) -> dict[str, float]:
@@ -160,6 +174,9 @@ def describe(prof: dict[str, Any]) -> list[tuple[str, str, str]]:
                     "share of those rates a rank reaches inside a training step (hooks, the optimizer, the other ranks' processes)",
                 )
             )
+    for e in prof.get("by_shape") or []:
+        factors = ", ".join(f"x{f:.3f} ({n} rank(s))" for n, f in sorted(e["factors"].items(), key=lambda kv: int(kv[0])))
+        out.append((f"in-run share at dim {e['dim']}, seq {e['seq_len']}", factors, "the in-run share's factor at this shape"))
     for n, ops in sorted(prof["collectives"].items(), key=lambda kv: int(kv[0])):
         for name, v in sorted(ops.items()):
             out.append(
