@@ -174,7 +174,7 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
     monkeypatch.setattr(calibrate, "by_ranks", lambda *a: fixture["by_ranks"])
     monkeypatch.setattr(calibrate_runs, "collectives", lambda cfg, n, *a: fixture["collectives"][str(n)])
     monkeypatch.setattr(calibrate_runs, "fixed_costs", lambda *a, **k: (dict(fixture["constants"]), []))
-    monkeypatch.setattr(calibrate_runs, "in_run_shares", lambda *a, **k: ({}, {}, [], [(run, 1.0)]))
+    monkeypatch.setattr(calibrate_runs, "in_run_shares", lambda *a, **k: ({}, {}, {}, [], [(run, 1.0)]))
     assert calibrate.main([f"cluster.peak_cache_dir={cache}", "--out", str(tmp_path / "p.json"), "--ranks", "1,2,4"]) == 0
     made = json.loads((tmp_path / "p.json").read_text())
     assert made["residuals"] == [

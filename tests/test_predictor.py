@@ -160,7 +160,7 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     cfg = compose(["model=debug", "parallelism=fsdp", "parallelism.dp_shard=2", *calibrate_runs.RUN_AT_SHAPE])
     lay = validate.check(cfg)
     a, b = steptime.predict(cfg, lay, _profile()), steptime.predict(cfg, lay, slow)
-    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, {})
+    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, {}, {})
     assert b.terms["compute"] == pytest.approx(a.terms["compute"] / 0.8)
     assert b.terms["non_matmul"] == pytest.approx(a.terms["non_matmul"] / 0.8)
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
@@ -173,15 +173,17 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
 
 
 def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
-    """Runs timed as a profile with in-run shares 0.9 (2 ranks) and 0.7 (4 ranks) and a 5 ms collective predicts
-    them give those back: the 2-rank pipeline and TP runs solved together for the share and the collective's cost
-    (the pipeline's sends cost it too), the 4-rank run (2 stages x FSDP 2) then for its share. Without the 2-rank
-    pipeline an FSDP run on 2 ranks gives its share, which then takes in what its collectives cost beyond the old
-    figure."""
+    """Runs timed as a profile with in-run shares 0.9 (2 ranks) and 0.7 (4 ranks) and a collective of 5 ms with 2
+    ranks running and 7 ms with 4 give those back: the 2-rank pipeline and TP runs solved together for the share and
+    the collective's cost (the pipeline's sends cost it too), the 4-rank runs (2 stages x FSDP 2, TP 2 x FSDP 2)
+    then for the 4-rank share and cost. Without the 4-rank TP run the 4-rank cost is the 2-rank one stretched by the
+    cores' sharing (2x). Without the 2-rank pipeline an FSDP run on 2 ranks gives its share, which then takes in
+    what its collectives cost beyond the old figure."""
     from runner.calibrate import runs as calibrate_runs
 
     truth = _profile()
     truth["by_ranks"]["2"]["in_run_share"], truth["by_ranks"]["4"]["in_run_share"] = 0.9, 0.7
+    truth["by_ranks"]["4"]["collective_fixed_s"] = 7e-3
     truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 5e-3)
 
     def timed(overrides):
@@ -190,10 +192,20 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
 
     runs = [timed(["parallelism=fsdp", "parallelism.dp_shard=1"]), timed(["parallelism=dp2_pp2"])]
     pipeline = [timed(["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])]
-    shares, fixed = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, [timed(["parallelism=tp2"])])
+    tp = [timed(["parallelism=tp2"]), timed(["parallelism=dp2_tp2"])]
+    shares, fixed, per_ranks = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, tp)
     assert shares == {1: pytest.approx(1.0), 2: pytest.approx(0.9), 4: pytest.approx(0.7)}
-    assert fixed == {"collective_fixed_s": pytest.approx(5e-3)}
-    alone, none = calibrate_runs.fit_in_run_shares(_profile(), [timed(["parallelism=fsdp", "parallelism.dp_shard=2"])])
+    assert fixed == {"collective_fixed_s": pytest.approx(5e-3)} and per_ranks == {4: pytest.approx(7e-3)}
+    fitted = calibrate_runs._with(_profile(), shares, fixed, per_ranks)
+    assert steptime_profile.machine_of(fitted, 4, "p").collective_fixed_s == pytest.approx(7e-3)  # measured: not stretched
+    assert steptime_profile.machine_of(fitted, 8, "p").collective_fixed_s == pytest.approx(14e-3)  # 8 ranks share 2 cores 2x more
+    assert steptime_profile.machine_of(fitted, 2, "p").collective_fixed_s == pytest.approx(5e-3)
+    rows = {name: value for name, value, _ in steptime_profile.describe(fitted)}
+    assert rows["collective_fixed_s, 4 rank(s)"] == "0.007 s"
+    _, _, none = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, tp[:1])
+    without = calibrate_runs._with(_profile(), {}, fixed, none)
+    assert none == {} and steptime_profile.machine_of(without, 4, "p").collective_fixed_s == pytest.approx(10e-3)
+    alone, none, _ = calibrate_runs.fit_in_run_shares(_profile(), [timed(["parallelism=fsdp", "parallelism.dp_shard=2"])])
     assert none == {} and alone[2] < 0.9  # the profile's 1 ms per collective stays; the share takes the other 4 ms in
     cfg = pipeline[0][0]
     assert calibrate_runs._median_points([[(cfg, 1.0)], [(cfg, 3.0)], [(cfg, 1.5)]]) == [(cfg, 1.5)]  # over repetitions

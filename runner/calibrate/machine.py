@@ -297,13 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     console.print("short runs for the fixed costs ...")
     with tempfile.TemporaryDirectory() as tmp:
         profile["constants"], short = calibrate_runs.fixed_costs(profile, base, Path(tmp) / "fixed", quick=args.quick)
-        console.print("short runs of the model (FSDP; a pipeline and TP on 2 ranks; 1 and 2 ranks at other shapes) for the in-run shares")
+        console.print("short runs of the model (a pipeline and TP, on 2 ranks and with FSDP; 1 and 2 ranks at other shapes): in-run shares")
         shapes = {(c.model.dim, c.training.seq_len): v.split() for c, v in zip(cfgs[1:], args.variant, strict=True)}
         shapes.pop((cfgs[0].model.dim, cfgs[0].training.seq_len), None)  # a variant at the first shape has its shares
         found = calibrate_runs.in_run_shares(profile, base, rank_counts, Path(tmp) / "share", args.quick, shapes)
-    shares, constants, profile["by_shape"], runs = found
+    shares, constants, fixed, profile["by_shape"], runs = found
     for n, share in shares.items():
         profile["by_ranks"][str(n)]["in_run_share"] = share
+    for n, f in fixed.items():
+        profile["by_ranks"][str(n)]["collective_fixed_s"] = f
     profile["constants"].update({k: steptime_profile.constant(k, v) for k, v in constants.items()})
     profile["residuals"] = calibrate_runs.residuals(profile, [*short, *runs])
     path = steptime_profile.write(profile, Path(args.out).expanduser())

@@ -190,17 +190,22 @@ def _share(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float:
     return (lo + hi) / 2
 
 
-def _with(profile: dict[str, Any], shares: dict[int, float], constants: dict[str, float]) -> dict[str, Any]:
+def _with(
+    profile: dict[str, Any], shares: dict[int, float], constants: dict[str, float], fixed: dict[int, float] | None = None
+) -> dict[str, Any]:
+    """The profile with these in-run shares and constants, and `fixed`: the collective's fixed cost per rank count."""
     by_ranks = {n: {**e, "in_run_share": shares.get(int(n), e.get("in_run_share", 1.0))} for n, e in profile["by_ranks"].items()}
+    for n, f in (fixed or {}).items():
+        by_ranks[str(n)]["collective_fixed_s"] = f
     named = {k: steptime_profile.constant(k, v) for k, v in constants.items()}
     return {**profile, "by_ranks": by_ranks, "constants": {**profile["constants"], **named}}
 
 
-def _fixed(profile: dict[str, Any], name: str, cfg: RunConfig, measured: float) -> float:
-    """The value of the fixed cost `name` with which the profile predicts the run's measured step time (the
-    predicted time is linear in it), at least 0."""
+def _solve(profile_at, cfg: RunConfig, measured: float) -> float:
+    """The fixed cost f with which `profile_at(f)` predicts the run's measured step time (the predicted time is linear
+    in it), at least 0."""
     lay = resolve(cfg.parallelism, cfg.cluster)
-    at = [steptime.predict(cfg, lay, _with(profile, {}, {name: f})).step_s for f in (0.0, 1e-3)]
+    at = [steptime.predict(cfg, lay, profile_at(f)).step_s for f in (0.0, 1e-3)]
     return max(0.0, (measured - at[0]) / ((at[1] - at[0]) / 1e-3)) if at[1] > at[0] else 0.0
 
 
@@ -209,17 +214,21 @@ def fit_in_run_shares(
     runs: list[tuple[RunConfig, float]],
     pipeline: list[tuple[RunConfig, float]] = (),
     tp: list[tuple[RunConfig, float]] = (),
-) -> tuple[dict[int, float], dict[str, float]]:
+) -> tuple[dict[int, float], dict[str, float], dict[int, float]]:
     """Per rank count, the share of the timed kernels' rate a rank reaches inside a training step, and the in-run
     fixed cost of one collective, from runs of the calibrated model: `runs` over several rank counts (one rank,
-    and above 2 a 2-stage pipeline with FSDP over the rest); `pipeline` and `tp` a 2-stage pipeline and a TP 2
-    run.
+    and above 2 a 2-stage pipeline with FSDP over the rest); `pipeline` a 2-stage pipeline, `tp` TP 2 runs (on 2
+    ranks, and above 2 with FSDP over the rest).
     - The 1-rank run (whose FSDP has no peer) gives the 1-rank share.
     - The pipeline run (no data-parallel collectives, few point-to-point ones) gives the 2-rank share, and the TP
       run with it collective_fixed_s, which replaces the tiny model's figure: waiting for a peer costs more when
       the peer computes more between two collectives. The two are solved together (the pipeline's sends cost
       collective_fixed_s too).
-    - The runs on the other rank counts give their shares with that cost. A pipeline with FSDP over half the
+    - Above 2 ranks the TP run with FSDP over the rest gives that rank count's own collective cost, solved together
+      with its share from the pipeline with FSDP (returned per rank count, the third value). With 4 ranks on 2
+      cores a collective waits for a peer that shares a core, but not twice as long as with 2: stretching the
+      2-rank cost by the cores' sharing (2x) priced TP on 4 ranks 18-33 % slow on one machine's grid.
+    - The runs on the other rank counts give their shares with the cost they have. A pipeline with FSDP over half the
       ranks: its FSDP collectives are fewer, and its compute more, than pure FSDP's. Fitted from pure FSDP on 4
       ranks, the share came out 0.73-0.74 in two calibrations against 0.90-0.98 that the 20 four-rank points of
       the bench grid agree on best: on the debug model pure FSDP is the 4-rank layout whose step is most
@@ -234,15 +243,28 @@ def fit_in_run_shares(
 
     known = {world(c): _share(profile, c, t) for c, t in runs if world(c) == 1}
     constants: dict[str, float] = {}
-    if pipeline and tp:
+    tp_at = {world(c): (c, t) for c, t in tp}
+    if pipeline and 2 in tp_at:
         fixed = profile["constants"]["collective_fixed_s"]["value"]
         for _ in range(6):  # converges in 2-3: the pipeline's few sends hardly move its share
             known[2] = _share(_with(profile, known, {"collective_fixed_s": fixed}), *pipeline[0])
-            fixed = _fixed(_with(profile, known, {}), "collective_fixed_s", *tp[0])
+            fixed = _solve(lambda f: _with(profile, known, {"collective_fixed_s": f}), *tp_at[2])
         constants["collective_fixed_s"] = fixed
     fitted = _with(profile, known, constants)
-    shares = {**{world(c): _share(fitted, c, t) for c, t in runs if world(c) not in known}, **known}
-    return dict(sorted(shares.items())), constants
+    per_ranks: dict[int, float] = {}
+    for cfg, t in runs:
+        n = world(cfg)
+        if n in known:
+            continue
+        if n in tp_at and 2 in known:
+            f = steptime_profile.machine_of(fitted, n, "").collective_fixed_s  # to start: the 2-rank cost, stretched
+            for _ in range(6):
+                known[n] = _share(_with(fitted, {}, {}, {n: f}), cfg, t)
+                f = _solve(lambda x, n=n: _with(fitted, {n: known[n]}, {}, {n: x}), *tp_at[n])
+            per_ranks[n] = f
+        else:
+            known[n] = _share(fitted, cfg, t)
+    return dict(sorted(known.items())), constants, per_ranks
 
 
 def _shape(cfg: RunConfig) -> tuple[int, int]:
@@ -285,9 +307,9 @@ def in_run_shares(
     folder: Path,
     quick: bool,
     variants: dict[tuple[int, int], list[str]] | None = None,
-) -> tuple[dict[int, float], dict[str, float], list[dict[str, Any]], list[tuple[RunConfig, float]]]:
+) -> tuple[dict[int, float], dict[str, float], dict[int, float], list[dict[str, Any]], list[tuple[RunConfig, float]]]:
     """Train the calibrated model (its first shapes) on 1 rank, on 2 ranks as a 2-stage 1F1B pipeline and with TP 2,
-    and on each larger rank count n as a 2-stage pipeline with FSDP over n / 2, and at each other shape (`variants`:
+    and on each larger rank count n as a 2-stage pipeline and as TP 2, each with FSDP over n / 2, and at each other shape (`variants`:
     each shape's overrides by (model width, sequence length)) the 1-rank run and the 2-rank pipeline, all in one
     Hydra multirun, 3 times in alternating order (once with `quick`): a shared machine's speed drifts by tens of
     percent over minutes, and runs measured together see the same drift, so the shares keep their ratios. Fit
@@ -305,6 +327,7 @@ def in_run_shares(
     if 2 in rank_counts:
         pts |= {"pp2": [*pp2, *first], "tp2": ["parallelism=tp2", *first]}
     pts |= {f"pp2_fsdp{n // 2}": ["parallelism=dp2_pp2", f"parallelism.dp_shard={n // 2}", *first] for n in rank_counts if n > 2}
+    pts |= {f"tp2_fsdp{n // 2}": ["parallelism=dp2_tp2", f"parallelism.dp_shard={n // 2}", *first] for n in rank_counts if n > 2}
     for i, v in enumerate(variants.values()):
         pts |= {f"{name}_shape{i + 1}": [*o, *v] for name, o, n in (("single", single, 1), ("pp2", pp2, 2)) if n in rank_counts}
     names = points.write(pts, folder / "points")
@@ -317,8 +340,8 @@ def in_run_shares(
     pipeline = _median_points([[r for rep in here for r in rep if r[0].parallelism.pp == 2 and r[0].parallelism.dp_shard == 1]])
     tp = _median_points([[r for rep in here for r in rep if r[0].parallelism.tp == 2]])
     others = [[r for r in rep if r[0].parallelism.tp == 1 and (r[0].parallelism.pp, r[0].parallelism.dp_shard) != (2, 1)] for rep in here]
-    shares, constants = fit_in_run_shares(profile, _median_points(others), pipeline, tp)
-    fitted = _with(profile, shares, constants)
+    shares, constants, fixed = fit_in_run_shares(profile, _median_points(others), pipeline, tp)
+    fitted = _with(profile, shares, constants, fixed)
     alike = _median_points([[r for r in rep if r[0].parallelism.tp == 1 and r[0].parallelism.dp_shard == 1] for rep in here])
     elsewhere = _median_points([[r for r in rep if _shape(r[0]) in variants] for rep in reps])
-    return shares, constants, fit_shape_factors(fitted, alike, elsewhere), runs
+    return shares, constants, fixed, fit_shape_factors(fitted, alike, elsewhere), runs

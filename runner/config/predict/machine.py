@@ -78,9 +78,10 @@ class Machine:
     layer_overhead_s: float = 0.0
     """Fixed seconds per transformer block per pass (forward or backward): kernel dispatch not hidden behind work."""
     collective_fixed_s: float | None = None
-    """Fixed seconds of one collective inside a training step (its launch and latency, and waiting for peers that
-    are still computing), measured in real runs (a profile); when set it replaces the links' latency, fitted
-    over 64 KiB-4 MiB by a microbenchmark whose ranks do nothing else, for every collective."""
+    """Fixed seconds of one collective inside a training step with this many ranks running (its launch and latency,
+    and waiting for peers that are still computing or waiting for a core), measured in real runs (a profile); when
+    set it replaces the links' latency, fitted over 64 KiB-4 MiB by a microbenchmark whose ranks do nothing else,
+    for every collective."""
     comm_overlap: float = 1.0
     """Share of FSDP/DP traffic that runs while the rank computes (a GPU's separate stream: 1)."""
     cpu_share: float = 1.0

@@ -6,7 +6,8 @@ Layout of the file, everything measured on the machine with the backend the runs
   per-rank shapes (`gemms`: [M, K, N, TFLOP/s], forward + backward timed together) and fitted over
   them (`matmul_tflops`, `gemm_half_dim`), its attention rate and the bandwidth of its elementwise
   kernels, all timed as kernels; and `in_run_share`, the share of those rates it reaches inside a
-  training step, by which the predictor scales them;
+  training step, by which the predictor scales them; above 2 ranks also `collective_fixed_s`, one collective's
+  fixed cost inside a step with that many ranks running (else the constant's, stretched by the cores' sharing);
 - `by_shape`: per calibrated shape (`dim`, `seq_len`), the factor on each rank count's in-run share there
   (`factors["<n>"]`; 1 at the first shape): a shape between or beyond them takes the nearest one's;
 - `collectives["<n>"]`: with n ranks running, latency and bandwidth of each op per group size
@@ -72,6 +73,18 @@ def shape_factor(prof: dict[str, Any], world: int, dim: int | None, seq_len: int
     return near["factors"][nearest(near["factors"], world)]
 
 
+def collective_fixed_s(prof: dict[str, Any], world: int, cpu_share: float) -> float:
+    """The in-run fixed cost of one collective with `world` ranks running: the one fitted with the nearest measured
+    rank count (`by_ranks["<n>"]["collective_fixed_s"]`), else `constants`' (fitted with 2 ranks, one core each),
+    stretched by how much more the ranks share the cores than where it was fitted."""
+    key = nearest(prof["by_ranks"], world)
+    entry = prof["by_ranks"][key]
+    if "collective_fixed_s" not in entry:
+        return prof["constants"]["collective_fixed_s"]["value"] * cpu_share
+    fitted_share = max(1.0, int(key) * entry["threads"] / prof["machine"]["cores"])
+    return entry["collective_fixed_s"] * cpu_share / fitted_share
+
+
 def machine_of(prof: dict[str, Any], world: int, source: str, dim: int | None = None, seq_len: int | None = None) -> Machine:
     """The Machine of `world` ranks on the profiled machine, for a model of width `dim` at `seq_len` tokens."""
     entry = prof["by_ranks"][nearest(prof["by_ranks"], world)]
@@ -80,6 +93,7 @@ def machine_of(prof: dict[str, Any], world: int, source: str, dim: int | None = 
     links = _links(prof["collectives"][nearest(prof["collectives"], world)]) if world > 1 and prof["collectives"] else {}
     const = {k: v["value"] for k, v in prof["constants"].items()}
     cores = prof["machine"]["cores"]
+    cpu_share = max(1.0, world * entry["threads"] / cores)
     return Machine(
         matmul_tflops=entry["matmul_tflops"] * share,
         memory_gbs=entry["memory_gbs"] * share,
@@ -89,9 +103,9 @@ def machine_of(prof: dict[str, Any], world: int, source: str, dim: int | None = 
         gemm_half_dim=entry["gemm_half_dim"],
         gemm_table={(g[0], g[1], g[2]): g[3] * share for g in entry["gemms"]},
         layer_overhead_s=const["layer_overhead_s"],
-        collective_fixed_s=const["collective_fixed_s"],
+        collective_fixed_s=collective_fixed_s(prof, world, cpu_share),
         comm_overlap=const["comm_overlap"],
-        cpu_share=max(1.0, world * entry["threads"] / cores),
+        cpu_share=cpu_share,
         calibrated=True,
         source=source,
     )
@@ -166,6 +180,14 @@ def describe(prof: dict[str, Any]) -> list[tuple[str, str, str]]:
                 "large-GEMM rate, size where it halves, fused attention rate, elementwise bandwidth",
             )
         )
+        if "collective_fixed_s" in e:
+            out.append(
+                (
+                    f"collective_fixed_s, {n} rank(s)",
+                    f"{e['collective_fixed_s']:.3g} s",
+                    "fixed cost of one collective inside a training step with this many ranks running (a TP 2 run among them)",
+                )
+            )
         if "in_run_share" in e:
             out.append(
                 (

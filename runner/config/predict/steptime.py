@@ -73,8 +73,8 @@ def _collective(mach: Machine, kind: str, op: str, group: int, tensor_bytes: flo
         return 0.0
     sent = {"all_reduce": 2 * (group - 1) / group, "send_recv": 1.0}.get(op, (group - 1) / group) * tensor_bytes
     link = mach.link(kind, op, group)
-    if mach.collective_fixed_s is not None:  # measured in runs: stretched like compute when ranks share cores
-        return sent / (link.gbs * 1e9) + mach.collective_fixed_s * mach.cpu_share
+    if mach.collective_fixed_s is not None:  # measured in runs, at this rank count
+        return sent / (link.gbs * 1e9) + mach.collective_fixed_s
     return link.seconds(sent)
 
 
