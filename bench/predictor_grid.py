@@ -16,6 +16,15 @@ length), and the predictor's first choice within 10 % of the measured fastest pe
 (mode=search ranks candidates with the same predictor). --quick runs two points once, to check the bench end
 to end. --report-from <predictor_grid.json> --profile <profile> predicts the measured runs a previous bench
 saved again (after a change to the predictor or a fresh calibration), without training.
+
+Interleaved calibration (unless --no-interleave): each repetition also trains the calibration's in-run share
+runs (runner.calibrate.runs.share_points), spread evenly through the grid's order, and the bench fits the
+profile's in-run shares, collective fixed costs and shape factors again from them (fit_share_runs; the timed
+kernels and collectives stay the profile's). On a shared machine whose speed drifts by 15-20 % between a
+calibration and a grid run minutes later, the profile calibrated before the grid measures the predictor and
+the drift together; the interleaved one, fitted from runs that saw the same drift as the grid's, measures the
+predictor. Both are reported, and the interleaved one also over the points the calibration does not itself
+train ("held out").
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from runner.config import (  # noqa: E402
     compose,  # noqa: E402
+    freeze,
     runfiles,
     validate,
 )
@@ -74,20 +84,68 @@ def calibrate(out: Path, quick: bool) -> Path:
     return out
 
 
-def measure_once(pts: dict[str, list[str]], order: list[str], steps: int, profile: Path, folder: Path) -> dict[str, float | None]:
-    """Train the points in `order` in one multirun; each point's median step time (None if it failed)."""
+def measure_once(pts: dict[str, list[str]], order: list[str], profile: Path, folder: Path) -> dict[str, tuple[object, float] | None]:
+    """Train the points in `order` (each with its own training.steps) in one multirun; each point's frozen config
+    and median step time (None if it failed)."""
     keys = list(pts)
     names = points_file.write({f"p{i}": o for i, o in enumerate(pts.values())}, folder / "points")
     chosen = [names[keys.index(k)] for k in order]
     sweep = folder / "sweep"
     argv = [sys.executable, "-m", "runner", "-m", *points_file.argv(chosen, folder / "points")]
-    argv += [f"training.steps={steps}", f"cluster.profile={profile}", f"hydra.sweep.dir={sweep}"]
+    argv += [f"cluster.profile={profile}", f"hydra.sweep.dir={sweep}"]
     subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     out = {}
     for i, key in enumerate(order):
         summary = sweep / str(i) / runfiles.SUMMARY
-        out[key] = json.loads(summary.read_text())["step_time_s_median"] if summary.exists() else None
+        found = summary.exists()
+        out[key] = (freeze.load(summary.parent / runfiles.FROZEN), json.loads(summary.read_text())["step_time_s_median"]) if found else None
     return out
+
+
+def shapes() -> dict[tuple[int, int], list[str]]:
+    """The grid's shapes after the first, as the calibration's variants: overrides by (model width, sequence length)."""
+    out = {}
+    for so in list(SIZES.values())[1:]:
+        cfg = compose.compose([*COMMON[:1], *so])
+        out[(cfg.model.dim, cfg.training.seq_len)] = so
+    return out
+
+
+def share_points(quick: bool) -> dict[str, list[str]]:
+    """The calibration's in-run share runs, keyed "calibration/<name>", each with all its overrides."""
+    from runner.calibrate import runs as calibrate_runs
+
+    pts, common = calibrate_runs.share_points(COMMON[:1], [1, 2, 4], quick, shapes())
+    return {f"calibration/{name}": [*common, *o] for name, o in pts.items()}
+
+
+def interleave(grid: list[str], extra: list[str]) -> list[str]:
+    """The grid's keys with `extra` spread evenly through them."""
+    out = list(grid)
+    for i, key in reversed(list(enumerate(extra))):
+        out.insert(round((i + 0.5) * len(grid) / len(extra)), key)
+    return out
+
+
+def refit(profile: Path, reps: list[list[tuple[object, float]]], out: Path) -> Path:
+    """The profile refitted (runner.calibrate.runs.refit) from the share runs `reps`, written to `out`."""
+    from runner.calibrate import runs as calibrate_runs
+    from runner.config.predict import profile as steptime_profile
+
+    return steptime_profile.write(calibrate_runs.refit(steptime_profile.load(profile), reps, shapes()), out).resolve()
+
+
+def held_out(keys: list[str], pts: dict[str, list[str]]) -> list[str]:
+    """The grid's keys whose run (layout, pipeline schedule, model width, sequence length) the share runs do not train."""
+    from runner.config.layout import resolve
+
+    def what(overrides: list[str]) -> tuple:
+        cfg = compose.compose(overrides)
+        p = cfg.parallelism
+        return resolve(p, cfg.cluster), (p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else None, cfg.model.dim, cfg.training.seq_len
+
+    trained = {what(o) for o in share_points(False).values()}
+    return [k for k in keys if what(pts[k]) not in trained]
 
 
 def predict(pts: dict[str, list[str]], profile: Path) -> dict[str, steptime.StepPrediction]:
@@ -98,7 +156,7 @@ def predict(pts: dict[str, list[str]], profile: Path) -> dict[str, steptime.Step
     return out
 
 
-def report(pred: dict[str, steptime.StepPrediction], measured: dict[str, float | None], source: str) -> dict:
+def report(pred: dict[str, steptime.StepPrediction], measured: dict[str, float | None], source: str, held: list[str] = ()) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -116,7 +174,16 @@ def report(pred: dict[str, steptime.StepPrediction], measured: dict[str, float |
         table.add_row(size, lay, f"{p.step_s:.3f}", "-" if m is None else f"{m:.3f}", err, p.binding, style="red" if miss else None)
     console = Console(highlight=False, width=140)
     console.print(table)
-    return summarize(console, pred, ok, errors)
+    result = summarize(console, pred, ok, errors)
+    if held:
+        kept = [errors[k] for k in held if errors.get(k) is not None]
+        within, bias = sum(abs(e) <= TIGHT_ERROR for e in kept), statistics.fmean(kept or [0])
+        result["held_out"] = {"count": len(kept), "within_tight": within, "mean_signed_error": bias}
+        console.print(
+            f"held out ({len(kept)} points the calibration's runs do not train): within {100 * TIGHT_ERROR:.0f} %: {within} of "
+            f"{len(kept)}; mean signed error {100 * bias:+.1f} %; max {100 * max(map(abs, kept), default=0):.1f} %"
+        )
+    return result
 
 
 def _f(x: float) -> str:
@@ -162,6 +229,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two points, one repetition: checks the bench end to end")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the profile and the JSON result")
     ap.add_argument("--report-from", type=Path, help="a previous bench's predictor_grid.json: predict its measured runs again")
+    ap.add_argument("--no-interleave", action="store_true", help="leave the calibration's share runs out of the grid's repetitions")
     a = ap.parse_args()
     started = time.perf_counter()
     if a.report_from:
@@ -173,19 +241,35 @@ def main() -> None:
         return
     a.out.mkdir(parents=True, exist_ok=True)
     profile = (a.profile or calibrate(a.out / "machine_profile.json", a.quick)).resolve()
-    pts = points(a.quick)
+    steps = 4 if a.quick else a.steps
+    grid = {k: [*o, f"training.steps={steps}"] for k, o in points(a.quick).items()}
+    cal = {} if a.no_interleave else share_points(a.quick)
     reps = 1 if a.quick else a.reps
-    runs: dict[str, list[float]] = {k: [] for k in pts}
+    runs: dict[str, list[float]] = {k: [] for k in {**grid, **cal}}
+    cal_reps: list[list[tuple[object, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(reps):
-            order = list(pts) if r % 2 == 0 else list(reversed(pts))
-            for k, v in measure_once(pts, order, 4 if a.quick else a.steps, profile, Path(tmp) / f"rep{r}").items():
-                if v is not None:
-                    runs[k].append(v)
-    measured = {k: statistics.median(v) if v else None for k, v in runs.items()}
-    result = report(predict(pts, profile), measured, str(profile))
-    (a.out / "predictor_grid.json").write_text(json.dumps({"measured_runs": runs, **result}, indent=1, default=str) + "\n")
-    print(f"bench wall time {time.perf_counter() - started:.0f} s ({reps} repetition(s) of {len(pts)} points)")
+            order = interleave(list(grid), list(cal))
+            found = measure_once({**grid, **cal}, order if r % 2 == 0 else order[::-1], profile, Path(tmp) / f"rep{r}")
+            for k in runs:
+                if found[k] is not None:
+                    runs[k].append(found[k][1])
+            cal_reps.append([found[k] for k in cal if found[k] is not None])
+    measured = {k: statistics.median(v) if v else None for k, v in runs.items() if k in grid}
+    result = {
+        "measured_runs": {k: runs[k] for k in grid},
+        "calibration_runs": {k: runs[k] for k in cal},
+        "before": report(predict(grid, profile), measured, f"{profile}, calibrated before the grid"),
+    }
+    if cal:
+        fitted = refit(profile, cal_reps, a.out / "machine_profile_interleaved.json")
+        held = held_out(list(grid), grid)
+        result["interleaved"] = report(predict(grid, fitted), measured, f"{fitted}, shares fitted inside the grid", held)
+    (a.out / "predictor_grid.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(
+        f"bench wall time {time.perf_counter() - started:.0f} s ({reps} repetition(s) of {len(grid)} points"
+        f" and {len(cal)} calibration runs)"
+    )
 
 
 if __name__ == "__main__":

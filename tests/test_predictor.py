@@ -196,14 +196,14 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
     shares, fixed, per_ranks = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, tp)
     assert shares == {1: pytest.approx(1.0), 2: pytest.approx(0.9), 4: pytest.approx(0.7)}
     assert fixed == {"collective_fixed_s": pytest.approx(5e-3)} and per_ranks == {4: pytest.approx(7e-3)}
-    fitted = calibrate_runs._with(_profile(), shares, fixed, per_ranks)
+    fitted = calibrate_runs.with_fit(_profile(), shares, fixed, per_ranks)
     assert steptime_profile.machine_of(fitted, 4, "p").collective_fixed_s == pytest.approx(7e-3)  # measured: not stretched
     assert steptime_profile.machine_of(fitted, 8, "p").collective_fixed_s == pytest.approx(14e-3)  # 8 ranks share 2 cores 2x more
     assert steptime_profile.machine_of(fitted, 2, "p").collective_fixed_s == pytest.approx(5e-3)
     rows = {name: value for name, value, _ in steptime_profile.describe(fitted)}
     assert rows["collective_fixed_s, 4 rank(s)"] == "0.007 s"
     _, _, none = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, tp[:1])
-    without = calibrate_runs._with(_profile(), {}, fixed, none)
+    without = calibrate_runs.with_fit(_profile(), {}, fixed, none)
     assert none == {} and steptime_profile.machine_of(without, 4, "p").collective_fixed_s == pytest.approx(10e-3)
     alone, none, _ = calibrate_runs.fit_in_run_shares(_profile(), [timed(["parallelism=fsdp", "parallelism.dp_shard=2"])])
     assert none == {} and alone[2] < 0.9  # the profile's 1 ms per collective stays; the share takes the other 4 ms in
@@ -244,6 +244,50 @@ def test_shape_factors_are_the_shares_fitted_at_each_calibrated_shape(compose):
     assert steptime_profile.shape_factor(truth, 1, 300, 200) == 1.0  # nearest: the first shape
     rows = {name: value for name, value, _ in steptime_profile.describe({**truth, "residuals": []})}
     assert rows["in-run share at dim 512, seq 512"] == "x0.800 (1 rank(s)), x1.250 (2 rank(s))"
+
+
+def test_refit_recovers_a_drifted_machine_from_the_share_runs_alone(compose):
+    """share_points' runs (1, 2, 4 ranks and a wider shape), timed as a machine with other shares, collective costs and
+    shape factors than a stale profile's, give that machine's figures back through refit: what the grid bench fits
+    from the share runs it trains between its points. The stale profile's timed kernels stay."""
+    from runner.calibrate import runs as calibrate_runs
+
+    wide = ["model.dim=512", "model.ffn_hidden_dim=1536"]
+    truth = _profile()
+    for n, share in (("1", 0.95), ("2", 0.9), ("4", 0.7)):
+        truth["by_ranks"][n]["in_run_share"] = share
+    truth["by_ranks"]["4"]["collective_fixed_s"] = 7e-3
+    truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 5e-3)
+    truth["by_shape"] = [
+        {"dim": 256, "seq_len": 256, "factors": {"1": 1.0, "2": 1.0, "4": 1.0}},
+        {"dim": 512, "seq_len": 256, "factors": {"1": 0.8, "2": 1.25}},
+    ]
+    stale = _profile()
+    for n in ("1", "2", "4"):
+        stale["by_ranks"][n]["in_run_share"] = 0.5
+    stale["by_ranks"]["4"]["collective_fixed_s"] = 20e-3
+    stale["by_shape"] = [{"dim": 512, "seq_len": 256, "factors": {"1": 2.0, "2": 2.0}}]
+    pts, common = calibrate_runs.share_points(["model=debug"], [1, 2, 4], False, {(512, 256): wide})
+    assert list(pts) == ["single", "pp2", "tp2", "pp2_fsdp2", "tp2_fsdp2", "single_shape1", "pp2_shape1"]
+
+    def timed(overrides):
+        cfg = compose([*common, *overrides])
+        return cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s
+
+    runs = [timed(o) for o in pts.values()]
+    fitted = calibrate_runs.refit(stale, [runs, runs[::-1]], {(512, 256): wide})
+    assert {n: e["in_run_share"] for n, e in fitted["by_ranks"].items()} == {
+        "1": pytest.approx(0.95),
+        "2": pytest.approx(0.9),
+        "4": pytest.approx(0.7),
+    }
+    assert fitted["constants"]["collective_fixed_s"]["value"] == pytest.approx(5e-3)
+    assert fitted["by_ranks"]["4"]["collective_fixed_s"] == pytest.approx(7e-3)
+    assert fitted["by_shape"][1] == {"dim": 512, "seq_len": 256, "factors": {"1": pytest.approx(0.8), "2": pytest.approx(1.25)}}
+    assert fitted["by_ranks"]["2"]["matmul_tflops"] == stale["by_ranks"]["2"]["matmul_tflops"]
+    assert "residuals" not in fitted
+    for cfg, t in runs:
+        assert steptime.predict(cfg, validate.check(cfg), fitted).step_s == pytest.approx(t, rel=1e-3)
 
 
 def test_pipeline_bubble_is_the_fill_and_drain_through_the_other_ranks_first_stages(compose):

@@ -190,7 +190,7 @@ def _share(profile: dict[str, Any], cfg: RunConfig, measured: float) -> float:
     return (lo + hi) / 2
 
 
-def _with(
+def with_fit(
     profile: dict[str, Any], shares: dict[int, float], constants: dict[str, float], fixed: dict[int, float] | None = None
 ) -> dict[str, Any]:
     """The profile with these in-run shares and constants, and `fixed`: the collective's fixed cost per rank count."""
@@ -247,10 +247,10 @@ def fit_in_run_shares(
     if pipeline and 2 in tp_at:
         fixed = profile["constants"]["collective_fixed_s"]["value"]
         for _ in range(6):  # converges in 2-3: the pipeline's few sends hardly move its share
-            known[2] = _share(_with(profile, known, {"collective_fixed_s": fixed}), *pipeline[0])
-            fixed = _solve(lambda f: _with(profile, known, {"collective_fixed_s": f}), *tp_at[2])
+            known[2] = _share(with_fit(profile, known, {"collective_fixed_s": fixed}), *pipeline[0])
+            fixed = _solve(lambda f: with_fit(profile, known, {"collective_fixed_s": f}), *tp_at[2])
         constants["collective_fixed_s"] = fixed
-    fitted = _with(profile, known, constants)
+    fitted = with_fit(profile, known, constants)
     per_ranks: dict[int, float] = {}
     for cfg, t in runs:
         n = world(cfg)
@@ -259,8 +259,8 @@ def fit_in_run_shares(
         if n in tp_at and 2 in known:
             f = steptime_profile.machine_of(fitted, n, "").collective_fixed_s  # to start: the 2-rank cost, stretched
             for _ in range(6):
-                known[n] = _share(_with(fitted, {}, {}, {n: f}), cfg, t)
-                f = _solve(lambda x, n=n: _with(fitted, {n: known[n]}, {}, {n: x}), *tp_at[n])
+                known[n] = _share(with_fit(fitted, {}, {}, {n: f}), cfg, t)
+                f = _solve(lambda x, n=n: with_fit(fitted, {n: known[n]}, {}, {n: x}), *tp_at[n])
             per_ranks[n] = f
         else:
             known[n] = _share(fitted, cfg, t)
@@ -300,27 +300,20 @@ def fit_shape_factors(
     return [{"dim": d, "seq_len": s, "factors": f} for (d, s), f in sorted(out.items())]
 
 
-def in_run_shares(
-    profile: dict[str, Any],
-    base: list[str],
-    rank_counts: list[int],
-    folder: Path,
-    quick: bool,
-    variants: dict[tuple[int, int], list[str]] | None = None,
-) -> tuple[dict[int, float], dict[str, float], dict[int, float], list[dict[str, Any]], list[tuple[RunConfig, float]]]:
-    """Train the calibrated model (its first shapes) on 1 rank, on 2 ranks as a 2-stage 1F1B pipeline and with TP 2,
-    and on each larger rank count n as a 2-stage pipeline and as TP 2, each with FSDP over n / 2, and at each other shape (`variants`:
-    each shape's overrides by (model width, sequence length)) the 1-rank run and the 2-rank pipeline, all in one
-    Hydra multirun, 3 times in alternating order (once with `quick`): a shared machine's speed drifts by tens of
-    percent over minutes, and runs measured together see the same drift, so the shares keep their ratios. Fit
-    fit_in_run_shares on each point's median at the first shape and the profile as measured so far (its in-run
-    shares 1), then fit_shape_factors with those shares; the runs come back with the fit."""
+def share_points(
+    base: list[str], rank_counts: list[int], quick: bool, variants: dict[tuple[int, int], list[str]] | None = None
+) -> tuple[dict[str, list[str]], list[str]]:
+    """The runs that give the in-run shares: each point's overrides, and the overrides all share (the command line's,
+    after `base`'s own; a point's file cannot hold Hydra's `+key=`). The calibrated model (its first
+    shape) on 1 rank, on 2 ranks as a 2-stage 1F1B pipeline and with TP 2, and on each larger rank count n as a 2-stage
+    pipeline and as TP 2, each with FSDP over n / 2, and at each other shape (`variants`: each shape's overrides by
+    (model width, sequence length)) the 1-rank run and the 2-rank pipeline."""
     variants = variants or {}
     steps = "training.steps=4" if quick else "training.steps=8"
     varied = {o.split("=", 1)[0].lstrip("+~") for v in variants.values() for o in v}
     own = [o for o in base if not o.lstrip("+~").startswith(("parallelism", "training.global_batch_size", "training.microbatch_size"))]
     first = [o for o in own if o.split("=", 1)[0].lstrip("+~") in varied]  # the first shape's own values of what a variant sets
-    own = [o for o in own if o not in first]
+    common = [*(o for o in own if o not in first), *RUN_AT_SHAPE, steps]
     single = ["parallelism=fsdp", "parallelism.dp_shard=1"]
     pp2 = ["parallelism=pp2_interleaved", "parallelism.pp_schedule=1F1B", "parallelism.pp_virtual_stages=1"]  # plain 1F1B
     pts = {"single": [*single, *first]} if 1 in rank_counts else {}
@@ -330,18 +323,55 @@ def in_run_shares(
     pts |= {f"tp2_fsdp{n // 2}": ["parallelism=dp2_tp2", f"parallelism.dp_shard={n // 2}", *first] for n in rank_counts if n > 2}
     for i, v in enumerate(variants.values()):
         pts |= {f"{name}_shape{i + 1}": [*o, *v] for name, o, n in (("single", single, 1), ("pp2", pp2, 2)) if n in rank_counts}
-    names = points.write(pts, folder / "points")
-    reps = [
-        _multirun([*points.argv(names if r % 2 == 0 else names[::-1], folder / "points"), *own, *RUN_AT_SHAPE, steps], folder / f"rep{r}")
-        for r in range(1 if quick else 3)
-    ]
-    runs = [r for rep in reps for r in rep]
+    return pts, common
+
+
+def fit_share_runs(
+    profile: dict[str, Any], reps: list[list[tuple[RunConfig, float]]], variants: dict[tuple[int, int], list[str]] | None = None
+) -> tuple[dict[int, float], dict[str, float], dict[int, float], list[dict[str, Any]]]:
+    """fit_in_run_shares on each share point's median over the repetitions `reps` (each repetition's runs of
+    share_points) at the first shape, with the profile as measured so far (its in-run shares 1), then
+    fit_shape_factors with those shares."""
+    variants = variants or {}
     here = [[r for r in rep if _shape(r[0]) not in variants] for rep in reps]
     pipeline = _median_points([[r for rep in here for r in rep if r[0].parallelism.pp == 2 and r[0].parallelism.dp_shard == 1]])
     tp = _median_points([[r for rep in here for r in rep if r[0].parallelism.tp == 2]])
     others = [[r for r in rep if r[0].parallelism.tp == 1 and (r[0].parallelism.pp, r[0].parallelism.dp_shard) != (2, 1)] for rep in here]
     shares, constants, fixed = fit_in_run_shares(profile, _median_points(others), pipeline, tp)
-    fitted = _with(profile, shares, constants, fixed)
+    fitted = with_fit(profile, shares, constants, fixed)
     alike = _median_points([[r for r in rep if r[0].parallelism.tp == 1 and r[0].parallelism.dp_shard == 1] for rep in here])
     elsewhere = _median_points([[r for r in rep if _shape(r[0]) in variants] for rep in reps])
-    return shares, constants, fixed, fit_shape_factors(fitted, alike, elsewhere), runs
+    return shares, constants, fixed, fit_shape_factors(fitted, alike, elsewhere)
+
+
+def refit(
+    profile: dict[str, Any], reps: list[list[tuple[RunConfig, float]]], variants: dict[tuple[int, int], list[str]] | None = None
+) -> dict[str, Any]:
+    """The profile with its in-run shares, collective fixed costs and shape factors fitted again (fit_share_runs) from
+    share_points' runs `reps` (one list per repetition), its timed kernels, collectives and tiny-run constants kept:
+    for runs measured at another time than the profile, on a machine whose speed drifts."""
+    fitted_here = ("in_run_share", "collective_fixed_s")
+    keep = {k: v for k, v in profile.items() if k not in ("by_shape", "residuals")}
+    keep["by_ranks"] = {n: {k: v for k, v in e.items() if k not in fitted_here} for n, e in profile["by_ranks"].items()}
+    shares, constants, fixed, by_shape = fit_share_runs(keep, reps, variants)
+    return {**with_fit(keep, shares, constants, fixed), "by_shape": by_shape}
+
+
+def in_run_shares(
+    profile: dict[str, Any],
+    base: list[str],
+    rank_counts: list[int],
+    folder: Path,
+    quick: bool,
+    variants: dict[tuple[int, int], list[str]] | None = None,
+) -> tuple[dict[int, float], dict[str, float], dict[int, float], list[dict[str, Any]], list[tuple[RunConfig, float]]]:
+    """Train share_points in one Hydra multirun, 3 times in alternating order (once with `quick`): a shared machine's
+    speed drifts by tens of percent over minutes, and runs measured together see the same drift, so the shares keep
+    their ratios. Fit them with fit_share_runs; the runs come back with the fit."""
+    pts, common = share_points(base, rank_counts, quick, variants)
+    names = points.write(pts, folder / "points")
+    reps = [
+        _multirun([*points.argv(names if r % 2 == 0 else names[::-1], folder / "points"), *common], folder / f"rep{r}")
+        for r in range(1 if quick else 3)
+    ]
+    return (*fit_share_runs(profile, reps, variants), [r for rep in reps for r in rep])
