@@ -17,7 +17,7 @@ length), and the predictor's first choice within 10 % of the measured fastest pe
 to end. --report-from <predictor_grid.json> --profile <profile> predicts the measured runs a previous bench
 saved again (after a change to the predictor or a fresh calibration), without training.
 
-Interleaved calibration (unless --no-interleave): each repetition also trains the calibration's in-run share
+Interleaved calibration (--interleave): each repetition also trains the calibration's in-run share
 runs (runner.calibrate.runs.share_points), spread evenly through the grid's order, and the bench fits the
 profile's in-run shares, collective fixed costs and shape factors again from them (fit_share_runs; the timed
 kernels and collectives stay the profile's). On a shared machine whose speed drifts by 15-20 % between a
@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 
 from runner.config import (  # noqa: E402
     compose,  # noqa: E402
-    freeze,
     runfiles,
     validate,
 )
@@ -84,9 +83,9 @@ def calibrate(out: Path, quick: bool) -> Path:
     return out
 
 
-def measure_once(pts: dict[str, list[str]], order: list[str], profile: Path, folder: Path) -> dict[str, tuple[object, float] | None]:
-    """Train the points in `order` (each with its own training.steps) in one multirun; each point's frozen config
-    and median step time (None if it failed)."""
+def measure_once(pts: dict[str, list[str]], order: list[str], profile: Path, folder: Path) -> dict[str, float | None]:
+    """Train the points in `order` (each with its own training.steps) in one multirun; each point's median step time
+    (None if it failed)."""
     keys = list(pts)
     names = points_file.write({f"p{i}": o for i, o in enumerate(pts.values())}, folder / "points")
     chosen = [names[keys.index(k)] for k in order]
@@ -97,8 +96,7 @@ def measure_once(pts: dict[str, list[str]], order: list[str], profile: Path, fol
     out = {}
     for i, key in enumerate(order):
         summary = sweep / str(i) / runfiles.SUMMARY
-        found = summary.exists()
-        out[key] = (freeze.load(summary.parent / runfiles.FROZEN), json.loads(summary.read_text())["step_time_s_median"]) if found else None
+        out[key] = json.loads(summary.read_text())["step_time_s_median"] if summary.exists() else None
     return out
 
 
@@ -127,16 +125,21 @@ def interleave(grid: list[str], extra: list[str]) -> list[str]:
     return out
 
 
-def refit(profile: Path, reps: list[list[tuple[object, float]]], out: Path) -> Path:
-    """The profile refitted (runner.calibrate.runs.refit) from the share runs `reps`, written to `out`."""
+def refit(profile: Path, share_runs: dict[str, list[float]], out: Path) -> Path:
+    """The profile refitted (runner.calibrate.runs.refit) from the share runs' step times (per share point, one per
+    repetition), written to `out`."""
     from runner.calibrate import runs as calibrate_runs
     from runner.config.predict import profile as steptime_profile
 
+    cal = share_points(False)
+    cfgs = {k: compose.compose(cal[k]) for k in share_runs}
+    reps = [[(cfgs[k], v[r]) for k, v in share_runs.items() if r < len(v)] for r in range(max(map(len, share_runs.values()), default=0))]
     return steptime_profile.write(calibrate_runs.refit(steptime_profile.load(profile), reps, shapes()), out).resolve()
 
 
-def held_out(keys: list[str], pts: dict[str, list[str]]) -> list[str]:
-    """The grid's keys whose run (layout, pipeline schedule, model width, sequence length) the share runs do not train."""
+def twins(grid: dict[str, list[str]]) -> dict[str, str]:
+    """The grid's keys whose run (layout, pipeline schedule, model width, sequence length) a share run also trains:
+    that share run's key, by grid key."""
     from runner.config.layout import resolve
 
     def what(overrides: list[str]) -> tuple:
@@ -144,8 +147,28 @@ def held_out(keys: list[str], pts: dict[str, list[str]]) -> list[str]:
         p = cfg.parallelism
         return resolve(p, cfg.cluster), (p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else None, cfg.model.dim, cfg.training.seq_len
 
-    trained = {what(o) for o in share_points(False).values()}
-    return [k for k in keys if what(pts[k]) not in trained]
+    trained = {what(o): k for k, o in share_points(False).items()}
+    return {k: trained[what(o)] for k, o in grid.items() if what(o) in trained}
+
+
+def interleaved(
+    grid: dict[str, list[str]], measured: dict[str, float | None], share_runs: dict[str, list[float]], profile: Path, out: Path
+) -> dict:
+    """The grid against the profile refitted from the share runs trained between its points; the grid's points that a
+    share run also trains, measured twice in the same window (a 4-step grid run against the calibration's 8 steps)."""
+    fitted = refit(profile, share_runs, out)
+    pair = twins(grid)
+    result = report(predict(grid, fitted), measured, f"{fitted}, shares fitted inside the grid", [k for k in grid if k not in pair])
+    ratios = {}
+    for key, cal in pair.items():
+        if measured.get(key) and share_runs.get(cal):
+            again = statistics.median(share_runs[cal])
+            ratios[key] = again / measured[key]
+            print(f"same run twice in one window: {key} {measured[key]:.3f} s in the grid, {again:.3f} s as {cal} ({ratios[key]:.3f})")
+    if ratios:
+        spread, mean = max(abs(r - 1) for r in ratios.values()), statistics.geometric_mean(ratios.values())
+        print(f"the same run measured twice differs by up to {100 * spread:.1f} % (geometric mean of the ratios {mean:.3f})")
+    return {**result, "twins": ratios}
 
 
 def predict(pts: dict[str, list[str]], profile: Path) -> dict[str, steptime.StepPrediction]:
@@ -229,32 +252,33 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two points, one repetition: checks the bench end to end")
     ap.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for the profile and the JSON result")
     ap.add_argument("--report-from", type=Path, help="a previous bench's predictor_grid.json: predict its measured runs again")
-    ap.add_argument("--no-interleave", action="store_true", help="leave the calibration's share runs out of the grid's repetitions")
+    ap.add_argument("--interleave", action="store_true", help="also train the calibration's share runs in every repetition, and refit")
     a = ap.parse_args()
     started = time.perf_counter()
     if a.report_from:
         if not a.profile:
             ap.error("--report-from needs --profile (the profile to predict with)")
-        runs = json.loads(a.report_from.read_text())["measured_runs"]
-        measured = {k: statistics.median(v) if v else None for k, v in runs.items()}
+        saved = json.loads(a.report_from.read_text())
+        measured = {k: statistics.median(v) if v else None for k, v in saved["measured_runs"].items()}
         report(predict(points(False), a.profile.resolve()), measured, str(a.profile))
+        if saved.get("calibration_runs"):
+            grid = {k: [*o, f"training.steps={a.steps}"] for k, o in points(False).items()}
+            interleaved(grid, measured, saved["calibration_runs"], a.profile.resolve(), a.out / "machine_profile_interleaved.json")
         return
     a.out.mkdir(parents=True, exist_ok=True)
     profile = (a.profile or calibrate(a.out / "machine_profile.json", a.quick)).resolve()
     steps = 4 if a.quick else a.steps
     grid = {k: [*o, f"training.steps={steps}"] for k, o in points(a.quick).items()}
-    cal = {} if a.no_interleave else share_points(a.quick)
+    cal = share_points(a.quick) if a.interleave else {}
     reps = 1 if a.quick else a.reps
     runs: dict[str, list[float]] = {k: [] for k in {**grid, **cal}}
-    cal_reps: list[list[tuple[object, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(reps):
             order = interleave(list(grid), list(cal))
             found = measure_once({**grid, **cal}, order if r % 2 == 0 else order[::-1], profile, Path(tmp) / f"rep{r}")
             for k in runs:
                 if found[k] is not None:
-                    runs[k].append(found[k][1])
-            cal_reps.append([found[k] for k in cal if found[k] is not None])
+                    runs[k].append(found[k])
     measured = {k: statistics.median(v) if v else None for k, v in runs.items() if k in grid}
     result = {
         "measured_runs": {k: runs[k] for k in grid},
@@ -262,9 +286,7 @@ def main() -> None:
         "before": report(predict(grid, profile), measured, f"{profile}, calibrated before the grid"),
     }
     if cal:
-        fitted = refit(profile, cal_reps, a.out / "machine_profile_interleaved.json")
-        held = held_out(list(grid), grid)
-        result["interleaved"] = report(predict(grid, fitted), measured, f"{fitted}, shares fitted inside the grid", held)
+        result["interleaved"] = interleaved(grid, measured, result["calibration_runs"], profile, a.out / "machine_profile_interleaved.json")
     (a.out / "predictor_grid.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(
         f"bench wall time {time.perf_counter() - started:.0f} s ({reps} repetition(s) of {len(grid)} points"
