@@ -19,12 +19,12 @@ saved again (after a change to the predictor or a fresh calibration), without tr
 
 Interleaved calibration (--interleave): each repetition also trains the calibration's in-run share
 runs (runner.calibrate.runs.share_points), spread evenly through the grid's order, and the bench fits the
-profile's in-run shares, collective fixed costs and shape factors again from them (fit_share_runs; the timed
-kernels and collectives stay the profile's). On a shared machine whose speed drifts by 15-20 % between a
-calibration and a grid run minutes later, the profile calibrated before the grid measures the predictor and
-the drift together; the interleaved one, fitted from runs that saw the same drift as the grid's, measures the
-predictor. Both are reported, and the interleaved one also over the points the calibration does not itself
-train ("held out").
+profile's in-run shares, collective fixed costs and shape factors again from them (runs.refit; the timed
+kernels and collectives stay the profile's), to tell the machine's drift between a calibration and the grid
+from the predictor's own error. Both profiles are reported, the refitted one also over the points the share
+runs do not train ("held out"), and the grid's points that a share run also trains are printed side by side:
+the same run measured twice in one window, the floor under any prediction's error on this machine. With a
+stored --interleave result, --report-from refits from its share runs again.
 """
 
 from __future__ import annotations
