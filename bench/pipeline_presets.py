@@ -66,13 +66,13 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    from runner.run import parity
+    from runner.run import layout_parity
 
     folder = a.out or Path(tempfile.mkdtemp(prefix="bench_pp_"))
     table = []
     for nproc, cfgs in compose_all(a).items():
         slug = {name: name.split()[0] + "_" + str(i) for i, name in enumerate(cfgs)}
-        paths = parity.prepare({slug[n]: c for n, c in cfgs.items()}, folder / f"ranks{nproc}")
+        paths = layout_parity.prepare({slug[n]: c for n, c in cfgs.items()}, folder / f"ranks{nproc}")
         subprocess.run([sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)], cwd=ROOT, check=True)
         for name, path in zip(cfgs, paths, strict=True):
             res = json.loads((path.parent / runfiles.PARITY).read_text())

@@ -47,8 +47,8 @@ from runner.config import (  # noqa: E402
     validate,
 )
 from runner.config import points as points_file  # noqa: E402
-from runner.config.compare import spearman  # noqa: E402
 from runner.config.predict import steptime  # noqa: E402
+from runner.config.predict.accuracy import spearman  # noqa: E402
 
 LAYOUTS = {
     "single": ["parallelism=single"],
@@ -129,7 +129,7 @@ def refit(profile: Path, share_runs: dict[str, list[float]], out: Path) -> Path:
     """The profile refitted (runner.calibrate.runs.refit) from the share runs' step times (per share point, one per
     repetition), written to `out`."""
     from runner.calibrate import runs as calibrate_runs
-    from runner.config.predict import profile as steptime_profile
+    from runner.config.predict import machine_profile as steptime_profile
 
     cal = share_points(False)
     cfgs = {k: compose.compose(cal[k]) for k in share_runs}

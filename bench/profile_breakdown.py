@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from runner.config import points as points_file  # noqa: E402
 from runner.config import runfiles  # noqa: E402
-from runner.config.compare import TERMS, gap_term  # noqa: E402
+from runner.outputs.comparison import TERMS, gap_term  # noqa: E402
 
 LAYOUTS = {
     "default (dp2_tp2)": [],

@@ -1,6 +1,6 @@
-"""`python -m runner.compare`: the entry point; the code is runner/config/compare.py."""
+"""`python -m runner.compare`: the entry point; the code is runner/outputs/comparison.py."""
 
-from runner.config.compare import cli
+from runner.outputs.comparison import cli
 
 if __name__ == "__main__":
     cli()

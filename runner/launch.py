@@ -1,6 +1,6 @@
-"""`python -m runner.launch`: the entry point; the code is runner/run/launch.py."""
+"""`python -m runner.launch`: the entry point; the code is runner/run/node_launch.py."""
 
-from runner.run.launch import cli
+from runner.run.node_launch import cli
 
 if __name__ == "__main__":
     cli()

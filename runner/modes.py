@@ -68,7 +68,7 @@ def search(cfg: RunConfig, lay: None, dcfg: DictConfig, run_dir: Path) -> float:
 
 def launch_plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:
     """Print the submission (sbatch script) and the per-node command; submit nothing."""
-    from runner.run import launch
+    from runner.run import node_launch
 
     frozen = freeze.write(cfg, lay, run_dir)
     c = cfg.cluster
@@ -89,7 +89,7 @@ def launch_plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) ->
     else:
         host, rdzv_id = c.rdzv_host or "$HEAD_NODE_ADDR", f"runner-{run_dir.name}"
         print(f"\nrun on each of the {count(c.num_nodes, 'node')}:\n")
-    print("  " + launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
+    print("  " + node_launch.node_command(cfg, lay, frozen, rdzv_endpoint=f"{host}:{c.rdzv_port}", rdzv_id=rdzv_id))
 
 
 def _sbatch_preview(dcfg: DictConfig, run_dir: Path) -> Path:

@@ -16,10 +16,11 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner.config import fault_tolerance, freeze, goodput, runfiles, slurm, validate
+from runner.config import fault_tolerance, freeze, runfiles, slurm, validate
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.config.search import objective as search_objective
+from runner.outputs import goodput
 
 
 @dataclass
@@ -32,7 +33,7 @@ class State:
     """Overrides of the sweep points whose ranks failed."""
     task_started: float = 0.0
     """When the Hydra task began: the process's start for the first task, the task's call for later sweep points
-    (wall clock; the launch of the point's goodput, runner.config.goodput)."""
+    (wall clock; the launch of the point's goodput, runner.outputs.goodput)."""
 
     def begin_task(self) -> None:
         self.task_started = time.time() if self.entered else goodput.process_start()
@@ -101,7 +102,7 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
         slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
     if node == 0:
         goodput.Timeline(run_dir).launch(STATE.task_started)
-    from runner.run import launch
+    from runner.run import node_launch
 
     try:
         if job_id is None and fault_tolerance.enabled(cfg):  # a lighthouse and one job per replica group
@@ -109,7 +110,7 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
 
             ft_launch.run(cfg, lay, frozen)
         elif job_id is None:
-            launch.run(cfg, lay, frozen, checked=True)
+            node_launch.run(cfg, lay, frozen, checked=True)
         else:
             _slurm_node(cfg, lay, run_dir, frozen, first_host, job_id)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
@@ -140,13 +141,13 @@ def _run_objective(cfg: RunConfig, run_dir: Path) -> float:
 def _slurm_node(cfg: RunConfig, lay, run_dir: Path, frozen: Path, first_host: str, job_id: str) -> None:
     """A node of a SLURM job: torchrun with a c10d rendezvous on the job's first node. SLURM's warning
     signal goes to submitit's requeue only once the ranks have checkpointed (runner.run.preempt)."""
-    from runner.run import launch, mesh, preempt
+    from runner.run import mesh, node_launch, preempt
 
     if slurm.node_name():
         os.environ.setdefault(mesh.NODE_NAME_ENV, slurm.node_name())  # nodes may share a hostname
     takeover = preempt.AgentTakeover(run_dir)
     endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
-    launch.start(launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
+    node_launch.start(node_launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
     takeover.hand_over()
 
 

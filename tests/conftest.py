@@ -263,17 +263,17 @@ def dry_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
 
 def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
     """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
-    first) and return every point's parity.json by name, with its run folder as "run_dir"; `folder(nproc)` gives a
+    first) and return every point's layout_parity.json by name, with its run folder as "run_dir"; `folder(nproc)` gives a
     fresh folder per launch."""
     from runner.config import runfiles, validate
-    from runner.run import parity
+    from runner.run import layout_parity
 
     out = {}
     for nproc, points in launches.items():
         cfgs = {name: compose([*common, *overrides]) for name, overrides in points.items()}
         for cfg in cfgs.values():
             validate.check(cfg)
-        paths = parity.prepare(cfgs, folder(nproc))
+        paths = layout_parity.prepare(cfgs, folder(nproc))
         proc = run_module("runner.parity", str(nproc), *paths, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         CONSOLES[nproc] = proc.stdout

@@ -21,9 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, freeze, goodput, runfiles, validate
+from runner.config import checkpoint, freeze, runfiles, validate
 from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
+from runner.outputs import goodput
 from tests import text_assets
 from tests.conftest import metrics, run_cli
 
@@ -248,10 +249,10 @@ def test_pipeline_run_resumes_fsdp_tp_checkpoint_and_saves_its_own(reference, as
     assert (info["world_size"], info["degrees"]) == (2, "pp=2") and checkpoint.verify(folder / "step-6") is None
     assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard per pipeline stage
     # the pipeline layout's checkpoint (one file per stage) exports too, with the logits of the runner's model
-    from runner.run import export
+    from runner.run import hf_export
     from tests import test_hf_export as hf_export_tests
 
-    code = export.main([str(folder / "step-6"), "--format", "hf", "--out", str(tmp_path / "hf")])
+    code = hf_export.main([str(folder / "step-6"), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert code == 0
     cfg = freeze.load(run_dir / runfiles.FROZEN)
     gap, top = hf_export_tests.logits_gap(

@@ -312,7 +312,7 @@ def test_preflight_starts_pipeline_recipes_on_cuda(compose, monkeypatch, recipe)
     NVIDIA driver starts the PP recipes: no launch-time rule refuses them any more."""
     from runner.config import validate
     from runner.config.problems import ConfigError
-    from runner.config.validate import launch as launch_rules
+    from runner.config.validate import host_rules as launch_rules
 
     cfg = compose([f"recipe={recipe}"])
     lay = validate.check(cfg)
@@ -322,7 +322,7 @@ def test_preflight_starts_pipeline_recipes_on_cuda(compose, monkeypatch, recipe)
     out = []
     launch_rules.this_machine(cfg, lay, True, out)
     assert out == []
-    cfg.eval.cpu_flex_attention = True  # the test-only switch of runner.run.parity is refused in a launch
+    cfg.eval.cpu_flex_attention = True  # the test-only switch of runner.run.layout_parity is refused in a launch
     launch_rules.this_machine(cfg, lay, True, out)
     assert [(p.field, p.value) for p in out] == [("eval.cpu_flex_attention", True)]
     with pytest.raises(ConfigError, match="eval.cpu_flex_attention"):

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from runner.config import compare
+from runner.config.predict import accuracy
+from runner.outputs import comparison
 
 
 def test_a_measured_run_shows_its_predicted_step_time_and_the_error(tmp_path, capsys):
@@ -16,17 +17,17 @@ def test_a_measured_run_shows_its_predicted_step_time_and_the_error(tmp_path, ca
     for name, extra in runs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(base | extra))
-    assert compare.main([str(tmp_path)]) == 0
+    assert comparison.main([str(tmp_path)]) == 0
     lines = [ln.split("│") for ln in capsys.readouterr().out.splitlines() if ln.startswith("│")]
     rows = {cells[1].strip(): [c.strip() for c in cells[7:10]] for cells in lines}  # step time, predicted, error
     assert rows == {"pred": ["0.250 s", "0.200 s", "-20.0 %"], "nopred": ["0.250 s", "-", "-"]}
 
 
 def test_spearman_ranks_ties_by_their_mean_rank():
-    assert compare.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
-    assert compare.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
-    assert compare.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ranks 0.5, 0.5, 2
-    assert compare.spearman([1, 1, 1], [1, 2, 3]) != compare.spearman([1, 1, 1], [1, 2, 3])  # NaN: no order to agree with
+    assert accuracy.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert accuracy.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert accuracy.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ranks 0.5, 0.5, 2
+    assert accuracy.spearman([1, 1, 1], [1, 2, 3]) != accuracy.spearman([1, 1, 1], [1, 2, 3])  # NaN: no order to agree with
 
 
 def _plan(folder, tp: int, step_s: float, fits: bool, gb: float) -> None:
@@ -50,12 +51,12 @@ def _sweep_with_a_layout_that_does_not_fit(tmp_path):
         (tmp_path / name / ".hydra").mkdir(parents=True)
         (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- mode=plan\n- parallelism.tp={tp}\n")
         (tmp_path / name / result).write_text(json.dumps(body))
-    return compare.collect([tmp_path])
+    return comparison.collect([tmp_path])
 
 
 def test_layouts_that_do_not_fit_rank_after_those_that_fit_in_the_table(tmp_path, capsys):
     _sweep_with_a_layout_that_does_not_fit(tmp_path)
-    assert compare.main([str(tmp_path)]) == 0
+    assert comparison.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     order = [ln.split("│")[1].strip() for ln in out.splitlines() if ln.startswith("│ tp=")]
     assert order == ["tp=4", "tp=1", "tp=2", "tp=16", "tp=8"]  # tp=2 is the fastest, but 117 GB does not fit
@@ -63,7 +64,7 @@ def test_layouts_that_do_not_fit_rank_after_those_that_fit_in_the_table(tmp_path
 
 
 def test_the_figure_marks_what_does_not_fit_and_lists_points_without_a_bar(tmp_path):
-    fig = compare.figure(_sweep_with_a_layout_that_does_not_fit(tmp_path))
+    fig = comparison.figure(_sweep_with_a_layout_that_does_not_fit(tmp_path))
     bars_ax, list_ax = fig.axes
     assert [t.get_text() for t in bars_ax.get_yticklabels()] == ["tp=4", "tp=1", "tp=2"]
     assert [bar.get_hatch() for bar in bars_ax.patches] == [None, None, "//"]
@@ -91,7 +92,7 @@ def test_traced_layouts_show_each_term_measured_beside_predicted_and_the_term_be
     _traced(tmp_path, "dp2_pp2", {"compute": 0.5, "bubble": 0.1, "pp": 0.02}, {"compute": 0.4, "bubble": 0.1, "pp": 0.01})
     _traced(tmp_path, "dp2_tp2", {"compute": 0.5, "tp": 0.6, "overhead": 0.2}, {"compute": 0.4, "tp": 0.2})
     _traced(tmp_path, "cp2", {"compute": 0.7, "cp": 0.1}, None)  # no machine profile: measured alone
-    assert compare.main([str(tmp_path)]) == 0
+    assert comparison.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "where the step time goes" in out
     rows = {
@@ -110,7 +111,7 @@ def test_traced_layouts_show_each_term_measured_beside_predicted_and_the_term_be
         "tp +0.400 s",
     ]
     assert rows["cp2"][0] == "0.700" and rows["cp2"][-1] == "-"
-    fig = compare.figure(compare.collect([tmp_path]))
+    fig = comparison.figure(comparison.collect([tmp_path]))
     split = fig.axes[1]
     labels = [t.get_text() for t in split.get_yticklabels()]
     assert labels == [f"{n}  {w}" for n in ("dp2_pp2", "cp2", "dp2_tp2") for w in ("predicted", "measured")]  # fastest first

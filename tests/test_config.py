@@ -393,12 +393,12 @@ def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypa
 def test_every_composition_refuses_a_key_the_schema_lacks(capsys):
     """The command line, the tests' compose and `python -m runner.calibrate --variant` compose through
     runner.config.compose, which refuses `+typo=` (the calibration's own composition once skipped that check)."""
-    from runner.calibrate import machine
+    from runner.calibrate import measure
     from runner.config import compose
 
     with pytest.raises(validate.ConfigError, match=r"training.lr_warmup = 100: not a field of TrainingConfig"):
         compose.compose(["+training.lr_warmup=100"])
-    assert machine.main(["--variant", "+training.lr_warmup=100"]) == 2
+    assert measure.main(["--variant", "+training.lr_warmup=100"]) == 2
     err = capsys.readouterr().err
     assert "training.lr_warmup = 100: not a field of TrainingConfig" in err and "did you mean training.warmup_steps?" in err
 
@@ -416,10 +416,11 @@ def test_cli_validate_mode_prints_layout_and_writes_nothing(tmp_path):
 
 @pytest.mark.e2e
 def test_config_layer_is_torch_free():
-    """Every module of runner.config, and `python -m runner --cfg job`, run without importing torch."""
+    """Every module of runner.config and runner.outputs, and `python -m runner --cfg job`, run without importing torch."""
     code = (
-        "import sys, pkgutil, importlib, runpy, runner.config\n"
-        "for m in pkgutil.walk_packages(runner.config.__path__, 'runner.config.'): importlib.import_module(m.name)\n"
+        "import sys, pkgutil, importlib, runpy, runner.config, runner.outputs\n"
+        "for p in (runner.config, runner.outputs):\n"
+        "    for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'): importlib.import_module(m.name)\n"
         "sys.argv = ['runner', '--cfg', 'job']\n"
         "try:\n    runpy.run_module('runner', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "print('TORCH_LOADED', 'torch' in sys.modules)"
@@ -434,7 +435,8 @@ RUNTIME = ("runner.run", "runner.observe", "runner.cli", "runner.modes", "runner
 
 
 def test_layers_import_only_downwards():
-    """runner.config imports neither runtime package, and only the TorchTitan adapter imports torchtitan."""
+    """runner.config imports neither runtime package nor the readers of run folders (runner.outputs), runner.outputs
+    imports no runtime package, and only the TorchTitan adapter imports torchtitan."""
     import ast
 
     adapter = "runner/run/titan/"  # the adapter package
@@ -449,7 +451,9 @@ def test_layers_import_only_downwards():
             for name in names:
                 if name.split(".")[0] == "torchtitan" and not rel.startswith(adapter):
                     offenders.append(f"{rel} imports {name}")
-                if rel.startswith("runner/config/") and name.startswith(RUNTIME):
+                if rel.startswith("runner/config/") and name.startswith((*RUNTIME, "runner.outputs")):
+                    offenders.append(f"{rel} imports {name}")
+                if rel.startswith("runner/outputs/") and name.startswith(RUNTIME):
                     offenders.append(f"{rel} imports {name}")
     assert offenders == []
 

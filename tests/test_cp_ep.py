@@ -1,6 +1,6 @@
 """Context and expert parallelism in the config layer: validation rules, MoE accounting with
 active parameters (equal to TorchTitan's own count), CP and EP traffic in the plan. The
-training parity of cp2 and ep2 with one rank is in tests/test_parallel.py (runner.run.parity)."""
+training parity of cp2 and ep2 with one rank is in tests/test_parallel.py (runner.run.layout_parity)."""
 
 from __future__ import annotations
 

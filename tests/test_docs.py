@@ -207,7 +207,7 @@ def _checked(cmd: Command, overrides: list[str]) -> str | None:
 
 
 def _profile(path: Path) -> Path:
-    from runner.config.predict import profile
+    from runner.config.predict import machine_profile
 
     entry = {"threads": 1, "matmul_tflops": 0.1, "gemm_half_dim": 32.0, "attention_tflops": 0.02, "memory_gbs": 10.0, "gemms": []}
     link = {"latency_s": 1e-3, "gbs": 1.0}
@@ -216,11 +216,11 @@ def _profile(path: Path) -> Path:
         "by_ranks": {"1": {**entry, "threads": 2}, "2": dict(entry), "4": dict(entry)},
         "collectives": {n: {f"{op}@2": link for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")} for n in ("2", "4")},
         "constants": {
-            name: profile.constant(name, value)
+            name: machine_profile.constant(name, value)
             for name, value in (("layer_overhead_s", 1e-3), ("collective_fixed_s", 1e-3), ("comm_overlap", 0.0))
         },
     }
-    return profile.write(body, path)
+    return machine_profile.write(body, path)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import json
 import pytest
 import yaml
 
-from runner.config import compare, runfiles
+from runner.config import runfiles
+from runner.outputs import comparison
 from runner.sweep import wandb_group
 from tests.conftest import run_cli
 
@@ -38,7 +39,7 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     assert not (bad / runfiles.HANG_REPORT).exists() and not any((bad / "flight_recorder").iterdir())  # a raise is no hang: no dump
 
     capsys.readouterr()
-    assert compare.main([str(bad), str(good)]) == 0  # the failed run first: the plot still goes to the sweep folder
+    assert comparison.main([str(bad), str(good)]) == 0  # the failed run first: the plot still goes to the sweep folder
     out = capsys.readouterr().out
     assert "monitor.inject.corrupt_scale=nan" in out and "failed" in out and "exit code 1: RuntimeError: loss guard: 1 spikes" in out
     assert f"plot saved to {sweep / runfiles.PLOT}" in out and not (bad / runfiles.PLOT).exists()
@@ -48,9 +49,9 @@ def test_plot_folder_is_never_a_failed_run(tmp_path):
     run = tmp_path / "sweep" / "0"
     run.mkdir(parents=True)
     (run / runfiles.FAILED).write_text("{}")
-    assert compare.plot_folder([run]) == tmp_path / "sweep"
-    assert compare.plot_folder([tmp_path / "sweep"]) == tmp_path / "sweep"
-    assert compare.plot_folder([run, tmp_path / "other"]) == tmp_path
+    assert comparison.plot_folder([run]) == tmp_path / "sweep"
+    assert comparison.plot_folder([tmp_path / "sweep"]) == tmp_path / "sweep"
+    assert comparison.plot_folder([run, tmp_path / "other"]) == tmp_path
 
 
 def test_wandb_group_names_the_whole_sweep_folder(tmp_path):

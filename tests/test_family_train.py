@@ -1,6 +1,6 @@
 """Every TorchTitan family's debug flavor trains on CPU ranks like one rank does, or validation refuses it here.
 
-The launches of runner.run.parity (1, 2 and 4 ranks) that tests/test_parallel.py's points use (conftest's
+The launches of runner.run.layout_parity (1, 2 and 4 ranks) that tests/test_parallel.py's points use (conftest's
 parity_runs) also train each family that runs on CPU (family_support):
 one rank as the reference, dp2_tp2 (FSDP x TP with sequence parallelism), ep2 for the MoE families, and the
 other layouts the table says start (cp2 for Qwen3's grouped-query attention, pp2 for Kimi). Models are cut to

@@ -322,7 +322,7 @@ def test_goodput_counts_the_outage_as_lost_capacity_not_lost_work(outage):
     """Group 1's timeline up to the lighthouse's kill: one outage around the SIGKILL, lasting at least the steps group 0
     trained alone (group 1's agent was held stopped meanwhile); no lost work, no restart gap; its trained steps are its
     productive ones. The resumed run, which ends, writes the run's goodput.json over both groups."""
-    from runner.config import goodput
+    from runner.outputs import goodput
 
     def before(e: dict) -> bool:
         return e.get("end", e.get("time", 0.0)) < outage["lighthouse_at"]

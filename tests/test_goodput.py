@@ -1,4 +1,4 @@
-"""Goodput accounting (runner.config.goodput) on hand-written timelines: a restart, a requeue, a rewind.
+"""Goodput accounting (runner.outputs.goodput) on hand-written timelines: a restart, a requeue, a rewind.
 
 The launched runs that write real timelines are read by the tests that make them: the SIGKILL restart
 (tests/test_checkpoint.py), the SLURM requeue (tests/test_slurm.py), the default run (tests/test_train.py).
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from runner.config import goodput
+from runner.outputs import goodput
 
 
 def _marks(job: int, attempt: int, t: float, restored: int = 0) -> list[dict]:

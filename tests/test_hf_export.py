@@ -127,9 +127,9 @@ def exported(folder: Path) -> dict:
 def assert_round_trip(model, cfg, folder: Path) -> None:
     """The export holds every weight of `model` bitwise: mapped back through the adapter's from_hf, the exported
     tensors are the model's state (the expert-bias buffer of a model whose HF class has none aside)."""
-    from runner.run.titan import hf_export
+    from runner.run.titan import hf_adapter
 
-    _, adapter = hf_export.model_and_adapter(cfg.model)
+    _, adapter = hf_adapter.model_and_adapter(cfg.model)
     back = adapter.from_hf(exported(folder))
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("tokens_per_expert_E")}
     if cfg.model.name == "qwen3":
@@ -139,9 +139,9 @@ def assert_round_trip(model, cfg, folder: Path) -> None:
 
 
 def _export(capsys, *argv) -> tuple[int, str, str]:
-    from runner.run import export
+    from runner.run import hf_export
 
-    code = export.main([str(a) for a in argv])
+    code = hf_export.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -359,12 +359,12 @@ def test_export_hf_needs_checkpoints_and_an_exported_family(compose):
 
 
 def test_sigmoid_router_flavors_are_the_registry_ones():
-    """runner.config.hf_export.SIGMOID_ROUTER (validation's torch-free list) is what TorchTitan's registry builds."""
+    """runner.config.hf_folder.SIGMOID_ROUTER (validation's torch-free list) is what TorchTitan's registry builds."""
     import importlib
 
-    from runner.config import hf_export
+    from runner.config import hf_folder
 
-    for family, flavors in hf_export.SIGMOID_ROUTER.items():
+    for family, flavors in hf_folder.SIGMOID_ROUTER.items():
         module = importlib.import_module(f"torchtitan.models.{family}")
         scores = {
             name: next(x.moe for x in module.model_registry(name).model.layers if x.moe).router.score_func

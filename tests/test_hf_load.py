@@ -1,7 +1,7 @@
 """Start from Hugging Face weights (model.init_from, issue 29 section 1), checked against transformers without a download.
 
 The tiny random models of tests/hf_models.py are saved with save_pretrained and trained from, for one step, inside the
-launches of runner.run.parity that tests/test_parallel.py and tests/test_family_train.py already make (conftest's
+launches of runner.run.layout_parity that tests/test_parallel.py and tests/test_family_train.py already make (conftest's
 parity_runs, one per rank count): `single` (1 rank) for every model, `ep2` for the MoE models (2 ranks), and the
 4-rank `dp2_tp2`, `tp2_pp2` and `hsdp2x2` on the models ONLY names. The first step's loss must equal transformers'
 loss on the same tokens within 1e-5 relative (fp32; measured <= 1.1e-7, the float32 rounding of the logged loss).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import freeze, hf, validate
+from runner.config import freeze, hf_folder, validate
 from runner.config.problems import ConfigError
 from tests import hf_models
 from tests.test_config import _here
@@ -144,7 +144,7 @@ def test_step_zero_says_it_started_from_hf(parity_runs):
     import conftest  # pytest's own conftest module, the one parity_launches filled (tests.conftest would be a copy)
 
     console, folder = conftest.CONSOLES[1], _folders()["llama3"]
-    sha = hashlib.sha256((folder / hf.CONFIG).read_bytes()).hexdigest()
+    sha = hashlib.sha256((folder / hf_folder.CONFIG).read_bytes()).hexdigest()
     assert f"step 0: started from Hugging Face weights in {folder} (config.json sha256 {sha};" in console
     started = [n for n in parity_runs if n.startswith("hf-") and (n.endswith("-single") or n == "hf-llama3-two-steps")]
     assert console.count("step 0: started from Hugging Face weights") == len(started) == 6  # 5 singles and the two-step run
@@ -158,9 +158,11 @@ def _config_only(tmp_path: Path, name: str, index: bool = True, **changes) -> Pa
     folder = tmp_path / f"hf-{name}"
     folder.mkdir()
     config = hf_models.hf_config(name).to_dict() | changes
-    (folder / hf.CONFIG).write_text(json.dumps(config))
+    (folder / hf_folder.CONFIG).write_text(json.dumps(config))
     if index:
-        (folder / hf.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}))
+        (folder / hf_folder.INDEX).write_text(
+            json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}})
+        )
     return folder
 
 
@@ -208,11 +210,11 @@ def test_deepseek_v3_needs_the_sigmoid_router(monkeypatch, capsys, tmp_path):
 
 
 def test_the_router_table_is_the_registrys(compose):
-    """runner.config.hf.ROUTERS against TorchTitan: the flavors listed route with sigmoid scores over those groups, every
+    """runner.config.hf_folder.ROUTERS against TorchTitan: the flavors listed route with sigmoid scores over those groups, every
     other flavor of the family with softmax."""
     from runner.run.titan.model import model_spec
 
-    for family, flavors in hf.ROUTERS.items():
+    for family, flavors in hf_folder.ROUTERS.items():
         for option in sorted(Path(__file__).resolve().parent.parent.glob(f"conf/model/{family}_*.yaml")):
             m = compose([f"model={option.stem}"]).model
             router = next(la.moe for la in model_spec(m).model.layers if la.moe is not None).router
@@ -313,8 +315,8 @@ def test_freezing_records_the_folder_and_a_replay_refuses_a_changed_one(monkeypa
     shard = folder / "model-00001-of-00001.safetensors"
     head = shard.read_bytes()[: 8 + int.from_bytes(shard.read_bytes()[:8], "little")]
     assert rec == {
-        "config_sha256": hashlib.sha256((folder / hf.CONFIG).read_bytes()).hexdigest(),
-        "index_sha256": hashlib.sha256((folder / hf.INDEX).read_bytes()).hexdigest(),
+        "config_sha256": hashlib.sha256((folder / hf_folder.CONFIG).read_bytes()).hexdigest(),
+        "index_sha256": hashlib.sha256((folder / hf_folder.INDEX).read_bytes()).hexdigest(),
         "shards": {shard.name: {"size": shard.stat().st_size, "header_sha256": hashlib.sha256(head).hexdigest()}},
     }
     validate.preflight(freeze.load(frozen), run)  # unchanged: the replay may start
@@ -341,18 +343,18 @@ def test_a_sharded_bfloat16_checkpoint_loads_exactly(compose, tmp_path):
     from torchtitan.components.checkpointer.base import ModelWrapper
 
     import runner.run.titan.cpu as cpu
-    from runner.run.titan import hf as titan_hf
+    from runner.run.titan import hf_adapter as titan_hf
     from runner.run.titan.model import model_spec
 
     hf_models.build("llama3_gqa").to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="5MB")
-    assert len(hf.shards(tmp_path)) == 3
+    assert len(hf_folder.shards(tmp_path)) == 3
     spec = model_spec(compose(hf_models.overrides("llama3_gqa")).model)
     cpu.use_sdpa(spec.model)
     with torch.device("meta"):
         model = spec.model.build()
     model.to_empty(device="cpu")
     got = titan_hf.load([model], spec, tmp_path)
-    published = {k: v for name in hf.shards(tmp_path) for k, v in load_file(tmp_path / name).items()}
+    published = {k: v for name in hf_folder.shards(tmp_path) for k, v in load_file(tmp_path / name).items()}
     want = titan_hf.adapter(spec, tmp_path).from_hf({k: v.float() for k, v in published.items()})
     state = ModelWrapper(model).state_dict()
     assert len(got["keys"]) == len(published) == 57 and set(want) == set(state)
@@ -380,10 +382,10 @@ def published_llama(folder: Path, size: str) -> Path:
     )
     config.architectures, config.torch_dtype = ["LlamaForCausalLM"], "bfloat16"
     folder.mkdir(parents=True)
-    config.to_json_file(folder / hf.CONFIG)
+    config.to_json_file(folder / hf_folder.CONFIG)
     shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     weight_map = {"model.embed_tokens.weight": shards[0], "lm_head.weight": shards[3]}
-    (folder / hf.INDEX).write_text(json.dumps({"metadata": {"total_size": 16060522496}, "weight_map": weight_map}))
+    (folder / hf_folder.INDEX).write_text(json.dumps({"metadata": {"total_size": 16060522496}, "weight_map": weight_map}))
     return folder
 
 
@@ -411,7 +413,7 @@ def _round_trip(compose, model: str) -> tuple[dict, dict, dict]:
     import torch
     from torchtitan.components.checkpointer.base import ModelWrapper
 
-    from runner.run.titan import hf as titan_hf
+    from runner.run.titan import hf_adapter as titan_hf
     from runner.run.titan.model import model_spec
     from tests.test_families import gen
 
@@ -428,7 +430,7 @@ def _round_trip(compose, model: str) -> tuple[dict, dict, dict]:
 def test_key_mapping_round_trips_on_meta(compose, model):
     """to_hf then from_hf of the family's adapter gives back every key of the model's state dict, each with its shape
     (kimi_k2_7 has no transformers class without remote code; Qwen3.5 does not train on CPU)."""
-    from runner.run.titan import hf as titan_hf
+    from runner.run.titan import hf_adapter as titan_hf
 
     state, hf_state, back = _round_trip(compose, model)
     kept = set(state) - titan_hf._not_in_hf(state)
@@ -437,9 +439,9 @@ def test_key_mapping_round_trips_on_meta(compose, model):
 
 
 def test_gpt_oss_adapter_loses_the_experts(compose):
-    """Why gpt_oss is refused (runner.config.hf.NO_ADAPTER): the round trip drops exactly the 4 expert tensors of each
-    block. When TorchTitan's mapping is fixed this fails: move gpt_oss to hf.ADAPTERS."""
-    from runner.run.titan import hf as titan_hf
+    """Why gpt_oss is refused (runner.config.hf_folder.NO_ADAPTER): the round trip drops exactly the 4 expert tensors of each
+    block. When TorchTitan's mapping is fixed this fails: move gpt_oss to hf_folder.ADAPTERS."""
+    from runner.run.titan import hf_adapter as titan_hf
 
     state, _, back = _round_trip(compose, "gpt_oss_debugmodel")
     lost = {k.split(".", 2)[2] for k in set(state) - set(back) - titan_hf._not_in_hf(state)}
@@ -447,7 +449,7 @@ def test_gpt_oss_adapter_loses_the_experts(compose):
 
 
 def test_every_family_in_the_table_has_an_adapter(compose):
-    """runner.config.hf.ADAPTERS and NO_ADAPTER (torch-free) name the families whose TorchTitan spec has a
+    """runner.config.hf_folder.ADAPTERS and NO_ADAPTER (torch-free) name the families whose TorchTitan spec has a
     state_dict_adapter: all six the runner offers."""
     from runner.config import families
     from runner.run.titan.model import model_spec
@@ -457,4 +459,4 @@ def test_every_family_in_the_table_has_an_adapter(compose):
     for f in families.FAMILIES:
         with gen().kernel_placeholders(f):
             have |= {f} if model_spec(compose([f"model={f}_debugmodel"]).model).state_dict_adapter is not None else set()
-    assert have == set(hf.ADAPTERS) | set(hf.NO_ADAPTER) == set(families.FAMILIES)
+    assert have == set(hf_folder.ADAPTERS) | set(hf_folder.NO_ADAPTER) == set(families.FAMILIES)

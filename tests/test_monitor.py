@@ -462,7 +462,7 @@ def test_monitor_and_distributed_values_are_validated():
 
 @pytest.mark.e2e
 def test_monitor_config_side_is_torch_free():
-    modules = "runner.config.validate.monitor, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
+    modules = "runner.config.validate.monitor_rules, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
     code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -493,15 +493,15 @@ def _cuda_run_config() -> RunConfig:
 def test_dump_folder_exists_before_the_process_group_starts(monkeypatch, tmp_path):
     """NCCL's dump writer opens <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank> without creating its folder: a timeout's dump is lost
     unless the folder exists before the group (and its watchdog) starts, on every path that starts a rank's group."""
-    from runner.run import worker
+    from runner.run import per_rank
 
     cfg = _cuda_run_config()
     seen = []
-    monkeypatch.setattr(worker.titan, "init_process_group", lambda cfg, policy: seen.append(sorted(p.name for p in tmp_path.rglob("*"))))
+    monkeypatch.setattr(per_rank.titan, "init_process_group", lambda cfg, policy: seen.append(sorted(p.name for p in tmp_path.rglob("*"))))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     for key, value in forensics.rank_env(cfg, tmp_path / "run").items():
         monkeypatch.setenv(key, value)
-    worker.start_rank(cfg)
+    per_rank.start_rank(cfg)
     assert seen == [["flight_recorder", "run"]]
 
 

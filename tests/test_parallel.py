@@ -1,6 +1,6 @@
 """Every layout that fits on this machine trains the same model as one rank (real gloo ranks).
 
-Three launches (1, 2 and 4 ranks) of runner.run.parity, shared with tests/test_family_train.py (conftest's
+Three launches (1, 2 and 4 ranks) of runner.run.layout_parity, shared with tests/test_family_train.py (conftest's
 parity_runs), run every preset and pipeline schedule one after another inside one process group each, with
 clipping active (max_norm 0.01, far below the ~0.74 pre-clip norm), and the tests read their parity.json files.
 

@@ -130,7 +130,7 @@ def _policy(cfg):
 
 def _cached(cache, machine: dict, created: str):
     """A profile (tests/test_predictor.py's, with round figures) stored in the cache as runner.calibrate stores it."""
-    from runner.config.predict import profile as steptime_profile
+    from runner.config.predict import machine_profile as steptime_profile
     from tests.test_predictor import _profile
 
     prof = _profile() | {"machine": machine | {"created": created}}
@@ -161,7 +161,7 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
     measured on this machine, passing over older ones, another machine's, and files that are no profile."""
     import torch
 
-    from runner.calibrate import machine as calibrate
+    from runner.calibrate import measure as calibrate
     from runner.calibrate import runs as calibrate_runs
     from runner.config import validate
     from runner.config.predict import steptime

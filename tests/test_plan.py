@@ -1,5 +1,5 @@
 """mode=plan: the step budget reproduces the worked 70B / 1,024-GPU example and its two
-variants; sweeps record invalid points; runner.config.compare tables and plots runs."""
+variants; sweeps record invalid points; runner.outputs.comparison tables and plots runs."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from runner.config import plan, validate
-from runner.config.predict import profile as steptime_profile
+from runner.config.predict import machine_profile as steptime_profile
 from runner.config.predict import refs as steptime_refs
 from runner.config.predict import steptime
 from runner.config.predict.machine import DATASHEET
@@ -342,7 +342,7 @@ def test_bad_profile_is_a_config_error(compose, tmp_path):
 
 def test_calibrate_measures_the_per_rank_shapes(compose):
     """python -m runner.calibrate times the GEMMs each rank runs: TP shards the projections, CP the tokens."""
-    from runner.calibrate import machine as calibrate
+    from runner.calibrate import measure as calibrate
 
     gemms, attention = calibrate.shapes([compose(["model=debug", "training.seq_len=256", "training.microbatch_size=2"])], 4)
     assert {(512, 256, 256), (512, 256, 128), (512, 128, 256), (512, 256, 384), (256, 256, 768), (512, 256, 1024)} <= gemms
@@ -352,7 +352,7 @@ def test_calibrate_measures_the_per_rank_shapes(compose):
 
 def test_calibrate_times_kernels_once_per_thread_count_and_neighbours(monkeypatch):
     """2 and 4 ranks on 2 cores both run 1 thread next to 1 busy neighbour: one measurement serves both."""
-    from runner.calibrate import machine as calibrate
+    from runner.calibrate import measure as calibrate
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert calibrate.conditions([1, 2, 4]) == {(2, 1): [1], (1, 2): [2, 4]}
@@ -361,7 +361,7 @@ def test_calibrate_times_kernels_once_per_thread_count_and_neighbours(monkeypatc
 
 
 def test_calibrate_refuses_bad_input_before_measuring(capsys):
-    from runner.calibrate import machine as calibrate
+    from runner.calibrate import measure as calibrate
 
     assert calibrate.main(["--ranks", "3"]) == 2
     assert "--ranks '3': give rank counts that are 1 or powers of two, e.g. --ranks 1,2,4" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """profile.*: which steps and ranks are traced, the trace of a step, its split into the predictor's terms
-(runner.observe.breakdown), the allocator snapshot on OOM through the device policy, and the medians without the
+(runner.outputs.breakdown), the allocator snapshot on OOM through the device policy, and the medians without the
 traced steps. No process starts here; tests/test_train.py traces tp2_pp2 (and the span against metrics.jsonl) inside
 its multirun."""
 
@@ -14,7 +14,7 @@ from torch.profiler import ProfilerAction
 
 from runner.config.layout import Layout
 from runner.config.schema import ClusterConfig, DeviceType, DistributedConfig, ProfileConfig
-from runner.observe import breakdown
+from runner.outputs import breakdown
 from runner.run import accounting, metrics, profiling
 from runner.run.device import DevicePolicy
 

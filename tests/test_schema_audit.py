@@ -231,7 +231,7 @@ NO_BAD_VALUE = [
     ("distributed.flight_recorder.folder", "any path inside or outside the run folder"),
     ("distributed.flight_recorder.enable_timing", "CUDA-only by its docstring; ignored on gloo"),
     ("distributed.audit_collectives", "test-only; either setting runs"),
-    ("eval.cpu_flex_attention", "test-only; runner.run.parity evaluates with it, and the preflight refuses it in a launch"),
+    ("eval.cpu_flex_attention", "test-only; runner.run.layout_parity evaluates with it, and the preflight refuses it in a launch"),
     ("checkpoint.checksum", "either setting runs (off: completeness by file size only)"),
     ("dryrun.full_batch", "either setting runs (the reduced batch's peak differs only by the receive buffers the note names)"),
     ("cluster.peak_cache_dir", "any folder, created when the peak is cached; null turns the cache off"),

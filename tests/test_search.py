@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from runner.config import compare, flops, memory, plan, search, validate
-from runner.config.predict import steptime
+from runner.config import flops, memory, plan, search, validate
+from runner.config.predict import accuracy, steptime
 from runner.config.problems import ConfigError
 from runner.config.schema import Mode
 from runner.config.search import render as search_render
@@ -260,7 +260,7 @@ def test_schedules_predicted_alike_are_listed_once_and_the_one_line_plan_names_t
 
 def _verify_profile(tmp_path):
     """The CPU test profile with a slow point-to-point link (1 MB/s), so that no pipeline ties the top 3 (dp2, dpr2, tp2)."""
-    from runner.config.predict import profile as steptime_profile
+    from runner.config.predict import machine_profile as steptime_profile
     from tests.test_predictor import _profile
 
     prof = _profile()
@@ -273,7 +273,7 @@ def test_candidates_closer_than_the_error_band_are_one_tier(compose, tmp_path):
     """The same search (local_cpu, 2 ranks: dp2 at 0.159 s, then 2.4 %, 11 % and 15 % slower, the 5th 32 %) on two
     profiles that differ only in their calibration residuals: predicted within a +/-17 % band, the first four are one
     tier and search.verify is the next step; with a +/-1 % band #1 is a clear winner and no tier is reported."""
-    from runner.config.predict import profile as steptime_profile
+    from runner.config.predict import machine_profile as steptime_profile
     from tests.test_predictor import _profile
 
     def searched(error: float, name: str):
@@ -341,7 +341,7 @@ def test_verify_trains_the_top_k_and_prints_measured_beside_predicted(tmp_path):
         assert v["points"][i]["measured_s"] == measured and v["points"][i]["folder"] == str(job)
     assert not (run / "search" / "verify" / "3").exists()
     pred, meas = [p["predicted_s"] for p in v["points"]], [p["measured_s"] for p in v["points"]]
-    rho = compare.spearman(pred, meas)
+    rho = accuracy.spearman(pred, meas)
     assert v["spearman"] == rho and table[5] == f"rank agreement, predicted vs measured: Spearman {rho:.2f} over 3 measured candidates"
     fastest = min(range(3), key=meas.__getitem__)
     if fastest == 0:

@@ -204,7 +204,7 @@ SIGNALLED_RANK = r"""
 import json, os, signal, sys, time
 from runner.run import preempt
 
-watch = preempt.watch_rank()  # first, as runner.run.worker.main does: before torch starts a thread
+watch = preempt.watch_rank()  # first, as runner.run.per_rank.main does: before torch starts a thread
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc

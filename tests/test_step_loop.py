@@ -167,27 +167,27 @@ class _HostGroupPolicy(DevicePolicy):
 
 
 def test_parity_sums_go_through_the_policys_host_group(compose, monkeypatch):
-    """runner.run.parity's exact gradient norm and weight fingerprint reduce over ranks through the policy: CPU float64
+    """runner.run.layout_parity's exact gradient norm and weight fingerprint reduce over ranks through the policy: CPU float64
     tensors on the host group (on CUDA the default group is NCCL, which takes no host tensors), never torch.distributed's
     default group directly."""
     from runner.config import layout
-    from runner.run import parity
+    from runner.run import layout_parity
 
     def default_group(*args, **kwargs):
         raise AssertionError("a collective on the default group")
 
-    monkeypatch.setattr(parity.dist, "all_reduce", default_group)
-    monkeypatch.setattr(parity.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(layout_parity.dist, "all_reduce", default_group)
+    monkeypatch.setattr(layout_parity.dist, "get_rank", lambda: 0)
     cfg = compose(["parallelism=single"])
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.0, 2.0]])
     model.bias.grad = torch.tensor([4.0, 0.0])
     policy = _HostGroupPolicy()
-    assert parity.exact_grad_norm([model], lay, policy) == 5.0  # sqrt(1 + 4 + 4 + 16)
+    assert layout_parity.exact_grad_norm([model], lay, policy) == 5.0  # sqrt(1 + 4 + 4 + 16)
     before = {"w": torch.tensor([1.0, 1.0], dtype=torch.float64)}
     after = {"w": torch.tensor([1.0, 3.0], dtype=torch.float64)}
-    assert parity.fingerprint(before, after, lay, policy) == {"weights_sq": 10.0, "update_sq": 4.0, "weights_sum": 4.0}
+    assert layout_parity.fingerprint(before, after, lay, policy) == {"weights_sq": 10.0, "update_sq": 4.0, "weights_sum": 4.0}
     assert policy.calls == [("all_reduce", "cpu", torch.float64, [25.0]), ("all_reduce", "cpu", torch.float64, [10.0, 4.0, 4.0])]
 
 

@@ -95,7 +95,7 @@ def test_moe_fp8_validates_with_its_layer_count(tmp_path):
 
 
 # A widened debug model and the MoE model in FP8, 2 steps on one rank each: points of the shared one-rank launch of
-# runner.run.parity (conftest's parity_runs), which runs the same build and step loop as a run and reports the same summary.
+# runner.run.layout_parity (conftest's parity_runs), which runs the same build and step loop as a run and reports the same summary.
 COMMON = SHORT
 # The MoE point trains one step of 16 tokens (the smallest GEMM side _scaled_mm takes): CPU FP8 GEMMs are a reference
 # loop on some machines (measured: 130 s for 2 steps at 64 tokens, 18 s a step at 16).

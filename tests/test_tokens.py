@@ -23,7 +23,7 @@ import torch
 
 from runner.config import validate
 from runner.config.problems import ConfigError
-from runner.config.validate import data as validate_tokens
+from runner.config.validate import data_rules as validate_tokens
 from runner.data import cli, manifest, order
 from runner.run.loader import Prefetch, TokenData
 from tests import text_assets

@@ -379,8 +379,7 @@ def test_a_tp2_pp2_step_traced_and_split_by_term(runs):
     """profile.steps=[2] on the multirun's tp2_pp2 point: traces of rank 0 and of stage 1's first rank, each step's
     ProfilerStep span the step metrics.jsonl reports, a breakdown whose unattributed remainder is small, the console
     lines, and runner.compare over the sweep showing the breakdown per traced layout."""
-    from runner.config import compare
-    from runner.observe import breakdown
+    from runner.outputs import breakdown, comparison
 
     run_dir, console = runs["fp8_blockwise_tp2_pp2"], " ".join(runs["_console"]["fp8_blockwise_tp2_pp2"].split())
     rows = metrics(run_dir)
@@ -405,7 +404,7 @@ def test_a_tp2_pp2_step_traced_and_split_by_term(runs):
     assert "profile.memory: allocator snapshots are CUDA-only" in " ".join(runs["_console"]["single"].split())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert compare.main([str(run_dir.parent), "--plot", str(run_dir.parent / "comparison.png")]) == 0
+        assert comparison.main([str(run_dir.parent), "--plot", str(run_dir.parent / "comparison.png")]) == 0
     by_term = out.getvalue().split("where the step time goes")[1]
     traced = [ln.split("│")[2].strip() for ln in by_term.splitlines() if ln.startswith("│ ")]
     assert sorted(traced) == ["pp=2 x tp=2", "single rank"], traced  # the two traced points, and no other

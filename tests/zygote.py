@@ -63,8 +63,8 @@ def _child(req: dict, answers: int) -> None:
 
 def main(answers: int) -> None:
     import runner.cli  # noqa: F401  Hydra, OmegaConf, the config layer
-    import runner.run.launch  # noqa: F401  torch and the launcher
-    import runner.run.worker  # noqa: F401  TorchTitan and the rank code
+    import runner.run.node_launch  # noqa: F401  torch and the launcher
+    import runner.run.per_rank  # noqa: F401  TorchTitan and the rank code
 
     for line in sys.stdin:
         req = json.loads(line)

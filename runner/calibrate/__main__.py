@@ -1,6 +1,6 @@
-"""`python -m runner.calibrate`: the entry point; the code is runner/calibrate/machine.py."""
+"""`python -m runner.calibrate`: the entry point; the code is runner/calibrate/measure.py."""
 
-from runner.calibrate.machine import main
+from runner.calibrate.measure import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from runner.config import freeze, points, runfiles
 from runner.config.layout import label, resolve
-from runner.config.predict import profile as steptime_profile
+from runner.config.predict import machine_profile as steptime_profile
 from runner.config.predict import steptime
 from runner.config.schema import RunConfig
 from runner.run import procs

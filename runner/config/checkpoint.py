@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.config import hf, runfiles
+from runner.config import hf_folder, runfiles
 from runner.config.layout import Layout, label
 from runner.config.schema import CheckpointConfig, ModelConfig, RunConfig
 
@@ -44,7 +44,7 @@ def folder(c: CheckpointConfig, run_dir: Path) -> Path:
 def model_identity(m: ModelConfig) -> dict[str, Any]:
     """Every architecture field of the model: a checkpoint resumes only into a model equal in all of them (not where
     its weights started from: model.init_*)."""
-    return {k: v for k, v in dataclasses.asdict(m).items() if k not in hf.INIT_FIELDS}
+    return {k: v for k, v in dataclasses.asdict(m).items() if k not in hf_folder.INIT_FIELDS}
 
 
 def identity_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:

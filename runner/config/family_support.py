@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.config import hf
+from runner.config import hf_folder
 from runner.config.compose import CONF
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, RunConfig
@@ -116,6 +116,6 @@ def _registry_flavor(cfg: RunConfig, s: Support, out: list[Problem]) -> None:
     want = {**{f.name: f.default for f in dataclasses.fields(m)}, **yaml.safe_load(path.read_text())}
     for f in dataclasses.fields(m):
         got = getattr(m, f.name)
-        if f.name not in ("name", "flavor", *hf.INIT_FIELDS) and got != want[f.name]:  # init_*: where weights start
+        if f.name not in ("name", "flavor", *hf_folder.INIT_FIELDS) and got != want[f.name]:  # init_*: where weights start
             fix = f"drop the override (model={name} gives {want[f.name]!r})"
             out.append(Problem(f"model.{f.name}", got, f"cannot be changed for {m.name}: {s.registry_only}", fix))

@@ -3,7 +3,7 @@
 With fault_tolerance=torchft, the configured layout's dp_replicate groups become torchft replica groups: each is
 its own torchrun job with dp_replicate=1 (`group_layout`), knows its `replica_id`, and reads the data of its own
 replica's shards (`global_rank`), while a torchft lighthouse (`lighthouse_command`) keeps the quorum. The rules
-that refuse what cannot work are in runner/config/validate/fault_tolerance.py; docs/fault-tolerance.md says why.
+that refuse what cannot work are in runner/config/validate/fault_tolerance_rules.py; docs/fault-tolerance.md says why.
 """
 
 from __future__ import annotations

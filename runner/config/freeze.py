@@ -38,7 +38,7 @@ def pin(cfg: RunConfig, run_dir: Path) -> None:
     whatever is newest then. Called after the preflight, which refuses a resume with nothing to resume from."""
     import os
 
-    import runner.config.validate.checkpoint as checkpoint_rules  # here: validation is not needed to load a frozen file
+    import runner.config.validate.checkpoint_rules as checkpoint_rules  # here: validation is not needed to load a frozen file
     from runner.config import checkpoint
 
     d = cfg.data
@@ -61,13 +61,13 @@ def _pin_init(cfg: RunConfig) -> None:
     model.init_record: sha256 of config.json and the index, each shard's size and header hash."""
     import os
 
-    from runner.config import hf
+    from runner.config import hf_folder
 
     m = cfg.model
     if m.init_from:
         m.init_from = os.path.abspath(m.init_from)
         if not m.init_record:
-            m.init_record = hf.record(Path(m.init_from))
+            m.init_record = hf_folder.record(Path(m.init_from))
 
 
 @functools.cache  # a multirun freezes every point in one process
@@ -123,7 +123,7 @@ fields it lost with the schema's defaults; a comment rather than a digest, so th
 def _header(cfg: RunConfig) -> str:
     lines = [HEADER]
     c = cfg.checkpoint
-    if c.resume and c.resume_from:  # pinned by the pre-launch check (runner.config.validate.checkpoint)
+    if c.resume and c.resume_from:  # pinned by the pre-launch check (runner.config.validate.checkpoint_rules)
         lines += [
             f"# This run resumed from {c.resume_from} (checkpoint.resume_from). Replaying it resumes from that same",
             "# checkpoint, which must still exist and be intact, and writes its checkpoints into checkpoint.folder again.",

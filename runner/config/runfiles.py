@@ -1,40 +1,40 @@
 """Every name a run writes into its run folder, for writers and readers alike (like Hydra's `.hydra/`).
 
-    <run folder>/
-      frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
-      plan.json            the step budget (mode=plan, and every launched run)
-      invalid.json         a sweep point that failed validation: its overrides and problems
-      failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
-      peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
-      precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
-      metrics.jsonl        one row per step (rank 0)
-      summary.json         the run's medians (rank 0); runner.compare reads it
-      timeline.jsonl       launch, start-up marks, steps, failures and ends of every attempt, timestamped (runner.config.goodput)
-      goodput.json         the run's wall time since its first launch, split into parts (runner.config.goodput.PARTS)
-      preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
-      stragglers.jsonl     the straggler monitor's per-window tables
-      integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
-      hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
-      failure_report.json  a rank that raised: each rank's exception and last state
-      parity.json          losses and norms of a runner.parity launch
-      search.json          mode=search: the space, rejections per reason, the ranked candidates
-      search/              mode=search: the sweep of the top candidates (`--config-dir <run folder>/search sweep=search_top`)
-      search/verify/       mode=search with search.verify=k: the top k trained briefly, one multirun job folder each
-      dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
-      profile/rank_<r>/step_<s>.json.gz  torch.profiler's Chrome/Perfetto trace of a traced step (profile.*)
-      profile/breakdown.json   the busiest traced rank's step time by the predictor's terms (runner.observe.breakdown)
-      profile/memory_snapshot_rank_<r>.pickle  CUDA allocator history at traced steps and on OOM (profile.memory)
-      comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
-      logs/ranks/          each rank's last state (the forensics records)
-      logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
-      logs/<rdzv id>/      torchrun's per-rank stdout/stderr
-      data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
-      checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
-      checkpoints/model-hf/    the last checkpoint as a Hugging Face folder (checkpoint.export_hf)
-      flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
-      replica_<r>/         fault_tolerance=torchft: replica group r's own frozen.yaml, logs/, metrics.jsonl, summary.json
-      ft_ready/            fault_tolerance=torchft: one file per replica group whose torchft manager started
-      logs/lighthouse.log  fault_tolerance=torchft: the torchft lighthouse the runner started
+<run folder>/
+  frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
+  plan.json            the step budget (mode=plan, and every launched run)
+  invalid.json         a sweep point that failed validation: its overrides and problems
+  failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
+  peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
+  precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
+  metrics.jsonl        one row per step (rank 0)
+  summary.json         the run's medians (rank 0); runner.compare reads it
+  timeline.jsonl       launch, start-up marks, steps, failures and ends of every attempt, timestamped (runner.outputs.goodput)
+  goodput.json         the run's wall time since its first launch, split into parts (runner.outputs.goodput.PARTS)
+  preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
+  stragglers.jsonl     the straggler monitor's per-window tables
+  integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
+  hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
+  failure_report.json  a rank that raised: each rank's exception and last state
+  parity.json          losses and norms of a runner.parity launch
+  search.json          mode=search: the space, rejections per reason, the ranked candidates
+  search/              mode=search: the sweep of the top candidates (`--config-dir <run folder>/search sweep=search_top`)
+  search/verify/       mode=search with search.verify=k: the top k trained briefly, one multirun job folder each
+  dryrun.json          mode=dryrun: per simulated rank, memory by category beside the plan, shards, collectives
+  profile/rank_<r>/step_<s>.json.gz  torch.profiler's Chrome/Perfetto trace of a traced step (profile.*)
+  profile/breakdown.json   the busiest traced rank's step time by the predictor's terms (runner.outputs.breakdown)
+  profile/memory_snapshot_rank_<r>.pickle  CUDA allocator history at traced steps and on OOM (profile.memory)
+  comparison.png       runner.compare's plot (in the folder the given paths share, never a failed run)
+  logs/ranks/          each rank's last state (the forensics records)
+  logs/collectives/    the runner's collectives per rank (distributed.audit_collectives, tests only)
+  logs/<rdzv id>/      torchrun's per-rank stdout/stderr
+  data_cache/          the tokenized text corpus (Hugging Face datasets' cache)
+  checkpoints/step-<n>/    one DCP checkpoint, published with COMPLETE.json (checkpoint.folder)
+  checkpoints/model-hf/    the last checkpoint as a Hugging Face folder (checkpoint.export_hf)
+  flight_recorder/     per-rank collective dumps (distributed.flight_recorder.folder)
+  replica_<r>/         fault_tolerance=torchft: replica group r's own frozen.yaml, logs/, metrics.jsonl, summary.json
+  ft_ready/            fault_tolerance=torchft: one file per replica group whose torchft manager started
+  logs/lighthouse.log  fault_tolerance=torchft: the torchft lighthouse the runner started
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ PEAK = "peak.json"
 PRECISION = "precision.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
-TIMELINE = "timeline.jsonl"  # every attempt's timestamped events, across restarts and requeues (runner.config.goodput)
-GOODPUT = "goodput.json"  # the wall time since the first launch, part by part (runner.config.goodput)
+TIMELINE = "timeline.jsonl"  # every attempt's timestamped events, across restarts and requeues (runner.outputs.goodput)
+GOODPUT = "goodput.json"  # the wall time since the first launch, part by part (runner.outputs.goodput)
 PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
 HANG_REPORT = "hang_report.json"
@@ -89,7 +89,7 @@ CHECKPOINT_MARKER = "COMPLETE.json"  # inside a checkpoint folder: written last,
 CHECKPOINT_PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
 CHECKPOINT_PREFIX = "step-"
 FINAL_MODEL = "model-final"
-HF_EXPORT = "model-hf"  # checkpoint.export_hf: the last checkpoint as a Hugging Face folder (runner.run.export)
+HF_EXPORT = "model-hf"  # checkpoint.export_hf: the last checkpoint as a Hugging Face folder (runner.run.hf_export)
 
 
 def write_json(path: Path, body: dict) -> Path:

@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _inputs(files: list[str], text_field: str) -> list[Problem]:
     from runner.config.schema import DataConfig, TextFormat
-    from runner.config.validate.data import first_record_lacks, holds_no_records
+    from runner.config.validate.data_rules import first_record_lacks, holds_no_records
 
     out = []
     for f in files:

@@ -177,7 +177,7 @@ class RankRecorder:
 
     def finished_step(self) -> None:
         """The rank finished a step: its record goes to disk at once, so a rank that then dies without a word (SIGKILL, a
-        lost node) leaves its last progress behind (the failure time of runner.config.goodput)."""
+        lost node) leaves its last progress behind (the failure time of runner.outputs.goodput)."""
         self.progress = time.time()
         self._write(_sequence_numbers(self.groups))
 

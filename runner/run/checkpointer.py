@@ -127,13 +127,13 @@ class Checkpointer:
             print(f"checkpoint: model-only export in {path}", flush=True)
 
     def export_hf(self, data) -> None:
-        """Rank 0 writes the last published checkpoint as a Hugging Face folder (runner.run.export); the others wait."""
+        """Rank 0 writes the last published checkpoint as a Hugging Face folder (runner.run.hf_export); the others wait."""
         if self.rank == 0:
-            from runner.run import export
+            from runner.run import hf_export
 
             last = checkpoint.final_path(self.folder, self.published[-1])
-            src = export.Source(last, ModelConfig(**self.origin["model"]), data.tokenizer, data.eos_token)
-            out = export.export(src, self.folder / runfiles.HF_EXPORT)
+            src = hf_export.Source(last, ModelConfig(**self.origin["model"]), data.tokenizer, data.eos_token)
+            out = hf_export.export(src, self.folder / runfiles.HF_EXPORT)
             print(f"checkpoint: Hugging Face export of {last.name} in {out}", flush=True)
         self.policy.barrier()
 

@@ -22,10 +22,11 @@ import time
 import uuid
 from pathlib import Path
 
-from runner.config import checkpoint, freeze, goodput, runfiles
+from runner.config import checkpoint, freeze, runfiles
 from runner.config import fault_tolerance as ft
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
+from runner.outputs import goodput
 
 POLL_S = 0.2
 
@@ -54,7 +55,7 @@ def write_replicas(cfg: RunConfig, lay: Layout, run_dir: Path) -> list[Path]:
 
 def start_lighthouse(cfg: RunConfig, run_dir: Path) -> subprocess.Popen:
     """torchft's lighthouse binary, logging to <run folder>/logs/lighthouse.log; returns once its port answers."""
-    from runner.config.validate import fault_tolerance as ft_rules
+    from runner.config.validate import fault_tolerance_rules as ft_rules
 
     cmd = ft.lighthouse_command(cfg)
     cmd[0] = shutil.which(cmd[0]) or str(Path(sys.executable).parent / cmd[0])
@@ -73,9 +74,9 @@ def start_lighthouse(cfg: RunConfig, run_dir: Path) -> subprocess.Popen:
 
 def start_group(cfg: RunConfig, lay: Layout, frozen: Path, lighthouse: str, replica_id: int) -> subprocess.Popen:
     """`python -m runner.launch` for one replica group: its own torchrun rendezvous on this machine."""
-    from runner.run import launch
+    from runner.run import node_launch
 
-    flags = launch.torchrun_flags(
+    flags = node_launch.torchrun_flags(
         cfg, ft.group_layout(lay), frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-ft{replica_id}-{uuid.uuid4().hex[:6]}"
     )
     env = os.environ | ft.env(cfg, lighthouse)
@@ -154,7 +155,7 @@ def plan(cfg: RunConfig, lay: Layout, run_dir: Path) -> str:
     job each: SLURM ends a whole job when one of its nodes fails, so groups sharing a job would not survive each
     other), every group's nodes running the per-node launcher with a rendezvous of their own, and a lighthouse
     outside the groups' jobs (fault_tolerance.lighthouse)."""
-    from runner.run import launch
+    from runner.run import node_launch
 
     c, group = cfg.cluster, ft.group_layout(lay)
     nodes = max(1, c.num_nodes // lay.dp_replicate)
@@ -168,7 +169,7 @@ def plan(cfg: RunConfig, lay: Layout, run_dir: Path) -> str:
     for r, frozen in enumerate(write_replicas(cfg, lay, run_dir)):
         head = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)" if slurm else f"$GROUP{r}_HEAD_ADDR"
         rdzv_id = "$SLURM_JOB_ID" if slurm else f"runner-{run_dir.name}-replica{r}"
-        cmd = launch.node_command(job_cfg, group, frozen, rdzv_endpoint=f"{head}:{c.rdzv_port}", rdzv_id=rdzv_id)
+        cmd = node_launch.node_command(job_cfg, group, frozen, rdzv_endpoint=f"{head}:{c.rdzv_port}", rdzv_id=rdzv_id)
         where = (
             f"sbatch --nodes={nodes} --ntasks-per-node=1 --job-name={cfg.parallelism.name}-replica{r}, its task:"
             if slurm

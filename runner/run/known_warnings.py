@@ -2,7 +2,7 @@
 each entry with its category (a `warnings` category, or the logger that logs it), the message and the reason.
 
 They are dropped only where a process writes to the console: the launcher (`python -m runner`, the elastic agent)
-and local rank 0 of each node. Local ranks 1 and up write to their rank log files (runner.run.launch redirects
+and local rank 0 of each node. Local ranks 1 and up write to their rank log files (runner.run.node_launch redirects
 them) and keep every warning, these included; every other warning reaches the console as before.
 Torch-free, so that it can be applied before torch is imported.
 """

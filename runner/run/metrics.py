@@ -19,7 +19,7 @@ class Sink(Protocol):
 
     def log_breakdown(self, found: dict[str, Any]) -> None:
         """A traced step's time by term, once its trace is read (runner.run.profiling.Session): the step, the busiest
-        traced rank and its terms (runner.observe.breakdown.steps)."""
+        traced rank and its terms (runner.outputs.breakdown.steps)."""
 
     def close(self, summary: dict[str, Any]) -> None: ...
 
@@ -115,7 +115,7 @@ def calibration_line(cal: dict[str, Any]) -> str:
 
 def terms_line(cal: dict[str, Any], prof: dict[str, Any]) -> str:
     """The traced steps' time by the predictor's terms (profile/breakdown.json), beside the prediction when there is one."""
-    from runner.observe.breakdown import TERMS
+    from runner.outputs.breakdown import TERMS
 
     measured, predicted = cal["terms_measured_s"], cal.get("terms_predicted_s")
     where = f"busiest traced rank {prof.get('busiest_rank')}, steps {prof.get('steps')}, {cal['terms_measured_step_s']:.3f} s a step"

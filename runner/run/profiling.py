@@ -22,8 +22,8 @@ from torch.profiler import ProfilerAction
 from runner.config import runfiles
 from runner.config.layout import Layout
 from runner.config.schema import ProfileConfig
-from runner.observe import breakdown
-from runner.observe.breakdown import COMM_SPAN, PP_WAIT_SPAN, RECOMPUTE_SPAN
+from runner.outputs import breakdown
+from runner.outputs.breakdown import COMM_SPAN, PP_WAIT_SPAN, RECOMPUTE_SPAN
 from runner.run.device import DevicePolicy
 
 MAX_ENTRIES = 1_000_000
@@ -230,7 +230,7 @@ def axis_of(desc: str, ranks: list[int], caller: str, lay: Layout, rank: int) ->
 
 class CollectiveNames:
     """While a traced step runs, each torch.distributed and functional-collective call opens a span naming its process
-    group's axis and ranks (`runner.comm tp [0, 1] reduce_scatter_tensor`), which runner.observe.breakdown reads. The group
+    group's axis and ranks (`runner.comm tp [0, 1] reduce_scatter_tensor`), which runner.outputs.breakdown reads. The group
     is known at the call only; the trace's own collective events (gloo's, NCCL's) do not say it."""
 
     def __init__(self, lay: Layout, rank: int, policy: DevicePolicy):
@@ -315,7 +315,7 @@ class Session:
         traced = enabled(p) and rank in traced_ranks(p, lay)
         self.prof = StepProfiler(p, lay, rank, run_dir, policy, first_step, self.memory) if traced else None
         self.dts: dict[int, float] = {}
-        self.per_rank: dict[int, dict[int, dict]] = {}  # rank 0: every traced rank's steps (runner.observe.breakdown.steps)
+        self.per_rank: dict[int, dict[int, dict]] = {}  # rank 0: every traced rank's steps (runner.outputs.breakdown.steps)
 
     def enter(self, step: int) -> dict | None:
         """Before `step`'s clock starts. After a traced step: the busiest rank's terms of it (rank 0; None elsewhere)."""
@@ -359,7 +359,7 @@ class Session:
         return {"step": step, "busiest_rank": busiest, **traced[busiest]}
 
     def write(self) -> dict | None:
-        """Rank 0: profile/breakdown.json over every traced step (runner.observe.breakdown.combine); None elsewhere."""
+        """Rank 0: profile/breakdown.json over every traced step (runner.outputs.breakdown.combine); None elsewhere."""
         if self.rank != 0 or not self.per_rank:
             return None
         out = breakdown.combine(self.per_rank)

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint, goodput, hf, runfiles
+from runner.config import checkpoint, hf_folder, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import FaultTolerance, MismatchAction, RunConfig
-from runner.observe import breakdown, integrity, monitor, plan_check
+from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
+from runner.outputs import breakdown, goodput
 from runner.run import evaluate, ft, loader, preempt, profiling, report, step_sync, titan, update
 from runner.run.accounting import Accounting, row
 from runner.run.checkpointer import Checkpointer, restarted
@@ -97,9 +98,9 @@ class _Loop:
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
-    timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.config.goodput)
+    timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.outputs.goodput)
     final_checkpoint_s: float = 0.0  # the end: waiting for the last async save, exporting the model
-    finish_from: float = 0.0  # wall clock once the last save is written: the finish part starts (runner.config.goodput)
+    finish_from: float = 0.0  # wall clock once the last save is written: the finish part starts (runner.outputs.goodput)
     prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
 
 
@@ -176,7 +177,7 @@ def _from_hf(loop: _Loop) -> None:
     if loop.hooks.after_init is not None:
         loop.hooks.after_init(got)
     if dist.get_rank() == 0:
-        sha = (m.init_record or hf.record(Path(m.init_from)))["config_sha256"]
+        sha = (m.init_record or hf_folder.record(Path(m.init_from)))["config_sha256"]
         print(
             f"step 0: started from Hugging Face weights in {m.init_from} (config.json sha256 {sha}; rank 0 read "
             f"{len(got['keys'])} tensors in {time.perf_counter() - t0:.1f} s); optimizer state starts fresh",
@@ -373,7 +374,7 @@ def run(
 ) -> list[dict[str, Any]]:
     """Train cfg.training.steps steps (from a checkpoint when resuming), evaluating on `eval_data` (the held-out split)
     every eval.interval steps; every rank returns its rows. Rank 0 of a launched run records its steps and its end in
-    `timeline` and closes with the goodput line (runner.config.goodput)."""
+    `timeline` and closes with the goodput line (runner.outputs.goodput)."""
     loop = _setup(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data)
     loop.timeline = timeline
     step = _start(loop)

@@ -257,7 +257,7 @@ def resolve_machine(cfg: RunConfig, lay: Layout, profile=None, **datasheet_overr
     """The machine figures: `profile` (a loaded profile dict or a path), else cluster.profile, else the datasheet."""
     source = profile if profile is not None else cfg.cluster.profile
     if source is not None:
-        from runner.config.predict import profile as steptime_profile
+        from runner.config.predict import machine_profile as steptime_profile
 
         return steptime_profile.machine(cfg, lay, source)
     return machine.datasheet(cfg, **datasheet_overrides)

@@ -232,7 +232,7 @@ class EvalConfig:
     every pass reads the same first eval.steps batches of the held-out split, so passes are comparable."""
     cpu_flex_attention: bool = False
     """TEST-ONLY: CPU ranks keep TorchTitan's FlexAttention and its block masks (the GPU path) instead of SDPA. Its
-    forward runs on CPU, its backward does not, so only runner.run.parity uses it, for one forward-only evaluation
+    forward runs on CPU, its backward does not, so only runner.run.layout_parity uses it, for one forward-only evaluation
     pass of the initial weights (no step is trained); a launch refuses it."""
 
 

@@ -37,7 +37,7 @@ from runner.config.predict import steptime
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, ReshardPolicy, RunConfig
 from runner.config.search.space import _reshards, bounds, debug_defaults, layouts, schedules  # noqa: F401  (the space)
-from runner.config.validate import pipeline as pipeline_rules
+from runner.config.validate import pipeline_rules as pipeline_rules
 
 AC = ActivationCheckpoint
 AC_TIERS = ((AC.none,), (AC.selective_op, AC.selective_layer), (AC.full,))  # least recomputation first

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from runner.config import precision
 from runner.config.predict import machine as steptime_machine
-from runner.config.predict import profile as steptime_profile
+from runner.config.predict import machine_profile as steptime_profile
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import Launcher, RunConfig
 from runner.config.search import MEMORY, UNPRICED, Result, capacity_gb

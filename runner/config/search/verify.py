@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.config import compare, runfiles
+from runner.config import runfiles
+from runner.config.predict import accuracy
 from runner.config.search import Result
 from runner.config.search.render import SWEEP_NAME
 from runner.config.wording import count
@@ -77,7 +78,7 @@ def collect(res: Result, run_dir: Path, k: int, steps: int, exit_code: int) -> d
                 "ac": c.ac.value,
                 "predicted_s": r.step_s,
                 **out,
-                "error": compare.error(r.step_s, out["measured_s"]),
+                "error": accuracy.error(r.step_s, out["measured_s"]),
                 "folder": str(jobs[i]) if i in jobs else None,
             }
         )
@@ -88,7 +89,7 @@ def agreement(points: list[dict[str, Any]]) -> dict[str, Any]:
     """Spearman of predicted vs measured over the measured points (None under MIN_SPEARMAN), and the best predicted
     of them against the measured fastest: its rank, the fastest's rank, and how much slower it measured."""
     ok = [p for p in points if p["measured_s"] is not None]
-    rho = compare.spearman([p["predicted_s"] for p in ok], [p["measured_s"] for p in ok]) if len(ok) >= MIN_SPEARMAN else None
+    rho = accuracy.spearman([p["predicted_s"] for p in ok], [p["measured_s"] for p in ok]) if len(ok) >= MIN_SPEARMAN else None
     if not ok:
         return {"spearman": None, "first": None, "fastest": None, "first_slower_by": None}
     first, fastest = ok[0], min(ok, key=lambda p: p["measured_s"])

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-import runner.config.validate.checkpoint as checkpoint_rules
-import runner.config.validate.data as data_rules
-import runner.config.validate.eval as eval_rules
-import runner.config.validate.fault_tolerance as ft_rules
+import runner.config.validate.checkpoint_rules as checkpoint_rules
+import runner.config.validate.data_rules as data_rules
+import runner.config.validate.eval_rules as eval_rules
+import runner.config.validate.fault_tolerance_rules as ft_rules
 import runner.config.validate.fields as fields
-import runner.config.validate.hf as hf_rules
-import runner.config.validate.launch as launch_rules
-import runner.config.validate.layout as layout_rules
-import runner.config.validate.model as model_rules
-import runner.config.validate.monitor as monitor_rules
-import runner.config.validate.pipeline as pipeline_rules
-import runner.config.validate.profile as profile_rules
+import runner.config.validate.hf_rules as hf_rules
+import runner.config.validate.host_rules as launch_rules
+import runner.config.validate.layout_rules as layout_rules
+import runner.config.validate.model_rules as model_rules
+import runner.config.validate.monitor_rules as monitor_rules
+import runner.config.validate.pipeline_rules as pipeline_rules
+import runner.config.validate.profile_rules as profile_rules
 from runner.config.layout import Layout, resolve  # not `layout`: that name is this package's module of layout rules
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig

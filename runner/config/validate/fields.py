@@ -11,7 +11,7 @@ import math
 from runner.config import flops, precision
 from runner.config.problems import Problem
 from runner.config.schema import Backend, DeviceType, Launcher, RunConfig, SlurmConfig, WorkerStart
-from runner.config.validate.layout import DEGREES
+from runner.config.validate.layout_rules import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
 SEED_LIMIT = 2**32  # runner.run.loader seeds torch.Generator with seed x 1,000,003 + sample index, which must fit 64 bits

@@ -25,7 +25,7 @@ from runner.run.titan.distributed import (
     titan_configs,
 )
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
-from runner.run.titan.hf import load_hf
+from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.state import live_state, load_live_state, load_state, save_model, save_state
 from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step

@@ -115,7 +115,7 @@ def init_process_group(cfg: RunConfig, policy) -> None:
 
 def build_mesh(cfg: RunConfig, lay: Layout):
     """TorchTitan's ParallelDims and device mesh for this layout over the whole default group. Several
-    layouts may be built one after another in one process group (runner.run.parity)."""
+    layouts may be built one after another in one process group (runner.run.layout_parity)."""
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.distributed import ParallelDims
 

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.config import checkpoint, flops, hf_export
+from runner.config import checkpoint, flops, hf_folder
 from runner.config.problems import Problem
 from runner.config.schema import RunConfig
 
@@ -28,7 +28,7 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
     if c.export_hf and not c.enable:
         why = "exports the last checkpoint, and none is written"
         out.append(Problem("checkpoint.export_hf", True, why, "use checkpoint=local (or checkpoint.enable=true)"))
-    if c.export_hf and (why := hf_export.refusal(cfg.model)):
+    if c.export_hf and (why := hf_folder.refusal(cfg.model)):
         out.append(Problem("checkpoint.export_hf", True, why, "set checkpoint.export_hf=false (train another family to export)"))
     if c.resume_from and not c.resume:
         out.append(

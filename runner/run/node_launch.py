@@ -1,4 +1,4 @@
-"""The runner's per-node launcher: torchrun (torch's elastic agent) around `runner.run.worker`.
+"""The runner's per-node launcher: torchrun (torch's elastic agent) around `runner.run.per_rank`.
 
     python -m runner.launch [torchrun flags] <run folder>/frozen.yaml
 
@@ -20,10 +20,11 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.config import goodput, runfiles, validate
+from runner.config import runfiles, validate
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig, WorkerStart
+from runner.outputs import goodput
 from runner.run import known_warnings, procs
 
 MONITOR_INTERVAL_S = 0.5
@@ -77,7 +78,7 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
 
 def _note_failure(timeline: goodput.Timeline, attempt: int) -> None:
     """The agent restarts the ranks of `attempt`: when the one that went quiet first was last alive, and when the
-    agent noticed (runner.config.goodput takes the earliest of these and the ranks' own errors)."""
+    agent noticed (runner.outputs.goodput takes the earliest of these and the ranks' own errors)."""
     from runner.observe import forensics
 
     quiet = forensics.last_alive(timeline.path.parent, attempt)
@@ -119,10 +120,10 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
         if cfg.cluster.worker_start == WorkerStart.fork:
-            from runner.run import titan, worker
+            from runner.run import per_rank, titan
 
             titan.preload(cfg)
-            procs.fork_ranks(flags, worker.forked_main, str(frozen))
+            procs.fork_ranks(flags, per_rank.forked_main, str(frozen))
         else:
             torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records

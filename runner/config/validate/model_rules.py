@@ -6,7 +6,7 @@ from __future__ import annotations
 from runner.config import families, family_support, flops, precision
 from runner.config.problems import Problem
 from runner.config.schema import DeviceType, ModelConfig, RunConfig
-from runner.config.validate.layout import divisors
+from runner.config.validate.layout_rules import divisors
 
 SIZES = ("dim", "num_layers", "vocab_size", "rope_max_seq_len", "full_attention_interval")  # >= 1
 OPTIONAL_SIZES = (  # >= 0

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from runner.config import runfiles
+from runner.config.predict.accuracy import error
 from runner.config.wording import count
 
 
@@ -125,36 +125,8 @@ def _unfit_note(rows: list[dict[str, Any]]) -> str | None:
     return f"{count(n, 'layout')} {'does' if n == 1 else 'do'} not fit in device memory: ranked after those that fit"
 
 
-def _ranks(xs: list[float]) -> list[float]:
-    order = sorted(range(len(xs)), key=xs.__getitem__)
-    ranks = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2
-        i = j + 1
-    return ranks
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Pearson correlation of the ranks (ties get their mean rank)."""
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else float("nan")
-
-
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
-
-
-def error(predicted: float | None, measured: float | None) -> float | None:
-    """The prediction's error as bench/predictor_grid.py counts it: predicted / measured - 1 (negative: too fast)."""
-    return predicted / measured - 1 if predicted and measured else None
 
 
 def _error(r: dict[str, Any]) -> str:
@@ -194,7 +166,7 @@ def table(rows: list[dict[str, Any]]):
 
 
 TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "data_wait", "unattributed")
-"""The predictor's terms (runner.config.predict.steptime.TERMS) and the breakdown's two more (runner.observe.breakdown)."""
+"""The predictor's terms (runner.config.predict.steptime.TERMS) and the breakdown's two more (runner.outputs.breakdown)."""
 MEASURED_ONLY = ("data_wait", "unattributed")  # the predictor has no such terms
 
 

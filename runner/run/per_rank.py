@@ -16,10 +16,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, goodput, layout, precision, runfiles, wording
+from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
-from runner.config.validate import data as validate_tokens
+from runner.config.validate import data_rules as validate_tokens
 from runner.observe import forensics
+from runner.outputs import goodput
 from runner.run import accounting, device, evaluate, ft, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
 from runner.run.device import DevicePolicy
 

@@ -3,7 +3,7 @@
 Torch-free: validation compares config.json with model.* and reads the index (never the weights); the launch's
 preflight also reads each shard's safetensors header (its first bytes: tensor names, dtypes, shapes), and freezing
 records a fingerprint of the folder that a replay checks. The weights themselves are read on the ranks, through the
-family's TorchTitan state_dict_adapter (runner.run.titan.hf).
+family's TorchTitan state_dict_adapter (runner.run.titan.hf_adapter).
 """
 
 from __future__ import annotations
@@ -207,3 +207,43 @@ def changed(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         diff = [f"{k} {was.get(k)} -> {now_[k]}" for k in ("size", "header_sha256") if was.get(k) != now_[k]]
         out += [f"{name}: {', '.join(diff)}"] if diff else []
     return out
+
+
+ARCHITECTURES = {
+    "llama3": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+"""Export key (the family, `qwen3_moe` for Qwen3 with experts) -> the `transformers` class its config.json names."""
+
+NOT_EXPORTED = {
+    "kimi_k2_7": "transformers has no Kimi K2 class without remote code",
+    "gpt_oss": "gpt-oss does not train on CPU, where an export is checked against transformers' logits",
+    "qwen3_5": "Qwen3.5 does not train on CPU, where an export is checked against transformers' logits",
+}
+"""Families with a TorchTitan adapter but no checked export, and why."""
+
+
+SIGMOID_ROUTER = {"deepseek_v3": ("671B",)}
+"""Families whose transformers class routes only with sigmoid scores -> the TorchTitan flavors that do (the others use a
+softmax; a test checks this against TorchTitan's registry, and the export checks the built model's router itself)."""
+
+
+def export_key(m: ModelConfig) -> str:
+    """The ARCHITECTURES key of a model: its family, or qwen3_moe for Qwen3 with routed experts."""
+    return "qwen3_moe" if m.name == "qwen3" and m.num_experts > 0 else m.name
+
+
+def refusal(m: ModelConfig) -> str | None:
+    """Why `m` cannot be exported to Hugging Face (None: it can)."""
+    if export_key(m) in ARCHITECTURES:
+        flavors = SIGMOID_ROUTER.get(m.name)
+        if flavors and m.flavor not in flavors:
+            return (
+                f"model.name {m.name} (flavor {m.flavor}) cannot be exported: transformers' {ARCHITECTURES[export_key(m)]} scores experts "
+                f"with a sigmoid, TorchTitan's {m.flavor} with a softmax; flavors that export: {', '.join(flavors)}"
+            )
+        return None
+    why = NOT_EXPORTED.get(m.name, "the runner has no transformers architecture for it")
+    return f"model.name {m.name} has no Hugging Face export: {why}; families that export: {', '.join(sorted(ARCHITECTURES))}"

@@ -2,7 +2,7 @@
 
     python -m runner.parity <nproc> <run folder>/frozen.yaml [<run folder>/frozen.yaml ...]
 
-starts `nproc` ranks with torch's elastic agent (like runner.run.launch), and every rank then
+starts `nproc` ranks with torch's elastic agent (like runner.run.node_launch), and every rank then
 builds, for each frozen config in turn, TorchTitan's mesh, model and schedule and trains it
 with the runner's own step loop (runner.run.train.run). Each run folder gets `parity.json`:
 per-step rows (loss, pre-clip global grad norm, tokens/s), the summary (with the measured
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from runner.config import freeze, layout, runfiles
 from runner.config.schema import Fp8Recipe, RunConfig, WorkerStart
-from runner.run import accounting, evaluate, peak, procs, titan, train, worker
+from runner.run import accounting, evaluate, peak, per_rank, procs, titan, train
 
 
 class Collect:
@@ -93,12 +93,12 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     if lay.world_size != dist.get_world_size():
         raise ValueError(f"{cfg.parallelism.name} needs {lay.world_size} ranks; this group has {dist.get_world_size()}")
-    pd, _ = worker.build_mesh(cfg, lay, policy)
+    pd, _ = per_rank.build_mesh(cfg, lay, policy)
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
     if rank == 0 and cfg.precision.fp8 != Fp8Recipe.none:
-        worker._record_fp8(cfg, built, peak.read(run_dir), run_dir, policy)  # precision.json, as a run writes it
-    eval_data = worker.eval_data_for(cfg, lay, rank, run_dir, policy)
+        per_rank._record_fp8(cfg, built, peak.read(run_dir), run_dir, policy)  # precision.json, as a run writes it
+    eval_data = per_rank.eval_data_for(cfg, lay, rank, run_dir, policy)
     result = {
         "layout": cfg.parallelism.name,
         "degrees": lay.describe(),
@@ -116,7 +116,7 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
 
 def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path, policy, eval_data) -> dict[str, Any]:
     """Train with the runner's step loop: per-step rows, the exact step-1 norm, the weights' fingerprint, the summary."""
-    data = worker.data_for(cfg, lay, dist.get_rank(), run_dir, policy)
+    data = per_rank.data_for(cfg, lay, dist.get_rank(), run_dir, policy)
     seen = _first_norm_output(built)
     before = full_weights(built.parts)
     sink, exact, init = Collect(), [], []
@@ -202,7 +202,7 @@ def _stages(built: titan.Built) -> list[dict[str, Any]]:
 def main(frozen_paths: list[str]) -> None:
     cfgs = [(freeze.load(p), Path(p).parent) for p in frozen_paths]
     first = cfgs[0][0]
-    policy = worker.start_rank(first)
+    policy = per_rank.start_rank(first)
     for cfg, run_dir in cfgs:
         started = time.perf_counter()
         run_one(cfg, run_dir, policy)

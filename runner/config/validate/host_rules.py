@@ -64,7 +64,8 @@ def this_machine(cfg: RunConfig, lay: Layout, node: bool, out: list[Problem]) ->
             Problem(
                 "eval.cpu_flex_attention",
                 True,
-                "is test-only: runner.run.parity's forward-only check of FlexAttention on CPU, whose backward a training step would need",
+                "is test-only: runner.run.layout_parity's forward-only check of FlexAttention on CPU, whose backward a "
+                "training step would need",
                 "leave it false (on GPUs the model uses FlexAttention anyway)",
             )
         )

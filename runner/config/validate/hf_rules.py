@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.config import hf
+from runner.config import hf_folder
 from runner.config.problems import Problem
 from runner.config.schema import Mode, ModelConfig, RunConfig
 
@@ -25,14 +25,14 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         if m.init_record:
             out.append(Problem("model.init_record", "(set)", "records a Hugging Face folder, but model.init_from is empty", "drop it"))
         return
-    if m.name not in hf.ADAPTERS:
-        why = hf.NO_ADAPTER.get(m.name, f"TorchTitan has no state_dict_adapter for {m.name}")
+    if m.name not in hf_folder.ADAPTERS:
+        why = hf_folder.NO_ADAPTER.get(m.name, f"TorchTitan has no state_dict_adapter for {m.name}")
         out.append(
             Problem(
                 "model.name",
                 m.name,
                 f"{why}, so {FIELD} cannot be read into it",
-                f"start {', '.join(hf.ADAPTERS)} from Hugging Face weights, or drop {FIELD}",
+                f"start {', '.join(hf_folder.ADAPTERS)} from Hugging Face weights, or drop {FIELD}",
             )
         )
         return
@@ -43,7 +43,7 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
 def files(cfg: RunConfig, out: list[Problem]) -> None:
     """The folder on this machine now: config.json, the shards' headers and, on a replay, the frozen record."""
     m = cfg.model
-    if m.init_from and m.name in hf.ADAPTERS and folder(m, out, weights=True):
+    if m.init_from and m.name in hf_folder.ADAPTERS and folder(m, out, weights=True):
         _unchanged(m, out)
 
 
@@ -56,12 +56,12 @@ def folder(m: ModelConfig, out: list[Problem], *, weights: bool) -> bool:
         return False
     if not _family(m, path, config, out):
         return False
-    for name, want, got, key in hf.differences(config, m):
+    for name, want, got, key in hf_folder.differences(config, m):
         out.append(
             Problem(
                 f"model.{name}",
                 want,
-                f"{path}/{hf.CONFIG} has {key} = {got}: the run's model is not the checkpoint's",
+                f"{path}/{hf_folder.CONFIG} has {key} = {got}: the run's model is not the checkpoint's",
                 f"set model.{name}={got} (or pick the model option of that checkpoint, or another {FIELD})",
             )
         )
@@ -71,13 +71,13 @@ def folder(m: ModelConfig, out: list[Problem], *, weights: bool) -> bool:
 
 
 def _router(m: ModelConfig, path: Path, config: dict, out: list[Problem]) -> None:
-    diff = hf.router_differences(config, m)
-    flavors = ", ".join(hf.ROUTERS.get(m.name, {}))
+    diff = hf_folder.router_differences(config, m)
+    flavors = ", ".join(hf_folder.ROUTERS.get(m.name, {}))
     if diff is None:
         why = f"TorchTitan's {m.name} {m.flavor} routes with softmax scores; {path} is a checkpoint of the sigmoid, grouped router"
         out.append(Problem("model.flavor", m.flavor, why, f"set model.flavor to {flavors} (the router; model.* keep the numbers)"))
     for key, ours, theirs in diff or []:
-        why = f"{path}/{hf.CONFIG} has {key} = {theirs}, the flavor's router {ours}"
+        why = f"{path}/{hf_folder.CONFIG} has {key} = {theirs}, the flavor's router {ours}"
         out.append(Problem("model.flavor", m.flavor, why, f"a checkpoint with {m.name} {m.flavor}'s router, or drop {FIELD}"))
 
 
@@ -86,58 +86,59 @@ def _config(path: Path, out: list[Problem]) -> dict | None:
         out.append(Problem(FIELD, str(path), "no such local folder (nothing is downloaded)", f"give {SAVE}"))
         return None
     try:
-        return json.loads((path / hf.CONFIG).read_text())
+        return json.loads((path / hf_folder.CONFIG).read_text())
     except (OSError, ValueError) as e:
-        out.append(Problem(FIELD, str(path), f"its {hf.CONFIG} cannot be read ({e})", f"give {SAVE}"))
+        out.append(Problem(FIELD, str(path), f"its {hf_folder.CONFIG} cannot be read ({e})", f"give {SAVE}"))
         return None
 
 
 def _has_weights(path: Path, out: list[Problem]) -> bool:
-    index = path / hf.INDEX
+    index = path / hf_folder.INDEX
     if index.is_file():
         try:
             if json.loads(index.read_text()).get("weight_map"):
                 return True
-            why = f"its {hf.INDEX} maps no tensors"
+            why = f"its {hf_folder.INDEX} maps no tensors"
         except (OSError, ValueError) as e:
-            why = f"its {hf.INDEX} cannot be read ({e})"
-    elif (path / hf.SINGLE).is_file():
+            why = f"its {hf_folder.INDEX} cannot be read ({e})"
+    elif (path / hf_folder.SINGLE).is_file():
         return True
     else:
-        why = f"holds no weights: neither {hf.INDEX} nor {hf.SINGLE}"
+        why = f"holds no weights: neither {hf_folder.INDEX} nor {hf_folder.SINGLE}"
     out.append(Problem(FIELD, str(path), why, f"give {SAVE} (safetensors: save_pretrained(..., safe_serialization=True))"))
     return False
 
 
 def _family(m: ModelConfig, path: Path, config: dict, out: list[Problem]) -> bool:
-    kind = hf.model_type(config)
-    if kind in hf.ADAPTERS[m.name]:
+    kind = hf_folder.model_type(config)
+    if kind in hf_folder.ADAPTERS[m.name]:
         return True
-    fits = [f for f, kinds in hf.ADAPTERS.items() if kind in kinds]
-    fix = f"model=<a {fits[0]} option> (conf/model/)" if fits else f"a checkpoint of {m.name} ({', '.join(hf.ADAPTERS[m.name])})"
-    out.append(Problem("model.name", m.name, f"{path}/{hf.CONFIG} is a {kind or 'unnamed'} checkpoint (model_type)", f"use {fix}"))
+    fits = [f for f, kinds in hf_folder.ADAPTERS.items() if kind in kinds]
+    fix = f"model=<a {fits[0]} option> (conf/model/)" if fits else f"a checkpoint of {m.name} ({', '.join(hf_folder.ADAPTERS[m.name])})"
+    out.append(Problem("model.name", m.name, f"{path}/{hf_folder.CONFIG} is a {kind or 'unnamed'} checkpoint (model_type)", f"use {fix}"))
     return False
 
 
 def _dtype(path: Path, config: dict, out: list[Problem]) -> None:
-    quant, dtype = hf.quantization(config), hf.dtype(config)
+    quant, dtype = hf_folder.quantization(config), hf_folder.dtype(config)
     if quant:
-        why = f"{path}/{hf.CONFIG} declares {quant} quantized weights, which the run's fp32 master weights cannot take as they are"
-    elif dtype and dtype not in hf.HOLDS:
-        why = f"{path}/{hf.CONFIG} has dtype {dtype}: the run holds {', '.join(hf.HOLDS)} weights exactly (its master weights are fp32)"
+        why = f"{path}/{hf_folder.CONFIG} declares {quant} quantized weights, which the run's fp32 master weights cannot take as they are"
+    elif dtype and dtype not in hf_folder.HOLDS:
+        holds = ", ".join(hf_folder.HOLDS)
+        why = f"{path}/{hf_folder.CONFIG} has dtype {dtype}: the run holds {holds} weights exactly (its master weights are fp32)"
     else:
         return
     out.append(Problem(FIELD, str(path), why, "convert it first: model.to(torch.bfloat16).save_pretrained(<folder>)"))
 
 
 def _shards(path: Path, out: list[Problem]) -> bool:
-    missing = [name for name in hf.shards(path) if not (path / name).is_file()]
+    missing = [name for name in hf_folder.shards(path) if not (path / name).is_file()]
     if missing:
         out.append(Problem(FIELD, str(path), f"the index names shards that are not there: {', '.join(missing)}", f"give {SAVE}"))
         return False
-    held = set(hf.HOLDS.values())
-    for name in hf.shards(path):
-        other = sorted(hf.header_dtypes(path / name) - held)
+    held = set(hf_folder.HOLDS.values())
+    for name in hf_folder.shards(path):
+        other = sorted(hf_folder.header_dtypes(path / name) - held)
         if other:
             why = f"{name} holds {', '.join(other)} tensors: the run holds {', '.join(sorted(held))} weights exactly"
             out.append(Problem(FIELD, str(path), why, "convert it first: model.to(torch.bfloat16).save_pretrained(<folder>)"))
@@ -147,7 +148,7 @@ def _shards(path: Path, out: list[Problem]) -> bool:
 def _unchanged(m: ModelConfig, out: list[Problem]) -> None:
     if not m.init_record:
         return
-    diff = hf.changed(m.init_record, hf.record(Path(m.init_from)))
+    diff = hf_folder.changed(m.init_record, hf_folder.record(Path(m.init_from)))
     if diff:
         out.append(
             Problem(
