@@ -76,7 +76,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "runner.parity", str(nproc), *map(str, paths)], cwd=ROOT, check=True)
         for name, path in zip(cfgs, paths, strict=True):
             res = json.loads((path.parent / runfiles.PARITY).read_text())
-            s, cal = res["summary"], res["summary"]["calibration"]
+            s, cal = res["summary"], res["summary"]["plan_check"]
             table.append(
                 {
                     "preset": name,

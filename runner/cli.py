@@ -7,7 +7,6 @@ recording the points that fail, is runner/sweep.py.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -52,41 +51,6 @@ def main(dcfg: DictConfig) -> float | None:
             return sweep.invalid_point(e, run_dir)
         sweep.fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
     return sweep.train(cfg, lay, run_dir)
-
-
-_SETS_MODE = re.compile(r"^[ \t]+mode:[ \t]*(RUN|MULTIRUN)\b|hydra\.mode", re.M)
-
-
-def mode_probe_needed(overrides: list[str], conf: Path = compose.CONF) -> bool:
-    """Whether `hydra.mode` may be set by something other than `-m`.
-
-    Before running, Hydra composes the whole config once just to read `hydra.mode` (`Hydra.get_mode`),
-    then composes it again to run: about 0.35 s of a 1.4 s plan. Only the files that set
-    `hydra.mode` (the sweeps) can make that first composition matter, so it is needed only when
-    the command line names their group, sets `hydra.mode` itself, or picks another config folder,
-    or when a file of another group sets or pulls in such a file. Any doubt keeps Hydra's probe."""
-    if any(a.startswith(("-cd", "-cn", "-cp", "--config")) for a in overrides):
-        return True
-    files = {f: f.read_text() for f in [conf / "config.yaml", *conf.glob("*/*.yaml")]}
-    groups = {f.parent.name for f, text in files.items() if f.parent != conf and _SETS_MODE.search(text)}
-    pulls = re.compile(rf"^\s*-\s*(override\s+)?/?({'|'.join(map(re.escape, groups))})\s*:[ \t]*(?![ \t]|null\b)", re.M) if groups else None
-    for f, text in files.items():
-        if f.parent.name in groups:
-            continue
-        if _SETS_MODE.search(text) or (pulls and pulls.search(text)):
-            return True
-    for a in overrides:
-        key = a.split("=", 1)[0].lstrip("+~")
-        if key.startswith("hydra.mode") or key.split("/")[0].split(".")[0] in groups or key.startswith("hydra/"):
-            return True
-    return False
-
-
-def _skip_mode_probe() -> None:
-    """Let Hydra take the mode from `-m` alone (its answer when no file sets it) without composing."""
-    from hydra._internal.hydra import Hydra
-
-    Hydra.get_mode = lambda self, config_name, overrides: None
 
 
 def _word_config_errors() -> None:
@@ -134,8 +98,6 @@ def refuse_cut_replay(argv: list[str]) -> None:
 
 def cli() -> None:
     refuse_cut_replay(sys.argv[1:])
-    if not mode_probe_needed(sys.argv[1:]):
-        _skip_mode_probe()
     _word_config_errors()
     try:
         main()

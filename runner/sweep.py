@@ -147,7 +147,7 @@ def _slurm_node(cfg: RunConfig, lay, run_dir: Path, frozen: Path, first_host: st
         os.environ.setdefault(mesh.NODE_NAME_ENV, slurm.node_name())  # nodes may share a hostname
     takeover = preempt.AgentTakeover(run_dir)
     endpoint = f"{cfg.cluster.rdzv_host or first_host}:{cfg.cluster.rdzv_port}"
-    node_launch.start(node_launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, checked=True)
+    node_launch.start(node_launch.torchrun_flags(cfg, lay, run_dir, rdzv_endpoint=endpoint, rdzv_id=job_id), frozen, cfg, checked=True)
     takeover.hand_over()
 
 

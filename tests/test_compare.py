@@ -13,14 +13,15 @@ from runner.outputs import comparison
 
 def test_a_measured_run_shows_its_predicted_step_time_and_the_error(tmp_path, capsys):
     base = {"degrees": "dp_shard=2", "memory_gb_max": 1.0, "step_time_s_median": 0.25, "mfu_median": 0.1}
-    runs = {"pred": {"calibration": {"step_time_predicted_s": 0.2}}, "nopred": {"calibration": {}}}
+    runs = {"pred": {"plan_check": {"step_time_predicted_s": 0.2}}, "nopred": {"plan_check": {}}}
+    runs["old"] = {"calibration": {"step_time_predicted_s": 0.5}}  # the key's name in run folders written before the rename
     for name, extra in runs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(base | extra))
     assert comparison.main([str(tmp_path)]) == 0
     lines = [ln.split("│") for ln in capsys.readouterr().out.splitlines() if ln.startswith("│")]
     rows = {cells[1].strip(): [c.strip() for c in cells[7:10]] for cells in lines}  # step time, predicted, error
-    assert rows == {"pred": ["0.250 s", "0.200 s", "-20.0 %"], "nopred": ["0.250 s", "-", "-"]}
+    assert rows == {"pred": ["0.250 s", "0.200 s", "-20.0 %"], "nopred": ["0.250 s", "-", "-"], "old": ["0.250 s", "0.500 s", "+100.0 %"]}
 
 
 def test_spearman_ranks_ties_by_their_mean_rank():
@@ -83,7 +84,7 @@ def _traced(folder, name: str, measured: dict, predicted: dict | None) -> None:
     (folder / name).mkdir()
     total = sum(measured.values())
     body = {"degrees": name, "memory_gb_max": 1.0, "step_time_s_median": total, "mfu_median": 0.1}
-    body |= {"calibration": {"step_time_predicted_s": sum(predicted.values()) if predicted else None, "terms_predicted_s": predicted}}
+    body |= {"plan_check": {"step_time_predicted_s": sum(predicted.values()) if predicted else None, "terms_predicted_s": predicted}}
     body["profile"] = {"terms_s": measured}
     (folder / name / "summary.json").write_text(json.dumps(body))
 

@@ -170,6 +170,6 @@ def test_sequence_parallel_switch_is_honoured(trained):
 
 def test_measured_pipeline_idle_beside_the_formula(trained):
     for name, m, v in (("pp2_1F1B", 4, 1), ("pp2_Interleaved1F1B", 4, 2), ("dp2_pp2", 2, 1)):
-        cal = trained[name]["summary"]["calibration"]
+        cal = trained[name]["summary"]["plan_check"]
         assert cal["bubble_predicted"] == pytest.approx(1 / (v * m + 1)), name  # (p-1)/(v*m+p-1), p = 2
         assert 0 < cal["bubble_measured"] < 1, name

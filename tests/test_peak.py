@@ -146,11 +146,11 @@ def test_a_cpu_run_without_a_profile_predicts_nothing_and_says_how_to_make_one(c
     from runner.run import metrics
 
     cfg = compose([f"cluster.peak_cache_dir={tmp_path / 'cache'}"])
-    cal = plan_check.compare(cfg, validate.check(cfg), _policy(cfg), 0.05, 1.0, 1.354, None)
+    cal = plan_check.compare(cfg, validate.check(cfg), peak.profile_source(cfg, _policy(cfg)), 0.05, 1.0, 1.354, None)
     assert (cal["step_time_predicted_s"], cal["step_time_ratio"], cal["prediction_source"]) == (None, None, None)
     assert (cal["profile"], cal["profile_from"]) == (None, "none")
-    assert metrics.calibration_line(cal) == (
-        "calibration: step time measured 1.354 s; no prediction without a machine profile of this CPU: "
+    assert metrics.plan_check_line(cal) == (
+        "plan check: step time measured 1.354 s; no prediction without a machine profile of this CPU: "
         "make one with `python -m runner.calibrate` (later runs here use it; or set cluster.profile)"
     )
 
@@ -195,12 +195,15 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
 
     cfg = compose([f"cluster.peak_cache_dir={cache}"])
     lay = validate.check(cfg)
-    cal = plan_check.compare(cfg, lay, _policy(cfg), 0.05, 1.0, 1.354, None)
+    cal = plan_check.compare(cfg, lay, peak.profile_source(cfg, _policy(cfg)), 0.05, 1.0, 1.354, None)
     predicted = steptime.predict(cfg, lay, str(stored)).step_s
     assert (cal["profile"], cal["profile_from"], cal["prediction_source"]) == (str(stored), "cache", str(stored))
     assert cal["step_time_predicted_s"] == predicted and cal["step_time_ratio"] == pytest.approx(1.354 / predicted)
     assert f"measured 1.354 s (measured/predicted {1.354 / predicted:.2f}), {stored} (the newest cached profile of this machine)" in (
-        metrics.calibration_line(cal)
+        metrics.plan_check_line(cal)
     )
     given = compose([f"cluster.peak_cache_dir={cache}", f"cluster.profile={tmp_path / 'p.json'}"])
-    assert plan_check.compare(given, lay, _policy(given), 0.05, 1.0, 1.354, None)["profile_from"] == "cluster.profile"
+    assert peak.profile_source(given, _policy(given)) == (str(tmp_path / "p.json"), "cluster.profile")
+    assert plan_check.compare(given, lay, peak.profile_source(given, _policy(given)), 0.05, 1.0, 1.354, None)["profile_from"] == (
+        "cluster.profile"
+    )

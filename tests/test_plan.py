@@ -220,26 +220,6 @@ def test_bad_sweep_value_fails_before_any_point_runs(tmp_path):
     assert not list(sweep_dir.glob("*/plan.json"))
 
 
-def test_mode_probe_is_skipped_only_when_no_config_can_set_hydra_mode(tmp_path):
-    """Hydra composes once just to read hydra.mode; only the sweep files set it, so a plain plan skips that."""
-    from runner.cli import mode_probe_needed
-
-    assert mode_probe_needed([*SEED, "mode=plan"]) is False
-    assert mode_probe_needed(["-m", "parallelism.tp=4,8"]) is False  # -m alone decides: MULTIRUN
-    for argv in (["sweep=llama3_70b_layouts"], ["+sweep=cpu_layouts"], ["hydra.mode=MULTIRUN"], ["--config-dir", "x"], ["-cn", "frozen"]):
-        assert mode_probe_needed(argv) is True, argv
-    conf = tmp_path / "conf"
-    (conf / "recipe").mkdir(parents=True)
-    (conf / "config.yaml").write_text("defaults:\n  - recipe: null\n")
-    (conf / "recipe" / "mine.yaml").write_text("# @package _global_\nhydra:\n  mode: MULTIRUN\n")
-    assert mode_probe_needed(["recipe=mine"], conf) is True  # a user's recipe that sweeps
-    assert mode_probe_needed(["mode=plan"], conf) is False
-    (conf / "recipe" / "other.yaml").write_text("defaults:\n  - override /recipe: mine\n")
-    (conf / "sweepless").mkdir()
-    (conf / "sweepless" / "pulls.yaml").write_text("defaults:\n  - /recipe: mine\n")
-    assert mode_probe_needed(["mode=plan"], conf) is True  # another group pulls in a file that sets the mode
-
-
 @pytest.mark.e2e
 def test_sweep_file_still_runs_as_a_multirun(tmp_path):
     proc = run_cli("sweep=llama3_70b_layouts", f"hydra.sweep.dir={tmp_path}")

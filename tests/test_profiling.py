@@ -166,12 +166,12 @@ def test_medians_leave_out_the_profiled_steps(compose):
     assert (s["step_time_s_median"], s["steps_profiled"]) == (1.5, 1)  # steps 2 and 4; step 3 was traced
 
 
-def test_the_calibration_line_sets_each_measured_term_beside_its_prediction():
+def test_the_plan_check_line_sets_each_measured_term_beside_its_prediction():
     terms = dict.fromkeys(breakdown.TERMS, 0.0) | {"compute": 0.3, "tp": 0.2, "unattributed": 0.01}
     cal = {"terms_measured_s": terms, "terms_predicted_s": {"compute": 0.25, "tp": 0.1, "dp": 0.05}, "terms_measured_step_s": 0.51}
     line = metrics.terms_line(cal, {"busiest_rank": 2, "steps": [2]})
     assert line == (
-        "calibration by term, measured/predicted s (ratio); busiest traced rank 2, steps [2], 0.510 s a step: "
+        "plan check by term, measured/predicted s (ratio); busiest traced rank 2, steps [2], 0.510 s a step: "
         "compute 0.300/0.250 (1.20), tp 0.200/0.100 (2.00), dp 0.000/0.050 (0.00), unattributed 0.010"
     )
     alone = metrics.terms_line(cal | {"terms_predicted_s": None}, {"busiest_rank": 0, "steps": [2]})

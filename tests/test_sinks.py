@@ -46,7 +46,7 @@ def test_rewound_step_in_one_attempt_is_a_repeat(tmp_path, monkeypatch):
 SUMMARY = {  # the shape train.run writes (keys abridged), nested parts included
     "final_loss": 7.9,
     "layout": "tp2_dp2",
-    "calibration": {"step_time_ratio": 1.7, "bubble_measured": None, "peak_tflops_per_rank": 0.05},
+    "plan_check": {"step_time_ratio": 1.7, "bubble_measured": None, "peak_tflops_per_rank": 0.05},
     "monitor": {"skipped_steps": 0, "bad_steps": [12, 13], "stragglers": {"windows": 3}},
 }
 
@@ -56,9 +56,9 @@ def test_wandb_summary_keeps_nested_values():
     assert flat == {
         "final_loss": 7.9,
         "layout": "tp2_dp2",
-        "calibration/step_time_ratio": 1.7,
-        "calibration/bubble_measured": None,
-        "calibration/peak_tflops_per_rank": 0.05,
+        "plan_check/step_time_ratio": 1.7,
+        "plan_check/bubble_measured": None,
+        "plan_check/peak_tflops_per_rank": 0.05,
         "monitor/skipped_steps": 0,
         "monitor/bad_steps": [12, 13],
         "monitor/stragglers/windows": 3,
@@ -79,8 +79,8 @@ def test_wandb_sink_writes_the_flat_summary(tmp_path, monkeypatch, compose):
 
     monkeypatch.setattr(sink.run, "finish", finish_after_reading)
     sink.close(SUMMARY)
-    assert seen["calibration/step_time_ratio"] == 1.7 and list(seen["monitor/bad_steps"]) == [12, 13]
-    assert "calibration" not in seen
+    assert seen["plan_check/step_time_ratio"] == 1.7 and list(seen["monitor/bad_steps"]) == [12, 13]
+    assert "plan_check" not in seen
 
 
 def test_known_harmless_warnings_leave_the_console_only(monkeypatch):

@@ -111,7 +111,7 @@ def test_selective_ac_wraps_the_blocks_torchtitan_would():
 
 
 def test_wandb_summary_has_predicted_beside_measured(tmp_path, monkeypatch, compose):
-    summary = {"step_time_s_median": 3.0, "mfu_median": 0.2, "mfu_6n_median": 0.25, "calibration": {"step_time_predicted_s": 2.0}}
+    summary = {"step_time_s_median": 3.0, "mfu_median": 0.2, "mfu_6n_median": 0.25, "plan_check": {"step_time_predicted_s": 2.0}}
     assert metrics.predicted(summary) == {"step_time_s_predicted": 2.0, "mfu_predicted": pytest.approx(0.3), "mfu_6n_predicted": 0.375}
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -126,4 +126,4 @@ def test_wandb_summary_has_predicted_beside_measured(tmp_path, monkeypatch, comp
     sink.close(summary)
     assert seen["step_time_s_predicted"] == 2.0 and seen["step_time_s_median"] == 3.0
     assert seen["mfu_predicted"] == pytest.approx(0.3) and seen["mfu_median"] == 0.2
-    assert seen["calibration/step_time_predicted_s"] == 2.0
+    assert seen["plan_check/step_time_predicted_s"] == 2.0

@@ -115,7 +115,7 @@ def _one_line_per_step_off_a_terminal(out: str, rows: list[dict]) -> None:
     assert len(steps) == len(rows) and all(re.fullmatch(r"step +\d+  loss .*  step \d+\.\d\ds  mem \d+\.\d\dGB", ln) for ln in steps), steps
     (done,) = [ln for ln in out.splitlines() if ln.startswith("done: ")]
     assert re.search(r"median MFU .* of .* TFLOP/s \(measured, spread [\d.]+ %\)$", done), done
-    (cal,) = [ln for ln in out.splitlines() if ln.startswith("calibration: step time")]
+    (cal,) = [ln for ln in out.splitlines() if ln.startswith("plan check: step time")]
     # whole on one line, with a profile of this machine cached (the prediction beside the measured peak) or without
     with_profile = r"measured peak .* TFLOP/s per rank and all-reduce [\d.]+ GB/s$"
     without = r"step time measured [\d.]+ s; no prediction without a machine profile of this CPU: .* or set cluster.profile\)$"
@@ -236,24 +236,24 @@ def test_memory_logged_per_step(runs):
 
 
 def test_calibration_sets_prediction_beside_measurement(runs):
-    cal = summary(runs["dp2_pp2"])["calibration"]
+    cal = summary(runs["dp2_pp2"])["plan_check"]
     assert cal["bubble_predicted"] == pytest.approx(1 / 3)  # p=2, m = 8 / (dp 2 x microbatch 2) = 2
     assert 0 < cal["bubble_measured"] < 1
     assert cal["allreduce_gbs_per_direction"] > 0 and cal["peak_tflops_per_rank"] > 0
     assert cal["step_time_measured_s"] == summary(runs["dp2_pp2"])["step_time_s_median"]
     out = runs["_console"]["dp2_pp2"]
-    assert "calibration: pipeline bubble predicted 33.3 %, measured idle" in out
+    assert "plan check: pipeline bubble predicted 33.3 %, measured idle" in out
     words = " ".join(out.split())  # the console may wrap a long line at its width
     if cal["profile_from"] == "cache":  # python -m runner.calibrate ran on this machine: its newest profile predicts
         assert cal["prediction_source"] == cal["profile"] and f"{cal['profile']} (the newest cached profile of this machine)" in words
         assert cal["step_time_ratio"] == pytest.approx(cal["step_time_measured_s"] / cal["step_time_predicted_s"])
     else:  # no profile of this CPU: no datasheet number, a line saying how to make one
         assert (cal["profile_from"], cal["step_time_predicted_s"], cal["prediction_source"]) == ("none", None, None)
-        measured = f"calibration: step time measured {cal['step_time_measured_s']:.3f} s; no prediction without a machine profile"
+        measured = f"plan check: step time measured {cal['step_time_measured_s']:.3f} s; no prediction without a machine profile"
         assert f"{measured} of this CPU: make one with `python -m runner.calibrate`" in words
         assert "datasheet, not calibrated" not in words
-    assert summary(runs["dp2_tp2"])["calibration"]["tp_comm_predicted_s"] > 0
-    assert summary(runs["dp2_tp2"])["calibration"]["bubble_measured"] is None  # no pipeline
+    assert summary(runs["dp2_tp2"])["plan_check"]["tp_comm_predicted_s"] > 0
+    assert summary(runs["dp2_tp2"])["plan_check"]["bubble_measured"] is None  # no pipeline
 
 
 def test_compare_measured_runs_by_step_time(runs, tmp_path):
@@ -398,7 +398,7 @@ def test_a_tp2_pp2_step_traced_and_split_by_term(runs):
     assert b["terms_s"]["cp"] == b["terms_s"]["ep"] == b["terms_s"]["recompute"] == 0.0  # no CP, no experts, no AC here
     assert "profile: tracing steps 2 on ranks 0, 2 into" in console and "https://ui.perfetto.dev (or chrome://tracing)" in console
     # beside the prediction when a profile of this machine is cached, the measured terms alone without one
-    by_term = r"calibration by term, (measured/predicted s \(ratio\)|measured s \(no prediction without a machine profile\)); "
+    by_term = r"plan check by term, (measured/predicted s \(ratio\)|measured s \(no prediction without a machine profile\)); "
     assert re.search(by_term + f"busiest traced rank {b['busiest_rank']}, steps \\[2\\], ", console), console[-2000:]
     assert summary(run_dir)["steps_profiled"] == 2
     assert "profile.memory: allocator snapshots are CUDA-only" in " ".join(runs["_console"]["single"].split())

@@ -92,3 +92,9 @@ def resolve(p: ParallelismConfig, c: ClusterConfig) -> Layout:
     assert ws is not None, "resolve() on an unvalidated config"
     dp_shard = ws // fixed_product(p) if p.dp_shard == -1 else p.dp_shard
     return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
+
+
+def group_of(lay: Layout, rank: int, axis: str) -> list[int]:
+    """Ranks that share every coordinate with `rank` except along `axis`."""
+    me = lay.coords(rank)
+    return [r for r in range(lay.world_size) if all(v == me[a] for a, v in lay.coords(r).items() if a != axis)]

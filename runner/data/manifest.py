@@ -149,3 +149,11 @@ def load(folder: str | Path) -> dict:
                 if got != want:
                     raise ManifestError(f"{f} {'is missing' if got is None else f'has {got} bytes'}, the manifest says {want} bytes")
     return m
+
+
+def sources(path: str, mix: list) -> list[tuple[str, str, float]]:
+    """(field, folder, weight) of every prepared folder a run reads: `data.path` alone, or each `data.mix` entry (a path and
+    a weight)."""
+    if path:
+        return [("data.path", path, 1.0)]
+    return [(f"data.mix[{i}].path", m.path, m.weight) for i, m in enumerate(mix)]

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 
 from runner.config import runfiles
-from runner.config.layout import Layout
+from runner.config.layout import Layout, group_of
 from runner.config.schema import InjectConfig, IntegrityConfig
-from runner.run.startup import group_of
 
 INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -20,8 +20,6 @@ import torch.distributed as dist
 from runner.config import plan
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
-from runner.run import peak
-from runner.run.device import DevicePolicy
 
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -80,34 +78,21 @@ def mean_over_ranks(policy, value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-def machine_profile(cfg: RunConfig, policy: DevicePolicy) -> tuple[str | None, str]:
-    """The machine profile the run's prediction uses and where it comes from (summary.json's `profile_from`):
-    "cluster.profile"; without one on a device the datasheet model may price (GPUs), "datasheet"; else (CPU)
-    "cache", the newest profile of this machine that python -m runner.calibrate stored in cluster.peak_cache_dir,
-    or "none" (no prediction)."""
-    c = cfg.cluster
-    if c.profile:
-        return c.profile, "cluster.profile"
-    if policy.datasheet_predicts:
-        return None, "datasheet"
-    found = peak.cached_profile(c.peak_cache_dir, cfg.precision.param_dtype.value)
-    return (str(found), "cache") if found else (None, "none")
-
-
 def compare(
     cfg: RunConfig,
     lay: Layout,
-    policy: DevicePolicy,
+    source: tuple[str | None, str],
     peak_tflops_per_rank: float,
     link_gbs: float,
     measured_step_s: float,
     bubble: float | None,
     measured_terms: dict | None = None,
 ):
-    """Predicted beside measured figures. The predictor runs on the machine's profile (machine_profile); on GPUs
-    without one on the datasheet model, given this run's measured peak and all-reduce bandwidth."""
+    """Predicted beside measured figures. The predictor runs on the machine's profile (`source`: its path or None and
+    where it came from, runner.run.peak.profile_source); on GPUs without one on the datasheet model, given this run's
+    measured peak and all-reduce bandwidth."""
     links = {"intra-node": 2 * link_gbs, "scale-out": 2 * link_gbs}  # planner figures are both directions together
-    profile, origin = machine_profile(cfg, policy)
+    profile, origin = source
     budget = plan.compute(cfg, lay, peak_tflops=peak_tflops_per_rank, link_gbs=links, profile=profile)
     predicted = budget["estimated_step_time_s"] if origin != "none" else None
     return {

@@ -54,7 +54,7 @@ def load(run: Path) -> dict[str, Any] | None:
         return {"run": label or f["overrides"], "source": "failed", "problems": why}
     if (run / runfiles.SUMMARY).is_file():
         s = json.loads((run / runfiles.SUMMARY).read_text())
-        cal = s.get("calibration", {})
+        cal = s.get("plan_check") or s.get("calibration") or {}  # "calibration": run folders written before the rename
         return {
             "run": label,
             "source": "measured",

@@ -161,7 +161,7 @@ class DevicePolicy:
     @property
     def datasheet_predicts(self) -> bool:
         """Whether the predictor's datasheet model (NVIDIA GPU constants) may price this device's step: a CPU's it misses
-        by 2x or more, so a CPU run predicts only from a machine profile (runner.observe.plan_check.machine_profile)."""
+        by 2x or more, so a CPU run predicts only from a machine profile (runner.run.peak.profile_source)."""
         return not self.cpu
 
     def peak_devices(self, world_size: int, num_nodes: int) -> int:

@@ -86,28 +86,28 @@ class ConsoleSink:
                 f"eval: held-out loss {summary['eval_loss_final']:.4f}, perplexity {summary['eval_ppl_final']:.2f} "
                 f"(after step {summary['eval_step_final']})"
             )
-        cal = summary.get("calibration")
+        cal = summary.get("plan_check")
         if cal:
-            self.console.print(calibration_line(cal))
+            self.console.print(plan_check_line(cal))
             if cal.get("terms_measured_s"):
                 self.console.print(terms_line(cal, summary.get("profile", {})), markup=False)
             if cal["bubble_measured"] is not None:
                 self.console.print(
-                    f"calibration: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
+                    f"plan check: pipeline bubble predicted {100 * cal['bubble_predicted']:.1f} %, "
                     f"measured idle {100 * cal['bubble_measured']:.1f} %"
                 )
 
 
-def calibration_line(cal: dict[str, Any]) -> str:
+def plan_check_line(cal: dict[str, Any]) -> str:
     """The predicted step time beside the measured one, or, on a CPU without a machine profile, how to make one."""
     if cal["profile_from"] == "none":
         return (
-            f"calibration: step time measured {cal['step_time_measured_s']:.3f} s; no prediction without a machine profile of "
+            f"plan check: step time measured {cal['step_time_measured_s']:.3f} s; no prediction without a machine profile of "
             "this CPU: make one with `python -m runner.calibrate` (later runs here use it; or set cluster.profile)"
         )
     cached = " (the newest cached profile of this machine)" if cal["profile_from"] == "cache" else ""
     return (
-        f"calibration: step time predicted {_s(cal['step_time_predicted_s'])}, measured {cal['step_time_measured_s']:.3f} s "
+        f"plan check: step time predicted {_s(cal['step_time_predicted_s'])}, measured {cal['step_time_measured_s']:.3f} s "
         f"(measured/predicted {_s(cal['step_time_ratio'], '.2f', '')}), {cal['prediction_source']}{cached}; measured peak "
         f"{cal['peak_tflops_per_rank']:.3g} TFLOP/s per rank and all-reduce {cal['allreduce_gbs_per_direction']:.2f} GB/s"
     )
@@ -129,7 +129,7 @@ def terms_line(cal: dict[str, Any], prof: dict[str, Any]) -> str:
         else:
             parts.append(f"{k} {m:.3f}/{p:.3f}" + (f" ({m / p:.2f})" if p else ""))
     head = "measured/predicted s (ratio)" if predicted else "measured s (no prediction without a machine profile)"
-    return f"calibration by term, {head}; {where}: " + ", ".join(parts)
+    return f"plan check by term, {head}; {where}: " + ", ".join(parts)
 
 
 def _s(x: float | None, fmt: str = ".3f", unit: str = " s") -> str:
@@ -204,7 +204,7 @@ def predicted(summary: dict[str, Any]) -> dict[str, Any]:
     """Flat W&B keys beside the measured medians, so that a sweep's group compares prediction with measurement:
     the predictor's step time for this run (the calibration block's, on the peak and bandwidth the run measured)
     and the MFU that step time would give, in each FLOP convention the run logs (MFU scales as 1 / step time)."""
-    pred = (summary.get("calibration") or {}).get("step_time_predicted_s")
+    pred = (summary.get("plan_check") or {}).get("step_time_predicted_s")
     measured = summary.get("step_time_s_median")
     if not pred or not measured:
         return {}
@@ -216,7 +216,7 @@ def predicted(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """W&B summary keys for nested values: {"calibration": {"step_time_ratio": r}} -> {"calibration/step_time_ratio": r}.
+    """W&B summary keys for nested values: {"plan_check": {"step_time_ratio": r}} -> {"plan_check/step_time_ratio": r}.
     Scalars, None and lists of scalars are kept; W&B would store a nested dict as one opaque value."""
     out: dict[str, Any] = {}
     for key, value in summary.items():

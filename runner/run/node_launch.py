@@ -87,8 +87,9 @@ def _note_failure(timeline: goodput.Timeline, attempt: int) -> None:
     timeline.failure("agent: restarting the ranks", attempt=attempt)
 
 
-def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
-    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails. Unless `checked`
+def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, checked: bool = False) -> None:
+    """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails. `cfg` is the run's config as
+    `frozen` holds it (read from `frozen` when not given: `python -m runner.launch` on a node). Unless `checked`
     (`python -m runner` ran it), the preflight runs first and a problem ends the launch with exit code 2.
 
     The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
@@ -104,7 +105,7 @@ def start(flags: list[str], frozen: Path, *, checked: bool = False) -> None:
     from runner.config import freeze, layout
     from runner.observe import forensics
 
-    cfg = freeze.load(frozen)
+    cfg = cfg if cfg is not None else freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     run_dir = frozen.parent
     if ft.enabled(cfg):  # one replica group's job (runner.run.ft_launch): its ranks are the group's
@@ -137,7 +138,7 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path, *, checked: bool = False) -> 
     """One node: every rank on this machine, rendezvous on 127.0.0.1 (with fault_tolerance=torchft runner.run.ft_launch
     starts one job per replica group instead)."""
     flags = torchrun_flags(cfg, lay, frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-{uuid.uuid4().hex[:8]}")
-    start(flags, frozen, checked=checked)
+    start(flags, frozen, cfg, checked=checked)
 
 
 def cli() -> None:

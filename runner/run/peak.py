@@ -273,3 +273,17 @@ def spread_text(pk: dict) -> str:
 
 def read(run_dir: Path) -> dict:
     return json.loads((run_dir / runfiles.PEAK).read_text())
+
+
+def profile_source(cfg: RunConfig, policy: DevicePolicy) -> tuple[str | None, str]:
+    """The machine profile the run's prediction uses and where it comes from (summary.json's `profile_from`):
+    "cluster.profile"; without one on a device the datasheet model may price (GPUs), "datasheet"; else (CPU)
+    "cache", the newest profile of this machine that python -m runner.calibrate stored in cluster.peak_cache_dir,
+    or "none" (no prediction)."""
+    c = cfg.cluster
+    if c.profile:
+        return c.profile, "cluster.profile"
+    if policy.datasheet_predicts:
+        return None, "datasheet"
+    found = cached_profile(c.peak_cache_dir, cfg.precision.param_dtype.value)
+    return (str(found), "cache") if found else (None, "none")

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.config import freeze, layout, precision, runfiles, wording
 from runner.config.schema import DataSource, Fp8Recipe
-from runner.config.validate import data_rules as validate_tokens
+from runner.data import manifest
 from runner.observe import forensics
 from runner.outputs import goodput
 from runner.run import accounting, device, evaluate, ft, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
@@ -130,7 +130,7 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
     if d.name == DataSource.synthetic:
         return loader.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
     if d.name == DataSource.tokens:
-        sources = [(folder, w) for _, folder, w in validate_tokens.sources(cfg)]
+        sources = [(folder, w) for _, folder, w in manifest.sources(cfg.data.path, cfg.data.mix)]
         return loader.TokenData(sources, split=split, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
     files, fraction = (d.eval_files, 0.0) if split == "eval" and d.eval_files else (d.files, d.eval_fraction)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it

@@ -55,7 +55,7 @@ def summary(loop) -> dict[str, Any]:
     idle = loop.mon.idle
     bubble = plan_check.mean_over_ranks(policy, statistics.median(idle[1:] or idle)) if idle else None
     found = loop.prof.write() if loop.prof is not None else None
-    summary["calibration"] = plan_check.compare(
+    summary["plan_check"] = plan_check.compare(
         cfg,
         lay,
         policy,

@@ -10,15 +10,9 @@ from pathlib import Path
 
 from runner.config import plan
 from runner.config.comm import link
-from runner.config.layout import MESH_ORDER, Layout, devices_per_node, label
+from runner.config.layout import MESH_ORDER, Layout, devices_per_node, group_of, label
 from runner.config.schema import RunConfig
 from runner.config.wording import count
-
-
-def group_of(lay: Layout, rank: int, axis: str) -> list[int]:
-    """Ranks that share every coordinate with `rank` except along `axis`."""
-    me = lay.coords(rank)
-    return [r for r in range(lay.world_size) if all(v == me[a] for a, v in lay.coords(r).items() if a != axis)]
 
 
 def report(

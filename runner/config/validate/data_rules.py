@@ -16,14 +16,6 @@ from runner.data import manifest as mf
 PREPARE = "prepare it with `python -m runner.data prepare --input <files> --tokenizer <tokenizer.json> --out <folder>`"
 
 
-def sources(cfg: RunConfig) -> list[tuple[str, str, float]]:
-    """(field, folder, weight) of every prepared folder the run reads."""
-    d = cfg.data
-    if d.path:
-        return [("data.path", d.path, 1.0)]
-    return [(f"data.mix[{i}].path", m.path, m.weight) for i, m in enumerate(d.mix)]
-
-
 def check(cfg: RunConfig, out: list[Problem]) -> None:
     """The data config alone; with mode=validate, the check users run before training, also the files it names."""
     d = cfg.data
@@ -158,7 +150,7 @@ def _vocab_size(path: Path) -> int:
 def folders(cfg: RunConfig, out: list[Problem]) -> None:
     """Every problem of the prepared folders against this config."""
     hashes: dict[str, str] = {}
-    for name, folder, _ in sources(cfg):
+    for name, folder, _ in mf.sources(cfg.data.path, cfg.data.mix):
         try:
             m = mf.load(folder)
         except mf.ManifestError as e:

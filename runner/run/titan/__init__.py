@@ -27,8 +27,8 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
-from runner.run.titan.state import live_state, load_live_state, load_state, save_model, save_state
-from runner.run.titan.step import clip_grad_norm, clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
+from runner.run.titan.state import load_state, save_model, save_state
+from runner.run.titan.step import clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
 
 __all__ = [
     "PRELOAD",
@@ -39,13 +39,10 @@ __all__ = [
     "build_mesh",
     "check_layer_table",
     "check_size",
-    "clip_grad_norm",
     "clip_grad_norm_tensor",
     "convert_precision",
     "fp8_layers",
     "init_process_group",
-    "live_state",
-    "load_live_state",
     "load_hf",
     "load_state",
     "local_value",

@@ -60,21 +60,3 @@ def load_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path)
     wrapper.load_state_dict(state["model"])
     set_optim(holder, optimizer, optim_state_dict=state["optimizer"], options=options)
     return {k: state[k] for k in extra}
-
-
-def live_state(parts: list[torch.nn.Module], optimizer) -> dict:
-    """Model and optimizer state as DCP's state-dict API gives them (DTensor shards, canonical keys): what torchft sends
-    a recovering replica group, rank to same rank."""
-    from torchtitan.components.checkpointer.base import ModelWrapper
-
-    options, get_optim, _ = _optim_io()
-    return {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), optimizer, options=options)}
-
-
-def load_live_state(parts: list[torch.nn.Module], optimizer, state: dict) -> None:
-    """Load in place what live_state gave on a peer of the same layout."""
-    from torchtitan.components.checkpointer.base import ModelWrapper
-
-    options, _, set_optim = _optim_io()
-    ModelWrapper(parts).load_state_dict(state["model"])
-    set_optim(_holder(parts), optimizer, optim_state_dict=state["optimizer"], options=options)

@@ -22,15 +22,11 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def clip_grad_norm(parts: list[torch.nn.Module], max_norm: float, pd) -> float:
-    """Clip to the global gradient norm and return it (pre-clip), as TorchTitan's Trainer does: DTensor
-    gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware
-    variant, which sums the expert and dense parts), and the pipeline mesh sums the stages' parts."""
-    return float(local_value(clip_grad_norm_tensor(parts, max_norm, pd)))
-
-
 def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> torch.Tensor:
-    """clip_grad_norm without reading the norm back (the dry run's fake tensors hold no value)."""
+    """Clip to the global gradient norm and return it (pre-clip) on the device, as TorchTitan's Trainer does: DTensor
+    gradients reduce their norm over the axes they are sharded on (dp_shard, cp, tp; ep in the EP-aware variant, which
+    sums the expert and dense parts), and the pipeline mesh sums the stages' parts. The step reads it back once, with the
+    loss (DevicePolicy.read); the dry run's fake tensors hold no value to read."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     grads = [p for m in parts for p in m.parameters() if p.grad is not None]
