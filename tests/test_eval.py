@@ -149,7 +149,8 @@ def one_rank(compose, tmp_path_factory):
 def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank):
     from types import SimpleNamespace
 
-    from runner.run import titan, train
+    from runner.run import titan
+    from runner.run.step_loop import StepLoop
 
     cfg, lay, built, policy = one_rank
     held = Recorded(loader.SyntheticData(seed=cfg.training.seed, vocab=cfg.model.vocab_size, split="eval", **_shape()))
@@ -157,7 +158,7 @@ def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank)
     loop = SimpleNamespace(cfg=cfg, lay=lay, built=built, eval_data=held, policy=policy, loss_fn=titan.loss_fn(cfg), global_tokens=tokens)
     model = built.parts[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    first, second = train._evaluate(loop), train._evaluate(loop)
+    first, second = StepLoop.evaluate(loop), StepLoop.evaluate(loop)
     # by hand: the mean token cross-entropy of the model over held-out samples 0..7 (synthetic samples -1..-8)
     rows = torch.stack([loader.sample(cfg.training.seed, -(j + 1), SEQ, cfg.model.vocab_size) for j in range(STEPS * BATCH)])
     with torch.no_grad():
@@ -263,7 +264,7 @@ def _instrument(monkeypatch, counts: _Counts, train, DevicePolicy) -> None:
         monkeypatch.setattr(dist, name, collective)
     sync = DevicePolicy.sync
     monkeypatch.setattr(DevicePolicy, "sync", lambda self: counts.add("sync", "policy.sync") or sync(self))
-    step = train._step
+    step = train.StepLoop.step
 
     def counted_step(loop, k):
         counts.step, counts.opt = k, loop.opt
@@ -272,7 +273,7 @@ def _instrument(monkeypatch, counts: _Counts, train, DevicePolicy) -> None:
         finally:
             counts.step = 0
 
-    monkeypatch.setattr(train, "_step", counted_step)
+    monkeypatch.setattr(train.StepLoop, "step", counted_step)
 
 
 def _train_one_rank(one_rank, tmp_path, monkeypatch, counts: _Counts) -> list[dict]:

@@ -80,7 +80,7 @@ def test_mismatch_stops_the_run_or_finds_no_checkpoint():
     from types import SimpleNamespace
 
     from runner.config.schema import MismatchAction, RunConfig
-    from runner.run import train
+    from runner.run.step_loop import StepLoop
 
     found = [{"step": 8, "check": "replica", "parameter": "w", "group": [0, 1, 2], "checksums": {}}]
     found[0] |= {"majority": {"ranks": [0, 2], "hosts": ["a"]}, "minority": {"ranks": [1], "hosts": ["b"]}}
@@ -88,13 +88,13 @@ def test_mismatch_stops_the_run_or_finds_no_checkpoint():
     cfg = RunConfig()
     loop = SimpleNamespace(cfg=cfg, integrity=checker, built=SimpleNamespace(parts=[]), opt=None, sched=None, data=None, guard=None)
     with pytest.raises(integrity.IntegrityError, match=r"step 8 parameter w: ranks \[1\] \(hosts b\) differ from the majority \[0, 2\]"):
-        train._check_replicas(loop, 8)
+        StepLoop.check_replicas(loop, 8)
     cfg.monitor.integrity.on_mismatch = MismatchAction.rewind
     loop.ckpt = SimpleNamespace(wait=lambda: None, restore=lambda *a, before: None)
     with pytest.raises(integrity.IntegrityError, match="no checkpoint to rewind to at or before step 8"):
-        train._check_replicas(loop, 8)
+        StepLoop.check_replicas(loop, 8)
     checker.check = lambda step, parts: []
-    assert train._check_replicas(loop, 8) == {}
+    assert StepLoop.check_replicas(loop, 8) == {}
 
 
 @pytest.mark.e2e

@@ -9,7 +9,7 @@ import torch
 
 from runner.config.schema import DeviceType, LossGuardConfig
 from runner.observe import monitor
-from runner.run import train
+from runner.run import step_loop
 from runner.run.device import DevicePolicy
 from runner.run.loader import Prefetch, SyntheticData
 
@@ -18,24 +18,33 @@ def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch)
     """The data streams make CPU tensors; on CUDA the model and the loss need them on the GPU (labels too, which
     FSDP's forward would not move). A policy whose compute device is `meta` shows where they go."""
     seen = []
-    monkeypatch.setattr(train, "forward_backward", lambda built, loss_fn, mbs, tokens, mon: seen.extend(mbs) or torch.zeros(()))
-    monkeypatch.setattr(train.titan, "clip_grad_norm_tensor", lambda parts, max_norm, pd: torch.zeros(()))
+    monkeypatch.setattr(step_loop, "forward_backward", lambda built, loss_fn, mbs, tokens, mon: seen.extend(mbs) or torch.zeros(()))
+    monkeypatch.setattr(step_loop.titan, "clip_grad_norm_tensor", lambda parts, max_norm, pd: torch.zeros(()))
     data = SyntheticData(seed=0, seq_len=8, vocab=64, global_batch=4, microbatch=2, dp_rank=0, dp=1)
-    loop = SimpleNamespace(
+    loop = _loop(
         data=data,
         feed=Prefetch(data),
         integrity=SimpleNamespace(replay_due=lambda step: False),
         policy=SimpleNamespace(compute_device=lambda: torch.device("meta")),
         built=SimpleNamespace(schedule=None, parts=[], parallel_dims=None),
         mon=SimpleNamespace(phase=lambda name: nullcontext()),
-        hooks=train.Hooks(),
+        hooks=step_loop.Hooks(),
         cfg=SimpleNamespace(training=SimpleNamespace(max_norm=1.0)),
         loss_fn=None,
         global_tokens=torch.tensor(32.0),
     )
-    train._train_step(loop, 1)
+    loop.train_step(1)
     assert len(seen) == 2 and all(t.device.type == "meta" for mb in seen for t in mb)
     assert [tuple(t.shape) for t in seen[0]] == [(2, 8), (2, 8)]
+
+
+def _loop(**parts) -> step_loop.StepLoop:
+    """A StepLoop of the given parts; None for the others, which the test never reaches."""
+    import dataclasses
+
+    unset = dataclasses.MISSING
+    required = [f.name for f in dataclasses.fields(step_loop.StepLoop) if f.default is unset and f.default_factory is unset]
+    return step_loop.StepLoop(**(dict.fromkeys(required) | parts))
 
 
 class _RecordingPolicy(DevicePolicy):
@@ -62,25 +71,29 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
     gradients it applies (events "applied <k>")."""
     clock = iter(range(100))
     grads: list[int | None] = [None]
-    monkeypatch.setattr(train.time, "perf_counter", lambda: events.append("clock") or float(next(clock)))
-    monkeypatch.setattr(train.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(train.loader, "digest_lanes", lambda data, k: (0.0, 0.0))
+    monkeypatch.setattr(step_loop.time, "perf_counter", lambda: events.append("clock") or float(next(clock)))
+    monkeypatch.setattr(step_loop.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(step_loop.loader, "digest_lanes", lambda data, k: (0.0, 0.0))
 
-    def train_step(loop, step):
+    def train_step(loop, step):  # StepLoop.train_step
         events.append("forward/backward")
         grads[0] = step
         return torch.tensor(losses[step]), torch.ones(())
 
-    monkeypatch.setattr(train, "_train_step", train_step)
-    shared = train.step_sync.Shared
-    monkeypatch.setattr(train.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop: shared(share, "d", False))
-    monkeypatch.setattr(train, "row", lambda step, loss, norm, dt, *a: events.append(f"row dt={dt:g}") or {"step": step, "step_time_s": dt})
+    monkeypatch.setattr(step_loop.StepLoop, "train_step", train_step)
+    shared = step_loop.step_sync.Shared
+    monkeypatch.setattr(step_loop.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop: shared(share, "d", False))
+    def row(step, loss, norm, dt, *rest):
+        events.append(f"row dt={dt:g}")
+        return {"step": step, "step_time_s": dt}
+
+    monkeypatch.setattr(step_loop, "row", row)
     opt = SimpleNamespace(
         param_groups=[{"lr": 1e-3}],
         step=lambda: events.append(f"applied {grads[0]}"),
         zero_grad=lambda set_to_none: grads.__setitem__(0, None),
     )
-    return SimpleNamespace(
+    return _loop(
         mon=SimpleNamespace(
             begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], finished_step=lambda: None, windows_judged=0
         ),
@@ -109,7 +122,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
         rows=[],
         timeline=None,
         prof=None,
-        ft=train.ft.OFF,
+        ft=step_loop.ft.OFF,
     )
 
 
@@ -121,7 +134,7 @@ def test_step_time_is_taken_after_the_device_finished_the_step(monkeypatch):
     events: list[str] = []
     loop = _fake_loop(monkeypatch, events, {2: 2.0})
     loop.pending = True  # step 1 was accepted; its update has not run yet
-    assert train._step(loop, 2) == 3
+    assert loop.step(2) == 3
     assert events == ["clock", "staged", "applied None", "forward/backward", "read", "clock", "row dt=1"]
     assert loop.pending  # step 2's own update waits for step 3
 
@@ -132,7 +145,7 @@ def test_a_spike_never_reaches_the_weights_and_updates_land_before_the_weights_a
     events: list[str] = []
     loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0}, due=(4,))
     for step in range(1, 6):
-        train._step(loop, step)
+        loop.step(step)
     assert [e for e in events if e.startswith(("applied", "save"))] == ["applied 1", "applied 2", "applied 4", "save 4", "applied 5"]
     assert loop.guard.bad_steps == {3} and not loop.pending
 
@@ -244,10 +257,10 @@ def test_stage_and_phase_times_come_from_the_policys_device_clock(monkeypatch, t
     stage = SimpleNamespace(forward_one_chunk=lambda: None)
     timer = plan_check.StageTimer(SimpleNamespace(_stage=stage), mon.timeline)
     chunks = lambda built, mbs, tokens: [stage.forward_one_chunk() for _ in mbs] and torch.ones(())  # noqa: E731
-    monkeypatch.setattr(train.titan, "pipeline_step", chunks)
-    loop = SimpleNamespace(built=SimpleNamespace(schedule=object()), mon=mon, timer=timer, global_tokens=None)
+    monkeypatch.setattr(step_loop.titan, "pipeline_step", chunks)
+    loop = _loop(built=SimpleNamespace(schedule=object()), mon=mon, timer=timer, global_tokens=None)
     mon.begin_step(2)
-    train._compute(loop, [1, 2])
+    loop.compute([1, 2])
     mon.end_step()
     assert mon.now["pipeline"] == 0.9  # the phase clock
     assert (mon.now["pp_compute"], mon.now["pp_wait"], mon.idle) == (0.5, 0.5, [0.5])  # busy 2 x 0.25 of the 1 s schedule

@@ -419,7 +419,7 @@ def test_runner_collectives_follow_the_device_policy(runs):
         "runner/run/mesh.py:check",
         "runner/run/loader.py:check_inputs",
         "runner/run/step_sync.py:exchange",  # the step's one host collective: loss, data digest, stop flag
-        "runner/run/report.py:summary",
+        "runner/run/train.py:summary",
         "runner/observe/monitor.py:__init__",
         "runner/observe/monitor.py:_judge",
         "runner/observe/plan_check.py:mean_over_ranks",

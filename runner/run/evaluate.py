@@ -57,7 +57,7 @@ def check_split(data, steps: int) -> None:
 
 
 def _forward(built, loss_fn, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
-    """This rank's loss share of one batch, microbatch by microbatch, as train.forward_backward without its backward."""
+    """This rank's loss share of one batch, microbatch by microbatch, as step_loop.forward_backward without its backward."""
     losses = []
     for full_inputs, full_labels in microbatches:
         inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)

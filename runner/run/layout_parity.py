@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from runner.config import freeze, layout, runfiles
 from runner.config.schema import Fp8Recipe, RunConfig, WorkerStart
-from runner.run import accounting, evaluate, peak, per_rank, procs, titan, train
+from runner.run import accounting, evaluate, peak, per_rank, procs, step_loop, titan, train
 
 
 class Collect:
@@ -121,7 +121,7 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
     before = full_weights(built.parts)
     sink, exact, init = Collect(), [], []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
-    hooks = train.Hooks(
+    hooks = step_loop.Hooks(
         before_clip=lambda step, parts: exact.append(exact_grad_norm(parts, lay, policy)) if step == 1 else None, after_init=init.append
     )
     acc = accounting.accounting(cfg, built, peak.read(run_dir))
@@ -144,7 +144,7 @@ def _evaluate_only(cfg: RunConfig, lay: layout.Layout, built: titan.Built, eval_
     kinds = sorted({type(m.inner_attention).__name__ for part in built.parts for m in part.modules() if hasattr(m, "inner_attention")})
     mask_batches = _mask_batches(built)
     t = cfg.training
-    batches = (train.on_device(eval_data.microbatches(k), policy.compute_device()) for k in range(cfg.eval.steps))
+    batches = (step_loop.on_device(eval_data.microbatches(k), policy.compute_device()) for k in range(cfg.eval.steps))
     local = evaluate.local_loss(built, titan.loss_fn(cfg), batches, torch.tensor(float(t.global_batch_size * t.seq_len)))
     loss = evaluate.global_loss(local, lay, policy) / cfg.eval.steps
     return {"rows": [{"step": 0, "eval_loss": loss}], "attention": kinds, "mask_batches": mask_batches}

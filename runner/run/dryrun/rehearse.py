@@ -31,7 +31,7 @@ from runner.config import freeze, layout
 from runner.config.dryrun import report as dryrun_report
 from runner.config.layout import Layout
 from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
-from runner.run import titan, train
+from runner.run import step_loop, titan
 from runner.run.device import DevicePolicy
 from runner.run.dryrun import ledger
 from runner.run.titan import cpu as titan_cpu
@@ -70,7 +70,7 @@ def rank_config(cfg: RunConfig, lay: Layout) -> RunConfig:
 
 
 class _Silent:
-    """The step monitor's interface (train.forward_backward), observing nothing."""
+    """The step monitor's interface (step_loop.forward_backward), observing nothing."""
 
     @contextmanager
     def phase(self, name: str):
@@ -166,7 +166,7 @@ def _one_step(cfg: RunConfig, lay: Layout, built, opt, led: ledger.Ledger | None
     if built.schedule is not None:
         titan.pipeline_step(built, microbatches, global_tokens)
     else:
-        train.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, _Silent())
+        step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, _Silent())
     mark("clip")
     titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims)
     mark("optimizer")
@@ -230,7 +230,7 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
     with fake_mode, pipe, routing:
         if fake:
             _materialize_fake(built.parts)
-        opt, _ = train.build_optimizer(cfg, built.parts)
+        opt, _ = titan.build_optimizer(cfg, built.parts)
         titan.register_optimizer_hooks(built, opt)
         build_s = time.perf_counter() - t0
         result, step_s = _two_steps(cfg, lay, built, opt)

@@ -27,6 +27,7 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
+from runner.run.titan.optim import build_optimizer
 from runner.run.titan.state import load_state, save_model, save_state
 from runner.run.titan.step import clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
 
@@ -37,6 +38,7 @@ __all__ = [
     "blockwise_linear_config",
     "build",
     "build_mesh",
+    "build_optimizer",
     "check_layer_table",
     "check_size",
     "clip_grad_norm_tensor",

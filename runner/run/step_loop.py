@@ -1,0 +1,310 @@
+"""One step of the step loop, top to bottom: data -> forward/backward per microbatch (or the pipeline schedule) ->
+global-norm clip -> the step's one host read and one host collective -> the loss guard's verdict -> the optimizer update,
+deferred to the next step -> evaluation, checkpoint, the row. Built from TorchTitan's parts (runner/run/titan/); each phase
+is a method of StepLoop so monitors can time and trace it. A run of steps (build, resume, the end) is runner.run.train.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner.config import checkpoint
+from runner.config.layout import Layout
+from runner.config.schema import MismatchAction, RunConfig
+from runner.observe import integrity, monitor, plan_check
+from runner.observe.monitor import StepMonitor
+from runner.outputs import breakdown, goodput
+from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
+from runner.run.accounting import Accounting, row
+from runner.run.checkpointer import Checkpointer
+from runner.run.device import DevicePolicy
+from runner.run.metrics import Sink
+
+
+def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: torch.Tensor, mon: StepMonitor) -> torch.Tensor:
+    """Accumulate gradients over this rank's microbatches; return its share of the loss (with CP,
+    the share of its sequence chunks: the loss divides by the global token count either way)."""
+    losses = []
+    for full_inputs, full_labels in microbatches:
+        inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)
+        with mon.phase("forward"):
+            pred = built.parts[0](inputs, **extra)
+            mon.after_forward()
+            loss, _ = loss_fn(pred, labels, global_tokens)
+            loss = mon.corrupt(loss)
+        del pred
+        with mon.phase("backward"):
+            loss.backward()
+        losses.append(loss.detach())
+    return titan.local_value(sum(losses))  # left on the device: the step reads it once, with the grad norm (DevicePolicy.read)
+
+
+def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The data streams produce CPU tensors; the model, the loss and the pipeline schedule take them on the
+    compute device (TorchTitan's own train step moves its labels the same way)."""
+    return [(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)) for inputs, labels in microbatches]
+
+
+@dataclass
+class Hooks:
+    """What a caller may observe inside the step loop (the parity harness does): `before_clip(step, parts)` once the
+    gradients are complete, before the global-norm clip; `after_init(record)` with what this rank read of model.init_from
+    (titan.load_hf's record), once the weights are in."""
+
+    before_clip: Callable[[int, list[torch.nn.Module]], None] | None = None
+    after_init: Callable[[dict[str, Any]], None] | None = None
+
+
+@dataclass
+class StepLoop:
+    """The step loop's state: the model and data, the optimizer, the observers, and what carries from one step to the
+    next (the deferred update, the rows). runner.run.train.build makes one, and its `run` calls `step` until the last."""
+
+    cfg: RunConfig
+    lay: Layout
+    built: titan.Built
+    data: Any  # runner.run.loader's SyntheticData, TextData or TokenData
+    acc: Accounting
+    sinks: list[Sink]
+    hooks: Hooks
+    policy: DevicePolicy
+    opt: Any  # the optimizer (runner.run.titan.build_optimizer)
+    sched: Any  # its learning-rate schedule
+    loss_fn: Any
+    global_tokens: torch.Tensor
+    timer: plan_check.StageTimer | None  # a pipeline's stage timer (None without one)
+    mon: StepMonitor
+    guard: monitor.LossGuard
+    ckpt: Checkpointer
+    watch: preempt.RankWatch
+    run_dir: Path
+    integrity: integrity.Checker
+    eval_data: Any = None  # the held-out split (runner.run.loader, split="eval"); None when eval.interval is 0
+    feed: loader.Prefetch | None = None
+    ft: Any = ft.OFF  # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
+    stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
+    pending: bool = False  # the last step was accepted and its optimizer step is still to run (apply_update)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.outputs.goodput)
+
+    prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
+
+    # --- one step, top to bottom ---------------------------------------------------------------------------------
+
+    def step(self, step: int) -> int:
+        """Train `step` (or leave it out after a rewind); returns the next step."""
+        guard, policy = self.guard, self.policy
+        started, p0 = time.time(), time.monotonic()  # the step's overhead: its own clock, apart from dt's
+        if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
+            self.apply_update()
+            self.sched.step()
+            return step + 1
+        syncs = policy.host_syncs
+        r, verdict, stop = self.measure(step)
+        spent = {"overhead_s": time.monotonic() - p0 - r["step_time_s"]}  # outside dt: the batch check, the monitors, the row
+        if preempt.requeued():
+            r["slurm_restart"] = preempt.restart_count()
+        if verdict.spike:
+            r |= {"spike": verdict.spike, "action": verdict.action}
+        found = self.integrity.take()
+        if found:
+            r["integrity"] = found
+        if "rewound_to" not in r:  # else the replicas disagreed and the run rewound already
+            if verdict.action == "rewind":
+                r |= {"rewound_to": self.rewind(), "bad_steps": sorted(guard.bad_steps)}
+            elif self.eval_data is not None and evaluate.due(self.cfg.eval.interval, step, self.cfg.training.steps):
+                r |= self.evaluate()
+        if "rewound_to" not in r and not self.stop_for_slurm(step, r, stop) and self.ckpt.due(step) and self.ft.saves():
+            r["checkpoint_s"] = self.ckpt.save(step, self.built, self.opt, self.sched, self.data, guard)
+        r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
+        self.publish(step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
+        return r["rewound_to"] + 1 if "rewound_to" in r else self.ft.next_step(step)
+
+    def measure(self, step: int) -> tuple[dict[str, Any], monitor.Verdict, bool]:
+        """Train the step and judge it: its metrics row, the guard's verdict, whether the ranks stop for SLURM. Outside
+        logging and check steps this is the step's one host synchronization and its one host collective."""
+        mon, policy = self.mon, self.policy
+        mon.begin_step(step)
+        self.ft.begin(step)
+        lanes = loader.digest_lanes(self.data, step - 1)
+        if self.prof is not None:
+            self.log_terms(self.prof.enter(step))
+        t0 = time.perf_counter()
+        self.apply_update()  # the last step's accepted update, timed with this step
+        self.integrity.begin_step(step, self.built.parts)
+        local, norm = self.train_step(step)
+        share, grad_norm = policy.read(local, norm)  # waits for the step's kernels (the update's too)
+        with mon.phase("loss"):
+            shared = step_sync.exchange(policy, self.lay, dist.get_rank(), share, lanes, self.watch.signalled)
+        dt = time.perf_counter() - t0
+        if self.prof is not None:
+            self.prof.end(step, dt)
+        loss = self.ft.global_loss(shared.loss)
+        verdict = self.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
+        lr = self.opt.param_groups[0]["lr"]
+        self.decide_update(step, verdict, shared.stop, self.ft.should_commit())  # torchft's vote (always True with it off)
+        replicas = self.check_replicas(step) if self.integrity.check_due(step) else {}
+        flagged = mon.end_step()
+        r = row(step, loss, grad_norm, dt, lr, self.cfg, self.acc, policy.max_memory_gb())
+        r |= {"skipped_steps": self.guard.skipped, "straggler_windows": mon.windows_judged}
+        r |= {"integrity_checks": self.integrity.checks, "replay_checks": self.integrity.replays}
+        r["data_hash"] = shared.data_hash
+        r["data_s"] = self.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+        if flagged:
+            r["stragglers"] = flagged
+        if self.prof is not None and profiling.profiled(self.cfg.profile, step):
+            r["profiled"] = True  # the profiler ran: left out of the medians
+        r |= self.ft.row(step, r, self.built.parts)
+        return r | replicas, verdict, shared.stop
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm,
+        both on the device."""
+        built, mon = self.built, self.mon
+        with torch.profiler.record_function(breakdown.DATA_SPAN):
+            microbatches = on_device(self.feed.get(step - 1), self.policy.compute_device())
+        if self.integrity.replay_due(step):
+            local = self.integrity.replay(
+                step, lambda: self.compute(microbatches), built.parts, lambda: self.opt.zero_grad(set_to_none=True), mon
+            )
+        else:
+            local = self.compute(microbatches)
+        if self.hooks.before_clip is not None:
+            self.hooks.before_clip(step, built.parts)
+        with mon.phase("optimizer"):
+            grad_norm = titan.clip_grad_norm_tensor(built.parts, self.cfg.training.max_norm, built.parallel_dims)
+        return local, titan.local_value(grad_norm)
+
+    def compute(self, microbatches) -> torch.Tensor:
+        """Forward/backward (or the pipeline schedule); returns this rank's loss share."""
+        built, mon = self.built, self.mon
+        if built.schedule is None:
+            return forward_backward(built, self.loss_fn, microbatches, self.global_tokens, mon)
+        span = mon.timeline.start()  # the schedule on the policy's timeline clock, beside its stages' busy time
+        with mon.phase("pipeline"):
+            local = titan.pipeline_step(built, microbatches, self.global_tokens)
+        mon.pipeline(mon.timeline.stop(span), self.timer)
+        return local
+
+    # --- the optimizer update, one step late ---------------------------------------------------------------------
+
+    def apply_update(self) -> None:
+        """The optimizer step of the last step, once the guard accepted it. It runs one step late, at the start of the next
+        step (or at once when something reads the weights: decide_update): the verdict needs the global loss and grad norm
+        on the host, which costs the step's one host synchronization (DevicePolicy.read); run after the verdict in the same
+        step, the update would need a second one before dt. So a step's dt holds one update and one forward/backward, and
+        a spike still never reaches the weights."""
+        if not self.pending:
+            return
+        self.pending = False
+        self.ckpt.staged()  # an async checkpoint's copy of the weights is taken before they change
+        with self.mon.phase("optimizer"):
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+
+    def decide_update(self, step: int, verdict: monitor.Verdict, stop: bool, committed: bool) -> None:
+        """An accepted step's update waits for the next step (apply_update); a spike's gradients are dropped now, and so
+        are a step's that torchft's quorum did not commit (its schedule does not advance either)."""
+        self.pending = verdict.action == "ok" and committed
+        if not self.pending:
+            self.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
+            if committed:
+                self.sched.step()
+        elif self.reads_weights(step, stop):
+            self.apply_update()
+
+    def reads_weights(self, step: int, stop: bool) -> bool:
+        """Whether anything reads the weights after `step` before the next step updates them. Under torchft the next
+        step's quorum may send them to a recovering group, so the update is never deferred there."""
+        cfg = self.cfg
+        evaluating = self.eval_data is not None and evaluate.due(cfg.eval.interval, step, cfg.training.steps)
+        due = step >= cfg.training.steps or stop or evaluating or self.ckpt.due(step) or self.integrity.check_due(step)
+        return due or self.ft is not ft.OFF
+
+    # --- after the step: checks, evaluation, SLURM, the row ------------------------------------------------------
+
+    def rewind(self) -> int:
+        """Reload the whole state from the last checkpoint before the spike streak; the guard keeps its bad steps."""
+        guard = self.guard
+        self.ckpt.wait()
+        back = self.ckpt.restore(self.built, self.opt, self.sched, self.data, guard, before=guard.streak_start)
+        if back is None:
+            raise RuntimeError(
+                f"loss guard: {guard.cfg.max_consecutive} spikes in a row and no checkpoint before step {guard.streak_start}"
+            )
+        return back
+
+    def check_replicas(self, step: int) -> dict[str, Any]:
+        """At monitor.integrity.interval: compare replicas; on a mismatch stop, or rewind (row fields of the step)."""
+        found = self.integrity.check(step, self.built.parts)
+        if not found:
+            return {}
+        where = f"report in {self.integrity.path}"
+        if self.cfg.monitor.integrity.on_mismatch == MismatchAction.stop:
+            raise integrity.IntegrityError(f"{integrity.describe(found[0])} ({len(found)} mismatches); stopping ({where})")
+        self.ckpt.wait()
+        back = self.ckpt.restore(self.built, self.opt, self.sched, self.data, self.guard, before=step + 1)
+        if back is None:
+            raise integrity.IntegrityError(f"{integrity.describe(found[0])}: no checkpoint to rewind to at or before step {step} ({where})")
+        return {"rewound_to": back}
+
+    def evaluate(self) -> dict[str, float]:
+        """One evaluation pass (runner.run.evaluate) on the weights after this step's update: its loss, perplexity and time."""
+        t0, device = time.perf_counter(), self.policy.compute_device()
+        batches = (on_device(self.eval_data.microbatches(k), device) for k in range(self.cfg.eval.steps))
+        local = evaluate.local_loss(self.built, self.loss_fn, batches, self.global_tokens)  # the eval batch is the training batch
+        return evaluate.row(evaluate.global_loss(local, self.lay, self.policy) / self.cfg.eval.steps, time.perf_counter() - t0)
+
+    def stop_for_slurm(self, step: int, r: dict[str, Any], agreed: bool) -> bool:
+        """SLURM's warning signal reached some rank: every rank stops after this step with a synchronous,
+        published checkpoint (runner.run.preempt). Without checkpoints there is nothing to resume from: the
+        job trains on until SLURM ends it."""
+        if self.stopped or step >= self.cfg.training.steps or not agreed:  # the last step just finishes
+            return False
+        if not self.ckpt.enabled:
+            if dist.get_rank() == 0 and not self.watch.warned:
+                print(f"preempt: {preempt.SIGNAL.name} at step {step}, but checkpoint.enable=false: nothing to resume from, no requeue")
+            self.watch.warned = True
+            return False
+        t0 = time.perf_counter()
+        self.ckpt.save(step, self.built, self.opt, self.sched, self.data, self.guard)
+        self.ckpt.wait()  # written and published before the ranks exit
+        saved = time.perf_counter() - t0
+        r |= {"checkpoint_s": saved, "preempted": preempt.SIGNAL.name}
+        if dist.get_rank() == 0:
+            path = checkpoint.final_path(self.ckpt.folder, step)
+            entry = preempt.record(self.run_dir, step, path, saved, self.watch.signalled_at)
+            print(
+                f"preempt: {entry['signal']}: stopped after step {step}, checkpoint {path} ({saved:.2f} s); the job is requeued", flush=True
+            )
+        self.stopped = True
+        return True
+
+    def publish(self, step: int, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
+        """After the step's save: publish a finished async save, log the row when due, record the step on the timeline."""
+        p2 = time.monotonic()
+        self.ckpt.poll()
+        p3 = time.monotonic()
+        spent["publish_s"] = p3 - p2
+        self.rows.append(r)
+        if step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps or notable or "eval_loss" in r or self.stopped:
+            for s in self.sinks:
+                s.log(r)
+        self.mon.finished_step()
+        spent["overhead_s"] += time.monotonic() - p3
+        if self.timeline is not None:
+            self.timeline.step(r, started, **spent)
+
+    def log_terms(self, found: dict[str, Any] | None) -> None:
+        """A traced step's terms (the busiest traced rank's) to the sinks that chart them per step (W&B)."""
+        if found is not None:
+            for s in self.sinks:
+                s.log_breakdown(found)
