@@ -264,3 +264,14 @@ def test_commands_are_found_in_every_source(work):
     assert {"README.md", "--help"} <= sources, sorted(sources)
     n_points = sum(len(points(parse(d, work))) for d in DOCS)
     assert len(DOCS) >= MIN_COMMANDS and n_points >= MIN_POINTS, (len(DOCS), n_points)
+
+
+def test_architecture_lists_every_module():
+    """docs/ARCHITECTURE.md names every module under runner/ by its path there (`run/step_loop.py`); a module added
+    without a row fails here."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    modules = sorted(p.relative_to(ROOT / "runner").as_posix() for p in (ROOT / "runner").rglob("*.py"))
+    trivial = {m for m in modules if m.endswith("__init__.py") and len((ROOT / "runner" / m).read_text().splitlines()) <= 8}
+    missing = [m for m in modules if m not in trivial and f"`{m}`" not in doc]
+    assert missing == [], f"add a row to docs/ARCHITECTURE.md for {missing}"
+
