@@ -46,6 +46,12 @@ def main(dcfg: DictConfig) -> float | None:
         if cfg.mode != Mode.train:
             return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
         validate.preflight(cfg, run_dir, lay)
+        if cfg.optimizer.param_groups:  # the model's parameter names, on the meta device: each pattern must match one
+            from runner.run.titan import optim
+
+            unmatched = optim.unmatched(cfg, optim.parameter_names(cfg))
+            if unmatched is not None:
+                raise unmatched
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if sweep.multirun():
             return sweep.invalid_point(e, run_dir)
@@ -57,6 +63,7 @@ def _word_config_errors() -> None:
     """Hydra reports what fails while it composes through `run_and_report`: a YAML syntax error as its traceback,
     a value of the wrong type as OmegaConf's raw text. Word those two (runner.config.compose_errors) and exit 2;
     leave the rest to Hydra, and everything to it when HYDRA_FULL_ERROR=1 asks for the full traceback."""
+    # private_api: hydra_run_and_report, hydra_is_env_set
     from hydra._internal import utils
 
     report = utils.run_and_report
@@ -85,14 +92,16 @@ def _word_config_errors() -> None:
 
 def refuse_cut_replay(argv: list[str]) -> None:
     """Exit 2 before Hydra composes a frozen file given as the primary config (`--config-dir <run folder>
-    --config-name frozen`) that was cut short: Hydra would fill what it lost with the schema's defaults."""
+    --config-name frozen`) that was cut short (Hydra would fill what it lost with the schema's defaults) or cannot be
+    read at all (random bytes, not a mapping, a value of the wrong type): one message naming the file."""
+    # private_api: hydra_get_args_parser
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
     if args.config_dir and args.config_name:
-        cut = freeze.cut_short(Path(args.config_dir) / f"{args.config_name.removesuffix('.yaml')}.yaml")
-        if cut is not None:
-            print(cut, file=sys.stderr)
+        why = freeze.refusal(Path(args.config_dir) / f"{args.config_name.removesuffix('.yaml')}.yaml")
+        if why is not None:
+            print(why, file=sys.stderr)
             sys.exit(2)
 
 

@@ -54,10 +54,11 @@ def trainer_config(spec: dict, model_spec=None):
     from torchtitan.models.llama3 import model_registry
     from torchtitan.trainer import Trainer
 
+    from runner.config.schema import LRSchedulerConfig, OptimizerConfig
     from runner.config.schema import TrainingConfig as RunnerTraining
     from runner.run.titan.distributed import SPMD_BACKEND
 
-    t = RunnerTraining()  # the runner's defaults, which gpu_check's runner command leaves as they are
+    t, o, s = RunnerTraining(), OptimizerConfig(), LRSchedulerConfig()  # the runner's defaults, which gpu_check's runner command keeps
     if model_spec is None:
         model_spec = model_registry("debugmodel", converters=converters(spec) or None)
     return Trainer.Config(
@@ -65,8 +66,10 @@ def trainer_config(spec: dict, model_spec=None):
         hf_assets_path=spec["hf_assets_path"],
         dump_folder=spec["dump_folder"],
         loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
-        optimizer=default_adamw(lr=t.lr, weight_decay=t.weight_decay),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=t.warmup_steps, decay_ratio=0.0),
+        optimizer=default_adamw(lr=o.lr, weight_decay=o.weight_decay),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=s.warmup_steps, decay_type=s.decay_type.value, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor
+        ),
         training=TrainingConfig(
             local_batch_size=spec["local_batch_size"],
             seq_len=spec["seq_len"],

@@ -7,13 +7,13 @@ import contextlib
 import copy
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +25,7 @@ os.environ["HOME"] = _HOME
 atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 
 from tests import zygote  # noqa: E402
+from tests.multiruns import Multirun, multirun_status  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,20 +92,17 @@ def run_module(
     return zygote.client().run(argv, cwd, dict(os.environ) if env is None else env, timeout)
 
 
-def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> tuple[dict[str, Path], dict[str, str]]:
+def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> Multirun:
     """Train several configurations in one Hydra multirun: one process, so torch and TorchTitan are
     imported once instead of once per launch (~11 s each). Each point is an option of a config group
     `point` in a config folder of its own (Hydra's experiment pattern): `-m +point=a,b,...`.
-    Returns each point's run folder and its part of the console (split at Hydra's `#i :` lines)."""
+    Returns each point's run folder, its part of the console and whether it failed (multirun_status)."""
     from runner.config import points as point_files
 
     folder = sweep.parent / f"{sweep.name}-points"
     names = point_files.write(points, folder, common)
     proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}", timeout=1800)  # many points, a slow machine
-    assert proc.returncode == 0, f"multirun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    parts = re.split(r"\[HYDRA\]\s+#\d+ : ", proc.stdout)[1:]
-    assert len(parts) == len(points), proc.stdout[-3000:]
-    return {name: sweep / str(i) for i, name in enumerate(points)}, dict(zip(points, parts, strict=True))
+    return multirun_status(names, sweep, proc)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -209,66 +207,104 @@ def slurm_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def parity_runs(compose, tmp_path_factory) -> dict[str, dict]:
-    """The parity points of tests/test_parallel.py, tests/test_family_train.py, tests/test_titan.py and the Hugging Face
-    tests (tests/test_hf_load.py, tests/test_hf_export.py), each with its own module's COMMON, in one launch per rank
-    count: a launch imports torch and TorchTitan and starts a process group (~10 s), so the modules share theirs."""
-    from tests import test_family_train, test_hf_export, test_hf_load, test_parallel, test_titan
+def text_files(tmp_path_factory) -> tuple[Path, Path]:
+    """The corpus and tokenizer of tests/text_assets.py that test_checkpoint and its shared runs read."""
+    from tests import text_assets
 
-    launches: dict[int, dict[str, list[str]]] = {}
-    for module in (test_parallel, test_family_train, test_titan):
-        for nproc, points in module.LAUNCHES.items():
-            launches.setdefault(nproc, {}).update({name: [*module.COMMON, *o] for name, o in points.items()})
-    for nproc, points in test_hf_load.launches(tmp_path_factory.mktemp("hf_models")).items():  # its own COMMON inside
-        launches.setdefault(nproc, {}).update(points)
-    for name, extra in test_hf_export.round_trip(tmp_path_factory.mktemp("hf_round_trip")).items():  # some of those points checkpoint
-        next(points for points in launches.values() if name in points)[name] += extra
-    return parity_launches(compose, dict(sorted(launches.items())), [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
-
-
-CONSOLES: dict[int, str] = {}
-"""The console (stdout) of parity_launches' last launch of each rank count."""
-
-
-SHARED_RUNS = ("test_train", "test_checkpoint", "test_tokens", "test_slurm")
-"""The modules whose runs through `python -m runner` share conftest's `shared_runs` multirun, each with a
-`shared_points(tmp_path_factory) -> {name: overrides}` (its own common overrides included; names unique)."""
+    return text_assets.make(tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture(scope="session")
-def shared_runs(request, tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """The training points of the SHARED_RUNS modules this session runs tests of, in one Hydra multirun: each launch
-    imports torch and TorchTitan (~11 s), so the modules share one. Points run in module order, each module's in its
-    own order (a point may resume from an earlier one's checkpoint). {name: (its run folder, its part of the console)}."""
-    found = (getattr(item, "module", None) for item in request.session.items)
-    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in found if m is not None}  # pytest's own: their caches are the fixtures'
-    points: dict[str, list[str]] = {}
-    for name in (m for m in SHARED_RUNS if m in modules):
-        points.update(modules[name].shared_points(tmp_path_factory))
-    dirs, consoles = multirun(points, [], tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep")
-    return {name: (dirs[name], consoles[name]) for name in points}
+def token_folders(tmp_path_factory) -> SimpleNamespace:
+    """The prepared token folders (tests/text_assets.py's token_folders) that test_tokens and its shared runs read."""
+    from tests import text_assets
+
+    return text_assets.token_folders(tmp_path_factory.mktemp("tokens"))
 
 
 @pytest.fixture(scope="session")
-def dry_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """The mode=dryrun points (DRYRUNS) of tests/test_dryrun.py and tests/test_plan_memory.py in one Hydra multirun:
-    a dry run imports torch and TorchTitan (~10 s), then forks its simulated ranks, so the points share one process.
-    {name: (its run folder, its part of the console)}."""
-    from tests import test_dryrun, test_plan_memory
+def hf_folders(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny transformers model of tests/hf_models.py saved (save_pretrained) into a folder of its own: the Hugging
+    Face parity points start from them. {name: its folder}."""
+    from tests import hf_models
 
-    points = {name: overrides for module in (test_dryrun, test_plan_memory) for name, overrides in module.DRYRUNS.items()}
-    dirs, consoles = multirun(points, ["mode=dryrun"], tmp_path_factory.mktemp("dryruns") / "sweep")
-    return {name: (dirs[name], consoles[name]) for name in points}
+    folder = tmp_path_factory.mktemp("hf_models")
+    return {name: hf_models.save(name, folder / name) for name in hf_models.TINY}
 
 
-def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder) -> dict[str, dict]:
+@pytest.fixture(scope="session")
+def hf_round_trip(tmp_path_factory) -> dict[str, Path]:
+    """The checkpoint folder each HF_ROUND_TRIP parity point (tests/points.py) saves into. {point: its folder}."""
+    from tests import points
+
+    folder = tmp_path_factory.mktemp("hf_round_trip")
+    return {name: folder / name for name in points.HF_ROUND_TRIP}
+
+
+@pytest.fixture(scope="session")
+def parity(compose, tmp_path_factory, hf_folders, hf_round_trip) -> tuple[dict[str, dict], dict[int, str]]:
+    """The parity points of tests/points.py (test_parallel's, test_family_train's, test_titan's and the Hugging Face
+    tests'), each with its section's common overrides, in one launch per rank count: a launch imports torch and
+    TorchTitan and starts a process group (~10 s), so the modules share theirs. (parity_runs, parity_consoles)."""
+    from tests import points
+
+    launches = points.parity_launches(hf_folders, tmp_path_factory.mktemp("hf_ckpt") / "ckpt", hf_round_trip)
+    return parity_launches(compose, launches, [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
+
+
+@pytest.fixture(scope="session")
+def parity_runs(parity) -> dict[str, dict]:
+    """Each parity point's layout_parity.json by name, with its run folder as "run_dir"."""
+    return parity[0]
+
+
+@pytest.fixture(scope="session")
+def parity_consoles(parity) -> dict[int, str]:
+    """The console (stdout) of each rank count's parity launch."""
+    return parity[1]
+
+
+@pytest.fixture(scope="session")
+def shared_runs(request, tmp_path_factory) -> Multirun:
+    """The training points (tests/points.py) of test_train, test_checkpoint, test_tokens and test_slurm, of those this
+    session runs tests of, in one Hydra multirun: each launch imports torch and TorchTitan (~11 s), so the modules share
+    one. Points run in that module order, each module's in its own order (a point may resume from an earlier one's
+    checkpoint); names are unique. A point that failed fails only the tests that read it (point)."""
+    from tests import points
+
+    found = {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items if getattr(item, "module", None)}
+    chosen: dict[str, list[str]] = {}
+    if "test_train" in found:
+        chosen |= points.TRAIN
+    if "test_checkpoint" in found:
+        chosen |= points.checkpoint(request.getfixturevalue("text_files"))
+    if "test_tokens" in found:
+        folders = request.getfixturevalue("token_folders")
+        chosen |= points.tokens(folders.a, folders.b, tmp_path_factory.mktemp("tok_ckpt") / "ckpt")
+    if "test_slurm" in found:
+        chosen |= points.SLURM
+    return multirun(chosen, [], tmp_path_factory.mktemp("runs") / "2026-11-29" / "sweep")
+
+
+@pytest.fixture(scope="session")
+def dry_runs(tmp_path_factory) -> Multirun:
+    """The mode=dryrun points (DRYRUNS of tests/points.py) of test_dryrun and test_plan_memory in one Hydra multirun:
+    a dry run imports torch and TorchTitan (~10 s), then forks its simulated ranks, so the points share one process."""
+    from tests import points
+
+    return multirun(points.DRYRUNS, ["mode=dryrun"], tmp_path_factory.mktemp("dryruns") / "sweep")
+
+
+def parity_launches(
+    compose, launches: dict[int, dict[str, list[str]]], common: list[str], folder
+) -> tuple[dict[str, dict], dict[int, str]]:
     """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
-    first) and return every point's layout_parity.json by name, with its run folder as "run_dir"; `folder(nproc)` gives a
-    fresh folder per launch."""
+    first) and return every point's layout_parity.json by name, with its run folder as "run_dir", and each launch's
+    console (stdout) by rank count; `folder(nproc)` gives a fresh folder per launch."""
     from runner.config import runfiles, validate
     from runner.run import layout_parity
 
-    out = {}
+    out, consoles = {}, {}
     for nproc, points in launches.items():
         cfgs = {name: compose([*common, *overrides]) for name, overrides in points.items()}
         for cfg in cfgs.values():
@@ -276,7 +312,7 @@ def parity_launches(compose, launches: dict[int, dict[str, list[str]]], common: 
         paths = layout_parity.prepare(cfgs, folder(nproc))
         proc = run_module("runner.parity", str(nproc), *paths, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        CONSOLES[nproc] = proc.stdout
+        consoles[nproc] = proc.stdout
         for name, path in zip(points, paths, strict=True):
             out[name] = json.loads((path.parent / runfiles.PARITY).read_text()) | {"run_dir": path.parent}
-    return out
+    return out, consoles

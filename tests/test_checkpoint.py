@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import zlib
@@ -27,41 +28,18 @@ from runner.config.schema import ModelConfig
 from runner.outputs import goodput
 from tests import text_assets
 from tests.conftest import metrics, run_cli
+from tests.multiruns import Lazy
+from tests.points import CHECKPOINT_KILL_AT as KILL_AT
+from tests.points import CHECKPOINT_POINTS as POINTS
+from tests.points import CHECKPOINT_STEPS as STEPS
+from tests.points import checkpoint_common as _common
 
-STEPS, KILL_AT = 6, 4
 LOSS_ATOL = 1e-4  # another layout: float32 reduction-order noise (as in test_train's parity)
 
 
-_MADE: dict[Path, tuple[Path, Path]] = {}
-
-
-def _assets(tmp_path_factory) -> tuple[Path, Path]:
-    """Made once per session (keyed by its temporary folder): the module's fixture and the shared runs read the same files."""
-    base = tmp_path_factory.getbasetemp()
-    if base not in _MADE:
-        _MADE[base] = text_assets.make(tmp_path_factory.mktemp("assets"))
-    return _MADE[base]
-
-
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return _assets(tmp_path_factory)  # the same files the shared runs read
-
-
-def _common(assets) -> list[str]:
-    corpus, tok = assets
-    return [
-        "data=text",
-        f"data.files=[{corpus}]",
-        f"data.tokenizer={tok}",
-        "checkpoint=local",
-        "checkpoint.interval=1",
-        "checkpoint.keep=3",
-        f"training.steps={STEPS}",
-        "training.seq_len=64",
-        "logging.progress=false",
-        "distributed.shutdown_timeout_s=5",
-    ]
+def assets(text_files):
+    return text_files  # the same files the shared runs read
 
 
 def _ok(proc, name: str) -> None:
@@ -73,25 +51,11 @@ def _by_step(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(run_dir)}
 
 
-POINTS = {
-    "reference": [
-        *("checkpoint.export_final_model=true", "checkpoint.export_hf=true"),
-        *("cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"),
-    ],
-    "killed": ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"],
-}
-
-
-def shared_points(tmp_path_factory) -> dict[str, list[str]]:
-    """The reference and the killed run: points of the session's one Hydra multirun (conftest's shared_runs)."""
-    common = _common(_assets(tmp_path_factory))
-    return {f"ckpt-{name}": [*common, *overrides] for name, overrides in POINTS.items()}
-
-
 @pytest.fixture(scope="module")
 def trained(shared_runs):
-    """The reference and the killed run: {name: (run folder, its console)}."""
-    return {name: (shared_runs[f"ckpt-{name}"][0], SimpleNamespace(stdout=shared_runs[f"ckpt-{name}"][1])) for name in POINTS}
+    """The reference and the killed run (POINTS in tests/points.py): {name: (run folder, its console)}; reading a point
+    that failed fails the test that reads it."""
+    return Lazy(POINTS, lambda name: (shared_runs[f"ckpt-{name}"][0], SimpleNamespace(stdout=shared_runs[f"ckpt-{name}"][1])))
 
 
 @pytest.fixture(scope="module")
@@ -250,15 +214,15 @@ def test_pipeline_run_resumes_fsdp_tp_checkpoint_and_saves_its_own(reference, as
     assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard per pipeline stage
     # the pipeline layout's checkpoint (one file per stage) exports too, with the logits of the runner's model
     from runner.run import hf_export
-    from tests import test_hf_export as hf_export_tests
+    from tests import hf_compare
 
     code = hf_export.main([str(folder / "step-6"), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert code == 0
     cfg = freeze.load(run_dir / runfiles.FROZEN)
-    gap, top = hf_export_tests.logits_gap(
-        hf_export_tests.titan_from_checkpoint(cfg, folder / "step-6"), hf_export_tests.load_hf(tmp_path / "hf"), _held_out(assets)
+    gap, top = hf_compare.logits_gap(
+        hf_compare.titan_from_checkpoint(cfg, folder / "step-6"), hf_compare.load_hf(tmp_path / "hf"), _held_out(assets)
     )
-    assert gap <= hf_export_tests.LOGITS_RTOL * top
+    assert gap <= hf_compare.LOGITS_RTOL * top
 
 
 def _held_out(assets):
@@ -286,18 +250,18 @@ def test_reference_exports_hf_that_transformers_reads_with_the_runner_logits(ref
     run's tokenizer; transformers' logits on held-out tokens equal the runner's model of the same checkpoint."""
     import torch
 
-    from tests import test_hf_export as hf_export_tests
+    from tests import hf_compare
 
     run_dir, proc = reference
     folder = run_dir / "checkpoints" / "model-hf"
     assert f"checkpoint: Hugging Face export of step-6 in {folder}" in proc.stdout
     assert sorted(p.name for p in folder.iterdir()) == HF_FILES
     cfg = freeze.load(run_dir / runfiles.FROZEN)
-    model, hf = hf_export_tests.titan_from_checkpoint(cfg, run_dir / "checkpoints" / "step-6"), hf_export_tests.load_hf(folder)
-    hf_export_tests.assert_round_trip(model, cfg, folder)  # the 4 ranks' shards, whole and bitwise
+    model, hf = hf_compare.titan_from_checkpoint(cfg, run_dir / "checkpoints" / "step-6"), hf_compare.load_hf(folder)
+    hf_compare.assert_round_trip(model, cfg, folder)  # the 4 ranks' shards, whole and bitwise
     tokens = _held_out(assets)
-    gap, top = hf_export_tests.logits_gap(model, hf, tokens)
-    assert gap <= hf_export_tests.LOGITS_RTOL * top
+    gap, top = hf_compare.logits_gap(model, hf, tokens)
+    assert gap <= hf_compare.LOGITS_RTOL * top
     with torch.no_grad():  # the runner's loss on the same tokens, as its evaluation computes it, and transformers'
         want = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         got = torch.nn.functional.cross_entropy(hf(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -483,6 +447,30 @@ def test_resume_of_another_model_is_rejected_before_launch(compose, tmp_path):
     assert cfg.checkpoint.resume_from == ""  # nothing pinned
 
 
+def test_resume_under_another_schedule_is_rejected_before_launch(compose, tmp_path):
+    """The learning rate of a step depends on training.steps (the decay ends at the last step): a resume with another
+    run length, or another warm-up, decay or peak rate, would continue another schedule and is refused, naming both
+    values; a checkpoint written before schedules were recorded is not judged."""
+    folder = _fake(tmp_path / "checkpoints", 4)
+    marker = folder / runfiles.CHECKPOINT_MARKER
+    body = json.loads(marker.read_text())
+    body["model"] = checkpoint.model_identity(ModelConfig())
+    body["schedule"] = checkpoint.schedule(compose(["training.steps=8"]))
+    marker.write_text(json.dumps(body))
+    cfg = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=12"])
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(cfg, tmp_path)
+    (p,) = e.value.problems
+    assert (p.field, p.value) == ("training.steps", 12)
+    assert p.why.startswith(
+        f"the checkpoint {folder} was trained under another learning-rate schedule (training.steps 8 in the checkpoint, 12 now)"
+    )
+    validate.preflight(compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"]), tmp_path)  # the same: resumes
+    body.pop("schedule")
+    marker.write_text(json.dumps(body))
+    validate.preflight(compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=12"]), tmp_path)
+
+
 def test_resume_pins_the_checkpoint_it_starts_from(compose, tmp_path):
     for s in (2, 4):
         _with_model(_fake(tmp_path / "checkpoints", s))
@@ -561,16 +549,41 @@ def _lm_eval_items(n: int = 4) -> list[dict[str, str]]:
     return out
 
 
+def _no_network(monkeypatch) -> list[str]:
+    """Every connection but a local (AF_UNIX) one fails and is recorded, and the Hugging Face libraries are told they
+    are offline: what lm-eval and transformers read must be on disk."""
+    import socket
+
+    tried, connect, connect_ex = [], socket.socket.connect, socket.socket.connect_ex
+
+    def local_only(original):
+        def call(self, address):
+            if self.family != socket.AF_UNIX:
+                tried.append(str(address))
+                raise OSError(f"no network in this test (a connection to {address})")
+            return original(self, address)
+
+        return call
+
+    monkeypatch.setattr(socket.socket, "connect", local_only(connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", local_only(connect_ex))
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    return tried
+
+
 @pytest.mark.e2e
-def test_lm_eval_scores_the_export_with_transformers_log_likelihoods(reference, tmp_path):
-    """lm-evaluation-harness (`--model hf`, pretrained=<the export>) on a local task: each item's log-likelihood equals
-    transformers' on the same tokens. lm-eval is not a CI dependency: without it this test is skipped."""
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (not a CI dependency; `pip install lm-eval` runs this test)")
+def test_lm_eval_scores_the_export_with_transformers_log_likelihoods(reference, tmp_path, monkeypatch):
+    """lm-evaluation-harness (`--model hf`, pretrained=<the export>) on a local task, with no network: each item's
+    log-likelihood equals transformers' on the same tokens, and the task's perplexity is exp(-mean) of them.
+    lm-eval (with its `hf` extra) is a dev dependency."""
+    tried = _no_network(monkeypatch)
+    import lm_eval
     import torch
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from tests import test_hf_export as hf_export_tests
+    from tests import hf_compare
 
     folder = reference[0] / "checkpoints" / "model-hf"
     items = _lm_eval_items()
@@ -587,11 +600,16 @@ def test_lm_eval_scores_the_export_with_transformers_log_likelihoods(reference, 
         log_samples=True,
     )
     samples = sorted(res["samples"]["runner_export_check"], key=lambda s: s["doc_id"])
-    tok, hf = AutoTokenizer.from_pretrained(str(folder)), hf_export_tests.load_hf(folder)
+    tok, hf = AutoTokenizer.from_pretrained(str(folder)), hf_compare.load_hf(folder)
+    wants = []
     for item, sample in zip(items, samples, strict=True):
         context, whole = tok(item["context"])["input_ids"], tok(item["context"] + item["continuation"])["input_ids"]
         assert whole[: len(context)] == context and len(whole) > len(context)
         with torch.no_grad():
             logp = torch.log_softmax(hf(torch.tensor([whole])).logits[0], dim=-1)
         want = sum(float(logp[i - 1, whole[i]]) for i in range(len(context), len(whole)))
-        assert sample["resps"][0][0][0] == pytest.approx(want, rel=1e-5), item
+        assert want < 0 and sample["resps"][0][0][0] == pytest.approx(want, rel=1e-5), item
+        wants.append(want)
+    perplexity = res["results"]["runner_export_check"]["perplexity,none"]
+    assert perplexity == pytest.approx(math.exp(-sum(wants) / len(wants)), rel=1e-5)
+    assert tried == []

@@ -16,7 +16,7 @@ from runner.config import layout
 from runner.run import mesh
 from tests.conftest import ROOT, run_cli, run_module
 
-SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu"]
+SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu", "precision=bf16"]  # a GPU cluster refuses the CPU default fp32
 FIRST_NODE = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
 
 

@@ -110,7 +110,9 @@ def test_cp_with_latent_attention_rejected_on_cpu_only(compose):
         validate.check(cfg)
     assert "parallelism.cp = 2: on CPU, ring attention covers the fused SDPA kernel; latent attention's query/key heads" in str(e.value)
     assert "aten.add.Tensor got mixed torch.Tensor and DTensor" in str(e.value) and "(1 problem)" in str(e.value)
-    gpu = compose(["model=debug_moe", "parallelism=ep2", "parallelism.cp=2", "parallelism.dp_shard=4", "cluster=h100_node"])
+    gpu = compose(
+        ["model=debug_moe", "parallelism=ep2", "parallelism.cp=2", "parallelism.dp_shard=4", "cluster=h100_node", "precision=bf16"]
+    )
     assert validate.check(gpu).describe() == "dp_shard=4 x cp=2 x ep=2"
 
 

@@ -274,4 +274,3 @@ def test_architecture_lists_every_module():
     trivial = {m for m in modules if m.endswith("__init__.py") and len((ROOT / "runner" / m).read_text().splitlines()) <= 8}
     missing = [m for m in modules if m not in trivial and f"`{m}`" not in doc]
     assert missing == [], f"add a row to docs/ARCHITECTURE.md for {missing}"
-

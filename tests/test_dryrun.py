@@ -17,10 +17,9 @@ from runner.config import flops, freeze, runfiles, validate
 from runner.config.dryrun import report as dryrun_report
 from runner.config.problems import ConfigError
 from tests.conftest import run_cli, run_module
+from tests.points import DRYRUN_SMALL as SMALL
 
-SMALL = ["recipe=debug_dp2_tp2_cpu", "training.seq_len=64", "training.global_batch_size=4", "training.microbatch_size=1"]
-# The dry runs below, trained with tests/test_plan_memory.py's in one multirun (conftest's dry_runs)
-DRYRUNS = {"dryrun-ledger": [*SMALL, "dryrun.ranks=[0]"], "dryrun-8b": ["recipe=llama3_8b_fsdp8_h100"]}
+# The dry runs (tests/points.py's DRYRUNS), trained with tests/test_plan_memory.py's in one multirun (conftest's dry_runs)
 
 
 def test_default_ranks_and_reduced_batch(compose):

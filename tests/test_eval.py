@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-from runner.config import validate
+from runner.config import schema, validate
 from runner.config.problems import ConfigError
 from runner.run import evaluate, loader
 from tests import text_assets
@@ -237,7 +237,8 @@ class _Counts:
         ref = self.host.get(id(t))
         if ref is not None and ref() is t:
             return True
-        return t.dim() == 0 and self.opt is not None and any(t is state.get("step") for state in self.opt.state.values())
+        held = [s for o in self.opt for s in o.state.values()] if self.opt is not None else []  # TorchTitan's container's optimizers
+        return t.dim() == 0 and any(t is state.get("step") for state in held)
 
 
 def _instrument(monkeypatch, counts: _Counts, train, DevicePolicy) -> None:
@@ -308,3 +309,138 @@ def test_a_non_logging_step_synchronizes_once_and_runs_one_host_collective(one_r
     assert all(c == {"sync": ["tolist"], "collective": ["all_reduce"]} for c in plain.values()), plain
     assert [r["host_syncs"] for r in rows] == [1, 1, 1]  # the last step's update runs at once: on CPU no sync of its own
     assert len({r["data_hash"] for r in rows}) == 3 and all(len(r["data_hash"]) == 16 for r in rows)
+
+
+# ---------------------------------------------------------------- what the step loop trains (the module's one-rank build)
+
+
+def _train(one_rank, tmp_path, overrides: dict, hooks=None) -> list[dict]:
+    """train.run of the module's one-rank debug model with `overrides` (dotted field -> value) and metrics.jsonl written;
+    returns its rows as metrics.jsonl holds them. The weights are put back afterwards."""
+    import copy
+    import functools
+    import json
+
+    from runner.run import accounting, metrics, train
+
+    cfg, lay, built, policy = one_rank
+    cfg = copy.deepcopy(cfg)
+    cfg.logging.log_every = 1
+    cfg.training.global_batch_size = cfg.training.microbatch_size = 2
+    for key, value in overrides.items():
+        *path, name = key.split(".")
+        setattr(functools.reduce(getattr, path, cfg), name, value)
+    acc = accounting.Accounting(1.0, 1e12, "test", built.flops_per_token, built.flops_per_token, "float32", False, built.num_params, None)
+    data = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **(_shape() | {"global_batch": 2, "microbatch": 2}))
+    before = {k: v.detach().clone() for k, v in built.parts[0].state_dict().items()}
+    try:
+        train.run(cfg, lay, built, data, acc, [metrics.JsonlSink(tmp_path)], tmp_path, policy, hooks=hooks)
+    finally:
+        built.parts[0].load_state_dict(before)  # the next test starts from the same weights
+    return [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+@pytest.mark.parametrize("ratio,floor", [(None, 0.0), (0.5, 0.1)], ids=["decay_after_warmup", "wsd_min_0.1"])
+def test_the_logged_learning_rate_is_torchtitans_schedule(one_rank, tmp_path, decay_type, ratio, floor):
+    """Every step's logged rate is the one TorchTitan's LRSchedulersContainer gives for the same numbers (warm-up 2,
+    10 steps, the decay type, decay_ratio and min_lr_factor): the rate step k's update uses."""
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    from runner.config.schema import LRDecay
+
+    steps, warmup, peak = 10, 2, 1e-3
+    rows = _train(
+        one_rank,
+        tmp_path,
+        {
+            "training.steps": steps,
+            "optimizer.lr": peak,
+            "lr_scheduler.warmup_steps": warmup,
+            "lr_scheduler.decay_type": LRDecay(decay_type),
+            "lr_scheduler.decay_ratio": ratio,
+            "lr_scheduler.min_lr_factor": floor,
+        },
+    )
+    model = torch.nn.Linear(2, 2)
+    opt = default_adamw(lr=peak).build(model_parts=[model])
+    sched = LRSchedulersContainer.Config(warmup_steps=warmup, decay_type=decay_type, decay_ratio=ratio, min_lr_factor=floor).build(
+        optimizers=opt, training_steps=steps
+    )
+    expected = []
+    for _ in range(steps):
+        expected.append(opt.optimizers[0].param_groups[0]["lr"])
+        sched.step()
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["lr"] for r in rows] == expected
+    assert expected[0] == peak / warmup and max(expected) == peak and expected[-1] < peak  # it warms up, then decays
+    if floor:
+        assert min(expected[warmup:]) >= floor * peak
+
+
+def test_no_weight_decay_on_norms_and_embeddings_under_the_switch(one_rank):
+    """optimizer.no_decay_1d_and_embeddings: the norm weights and the token embeddings land in a group with weight decay
+    0, a Linear weight in the default group with optimizer.weight_decay; a pattern that matches no parameter is named."""
+    import copy
+
+    from runner.run import titan
+    from runner.run.titan import optim
+
+    cfg, _, built, _ = one_rank
+    cfg = copy.deepcopy(cfg)
+    cfg.optimizer.no_decay_1d_and_embeddings = True
+    opt, _ = titan.build_optimizer(cfg, built.parts)
+    decay = {id(p): g["weight_decay"] for o in opt for g in o.param_groups for p in g["params"]}
+    named = dict(built.parts[0].named_parameters())
+    assert decay[id(named["norm.weight"])] == 0.0 and decay[id(named["tok_embeddings.weight"])] == 0.0
+    assert decay[id(named["layers.0.attention_norm.weight"])] == 0.0
+    assert decay[id(named["layers.0.feed_forward.w1.weight"])] == 0.1 and decay[id(named["lm_head.weight"])] == 0.1
+    assert len(decay) == len(named)  # every parameter in exactly one group
+    names = optim.parameter_names(cfg)
+    assert sorted(names) == sorted(named)
+    cfg.optimizer.param_groups = [schema.ParamGroup(pattern="ffn_norm"), schema.ParamGroup(pattern="router\\.gate")]
+    err = optim.unmatched(cfg, names)
+    assert err is not None and [p.field for p in err.problems] == ["optimizer.param_groups[1].pattern"]
+    assert "optimizer.param_groups[1].pattern = router\\.gate: matches no parameter of the model" in str(err)
+
+
+def test_a_lasting_level_shift_is_skipped_at_most_max_consecutive_times(one_rank, tmp_path, capsys):
+    """From step 8 on the guard sees 4 x the gradient norm (a level shift, not a spike): steps 8-10 are skipped
+    (monitor.guard.max_consecutive 3), step 11 is accepted and the medians restart from it, and the run trains every
+    later step; before, every step after the shift was skipped and the run trained nothing more."""
+    shift = {"monitor.inject.norm_shift_step": 8, "monitor.inject.norm_shift_scale": 4.0}
+    rows = _train(one_rank, tmp_path, {"training.steps": 16, "optimizer.lr": 1e-7, **shift})  # the weights barely move: no real spike
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert [r["step"] for r in rows if r.get("action") == "skip"] == [8, 9, 10]
+    assert [r["step"] for r in rows if r.get("action") == "accept"] == [11]
+    assert rows[-1]["skipped_steps"] == 3  # 13 of 16 steps trained
+    out = capsys.readouterr().out
+    assert "loss guard: step 11: grad norm " in out and "after 3 skipped steps in a row: accepted as a new level" in out
+
+
+def test_collections_run_at_the_same_steps_with_automatic_collection_off(one_rank, tmp_path):
+    """training.gc_every=3 over 7 steps: inside the loop Python's automatic collection is off and the only collections are
+    TorchTitan's GarbageCollection's, at steps 3 and 6 (every rank collects at the same step); after it, it is on again."""
+    import gc
+
+    from runner.run.step_loop import Hooks
+
+    now, seen, enabled = [0], [], []
+
+    def counted(phase, info):
+        if phase == "start" and now[0]:
+            seen.append(now[0])
+
+    def before_clip(step, parts):
+        now[0] = step
+        enabled.append(gc.isenabled())
+
+    gc.callbacks.append(counted)
+    try:
+        rows = _train(one_rank, tmp_path, {"training.steps": 7, "training.gc_every": 3}, hooks=Hooks(before_clip=before_clip))
+    finally:
+        gc.callbacks.remove(counted)
+    assert enabled == [False] * 7 and gc.isenabled()
+    assert seen == [3, 6]
+    assert [r["step"] for r in rows if "gc_s" in r] == [3, 6]

@@ -207,5 +207,6 @@ def test_head_dim_apart_from_width_validates(compose):
     for option in ("qwen3_0_6b", "qwen3_30b_a3b"):
         validate.check(compose([f"model={option}", "parallelism=single"]))
     # gpt-oss and Qwen3.5 are rejected on CPU ranks only (runner.config.family_support)
-    validate.check(compose(["model=gpt_oss_20b", "cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"]))
-    validate.check(compose(["model=qwen3_5_9b", "cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"]))
+    gpu = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]
+    validate.check(compose(["model=gpt_oss_20b", *gpu]))
+    validate.check(compose(["model=qwen3_5_9b", *gpu]))

@@ -23,26 +23,9 @@ import pytest
 from runner.config import family_support, validate
 from runner.config.problems import ConfigError
 from tests.conftest import ROOT
+from tests.points import FAMILY_LAUNCHES as LAUNCHES
+from tests.points import FAMILY_REFERENCE as REFERENCE
 
-COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false"]
-COMMON += ["training.global_batch_size=4", "training.microbatch_size=2"]  # 256 tokens a step (see MOE_SP_ONE_SAMPLE)
-FAMILIES = {  # the debug flavor of each family that trains on CPU, cut to 2 blocks
-    "qwen3": ["model=qwen3_debugmodel", "model.num_layers=2"],
-    "qwen3_moe": ["model=qwen3_debugmodel_moe", "model.num_layers=2", "model.num_experts=8", "model.num_experts_per_token=2"],
-    "deepseek_v3": ["model=deepseek_v3_debugmodel", "model.num_layers=2"],
-    "kimi": ["model=kimi_k2_7_debugmodel", "model.num_layers=2"],
-}
-MOE = ("qwen3_moe", "deepseek_v3", "kimi")  # deepseek_v3's ep2 is in test_parallel (model=debug_moe)
-REFERENCE = {"kimi": "deepseek_v3"}  # Kimi's debugmodel is DeepSeek-V3's blocks and numbers: one reference (checked below)
-LAUNCHES = {
-    1: {f"{f}-single": [*o, "parallelism=single"] for f, o in FAMILIES.items() if f not in REFERENCE},
-    2: {
-        **{f"{f}-ep2": [*FAMILIES[f], "parallelism=ep2"] for f in ("qwen3_moe", "kimi")},
-        "qwen3-cp2": [*FAMILIES["qwen3"], "parallelism=cp2"],
-        "kimi-pp2": [*FAMILIES["kimi"], "parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"],
-    },
-    4: {f"{f}-dp2_tp2": [*o, "parallelism=dp2_tp2"] for f, o in FAMILIES.items()},
-}
 POINTS = [name for n, points in LAUNCHES.items() if n > 1 for name in points]
 EXACT_NORM_RTOL = 3e-8
 SHARDED_GRAD_NORM_RTOL = 1e-4
@@ -107,7 +90,7 @@ def test_cpu_rejections_name_the_reason(compose, overrides, field, words):
 
 
 def test_rejected_on_cpu_stays_valid_for_gpu_clusters(compose):
-    cfg = compose(["model=gpt_oss_debugmodel", "cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"])
+    cfg = compose(["model=gpt_oss_debugmodel", "cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"])
     assert validate.check(cfg).world_size == 8
 
 

@@ -172,14 +172,14 @@ def _recovered(fo, run: Path) -> int:
 @pytest.fixture(scope="module")
 def outage(tmp_path_factory):
     from bench import ft_outage as fo
-    from tests import test_parallel
     from tests.conftest import _free_port
+    from tests.points import PARALLEL_COMMON
 
     base = tmp_path_factory.mktemp("torchft")
     overrides = [
         *fo.COMMON,
         *fo.FT,
-        *(o for o in test_parallel.COMMON if o.startswith(("training.seq_len", "training.max_norm"))),  # the parity run's
+        *(o for o in PARALLEL_COMMON if o.startswith(("training.seq_len", "training.max_norm"))),  # the parity run's
         f"fault_tolerance.lighthouse_port={_free_port()}",
         f"training.steps={STEPS}",
         "checkpoint=local",

@@ -136,7 +136,8 @@ def test_titan_config_matches_the_runner_run(assets, tmp_path):
     )
     assert cfg.compile.enable and cfg.activation_checkpoint is None and not cfg.checkpoint.enable and not cfg.validator.enable
     assert cfg.optimizer.param_groups[0].optimizer_kwargs | {} == {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    assert (cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay_ratio) == (2, 0.0)
+    s = cfg.lr_scheduler  # the runner's default schedule: warm-up 2, then TorchTitan's linear decay to 0
+    assert (s.warmup_steps, s.decay_type, s.decay_ratio, s.min_lr_factor) == (2, "linear", None, 0.0)
     assert (cfg.dataloader.dataset, cfg.dataloader.dataset_path, cfg.hf_assets_path) == (
         "c4_test",
         str(assets.corpus_dir),

@@ -10,7 +10,6 @@ The multi-rank layouts' checkpoints are exported in tests/test_checkpoint.py, fr
 from __future__ import annotations
 
 import json
-import re
 import zlib
 from pathlib import Path
 
@@ -19,6 +18,9 @@ import pytest
 from runner.config import checkpoint, freeze, layout, validate
 from runner.config.problems import ConfigError
 from tests import text_assets
+from tests.hf_compare import LOGITS_RTOL, assert_round_trip, exported, load_hf, logits_gap
+from tests.hf_compare import titan_model as _titan_model
+from tests.points import HF_ROUND_TRIP as ROUND_TRIP
 
 torch = pytest.importorskip("torch")
 
@@ -45,40 +47,6 @@ FAMILIES = {  # overrides, the architecture config.json names
     ),
     "deepseek_v3": (TINY_MLA, "DeepseekV3ForCausalLM"),
 }
-LOGITS_RTOL = 1e-5
-QK_WEIGHTS, QK_SCALE = r"attention\.(qkv_linear\.w[qk]|wq|wq_b|wkv_a|wkv_b)\.weight$", 8.0
-"""Query and key projections (and MLA's latent ones) of the test models, times this."""
-LATENT_WEIGHTS, LATENT_SCALE = r"attention\.(wq_a|wkv_a)\.weight$", 30.0
-"""MLA's latent projections times this (on top of QK_SCALE): TorchTitan normalizes the q and kv latents with eps 1e-5,
-transformers' DeepseekV3 with a fixed 1e-6; at init a latent's mean square is ~1e-2, where that differs by ~1e-4
-relative; far above both, it does not show (a trained checkpoint's latents are O(1): ~1e-5)."""
-
-
-def _titan_model(cfg, expert_bias: bool):
-    """The TorchTitan model of cfg.model on CPU (SDPA, float32 experts), initialized, norms (and expert biases) moved."""
-    import runner.run.titan.cpu as cpu
-    from runner.run.titan.model import model_spec
-
-    mcfg = model_spec(cfg.model).model
-    cpu.use_sdpa(mcfg)
-    cpu.use_float32_experts(mcfg)
-    with torch.device("meta"):
-        model = mcfg.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            if re.search(QK_WEIGHTS, name):  # sharp attention: at init it is near uniform, and RoPE mistakes vanish in it
-                p.mul_(QK_SCALE)
-            if re.search(LATENT_WEIGHTS, name):  # MLA's latents far above either norm's eps (see LATENT_SCALE)
-                p.mul_(LATENT_SCALE)
-        for name, b in model.named_buffers():
-            if "expert_bias" in name and expert_bias:
-                b.add_(0.01 * torch.randn_like(b))
-    return model.eval()
 
 
 def _save(model, cfg, folder: Path, step: int = 1) -> Path:
@@ -89,53 +57,6 @@ def _save(model, cfg, folder: Path, step: int = 1) -> Path:
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(part), no_dist=True)
     info = {"step": step, "model": checkpoint.model_identity(cfg.model)}
     return checkpoint.publish(part, checkpoint.final_path(folder, step), info, checkpoint.file_records(part))
-
-
-def titan_from_checkpoint(cfg, ckpt: Path):
-    """The runner's model of cfg.model in one process, its weights read from the checkpoint `ckpt` (any layout's)."""
-    import torch.distributed.checkpoint as dcp
-
-    model = _titan_model(cfg, expert_bias=False)
-    state = model.state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
-    model.load_state_dict(state)
-    return model
-
-
-def load_hf(folder: Path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-def logits_gap(model, hf, tokens) -> tuple[float, float]:
-    """(largest |logit difference| between the TorchTitan model and transformers' `hf`, largest |logit|) on `tokens`."""
-    with torch.no_grad():
-        want, got = model(tokens), hf(tokens).logits
-    return (got - want).abs().max().item(), want.abs().max().item()
-
-
-def exported(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        out |= load_file(shard)
-    return out
-
-
-def assert_round_trip(model, cfg, folder: Path) -> None:
-    """The export holds every weight of `model` bitwise: mapped back through the adapter's from_hf, the exported
-    tensors are the model's state (the expert-bias buffer of a model whose HF class has none aside)."""
-    from runner.run.titan import hf_adapter
-
-    _, adapter = hf_adapter.model_and_adapter(cfg.model)
-    back = adapter.from_hf(exported(folder))
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("tokens_per_expert_E")}
-    if cfg.model.name == "qwen3":
-        state = {k: v for k, v in state.items() if not k.endswith("expert_bias_E")}
-    assert sorted(back) == sorted(state)
-    assert [k for k in state if not torch.equal(back[k], state[k])] == []
 
 
 def _export(capsys, *argv) -> tuple[int, str, str]:
@@ -224,37 +145,20 @@ def test_run_folder_exports_its_newest_checkpoint_with_the_tokenizer(saved, comp
     assert not (tmp_path / "hf2").exists()
 
 
-# ---- HF -> runner -> HF in each layout (points of test_hf_load's launches, shared through conftest's parity_runs) ------
-
-ROUND_TRIP = ("hf-llama3_gqa-single", "hf-llama3_gqa-dp2_tp2", "hf-llama3_gqa-tp2_pp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2")
-"""Points of tests/test_hf_load.py (started from a tiny transformers model through model.init_from) that also save a
-checkpoint after their one step, with a learning rate (1e-30) too small to change a float32 weight."""
-ROUND_TRIP_FOLDERS: dict[str, Path] = {}
-
-
-def round_trip(folder: Path) -> dict[str, list[str]]:
-    """The overrides that make each ROUND_TRIP point checkpoint its untrained weights into a folder under `folder`."""
-    out = {}
-    for point in ROUND_TRIP:
-        ROUND_TRIP_FOLDERS[point] = folder / point
-        out[point] = ["checkpoint.enable=true", f"checkpoint.folder={folder / point}", "checkpoint.async_save=false", "training.lr=1e-30"]
-    return out
+# ---- HF -> runner -> HF in each layout (points of the HF launches, shared through conftest's parity_runs) ---------
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("point", ROUND_TRIP)
-def test_hf_through_the_runner_exports_the_same_tensors(parity_runs, point, tmp_path, capsys):
+def test_hf_through_the_runner_exports_the_same_tensors(parity_runs, hf_folders, hf_round_trip, point, tmp_path, capsys):
     """A transformers folder read into the layout (model.init_from), checkpointed by its ranks and exported gives back
     every tensor bitwise. Only DeepSeek-V3's router bias moves: TorchTitan's load balancing adds its coefficient (1e-3)
     times the sign of each expert's load less the mean of that, at most 2e-3, before the first update whatever the
     learning rate."""
-    from tests import test_hf_export as filled  # the module conftest imported and round_trip filled (pytest imports
-    from tests import test_hf_load  # this file as another module object: tests/ is no package)
-
     assert parity_runs[point]["rows"][0]["step"] == 1
-    code, _, err = _export(capsys, filled.ROUND_TRIP_FOLDERS[point] / "step-1", "--format", "hf", "--out", tmp_path / "hf")
+    code, _, err = _export(capsys, hf_round_trip[point] / "step-1", "--format", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
-    want, got = exported(test_hf_load.HF_FOLDERS[point.split("-")[1]]), exported(tmp_path / "hf")
+    want, got = exported(hf_folders[point.split("-")[1]]), exported(tmp_path / "hf")
     assert len(want) > 10 and sorted(got) == sorted(want)
     balanced = [k for k in want if k.endswith("e_score_correction_bias")]
     assert [k for k in want if k not in balanced and not torch.equal(got[k], want[k])] == []

@@ -3,8 +3,9 @@
 The tiny random models of tests/hf_models.py are saved with save_pretrained and trained from, for one step, inside the
 launches of runner.run.layout_parity that tests/test_parallel.py and tests/test_family_train.py already make (conftest's
 parity_runs, one per rank count): `single` (1 rank) for every model, `ep2` for the MoE models (2 ranks), and the
-4-rank `dp2_tp2`, `tp2_pp2` and `hsdp2x2` on the models ONLY names. The first step's loss must equal transformers'
-loss on the same tokens within 1e-5 relative (fp32; measured <= 1.1e-7, the float32 rounding of the logged loss).
+4-rank `dp2_tp2`, `tp2_pp2` and `hsdp2x2` on the models HF_ONLY names (the points: tests/points.py). The first step's
+loss must equal transformers' loss on the same tokens within 1e-5 relative (fp32; measured <= 1.1e-7, the float32
+rounding of the logged loss).
 
 Refusals run in this process through the CLI's main (tests/test_config.py's `_here`): exit 2, every problem named with
 both values and the fix, no traceback, no run folder left.
@@ -21,48 +22,17 @@ import pytest
 from runner.config import freeze, hf_folder, validate
 from runner.config.problems import ConfigError
 from tests import hf_models
+from tests.points import HF_LAYOUTS as LAYOUTS
+from tests.points import HF_RESUMED as RESUMED
+from tests.points import hf_layouts as _layouts
 from tests.test_config import _here
 
-COMMON = ["training.steps=1", "training.seq_len=64", "logging.progress=false", "training.global_batch_size=4", "training.microbatch_size=2"]
-LAYOUTS = {1: ("single",), 2: ("ep2",), 4: ("dp2_tp2", "tp2_pp2", "hsdp2x2")}
-ONLY = {"dp2_tp2": ("llama3_gqa", "qwen3"), "tp2_pp2": ("llama3_gqa", "deepseek_v3"), "hsdp2x2": ("llama3_gqa",)}
-"""The 4-rank layouts are tried on some models only (each 4-rank point costs a build and a step of 4 ranks on 2 cores):
-FSDP x TP on Llama 3 with GQA (its KV heads split by TP) and on Qwen3 (q/k norms, the tied embedding sharded by TP);
-PP on Llama 3 with GQA and on DeepSeek-V3 (latent attention, experts, the first block dense); HSDP, which reads like
-FSDP once per replica, on Llama 3 with GQA. Qwen3's debug model ties its embedding, which TorchTitan cannot pipeline
-(test_tied_embedding_under_pp_is_refused). Every model also loads on one rank, and the MoE models under EP."""
 LOSS_RTOL = 1e-5
-RESUMED = "hf-resumed"
-"""A point that resumes the one-rank Llama 3 point's checkpoint while naming model.init_from too: the checkpoint wins."""
-
-
-def _layouts(name: str, nproc: int) -> list[str]:
-    fits = [p for p in LAYOUTS[nproc] if p != "ep2" or name in hf_models.MOE]
-    return [p for p in fits if name in ONLY.get(p, (name,))]
-
-
-def launches(folder: Path) -> dict[int, dict[str, list[str]]]:
-    """Save every tiny model under folder and return the parity points that start from them, per rank count. The
-    one-rank Llama 3 point trains 2 steps and checkpoints; RESUMED resumes it (2 steps, from step 1)."""
-    out: dict[int, dict[str, list[str]]] = {}
-    for name in hf_models.TINY:
-        saved = HF_FOLDERS[name] = hf_models.save(name, folder / name)
-        for nproc in LAYOUTS:
-            for par in _layouts(name, nproc):
-                extra = ["training.microbatch_size=1"] if par == "hsdp2x2" else []  # DP 4: one sample per rank
-                out.setdefault(nproc, {})[f"hf-{name}-{par}"] = [*COMMON, *hf_models.overrides(name, saved), f"parallelism={par}", *extra]
-    ckpt = ["checkpoint.enable=true", "checkpoint.interval=1", f"checkpoint.folder={folder / 'ckpt'}", "training.steps=2"]
-    out[1]["hf-llama3-single"] += [*ckpt, "training.steps=1"]
-    out[1]["hf-llama3-two-steps"] = [*out[1]["hf-llama3-single"][:-1], "checkpoint.enable=false"]
-    out[1][RESUMED] = [*out[1]["hf-llama3-single"][:-1], "checkpoint.resume=true"]
-    return out
-
-
 POINTS = [(n, p) for n in hf_models.TINY for k in LAYOUTS for p in _layouts(n, k)]
 
 
 @pytest.fixture(scope="module")
-def reference(parity_runs) -> dict[str, float]:
+def reference(parity_runs, hf_folders) -> dict[str, float]:
     """transformers' loss of each saved model (read back with from_pretrained) on the first step's tokens: the 4
     synthetic samples of seed 0 (runner.run.loader.sample), inputs and labels shifted by one."""
     import torch
@@ -73,24 +43,9 @@ def reference(parity_runs) -> dict[str, float]:
     tokens = torch.stack([loader.sample(0, i, 64, 2048) for i in range(4)])
     out = {}
     for name in hf_models.TINY:
-        model = transformers.AutoModelForCausalLM.from_pretrained(_folders()[name], dtype=torch.float32, attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_folders[name], dtype=torch.float32, attn_implementation="eager")
         out[name] = hf_models.hf_loss(model.eval(), tokens[:, :-1], tokens[:, 1:])
     return out
-
-
-HF_FOLDERS: dict[str, Path] = {}
-"""Filled by launches() in the module object conftest imported (tests.test_hf_load); read it through _folders()."""
-
-
-def _folders() -> dict[str, Path]:
-    """The tiny models' folders as conftest's launches() saved them: pytest imports this file as another module object
-    (tests/ is no package), whose HF_FOLDERS stays empty."""
-    from tests import test_hf_load as filled
-
-    return filled.HF_FOLDERS
-
-
-"""Where conftest's parity_runs saved each tiny model (filled by launches)."""
 
 
 @pytest.mark.e2e
@@ -140,10 +95,8 @@ def test_a_resume_takes_precedence_over_init_from(parity_runs):
 
 
 @pytest.mark.e2e
-def test_step_zero_says_it_started_from_hf(parity_runs):
-    import conftest  # pytest's own conftest module, the one parity_launches filled (tests.conftest would be a copy)
-
-    console, folder = conftest.CONSOLES[1], _folders()["llama3"]
+def test_step_zero_says_it_started_from_hf(parity_runs, parity_consoles, hf_folders):
+    console, folder = parity_consoles[1], hf_folders["llama3"]
     sha = hashlib.sha256((folder / hf_folder.CONFIG).read_bytes()).hexdigest()
     assert f"step 0: started from Hugging Face weights in {folder} (config.json sha256 {sha};" in console
     started = [n for n in parity_runs if n.startswith("hf-") and (n.endswith("-single") or n == "hf-llama3-two-steps")]
@@ -294,7 +247,7 @@ def test_the_launch_reads_each_shards_header(monkeypatch, capsys, tmp_path):
     import torch
 
     folder = _config_only(tmp_path, "llama3")
-    argv = [*hf_models.overrides("llama3", folder), "parallelism=single", "training.steps=1"]
+    argv = [*hf_models.overrides("llama3", folder), "parallelism=single", "training.steps=1", "lr_scheduler.warmup_steps=1"]
     assert "the index names shards that are not there: model-00001-of-00001.safetensors" in _refused(monkeypatch, capsys, tmp_path, *argv)
     _shard(folder, "model-00001-of-00001.safetensors", torch.float64)
     err = _refused(monkeypatch, capsys, tmp_path, *argv)

@@ -22,43 +22,12 @@ from __future__ import annotations
 import pytest
 
 from runner.config import pipeline
+from tests.points import PARALLEL_LAUNCHES as LAUNCHES
+from tests.points import SCHEDULES
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
-# eval: one held-out batch after the last step (forward only; under PP the schedule's eval step), in every layout
-COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false", "eval.interval=2", "eval.steps=1"]
-PP2 = ["parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"]
-LOOPED = ["parallelism=pp2_interleaved"]
-# TEST-ONLY: FlexAttention and its block masks, one forward-only eval pass of 2 microbatches of 2 samples
-FLEX = ["eval.cpu_flex_attention=true", "training.global_batch_size=4"]
-MOE = [
-    "model=debug_moe",
-    "training.global_batch_size=2",
-    "training.microbatch_size=1",
-]  # 128 tokens a step: MLA + experts cost 5x the dense FLOPs
 REFERENCE = {"ep2": "moe_single"}  # the one-rank run of the same model; the rest compare with the dense "single"
-SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
-LAUNCHES = {
-    1: {"single": ["parallelism=single"], "moe_single": [*MOE, "parallelism=single"], "flex_single": [*FLEX, "parallelism=single"]},
-    2: {
-        "cp2": ["parallelism=cp2"],
-        "ep2": [*MOE, "parallelism=ep2"],
-        "dp2": ["parallelism=dp2"],
-        "tp2": ["parallelism=tp2"],
-        "tp2_no_sp": ["parallelism=tp2", "parallelism.sequence_parallel=false"],
-        "flex_pp2": [*FLEX, *PP2],
-        "flex_pp2_interleaved": [*FLEX, *LOOPED],
-        **{f"pp2_{s}": (PP2 if pipeline.SCHEDULES[s].style == "single" else LOOPED) + [f"parallelism.pp_schedule={s}"] for s in SCHEDULES},
-    },
-    4: {
-        "dp2_tp2": ["parallelism=dp2_tp2"],
-        "tp2_pp2": ["parallelism=tp2_pp2"],
-        "dp2_pp2": ["parallelism=dp2_pp2"],
-        "hsdp2x2": ["parallelism=hsdp2x2"],
-        "cp2_tp2": ["parallelism=cp2", "parallelism.name=cp2_tp2", "parallelism.tp=2"],  # ring attention x TP + SP
-        "cp2_pp2": ["parallelism=cp2", "parallelism.name=cp2_pp2", "parallelism.pp=2"],  # every stage on the CP chunks
-    },
-}
 MULTI = [name for n, presets in LAUNCHES.items() if n > 1 for name in presets if not name.startswith("flex_")]  # flex_: eval only
 EXACT_NORM_RTOL = 1e-8
 GRAD_NORM_RTOL = 1e-5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -207,3 +208,55 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
     assert plan_check.compare(given, lay, peak.profile_source(given, _policy(given)), 0.05, 1.0, 1.354, None)["profile_from"] == (
         "cluster.profile"
     )
+
+
+def test_fp8_beside_float32_is_measured_here_in_well_under_a_second():
+    """The real measurement (no patch) at a small size: both GEMMs timed, whatever this CPU's FP8 kernel is."""
+    t0 = time.perf_counter()
+    m = peak.fp8_slowdown(threads=1, n=128)
+    took = time.perf_counter() - t0
+    assert took < 0.5, took
+    assert (m["size"], m["threads"]) == (128, 1) and m["float8_tflops"] > 0 and m["float32_tflops"] > 0
+    assert m["slowdown"] == pytest.approx(m["float32_tflops"] / m["float8_tflops"])
+
+
+def _fp8_run(compose, tmp_path, monkeypatch, fp8_tflops: float, fp32_tflops: float, folder: str):
+    """peak.write and the start-up accounting of the reported command (dp2_tp2, fp8_tensorwise, seq_len 128), with
+    the GEMM measurements replaced by these rates; returns (config, accounting, peak record)."""
+    from types import SimpleNamespace
+
+    from runner.config import flops
+    from runner.run import accounting
+
+    monkeypatch.setattr(peak.concurrent.futures, "ProcessPoolExecutor", _InProcess)
+    threads, _ = peak.layout(4)
+    share = {"tflops": fp8_tflops, "spread": 0.0, "rounds": [fp8_tflops] * 5, "refused": [], "size": 256, "threads": threads}
+    monkeypatch.setattr(peak, "measure_share", lambda dtype, threads: dict(share))
+    monkeypatch.setattr(peak, "check_round", lambda dtype, threads, n: {"float8": fp8_tflops, "float32": fp32_tflops}[dtype])
+    cfg = compose(
+        ["parallelism=dp2_tp2", "precision=fp8_tensorwise", "training.seq_len=128", f"cluster.peak_cache_dir={tmp_path / folder}"]
+    )
+    (tmp_path / folder).mkdir()
+    pk = peak.write(cfg, 4, tmp_path / folder)
+    built = SimpleNamespace(flops_per_token=flops.flops_per_token(cfg.model, cfg.training.seq_len), num_params=flops.num_params(cfg.model))
+    return cfg, accounting.accounting(cfg, built, pk), pk
+
+
+def test_a_cpu_whose_fp8_gemms_crawl_says_so_before_the_first_step(compose, tmp_path, monkeypatch):
+    """FP8 250x slower than float32 (0.4 vs 100 GFLOP/s, as on the Intel machine that ran 400 ms GEMMs): one line with
+    the slowdown and the step time the FLOPs per step take at each rate; 2x slower (this EPYC's ~2-4x): no line."""
+    from runner.run import accounting
+
+    cfg, acc, pk = _fp8_run(compose, tmp_path, monkeypatch, 0.0004, 0.1, "slow")
+    assert pk["dtype"] == "float8" and pk["fp8_vs_fp32"]["slowdown"] == pytest.approx(250)
+    step_flops = acc.flops_per_token * cfg.training.global_batch_size * 128
+    fp8_s = step_flops / (0.0004e12 * peak.layout(4)[1])  # the node's FP8 rate: a share's rate x the shares at once
+    line = accounting.slow_fp8(cfg, acc, pk)
+    assert line.startswith("WARNING: this CPU runs FP8 GEMMs 250x slower than float32 (torch._scaled_mm 0.4 vs torch.mm 100 GFLOP/s")
+    assert f"expect about {accounting._about(fp8_s)} s a step (an estimate: {step_flops / 1e9:.3g} GFLOP per step" in line
+    assert line.endswith(f"precision=fp32 runs them in about {accounting._about(fp8_s / 250)} s") and "\n" not in line
+    cached = json.loads(peak._cache_file(str(tmp_path / "slow"), "float8").read_text())[peak._cache_key(4)]
+    assert cached["fp8_vs_fp32"] == pk["fp8_vs_fp32"]  # kept with the FP8 figure: the next run reads it
+    assert accounting.slow_fp8(*_fp8_run(compose, tmp_path, monkeypatch, 0.05, 0.1, "fast")) is None
+    fp32 = {"peak_tflops": 0.1, "peak_flops_total": 1e11, "peak_source": "measured", "dtype": "float32", "emulated": False}
+    assert accounting.slow_fp8(cfg, acc, fp32 | {"peak_spread": 0.0}) is None  # not an FP8 run: nothing measured

@@ -78,7 +78,7 @@ def test_reference_file_names_every_source():
 
 
 def test_datasheet_prediction_is_labelled(compose):
-    cfg = compose(["cluster=h100_node", "parallelism=fsdp", "model=llama3_8b", "training.global_batch_size=16"])
+    cfg = compose(["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "model=llama3_8b", "training.global_batch_size=16"])
     pred = steptime.predict(cfg, validate.check(cfg))
     assert (pred.calibrated, pred.source) == (False, DATASHEET)
     assert pred.step_s == pytest.approx(sum(pred.terms.values()))

@@ -81,7 +81,7 @@ def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_p
 
     def rule(ctx: validate.Context, out: list[Problem]) -> None:
         seen.append(ctx.ws)
-        out.append(Problem("training.lr", ctx.cfg.training.lr, "the new rule", "the fix"))
+        out.append(Problem("optimizer.lr", ctx.cfg.optimizer.lr, "the new rule", "the fix"))
 
     extra = validate.Rule("new rule", rule, needs, reads=("ctx",))
     monkeypatch.setattr(validate, "RULES", (*validate.RULES, extra))

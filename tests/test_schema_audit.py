@@ -18,8 +18,11 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.config import compose, schema, validate
 from runner.config.problems import Problem
 
-GPU = ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"]
-SLURM = ["cluster=slurm_h100", "cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"]
+GPU = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]  # bf16: a GPU refuses fp32
+SLURM = [
+    *("cluster=slurm_h100", "cluster.num_nodes=2", "cluster.slurm.partition=gpu"),
+    *("parallelism=fsdp", "precision=bf16", "training.global_batch_size=32"),
+]
 MOE = ["model=debug_moe", "parallelism=single"]
 PP2 = ["parallelism=dp2_pp2"]
 
@@ -77,6 +80,8 @@ BAD = [
     (["checkpoint.resume=true"], "checkpoint.resume"),  # with checkpoints off
     (["checkpoint.min_free_gb=-1"], "checkpoint.min_free_gb"),
     (["checkpoint.export_hf=true"], "checkpoint.export_hf"),  # with checkpoints off
+    (["checkpoint.init_from=/nonexistent/run", "mode=validate"], "checkpoint.init_from"),
+    (["+checkpoint.init_record.step=4"], "checkpoint.init_record"),  # without checkpoint.init_from
     ([*SLURM, "cluster.slurm.partition=null"], "cluster.slurm.partition"),
     ([*SLURM, "cluster.slurm.time_min=0"], "cluster.slurm.time_min"),
     ([*SLURM, "cluster.slurm.gpus_per_node_max=0"], "cluster.slurm.gpus_per_node_max"),
@@ -90,7 +95,7 @@ BAD = [
     (["cluster.backend=nccl"], "cluster.backend"),
     (["cluster.intra_node_bandwidth_gbs=-1"], "cluster.intra_node_bandwidth_gbs"),
     (["cluster.inter_node_bandwidth_gbs=-1"], "cluster.inter_node_bandwidth_gbs"),
-    ([*GPU, "cluster.peak_tflops.bfloat16=0", "precision=bf16"], "cluster.peak_tflops"),
+    ([*GPU, "cluster.peak_tflops.bfloat16=0"], "cluster.peak_tflops"),
     ([*GPU, "cluster.compute_capability=nine"], "cluster.compute_capability"),
     (["cluster.high_precision_dtype=float16"], "cluster.high_precision_dtype"),
     (["cluster.device_memory_gb=-1"], "cluster.device_memory_gb"),
@@ -118,9 +123,17 @@ BAD = [
     (["training.seq_len=0"], "training.seq_len"),
     (["training.global_batch_size=0"], "training.global_batch_size"),
     (["training.microbatch_size=0"], "training.microbatch_size"),
-    (["training.lr=0"], "training.lr"),
-    (["training.weight_decay=-0.1"], "training.weight_decay"),
-    (["training.warmup_steps=-1"], "training.warmup_steps"),
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay"),
+    (["lr_scheduler.warmup_steps=-1"], "lr_scheduler.warmup_steps"),
+    (["lr_scheduler.decay_type=exponential"], "lr_scheduler.decay_type"),
+    (["lr_scheduler.decay_ratio=1.5"], "lr_scheduler.decay_ratio"),
+    (["lr_scheduler.min_lr_factor=2"], "lr_scheduler.min_lr_factor"),
+    (["optimizer.name=SGD"], "optimizer.name"),
+    (["optimizer.betas=[0.9,1.0]"], "optimizer.betas"),
+    (["optimizer.eps=0"], "optimizer.eps"),
+    (["optimizer.implementation=fast"], "optimizer.implementation"),
+    (["training.gc_every=-1"], "training.gc_every"),
     (["training.max_norm=0"], "training.max_norm"),
     (["training.activation_checkpoint=selective"], "training.activation_checkpoint"),
     (["training.ac_layer_frequency=0"], "training.ac_layer_frequency"),
@@ -135,6 +148,8 @@ BAD = [
     (["monitor.straggler.factor=1"], "monitor.straggler.factor"),
     (["monitor.straggler.windows=0"], "monitor.straggler.windows"),
     (["monitor.straggler.min_seconds=-1"], "monitor.straggler.min_seconds"),
+    (["monitor.straggler.min_excess_s=-1"], "monitor.straggler.min_excess_s"),
+    (["monitor.straggler.min_step_frac=1"], "monitor.straggler.min_step_frac"),
     (["monitor.guard.factor=0.5"], "monitor.guard.factor"),
     (["monitor.guard.window=0"], "monitor.guard.window"),
     (["monitor.guard.warmup_steps=25"], "monitor.guard.warmup_steps"),  # > window 20: detection never starts
@@ -146,6 +161,8 @@ BAD = [
     (["monitor.inject.hang_rank=0", "monitor.inject.hang_at_step=11"], "monitor.inject.hang_at_step"),
     (["monitor.inject.hang_s=-1"], "monitor.inject.hang_s"),
     (["monitor.inject.corrupt_steps=[0]"], "monitor.inject.corrupt_steps"),
+    (["monitor.inject.norm_shift_step=11"], "monitor.inject.norm_shift_step"),
+    (["monitor.inject.norm_shift_scale=0"], "monitor.inject.norm_shift_scale"),
     (["monitor.inject.kill_rank=9"], "monitor.inject.kill_rank"),
     (["monitor.inject.kill_rank=0", "monitor.inject.kill_at_step=0"], "monitor.inject.kill_at_step"),
     (["monitor.straggler.last_frac=0"], "monitor.straggler.last_frac"),
@@ -202,6 +219,10 @@ NO_BAD_VALUE = [
     ("parallelism.sequence_parallel", "both settings run with any tp (validation checks seq_len against tp when it is on)"),
     ("precision.name", "a label for reports"),
     ("precision.keep_high_precision", "presets list non-Linear modules on purpose; a pattern that matches nothing keeps nothing"),
+    (
+        "precision.allow_fp32_on_gpu",
+        "either setting runs: false makes float32 on a CUDA cluster a problem of precision.param_dtype (tests/test_recipes.py)",
+    ),
     ("checkpoint.enable", "either setting runs"),
     ("checkpoint.folder", "any path; whether it can be written is a launch-time check (validate.preflight)"),
     ("checkpoint.async_save", "either setting runs"),
@@ -237,6 +258,11 @@ NO_BAD_VALUE = [
     ("cluster.peak_cache_dir", "any folder, created when the peak is cached; null turns the cache off"),
     ("profile.memory", "either setting runs (on CPU the run says allocator snapshots are CUDA-only)"),
     ("provenance", "filled by the runner, ignored on input"),
+    ("optimizer.no_decay_1d_and_embeddings", "either setting trains (tests/test_titan.py checks the groups it builds)"),
+    (
+        "optimizer.param_groups",
+        "a pattern that is not a regex is refused (tests/test_validate_rules.py), one that matches no parameter before launch",
+    ),
 ]
 
 

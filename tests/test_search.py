@@ -112,7 +112,9 @@ def _as_plan(cfg):
 
 def test_a_rule_rejects_every_candidate_under_its_layout(compose):
     """debug model with 4 KV heads on 8 GPUs: every tp=8 candidate falls to the TP rule, in validation's words."""
-    cfg = compose(["cluster=h100_node", "model.num_kv_heads=4", "search.max_cp=1", "search.max_microbatch_size=1", "mode=search"])
+    cfg = compose(
+        ["cluster=h100_node", "precision=bf16", "model.num_kv_heads=4", "search.max_cp=1", "search.max_microbatch_size=1", "mode=search"]
+    )
     res = search.run(cfg)
     tp8 = [c for c in _space(cfg) if c.tp == 8]
     assert res.rejected["parallelism.tp"] == len(tp8) > 0
@@ -139,18 +141,20 @@ def test_bounds_and_why_line_are_printed(small):
 
 
 def test_search_space_names_the_precision_and_warns_once_at_the_debug_defaults(compose, small):
-    """A GPU cluster searched with the CPU smoke run's batch 8, seq 256 and fp32 ranks layouts for a toy problem: one
+    """A GPU cluster searched with the CPU smoke run's batch 8 and seq 256 ranks layouts for a toy problem: one
     warning names the fields at their defaults; the search-space lines name the precision. Set, no warning; a CPU
-    cluster (where those defaults are the point) none either."""
-    cfg = compose(["cluster=h100_node", "search.max_cp=1", "search.max_microbatch_size=1", "mode=search"])
+    cluster (where those defaults are the point) none either. The CPU default fp32 is refused before any layout."""
+    base = ["cluster=h100_node", "search.max_cp=1", "search.max_microbatch_size=1", "mode=search"]
+    with pytest.raises(validate.ConfigError, match="precision.param_dtype = float32: precision fp32 computes in float32"):
+        search.run(compose(base))
+    cfg = compose([*base, "precision=bf16"])
     text = "\n".join(search_render.lines(cfg, search.run(cfg)))
     warning = (
         "warning: cluster h100_node is searched with the debug defaults training.global_batch_size=8, training.seq_len=256, "
-        "precision=fp32 (float32 compute), so the layouts are ranked for that toy problem; set training.global_batch_size, "
-        "training.seq_len and precision to the run's own (e.g. precision=bf16)"
+        "so the layouts are ranked for that toy problem; set training.global_batch_size and training.seq_len to the run's own"
     )
     assert text.count("warning:") == 1 and warning in text.splitlines()
-    assert "  8 devices (1 nodes x 8), global batch 8, seq_len 256, precision fp32 (float32 compute)" in text.splitlines()
+    assert "  8 devices (1 nodes x 8), global batch 8, seq_len 256, precision bf16 (bfloat16 compute)" in text.splitlines()
     small_cfg, res = small
     assert res.warning is None and "warning" not in "\n".join(search_render.lines(small_cfg, res))
     assert res.bounds[0].endswith("global batch 16, seq_len 8192, precision bf16 (bfloat16 compute)")
@@ -387,7 +391,8 @@ def test_verify_lists_a_failed_point_with_its_reason(small, tmp_path):
 @pytest.mark.e2e
 def test_verify_is_refused_before_anything_runs(tmp_path):
     """More than the sweep holds, on a cluster whose runs start elsewhere: both problems, exit 2, no search.json."""
-    proc = run_cli("cluster=h100x64", "model=llama3_8b", "search.top_k=2", "search.verify=3", "mode=search", run_dir=tmp_path / "r")
+    overrides = ["cluster=h100x64", "model=llama3_8b", "precision=bf16", "search.top_k=2", "search.verify=3", "mode=search"]
+    proc = run_cli(*overrides, run_dir=tmp_path / "r")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (
         "search.verify = 3: trains candidates of the written sweep, which holds search.top_k = 2. "

@@ -20,8 +20,8 @@ import pytest
 
 from runner.run import preempt
 from tests.conftest import ROOT, _free_port, metrics, run_cli, summary
+from tests.points import SLURM_SHORT as SHORT
 
-SHORT = ["training.steps=6", "training.seq_len=64", "logging.progress=false"]
 LOSS_ATOL = 1e-4  # one node vs two: the same float32 reduction-order noise as tests/test_train.py's parity
 
 
@@ -69,14 +69,9 @@ def test_layout_sweep_runs_as_two_two_node_jobs(layout_sweep):
         assert sorted(part.split(" ranks ")[0] for part in nodes[len("nodes: ") :].split("; ")) == ["n1", "n2"], nodes
 
 
-def shared_points(tmp_path_factory) -> dict[str, list[str]]:
-    """The one-node reference, a point of the session's one Hydra multirun (conftest's shared_runs)."""
-    return {"slurm-one_node": SHORT}  # cluster=local_cpu: the default dp2_tp2 on 4 ranks of one node
-
-
 @pytest.mark.e2e
 def test_two_node_job_matches_one_node_losses(layout_sweep, shared_runs):
-    one_node = shared_runs["slurm-one_node"][0]
+    one_node = shared_runs["slurm-one_node"][0]  # the one-node reference (SLURM in tests/points.py), a shared run
     got, ref = metrics(layout_sweep / "0"), metrics(one_node)
     assert [r["loss"] for r in got] == [pytest.approx(r["loss"], abs=LOSS_ATOL) for r in ref]
     assert [r["data_hash"] for r in got] == [r["data_hash"] for r in ref]

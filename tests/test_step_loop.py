@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.config.schema import DeviceType, LossGuardConfig
+from runner.config.schema import DeviceType, LossGuardConfig, MonitorConfig
 from runner.observe import monitor
 from runner.run import step_loop
 from runner.run.device import DevicePolicy
@@ -65,6 +65,13 @@ class _RecordingPolicy(DevicePolicy):
         return 0.0
 
 
+class _Optimizers(SimpleNamespace):
+    """An optimizer that records itself, iterable as TorchTitan's OptimizersContainer is (over its one optimizer)."""
+
+    def __iter__(self):
+        return iter([self])
+
+
 def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: int = 5, due=()):
     """A step loop whose model, optimizer, checkpointer and host collective only record themselves into `events`;
     `losses[step]` is the step's global loss, `due` the steps a checkpoint is due after. opt.step records which step's
@@ -83,12 +90,13 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
     monkeypatch.setattr(step_loop.StepLoop, "train_step", train_step)
     shared = step_loop.step_sync.Shared
     monkeypatch.setattr(step_loop.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop: shared(share, "d", False))
+
     def row(step, loss, norm, dt, *rest):
         events.append(f"row dt={dt:g}")
         return {"step": step, "step_time_s": dt}
 
     monkeypatch.setattr(step_loop, "row", row)
-    opt = SimpleNamespace(
+    opt = _Optimizers(
         param_groups=[{"lr": 1e-3}],
         step=lambda: events.append(f"applied {grads[0]}"),
         zero_grad=lambda set_to_none: grads.__setitem__(0, None),
@@ -105,7 +113,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
         data=None,
         lay=None,
         policy=_RecordingPolicy(events),
-        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=steps)),
+        cfg=SimpleNamespace(logging=SimpleNamespace(log_every=10), training=SimpleNamespace(steps=steps), monitor=MonitorConfig()),
         acc=None,
         feed=SimpleNamespace(waited_s=0.0),
         eval_data=None,

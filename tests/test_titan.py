@@ -12,18 +12,19 @@ import pytest
 from runner.config import flops, precision
 from runner.run import titan
 from tests.conftest import ROOT, run_cli
+from tests.points import TITAN_LAUNCHES as LAUNCHES
+from tests.points import TITAN_MOE_FP8 as MOE_FP8
+from tests.points import TITAN_SHORT as SHORT
+from tests.points import TITAN_WIDE as WIDE
 
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 # qwen3_5's module imports flash-linear-attention, absent here: the runner builds its registry flavor as it is
 # (titan.model.REGISTRY_ONLY), and tests/test_families.py reads that registry with placeholders for the kernels
 REBUILT = [m for m in MODELS if not m.startswith("qwen3_5")]
-WIDE = ["model.dim=512", "model.ffn_hidden_dim=1536"]
 WIDE_PARAMS = 2048 * 512 + 6 * (4 * 512 * 512 + 3 * 512 * 1536 + 2 * 512) + 512 + 512 * 2048  # the debug model is 6,163,712
-MOE_FP8 = ["model=debug_moe", "precision=fp8_tensorwise"]
 # debug_moe: per block wq, wkv_a, wkv_b, wo; block 0 a dense SwiGLU, blocks 1-5 a router gate and shared experts (w1, w2, w3).
 MOE_LINEARS = 1 + 6 * 4 + 3 + 5 * 4
 MOE_KEPT = {"lm_head": "lm_head"} | {f"layers.{i}.moe.router.gate": "*.router.*" for i in range(1, 6)}
-SHORT = ["parallelism=single", "training.steps=2", "training.seq_len=32", "training.global_batch_size=2", "logging.progress=false"]
 
 
 def _plain(config) -> str:
@@ -94,25 +95,9 @@ def test_moe_fp8_validates_with_its_layer_count(tmp_path):
     assert "routed experts: high precision: the recipes convert Linear layers only" in proc.stdout
 
 
-# A widened debug model and the MoE model in FP8, 2 steps on one rank each: points of the shared one-rank launch of
-# runner.run.layout_parity (conftest's parity_runs), which runs the same build and step loop as a run and reports the same summary.
-COMMON = SHORT
-# The MoE point trains one step of 16 tokens (the smallest GEMM side _scaled_mm takes): CPU FP8 GEMMs are a reference
-# loop on some machines (measured: 130 s for 2 steps at 64 tokens, 18 s a step at 16).
-LAUNCHES = {
-    1: {
-        "titan-wide": WIDE,
-        "titan-moe_fp8": [
-            *MOE_FP8,
-            "training.steps=1",
-            "training.seq_len=16",
-            "training.global_batch_size=1",
-            "training.microbatch_size=1",
-        ],
-    }
-}
-
-
+# A widened debug model and the MoE model in FP8 on one rank each (TITAN_LAUNCHES in tests/points.py): points of the
+# shared one-rank launch of runner.run.layout_parity (conftest's parity_runs), which runs the same build and step loop as
+# a run and reports the same summary.
 @pytest.fixture(scope="module")
 def runs(parity_runs) -> dict[str, dict]:
     return {name.removeprefix("titan-"): parity_runs[name] for name in LAUNCHES[1]}

@@ -28,41 +28,17 @@ from runner.data import cli, manifest, order
 from runner.run.loader import Prefetch, TokenData
 from tests import text_assets
 from tests.conftest import metrics, run_cli
-
-STEPS, KILL_AT, SEQ = 3, 2, 64  # sync saves: step 1's checkpoint is published when step 2 starts
-FRACTION = 0.05
-
-
-def _prepare(inputs: list[Path], tok: Path, out: Path, *extra: str) -> int:
-    argv = ["prepare", "--input", *map(str, inputs), "--tokenizer", str(tok), "--out", str(out), "--eval-fraction", str(FRACTION)]
-    return cli.main([*argv, "--num-proc", "1", *extra])
+from tests.multiruns import Lazy
+from tests.points import TOKENS_POINTS as POINTS
+from tests.points import TOKENS_SEQ as SEQ
+from tests.points import TOKENS_STEPS as STEPS
+from tests.text_assets import FRACTION
+from tests.text_assets import prepare_cli as _prepare
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return _assets(tmp_path_factory)  # the folders the shared runs read
-
-
-_MADE: dict[Path, SimpleNamespace] = {}
-
-
-def _assets(tmp_path_factory) -> SimpleNamespace:
-    """Made once per session (keyed by its temporary folder): the module's fixture and the shared runs read the same folders."""
-    base = tmp_path_factory.getbasetemp()
-    if base not in _MADE:
-        _MADE[base] = _make_assets(tmp_path_factory)
-    return _MADE[base]
-
-
-def _make_assets(tmp_path_factory) -> SimpleNamespace:
-    """Two corpora (300 and 200 documents) with one tokenizer, each prepared into its own folder."""
-    root = tmp_path_factory.mktemp("tokens")
-    corpus, tok = text_assets.make(root / "assets")
-    other = root / "assets" / "other.jsonl"
-    other.write_text("".join(json.dumps({"text": d}) + "\n" for d in text_assets.documents(200, seed=1)))
-    assert _prepare([corpus], tok, root / "a", "--num-proc", "2") == 0
-    assert _prepare([other], tok, root / "b") == 0
-    return SimpleNamespace(corpus=corpus, other=other, tok=tok, a=root / "a", b=root / "b", root=root)
+def assets(token_folders):
+    return token_folders  # the folders the shared runs read
 
 
 def _expected(corpus: Path, tok: Path) -> dict[str, tuple[list[int], list[int]]]:
@@ -465,39 +441,10 @@ def test_cli_exits_2_before_writing_the_run_folder(tmp_path):
 # ---- with ranks ---------------------------------------------------------------------------------------------
 
 
-POINTS = ("tok_ref", "tok_killed", "mix_ref", "mix_killed", "tok_pp")
-
-
-def shared_points(tmp_path_factory) -> dict[str, list[str]]:
-    """POINTS, in this order (tok_pp resumes from tok_ref's checkpoint): points of the session's one Hydra multirun
-    (conftest's shared_runs)."""
-    assets = _assets(tmp_path_factory)
-    ckpt = tmp_path_factory.mktemp("tok_ckpt") / "ckpt"
-    common = [
-        "checkpoint=local",
-        "checkpoint.interval=1",
-        "checkpoint.keep=0",
-        "checkpoint.async_save=false",
-        f"training.steps={STEPS}",
-        f"training.seq_len={SEQ}",
-    ]
-    common += ["logging.progress=false", "distributed.shutdown_timeout_s=5", "data=tokens"]
-    tok, mix = [f"data.path={assets.a}"], [f"data.mix=[{{path: {assets.a}, weight: 0.7}}, {{path: {assets.b}, weight: 0.3}}]"]
-    kill = ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={KILL_AT}", "cluster.max_restarts=1"]
-    points = {
-        "tok_ref": [*tok, "parallelism=dp2_tp2", f"checkpoint.folder={ckpt}"],
-        "tok_killed": [*tok, "parallelism=dp2_tp2", *kill],
-        "mix_ref": [*mix, "parallelism=dp2"],
-        "mix_killed": [*mix, "parallelism=dp2", *kill],
-        "tok_pp": [*tok, "parallelism=tp2_pp2", "parallelism.tp=1", "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-1"],
-    }
-    assert tuple(points) == POINTS
-    return {name: [*common, *overrides] for name, overrides in points.items()}
-
-
 @pytest.fixture(scope="module")
 def trained(shared_runs):
-    return {name: shared_runs[name] for name in POINTS}
+    """POINTS (tests/points.py): {name: (run folder, its console)}; reading a point that failed fails the test that reads it."""
+    return Lazy(POINTS, lambda name: shared_runs[name])
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:

@@ -23,42 +23,24 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, metrics, run_cli, run_module, summary
+from tests.multiruns import Lazy
+from tests.points import FP8_RUNS, TRAIN
+from tests.points import TRAIN_SHORT as SHORT
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
-SHORT = ["training.steps=3", "training.seq_len=64", "logging.progress=false"]
-LAYOUTS = {
-    # traced at step 2 (the W&B run gets its breakdown); profile.memory on CPU says allocator snapshots are CUDA-only
-    "single": ["parallelism=single", "logging=wandb", "logging.progress=false", "profile.steps=[2]", "profile.memory=true"],
-    "dp2": ["parallelism=dp2", "training.activation_checkpoint=full"],
-    # FSDP2 x 1F1B through TorchTitan's pipeline_llm; host collectives on their own group, as on CUDA, and audited
-    "dp2_pp2": [
-        "parallelism=dp2_pp2",
-        "checkpoint=local",
-        "checkpoint.interval=2",
-        "distributed.host_group=dedicated",
-        "distributed.audit_collectives=true",
-        "monitor.straggler.interval=2",
-    ],
-    "dp2_tp2": [],  # the default layout
-    "bf16": ["parallelism=single", "precision=bf16", "training.steps=2", "training.seq_len=32", "training.global_batch_size=2"],
-    "fp8_ref": ["training.steps=2", "training.seq_len=16", "training.global_batch_size=2", "training.microbatch_size=1"],
-}
 # Tolerances of the parity check: losses and grad norms agree to float32 reduction-order noise.
 LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 
 
-def shared_points(tmp_path_factory) -> dict[str, list[str]]:
-    """Every layout and FP8 recipe of this file: points of the session's one Hydra multirun (conftest's shared_runs)."""
-    return {name: [*SHORT, *overrides] for name, overrides in (LAYOUTS | FP8_RUNS).items()}
-
-
 @pytest.fixture(scope="session")
 def runs(shared_runs):
-    """Every layout and FP8 recipe of this file, trained in the session's Hydra multirun (W&B groups it by the sweep)."""
-    names = list(LAYOUTS | FP8_RUNS)
-    return {name: shared_runs[name][0] for name in names} | {"_console": {name: shared_runs[name][1] for name in names}}
+    """Every layout and FP8 recipe of this file (TRAIN in tests/points.py), trained in the session's Hydra multirun (W&B
+    groups it by the sweep): runs[name] is the point's run folder, runs["_console"][name] its console; reading a point
+    that failed fails the test that reads it."""
+    consoles = Lazy(TRAIN, lambda name: shared_runs[name][1])
+    return Lazy([*TRAIN, "_console"], lambda name: consoles if name == "_console" else shared_runs[name][0])
 
 
 def test_default_command_trains_into_one_folder(tmp_path):
@@ -331,16 +313,8 @@ def test_submitit_local_sweep_through_the_hydra_launcher(tmp_path):
 # 32x fewer than the layouts' default batch.
 # Measured |loss - fp32 loss| was at most 1.2e-4 per step at the default batch (512 tokens a step) and up to 1.1e-3
 # (rowwise, step 2) at the small shape's 32: the loss averages the e4m3 rounding over 16x fewer tokens. The tolerances
-# leave ~3x over what each shape measured, and a delta of exactly 0 would mean nothing was quantized.
-FP8_STEPS = ["training.steps=2"]
-FP8_SMALL = [*FP8_STEPS, "training.seq_len=16", "training.global_batch_size=2", "training.microbatch_size=1"]
-FP8_RUNS = {
-    "fp8_tensorwise": ["precision=fp8_tensorwise", *FP8_SMALL],
-    "fp8_rowwise": ["precision=fp8_rowwise", *FP8_SMALL],
-    "fp8_blockwise": ["precision=fp8_blockwise", *FP8_STEPS],  # emulated on CPU (fp32 matmuls): the default batch
-    # traced at step 2 (step 1 warms the profiler up): tests/test_train.py::test_a_tp2_pp2_step_traced_and_split_by_term
-    "fp8_blockwise_tp2_pp2": ["precision=fp8_blockwise", "parallelism=tp2_pp2", *FP8_STEPS, "profile.steps=[2]"],
-}
+# leave ~3x over what each shape measured, and a delta of exactly 0 would mean nothing was quantized. The runs: FP8_RUNS in
+# tests/points.py.
 FP8_REF = {"fp8_tensorwise": "fp8_ref", "fp8_rowwise": "fp8_ref"}
 """The fp32 run each FP8 run is compared with (dp2_tp2, the default, unless named)."""
 FP8_LOSS_ATOL = {"fp8_tensorwise": 3e-3, "fp8_rowwise": 3e-3}

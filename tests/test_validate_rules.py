@@ -15,7 +15,10 @@ from runner.config import schema, validate
 from runner.config.validate import finite
 from tests.conftest import run_cli
 
-BIG_405B = ["model=llama3_405b", "parallelism=tp8_pp16", "cluster=h100x1024", "training.seq_len=8192", "training.global_batch_size=2048"]
+BIG_405B = [
+    *("model=llama3_405b", "parallelism=tp8_pp16", "cluster=h100x1024", "training.seq_len=8192", "training.global_batch_size=2048"),
+    "precision.allow_fp32_on_gpu=true",  # float32 on purpose: the memory verdict's figures below are float32's
+]
 
 
 def _problems(compose, overrides: list[str]) -> list:
@@ -28,7 +31,7 @@ def _problems(compose, overrides: list[str]) -> list:
     "overrides,fields",
     [
         (
-            ["model=llama3_8b", "parallelism.tp=3", "cluster=h100_node"],  # the world size used to hide the three TP problems
+            ["model=llama3_8b", "parallelism.tp=3", "cluster=h100_node", "precision=bf16"],  # the world size hid the 3 TP problems
             ["parallelism", "parallelism.tp", "parallelism.tp", "training.seq_len"],
         ),
         (
@@ -42,7 +45,7 @@ def test_every_problem_is_reported_at_once(compose, overrides, fields):
 
 
 def test_world_size_problem_does_not_hide_head_divisibility(compose):
-    by_why = {p.why for p in _problems(compose, ["model=llama3_8b", "parallelism.tp=3", "cluster=h100_node"])}
+    by_why = {p.why for p in _problems(compose, ["model=llama3_8b", "parallelism.tp=3", "cluster=h100_node", "precision=bf16"])}
     assert "must divide model.num_heads = 32 and model.num_kv_heads = 8" in by_why
     assert "a TP group must fit inside one node of 8 devices (cluster h100_node) and divide it" in by_why
 
@@ -51,7 +54,7 @@ def test_world_size_problem_does_not_hide_head_divisibility(compose):
     "override,field,fix",
     [
         ("+parallelism.bogus_field=1", "parallelism.bogus_field", "remove it; the fields here are name, dp_replicate, dp_shard"),
-        ("+training.lr_warmup=100", "training.lr_warmup", "did you mean training.warmup_steps?"),
+        ("+training.lr_warmup=100", "training.lr_warmup", "did you mean lr_scheduler.warmup_steps?"),
         ("++monitor.guard.windw=5", "monitor.guard.window", None),
     ],
 )
@@ -100,7 +103,10 @@ def test_validation_applies_the_plans_memory_verdict(compose, budget):
     assert validate.check(fitted).world_size == 1024
 
 
-SLURM = ["cluster=slurm_h100", "cluster.num_nodes=2", "cluster.slurm.partition=gpu", "parallelism=fsdp", "training.global_batch_size=32"]
+SLURM = [
+    *("cluster=slurm_h100", "cluster.num_nodes=2", "cluster.slurm.partition=gpu"),
+    *("parallelism=fsdp", "precision=bf16", "training.global_batch_size=32"),
+]
 
 
 def test_a_job_too_short_for_its_signal_gets_a_fix_that_fits(compose):
@@ -138,10 +144,12 @@ def _float_fields(kind: type = schema.RunConfig, prefix: str = "") -> list[tuple
             out += _float_fields(hint, f"{key}.")
         elif hint is float:
             out.append((key, lambda v: v))
-        elif typing.get_args(hint)[-1:] == (float,):  # dict[str, float]
+        elif typing.get_origin(hint) is dict and typing.get_args(hint)[-1:] == (float,):  # dict[str, float]
             out.append((key, lambda v: {"float32": v}))
+        elif typing.get_origin(hint) is list and typing.get_args(hint) == (float,):  # list[float]
+            out.append((key, lambda v: [v, 0.5]))
         elif typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
-            out += [(key, lambda v, f=f: [{"path": "a", f: v}]) for f, h in typing.get_type_hints(item).items() if h is float]
+            out += [(key, lambda v, f=f: [{f: v}]) for f, h in typing.get_type_hints(item).items() if h is float]
     return out
 
 
@@ -175,13 +183,39 @@ def test_nan_device_memory_names_the_field_not_a_nan_budget(compose):
     )
 
 
-def test_a_warmup_longer_than_the_run_is_a_warning_not_a_refusal(compose):
-    """Warned, not refused: the schedule does not depend on training.steps, so a run resumed with more steps goes on
-    warming up, and search.verify trains real configs for a few steps."""
-    cfg = compose(["training.warmup_steps=100000", "training.steps=10"])
-    validate.check(cfg)
-    assert [str(w) for w in validate.warnings(cfg)] == [
-        "training.warmup_steps = 100000: longer than training.steps = 10: the learning rate ends at 0.01 % of training.lr "
-        "(a run resumed with more steps goes on warming up). Fix: use at most 10, e.g. training.warmup_steps=1."
+def test_a_schedule_longer_than_the_run_is_refused(compose):
+    """TorchTitan's scheduler would shorten a warm-up or decay that does not fit in training.steps (with a warning) and
+    train another schedule than the configured one; validation refuses it, and the schedule's own numbers."""
+    assert validate.warnings(compose(["lr_scheduler.warmup_steps=10", "training.steps=10"])) == []
+    validate.check(compose(["lr_scheduler.warmup_steps=10", "training.steps=10"]))  # warm-up to the last step, no decay
+    validate.check(compose(["lr_scheduler.warmup_steps=2", "lr_scheduler.decay_ratio=0.8", "training.steps=10"]))
+    cases = [
+        (
+            ["lr_scheduler.warmup_steps=100000", "training.steps=10"],
+            "lr_scheduler.warmup_steps = 100000: warm-up 100000 steps are longer than training.steps = 10. "
+            "Fix: use lr_scheduler.warmup_steps=1, or more training.steps",
+        ),
+        (
+            ["lr_scheduler.warmup_steps=3", "lr_scheduler.decay_ratio=0.8", "training.steps=10"],
+            "lr_scheduler.warmup_steps = 3: warm-up 3 + decay 8 (lr_scheduler.decay_ratio 0.8 of 10) steps are longer than "
+            "training.steps = 10. Fix: use lr_scheduler.warmup_steps=2, or more training.steps",
+        ),
+        (
+            ["lr_scheduler.decay_ratio=1.5"],
+            "lr_scheduler.decay_ratio = 1.5: a share of training.steps must be in [0, 1]. Fix: use e.g. 0.2",
+        ),
+        (["lr_scheduler.min_lr_factor=-0.1"], "lr_scheduler.min_lr_factor = -0.1: must be in [0, 1] (a share of optimizer.lr). Fix: use"),
+        (
+            ["optimizer.betas=[0.9,1.0]"],
+            "optimizer.betas = [0.9, 1.0]: Adam takes two betas, each in [0, 1). Fix: use optimizer.betas=[0.9,0.95]",
+        ),
+        (["optimizer.eps=0"], "optimizer.eps = 0.0: must be > 0 (it keeps the update finite). Fix: use e.g. 1e-8"),
+        (
+            ["optimizer.param_groups=[{pattern:'norm(',weight_decay:0}]"],
+            "optimizer.param_groups[0].pattern = norm(: not a regular expression",
+        ),
     ]
-    assert validate.warnings(compose(["training.warmup_steps=10", "training.steps=10"])) == []
+    for overrides, message in cases:
+        with pytest.raises(validate.ConfigError) as e:
+            validate.check(compose(overrides))
+        assert [str(p) for p in e.value.problems if str(p).startswith(message)], (message, [str(p) for p in e.value.problems])

@@ -1,10 +1,12 @@
-"""A tiny corpus and tokenizers (BPE, WordPiece, WordLevel, Unigram) built on the spot (nothing downloaded), for data=text runs."""
+"""A tiny corpus and tokenizers (BPE, WordPiece, WordLevel, Unigram) built on the spot (nothing downloaded), for data=text
+runs, and the corpus prepared into token folders for data=tokens runs."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 EOS = "<|end_of_text|>"
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "dan", "tor", "ix", "um", "ber", "sol"]
@@ -71,3 +73,26 @@ def prepared(folder: Path, eval_fraction: float = 0.05) -> Path:
     out = folder / "prepared"
     prepare(Request(inputs=[corpus], tokenizer=tok, out=out, eval_fraction=eval_fraction), say=lambda _: None)
     return out
+
+
+FRACTION = 0.05
+"""The held-out share of what `prepare_cli` prepares (--eval-fraction)."""
+
+
+def prepare_cli(inputs: list[Path], tok: Path, out: Path, *extra: str) -> int:
+    """`python -m runner.data prepare` in this process (one worker unless `extra` says otherwise); its exit code."""
+    from runner.data import cli
+
+    argv = ["prepare", "--input", *map(str, inputs), "--tokenizer", str(tok), "--out", str(out), "--eval-fraction", str(FRACTION)]
+    return cli.main([*argv, "--num-proc", "1", *extra])
+
+
+def token_folders(root: Path) -> SimpleNamespace:
+    """Two corpora (300 and 200 documents) with one tokenizer, each prepared into its own folder (a with 2 workers, b with
+    one): tests/test_tokens.py's and its shared runs' (conftest's token_folders)."""
+    corpus, tok = make(root / "assets")
+    other = root / "assets" / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(200, seed=1)))
+    assert prepare_cli([corpus], tok, root / "a", "--num-proc", "2") == 0
+    assert prepare_cli([other], tok, root / "b") == 0
+    return SimpleNamespace(corpus=corpus, other=other, tok=tok, a=root / "a", b=root / "b", root=root)

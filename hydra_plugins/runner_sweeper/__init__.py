@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# private_api: hydra_basic_launcher, hydra_basic_sweeper, hydra_basic_sweeper_conf
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
@@ -65,6 +66,7 @@ class RunnerSweeper(BasicSweeper):
     def _modes(self, arguments: list[str]) -> list[str]:
         """Each point's `mode`, from its composed config (the launcher composes it again to run)."""
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        # private_api: hydra_parse_config
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         points = [p for batch in self.split_arguments(overrides, None) for p in batch]
         loader = self.hydra_context.config_loader

@@ -15,6 +15,7 @@ reads files about twice as fast as hashlib's SHA-256 here (2.9 vs 1.45 GB/s thro
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -24,9 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from runner.config import hf_folder, runfiles
 from runner.config.layout import Layout, label
 from runner.config.schema import CheckpointConfig, ModelConfig, RunConfig
+from runner.config.user_files import UnreadableFile, read_json, schema_problem, wrong
 
 MARKER = runfiles.CHECKPOINT_MARKER
 CHECKSUM = "crc32"
@@ -114,8 +118,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+MARKER_FIX = "resume or export another checkpoint (an older step-<n> folder); this one's marker was damaged after the save"
+
+
 def marker(path: Path) -> dict[str, Any]:
-    return json.loads((path / MARKER).read_text())
+    """COMPLETE.json of the checkpoint folder `path`: its step, every file with its size (and CRC-32), and what it was
+    saved from; UnreadableFile when it is not that."""
+    f = path / MARKER
+    body = read_json(f, MARKER_FIX)
+    why = schema_problem(body, {"step": int, "files": dict})
+    files = {} if why else body["files"]
+    bad = next((n for n, r in files.items() if schema_problem(r, {"bytes": int}) or not isinstance(r.get(CHECKSUM, ""), str)), None)
+    if bad is not None:
+        why = wrong(f"files[{json.dumps(bad)}]", files[bad], f'{{"bytes": <size>, "{CHECKSUM}": "<8 hex digits>"}}')
+    elif not why and not isinstance(body.get("model", {}), dict):
+        why = wrong("model", body["model"], "an object")
+    if why:
+        raise UnreadableFile(f, why, MARKER_FIX)
+    return body
 
 
 def verify(path: Path, deep: bool = True) -> str | None:
@@ -123,13 +143,12 @@ def verify(path: Path, deep: bool = True) -> str | None:
     `deep` also recomputes every file's CRC-32 (reads the whole checkpoint); otherwise sizes only."""
     if not path.is_dir():
         return "no such folder"
-    try:
-        body = marker(path)
-        files = {name: (int(rec["bytes"]), rec.get(CHECKSUM)) for name, rec in body["files"].items()}
-    except FileNotFoundError:
+    if not (path / MARKER).is_file():
         return f"no {MARKER} (the save never finished)"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"unreadable {MARKER} ({type(e).__name__}: {e})"
+    try:
+        files = {name: (rec["bytes"], rec.get(CHECKSUM)) for name, rec in marker(path)["files"].items()}
+    except UnreadableFile as e:
+        return f"{e.path} {e.why}"
     if ".metadata" not in files:
         return f"{MARKER} lists no DCP .metadata"
     for name, (size, _) in files.items():
@@ -209,4 +228,82 @@ def origin(cfg: RunConfig, lay: Layout) -> dict[str, Any]:
         "seq_len": t.seq_len,
         "global_batch_size": t.global_batch_size,
         "data": cfg.data.name.value,
+        "schedule": schedule(cfg),
     }
+
+
+def schedule(cfg: RunConfig) -> dict[str, Any]:
+    """What the learning rate at a step depends on besides the step (a resume with other numbers would continue
+    another schedule than the one its first steps followed)."""
+    s = cfg.lr_scheduler
+    return {
+        "training.steps": cfg.training.steps,
+        "lr_scheduler.warmup_steps": s.warmup_steps,
+        "lr_scheduler.decay_type": s.decay_type.value,
+        "lr_scheduler.decay_ratio": s.decay_ratio,
+        "lr_scheduler.min_lr_factor": s.min_lr_factor,
+        "optimizer.lr": cfg.optimizer.lr,
+    }
+
+
+def schedule_mismatch(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+    """How the schedule a checkpoint was saved under differs from this run's ("training.steps 100 in the checkpoint,
+    200 now"), or None (a checkpoint from before the schedule was recorded is not judged)."""
+    if not saved:
+        return None
+    diff = [f"{k} {saved[k]} in the checkpoint, {v} now" for k, v in now.items() if k in saved and saved[k] != v]
+    return "; ".join(diff) or None
+
+
+# ---- a new phase from a checkpoint's weights (checkpoint.init_from) ----------------------------------------------
+
+
+def run_checkpoints(run: Path) -> Path:
+    """The checkpoint folder of the run folder `run`: its frozen.yaml's checkpoint.folder (relative to the run folder
+    unless absolute), else the schema's default."""
+    name = CheckpointConfig().folder
+    try:
+        name = str(yaml.safe_load((run / runfiles.FROZEN).read_text())["checkpoint"]["folder"])
+    except (OSError, ValueError, yaml.YAMLError, TypeError, KeyError):  # no frozen file, or not one: the default folder
+        pass
+    return folder(CheckpointConfig(folder=name), run)
+
+
+def weights_source(path: Path, deep: bool = True) -> tuple[Path | None, list[str]]:
+    """The checkpoint checkpoint.init_from = `path` names: a `step-<n>` folder itself, else the newest intact one of a
+    checkpoint folder, or of a run folder's (run_checkpoints); `deep` verifies the CRC-32s too. Returns it and why each
+    newer `step-<n>` folder was skipped, or None and why there is none."""
+    if not path.is_dir():
+        return None, ["no such folder"]
+    if (path / MARKER).exists() or step_name(path):
+        why = verify(path, deep)
+        return (path, []) if why is None else (None, [f"is not an intact checkpoint: {why}"])
+    where = path if any(_candidates(path)) else run_checkpoints(path)
+    skipped = []
+    for p in _candidates(where):
+        why = verify(p, deep)
+        if why is None:
+            return p, skipped
+        skipped.append(f"{p}: {why}")
+    if skipped:
+        return None, [f"holds no intact checkpoint ({'; '.join(skipped)})"]
+    return None, [f"holds no checkpoint: no {runfiles.CHECKPOINT_PREFIX}<n> folder in it or in its checkpoint folder {where}"]
+
+
+def step_name(path: Path) -> bool:
+    """`path` is named like a checkpoint of one step (`step-<n>`)."""
+    prefix = runfiles.CHECKPOINT_PREFIX
+    return path.name.startswith(prefix) and path.name[len(prefix) :].isdigit()
+
+
+def weights_record(path: Path) -> dict[str, Any]:
+    """What a run started from the checkpoint `path`'s weights records (checkpoint.init_record): its step, and the sha256
+    of its COMPLETE.json file list, every file's size and CRC-32 (verify tells whether the files still match that list)."""
+    info = marker(path)
+    digest = hashlib.sha256(json.dumps(info["files"], sort_keys=True).encode()).hexdigest()
+    return {"step": info["step"], "num_files": len(info["files"]), "files_sha256": digest}
+
+
+def record_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a frozen checkpoint.init_record and the checkpoint now, in words."""
+    return [f"{key} {saved.get(key)} -> {now[key]}" for key in now if saved.get(key) != now[key]]

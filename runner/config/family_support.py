@@ -82,7 +82,7 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
     if s is None or any(p.field == "model.name" for p in out):  # an unknown or unimportable family is reported already
         return
     on_cpu, cp = cfg.cluster.device == DeviceType.cpu, cfg.parallelism.cp
-    gpu_fix = "mode=validate and mode=plan check it for a GPU cluster (e.g. cluster=h100_node)"
+    gpu_fix = "mode=validate and mode=plan check it for a GPU cluster (e.g. cluster=h100_node precision=bf16)"
     if on_cpu and s.cpu:
         out.append(
             Problem("model.name", cfg.model.name, f"cannot train on CPU ranks: {s.cpu}", f"{gpu_fix}; here use one of {cpu_families()}")

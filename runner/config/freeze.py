@@ -4,7 +4,8 @@ Torch-free. `python -m runner --config-dir <run folder> --config-name frozen` re
 run from this one file: it starts from the schema (`base_config`) and sets every field.
 Its last line (END) says the file is whole: a replay refuses a copy cut short.
 A resumed run is frozen with the checkpoint it started from (`checkpoint.resume_from`,
-also `provenance.resumed_from` and a comment), so its replay resumes from that same step.
+also `provenance.resumed_from` and a comment), so its replay resumes from that same step; a new phase, with the
+checkpoint whose weights it started from (`checkpoint.init_from`, `checkpoint.init_record`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf._utils import get_omega_conf_dumper
+from omegaconf import DictConfig, OmegaConf
+from omegaconf._utils import get_omega_conf_dumper  # private_api: omegaconf_yaml_dumper
+from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import compose, runfiles
+from runner.config import compose, compose_errors, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
+from runner.config.user_files import UnreadableFile, read_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +52,7 @@ def pin(cfg: RunConfig, run_dir: Path) -> None:
     for m in d.mix:
         m.path = os.path.abspath(m.path) if m.path else m.path
     _pin_init(cfg)
+    _pin_weights(cfg)
     c = cfg.checkpoint
     if c.enable and c.resume:
         pick = checkpoint_rules.resume_point(cfg, checkpoint.folder(c, run_dir), [], warn=False)
@@ -68,6 +72,23 @@ def _pin_init(cfg: RunConfig) -> None:
         m.init_from = os.path.abspath(m.init_from)
         if not m.init_record:
             m.init_record = hf_folder.record(Path(m.init_from))
+
+
+def _pin_weights(cfg: RunConfig) -> None:
+    """checkpoint.init_from pinned to the absolute `<folder>/step-<n>` it names (a run or checkpoint folder: its newest
+    intact one, so a replay starts from that step and not from whatever is newest then), and (on the first freeze) that
+    checkpoint's record in checkpoint.init_record: its step and the sha256 of its COMPLETE.json file list."""
+    import os
+
+    from runner.config import checkpoint
+
+    c = cfg.checkpoint
+    if c.init_from and not cfg.model.init_from:
+        pick, _ = checkpoint.weights_source(Path(c.init_from))  # the preflight refused a folder without one
+        if pick is not None:
+            c.init_from = os.path.abspath(pick)
+            if not c.init_record:
+                c.init_record = checkpoint.weights_record(pick)
 
 
 @functools.cache  # a multirun freezes every point in one process
@@ -128,6 +149,8 @@ def _header(cfg: RunConfig) -> str:
             f"# This run resumed from {c.resume_from} (checkpoint.resume_from). Replaying it resumes from that same",
             "# checkpoint, which must still exist and be intact, and writes its checkpoints into checkpoint.folder again.",
         ]
+    if c.init_from and c.init_record:  # pinned by freeze.pin
+        lines.append(f"# This run started from the model weights of {c.init_from} (checkpoint.init_from, checkpoint.init_record).")
     return "\n".join(lines) + "\n"
 
 
@@ -165,13 +188,16 @@ def write(cfg: RunConfig, lay: Layout, run_dir: Path) -> Path:
     return path
 
 
+FIX = f"copy the whole {runfiles.FROZEN} from its run folder again"
+
+
 def cut_short(path: Path) -> str | None:
     """`file:line:column: what` and a fix for a frozen file that lacks its END line, where the file ends; None for a
     whole one, a missing file (Hydra names that), and a config that is no frozen file (neither named frozen.yaml nor
     starting with its HEADER)."""
     if not path.is_file():
         return None
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()  # not UTF-8: read() says so
     if path.name != runfiles.FROZEN and (not lines or lines[0] != HEADER):
         return None
     if END in (line.rstrip() for line in lines):
@@ -184,11 +210,52 @@ def cut_short(path: Path) -> str | None:
     )
 
 
-def load(path: str | Path) -> RunConfig:
-    """Read a frozen.yaml back into the typed config (used by every rank); refuse one cut short."""
-    cut = cut_short(Path(path))
+def refusal(path: Path) -> str | None:
+    """Why the frozen file `path`, the primary config of a replay, cannot be read (`read`'s refusal), before Hydra
+    composes it; None for a readable one, a missing file (Hydra names that) and a config that is no frozen file."""
+    if not (path.is_file() and (path.name == runfiles.FROZEN or _starts_with_header(path))):
+        return None
+    try:
+        read(path)
+    except UnreadableFile as e:
+        return str(e)
+    return None
+
+
+def _starts_with_header(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(HEADER)) == HEADER.encode()
+    except OSError:
+        return False
+
+
+def read(path: str | Path) -> DictConfig:
+    """A frozen.yaml merged onto the schema; UnreadableFile naming the file when it is not one whole frozen file: not
+    there, not UTF-8 text, cut short, not YAML, not a mapping, or holding a value the schema refuses."""
+    path = Path(path)
+    read_text(path, FIX)
+    cut = cut_short(path)
     if cut is not None:
-        raise ValueError(cut)
-    raw = OmegaConf.load(path)
+        raise UnreadableFile(path, "was cut short", FIX, message=cut)
+    try:
+        raw = OmegaConf.load(path)
+    except (yaml.YAMLError, OSError) as e:  # OSError: OmegaConf's for a document that is a single value
+        why = f"is not the YAML mapping of a run's config ({' '.join(str(e).split())})"
+        raise UnreadableFile(path, why, FIX, message=compose_errors.yaml_message(e)) from e
+    if not isinstance(raw, DictConfig):
+        raise UnreadableFile(path, "holds a YAML list where the mapping of a run's config is expected", FIX)
     raw.pop("defaults", None)
-    return compose.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), raw))
+    try:
+        return OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
+    except OmegaConfBaseException as e:
+        p = compose_errors.problem(e)
+        if p is None:
+            raise UnreadableFile(path, f"does not fit the run config's schema ({str(e).splitlines()[0]})", FIX) from e
+        raise UnreadableFile(path, f"has {p.field} = {p.value}: {p.why}", p.fix) from e
+
+
+def load(path: str | Path) -> RunConfig:
+    """Read a frozen.yaml back into the typed config (used by every rank and `python -m runner.launch`); UnreadableFile
+    (a ValueError) for one that cannot be read (`read`), ConfigError for a value no config may have."""
+    return compose.to_object(read(path))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runner.config.schema import ModelConfig
+from runner.config.user_files import UnreadableFile, parse_json, read_json, wrong
 
 INIT_FIELDS = ("init_from", "init_format", "init_record")
 """ModelConfig fields that say where the weights started, not what the model is."""
@@ -23,6 +25,10 @@ INIT_FIELDS = ("init_from", "init_format", "init_record")
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+FIX = "save the folder again with transformers' save_pretrained (or `hf download <repo> --local-dir <folder>`)"
+"""The fix of a file of the folder that cannot be read."""
+MAX_HEADER = 100_000_000
+"""The largest safetensors header, in bytes (the safetensors library's own limit)."""
 
 ADAPTERS: dict[str, tuple[str, ...]] = {
     "llama3": ("llama",),
@@ -157,25 +163,109 @@ def quantization(config: dict[str, Any]) -> str:
     return str(q.get("quant_method") or q.get("quant_type") or "quantized") if q else ""
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """config.json: an object whose keys this module reads hold their JSON kinds, else UnreadableFile."""
+    path = folder / CONFIG
+    config = read_json(path, FIX)
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise UnreadableFile(path, wrong("text_config", text, "an object"), FIX)
+    for c, at in ((config, ""), (text or {}, "text_config.")):
+        for k, v in c.items():
+            ok, not_ok, want = _KINDS.get(k, (object, (), ""))
+            if v is not None and (not isinstance(v, ok) or isinstance(v, not_ok)):
+                raise UnreadableFile(path, wrong(at + k, v, want), FIX)
+    return config
+
+
+_NUMBER = ((int, float), bool, "a number")
+_KINDS: dict[str, tuple[Any, Any, str]] = {
+    **{k: _NUMBER for f in FIELDS for k in f.keys},
+    "tie_word_embeddings": (bool, (), "true or false"),
+    **dict.fromkeys(("model_type", "dtype", "torch_dtype"), (str, (), "a string")),
+    **dict.fromkeys(("rope_parameters", "quantization_config"), (dict, (), "an object")),
+}
+"""config.json key -> (the kinds its value may be, kinds it may not, in words); null is always allowed (not said)."""
+
+
+def read_index(folder: Path) -> dict[str, Any]:
+    """model.safetensors.index.json: an object whose weight_map (absent: {}) maps tensor names to file names."""
+    path = folder / INDEX
+    index = read_json(path, FIX)
+    names = {} if index.get("weight_map") is None else index["weight_map"]
+    if not isinstance(names, dict):
+        raise UnreadableFile(path, wrong("weight_map", names, "an object"), FIX)
+    bad = next(((k, v) for k, v in names.items() if not isinstance(v, str)), None)
+    if bad:
+        raise UnreadableFile(path, wrong(f"weight_map[{json.dumps(bad[0])}]", bad[1], "a file name"), FIX)
+    index["weight_map"] = names
+    return index
+
+
 def shards(folder: Path) -> list[str]:
     """The safetensors files of the folder: the index's shards, else the single model.safetensors."""
-    index = folder / INDEX
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (folder / INDEX).is_file():
+        return sorted(set(read_index(folder)["weight_map"].values()))
     return [SINGLE]
 
 
 def header(path: Path) -> bytes:
-    """The safetensors header of a shard: 8 bytes of little-endian length, then that many bytes of JSON."""
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return struct.pack("<Q", n) + f.read(n)
+    """The safetensors header of a shard: 8 bytes of little-endian length, then that many bytes of JSON; UnreadableFile
+    when the length does not fit in the file (random bytes, a file cut short, another format)."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is not None and n <= min(size - 8, MAX_HEADER):
+                return head + f.read(n)
+    except OSError as e:
+        raise UnreadableFile(path, f"cannot be read ({e.strerror or e})", FIX) from e
+    if n is None:
+        why = f"has {size} bytes, fewer than the 8 that give a safetensors header's length"
+    elif n > MAX_HEADER:
+        why = f"starts with a header length of {n} bytes, more than safetensors allows ({MAX_HEADER}): not a safetensors file"
+    else:
+        why = f"starts with a header length of {n} bytes, but holds {size}: cut short, or not a safetensors file"
+    raise UnreadableFile(path, why, FIX)
+
+
+def tensors(path: Path) -> dict[str, dict[str, Any]]:
+    """A shard's header: tensor name -> dtype, shape and data_offsets, each checked, and the data they span must be the
+    rest of the file (a shard cut short in its data is refused here, not on the ranks)."""
+    head = header(path)
+    meta = parse_json(head[8:], path, FIX)
+    meta.pop("__metadata__", None)
+    end = 0
+    for name, t in meta.items():
+        at = f"the tensor {name}"
+        if not isinstance(t, dict):
+            raise UnreadableFile(path, wrong(at, t, "an object"), FIX)
+        for k, ok, want in (
+            ("dtype", isinstance(t.get("dtype"), str), "a string"),
+            ("shape", isinstance(t.get("shape"), list) and all(_count(d) for d in t["shape"]), "a list of sizes"),
+            ("data_offsets", isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2, "[begin, end]"),
+        ):
+            if not ok:
+                raise UnreadableFile(path, wrong(f"{at}'s {k}", t.get(k), want), FIX)
+        begin, stop = t["data_offsets"]
+        if not (_count(begin) and _count(stop) and begin <= stop):
+            raise UnreadableFile(path, wrong(f"{at}'s data_offsets", t["data_offsets"], "[begin, end] with begin <= end"), FIX)
+        end = max(end, stop)
+    data = path.stat().st_size - len(head)
+    if end != data:
+        what = "cut short" if end > data else "not a safetensors file"
+        raise UnreadableFile(path, f"has tensors that end at byte {end} of its data, which holds {data} bytes: {what}", FIX)
+    return meta
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def header_dtypes(path: Path) -> set[str]:
     """The tensor dtypes a shard's header names (F32, BF16, F8_E4M3, ...)."""
-    meta = json.loads(header(path)[8:])
-    return {t["dtype"] for k, t in meta.items() if k != "__metadata__"}
+    return {t["dtype"] for t in tensors(path).values()}
 
 
 def _sha256(path: Path) -> str:

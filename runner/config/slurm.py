@@ -63,6 +63,7 @@ def sbatch_script(launcher: dict[str, Any], num_jobs: int = 1) -> str:
     Several jobs are one array job, as submitit's map_array submits a sweep's batch."""
     from submitit.slurm import slurm
 
+    # private_api: submitit_equivalence_dict, submitit_make_sbatch_string, submitit_submit_module
     generic = slurm.SlurmExecutor._equivalence_dict()
     params = {}
     for key, value in launcher.items():

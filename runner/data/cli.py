@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from runner.config.problems import ConfigError, Problem
+from runner.config.user_files import UnreadableFile
 from runner.data import manifest as mf
 from runner.data.prepare import FORMATS, Request, prepare
 
@@ -57,13 +58,11 @@ def _inputs(files: list[str], text_field: str) -> list[Problem]:
 
 
 def _tokenizer(path: str, eos: str, out: list[Problem]) -> None:
-    from tokenizers import Tokenizer
-
     try:
         mf.tokenizer_info(Path(path))
-        tok = Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-        out.append(Problem("--tokenizer", path, f"not a tokenizers JSON file ({e})", "save one with tokenizers' Tokenizer.save"))
+        tok = mf.tokenizer(path)
+    except UnreadableFile as e:
+        out.append(Problem("--tokenizer", path, f"{e.path} {e.why}", e.fix))
         return
     if tok.token_to_id(eos) is None:
         special = sorted(t.content for t in tok.get_added_tokens_decoder().values() if t.special)

@@ -16,8 +16,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from runner.config.user_files import UnreadableFile, read_json, schema_problem
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -65,35 +71,37 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def tokenizer_info(path: Path) -> dict:
-    """sha256 of the tokenizer's normalized JSON (key order and spacing do not count) and its vocabulary size
-    (largest id + 1, added tokens included)."""
+TOKENIZER_FIX = "save one with tokenizers' Tokenizer.save (or take the tokenizer.json of the model's Hugging Face folder)"
+
+
+def tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizers JSON file at `path` as a `tokenizers.Tokenizer` holding at least one token; UnreadableFile when
+    it is not one. Validation, prepare's argument checks and the export check a tokenizer here, before anything reads
+    it otherwise (the ranks' loader, prepare's workers, the export's copy)."""
     from tokenizers import Tokenizer
 
-    body = json.loads(Path(path).read_text())
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception; an empty, cut, non-text or non-object file is worded first
+        read_json(path, TOKENIZER_FIX)
+        raise UnreadableFile(path, f"is not a tokenizers JSON file ({e})", TOKENIZER_FIX) from e
+    if not tok.get_vocab(with_added_tokens=True):
+        raise UnreadableFile(path, "holds no tokens", TOKENIZER_FIX)
+    return tok
+
+
+def vocab_size(tok: Tokenizer) -> int:
+    """Token ids the model must embed: the largest id of the tokenizer (added tokens included) + 1."""
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def tokenizer_info(path: Path) -> dict:
+    """sha256 of the tokenizer's normalized JSON (key order and spacing do not count) and its vocabulary size
+    (largest id + 1, added tokens included); UnreadableFile when it is not a tokenizer."""
+    vocab = vocab_size(tokenizer(path))
+    body = read_json(path, TOKENIZER_FIX)
     sha = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    vocab = max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
     return {"sha256": sha, "vocab_size": vocab}
-
-
-def schema_problem(body: object, spec: object, at: str = "") -> str | None:
-    """Why `body` does not have the shape of `spec` (nested dicts of types, a list of one spec for a list), naming
-    the first key that is missing or of another type; None when it has it."""
-    if isinstance(spec, dict):
-        if not isinstance(body, dict):
-            return f"{at or 'its content'} is {type(body).__name__}, not an object"
-        for key, sub in spec.items():
-            path = f"{at}.{key}" if at else key
-            if key not in body:
-                return f"lacks the key '{path}'"
-            if why := schema_problem(body[key], sub, path):
-                return why
-        return None
-    if isinstance(spec, list):
-        if not isinstance(body, list):
-            return f"'{at}' is {type(body).__name__}, not a list"
-        return next((why for i, b in enumerate(body) if (why := schema_problem(b, spec[0], f"{at}[{i}]"))), None)
-    return None if isinstance(body, spec) else f"'{at}' is {json.dumps(body)[:40]}, not {spec.__name__}"
 
 
 def foreign(folder: Path) -> list[tuple[Path, str]]:
@@ -129,11 +137,11 @@ def load(folder: str | Path) -> dict:
     if not path.is_file():
         raise ManifestError(f"{path} does not exist (not a folder written by `python -m runner.data prepare`, or an unfinished one)")
     try:
-        m = json.loads(path.read_text())
-    except ValueError as e:
-        raise ManifestError(f"{path} is not JSON ({e})") from e
-    if not isinstance(m, dict) or m.get("version") != VERSION:
-        raise ManifestError(f"{path} has version {m.get('version') if isinstance(m, dict) else None}, this runner reads {VERSION}")
+        m = read_json(path, "prepare the folder again")
+    except UnreadableFile as e:
+        raise ManifestError(f"{e.path} {e.why}") from e
+    if m.get("version") != VERSION:
+        raise ManifestError(f"{path} has version {json.dumps(m.get('version'))}, this runner reads {VERSION}")
     if why := schema_problem(m, SCHEMA):
         raise ManifestError(f"{path} {why} (edited, or not written by `python -m runner.data prepare`)")
     if m["dtype"] not in DTYPES:

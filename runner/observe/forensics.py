@@ -34,6 +34,7 @@ WATCHDOG = "Watchdog caught collective operation timeout"
 _WATCHDOG_LINE = re.compile(r"\[rank(\d+)\]:.*" + WATCHDOG)  # c10d prefixes its log lines with the global rank
 
 
+# private_api: torchft_update_fr_path
 QUORUM_TAG = "_quorum_"
 """torchft's Manager appends _quorum_<id> to the dump prefix's folder for every quorum."""
 
@@ -74,6 +75,7 @@ def analyse_commands(folder: Path) -> list[str]:
 
 def process_groups() -> dict[str, dict[str, Any]]:
     """This rank's process groups: name -> description, member ranks and the group object."""
+    # private_api: torch_c10d_world
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
@@ -87,6 +89,7 @@ def process_groups() -> dict[str, dict[str, Any]]:
 
 
 def _sequence_numbers(groups: dict[str, dict[str, Any]]) -> dict[str, int]:
+    # private_api: torch_pg_sequence_number
     return {name: int(g["pg"]._get_sequence_number_for_group()) for name, g in groups.items()}
 
 
@@ -103,6 +106,7 @@ def _last_collectives(nccl: bool) -> dict[str, dict[str, Any]]:
     With `nccl` the NCCL groups' entries are NCCL's recorder's, read beside the generic one (the host group, on gloo)."""
     import torch._C._distributed_c10d as c10d
 
+    # private_api: torch_dump_fr_trace_json, torch_dump_nccl_trace_json
     dumps = [c10d._dump_fr_trace_json(True, False)]
     if nccl:
         dumps.append(c10d._dump_nccl_trace_json(True, False))
@@ -127,6 +131,7 @@ def dump_flight_recorder(path: Path) -> None:
 
     import torch._C._distributed_c10d as c10d
 
+    # private_api: torch_dump_fr_trace
     body = pickle.loads(c10d._dump_fr_trace())
     body["pg_config"] = {
         name: {"name": name, "desc": g["desc"] or "undefined", "ranks": str(g["ranks"])} for name, g in process_groups().items()

@@ -31,6 +31,7 @@ class StageTimer:
 
     def __init__(self, schedule, clock):
         self.clock, self.pending = clock, []
+        # private_api: torch_schedule_stages, torch_schedule_stage, torch_stage_chunk_methods
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
             for name in CHUNK_METHODS:

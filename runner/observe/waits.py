@@ -23,9 +23,9 @@ import threading
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed._functional_collectives as funcol  # private_api: torch_funcol, torch_funcol_wait_tensor
 
-_WORK = torch._C._distributed_c10d.Work
+_WORK = torch._C._distributed_c10d.Work  # private_api: torch_work_wait
 
 
 class Waits:

@@ -161,6 +161,7 @@ def _visit(e: _Event, ctx: str | None, w: _Walk) -> None:
         term = "recompute"
     if e.name.startswith(COMM_SPAN + " "):
         w.last_axis = term
+    # private_api: torch_c10d_functional_ops, torch_wrap_tensor_autograd
     if e.name.startswith("_c10d_functional::") and not e.name.endswith(("wait_tensor", "_wrap_tensor_autograd")) and sub in AXES:
         w.pending.append((json.dumps(e.dims[0] if e.dims else None), sub))
     w.terms[term] += e.self_time()

@@ -13,6 +13,7 @@ from typing import Any
 from runner.config import flops
 from runner.config.layout import Layout, label
 from runner.config.schema import ActivationCheckpoint, RunConfig
+from runner.config.wording import count
 
 
 @dataclass
@@ -47,6 +48,32 @@ def accounting(cfg: RunConfig, built, pk: dict) -> Accounting:
         pk["emulated"],
         built.num_params,
         pk["peak_spread"],
+    )
+
+
+SLOW_FP8 = 10
+"""An FP8 GEMM more than this many times slower than a float32 one of its size: a CPU whose FP8 kernel is a reference
+loop (some Intel machines: ~250x); the run says so before its first step."""
+
+
+def _about(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.2g}"
+
+
+def slow_fp8(cfg: RunConfig, acc: Accounting, pk: dict) -> str | None:
+    """One line for rank 0 to print before the first step when peak.json's FP8-beside-float32 GEMM measurement (CPU FP8
+    recipes that run torch._scaled_mm) finds FP8 more than SLOW_FP8 x slower; None otherwise. The step times are
+    estimates: the model FLOPs per step at the measured FP8 rate (the run's peak), and at that rate x the slowdown."""
+    m = pk.get("fp8_vs_fp32")  # only FP8 recipes on CPU measure it
+    if m is None or m["slowdown"] <= SLOW_FP8:
+        return None
+    step_flops = acc.flops_per_token * cfg.training.global_batch_size * cfg.training.seq_len
+    fp8_s = step_flops / acc.peak_flops_total
+    return (
+        f"WARNING: this CPU runs FP8 GEMMs {m['slowdown']:.0f}x slower than float32 (torch._scaled_mm "
+        f"{m['float8_tflops'] * 1e3:.3g} vs torch.mm {m['float32_tflops'] * 1e3:.3g} GFLOP/s, n={m['size']}, "
+        f"{count(m['threads'], 'thread')}): expect about {_about(fp8_s)} s a step (an estimate: {step_flops / 1e9:.3g} GFLOP "
+        f"per step at the measured FP8 rate); precision=fp32 runs them in about {_about(fp8_s / m['slowdown'])} s"
     )
 
 

@@ -1,4 +1,5 @@
-"""Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.config.checkpoint).
+"""Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.config.checkpoint),
+and loading the model alone of another run's checkpoint (checkpoint.init_from, a new phase).
 
 State: model, optimizer, LR schedule, step, loss-guard history, every rank's RNGs (host and device) and the data loader position.
 Like TorchTitan's CheckpointManager, the Checkpointer takes its own config section plus the few run values it needs.
@@ -172,6 +173,37 @@ class Checkpointer:
                 f"checkpoint {path} holds another model ({diff}). "
                 "Fix: resume with the model it was saved from, or start without checkpoint.resume"
             )
+        sched = checkpoint.schedule_mismatch(info.get("schedule"), self.origin["schedule"])
+        if sched:
+            raise CheckpointMismatch(
+                f"checkpoint {path} was trained under another learning-rate schedule ({sched}). "
+                "Fix: resume with the checkpoint's values (a new phase starts a new run from its weights: checkpoint.init_from)"
+            )
+
+    def load_weights(self, built: titan.Built, source: str) -> tuple[Path, dict[str, Any]]:
+        """Load only the model of the checkpoint `source` names (checkpoint.init_from: a `step-<n>` folder, or the newest
+        intact one of a run or checkpoint folder; another run's, any layout) into this run's; return the checkpoint and
+        its COMPLETE.json. Rank 0 picks and checks the model, every rank gets the same answer or the same error."""
+        box: list[Any] = [None, None, None]
+        if self.rank == 0:
+            pick, notes = checkpoint.weights_source(Path(source), deep=False)  # pinned and checksummed by the preflight
+            info = checkpoint.marker(pick) if pick is not None else None
+            diff = checkpoint.identity_mismatch(info.get("model", {}), self.origin["model"]) if info is not None else None
+            error = f"checkpoint.init_from {source} {notes[0]}" if pick is None else None
+            if diff:
+                error = f"checkpoint {pick} (checkpoint.init_from) holds another model ({diff}). Fix: start from a checkpoint of this model"
+            box = [str(pick) if pick else None, info, error]
+        path, info, error = self.policy.broadcast_object(box, src=0)
+        if error is not None:
+            raise CheckpointMismatch(error)
+        try:
+            titan.load_model(built.parts, Path(path))
+        except Exception as e:  # DCP names the first key or shape it could not map
+            raise CheckpointMismatch(
+                f"the model of checkpoint {path} (layout {info.get('layout')}) cannot be loaded into layout {self.origin['layout']} "
+                f"({self.origin['degrees']}): {type(e).__name__}: {e}"
+            ) from e
+        return Path(path), info
 
     def restore(self, built: titan.Built, opt, sched, data, guard, *, before: int | None = None) -> int | None:
         """Load the checkpoint to resume from (pinned, else the newest intact one; of a step < `before` when given);

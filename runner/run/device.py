@@ -194,10 +194,12 @@ class DevicePolicy:
     def record_allocator_history(self, max_entries: int) -> None:
         """Start recording every allocation and free, as TorchTitan's MemoryProfiler does (Python stacks only: C++ frames
         make the dump take minutes)."""
+        # private_api: torch_cuda_record_memory_history
         torch.cuda.memory._record_memory_history(stacks="python", max_entries=max_entries)
 
     def allocator_snapshot(self) -> dict[str, Any]:
         """The allocator's segments and recorded history, as torch.cuda.memory._dump_snapshot would pickle them."""
+        # private_api: torch_cuda_snapshot
         return torch.cuda.memory._snapshot()
 
     def profiler_activities(self) -> list:
@@ -314,6 +316,7 @@ def audit(policy: DevicePolicy, out: Path):
     """TEST-ONLY (distributed.audit_collectives): record every torch.distributed collective the runner's own
     modules call, with the group and tensor device it used, into `out` (one JSON list per rank)."""
     calls: list[dict[str, Any]] = []
+    # private_api: torch_distributed_collectives
     originals = {name: getattr(dist, name) for name in AUDITED}
 
     here = Path(__file__).resolve()

@@ -26,6 +26,7 @@ from runner.config import runfiles
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.observe import integrity
+from runner.run import titan
 from runner.run.checkpointer import restarted
 
 MOMENT_MOD = 1 << 20
@@ -205,7 +206,13 @@ def _params(opt) -> list[torch.nn.Parameter]:
     FSDP swaps a module's registered parameters for unsharded ones during its forward and backward, and another
     thread reading them then (torchft's quorum thread does) gets tensors whose storage FSDP frees (seen: a
     segmentation fault, and a full 256-element norm weight sent where its 128-element shard was expected)."""
-    return [p for g in opt.param_groups for p in g["params"]]
+    return [p for o in titan.optimizers(opt) for g in o.param_groups for p in g["params"]]
+
+
+def _state(opt) -> dict:
+    """Parameter -> the optimizer state of the container's optimizer that holds it (a torch optimizer's `state`, a
+    defaultdict: a parameter that has not stepped yet gets an empty one to fill)."""
+    return {p: o.state[p] for o in titan.optimizers(opt) for g in o.param_groups for p in g["params"]}
 
 
 def live_state(opt) -> dict[str, Any]:
@@ -214,8 +221,9 @@ def live_state(opt) -> dict[str, Any]:
     over the job's group, which the main thread's FSDP collectives share: gloo aborted on the interleaving)."""
     with torch.no_grad():
         params = _params(opt)
-        state = [{k: integrity.local_shard(v).detach().clone() for k, v in opt.state[p].items()} for p in params]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        held = _state(opt)
+        state = [{k: integrity.local_shard(v).detach().clone() for k, v in held[p].items()} for p in params]
+        groups = [{k: v for k, v in g.items() if k != "params"} for o in titan.optimizers(opt) for g in o.param_groups]
         return {"params": [integrity.local_shard(p).detach().clone() for p in params], "optim": state, "groups": groups}
 
 
@@ -225,9 +233,10 @@ def load_live_state(opt, sd: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
+        held = _state(opt)
         for p, v, st in zip(_params(opt), sd["params"], sd["optim"], strict=True):
             integrity.local_shard(p).copy_(v)
-            mine = opt.state[p]
+            mine = held[p]
             for k, got in st.items():
                 if k in mine:
                     integrity.local_shard(mine[k]).copy_(got)
@@ -235,7 +244,7 @@ def load_live_state(opt, sd: dict[str, Any]) -> None:
                     mine[k] = DTensor.from_local(got, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 else:
                     mine[k] = got
-        for g, src in zip(opt.param_groups, sd["groups"], strict=True):
+        for g, src in zip([g for o in titan.optimizers(opt) for g in o.param_groups], sd["groups"], strict=True):
             g.update(src)
 
 

@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 
 from runner.config import checkpoint, freeze, hf_folder, runfiles
+from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
+from runner.config.user_files import UnreadableFile
+from runner.data import manifest as mf
 from runner.run.titan import hf_adapter as hf
 
 WRITTEN = re.compile(
@@ -49,7 +52,10 @@ class Source:
 
 def _run_config(run_dir: Path):
     frozen = run_dir / runfiles.FROZEN
-    return freeze.load(frozen) if frozen.is_file() else None
+    try:
+        return freeze.load(frozen) if frozen.is_file() else None
+    except (UnreadableFile, ConfigError) as e:
+        raise ExportRefused(str(e)) from e
 
 
 def source(path: Path) -> Source:
@@ -69,13 +75,23 @@ def source(path: Path) -> Source:
     why = checkpoint.verify(ckpt, deep=True)
     if why:
         raise ExportRefused(f"checkpoint {ckpt} fails its check: {why}. Fix: export another checkpoint (an older step-<n> folder)")
-    model = ModelConfig(**checkpoint.marker(ckpt)["model"])
+    try:
+        model = ModelConfig(**checkpoint.marker(ckpt)["model"])
+    except (KeyError, TypeError) as e:  # verify read the marker: it lacks the model, or names fields ModelConfig has not
+        raise ExportRefused(
+            f"{ckpt / runfiles.CHECKPOINT_MARKER} does not record the model it was saved from ({e}). Fix: {checkpoint.MARKER_FIX}"
+        ) from e
     data = cfg.data if cfg is not None else None
     if data and data.tokenizer and not Path(data.tokenizer).is_file():
         raise ExportRefused(
             f"data.tokenizer {data.tokenizer} (the run's, in its {runfiles.FROZEN}) is not there, so the export would have no "
             "tokenizer. Fix: put the tokenizer back at that path, or export the checkpoint folder from a copy outside the run folder"
         )
+    if data and data.tokenizer:
+        try:
+            mf.tokenizer(data.tokenizer)
+        except UnreadableFile as e:
+            raise ExportRefused(f"the run's data.tokenizer {e}") from e
     return Source(ckpt, model, data.tokenizer if data else "", data.eos_token if data else "")
 
 

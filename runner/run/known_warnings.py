@@ -39,6 +39,7 @@ HARMLESS = (
     ),
     Harmless(
         None,
+        # private_api: torch_redistribute_logger
         "torch.distributed.tensor._redistribute",
         r"While redistributing from \((_NormPartial\([\d.]+\)(, )?)+\) to \((Replicate\(\)(, )?)+\), \d+ sequential all_reduce ",
         "the gradient norm of parameters sharded on two mesh dimensions: one all-reduce of one element per "
@@ -46,6 +47,7 @@ HARMLESS = (
     ),
     Harmless(
         None,
+        # private_api: torch_pytree_logger
         "torch.utils._pytree",
         r"<enum '(KernelPreference|ScaleCalculationMode)'> is an Enum subclass .* register_constant\(\) on Enum "
         r"subclasses is deprecated",

@@ -195,6 +195,7 @@ def _stages(built: titan.Built) -> list[dict[str, Any]]:
     """This rank's pipeline stages: index and transformer layers held."""
     if built.schedule is None:
         return []
+    # private_api: torch_schedule_stages, torch_schedule_stage
     stages = getattr(built.schedule, "_stages", None) or [built.schedule._stage]
     return [{"index": s.stage_index, "layers": len(s.submod.layers)} for s in stages]
 

@@ -24,6 +24,7 @@ from runner.config import runfiles, validate
 from runner.config.layout import Layout
 from runner.config.problems import ConfigError
 from runner.config.schema import RunConfig, WorkerStart
+from runner.config.user_files import UnreadableFile
 from runner.outputs import goodput
 from runner.run import known_warnings, procs
 
@@ -143,7 +144,15 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path, *, checked: bool = False) -> 
 
 def cli() -> None:
     """`python -m runner.launch` (runner/launch.py)."""
+    from runner.config import freeze
+
     if len(sys.argv) < 2 or not sys.argv[-1].endswith(".yaml"):
         sys.exit("usage: python -m runner.launch [torchrun flags] <run folder>/frozen.yaml")
-    start(sys.argv[1:-1], Path(sys.argv[-1]))
+    frozen = Path(sys.argv[-1])
+    try:
+        cfg = freeze.load(frozen)
+    except (UnreadableFile, ConfigError) as e:  # a frozen file cut short, not YAML, of the wrong shape: one message, exit 2
+        print(e, file=sys.stderr)
+        procs.exit_now(2)
+    start(sys.argv[1:-1], frozen, cfg)
     procs.exit_now(0)

@@ -9,6 +9,9 @@ The CPU measurement (one rank's share of the node, as the ranks will run):
 - rounds: ROUNDS rounds at that size, each the best of >= MIN_REPS matmuls (the fastest matmul of a
   round is the one no other process slowed); the peak is the median round, a round more than
   OUTLIER from it is refused, and `spread` = (max - min) / median of the rounds kept;
+- FP8 beside float32: for an FP8 recipe that runs torch._scaled_mm on CPU, a float32 GEMM is timed beside an
+  FP8 one at the FP8 plateau size (fp8_slowdown, kept with the FP8 figure): on some CPUs the FP8 kernel is a
+  reference loop, hundreds of times slower than float32, and the run says so before its first step;
 - cache: `<cluster.peak_cache_dir>/peak-<cpu model>-<dtype>.json`, keyed by the core count, torch
   version and thread layout, so runs on one machine share one figure instead of each drawing its own.
   A run checks the cached figure with a short round (check_round), unless it was measured or checked in
@@ -56,6 +59,7 @@ def _matmul(dtype_name: str, n: int):
         a = torch.randn(n, n).to(torch.float8_e4m3fn)
         b = torch.randn(n, n).to(torch.float8_e4m3fn).t()
         one = torch.ones(())
+        # private_api: torch_scaled_mm
         return lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.float32)
     dtype = getattr(torch, dtype_name)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -122,6 +126,13 @@ def check_round(dtype_name: str, threads: int, n: int) -> float:
         torch.set_num_threads(before)
 
 
+def fp8_slowdown(threads: int, n: int) -> dict[str, Any]:
+    """How many times slower an FP8 GEMM (torch._scaled_mm, e4m3) runs than a float32 one here, each the best of
+    CHECK_REPS square GEMMs at size min(n, CHECK_MAX_SIZE) with `threads` threads."""
+    fp8, fp32 = check_round("float8", threads, n), check_round("float32", threads, n)
+    return {"size": min(n, CHECK_MAX_SIZE), "threads": threads, "float8_tflops": fp8, "float32_tflops": fp32, "slowdown": fp32 / fp8}
+
+
 def _in_child(fn, *args):
     """fn(*args) in a forked child process.
 
@@ -143,6 +154,8 @@ def measure_cpu(dtype_name: str, ranks_per_node: int) -> dict[str, Any]:
     """The node's peak from one rank's share, measured in a child process (_in_child)."""
     threads, shares = layout(ranks_per_node)
     share = _in_child(measure_share, dtype_name, threads)
+    if dtype_name == "float8":
+        share["fp8_vs_fp32"] = _in_child(fp8_slowdown, threads, share["size"])
     return share | {"shares": shares, "tflops": share["tflops"] * shares, "share_tflops": share["tflops"]}
 
 
@@ -179,7 +192,8 @@ def cpu_peak(cfg: RunConfig, dtype_name: str, ranks_per_node: int) -> dict[str, 
     path = _cache_file(folder, dtype_name) if folder else None
     cached = json.loads(path.read_text()) if path and path.is_file() else {}
     replaced = {}
-    if key in cached:
+    complete = key in cached and (dtype_name != "float8" or "fp8_vs_fp32" in cached[key])  # older FP8 figures lack it
+    if complete:
         old = cached[key]
         if time.time() - old.get("checked_s", 0.0) < CHECK_EVERY_S:
             return old | {"cache": str(path), "cached": True}
@@ -258,6 +272,8 @@ def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
             "running at once",
             "measurement": m,
         }
+        if "fp8_vs_fp32" in m:
+            rec["fp8_vs_fp32"] = m["fp8_vs_fp32"]
     else:
         rec |= {"peak_tflops": cfg.cluster.peak_tflops[dtype], "peak_spread": None}
     devices = DevicePolicy.of(cfg.cluster, cfg.distributed).peak_devices(world_size, cfg.cluster.num_nodes)

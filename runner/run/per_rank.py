@@ -175,6 +175,9 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
             header += "\n" + _record_fp8(cfg, built, pk, run_dir, policy)
         frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
+        slow_fp8 = accounting.slow_fp8(cfg, acc, pk)  # a CPU whose FP8 GEMMs are a reference loop: say so before the first step
+        if slow_fp8:
+            print(slow_fp8, flush=True)
         sinks = metrics.sinks(cfg, run_dir, header, freeze.to_container(cfg))
     train.run(cfg, lay, built, data, acc, sinks, run_dir, policy, recorder, eval_data=eval_data, timeline=timeline)
 

@@ -23,6 +23,7 @@ def honour_shutdown_timeout() -> None:
     SIGKILL; stop the ranks with the configured distributed.shutdown_timeout_s instead."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    # private_api: torch_agent_stop_workers, torch_agent_shutdown, torch_agent_shutdown_timeout
     LocalElasticAgent._stop_workers = lambda self, worker_group: self._shutdown(timeout=self._shutdown_timeout)
 
 
@@ -36,6 +37,7 @@ def note_agent_restarts(on_failure: Callable[[int], None]) -> None:
     global _agent_restart
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
 
+    # private_api: torch_agent_restart_workers, torch_agent_remaining_restarts
     _agent_restart = _agent_restart or SimpleElasticAgent._restart_workers
     restart = _agent_restart
 
@@ -68,6 +70,7 @@ def _fork_grace(seconds: float) -> None:
     global _spawn_join
     from torch.multiprocessing.spawn import ProcessContext
 
+    # private_api: torch_spawn_join
     _spawn_join = _spawn_join or ProcessContext.join
     join = _spawn_join
     ProcessContext.join = lambda self, timeout=None, grace_period=None: join(
@@ -79,6 +82,7 @@ def exit_now(code: int) -> None:
     """End the process without tearing the interpreter down. With torch and TorchTitan loaded
     (~2,800 modules) Python's finalization takes ~3 s of every launch after the ranks are done;
     the exit handlers (logging, multiprocessing, torch's) still run first, and output is flushed."""
+    # private_api: python_run_exitfuncs
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

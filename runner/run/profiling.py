@@ -99,6 +99,7 @@ class StepProfiler:
         )
         self.prof.record_steps = False  # the step spans are this class's: closed when the step loop takes the step's time
         self.prof.step_num = first_step - 1
+        # private_api: torch_profiler_prev_action
         self.prof.current_action = self.prof._prev_schedule_action = action(p, first_step - 1)
         self.prof.start()
 
@@ -234,6 +235,7 @@ class CollectiveNames:
     is known at the call only; the trace's own collective events (gloo's, NCCL's) do not say it."""
 
     def __init__(self, lay: Layout, rank: int, policy: DevicePolicy):
+        # private_api: torch_funcol
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
@@ -261,6 +263,7 @@ class CollectiveNames:
             return args[0][0].group if args and args[0] else None
         group = inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
         if funcol and group is not None:
+            # private_api: torch_funcol_resolve_group_name, torch_resolve_process_group
             name = self.funcol._resolve_group_name(group)
             group = self.dist.distributed_c10d._resolve_process_group(name)
         return group
@@ -274,6 +277,7 @@ class CollectiveNames:
         return named
 
     def __enter__(self) -> CollectiveNames:
+        # private_api: torch_distributed_collectives, torch_pipeline_wait_batch_p2p, torch_checkpoint_rerun
         for module, ops, funcol in ((self.dist, DIST_OPS, False), (self.funcol, funcol_ops(self.funcol), True)):
             for op in ops:
                 fn = getattr(module, op, None)

@@ -95,6 +95,7 @@ class StepLoop:
     timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.outputs.goodput)
 
     prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
+    collector: Any = None  # training.gc_every: TorchTitan's GarbageCollection, every rank collecting at the same steps
 
     # --- one step, top to bottom ---------------------------------------------------------------------------------
 
@@ -113,6 +114,8 @@ class StepLoop:
             r["slurm_restart"] = preempt.restart_count()
         if verdict.spike:
             r |= {"spike": verdict.spike, "action": verdict.action}
+        if verdict.action == "accept" and dist.get_rank() == 0:
+            print(guard.describe(step, verdict), flush=True)
         found = self.integrity.take()
         if found:
             r["integrity"] = found
@@ -123,6 +126,10 @@ class StepLoop:
                 r |= self.evaluate()
         if "rewound_to" not in r and not self.stop_for_slurm(step, r, stop) and self.ckpt.due(step) and self.ft.saves():
             r["checkpoint_s"] = self.ckpt.save(step, self.built, self.opt, self.sched, self.data, guard)
+        if self.collector is not None:
+            g0 = time.monotonic()
+            if self.collector.run(step):  # at multiples of training.gc_every, on every rank alike
+                r["gc_s"] = time.monotonic() - g0
         r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
         self.publish(step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
         return r["rewound_to"] + 1 if "rewound_to" in r else self.ft.next_step(step)
@@ -147,8 +154,9 @@ class StepLoop:
         if self.prof is not None:
             self.prof.end(step, dt)
         loss = self.ft.global_loss(shared.loss)
+        grad_norm = self.guard.shifted(step, grad_norm, self.cfg.monitor.inject)  # TEST-ONLY injection; as read otherwise
         verdict = self.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
-        lr = self.opt.param_groups[0]["lr"]
+        lr = titan.current_lr(self.opt)  # the rate this step's update uses
         self.decide_update(step, verdict, shared.stop, self.ft.should_commit())  # torchft's vote (always True with it off)
         replicas = self.check_replicas(step) if self.integrity.check_due(step) else {}
         flagged = mon.end_step()
@@ -213,7 +221,7 @@ class StepLoop:
     def decide_update(self, step: int, verdict: monitor.Verdict, stop: bool, committed: bool) -> None:
         """An accepted step's update waits for the next step (apply_update); a spike's gradients are dropped now, and so
         are a step's that torchft's quorum did not commit (its schedule does not advance either)."""
-        self.pending = verdict.action == "ok" and committed
+        self.pending = verdict.action in ("ok", "accept") and committed
         if not self.pending:
             self.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
             if committed:

@@ -1,10 +1,11 @@
 """A run of the step loop: build it (optimizer, monitors, checkpointer, integrity checker, torchft), start it (resume from a
-checkpoint, or model.init_from's weights), train step after step (runner.run.step_loop.StepLoop), and end it (the last save
-published, the model exported, the summary gathered over ranks, the goodput line; or, when SLURM's warning stopped it, the
-requeue's closing line)."""
+checkpoint, or the weights of model.init_from or checkpoint.init_from), train step after step
+(runner.run.step_loop.StepLoop), and end it (the last save published, the model exported, the summary gathered over
+ranks, the goodput line; or, when SLURM's warning stopped it, the requeue's closing line)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -46,9 +47,14 @@ def run(
     `timeline` and closes with the goodput line (runner.outputs.goodput)."""
     loop = build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data, timeline)
     step = start(loop)
-    with profiling.oom_dump(loop.prof and loop.prof.memory, dist.get_rank()):
-        while step <= cfg.training.steps and not loop.stopped:
-            step = loop.step(step)
+    loop.collector = titan.garbage_collection(cfg.training.gc_every)  # automatic collection off until the loop ends
+    try:
+        with profiling.oom_dump(loop.prof and loop.prof.memory, dist.get_rank()):
+            while step <= cfg.training.steps and not loop.stopped:
+                step = loop.step(step)
+    finally:
+        if loop.collector is not None:
+            gc.enable()
     if loop.prof is not None:
         loop.log_terms(loop.prof.close(step - 1))
     return stop(loop) if loop.stopped else finish(loop, step)
@@ -95,7 +101,8 @@ def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, e
 
 
 def start(loop: StepLoop) -> int:
-    """First step to run: after the newest complete checkpoint when resuming (by hand or after an elastic restart)."""
+    """First step to run: after the newest complete checkpoint when resuming (by hand or after an elastic restart); else
+    step 1, from model.init_from's or checkpoint.init_from's weights when set."""
     cfg = loop.cfg
     step, done = 1, None
     if cfg.checkpoint.resume or restarted() or preempt.requeued():
@@ -106,6 +113,8 @@ def start(loop: StepLoop) -> int:
             print(f"checkpoint: nothing to resume in {loop.ckpt.folder}; starting at step 1", flush=True)
     if done is None and cfg.model.init_from:  # the run's own checkpoint takes precedence
         load_hf(loop)
+    elif done is None and cfg.checkpoint.init_from:  # validation refuses both
+        load_weights(loop)
     line = loader.check_inputs(loop.data, loop.lay.dp_rank, step - 1, loop.policy)
     profiled = profiling.enabled(cfg.profile) or cfg.profile.memory
     if dist.get_rank() == 0:
@@ -132,6 +141,22 @@ def load_hf(loop: StepLoop) -> None:
         print(
             f"step 0: started from Hugging Face weights in {m.init_from} (config.json sha256 {sha}; rank 0 read "
             f"{len(got['keys'])} tensors in {time.perf_counter() - t0:.1f} s); optimizer state starts fresh",
+            flush=True,
+        )
+
+
+def load_weights(loop: StepLoop) -> None:
+    """Step 0: the model weights of checkpoint.init_from's checkpoint (a new phase), resharded onto this layout; the
+    optimizer, learning-rate schedule and data position start fresh, as built."""
+    c = loop.cfg.checkpoint
+    t0 = time.perf_counter()
+    path, info = loop.ckpt.load_weights(loop.built, c.init_from)
+    if dist.get_rank() == 0:
+        rec = c.init_record or checkpoint.weights_record(path)  # pinned when frozen; an in-process run computes it
+        print(
+            f"step 0: started from the model weights of checkpoint {path} (step {rec['step']}, layout {info.get('layout')}; "
+            f"{checkpoint.MARKER} files sha256 {rec['files_sha256']}; {time.perf_counter() - t0:.1f} s); optimizer, "
+            "learning-rate schedule and data position start fresh",
             flush=True,
         )
 

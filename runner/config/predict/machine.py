@@ -13,12 +13,12 @@ never the `heldout` ones. Such predictions are labelled "datasheet, not calibrat
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.config.schema import RunConfig
+from runner.config.user_files import parse_json
 
 DATASHEET = "datasheet, not calibrated"
 PROFILE_KIND = "runner machine profile"
@@ -124,7 +124,7 @@ def datasheet(cfg: RunConfig, peak_tflops: float | None, link_gbs: dict[str, flo
 
 def load(path: str | Path) -> dict:
     """The profile's JSON; ValueError naming the path when it is not a runner profile."""
-    data = json.loads(Path(path).expanduser().read_text())
+    data = parse_json(Path(path).expanduser().read_bytes(), path, "write one with `python -m runner.calibrate`")  # OSError, or a ValueError
     if data.get("kind") != PROFILE_KIND or data.get("version") != PROFILE_VERSION:
         raise ValueError(f"{path} is not a {PROFILE_KIND} (version {PROFILE_VERSION}); write one with python -m runner.calibrate")
     return data

@@ -23,9 +23,12 @@ from runner.config.schema.choices import (
     HostGroup,
     InitFormat,
     Launcher,
+    LRDecay,
     MismatchAction,
     Mode,
     Objective,
+    OptimizerImpl,
+    OptimizerName,
     ReshardPolicy,
     TextFormat,
     WandbMode,
@@ -51,9 +54,12 @@ from runner.config.schema.training import (
     DataConfig,
     DryrunConfig,
     EvalConfig,
+    LRSchedulerConfig,
     MixSource,
     ModelConfig,
+    OptimizerConfig,
     ParallelismConfig,
+    ParamGroup,
     PlanConfig,
     PrecisionConfig,
     SearchConfig,
@@ -84,6 +90,12 @@ __all__ = [
     "IntegrityConfig",
     "Launcher",
     "LoggingConfig",
+    "LRDecay",
+    "LRSchedulerConfig",
+    "OptimizerConfig",
+    "OptimizerImpl",
+    "OptimizerName",
+    "ParamGroup",
     "MixSource",
     "LossGuardConfig",
     "Mode",
@@ -119,6 +131,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -141,6 +141,31 @@ class FaultTolerance(Enum):
     restarts alone and recovers the weights from a live peer while the others train on (docs/fault-tolerance.md)."""
 
 
+class OptimizerName(Enum):
+    AdamW = "AdamW"
+    """Adam with decoupled weight decay (torch.optim.AdamW), TorchTitan's default."""
+    Adam = "Adam"
+    """Adam with L2 weight decay added to the gradient (torch.optim.Adam)."""
+
+
+class OptimizerImpl(Enum):
+    fused = "fused"
+    """One fused kernel for the whole update (TorchTitan's default; torch has it on CPU and CUDA)."""
+    foreach = "foreach"
+    """Horizontally fused kernels over lists of tensors."""
+    for_loop = "for_loop"
+    """One parameter at a time (torch's reference implementation; slowest)."""
+
+
+class LRDecay(Enum):
+    linear = "linear"
+    """From the peak down to min_lr_factor x peak in a straight line."""
+    sqrt = "sqrt"
+    """1 - sqrt(progress): falls fast at first."""
+    cosine = "cosine"
+    """Half a cosine period: slow at both ends."""
+
+
 class GuardAction(Enum):
     skip = "skip"
     """Drop the batch: no optimizer step; counted and logged."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from runner.config.schema.choices import (
     Backend,
@@ -38,6 +39,13 @@ class CheckpointConfig:
     resume_from: str = ""
     """With resume: the checkpoint folder (`<folder>/step-<n>`) to start from instead of the newest. The runner
     sets it before freezing a resumed run, so its frozen.yaml replays from the same step."""
+    init_from: str = ""
+    """The runner's own checkpoint whose model weights the run starts from (a new phase: anneal, another data mix, a
+    longer run), in any layout: a `<folder>/step-<n>`, or a run or checkpoint folder (its newest intact checkpoint);
+    the optimizer, learning-rate schedule and data position start fresh; '' = none. A resume takes precedence."""
+    init_record: dict[str, Any] = field(default_factory=dict)
+    """Filled when the run is frozen (leave empty): the step of the checkpoint init_from was pinned to and the sha256 of
+    its COMPLETE.json file list (every file's size and CRC-32); a replay refuses a checkpoint that no longer matches."""
     checksum: bool = True
     """Record every checkpoint file's CRC-32 in COMPLETE.json and verify it before resuming (reads the whole
     checkpoint once more per save and per resume)."""
@@ -194,6 +202,10 @@ class StragglerConfig:
     """Consecutive slow windows before a rank is reported as a straggler."""
     min_seconds: float = 0.005
     """Phases whose median over ranks is below this many seconds are not judged (timer noise)."""
+    min_excess_s: float = 0.005
+    """A rank is slow in a phase only if it exceeds the phase's median over ranks by at least this many seconds ..."""
+    min_step_frac: float = 0.02
+    """... and by at least this fraction of the median step time (docs/monitoring.md: why these floors)."""
     arrival: bool = True
     """Also judge arrival: each step every rank stamps (wall clock) its arrival at the step's one host collective,
     after the step's read of its loss (runner.run.step_sync); the rank its peers wait for arrives last."""
@@ -219,7 +231,9 @@ class LossGuardConfig:
     action: GuardAction = GuardAction.skip
     """What a spike does: skip the batch, or skip and rewind to the last checkpoint after repeated spikes."""
     max_consecutive: int = 3
-    """With action=rewind: spikes in a row that trigger the rewind."""
+    """Finite spikes in a row the guard skips at most: the next one is accepted and restarts the running medians from
+    it (action=skip: a lasting level shift, not a spike), or rewinds to the last checkpoint (action=rewind).
+    Non-finite losses and norms are always skipped."""
 
 
 @dataclass
@@ -250,6 +264,11 @@ class InjectConfig:
     """Step (1-based) at whose start flip_rank flips the bit."""
     replay_rank: int = -1
     """Rank whose replayed forward scales its loss by (1 + 1e-6), a non-reproducible computation (-1: none)."""
+    norm_shift_step: int = 0
+    """From this step (1-based) on, the loss guard sees the global gradient norm times norm_shift_scale, a lasting
+    level shift (0: none)."""
+    norm_shift_scale: float = 4.0
+    """Multiplier of the gradient norm the guard sees from norm_shift_step on."""
 
 
 @dataclass

@@ -5,7 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.config.schema.choices import ActivationCheckpoint, DataSource, DType, Fp8Recipe, InitFormat, ReshardPolicy, TextFormat
+from runner.config.schema.choices import (
+    ActivationCheckpoint,
+    DataSource,
+    DType,
+    Fp8Recipe,
+    InitFormat,
+    LRDecay,
+    OptimizerImpl,
+    OptimizerName,
+    ReshardPolicy,
+    TextFormat,
+)
 
 
 @dataclass
@@ -156,6 +167,9 @@ class PrecisionConfig:
     keep_high_precision: list[str] = field(default_factory=list)
     """Module name patterns (fnmatch, on TorchTitan's module FQNs such as `lm_head` or
     `layers.*.attention.wo`) kept in param_dtype when fp8 is on; matching Linear layers are not converted."""
+    allow_fp32_on_gpu: bool = False
+    """Train with param_dtype float32 on a CUDA cluster on purpose (H100: 67 dense TFLOP/s against bf16's 989); false
+    refuses it there, where float32 is most often the CPU default (precision=fp32) left in place."""
 
 
 @dataclass
@@ -170,12 +184,6 @@ class TrainingConfig:
     """Samples per optimizer step over all data-parallel replicas."""
     microbatch_size: int = 2
     """Samples per forward/backward pass on one rank (gradient accumulation or pipeline microbatch)."""
-    lr: float = 8e-4
-    """Peak learning rate (AdamW), > 0."""
-    weight_decay: float = 0.1
-    """AdamW weight decay, >= 0."""
-    warmup_steps: int = 2
-    """Linear warm-up steps, then constant."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value (> 0)."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
@@ -185,6 +193,57 @@ class TrainingConfig:
     (blocks N-1, 2N-1, ...); 1 recomputes them all, like full."""
     compile: bool = False
     """torch.compile every transformer block (TorchTitan's CompileConfig, Inductor); async TP needs it."""
+    gc_every: int = 50
+    """Python's automatic garbage collection is off inside the step loop and every rank collects after each gc_every-th
+    step, all at the same step (TorchTitan's gc_freq); 0 leaves Python's automatic collection on."""
+
+
+@dataclass
+class ParamGroup:
+    pattern: str = ""
+    """Regular expression searched in each parameter's name (TorchTitan's names, e.g. `norm\\.weight$`,
+    `tok_embeddings`); a parameter belongs to the first group whose pattern it matches, else to the default group."""
+    weight_decay: float = 0.0
+    """Weight decay of the parameters this group takes, >= 0."""
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer, built by TorchTitan's OptimizersContainer (one optimizer per model part)."""
+
+    name: OptimizerName = OptimizerName.AdamW
+    """Optimizer class."""
+    lr: float = 8e-4
+    """Peak learning rate, > 0."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam's (beta1, beta2), each in [0, 1)."""
+    eps: float = 1e-8
+    """Adam's epsilon, > 0."""
+    weight_decay: float = 0.1
+    """Weight decay of the parameters no group takes, >= 0."""
+    implementation: OptimizerImpl = OptimizerImpl.fused
+    """How the update runs: fused (one kernel), foreach or for_loop."""
+    no_decay_1d_and_embeddings: bool = False
+    """No weight decay on 1-D parameters (norm weights, biases) and the token embeddings (Megatron's and OLMo's
+    choice); TorchTitan's default decays every parameter."""
+    param_groups: list[ParamGroup] = field(default_factory=list)
+    """Parameter groups by name pattern, checked in order before the no_decay_1d_and_embeddings group; every pattern
+    must match some parameter of the model."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    """The learning-rate schedule over training.steps, built by TorchTitan's LRSchedulersContainer: linear warm-up,
+    then a stable phase (with decay_ratio), then the decay."""
+
+    warmup_steps: int = 2
+    """Linear warm-up steps from lr / warmup_steps up to the peak optimizer.lr."""
+    decay_type: LRDecay = LRDecay.linear
+    """Shape of the decay after warm-up (or after the stable phase)."""
+    decay_ratio: float | None = None
+    """Share of training.steps that decays, in [0, 1] (warmup-stable-decay); None decays from the end of warm-up."""
+    min_lr_factor: float = 0.0
+    """The rate decays to min_lr_factor x optimizer.lr, in [0, 1]."""
 
 
 @dataclass

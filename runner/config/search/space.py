@@ -3,7 +3,7 @@ warning when a GPU cluster is searched at the debug defaults. Torch-free."""
 
 from __future__ import annotations
 
-from runner.config.schema import DeviceType, DType, Fp8Recipe, ReshardPolicy, RunConfig, TrainingConfig
+from runner.config.schema import DeviceType, Fp8Recipe, ReshardPolicy, RunConfig, TrainingConfig
 from runner.config.validate import layout_rules as validate_layout
 
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -41,21 +41,20 @@ def _precision(cfg: RunConfig) -> str:
 
 def debug_defaults(cfg: RunConfig) -> str | None:
     """The warning for a GPU cluster searched at the schema's debug defaults (the CPU smoke run's global batch and
-    sequence length, fp32): the layouts would be ranked for that toy problem, not for the run's."""
+    sequence length): the layouts would be ranked for that toy problem, not for the run's. The CPU default fp32 is
+    refused on a GPU cluster by validation (validate.fields), so it is no warning here."""
     if cfg.cluster.device == DeviceType.cpu:
         return None
     t, default = cfg.training, TrainingConfig()
     at_default = [k for k in ("global_batch_size", "seq_len") if getattr(t, k) == getattr(default, k)]
     found = {f"training.{k}": f"training.{k}={getattr(t, k)}" for k in at_default}
-    if cfg.precision.param_dtype == DType.float32:
-        found["precision"] = f"precision={cfg.precision.name} (float32 compute)"
     if not found:
         return None
     fields = list(found)
     named = ", ".join(fields[:-1]) + " and " + fields[-1] if len(fields) > 1 else fields[0]
     return (
         f"warning: cluster {cfg.cluster.name} is searched with the debug defaults {', '.join(found.values())}, so the layouts "
-        f"are ranked for that toy problem; set {named} to the run's own" + (" (e.g. precision=bf16)" if "precision" in found else "")
+        f"are ranked for that toy problem; set {named} to the run's own"
     )
 
 

@@ -38,6 +38,7 @@ def command(run_dir: Path, k: int, steps: int) -> list[str]:
         f"sweep={SWEEP_NAME}",
         f"+{SWEEP_NAME}={points}",
         f"training.steps={steps}",
+        "lr_scheduler.warmup_steps=0",  # a few steps to time: no schedule of the recipe's length fits in them
         f"hydra.sweep.dir={(run_dir / runfiles.SEARCH_VERIFY).resolve()}",
     ]
 

@@ -184,6 +184,7 @@ RULES: tuple[Rule, ...] = (
     Rule("FP8 recipe on the device", _fp8_device, Needs.CONFIG),
     Rule("monitor and distributed", monitor_rules.check, Needs.CONFIG, reads=_WS),
     Rule("checkpoint", checkpoint_rules.check, Needs.CONFIG),
+    Rule("checkpoint weights to start from", checkpoint_rules.init_check, Needs.CONFIG),
     Rule("data", data_rules.check, Needs.CONFIG),
     Rule("evaluation", eval_rules.check, Needs.CONFIG),
     Rule("profiler", profile_rules.check, Needs.CONFIG, reads=_WS),
@@ -202,6 +203,7 @@ RULES: tuple[Rule, ...] = (
     Rule("held-out files", eval_rules.files, Needs.FILES, _LAUNCH),
     Rule("Hugging Face folder to start from", hf_rules.files, Needs.FILES, _LAUNCH),
     Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
+    Rule("checkpoint to start from", checkpoint_rules.init_files, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
     Rule("torchft installed, lighthouse answering", ft_rules.launch, Needs.FILES, _LAUNCH),
 )
 

@@ -2,6 +2,8 @@
 before any rank starts: the checkpoint folder (writable, room for the checkpoints kept) and, when resuming, the
 checkpoint to start from: it must exist, be intact and belong to this model. `resume_point` is that checkpoint;
 runner.config.freeze.pin writes it into `checkpoint.resume_from`, so the frozen file replays from the same step.
+`init_check` and `init_files` are the same for checkpoint.init_from, the checkpoint whose weights a new phase starts
+from (pinned by freeze.pin too, with its record in checkpoint.init_record).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from runner.config import checkpoint, flops, hf_folder
 from runner.config.problems import Problem
-from runner.config.schema import RunConfig
+from runner.config.schema import Mode, RunConfig
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
@@ -109,16 +111,28 @@ def _resume(cfg: RunConfig, where: Path, out: list[Problem]) -> None:
     if pick is None:
         return
     info = checkpoint.marker(pick)
-    diff = checkpoint.identity_mismatch(info["model"], checkpoint.model_identity(cfg.model))
+    diff = checkpoint.identity_mismatch(info.get("model", {}), checkpoint.model_identity(cfg.model))  # none recorded: every field differs
+    sched = checkpoint.schedule_mismatch(info.get("schedule"), checkpoint.schedule(cfg))
     if diff:
         out.append(Problem("checkpoint.resume", True, f"the checkpoint {pick} holds another model: {diff}", "resume with that model"))
+    elif sched:
+        field = sched.split(" ", 1)[0]
+        out.append(
+            Problem(
+                field,
+                checkpoint.schedule(cfg)[field],
+                f"the checkpoint {pick} was trained under another learning-rate schedule ({sched}): resuming would continue "
+                "a different schedule from its step",
+                "resume with the checkpoint's values (a new phase starts a new run from its weights: checkpoint.init_from=<it>)",
+            )
+        )
     elif info["step"] >= cfg.training.steps:
         out.append(
             Problem(
                 "training.steps",
                 cfg.training.steps,
-                f"the checkpoint {pick} is already at step {info['step']}",
-                "raise training.steps to train further",
+                f"the checkpoint {pick} is already at step {info['step']}: the run is complete",
+                "train further as a new run from its weights: checkpoint.init_from=<it> (more training.steps stretch the schedule)",
             )
         )
 
@@ -130,3 +144,63 @@ def launch(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
         _storage(cfg, where, out)
         if cfg.checkpoint.resume:
             _resume(cfg, where, out)
+
+
+INIT = "checkpoint.init_from"
+INIT_FIX = f"name a run folder, its checkpoint folder or one <folder>/step-<n> of it, or leave {INIT} empty"
+
+
+def init_check(cfg: RunConfig, out: list[Problem]) -> None:
+    """checkpoint.init_from against the rest of the config; with mode=validate also the checkpoint it names (sizes only)."""
+    c = cfg.checkpoint
+    if not c.init_from:
+        if c.init_record:
+            out.append(Problem("checkpoint.init_record", "(set)", f"records a checkpoint to start from, but {INIT} is empty", "drop it"))
+        return
+    if cfg.model.init_from:
+        why = "model.init_from names weights to start from too: a run starts from one source of weights"
+        out.append(Problem(INIT, c.init_from, why, f"drop {INIT} or model.init_from"))
+        return
+    if cfg.mode == Mode.validate:
+        init_source(cfg, out, deep=False)
+
+
+def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
+    """The checkpoint checkpoint.init_from names, on this machine now: intact (CRC-32s verified), of this model, outside
+    this run's own checkpoint folder and, on a replay, the one the frozen file recorded."""
+    c = cfg.checkpoint
+    if not c.init_from or cfg.model.init_from:  # init_check refuses both
+        return
+    pick = init_source(cfg, out, deep=True)
+    if pick is None:
+        return
+    if c.init_record and (diff := checkpoint.record_changes(c.init_record, checkpoint.weights_record(pick))):
+        out.append(
+            Problem(
+                INIT,
+                c.init_from,
+                f"changed since this run was frozen ({'; '.join(diff)}): the replay would start from other weights",
+                "restore the checkpoint the run started from, or start a new run from this one (without checkpoint.init_record)",
+            )
+        )
+    if c.enable and pick.parent.resolve() == checkpoint.folder(c, run_dir).resolve():
+        why = f"holds {pick}, the checkpoint {INIT} starts from: this run's saves would go beside it, and keep-last delete it"
+        fix = "point checkpoint.folder elsewhere (by default a folder inside the run folder)"
+        out.append(Problem("checkpoint.folder", c.folder, why, fix))
+
+
+def init_source(cfg: RunConfig, out: list[Problem], *, deep: bool) -> Path | None:
+    """The checkpoint checkpoint.init_from names (runner.config.checkpoint.weights_source), if it is intact and of this model."""
+    c = cfg.checkpoint
+    pick, notes = checkpoint.weights_source(Path(c.init_from), deep)
+    if pick is None:
+        out.append(Problem(INIT, c.init_from, notes[0], INIT_FIX))
+        return None
+    for note in notes:
+        print(f"WARNING: {INIT}: skipping checkpoint {note}; starting from {pick}", file=sys.stderr, flush=True)
+    diff = checkpoint.identity_mismatch(checkpoint.marker(pick).get("model", {}), checkpoint.model_identity(cfg.model))
+    if diff:
+        fix = "start from a checkpoint of this model, or set model.* to the checkpoint's (the model of its COMPLETE.json)"
+        out.append(Problem(INIT, c.init_from, f"the checkpoint {pick} holds another model: {diff}", fix))
+        return None
+    return pick

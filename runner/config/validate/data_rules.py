@@ -11,6 +11,7 @@ from pathlib import Path
 
 from runner.config.problems import Problem
 from runner.config.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
+from runner.config.user_files import UnreadableFile
 from runner.data import manifest as mf
 
 PREPARE = "prepare it with `python -m runner.data prepare --input <files> --tokenizer <tokenizer.json> --out <folder>`"
@@ -124,9 +125,9 @@ def _tokenizer(path: str, vocab_size: int, out: list[Problem]) -> None:
         out.append(Problem("data.tokenizer", path, "no such file", "point data.tokenizer at a local tokenizer.json"))
         return
     try:
-        vocab = _vocab_size(Path(path))
-    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-        out.append(Problem("data.tokenizer", path, f"not a tokenizers JSON file ({e})", "save one with tokenizers' Tokenizer.save"))
+        vocab = mf.vocab_size(mf.tokenizer(path))  # the tokenizers library reads the file itself (torch-free, ~15 ms to import)
+    except UnreadableFile as e:
+        out.append(Problem("data.tokenizer", path, f"{e.path} {e.why}", e.fix))
         return
     if vocab > vocab_size:
         out.append(
@@ -137,14 +138,6 @@ def _tokenizer(path: str, vocab_size: int, out: list[Problem]) -> None:
                 "use a tokenizer with at most model.vocab_size tokens or a model with a larger vocabulary",
             )
         )
-
-
-def _vocab_size(path: Path) -> int:
-    """Token ids the model must embed: the largest id of the tokenizer (any model type, added tokens included) + 1.
-    The `tokenizers` library reads the file itself (torch-free, ~15 ms to import)."""
-    from tokenizers import Tokenizer
-
-    return max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
 
 
 def folders(cfg: RunConfig, out: list[Problem]) -> None:
@@ -207,7 +200,11 @@ def _same_tokenizer(cfg: RunConfig, hashes: dict[str, str], out: list[Problem]) 
                 )
             )
             return
-        mine = mf.tokenizer_info(Path(d.tokenizer))["sha256"]
+        try:
+            mine = mf.tokenizer_info(Path(d.tokenizer))["sha256"]
+        except UnreadableFile as e:
+            out.append(Problem("data.tokenizer", d.tokenizer, f"{e.path} {e.why}", e.fix))
+            return
         for name, h in hashes.items():
             if h != mine:
                 out.append(

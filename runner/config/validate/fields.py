@@ -7,10 +7,11 @@ refuse at start-up, or what would silently turn a feature off.
 from __future__ import annotations
 
 import math
+import re
 
 from runner.config import flops, precision
 from runner.config.problems import Problem
-from runner.config.schema import Backend, DeviceType, Launcher, RunConfig, SlurmConfig, WorkerStart
+from runner.config.schema import Backend, DeviceType, DType, Fp8Recipe, Launcher, RunConfig, SlurmConfig, WorkerStart
 from runner.config.validate.layout_rules import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
@@ -38,14 +39,10 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
             out.append(Problem(f"training.{name}", getattr(t, name), "must be >= 1", f"set training.{name} to a positive integer"))
     if t.ac_layer_frequency < 1:
         out.append(Problem("training.ac_layer_frequency", t.ac_layer_frequency, "must be >= 1", "use e.g. 2 (every second block)"))
-    if t.warmup_steps < 0:
-        out.append(Problem("training.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
     if not 0 <= t.seed < SEED_LIMIT:
         out.append(Problem("training.seed", t.seed, "must be in [0, 2**32) (the data seeds torch generators from it)", "use e.g. 0"))
-    if not (t.lr > 0 and math.isfinite(t.lr)):
-        out.append(Problem("training.lr", t.lr, "AdamW needs a positive learning rate (0 trains nothing)", "use e.g. 3e-4"))
-    if not t.weight_decay >= 0:
-        out.append(Problem("training.weight_decay", t.weight_decay, "AdamW rejects a negative weight decay", "use 0 for none, e.g. 0.1"))
+    if t.gc_every < 0:
+        out.append(Problem("training.gc_every", t.gc_every, "must be >= 0", "use 0 to leave Python's automatic collection on, e.g. 50"))
     if not t.max_norm > 0:
         out.append(Problem("training.max_norm", t.max_norm, "clipping to a norm <= 0 zeroes every gradient", "use e.g. 1.0"))
     if cfg.logging.log_every < 1:
@@ -53,24 +50,80 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
     if cfg.checkpoint.interval < 1:
         out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
     _choice("plan.flops_convention", cfg.plan.flops_convention, flops.CONVENTIONS, "a FLOP convention", out)
+    _optimizer(cfg, out)
+    _schedule(cfg, out)
     _search(cfg, out)
 
 
-def warnings(cfg: RunConfig) -> list[Problem]:
-    """What runs but is likely not what was meant: printed before the mode runs, never refused (validate.warnings).
+def _optimizer(cfg: RunConfig, out: list[Problem]) -> None:
+    """What torch's Adam and AdamW refuse at construction, and parameter-group patterns that are not regexes (a pattern
+    that matches no parameter is refused before launch, where the model's names are known: runner.run.titan.optim)."""
+    o = cfg.optimizer
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        out.append(Problem("optimizer.lr", o.lr, f"{o.name.value} needs a positive learning rate (0 trains nothing)", "use e.g. 3e-4"))
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        out.append(Problem("optimizer.betas", list(o.betas), "Adam takes two betas, each in [0, 1)", "use optimizer.betas=[0.9,0.95]"))
+    if not o.eps > 0:
+        out.append(Problem("optimizer.eps", o.eps, "must be > 0 (it keeps the update finite)", "use e.g. 1e-8"))
+    if not o.weight_decay >= 0:
+        out.append(
+            Problem("optimizer.weight_decay", o.weight_decay, f"{o.name.value} rejects a negative weight decay", "use 0 for none, e.g. 0.1")
+        )
+    for i, g in enumerate(o.param_groups):
+        try:
+            re.compile(g.pattern)
+        except re.error as e:
+            out.append(
+                Problem(f"optimizer.param_groups[{i}].pattern", g.pattern, f"not a regular expression ({e})", "fix the pattern, e.g. norm")
+            )
+        if not g.pattern:
+            out.append(
+                Problem(
+                    f"optimizer.param_groups[{i}].pattern",
+                    g.pattern,
+                    "an empty pattern takes every parameter",
+                    "name the parameters, e.g. norm",
+                )
+            )
+        if not g.weight_decay >= 0:
+            out.append(Problem(f"optimizer.param_groups[{i}].weight_decay", g.weight_decay, "must be >= 0", "use 0 for none"))
 
-    A warm-up longer than the run is one: the learning rate never reaches training.lr. It is not refused, since the
-    schedule (linear warm-up, then constant) does not depend on training.steps: a run stopped before its warm-up ends
-    and resumed with more steps goes on warming up where it stopped, and search.verify trains real configs for a few
-    steps (search.verify_steps). TorchTitan's own scheduler warns too (and shortens the warm-up to the run)."""
-    t = cfg.training
-    if t.steps < 1 or t.warmup_steps <= t.steps:
-        return []
-    why = (
-        f"longer than training.steps = {t.steps}: the learning rate ends at {100 * t.steps / t.warmup_steps:.2g} % of training.lr "
-        "(a run resumed with more steps goes on warming up)"
-    )
-    return [Problem("training.warmup_steps", t.warmup_steps, why, f"use at most {t.steps}, e.g. training.warmup_steps={t.steps // 10}")]
+
+def _schedule(cfg: RunConfig, out: list[Problem]) -> None:
+    """The schedule's numbers, and a warm-up plus decay that fits in training.steps: TorchTitan's scheduler would
+    shorten them with a warning and train another schedule than the one configured."""
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    if s.warmup_steps < 0:
+        out.append(Problem("lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
+    if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
+        out.append(
+            Problem("lr_scheduler.decay_ratio", s.decay_ratio, "a share of training.steps must be in [0, 1]", "use e.g. 0.2, or null")
+        )
+    if not 0 <= s.min_lr_factor <= 1:
+        out.append(Problem("lr_scheduler.min_lr_factor", s.min_lr_factor, "must be in [0, 1] (a share of optimizer.lr)", "use e.g. 0.1"))
+    if steps < 1 or s.warmup_steps < 0 or (s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1):
+        return
+    decay = round(steps * s.decay_ratio) if s.decay_ratio is not None else max(steps - s.warmup_steps, 0)
+    if s.warmup_steps + decay > steps:
+        what = (
+            f"warm-up {s.warmup_steps} + decay {decay} (lr_scheduler.decay_ratio {s.decay_ratio} of {steps})"
+            if s.decay_ratio
+            else f"warm-up {s.warmup_steps}"
+        )
+        fix = f"lr_scheduler.warmup_steps={max(steps - decay, 0) if s.decay_ratio else steps // 10}"
+        out.append(
+            Problem(
+                "lr_scheduler.warmup_steps",
+                s.warmup_steps,
+                f"{what} steps are longer than training.steps = {steps}",
+                f"use {fix}, or more training.steps",
+            )
+        )
+
+
+def warnings(cfg: RunConfig) -> list[Problem]:
+    """What runs but is likely not what was meant: printed before the mode runs, never refused (validate.warnings)."""
+    return []
 
 
 def _search(cfg: RunConfig, out: list[Problem]) -> None:
@@ -213,6 +266,25 @@ def _signal(s: SlurmConfig) -> Problem:
     )
 
 
+def _fp32_on_gpu(cfg: RunConfig, out: list[Problem]) -> None:
+    """float32 compute on a CUDA cluster, unless precision.allow_fp32_on_gpu says it is meant: fp32 is the CPU default
+    (conf/config.yaml), so a GPU composition that names no precision would train at a fraction of the GPU's peak."""
+    c, pr = cfg.cluster, cfg.precision
+    if c.device != DeviceType.cuda or pr.param_dtype != DType.float32 or pr.allow_fp32_on_gpu:
+        return
+    peaks = c.peak_tflops
+    speed = f" ({peaks['float32']:g} dense TFLOP/s against bf16's {peaks['bfloat16']:g})" if {"float32", "bfloat16"} <= peaks.keys() else ""
+    fix = "use cluster.high_precision_dtype=bfloat16" if pr.fp8 != Fp8Recipe.none else "use precision=bf16"
+    out.append(
+        Problem(
+            "precision.param_dtype",
+            pr.param_dtype.value,
+            f"precision {pr.name} computes in float32 on cluster {c.name}'s CUDA GPUs{speed}; float32 is the CPU default",
+            f"{fix}, or set precision.allow_fp32_on_gpu=true to train in float32 on purpose",
+        )
+    )
+
+
 def device(cfg: RunConfig, out: list[Problem]) -> None:
     c, pr = cfg.cluster, cfg.precision
     want = {DeviceType.cpu: Backend.gloo, DeviceType.cuda: Backend.nccl}[c.device]
@@ -232,6 +304,7 @@ def device(cfg: RunConfig, out: list[Problem]) -> None:
                     f"precision.{field}", dtype.value, f"{c.device.value} cannot compute in it", f"use one of {DEVICE_DTYPES[c.device]}"
                 )
             )
+    _fp32_on_gpu(cfg, out)
     if c.worker_start == WorkerStart.fork and c.device == DeviceType.cuda:
         out.append(
             Problem(

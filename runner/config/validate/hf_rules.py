@@ -8,12 +8,12 @@ and the shards' safetensors headers, and on a replay compares the folder with wh
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from runner.config import hf_folder
 from runner.config.problems import Problem
 from runner.config.schema import Mode, ModelConfig, RunConfig
+from runner.config.user_files import UnreadableFile
 
 FIELD = "model.init_from"
 SAVE = "a folder written by transformers' save_pretrained (or `hf download <repo> --local-dir <folder>`)"
@@ -86,21 +86,26 @@ def _config(path: Path, out: list[Problem]) -> dict | None:
         out.append(Problem(FIELD, str(path), "no such local folder (nothing is downloaded)", f"give {SAVE}"))
         return None
     try:
-        return json.loads((path / hf_folder.CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        out.append(Problem(FIELD, str(path), f"its {hf_folder.CONFIG} cannot be read ({e})", f"give {SAVE}"))
+        return hf_folder.read_config(path)
+    except UnreadableFile as e:
+        out.append(_unreadable(path, e))
         return None
+
+
+def _unreadable(path: Path, e: UnreadableFile) -> Problem:
+    return Problem(FIELD, str(path), f"{e.path} {e.why}", e.fix)
 
 
 def _has_weights(path: Path, out: list[Problem]) -> bool:
     index = path / hf_folder.INDEX
     if index.is_file():
         try:
-            if json.loads(index.read_text()).get("weight_map"):
+            if hf_folder.read_index(path)["weight_map"]:
                 return True
-            why = f"its {hf_folder.INDEX} maps no tensors"
-        except (OSError, ValueError) as e:
-            why = f"its {hf_folder.INDEX} cannot be read ({e})"
+        except UnreadableFile as e:
+            out.append(_unreadable(path, e))
+            return False
+        why = f"its {hf_folder.INDEX} maps no tensors"
     elif (path / hf_folder.SINGLE).is_file():
         return True
     else:
@@ -136,13 +141,18 @@ def _shards(path: Path, out: list[Problem]) -> bool:
     if missing:
         out.append(Problem(FIELD, str(path), f"the index names shards that are not there: {', '.join(missing)}", f"give {SAVE}"))
         return False
-    held = set(hf_folder.HOLDS.values())
+    held, readable = set(hf_folder.HOLDS.values()), True
     for name in hf_folder.shards(path):
-        other = sorted(hf_folder.header_dtypes(path / name) - held)
+        try:
+            other = sorted(hf_folder.header_dtypes(path / name) - held)
+        except UnreadableFile as e:
+            out.append(_unreadable(path, e))
+            readable = False
+            continue
         if other:
             why = f"{name} holds {', '.join(other)} tensors: the run holds {', '.join(sorted(held))} weights exactly"
             out.append(Problem(FIELD, str(path), why, "convert it first: model.to(torch.bfloat16).save_pretrained(<folder>)"))
-    return True
+    return readable
 
 
 def _unchanged(m: ModelConfig, out: list[Problem]) -> None:

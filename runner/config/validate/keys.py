@@ -16,11 +16,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config.problems import Problem
 
+MOVED = {
+    "training.lr": "optimizer.lr",
+    "training.weight_decay": "optimizer.weight_decay",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+}
+"""Fields that moved to another section (where they are now), so an old override is pointed to its new place."""
+
 
 def _suggest(key: str, fields: list[str], prefix: str) -> str:
-    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.5)
+    moved = {name.removeprefix(prefix): new for name, new in MOVED.items() if name.startswith(prefix)}
+    close = difflib.get_close_matches(key, [*fields, *moved], n=3, cutoff=0.5)
     if close:
-        return f"did you mean {' or '.join(prefix + c for c in close)}? (the fields here: {', '.join(fields)})"
+        names = [moved.get(c, prefix + c) for c in close]
+        return f"did you mean {' or '.join(names)}? (the fields here: {', '.join(fields)})"
     return f"remove it; the fields here are {', '.join(fields)}"
 
 
@@ -36,6 +45,7 @@ def unknown(cfg: DictConfig, prefix: str = "") -> list[Problem]:
             why = f"not a field of {kind.__name__} (a `+` override adds keys the schema does not have, and nothing reads them)"
             out.append(Problem(name, value, why, _suggest(str(key), fields, prefix)))
             continue
+        # private_api: omegaconf_get_node, omegaconf_is_none, omegaconf_is_missing
         child = cfg._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             out += unknown(child, f"{name}.")

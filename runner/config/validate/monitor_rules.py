@@ -19,6 +19,17 @@ def _straggler(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("monitor.straggler.factor", s.factor, "a slowdown factor must exceed 1", "use e.g. 1.3 (30 % above the median)"))
     if s.min_seconds < 0:
         out.append(Problem("monitor.straggler.min_seconds", s.min_seconds, "must be >= 0", "use 0 to judge every phase"))
+    if s.min_excess_s < 0:
+        out.append(Problem("monitor.straggler.min_excess_s", s.min_excess_s, "must be >= 0", "use e.g. 0.005 (5 ms), or 0 for no floor"))
+    if not 0 <= s.min_step_frac < 1:
+        out.append(
+            Problem(
+                "monitor.straggler.min_step_frac",
+                s.min_step_frac,
+                "a fraction of the step must be in [0, 1)",
+                "use e.g. 0.02 (2 % of the step), or 0 for no floor",
+            )
+        )
     if not 0 < s.last_frac <= 1:
         out.append(Problem("monitor.straggler.last_frac", s.last_frac, "a fraction of steps must be in (0, 1]", "use e.g. 0.6"))
     if s.min_late_s < 0:
@@ -79,6 +90,14 @@ def _inject(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     bad = [s for s in i.corrupt_steps if not 1 <= s <= steps]
     if bad:
         out.append(Problem("monitor.inject.corrupt_steps", bad, f"outside steps 1..{steps}", f"use steps in 1..{steps}"))
+    if not 0 <= i.norm_shift_step <= steps:
+        out.append(
+            Problem(
+                "monitor.inject.norm_shift_step", i.norm_shift_step, f"outside steps 0..{steps}", f"use 0 (off) or a step in 1..{steps}"
+            )
+        )
+    if not i.norm_shift_scale > 0:
+        out.append(Problem("monitor.inject.norm_shift_scale", i.norm_shift_scale, "must be > 0", "use e.g. 4"))
 
 
 def _distributed(cfg: RunConfig, out: list[Problem]) -> None:

@@ -13,6 +13,7 @@ import weakref
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 
+# private_api: torch_dispatch_mode, torch_is_traceable_wrapper_subclass, torch_tree_flatten
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
@@ -43,6 +44,7 @@ CATEGORIES = {
     "collective_buffers": ("collective",),
 }
 
+# private_api: torch_wrap_tensor_autograd
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # ops of the collective namespaces that send nothing
 
 
@@ -67,6 +69,7 @@ def _local_bytes(x) -> int:
 
 def _group_of(args) -> str:
     """The mesh axis (DeviceMesh's group description) a collective runs on."""
+    # private_api: torch_resolve_process_group
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in args:
@@ -139,6 +142,7 @@ class Ledger(TorchDispatchMode):
     def current_label(self) -> str:
         if self.in_optimizer:
             return "optimizer_temp"
+        # private_api: torch_current_graph_task_id
         return "backward_temp" if torch._C._current_graph_task_id() != -1 else "activation"
 
     def phase(self, name: str) -> None:
@@ -152,6 +156,7 @@ class Ledger(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars to local ops first: we see the local shards
         kwargs = kwargs or {}
+        # private_api: torch_active_fake_mode, torch_c10d_functional_ops
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
             out = args[0]  # eager returns its argument; the fake kernel would make a new tensor
         else:
@@ -171,6 +176,7 @@ class Ledger(TorchDispatchMode):
         return out
 
     def _collective(self, func, args) -> None:
+        # private_api: torch_op_schema, torch_c10d_allgather_base, torch_c10d_reduce_scatter_base
         name = func._schema.name.split("::")[-1]
         if name in _NOT_COLLECTIVES:
             return
@@ -188,6 +194,7 @@ class Ledger(TorchDispatchMode):
         from torch._guards import active_fake_mode
 
         self._fake = active_fake_mode()
+        # private_api: torch_active_fake_mode, torch_storage_resize
         self._resize = torch.UntypedStorage.resize_
         ledger = self
 
@@ -232,7 +239,7 @@ def label_state(ledger: Ledger, parts: list[torch.nn.Module], optimizer) -> None
             ledger.label(p.grad, "grad_shard")
         for b in m.buffers():
             ledger.label(b, "buffer")
-    for state in optimizer.state.values():
+    for state in (s for o in optimizer for s in o.state.values()):  # the torch optimizers of TorchTitan's container
         for v in state.values():
             if isinstance(v, torch.Tensor):
                 ledger.label(v, "optimizer_state")
@@ -241,6 +248,7 @@ def label_state(ledger: Ledger, parts: list[torch.nn.Module], optimizer) -> None
 def label_pipeline(ledger: Ledger, schedule) -> None:
     """Label the pipeline stages' receive buffers, which torch's PipelineStage makes in the first step, one per
     microbatch for the stage's input and one for its output's gradient, and keeps across steps."""
+    # private_api: torch_schedule_stages, torch_schedule_stage
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     for stage in stages:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
@@ -252,6 +260,7 @@ def label_pipeline(ledger: Ledger, schedule) -> None:
 def fsdp_labels(ledger: Ledger):
     """Label FSDP2's own storages where FSDP2 makes them: gathered parameters once unsharded, unsharded
     and sharded gradients around its post-backward (class-level hooks, removed on exit)."""
+    # private_api: torch_fsdp_wait_for_unshard, torch_fsdp_post_backward, torch_fsdp_unsharded_param
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     wait, post = FSDPParamGroup.wait_for_unshard, FSDPParamGroup.post_backward

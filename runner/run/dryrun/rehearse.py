@@ -89,6 +89,8 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
     first step: the static-vs-dynamic vote (all stages vote alike: same model, fixed microbatch shapes) and, for
     shape inference, the metadata of the gradient from the next stage (this stage's outputs) and of the hidden
     state from the previous one (what every Llama stage passes on: (mb, seq [/tp with SP]), dim) in param_dtype)."""
+    # private_api: torch_pipeline_inference_mode, torch_pipeline_stage_forward_meta, torch_pipeline_stage_backward_meta,
+    # private_api: torch_pipeline_extract_tensor_metas
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining import stage as stage_mod
     from torch.distributed.pipelining._utils import InferenceMode, _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
@@ -104,16 +106,19 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
         h = DTensor.from_local(h, tp_mesh, [Shard(1) if sp else Replicate()], run_check=False)
     hidden = extract_tensor_metas((h,))
 
+    # private_api: torch_stage_user_meta, torch_stage_inference_mode
     def warmup_p2p(self, stages, has_backward, p2p_done):
         for st in stages:
             dynamic = InferenceMode.needs_dynamic(st._user_meta, has_backward)
             st._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
 
+    # private_api: torch_stage_meta
     def recv_meta(self, src_stage):
         if src_stage == self.stage_index + 1:
             return _StageBackwardMeta(backward_metas=tuple(self._stage_meta.outputs))
         return _StageForwardMeta(forward_metas=hidden)
 
+    # private_api: torch_pipeline_warmup_p2p, torch_pipeline_recv_meta
     saved = schedules._PipelineSchedule._warmup_p2p, stage_mod.PipelineStage._recv_meta
     schedules._PipelineSchedule._warmup_p2p, stage_mod.PipelineStage._recv_meta = warmup_p2p, recv_meta
     try:
@@ -128,6 +133,7 @@ def _balanced_routing(parts: list[torch.nn.Module], ep: int):
     send and receive tokens x top-k / ep to and from every EP rank (perfectly balanced routing). The dispatcher's
     class is taken from the built model, so that only runner.run.titan imports TorchTitan."""
     kinds = {type(m.token_dispatcher) for p in parts for m in p.modules() if getattr(m, "token_dispatcher", None) is not None}
+    # private_api: titan_token_dispatcher_local_reorder, titan_token_count_exchange
     kinds = {k for k in kinds if hasattr(k, "_sync_token_count_exchange")}
     saved = {k: (k._local_reorder, k._sync_token_count_exchange) for k in kinds}
 
@@ -217,6 +223,7 @@ def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any],
 
 def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str, Any]:
     """Build this rank (the default process group is up), run two steps, return the second one's ledger."""
+    # private_api: torch_fake_tensor_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     t0 = time.perf_counter()
@@ -255,6 +262,7 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
 
 def rehearse_rank(cfg: RunConfig, lay: Layout, rank: int, run_dir: Path) -> dict[str, Any]:
     """One simulated rank in this process: a fake process group of the layout's world size, torn down after."""
+    # private_api: torch_fake_store
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     titan.quiet_torchao(cfg)

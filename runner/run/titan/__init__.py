@@ -27,8 +27,8 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
-from runner.run.titan.optim import build_optimizer
-from runner.run.titan.state import load_state, save_model, save_state
+from runner.run.titan.optim import build_optimizer, current_lr, garbage_collection, optimizers
+from runner.run.titan.state import load_model, load_state, save_model, save_state
 from runner.run.titan.step import clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
 
 __all__ = [
@@ -43,9 +43,12 @@ __all__ = [
     "check_size",
     "clip_grad_norm_tensor",
     "convert_precision",
+    "current_lr",
     "fp8_layers",
+    "garbage_collection",
     "init_process_group",
     "load_hf",
+    "load_model",
     "load_state",
     "local_value",
     "loss_fn",
@@ -53,6 +56,7 @@ __all__ = [
     "model_config",
     "model_inputs",
     "model_spec",
+    "optimizers",
     "pipeline_eval",
     "pipeline_step",
     "preload",

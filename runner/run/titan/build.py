@@ -15,6 +15,7 @@ from runner.config.schema import ActivationCheckpoint, RunConfig
 from runner.run.device import DevicePolicy
 from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8 import convert_precision
+from runner.run.titan.init import init_weights
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.step import loss_fn
 
@@ -109,6 +110,7 @@ def ac_config(cfg: RunConfig):
 def _every_nth_block_ac():
     """Per-layer selective AC: TorchTitan 0.3.0 dropped its selective_ac_option=N, so this wraps every N-th block
     of a model part (as that option did: blocks N-1, 2N-1, ...) with TorchTitan's own FullAC wrapper."""
+    # private_api: titan_disable_dynamo_lru_cache, titan_full_ac_wrap_block
     from torchtitan.distributed.activation_checkpoint import FullAC, _disable_dynamo_lru_cache
     from torchtitan.tools.logging import logger
 
@@ -162,7 +164,7 @@ def _cp_load_balancer(mcfg) -> str:
 
 def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
     part.to_empty(device=device)
-    if device.type == "cpu":
+    if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:
         import runner.run.titan.cpu as cpu
 
         cpu.force_sum_reduction(part)
@@ -170,9 +172,7 @@ def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
             part.init_weights(buffer_device=None)  # buffers (RoPE tables); parameters follow
         cpu.init_like_one_rank(part, mcfg, cfg.training.seed)
     else:
-        torch.manual_seed(cfg.training.seed)
-        with torch.no_grad():
-            part.init_weights(buffer_device=None)
+        init_weights(part, cfg.training.seed)
     part.train()
 
 

@@ -48,6 +48,7 @@ def eager_flex_attention() -> None:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from torchtitan.models.common import attention
 
+    # private_api: titan_compiled_flex_attn, titan_compiled_create_block_mask
     attention.FlexAttention._compiled_flex_attn = flex_attention
     attention._compiled_create_block_mask = create_block_mask
 
@@ -64,15 +65,18 @@ def force_sum_reduction(model: torch.nn.Module) -> None:
 def init_like_one_rank(model: torch.nn.Module, model_config, seed: int) -> None:
     """DTensor's RNG tracker is CUDA-only, so initializing sharded parameters on CPU would give
     different weights for every layout. Every rank initializes the unsharded model from the
-    seed (CPU runs are small) and keeps its own shard of each parameter."""
+    seed (CPU runs are small), as the GPU path initializes its part (titan.init.init_weights: each
+    block from its own stream), and keeps its own shard of each parameter."""
+    # private_api: torch_checkpoint_prefix
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    torch.manual_seed(seed)
+    from runner.run.titan.init import init_weights
+
     with torch.device("cpu"):
         ref = model_config.build()
+    init_weights(ref, seed)
     with torch.no_grad():
-        ref.init_weights(buffer_device=None)
         full = dict(ref.named_parameters())
         for name, p in model.named_parameters():
             src = full[name.replace(_CHECKPOINT_PREFIX, "")]  # activation checkpointing wraps blocks
@@ -134,6 +138,7 @@ def enable_ring_attention() -> None:
     Operator ... does not have a sharding strategy registered"). Register that op and its backward with
     handlers that call torch's own ring-attention code (_templated_ring_attention and its backward).
     Call before TorchTitan's apply_cp_to_forward (inside parallelize), which turns the dispatcher on."""
+    # private_api: torch_ring_attention, torch_ring_attention_backward, torch_sdpa_flash_cpu, torch_sdpa_flash_cpu_backward
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental._context_parallel import _attention as cpa
 

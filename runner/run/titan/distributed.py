@@ -51,6 +51,7 @@ def stage_modules(cfg: RunConfig, lay: Layout) -> list[list[str]]:
     """Module FQNs of each of the pp x v pipeline stages, from TorchTitan's own LLM split (embedding and head
     weighted as pp_first/last_stage_less_layers). Passed to pipeline_llm explicitly because it only infers
     1 or 2 stages per rank; checked against the torch-free mirror that validation and the plan use."""
+    # private_api: titan_fqn_per_model_part
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 
     p, n = cfg.parallelism, cfg.model.num_layers
@@ -139,6 +140,7 @@ def mesh_coords(pd) -> dict[str, int]:
 def _set_group_timeouts(timeout: datetime.timedelta) -> None:
     """DeviceMesh makes its groups with new_group(timeout=None), which is torch's backend default (30 min on gloo,
     10 on NCCL), not the world group's: give every group the configured timeout."""
+    # private_api: torch_set_pg_timeout, torch_c10d_world
     from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
     for pg in list(_world.pg_names):

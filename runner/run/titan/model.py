@@ -53,6 +53,7 @@ def model_spec(m: ModelConfig):
 def _decoder(m: ModelConfig, flavor, layers: list, family) -> object:
     """The flavor's top-level config with m's width, vocabulary, tying and blocks (initializers kept; the
     head's depends on the width where the family scales it)."""
+    # private_api: titan_output_linear_init
     head_init = family._output_linear_init(m.dim) if hasattr(family, "_output_linear_init") else flavor.lm_head.param_init
     return dataclasses.replace(
         flavor,
@@ -83,6 +84,7 @@ def _llama3(m: ModelConfig, flavor, llama3):
     _refuse(m, (*DENSE_ONLY_FIELDS, *LATENT_ATTENTION_FIELDS, *GPT_OSS_FIELDS, "qk_norm"), "a dense model with grouped-query attention")
     attention = flavor.layers[0].attention
     hd = flops.head_dim(m)
+    # private_api: titan_build_llama3_layers
     layers = llama3._build_llama3_layers(
         n_layers=m.num_layers,
         dim=m.dim,
@@ -112,6 +114,7 @@ def _qwen3(m: ModelConfig, flavor, qwen3):
         rope=_rope(flavor.layers[0].attention.rope, hd, m),
     )
     if flops.is_moe(m):
+        # private_api: titan_build_qwen3_moe_layers, titan_build_qwen3_layers
         layers = qwen3._build_qwen3_moe_layers(
             **common, moe_hidden_dim=m.moe_hidden_dim, num_experts=m.num_experts, top_k=m.num_experts_per_token, moe_comm_backend="standard"
         )
@@ -128,6 +131,7 @@ def _mla_moe(m: ModelConfig, flavor, family):
     attention = flavor.layers[0].attention
     moe = next(layer.moe for layer in flavor.layers if layer.moe is not None)
     router = moe.router
+    # private_api: titan_build_kimi_layers, titan_build_dsv3_layers
     build_layers = family._build_kimi_layers if m.name == "kimi_k2_7" else family._build_dsv3_layers
     layers = build_layers(
         n_layers=m.num_layers,
@@ -158,6 +162,7 @@ def _mla_moe(m: ModelConfig, flavor, family):
     out = _decoder(m, flavor, layers, family)
     if hasattr(out, "vision_encoder"):
         out.vision_encoder = None
+    # private_api: titan_build_mtp_layers
     out.mtp_layers = family._build_mtp_layers(layers[-1], dim=m.dim, num_mtp_layers=len(flavor.mtp_layers)) if flavor.mtp_layers else []
     return out
 
@@ -169,6 +174,7 @@ def _gpt_oss(m: ModelConfig, flavor, gpt_oss):
     _refuse(m, (*LATENT_ATTENTION_FIELDS, "num_shared_experts", "num_dense_layers", "qk_norm"), "gpt-oss (GQA with sinks, all-MoE)")
     hd = flops.head_dim(m)
     rope = _rope(flavor.layers[0].attention.rope, hd, m)
+    # private_api: titan_build_gptoss_layers, titan_make_gptoss_attn_config
     layers = gpt_oss._build_gptoss_layers(
         dim=m.dim,
         n_layers=m.num_layers,

@@ -19,7 +19,8 @@ def _holder(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
 def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path, async_group=None, stager=None):
     """Sharded checkpoint through PyTorch DCP: the model with TorchTitan's ModelWrapper (canonical,
-    unfused keys, so another layout can load it), the optimizer with flattened FQN keys, and `extra`
+    unfused keys, so another layout can load it), the optimizer (the torch optimizers inside TorchTitan's
+    OptimizersContainer, which DCP would take for one optimizer) with flattened FQN keys, and `extra`
     (step, LR schedule, RNG, data position). With `async_group` (a gloo group kept for checkpoints,
     so the writer thread's collectives never interleave with training's) DCP copies the state and
     writes it in a background thread with `stager` (DCP's DefaultStager); returns (written, staged): futures that resolve when
@@ -28,7 +29,7 @@ def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path,
     from torchtitan.components.checkpointer.base import ModelWrapper
 
     options, get_optim, _ = _optim_io()
-    state = {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), optimizer, options=options), **extra}
+    state = {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), list(optimizer), options=options), **extra}
     if async_group is not None:
         got = dcp.async_save(state, checkpoint_id=str(path), process_group=async_group, async_stager=stager)
         if isinstance(got, dcp.state_dict_saver.AsyncSaveResponse):  # async staging: the copy is still being taken
@@ -46,6 +47,20 @@ def save_model(parts: list[torch.nn.Module], path: Path) -> None:
     dcp.save({"model": ModelWrapper(parts).state_dict()}, checkpoint_id=str(path))
 
 
+def load_model(parts: list[torch.nn.Module], path: Path) -> int:
+    """Load only the model, in place, from a checkpoint written by save_state (or save_model) under any layout: DCP reads
+    the "model" entries this rank's parts hold (ModelWrapper's canonical keys) and reshards them onto this layout; the
+    optimizer, schedule and data position in the checkpoint are left unread. Returns how many tensors were loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    wrapper = ModelWrapper(parts)
+    state = {"model": wrapper.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    wrapper.load_state_dict(state["model"])
+    return len(state["model"])
+
+
 def load_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path) -> dict:
     """Load model and optimizer in place from a checkpoint written by save_state; DCP reshards
     DTensors onto this run's layout. `extra` gives the other entries to read (their current values
@@ -55,8 +70,8 @@ def load_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path)
 
     options, get_optim, set_optim = _optim_io()
     holder, wrapper = _holder(parts), ModelWrapper(parts)
-    state = {"model": wrapper.state_dict(), "optimizer": get_optim(holder, optimizer, options=options), **extra}
+    state = {"model": wrapper.state_dict(), "optimizer": get_optim(holder, list(optimizer), options=options), **extra}
     dcp.load(state, checkpoint_id=str(path))
     wrapper.load_state_dict(state["model"])
-    set_optim(holder, optimizer, optim_state_dict=state["optimizer"], options=options)
+    set_optim(holder, list(optimizer), optim_state_dict=state["optimizer"], options=options)
     return {k: state[k] for k in extra}

@@ -81,6 +81,7 @@ def _forward_actions_only(schedule):
     if order is None:  # the single-stage schedules (1F1B, GPipe) skip backward themselves
         yield
         return
+    # private_api: torch_computation_type
     from torch.distributed.pipelining.schedules import _ComputationType as Act
 
     backward = {Act.FULL_BACKWARD, Act.BACKWARD_INPUT, Act.BACKWARD_WEIGHT, Act.SEND_B, Act.RECV_B, Act.REDUCE_GRAD}

@@ -1,0 +1,287 @@
+"""The points the session's shared launches train, section by section after the test module that reads them: data only
+(no fixtures, no tests), so conftest builds each launch without importing a test module. A table that names folders
+is a function of them; conftest's session fixtures make the folders and return them to the tests.
+
+Launches (conftest): `parity_runs`, one runner.run.layout_parity process group per rank count, for test_parallel,
+test_family_train, test_titan, test_hf_load and test_hf_export; `shared_runs`, one Hydra multirun, for test_train,
+test_checkpoint, test_tokens and test_slurm; `dry_runs`, one Hydra multirun of mode=dryrun, for test_dryrun and
+test_plan_memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.config import pipeline
+from tests import hf_models
+
+# ---- tests/test_parallel.py: every layout that fits on this machine (parity_runs) --------------------------------
+
+# eval: one held-out batch after the last step (forward only; under PP the schedule's eval step), in every layout
+PARALLEL_COMMON = [
+    "training.steps=2",
+    "training.seq_len=64",
+    "training.max_norm=0.01",
+    "logging.progress=false",
+    "eval.interval=2",
+    "eval.steps=1",
+]
+PP2 = ["parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"]
+LOOPED = ["parallelism=pp2_interleaved"]
+# TEST-ONLY: FlexAttention and its block masks, one forward-only eval pass of 2 microbatches of 2 samples
+FLEX = ["eval.cpu_flex_attention=true", "training.global_batch_size=4"]
+PARALLEL_MOE = [
+    "model=debug_moe",
+    "training.global_batch_size=2",
+    "training.microbatch_size=1",
+]  # 128 tokens a step: MLA + experts cost 5x the dense FLOPs
+SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+PARALLEL_LAUNCHES = {
+    1: {
+        "single": ["parallelism=single"],
+        "moe_single": [*PARALLEL_MOE, "parallelism=single"],
+        "flex_single": [*FLEX, "parallelism=single"],
+    },
+    2: {
+        "cp2": ["parallelism=cp2"],
+        "ep2": [*PARALLEL_MOE, "parallelism=ep2"],
+        "dp2": ["parallelism=dp2"],
+        "tp2": ["parallelism=tp2"],
+        "tp2_no_sp": ["parallelism=tp2", "parallelism.sequence_parallel=false"],
+        "flex_pp2": [*FLEX, *PP2],
+        "flex_pp2_interleaved": [*FLEX, *LOOPED],
+        **{f"pp2_{s}": (PP2 if pipeline.SCHEDULES[s].style == "single" else LOOPED) + [f"parallelism.pp_schedule={s}"] for s in SCHEDULES},
+    },
+    4: {
+        "dp2_tp2": ["parallelism=dp2_tp2"],
+        "tp2_pp2": ["parallelism=tp2_pp2"],
+        "dp2_pp2": ["parallelism=dp2_pp2"],
+        "hsdp2x2": ["parallelism=hsdp2x2"],
+        "cp2_tp2": ["parallelism=cp2", "parallelism.name=cp2_tp2", "parallelism.tp=2"],  # ring attention x TP + SP
+        "cp2_pp2": ["parallelism=cp2", "parallelism.name=cp2_pp2", "parallelism.pp=2"],  # every stage on the CP chunks
+    },
+}
+
+# ---- tests/test_family_train.py: each family that trains on CPU (parity_runs) -------------------------------------
+
+FAMILY_COMMON = ["training.steps=2", "training.seq_len=64", "training.max_norm=0.01", "logging.progress=false"]
+FAMILY_COMMON += ["training.global_batch_size=4", "training.microbatch_size=2"]  # 256 tokens a step (see MOE_SP_ONE_SAMPLE)
+FAMILIES = {  # the debug flavor of each family that trains on CPU, cut to 2 blocks
+    "qwen3": ["model=qwen3_debugmodel", "model.num_layers=2"],
+    "qwen3_moe": ["model=qwen3_debugmodel_moe", "model.num_layers=2", "model.num_experts=8", "model.num_experts_per_token=2"],
+    "deepseek_v3": ["model=deepseek_v3_debugmodel", "model.num_layers=2"],
+    "kimi": ["model=kimi_k2_7_debugmodel", "model.num_layers=2"],
+}
+FAMILY_MOE = ("qwen3_moe", "deepseek_v3", "kimi")  # deepseek_v3's ep2 is in test_parallel (model=debug_moe)
+# Kimi's debugmodel is DeepSeek-V3's blocks and numbers: one reference (test_family_train checks it)
+FAMILY_REFERENCE = {"kimi": "deepseek_v3"}
+FAMILY_LAUNCHES = {
+    1: {f"{f}-single": [*o, "parallelism=single"] for f, o in FAMILIES.items() if f not in FAMILY_REFERENCE},
+    2: {
+        **{f"{f}-ep2": [*FAMILIES[f], "parallelism=ep2"] for f in ("qwen3_moe", "kimi")},
+        "qwen3-cp2": [*FAMILIES["qwen3"], "parallelism=cp2"],
+        "kimi-pp2": [*FAMILIES["kimi"], "parallelism=single", "parallelism.name=pp2", "parallelism.pp=2"],
+    },
+    4: {f"{f}-dp2_tp2": [*o, "parallelism=dp2_tp2"] for f, o in FAMILIES.items()},
+}
+
+# ---- tests/test_titan.py: a widened debug model and the MoE model in FP8 (parity_runs) ----------------------------
+
+TITAN_WIDE = ["model.dim=512", "model.ffn_hidden_dim=1536"]
+TITAN_MOE_FP8 = ["model=debug_moe", "precision=fp8_tensorwise"]
+TITAN_SHORT = ["parallelism=single", "training.steps=2", "training.seq_len=32", "training.global_batch_size=2", "logging.progress=false"]
+# The MoE point trains one step of 16 tokens (the smallest GEMM side _scaled_mm takes): CPU FP8 GEMMs are a reference
+# loop on some machines (measured: 130 s for 2 steps at 64 tokens, 18 s a step at 16).
+TITAN_LAUNCHES = {
+    1: {
+        "titan-wide": TITAN_WIDE,
+        "titan-moe_fp8": [
+            *TITAN_MOE_FP8,
+            "training.steps=1",
+            "lr_scheduler.warmup_steps=1",
+            "training.seq_len=16",
+            "training.global_batch_size=1",
+            "training.microbatch_size=1",
+        ],
+    }
+}
+
+# ---- tests/test_hf_load.py and tests/test_hf_export.py: start from Hugging Face weights (parity_runs) -----------
+
+HF_COMMON = [
+    "training.steps=1",
+    "lr_scheduler.warmup_steps=1",
+    "training.seq_len=64",
+    "logging.progress=false",
+    "training.global_batch_size=4",
+    "training.microbatch_size=2",
+]
+HF_LAYOUTS = {1: ("single",), 2: ("ep2",), 4: ("dp2_tp2", "tp2_pp2", "hsdp2x2")}
+HF_ONLY = {"dp2_tp2": ("llama3_gqa", "qwen3"), "tp2_pp2": ("llama3_gqa", "deepseek_v3"), "hsdp2x2": ("llama3_gqa",)}
+"""The 4-rank layouts are tried on some models only (each 4-rank point costs a build and a step of 4 ranks on 2 cores):
+FSDP x TP on Llama 3 with GQA (its KV heads split by TP) and on Qwen3 (q/k norms, the tied embedding sharded by TP);
+PP on Llama 3 with GQA and on DeepSeek-V3 (latent attention, experts, the first block dense); HSDP, which reads like
+FSDP once per replica, on Llama 3 with GQA. Qwen3's debug model ties its embedding, which TorchTitan cannot pipeline
+(test_tied_embedding_under_pp_is_refused). Every model also loads on one rank, and the MoE models under EP."""
+HF_RESUMED = "hf-resumed"
+"""A point that resumes the one-rank Llama 3 point's checkpoint while naming model.init_from too: the checkpoint wins."""
+HF_ROUND_TRIP = ("hf-llama3_gqa-single", "hf-llama3_gqa-dp2_tp2", "hf-llama3_gqa-tp2_pp2", "hf-qwen3_moe-ep2", "hf-deepseek_v3-ep2")
+"""Points of the HF launches that also save a checkpoint after their one step, with a learning rate (1e-30) too small
+to change a float32 weight: test_hf_export exports it and compares with the transformers folder it started from."""
+
+
+def hf_layouts(name: str, nproc: int) -> list[str]:
+    """The layouts of `nproc` ranks the tiny model `name` (tests/hf_models.py's TINY) starts from HF weights in."""
+    fits = [p for p in HF_LAYOUTS[nproc] if p != "ep2" or name in hf_models.MOE]
+    return [p for p in fits if name in HF_ONLY.get(p, (name,))]
+
+
+def hf_launches(models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path]) -> dict[int, dict[str, list[str]]]:
+    """The parity points that start from each tiny model saved in models[name], per rank count. The one-rank Llama 3
+    point trains 2 steps and checkpoints into `ckpt`; HF_RESUMED resumes it (2 steps, from step 1); each HF_ROUND_TRIP
+    point checkpoints its untrained weights into round_trip[point]."""
+    out: dict[int, dict[str, list[str]]] = {}
+    for name in hf_models.TINY:
+        for nproc in HF_LAYOUTS:
+            for par in hf_layouts(name, nproc):
+                extra = ["training.microbatch_size=1"] if par == "hsdp2x2" else []  # DP 4: one sample per rank
+                overrides = [*HF_COMMON, *hf_models.overrides(name, models[name]), f"parallelism={par}", *extra]
+                out.setdefault(nproc, {})[f"hf-{name}-{par}"] = overrides
+    saves = ["checkpoint.enable=true", "checkpoint.interval=1", f"checkpoint.folder={ckpt}", "training.steps=2"]
+    out[1]["hf-llama3-single"] += [*saves, "training.steps=1"]
+    out[1]["hf-llama3-two-steps"] = [*out[1]["hf-llama3-single"][:-1], "checkpoint.enable=false"]
+    out[1][HF_RESUMED] = [*out[1]["hf-llama3-single"][:-1], "checkpoint.resume=true"]
+    for point, folder in round_trip.items():
+        nproc = next(n for n, points in out.items() if point in points)
+        out[nproc][point] += ["checkpoint.enable=true", f"checkpoint.folder={folder}", "checkpoint.async_save=false", "optimizer.lr=1e-30"]
+    return out
+
+
+def parity_launches(models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path]) -> dict[int, dict[str, list[str]]]:
+    """Every parity point, each with its section's common overrides, per rank count (ascending): test_parallel's,
+    test_family_train's, test_titan's, then the HF ones (hf_launches' arguments)."""
+    launches: dict[int, dict[str, list[str]]] = {}
+    for common, table in ((PARALLEL_COMMON, PARALLEL_LAUNCHES), (FAMILY_COMMON, FAMILY_LAUNCHES), (TITAN_SHORT, TITAN_LAUNCHES)):
+        for nproc, points in table.items():
+            launches.setdefault(nproc, {}).update({name: [*common, *o] for name, o in points.items()})
+    for nproc, points in hf_launches(models, ckpt, round_trip).items():  # their common overrides inside
+        launches.setdefault(nproc, {}).update(points)
+    return dict(sorted(launches.items()))
+
+
+# ---- tests/test_dryrun.py and tests/test_plan_memory.py: mode=dryrun (dry_runs) -----------------------------------
+
+DRYRUN_SMALL = ["recipe=debug_dp2_tp2_cpu", "training.seq_len=64", "training.global_batch_size=4", "training.microbatch_size=1"]
+PLAN_MEMORY_DEBUG = ["precision=bf16", "training.seq_len=512", "training.microbatch_size=1", "model.num_kv_heads=4", "model.num_layers=12"]
+PLAN_MEMORY_CASES = {  # name: (overrides, dry-run ranks)
+    "pp": (["parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),
+    "pp_full_ac": (["parallelism=dp2_pp2", "training.global_batch_size=8", "training.activation_checkpoint=full"], [0]),
+    "tp_sp": (["parallelism=dp2_tp2", "training.global_batch_size=4"], [0]),
+}
+DRYRUNS = {"dryrun-ledger": [*DRYRUN_SMALL, "dryrun.ranks=[0]"], "dryrun-8b": ["recipe=llama3_8b_fsdp8_h100"]}
+DRYRUNS |= {
+    f"plan_memory-{case}": [*PLAN_MEMORY_DEBUG, *o, f"dryrun.ranks={ranks}".replace(" ", "")]
+    for case, (o, ranks) in PLAN_MEMORY_CASES.items()
+}
+"""Both modules' dry runs, the common mode=dryrun aside."""
+
+# ---- tests/test_train.py: every layout and FP8 recipe (shared_runs) ----------------------------------------------
+
+TRAIN_SHORT = ["training.steps=3", "training.seq_len=64", "logging.progress=false"]
+TRAIN_LAYOUTS = {
+    # traced at step 2 (the W&B run gets its breakdown); profile.memory on CPU says allocator snapshots are CUDA-only
+    "single": ["parallelism=single", "logging=wandb", "logging.progress=false", "profile.steps=[2]", "profile.memory=true"],
+    "dp2": ["parallelism=dp2", "training.activation_checkpoint=full"],
+    # FSDP2 x 1F1B through TorchTitan's pipeline_llm; host collectives on their own group, as on CUDA, and audited
+    "dp2_pp2": [
+        "parallelism=dp2_pp2",
+        "checkpoint=local",
+        "checkpoint.interval=2",
+        "distributed.host_group=dedicated",
+        "distributed.audit_collectives=true",
+        "monitor.straggler.interval=2",
+    ],
+    "dp2_tp2": [],  # the default layout
+    "bf16": ["parallelism=single", "precision=bf16", "training.steps=2", "training.seq_len=32", "training.global_batch_size=2"],
+    "fp8_ref": ["training.steps=2", "training.seq_len=16", "training.global_batch_size=2", "training.microbatch_size=1"],
+}
+FP8_STEPS = ["training.steps=2"]
+FP8_SMALL = [*FP8_STEPS, "training.seq_len=16", "training.global_batch_size=2", "training.microbatch_size=1"]
+FP8_RUNS = {
+    "fp8_tensorwise": ["precision=fp8_tensorwise", *FP8_SMALL],
+    "fp8_rowwise": ["precision=fp8_rowwise", *FP8_SMALL],
+    "fp8_blockwise": ["precision=fp8_blockwise", *FP8_STEPS],  # emulated on CPU (fp32 matmuls): the default batch
+    # traced at step 2 (step 1 warms the profiler up): tests/test_train.py::test_a_tp2_pp2_step_traced_and_split_by_term
+    "fp8_blockwise_tp2_pp2": ["precision=fp8_blockwise", "parallelism=tp2_pp2", *FP8_STEPS, "profile.steps=[2]"],
+}
+TRAIN = {name: [*TRAIN_SHORT, *overrides] for name, overrides in (TRAIN_LAYOUTS | FP8_RUNS).items()}
+
+# ---- tests/test_checkpoint.py: an uninterrupted reference and a SIGKILLed run, data=text (shared_runs) ------------
+
+CHECKPOINT_STEPS, CHECKPOINT_KILL_AT = 6, 4
+CHECKPOINT_POINTS = {
+    "reference": [
+        *("checkpoint.export_final_model=true", "checkpoint.export_hf=true"),
+        *("cluster.mtbf_hours=0.01", "cluster.checkpoint_write_gbs=0.01"),
+    ],
+    "killed": ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={CHECKPOINT_KILL_AT}", "cluster.max_restarts=1"],
+}
+
+
+def checkpoint_common(text: tuple[Path, Path]) -> list[str]:
+    """Every checkpoint run's overrides on the text corpus and tokenizer `text` (conftest's text_files)."""
+    corpus, tok = text
+    return [
+        "data=text",
+        f"data.files=[{corpus}]",
+        f"data.tokenizer={tok}",
+        "checkpoint=local",
+        "checkpoint.interval=1",
+        "checkpoint.keep=3",
+        f"training.steps={CHECKPOINT_STEPS}",
+        "training.seq_len=64",
+        "logging.progress=false",
+        "distributed.shutdown_timeout_s=5",
+    ]
+
+
+def checkpoint(text: tuple[Path, Path]) -> dict[str, list[str]]:
+    """CHECKPOINT_POINTS as points of the shared multirun, named ckpt-<name>."""
+    return {f"ckpt-{name}": [*checkpoint_common(text), *overrides] for name, overrides in CHECKPOINT_POINTS.items()}
+
+
+# ---- tests/test_tokens.py: data=tokens references, killed runs and a resume under another layout (shared_runs) ----
+
+TOKENS_STEPS, TOKENS_KILL_AT, TOKENS_SEQ = 3, 2, 64  # sync saves: step 1's checkpoint is published when step 2 starts
+TOKENS_POINTS = ("tok_ref", "tok_killed", "mix_ref", "mix_killed", "tok_pp")
+
+
+def tokens(a: Path, b: Path, ckpt: Path) -> dict[str, list[str]]:
+    """TOKENS_POINTS, in this order (tok_pp resumes from tok_ref's checkpoint in `ckpt`), on the prepared folders a and
+    b (conftest's token_folders)."""
+    common = [
+        "checkpoint=local",
+        "checkpoint.interval=1",
+        "checkpoint.keep=0",
+        "checkpoint.async_save=false",
+        f"training.steps={TOKENS_STEPS}",
+        f"training.seq_len={TOKENS_SEQ}",
+    ]
+    common += ["logging.progress=false", "distributed.shutdown_timeout_s=5", "data=tokens"]
+    tok, mix = [f"data.path={a}"], [f"data.mix=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]"]
+    kill = ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={TOKENS_KILL_AT}", "cluster.max_restarts=1"]
+    points = {
+        "tok_ref": [*tok, "parallelism=dp2_tp2", f"checkpoint.folder={ckpt}"],
+        "tok_killed": [*tok, "parallelism=dp2_tp2", *kill],
+        "mix_ref": [*mix, "parallelism=dp2"],
+        "mix_killed": [*mix, "parallelism=dp2", *kill],
+        "tok_pp": [*tok, "parallelism=tp2_pp2", "parallelism.tp=1", "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-1"],
+    }
+    assert tuple(points) == TOKENS_POINTS
+    return {name: [*common, *overrides] for name, overrides in points.items()}
+
+
+# ---- tests/test_slurm.py: the one-node reference of the two-node SLURM job (shared_runs) ---------------------------
+
+SLURM_SHORT = ["training.steps=6", "training.seq_len=64", "logging.progress=false"]
+SLURM = {"slurm-one_node": SLURM_SHORT}  # cluster=local_cpu: the default dp2_tp2 on 4 ranks of one node

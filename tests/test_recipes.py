@@ -1,0 +1,164 @@
+"""Every recipe for a CUDA cluster trains on values from a named source: it validates, its learning rate decays to
+its floor under TorchTitan's own scheduler, each sourced value has a `# source:` comment above it, and a value whose
+comment names a function of TorchTitan's config registry equals that function's. A CUDA cluster left on the CPU
+default of float32 is refused, with its fix."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+
+from runner.config import validate
+from runner.config.schema import DeviceType
+from tests import text_assets
+from tests.conftest import ROOT
+
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+CUDA = [name for name in RECIPES if "_h100" in name or "_h800" in name]
+"""The recipes for a CUDA cluster, by the hardware in their names (the first test checks it against their clusters)."""
+GPU = ["cluster=h100_node", "parallelism=fsdp", "training.global_batch_size=16"]
+
+SOURCED = (
+    "precision",
+    "training.steps",
+    "training.seq_len",
+    "training.global_batch_size",
+    "training.microbatch_size",
+    "training.activation_checkpoint",
+    "optimizer.lr",
+    "lr_scheduler.warmup_steps",
+    "lr_scheduler.decay_type",
+    "lr_scheduler.decay_ratio",
+    "lr_scheduler.min_lr_factor",
+)
+"""The values every CUDA recipe sets itself, each under a `# source:` comment (none inherited from the CPU defaults)."""
+NAMED = re.compile(r"\w+\(\)|worked example|report|paper|arXiv|mode=plan")
+"""What a source names: a registry function, the worked example (docs/plan.md), the model's paper, or the plan."""
+REGISTRY = re.compile(r"torchtitan/models/(\w+)/config_registry\.py,\s*(?:#\s*)?function (\w+)\(\)")
+"""The registry file and function a recipe's header names (the line may break before `function`)."""
+AC = {"FullAC": "full", "SelectiveAC": "selective_op"}
+
+
+def _sources(name: str) -> dict[str, str]:
+    """field -> the `# source:` comment (continuation lines joined) nearest above it in its paragraph. A blank line
+    ends a paragraph; `- override /<group>: <option>` in the defaults list sets the field `<group>`."""
+    out, section, source, in_comment = {}, "", "", False
+    for line in (ROOT / "recipes" / f"{name}.yaml").read_text().splitlines():
+        text = line.strip()
+        if not text:
+            source, in_comment = "", False
+            continue
+        if text.startswith("#"):
+            if text.startswith("# source:"):
+                source, in_comment = text.removeprefix("# source:").strip(), True
+            elif in_comment:
+                source += " " + text.lstrip("# ")
+            continue
+        in_comment = False
+        if m := re.match(r"(\w+):", line):
+            section = m[1]
+        elif m := re.match(r"\s+- override /(\w+):", line):
+            out[m[1]] = source
+        elif m := re.match(r"\s+(\w+):", line):
+            out[f"{section}.{m[1]}"] = source
+    return out
+
+
+def _cfg(compose, name: str, tmp_path):
+    """The recipe composed for validation: the continue recipe's two folders written here (validation reads them)."""
+    extra = []
+    if name == "llama3_8b_continue_h100x64":
+        from tests.test_hf_load import published_llama
+
+        extra = [f"data.path={text_assets.prepared(tmp_path)}", f"model.init_from={published_llama(tmp_path / 'hf', '8B')}"]
+    return compose([*extra, f"recipe={name}", "mode=validate"])
+
+
+def test_the_cuda_recipes_are_the_gpu_ones(compose):
+    assert {n for n in RECIPES if compose([f"recipe={n}"]).cluster.device == DeviceType.cuda} == set(CUDA)
+    assert len(CUDA) >= 6, CUDA
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_a_cuda_recipe_validates_and_its_rate_decays_to_its_floor(compose, name, tmp_path):
+    import torch
+
+    from runner.run.titan import optim
+
+    cfg = _cfg(compose, name, tmp_path)
+    validate.check(cfg)
+    s, lr = cfg.lr_scheduler, cfg.optimizer.lr
+    assert s.decay_ratio != 0
+    opt, sched = optim.build_optimizer(cfg, [torch.nn.Linear(2, 2)])
+    rates = []
+    opt.step()  # no gradients: nothing moves; the scheduler then steps as after a real update
+    for _ in range(cfg.training.steps):
+        rates.append(optim.current_lr(opt))
+        sched.step()
+    assert max(rates) == pytest.approx(lr) and rates.index(max(rates)) == s.warmup_steps - 1  # the peak, after warm-up
+    assert rates[-1] < lr and rates[-1] == pytest.approx(s.min_lr_factor * lr, abs=0.01 * lr)  # the last update's rate
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_a_cuda_recipe_names_the_source_of_each_value(name):
+    sources = _sources(name)
+    missing = [f for f in SOURCED if not sources.get(f)]
+    assert missing == [], f"recipes/{name}.yaml sets no `# source:`-commented value for {missing}"
+    unnamed = {f: sources[f] for f in SOURCED if not NAMED.search(sources[f])}
+    assert unnamed == {}, unnamed
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_values_sourced_from_titans_registry_equal_its(compose, name):
+    """`# source: fn(): ...` over a value: fn of the registry file the recipe's header names returns that value."""
+    text = (ROOT / "recipes" / f"{name}.yaml").read_text()
+    m = REGISTRY.search(text)
+    assert m, f"recipes/{name}.yaml names no torchtitan/models/<family>/config_registry.py, function <name>()"
+    family, function = m[1], m[2]
+    titan = getattr(importlib.import_module(f"torchtitan.models.{family}.config_registry"), function)()
+    cfg = compose([f"recipe={name}"])
+    s, t = titan.lr_scheduler, titan.training
+    theirs = {
+        "optimizer.lr": titan.optimizer.param_groups[0].optimizer_kwargs["lr"],
+        "lr_scheduler.warmup_steps": s.warmup_steps,
+        "lr_scheduler.decay_type": s.decay_type,
+        "lr_scheduler.decay_ratio": s.decay_ratio,
+        "lr_scheduler.min_lr_factor": s.min_lr_factor,
+        "training.steps": t.steps,
+        "training.seq_len": t.seq_len,
+        "training.activation_checkpoint": AC[type(titan.activation_checkpoint).__qualname__.split(".")[0]],
+        "checkpoint.interval": titan.checkpoint.interval,
+    }
+    ours = {
+        "optimizer.lr": cfg.optimizer.lr,
+        "lr_scheduler.warmup_steps": cfg.lr_scheduler.warmup_steps,
+        "lr_scheduler.decay_type": cfg.lr_scheduler.decay_type.value,
+        "lr_scheduler.decay_ratio": cfg.lr_scheduler.decay_ratio,
+        "lr_scheduler.min_lr_factor": cfg.lr_scheduler.min_lr_factor,
+        "training.steps": cfg.training.steps,
+        "training.seq_len": cfg.training.seq_len,
+        "training.activation_checkpoint": cfg.training.activation_checkpoint.value,
+        "checkpoint.interval": cfg.checkpoint.interval,
+    }
+    from_registry = [f for f, src in _sources(name).items() if src.startswith(f"{function}()") and f in theirs]
+    assert {"optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_type"} <= set(from_registry), from_registry
+    assert {f: ours[f] for f in from_registry} == {f: theirs[f] for f in from_registry}
+
+
+def test_fp32_on_a_cuda_cluster_is_refused_with_its_fix(compose):
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(GPU))
+    assert [str(p) for p in e.value.problems] == [
+        "precision.param_dtype = float32: precision fp32 computes in float32 on cluster h100_node's CUDA GPUs "
+        "(67 dense TFLOP/s against bf16's 989); float32 is the CPU default. "
+        "Fix: use precision=bf16, or set precision.allow_fp32_on_gpu=true to train in float32 on purpose."
+    ]
+    validate.check(compose([*GPU, "precision=bf16"]))
+    validate.check(compose([*GPU, "precision.allow_fp32_on_gpu=true"]))  # the deliberate switch
+    validate.check(compose(["precision=fp32"]))  # the CPU default stays the CPU default
+    fp8 = [*GPU, "precision=fp8_rowwise", "cluster.high_precision_dtype=float32"]  # FP8 with float32 around it
+    with pytest.raises(validate.ConfigError, match="Fix: use cluster.high_precision_dtype=bfloat16, or set precision.allow"):
+        validate.check(compose(fp8))
+    validate.check(compose([*fp8, "cluster.high_precision_dtype=bfloat16"]))
