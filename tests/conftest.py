@@ -243,9 +243,10 @@ def hf_round_trip(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def parity(compose, tmp_path_factory, hf_folders, hf_round_trip) -> tuple[dict[str, dict], dict[int, str]]:
-    """The parity points of tests/points.py (test_parallel's, test_family_train's, test_titan's and the Hugging Face
-    tests'), each with its section's common overrides, in one launch per rank count: a launch imports torch and
-    TorchTitan and starts a process group (~10 s), so the modules share theirs. (parity_runs, parity_consoles)."""
+    """The parity points of tests/points.py (test_parallel's, test_family_train's, test_titan's, the Hugging Face
+    tests' and test_runner_vs_titan's), each with its section's common overrides, in one launch per rank count: a
+    launch imports torch and TorchTitan and starts a process group (~10 s), so the modules share theirs.
+    (parity_runs, parity_consoles)."""
     from tests import points
 
     launches = points.parity_launches(hf_folders, tmp_path_factory.mktemp("hf_ckpt") / "ckpt", hf_round_trip)

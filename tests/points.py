@@ -3,7 +3,7 @@
 is a function of them; conftest's session fixtures make the folders and return them to the tests.
 
 Launches (conftest): `parity_runs`, one runner.run.layout_parity process group per rank count, for test_parallel,
-test_family_train, test_titan, test_hf_load and test_hf_export; `shared_runs`, one Hydra multirun, for test_train,
+test_family_train, test_titan, test_hf_load, test_hf_export and test_runner_vs_titan; `shared_runs`, one Hydra multirun, for test_train,
 test_checkpoint, test_tokens and test_slurm; `dry_runs`, one Hydra multirun of mode=dryrun, for test_dryrun and
 test_plan_memory.
 """
@@ -148,24 +148,39 @@ def hf_launches(models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path]
                 overrides = [*HF_COMMON, *hf_models.overrides(name, models[name]), f"parallelism={par}", *extra]
                 out.setdefault(nproc, {})[f"hf-{name}-{par}"] = overrides
     saves = ["checkpoint.enable=true", "checkpoint.interval=1", f"checkpoint.folder={ckpt}", "training.steps=2"]
-    out[1]["hf-llama3-single"] += [*saves, "training.steps=1"]
-    out[1]["hf-llama3-two-steps"] = [*out[1]["hf-llama3-single"][:-1], "checkpoint.enable=false"]
-    out[1][HF_RESUMED] = [*out[1]["hf-llama3-single"][:-1], "checkpoint.resume=true"]
+    out[1]["hf-llama3-single"] += saves
+    out[1]["hf-llama3-two-steps"] = [*out[1]["hf-llama3-single"], "checkpoint.enable=false"]
+    # step 1's checkpoint of the same 2-step schedule (a 1-step run's would be another schedule: refused on resume)
+    out[1][HF_RESUMED] = [*out[1]["hf-llama3-single"], "checkpoint.resume=true", f"checkpoint.resume_from={ckpt}/step-1"]
     for point, folder in round_trip.items():
         nproc = next(n for n, points in out.items() if point in points)
         out[nproc][point] += ["checkpoint.enable=true", f"checkpoint.folder={folder}", "checkpoint.async_save=false", "optimizer.lr=1e-30"]
     return out
 
 
+# ---- tests/test_runner_vs_titan.py: the runner beside TorchTitan's own Trainer (parity_runs) ---------------------
+
+TITAN_TRAINER = "titan_trainer-dp2_tp2"
+"""The 4-rank parity point that test_runner_vs_titan trains again with TorchTitan's Trainer (bench/titan_trainer.py)."""
+
+
+def titan_trainer(models: dict[str, Path]) -> list[str]:
+    """TITAN_TRAINER's overrides, which TorchTitan's side composes too: 3 steps of the debug Llama 3 from its tiny
+    Hugging Face folder (models["llama3"]) on dp2_tp2, seq 64, 2 microbatches of 2 samples per DP rank."""
+    shape = ["training.steps=3", "training.seq_len=64", "training.global_batch_size=8", "training.microbatch_size=2"]
+    return ["parallelism=dp2_tp2", *shape, "logging.progress=false", *hf_models.overrides("llama3", models["llama3"])]
+
+
 def parity_launches(models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path]) -> dict[int, dict[str, list[str]]]:
     """Every parity point, each with its section's common overrides, per rank count (ascending): test_parallel's,
-    test_family_train's, test_titan's, then the HF ones (hf_launches' arguments)."""
+    test_family_train's, test_titan's, then the HF ones (hf_launches' arguments) and test_runner_vs_titan's."""
     launches: dict[int, dict[str, list[str]]] = {}
     for common, table in ((PARALLEL_COMMON, PARALLEL_LAUNCHES), (FAMILY_COMMON, FAMILY_LAUNCHES), (TITAN_SHORT, TITAN_LAUNCHES)):
         for nproc, points in table.items():
             launches.setdefault(nproc, {}).update({name: [*common, *o] for name, o in points.items()})
     for nproc, points in hf_launches(models, ckpt, round_trip).items():  # their common overrides inside
         launches.setdefault(nproc, {}).update(points)
+    launches[4][TITAN_TRAINER] = titan_trainer(models)
     return dict(sorted(launches.items()))
 
 
@@ -242,6 +257,10 @@ def checkpoint_common(text: tuple[Path, Path]) -> list[str]:
         "training.seq_len=64",
         "logging.progress=false",
         "distributed.shutdown_timeout_s=5",
+        # resumed bitwise with parameter groups and a decaying schedule (the killed run resumes mid-decay)
+        "optimizer.no_decay_1d_and_embeddings=true",
+        "lr_scheduler.decay_type=cosine",
+        "lr_scheduler.min_lr_factor=0.1",
     ]
 
 

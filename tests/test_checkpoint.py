@@ -118,8 +118,10 @@ def test_sigkilled_rank_restarted_by_agent_resumes_exactly(reference, killed):
     back = int(resumed[0].split("(step ")[1].split(",")[0])
     assert 1 <= back < KILL_AT
     assert sorted(got) == list(range(1, STEPS + 1))
-    for s in range(1, STEPS + 1):  # bit-identical losses and the same samples at every step
-        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["data_hash"]) == (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["data_hash"]), s
+    for s in range(1, STEPS + 1):  # bit-identical losses, the same samples and learning rates at every step
+        keys = ("loss", "grad_norm", "data_hash", "lr")
+        assert [got[s][k] for k in keys] == [ref[s][k] for k in keys], s
+    assert ref[STEPS]["lr"] < ref[2]["lr"]  # the schedule decays (cosine to 0.1 x), with parameter groups
     rows = metrics(killed[0])
     assert [r["step"] for r in rows] == list(range(1, KILL_AT)) + list(range(back + 1, STEPS + 1))
     assert [(r["attempt"], r.get("repeat", False)) for r in rows] == [(0, False)] * (KILL_AT - 1) + [
@@ -266,7 +268,7 @@ def test_reference_exports_hf_that_transformers_reads_with_the_runner_logits(ref
         want = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         got = torch.nn.functional.cross_entropy(hf(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
     assert float(got) == pytest.approx(float(want), rel=1e-5)
-    assert float(want) < 7.2  # 6 steps trained: below the uniform ln(2048) = 7.62 on text it never saw
+    assert float(want) < 7.5  # 6 steps trained (the rate decaying over them): below the uniform ln(2048) = 7.62 on unseen text
 
 
 # ---- without ranks -----------------------------------------------------------------------------------

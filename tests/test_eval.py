@@ -18,6 +18,7 @@ from runner.config import schema, validate
 from runner.config.problems import ConfigError
 from runner.run import evaluate, loader
 from tests import text_assets
+from tests.one_rank import gloo_rank
 
 SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
 
@@ -112,8 +113,6 @@ class Recorded:
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
     """The debug model built by the runner on one in-process gloo rank, its weights moved off their initialization."""
-    import torch.distributed as dist
-
     from runner.config import layout
     from runner.run import titan
     from runner.run.device import DevicePolicy
@@ -123,27 +122,13 @@ def one_rank(compose, tmp_path_factory):
     )
     cfg.eval.steps = STEPS
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
-    store = tmp_path_factory.mktemp("store") / "store"
-    titan.quiet_torchao(cfg)
-    import importlib
-
-    import runner.run.titan.cpu as cpu
-
-    mods = [importlib.import_module(name) for name in cpu._DEVICE_GLOBALS]
-    saved = [(m, k, getattr(m, k)) for m in mods for k in ("device_type", "device_module") if hasattr(m, k)]
-    cpu.patch_device_globals()  # as every CPU rank does; undone below for the tests that share this process
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    with gloo_rank(cfg, tmp_path_factory.mktemp("store")):
         built = titan.build(cfg, lay, titan.build_mesh(cfg, lay), tmp_path_factory.mktemp("run"), torch.device("cpu"))
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in built.parts[0].parameters():
                 (p.to_local() if hasattr(p, "to_local") else p).add_(0.05 * torch.randn(p.shape, generator=g))  # one rank: the whole tensor
         yield cfg, lay, built, DevicePolicy.of(cfg.cluster, cfg.distributed)
-    finally:
-        dist.destroy_process_group()
-        for m, k, v in saved:
-            setattr(m, k, v)
 
 
 def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank):

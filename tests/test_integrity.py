@@ -32,7 +32,7 @@ def faults(tmp_path_factory):
     args = ["parallelism=dp2", "parallelism.dp_replicate=4", "cluster.devices_per_node=4", "training.seq_len=64", "training.steps=22"]
     args += ["logging.progress=false", *STRAGGLER, "monitor.integrity.interval=4", "monitor.integrity.replay_interval=5"]
     args += ["monitor.inject.flip_rank=1", "monitor.inject.flip_at_step=17", "monitor.inject.replay_rank=3"]
-    args += ["monitor.inject.delay_rank=2", "monitor.inject.delay_frac=0.6"]
+    args += ["monitor.inject.delay_rank=2", "monitor.inject.delay_frac=1.0"]  # the forward doubled: clear of the judge's floor
     args += ["monitor.integrity.on_mismatch=rewind", "checkpoint=local", "checkpoint.interval=8", "checkpoint.keep=0"]
     proc = run_cli(*args, run_dir=run_dir, timeout=900)
     return run_dir, proc.returncode, proc.stdout, proc.stderr

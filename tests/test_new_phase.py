@@ -22,6 +22,7 @@ from runner.config import checkpoint, freeze, runfiles, validate
 from runner.config.problems import ConfigError
 from runner.config.schema import Mode, ModelConfig
 from tests.conftest import metrics, run_cli
+from tests.one_rank import gloo_rank
 
 SHAPE = [
     "parallelism=single",
@@ -42,28 +43,14 @@ LOSS_ATOL_TP = 1e-5
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
     """One in-process gloo rank and its one-rank mesh: (layout of parallelism=single, mesh, policy)."""
-    import importlib
-
-    import torch.distributed as dist
-
-    import runner.run.titan.cpu as cpu
     from runner.config import layout
     from runner.run import titan
     from runner.run.device import DevicePolicy
 
     cfg = compose(SHAPE)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
-    titan.quiet_torchao(cfg)
-    mods = [importlib.import_module(name) for name in cpu._DEVICE_GLOBALS]
-    saved = [(m, k, getattr(m, k)) for m in mods for k in ("device_type", "device_module") if hasattr(m, k)]
-    cpu.patch_device_globals()  # as every CPU rank does; undone below for the tests that share this process
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store') / 'store'}", rank=0, world_size=1)
-    try:
+    with gloo_rank(cfg, tmp_path_factory.mktemp("store")):
         yield lay, titan.build_mesh(cfg, lay), DevicePolicy.of(cfg.cluster, cfg.distributed)
-    finally:
-        dist.destroy_process_group()
-        for m, k, v in saved:
-            setattr(m, k, v)
 
 
 def _data(cfg):

@@ -116,10 +116,17 @@ def test_interleaved_bubble_and_sharded_weights_without_pp(budget):
     assert fsdp["dp_comm_gb"] == pytest.approx(n * (2 * 2 + 4) * 7 / 8 / 1e9, rel=1e-3)  # AG fwd + bwd (bf16), RS (fp32)
 
 
-def test_fp8_blockwise_plans_against_the_float8_peak(budget):
+def test_fp8_blockwise_plans_mfu_against_bf16_and_the_gemms_against_float8(budget):
+    """MFU and the assumed-MFU step use the bf16 peak whatever the GEMMs' dtype (comparable across precisions);
+    mfu_of_gemm_peak the float8 one. The bottom-up estimate prices the FP8 model: faster than bf16, slower than the
+    float8 peak's 2x, with its cast kernels."""
     bf16, fp8 = budget(SEED), budget([*SEED, "precision=fp8_blockwise"])
-    assert (fp8["peak_dtype"], fp8["peak_tflops"]) == ("float8", 1979.0)
-    assert fp8["step_time_s"] == pytest.approx(bf16["step_time_s"] * 989 / 1979)  # same FLOPs at twice the peak
+    assert (fp8["peak_dtype"], fp8["peak_tflops"]) == ("bfloat16", 989.0)
+    assert (fp8["gemm_peak_dtype"], fp8["gemm_peak_tflops"]) == ("float8", 1979.0)
+    assert fp8["step_time_s"] == pytest.approx(bf16["step_time_s"])  # 40 % of the bf16 peak, FP8 or not
+    assert fp8["estimated_mfu_of_gemm_peak"] == pytest.approx(fp8["estimated_mfu"] * 989 / 1979)
+    assert fp8["estimated_step_time_s"] > bf16["estimated_step_time_s"] / 2  # the FP8 model, not twice the peak
+    assert fp8["predicted_terms_s"]["fp8_cast"] > 0 and bf16["predicted_terms_s"]["fp8_cast"] == 0
     assert fp8["weights_grads_gb_per_gpu"] == bf16["weights_grads_gb_per_gpu"]  # FP8 only in the GEMMs
 
 

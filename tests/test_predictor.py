@@ -24,12 +24,27 @@ def references():
 def test_published_runs_within_20_percent(references):
     """TorchTitan's A100 and H100 tables (runner/config/predict/reference_runs.csv, role fit)."""
     fit = {k: r for k, r in references.items() if r.role == "fit"}
-    assert len(fit) == 13
+    assert len(fit) == 18  # 13 bf16 runs and TorchTitan's 5 Float8 runs on Grand Teton H100s
     off = {k: f"{100 * r.error:+.1f} %" for k, r in fit.items() if abs(r.error) > 0.20}
     assert not off, off
     # the issue's two cases: the 8B FSDP run at 5,762 tokens/s per GPU, the 405B run at 29.0 % MFU
     assert 16 * 8192 / (8 * fit["gt_8b_fsdp8"].predicted.step_s) == pytest.approx(5762, rel=0.2)
     assert fit["h100_405b_fsdp16_tp8"].predicted.binding == "compute"
+
+
+def test_float8_runs_within_20_percent_and_the_8b_speed_up(references):
+    """TorchTitan's Float8 rows (tensorwise, compiled) priced by the FP8 model (runner/config/predict/fp8.py): within 20 %,
+    each with its cast kernels; the 8B FSDP 8 run's speed-up over its bf16 twin within 0.1 of the published
+    8,532 / 6,667 = 1.28; the TP runs pay tensorwise's amax all-reduces."""
+    fp8_rows = {k: r for k, r in references.items() if k.endswith("float8")}
+    assert len(fp8_rows) == 5 and all(r.role == "fit" for r in fp8_rows.values())
+    off = {k: f"{100 * r.error:+.1f} %" for k, r in fp8_rows.items() if abs(r.error) > 0.20}
+    assert not off, off
+    assert all(r.predicted.terms["fp8_cast"] > 0 for r in fp8_rows.values())
+    assert fp8_rows["gt_70b_2d_float8"].predicted.terms["fp8_amax"] > 0 and fp8_rows["gt_8b_fsdp8_float8"].predicted.terms["fp8_amax"] == 0
+    speed_up = references["gt_8b_fsdp8_compile"].predicted.step_s / fp8_rows["gt_8b_fsdp8_float8"].predicted.step_s
+    assert speed_up == pytest.approx(8532 / 6667, abs=0.1)
+    assert all(r.predicted.terms["fp8_cast"] == 0 for k, r in references.items() if k not in fp8_rows)
 
 
 def test_llama3_paper_held_out_within_15_percent(references):
@@ -72,7 +87,7 @@ def test_calibration_residuals_are_its_runs_predicted_by_the_finished_profile(co
 
 def test_reference_file_names_every_source():
     rows = steptime_refs.rows()
-    assert {r["role"] for r in rows} == {"fit", "heldout", "not_modelled"}
+    assert {"fit", "heldout"} <= {r["role"] for r in rows} <= {"fit", "heldout", "not_modelled"}  # no row is unmodelled now
     header = steptime_refs.DATA.read_text()
     assert all(f"#  {r['source']}:" in header for r in rows)
 

@@ -176,6 +176,15 @@ def matmul_peak(cfg: RunConfig) -> tuple[str, bool]:
     return "float32", True
 
 
+def mfu_peak(cfg: RunConfig) -> str:
+    """The dtype whose dense peak `mfu` is measured against: param_dtype (bf16 on GPUs) whatever dtype the GEMMs run
+    in, so that an FP8 run's MFU compares with a bf16 run's (TorchTitan prints N/A under FP8 for want of this,
+    pytorch/torchtitan#2451); matmul_peak's dtype gives `mfu_of_gemm_peak`. Where the cluster states no peak for
+    param_dtype (CPU: the peak is measured at launch, in the GEMMs' dtype) both use the GEMMs' peak."""
+    high = cfg.precision.param_dtype.value
+    return high if high in cfg.cluster.peak_tflops else matmul_peak(cfg)[0]
+
+
 def parse_capability(text: str) -> tuple[int, int] | None:
     major, dot, minor = text.partition(".")
     if not (dot and major.isdigit() and minor.isdigit()):

@@ -7,6 +7,10 @@ event covering it (its self time):
 - recompute: the ops of the forward that activation checkpointing runs again inside backward (torch.utils.checkpoint's
   recompute, named `runner/recompute` in the trace by runner.run.profiling); its collectives stay their axis's;
 - non_matmul: every other ATen op: elementwise, norms, the loss, copies, the optimizer's fused kernel;
+- fp8_cast: an FP8 recipe's scale and cast kernels by name (FP8_CAST: the amax reductions, torchao's own
+  quantization ops); the float8 conversion itself (`aten::_to_copy`) and the clamp before it keep non_matmul, their
+  names being those of every dtype conversion (gpt-oss's SwiGLU clamps too);
+- fp8_amax: the amax all-reduces are collectives on the TP group, so they count as tp in a trace;
 - tp, pp, cp, ep, dp: collectives, by the process group each ran on: the runner names each collective call in the
   trace (`runner.comm <axis> [<ranks>] <op>`, runner.run.profiling) with its group's ranks; a functional
   collective's later `wait_tensor` goes to the axis of the collective whose output it waits for; FSDP's own spans
@@ -30,7 +34,22 @@ from pathlib import Path
 from typing import Any
 
 AXES = ("tp", "pp", "cp", "ep", "dp")
-TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "data_wait", "unattributed")
+TERMS = (
+    "compute",
+    "non_matmul",
+    "recompute",
+    "overhead",
+    "bubble",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "dp",
+    "fp8_cast",
+    "fp8_amax",
+    "data_wait",
+    "unattributed",
+)
 STEP_SPAN = re.compile(r"ProfilerStep#(\d+)$")
 COMM_SPAN = "runner.comm"
 DATA_SPAN = "runner/data_wait"
@@ -42,6 +61,9 @@ COMPUTE = re.compile(
     r"aten::(mm|addmm|bmm|baddbmm|_scaled_mm|_grouped_mm|_scaled_grouped_mm|_int_mm|"
     r"_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+|_cudnn_attention_\w+)$"
 )
+FP8_CAST = re.compile(r"(aten::(amax|abs|reciprocal)|torchao::\w+)$")
+"""Ops that only an FP8 recipe's scaling issues in a training step (torchao's tensorwise amax is abs then max, rowwise
+amax; its blockwise and MX casts are torchao custom ops)."""
 METADATA = re.compile(
     r"aten::(view|_unsafe_view|view_as|as_strided|reshape|_reshape_alias|t|transpose|permute|slice|narrow|select|expand|"
     r"expand_as|unsqueeze|squeeze|split|split_with_sizes|chunk|unbind|tensor_split|detach|detach_|alias|empty|empty_strided|"
@@ -131,6 +153,8 @@ def _by_name(e: _Event, w: _Walk) -> str:
         return w.last_axis
     if COMPUTE.match(n):
         return "compute"
+    if FP8_CAST.match(n):
+        return "fp8_cast"
     if METADATA.match(n) or DISPATCH.match(n):
         return "overhead"
     if COMM_OP.match(n):

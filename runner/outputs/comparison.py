@@ -22,6 +22,7 @@ from typing import Any
 from runner.config import runfiles
 from runner.config.predict.accuracy import error
 from runner.config.wording import count
+from runner.outputs import breakdown as breakdown_terms
 
 
 def _overrides(run: Path) -> list[str]:
@@ -67,6 +68,9 @@ def load(run: Path) -> dict[str, Any] | None:
             "predicted_s": cal.get("step_time_predicted_s"),  # the predictor on this run's measured peak, or its profile
             "mfu": s["mfu_median"],
             "mfu_note": f"measured, {s.get('flop_convention', 'titan')}",
+            "mfu_dtype": s.get("mfu_dtype", s.get("peak_dtype")),
+            "mfu_of_gemm_peak": s.get("mfu_of_gemm_peak_median"),
+            "gemm_dtype": s.get("peak_dtype"),
             "eval_loss": s.get("eval_loss_final"),  # None for runs without evaluation (eval.interval=0)
             "terms_measured": (s.get("profile") or {}).get("terms_s"),  # profile/breakdown.json's busiest rank (profile.*)
             "terms_predicted": cal.get("terms_predicted_s"),
@@ -85,6 +89,9 @@ def load(run: Path) -> dict[str, Any] | None:
             "predicted_s": p["estimated_step_time_s"],
             "mfu": p["estimated_mfu"],
             "mfu_note": "estimated",
+            "mfu_dtype": p.get("peak_dtype"),
+            "mfu_of_gemm_peak": p.get("estimated_mfu_of_gemm_peak"),
+            "gemm_dtype": p.get("gemm_peak_dtype"),
             "terms_measured": None,
             "terms_predicted": p.get("predicted_terms_s"),
         }
@@ -129,6 +136,16 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
+def _mfu_cell(r: dict[str, Any]) -> str:
+    """MFU against param_dtype's (bf16) peak, comparable across precisions; under FP8 also mfu_of_gemm_peak, against the
+    peak of the dtype the GEMMs run in (float8)."""
+    dtype = f" of {r['mfu_dtype']}" if r.get("mfu_dtype") else ""
+    cell = f"{_pct(r['mfu'])}{dtype} ({r['mfu_note']})"
+    if r.get("mfu_of_gemm_peak") is not None and r.get("gemm_dtype") != r.get("mfu_dtype"):
+        cell += f"\n{_pct(r['mfu_of_gemm_peak'])} of {r['gemm_dtype']} (mfu_of_gemm_peak)"
+    return cell
+
+
 def _error(r: dict[str, Any]) -> str:
     """A measured run's prediction error; a plan has nothing measured to be wrong against."""
     e = error(r["predicted_s"], r["step_time_s"]) if r["source"] == "measured" else None
@@ -158,14 +175,14 @@ def table(rows: list[dict[str, Any]]):
             step,
             pred,
             _error(r),
-            f"{_pct(r['mfu'])} ({r['mfu_note']})",
+            _mfu_cell(r),
             "-" if r.get("eval_loss") is None else f"{r['eval_loss']:.4f}",
             style="yellow" if r.get("fits") is False else None,
         )
     return t
 
 
-TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "data_wait", "unattributed")
+TERMS = breakdown_terms.TERMS
 """The predictor's terms (runner.config.predict.steptime.TERMS) and the breakdown's two more (runner.outputs.breakdown)."""
 MEASURED_ONLY = ("data_wait", "unattributed")  # the predictor has no such terms
 
@@ -223,7 +240,9 @@ def _term_bars(ax, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     keys = _shown_terms(rows)
-    colors = dict(zip(TERMS, [*plt.get_cmap("tab10").colors, "dimgrey", "black"], strict=True))  # one colour per term in every plot
+    colors = dict(
+        zip(TERMS, [*plt.get_cmap("tab20").colors[: len(TERMS) - 2], "dimgrey", "black"], strict=True)
+    )  # one colour per term in every plot
     labels, ys, y, widest = [], [], 0.0, 0.0
     for r in rows:
         for which, name in (("terms_predicted", "predicted"), ("terms_measured", "measured")):

@@ -33,6 +33,16 @@ class Accounting:
     """Parameters of the model that was built (TorchTitan's count, checked equal to runner.config.flops.num_params)."""
     peak_spread: float | None
     """(max - min) / median of the measured peak's rounds; None for a peak from the cluster config."""
+    mfu_peak_tflops: float | None = None
+    """Dense peak per device `mfu` is measured against: param_dtype's (bf16 on GPUs) for every precision
+    (runner.config.precision.mfu_peak); `peak_tflops` is the GEMMs' dtype's, for `mfu_of_gemm_peak`. None: the same."""
+    mfu_peak_flops_total: float | None = None
+    mfu_dtype: str | None = None
+
+    @property
+    def mfu_total(self) -> float:
+        """Peak FLOP/s of all devices that `mfu` divides by."""
+        return self.mfu_peak_flops_total or self.peak_flops_total
 
 
 def accounting(cfg: RunConfig, built, pk: dict) -> Accounting:
@@ -48,6 +58,9 @@ def accounting(cfg: RunConfig, built, pk: dict) -> Accounting:
         pk["emulated"],
         built.num_params,
         pk["peak_spread"],
+        pk.get("mfu_peak_tflops", pk["peak_tflops"]),  # a peak.json written before mfu_peak: the GEMMs' peak
+        pk.get("mfu_peak_flops_total", pk["peak_flops_total"]),
+        pk.get("mfu_dtype", pk["dtype"]),
     )
 
 
@@ -86,8 +99,9 @@ def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: Run
         "step_time_s": dt,
         "tokens_per_s": tokens_per_s,
         "lr": lr,
-        "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
-        "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.peak_flops_total),
+        "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.mfu_total),
+        "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.mfu_total),
+        "mfu_of_gemm_peak": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
         "memory_gb": memory_gb,
     }
     if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
@@ -107,6 +121,9 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
         "step_time_s_median": statistics.median(r["step_time_s"] for r in steady),
         "mfu_median": statistics.median(r["mfu"] for r in steady),
         "mfu_6n_median": statistics.median(r["mfu_6n"] for r in steady),
+        "mfu_of_gemm_peak_median": statistics.median(r.get("mfu_of_gemm_peak", r["mfu"]) for r in steady),
+        "mfu_peak_tflops": acc.mfu_peak_tflops or acc.peak_tflops,
+        "mfu_dtype": acc.mfu_dtype or acc.peak_dtype,
         "num_params": acc.num_params,
         "flop_convention": "titan",
         "flops_per_token": acc.flops_per_token,

@@ -29,6 +29,8 @@ def _fmt(row: dict[str, Any]) -> str:
         f"step {row['step']:>4}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
         f"tokens/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%"
     )
+    if "mfu_of_gemm_peak" in row and row["mfu_of_gemm_peak"] != row["mfu"]:  # FP8: the GEMMs' own (float8) peak beside bf16's
+        s += f"  mfu_of_gemm_peak {100 * row['mfu_of_gemm_peak']:.2f}%"
     if "hfu" in row:
         s += f"  hfu {100 * row['hfu']:.2f}%"
     s += f"  step {row['step_time_s']:.2f}s  mem {row['memory_gb']:.2f}GB"
@@ -77,9 +79,10 @@ class ConsoleSink:
             self.progress.stop()
         self.console.print(
             f"done: final loss {summary['final_loss']:.4f}, median {summary['tokens_per_s_median']:,.0f} tokens/s, "
-            f"median MFU {100 * summary['mfu_median']:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s ({summary['peak_source']}"
+            f"median MFU {100 * summary['mfu_median']:.2f}% of {_mfu_peak(summary)} ({summary['peak_source']}"
             + ("" if summary["peak_spread"] is None else f", spread {100 * summary['peak_spread']:.1f} %")
             + ")"
+            + _gemm_mfu(summary)
         )
         if summary.get("eval_loss_final") is not None:
             self.console.print(
@@ -200,6 +203,19 @@ class WandbSink:
         self.run.finish()
 
 
+def _mfu_peak(summary: dict[str, Any]) -> str:
+    """The peak `mfu` is measured against: param_dtype's (bf16) for every precision."""
+    return f"{summary.get('mfu_peak_tflops', summary['peak_tflops']):.3g} TFLOP/s {summary.get('mfu_dtype', summary['peak_dtype'])}"
+
+
+def _gemm_mfu(summary: dict[str, Any]) -> str:
+    """FP8 runs: the MFU against the GEMMs' own dense peak as well (the two differ)."""
+    gemm = summary.get("mfu_of_gemm_peak_median")
+    if gemm is None or summary.get("mfu_dtype", summary["peak_dtype"]) == summary["peak_dtype"]:
+        return ""
+    return f"; mfu_of_gemm_peak {100 * gemm:.2f}% of {summary['peak_tflops']:.3g} TFLOP/s {summary['peak_dtype']}"
+
+
 def predicted(summary: dict[str, Any]) -> dict[str, Any]:
     """Flat W&B keys beside the measured medians, so that a sweep's group compares prediction with measurement:
     the predictor's step time for this run (the calibration block's, on the peak and bandwidth the run measured)
@@ -209,7 +225,7 @@ def predicted(summary: dict[str, Any]) -> dict[str, Any]:
     if not pred or not measured:
         return {}
     out = {"step_time_s_predicted": pred}
-    for key in ("mfu", "mfu_6n"):
+    for key in ("mfu", "mfu_6n", "mfu_of_gemm_peak"):
         if summary.get(f"{key}_median") is not None:
             out[f"{key}_predicted"] = summary[f"{key}_median"] * measured / pred
     return out

@@ -278,6 +278,9 @@ def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
         rec |= {"peak_tflops": cfg.cluster.peak_tflops[dtype], "peak_spread": None}
     devices = DevicePolicy.of(cfg.cluster, cfg.distributed).peak_devices(world_size, cfg.cluster.num_nodes)
     rec |= {"peak_flops_total": rec["peak_tflops"] * 1e12 * devices, "fp8": cfg.precision.fp8.value, "device": cfg.cluster.device.value}
+    mfu_dtype = precision.mfu_peak(cfg)  # mfu's peak: param_dtype's (bf16) for every precision; peak_tflops is the GEMMs'
+    mfu_peak = rec["peak_tflops"] if mfu_dtype == dtype else cfg.cluster.peak_tflops[mfu_dtype]
+    rec |= {"mfu_dtype": mfu_dtype, "mfu_peak_tflops": mfu_peak, "mfu_peak_flops_total": mfu_peak * 1e12 * devices}
     (run_dir / runfiles.PEAK).write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 

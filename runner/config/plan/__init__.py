@@ -46,10 +46,15 @@ def _compute_time(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> dic
     other = "titan" if conv == "6N" else "6N"
     fpt = flops.flops_per_token(m, t.seq_len, conv)
     flops_step = t.global_batch_size * t.seq_len * fpt
-    peak_dtype = precision.matmul_peak(cfg)[0]  # FP8 GEMMs run at the float8 peak; weights and activations stay in dtype
-    peak = peak_tflops if peak_tflops is not None else c.peak_tflops.get(peak_dtype)
+    gemm_dtype = precision.matmul_peak(cfg)[0]  # FP8 GEMMs run at the float8 peak; weights and activations stay in dtype
+    gemm_peak = peak_tflops if peak_tflops is not None else c.peak_tflops.get(gemm_dtype)
+    peak_dtype = precision.mfu_peak(cfg)  # MFU, the ideal compute and the assumed-MFU step: param_dtype's (bf16) peak
+    peak = gemm_peak if peak_dtype == gemm_dtype else c.peak_tflops.get(peak_dtype)
     ideal_s = flops_step / (lay.world_size * peak * 1e12) if peak else None
     return {
+        "gemm_peak_tflops": gemm_peak,
+        "gemm_peak_dtype": gemm_dtype,
+        "ideal_gemm_peak_s": flops_step / (lay.world_size * gemm_peak * 1e12) if gemm_peak else None,
         "flops_convention": conv,
         "flops_per_token": fpt,
         f"flops_per_token_{other}": flops.flops_per_token(m, t.seq_len, other),
@@ -77,6 +82,7 @@ def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: ste
         "dp_comm_exposed_s": pred.terms["dp"] if est_s is not None else None,
         "estimated_step_time_s": est_s,
         "estimated_mfu": ct["ideal_compute_s"] / est_s if est_s and ct["ideal_compute_s"] is not None else None,
+        "estimated_mfu_of_gemm_peak": ct["ideal_gemm_peak_s"] / est_s if est_s and ct["ideal_gemm_peak_s"] is not None else None,
         "predicted_terms_s": dict(pred.terms),
         "predicted_binding": pred.binding or None,
         "predicted_calibrated": pred.calibrated,

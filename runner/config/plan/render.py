@@ -96,6 +96,27 @@ def _active(plan: dict[str, Any]) -> str:
     return f"{active / 1e9:.2f} B active per token (FLOPs, MFU)" if active != plan["params"] else ""
 
 
+def _fp8(plan: dict[str, Any]) -> bool:
+    """The GEMMs run in another dtype than MFU's peak (FP8 recipes): both MFU figures are printed."""
+    return plan.get("gemm_peak_dtype", plan["peak_dtype"]) != plan["peak_dtype"]
+
+
+def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """FP8 recipes: the predictor's own FP8 terms (runner/config/predict/fp8.py)."""
+    terms = plan["predicted_terms_s"]
+    if not _fp8(plan) or not terms:
+        return []
+    cast, amax = terms.get("fp8_cast", 0.0), terms.get("fp8_amax", 0.0)
+    return [
+        (
+            "FP8 casts and scales",
+            _f(cast + amax, ".3f", " s"),
+            f"fp8_cast {cast:.3f} s (cast kernels, memory-bound), fp8_amax {amax:.3f} s (tensorwise amax all-reduces); "
+            "converted GEMMs in compute at the FP8 rate, kept layers (lm_head) at bf16's",
+        )
+    ]
+
+
 def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
     """(row, value, note) lines of the printed table."""
     pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
@@ -119,12 +140,20 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
             if plan["peak_tflops"]
             else "no peak in the cluster config (a CPU peak is measured at launch)",
         ),
-        ("step time", _f(plan["step_time_s"], ".3f", " s"), f"at {100 * plan['mfu_assumed']:.0f} % MFU ({conv})"),
+        (
+            "step time",
+            _f(plan["step_time_s"], ".3f", " s"),
+            f"at {100 * plan['mfu_assumed']:.0f} % MFU ({conv}) of the {plan['peak_dtype']} peak"
+            + (f", whatever the GEMMs' dtype ({plan['gemm_peak_dtype']})" if _fp8(plan) else ""),
+        ),
         (
             "bottom-up step estimate",
             _f(plan["estimated_step_time_s"], ".3f", " s"),
-            f"MFU {pct(plan['estimated_mfu'])}; shares of this estimate: {_binding(plan)}; {plan['predicted_source']}",
+            f"MFU {pct(plan['estimated_mfu'])} of {plan['peak_dtype']}"
+            + (f", mfu_of_gemm_peak {pct(plan['estimated_mfu_of_gemm_peak'])} of {plan['gemm_peak_dtype']}" if _fp8(plan) else "")
+            + f"; shares of this estimate: {_binding(plan)}; {plan['predicted_source']}",
         ),
+        *_fp8_rows(plan),
         (
             "TP traffic",
             _f(plan["tp_comm_s"], ".3f", " s"),

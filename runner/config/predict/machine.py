@@ -27,6 +27,9 @@ PROFILE_VERSION = 2  # 2: collective_fixed_s, in_run_share; memory_gbs from the 
 # Constants of the datasheet model (GPU, NCCL, TorchTitan eager), each with its physical meaning.
 GEMM_HALF_DIM = 96.0
 """GEMM size (its smallest of M, K, N) at which the rate falls to half the large-GEMM rate: tile and wave quantization."""
+FP8_GEMM_HALF_DIM = 192.0
+"""The same for FP8 GEMMs: Hopper's float8 MMA takes a K step twice bf16's (32 against 16) and tiles twice as deep, so a
+small GEMM (a TP-sharded projection) reaches less of its peak and gains less from FP8."""
 ATTENTION_VS_MATMUL = 0.55
 """Rate of the fused attention kernel (forward + backward, causal FLOPs) over the large-GEMM rate."""
 EAGER_BYTES_PER_ELEMENT = 50.0
@@ -39,7 +42,7 @@ LINK_EFFICIENCY = 0.90
 """Bandwidth NCCL's ring collectives reach over the datasheet figure (per direction)."""
 COLLECTIVE_LATENCY_S = 30e-6
 """Fixed cost of one NCCL collective (launch and ring set-up)."""
-REFERENCE_ERROR = 0.061
+REFERENCE_ERROR = 0.067
 """Root mean square of predicted / measured - 1 over the modelled rows of reference_runs.csv (fit and heldout): the
 datasheet model's error band, inside which mode=search cannot order two candidates. A figure of the rows, kept here
 because pricing them takes seconds (a Hydra composition each); tests/test_predictor.py checks it against them."""
@@ -88,6 +91,14 @@ class Machine:
     """Ranks per core set: > 1 when the ranks oversubscribe the machine's cores (CPU), which stretches compute."""
     calibrated: bool = False
     source: str = DATASHEET
+    fp8_tflops: float | None = None
+    """Rate of large GEMMs of the FP8 recipe's kernel, per rank; None: no FP8 model (no FP8 recipe, or a machine profile,
+    whose GEMMs are timed in the run's own dtype)."""
+    fp8_half_dim: float = FP8_GEMM_HALF_DIM
+
+    def fp8_gemm_s(self, g: tuple[int, int, int]) -> float:
+        d = min(g)
+        return 2.0 * g[0] * g[1] * g[2] / (self.fp8_tflops * d / (d + self.fp8_half_dim) * 1e12)
 
     def gemm_s(self, g: tuple[int, int, int]) -> float:
         rate = self.gemm_table.get(g)
@@ -108,18 +119,30 @@ def _datasheet_links(cfg: RunConfig, link_gbs: dict[str, float] | None) -> dict[
 
 
 def datasheet(cfg: RunConfig, peak_tflops: float | None, link_gbs: dict[str, float] | None, efficiency: float | None) -> Machine | None:
-    """The cluster's figures with the GPU constants above (a link of unknown bandwidth left out); None without a peak."""
-    from runner.config import precision
+    """The cluster's figures with the GPU constants above (a link of unknown bandwidth left out); None without a peak.
+    The GEMMs, attention and the layers kept in high precision run at the param_dtype peak; an FP8 recipe's converted
+    GEMMs at its peak (float8, or mxfp8) x the recipe's efficiency (runner/config/predict/fp8.py). `peak_tflops`
+    overrides the peak of the dtype MFU's GEMM figure names (precision.matmul_peak: float8 under FP8)."""
+    from runner.config.predict import fp8
 
     c = cfg.cluster
-    peak = peak_tflops if peak_tflops is not None else c.peak_tflops.get(precision.matmul_peak(cfg)[0])
+    eff = efficiency if efficiency is not None else c.matmul_efficiency
+    recipe = fp8.cost(cfg)
+    high = c.peak_tflops.get(cfg.precision.param_dtype.value) if recipe else peak_tflops
+    high = high if high is not None else c.peak_tflops.get(cfg.precision.param_dtype.value)
     links = _datasheet_links(cfg, link_gbs)
-    if not peak:
+    if not high:
         return None
-    rate = peak * (efficiency if efficiency is not None else c.matmul_efficiency)
+    fp8_rate = None
+    if recipe:
+        low = peak_tflops if peak_tflops is not None else fp8.peak(cfg)
+        if not low:
+            return None
+        fp8_rate = low * eff * recipe.gemm_efficiency
+    rate = high * eff
     bpe = COMPILED_BYTES_PER_ELEMENT if cfg.training.compile else EAGER_BYTES_PER_ELEMENT
     memory = c.memory_bandwidth_gbs if c.memory_bandwidth_gbs > 0 else math.inf
-    return Machine(rate, memory, bpe, rate * ATTENTION_VS_MATMUL, links)
+    return Machine(rate, memory, bpe, rate * ATTENTION_VS_MATMUL, links, fp8_tflops=fp8_rate)
 
 
 def load(path: str | Path) -> dict:

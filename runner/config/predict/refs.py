@@ -49,7 +49,9 @@ def measured_step_s(cfg: RunConfig, world: int, row: dict[str, str]) -> float:
 
 
 def check(row: dict[str, str]) -> Reference:
-    cfg = compose.compose([f"model={row['model']}", "precision=bf16", *row["overrides"].split()])
+    overrides = row["overrides"].split()
+    bf16 = [] if any(o.startswith("precision=") for o in overrides) else ["precision=bf16"]  # FP8 rows name their recipe
+    cfg = compose.compose([f"model={row['model']}", *bf16, *overrides])
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     return Reference(row["id"], row["role"], measured_step_s(cfg, lay.world_size, row), steptime.predict(cfg, lay, ac=row["ac"]))
 

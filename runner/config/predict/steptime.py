@@ -10,7 +10,9 @@ seconds per step on the busiest rank:
 - bubble: pipeline fill and drain around the busiest rank, through the other ranks' first stages;
 - tp, pp, cp, ep: their collectives, on the critical path;
 - dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, and FSDP's own copies into
-  and out of their buffers (also with dp_shard = 1), less what runs under the block's compute.
+  and out of their buffers (also with dp_shard = 1), less what runs under the block's compute;
+- fp8_cast, fp8_amax: an FP8 recipe's cast and scale kernels (memory traffic) and tensorwise scaling's amax
+  all-reduces over TP (runner/config/predict/fp8.py); its converted GEMMs are in compute, at the FP8 rate.
 `binding` names the largest. The machine's figures come from a profile (`cluster.profile`, written by
 `python -m runner.calibrate`) or else from the datasheet ("datasheet, not calibrated").
 """
@@ -24,12 +26,12 @@ from runner.config import comm as plan_comm
 from runner.config import flops, layout, pipeline
 from runner.config.layout import MESH_ORDER, Layout
 from runner.config.memory import BYTES, keeps_weights_gathered
-from runner.config.predict import machine, work
+from runner.config.predict import fp8, machine, work
 from runner.config.predict.machine import DATASHEET, Machine
 from runner.config.schema import RunConfig
 
 CPU_TERMS = ("compute", "non_matmul", "recompute", "overhead")
-TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp")
+TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "fp8_cast", "fp8_amax")
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,11 @@ class _Chunk:
     tp: float = 0.0
     cp: float = 0.0
     ep: float = 0.0
+    fp8_cast: float = 0.0
+    fp8_amax: float = 0.0
 
     def total(self) -> float:
-        return self.compute + self.non_matmul + self.recompute + self.overhead + self.tp + self.cp + self.ep
+        return self.compute + self.non_matmul + self.recompute + self.overhead + self.tp + self.cp + self.ep + self.fp8_cast + self.fp8_amax
 
 
 def _layer_frequency(cfg: RunConfig) -> int:
@@ -122,7 +126,7 @@ def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], sh
     attn = blk.attention_flops / (mach.attention_tflops * 1e12)
     elem = blk.elements * _element_bytes(cfg, mach) / (mach.memory_gbs * 1e9)
     tp, cp, ep = _tp_cp_ep(cfg, lay, mach, kinds, shares)
-    return _Chunk(
+    plain = _Chunk(
         compute=3 * (gemm + attn),
         non_matmul=elem,
         recompute=shares[0] * gemm + shares[1] * attn + shares[2] * elem / 3,
@@ -130,6 +134,36 @@ def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], sh
         tp=tp,
         cp=cp,
         ep=ep,
+    )
+    return _add(plain, _fp8_block(cfg, lay, mach, kinds, shares[0]))
+
+
+def _fp8_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], recomputed: float) -> _Chunk:
+    """What an FP8 recipe changes in one block, one microbatch (the mean block: keep_high_precision may keep some
+    blocks' layers): its converted GEMMs move from the bf16 rate to the FP8 rate (those the recipe keeps in high
+    precision stay), plus the cast kernels and tensorwise's amax all-reduces; a recomputed forward casts x and W again."""
+    recipe = fp8.cost(cfg)
+    if recipe is None or mach.fp8_tflops is None:
+        return _Chunk()
+    conv, _ = fp8.linear_gemms(cfg, lay.tp, work.tokens(cfg, lay))
+    n_fp8 = sum(g not in recipe.high_precision_gemms for g in fp8.GEMMS)
+    gain = sum(k * (mach.fp8_gemm_s(g) - mach.gemm_s(g)) for g, k in conv.items())  # forward, negative: FP8 is faster
+    fwd_fp8 = "forward" not in recipe.high_precision_gemms
+    per_elem = recipe.cast_bytes[1 if cfg.training.compile else 0]
+    moved = 0.0
+    for g, k in conv.items():
+        x, w, dy = fp8.cast_elements(g)
+        moved += k * per_elem * (x + w + dy + recomputed * (x + w) / 2)  # the forward's layout of x and W, once more
+    blocks = cfg.model.num_layers
+    amax = 0.0
+    if recipe.amax_all_reduce and lay.tp > 1:
+        one = _collective(mach, kinds["tp"], "all_reduce", lay.tp, 4.0)  # one fp32 amax
+        amax = sum(conv.values()) * (3 + 2 * recomputed) * one
+    return _Chunk(
+        compute=n_fp8 * gain / blocks,
+        recompute=recomputed * gain / blocks if fwd_fp8 else 0.0,
+        fp8_cast=moved / (mach.memory_gbs * 1e9) * mach.cpu_share / blocks,
+        fp8_amax=amax / blocks,
     )
 
 
@@ -201,7 +235,7 @@ def _pp_s(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], mic
 
 
 def _work(c: _Chunk) -> float:
-    return c.compute + c.non_matmul + c.recompute + c.overhead
+    return c.compute + c.non_matmul + c.recompute + c.overhead + c.fp8_cast
 
 
 def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: list[list[int]], micro: int, share: float) -> tuple[_Chunk, float, int]:
@@ -236,7 +270,7 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     dp_block = _dp_per_block(cfg, lay, mach, kinds, micro) + _fsdp_copies_s(cfg, lay, mach, micro)
     hidden = mach.comm_overlap * min(dp_block, micro * (blk.compute + blk.non_matmul + blk.recompute))
     dp = blocks * (dp_block - hidden) + (hidden if blocks else 0.0)  # the first gather and the last reduce-scatter stay exposed
-    out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep")}
+    out = {f: getattr(rank, f) for f in ("compute", "non_matmul", "recompute", "overhead", "tp", "cp", "ep", "fp8_cast", "fp8_amax")}
     out["non_matmul"] += _optimizer_s(cfg, lay, mach)
     return {**out, "bubble": bubble, "pp": _pp_s(cfg, lay, mach, kinds, micro, v), "dp": dp}
 

@@ -1,0 +1,96 @@
+"""What an FP8 recipe costs beyond its GEMMs, per converted Linear layer, as the step-time predictor counts it.
+
+Torch-free arithmetic. A converted Linear (runner/config/precision.py decides which) runs its three GEMMs (forward
+y = x W, input gradient dx = dy W^T, weight gradient dW = x^T dy) at the FP8 rate of the recipe's kernel
+(machine.Machine.fp8_gemm_s), except those the recipe keeps in high precision, and pays for:
+- fp8_cast: the kernels that turn each of the GEMMs' three high-precision operands (x, W, dy) into float8 and their
+  scales, with the transposed (or other-axis) copy the backward GEMMs need: memory traffic at the memory bandwidth;
+- fp8_amax: tensorwise scaling's absolute-maximum reductions, one small all-reduce per operand over the TP group
+  that shards it (rowwise, blockwise and MXFP8 scale tiles a rank holds whole: no collective).
+Layers precision.keep_high_precision keeps (the output head by default) and the routed experts run at the bf16
+rate as before. FSDP's float8 all-gather is not priced: TorchTitan 0.3.0's Float8LinearConverter, which the runner
+uses, has no option for it, so a converted weight is gathered in param_dtype and cast after the gather.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from runner.config import precision
+from runner.config.predict.work import Gemm
+from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
+
+GEMMS = ("forward", "input_grad", "weight_grad")
+
+
+@dataclass(frozen=True)
+class RecipeCost:
+    """One recipe's kernels, each figure a named physical quantity."""
+
+    gemm_efficiency: float
+    """Share of the FP8 dense peak its large GEMMs reach, over the share bf16 GEMMs reach of theirs
+    (cluster.matmul_efficiency): the scaling epilogue and, for blockwise, Triton kernels in place of cuBLAS."""
+    high_precision_gemms: tuple[str, ...]
+    """Which of GEMMS the recipe runs in param_dtype (torchao's rowwise_with_gw_hp keeps the weight gradient)."""
+    cast_bytes: tuple[float, float]
+    """(eager, training.compile) bytes moved per element of each operand (x, W, dy) over forward and backward:
+    reading the bf16 tensor (2 B) for the scale and for the cast, writing each float8 layout (1 B), the scales."""
+    amax_all_reduce: bool
+    """The scale is one amax over the whole tensor: an all-reduce over the TP group per operand (tensorwise)."""
+    peak: str
+    """The cluster.peak_tflops entry its GEMMs run at."""
+
+
+# Bytes per element, compiled: tensorwise reads the tensor once for its amax and once for the cast, which writes the
+# float8 tensor and its transpose (2 + 2 + 1 + 1); rowwise and MXFP8 cast along each of the two axes the forward and
+# the backward GEMMs scale by, each pass reading 2 B and writing 1 B (+ scales); blockwise the same with torchao's
+# Triton quantization kernels, which torch.compile does not fuse, so eager costs as much. Eager tensorwise/rowwise
+# (torchao's casts as separate ATen kernels: abs, amax, an fp32 multiply, clamp, the float8 conversion, the
+# transpose): about 27 B per element per scaling axis pass, counted as 27 for tensorwise (one amax, one transpose)
+# and 50 for the two-axis rowwise and MXFP8 casts.
+COSTS = {
+    Fp8Recipe.tensorwise: RecipeCost(0.90, (), (27.0, 6.0), True, "float8"),
+    Fp8Recipe.rowwise: RecipeCost(0.75, (), (50.0, 6.0), False, "float8"),
+    Fp8Recipe.blockwise: RecipeCost(0.60, (), (6.1, 6.1), False, "float8"),
+    Fp8Recipe.mxfp8: RecipeCost(0.80, (), (50.0, 6.1), False, "mxfp8"),
+}
+"""gemm_efficiency: tensorwise 0.90, the one figure fitted, on TorchTitan's Float8 rows of reference_runs.csv (0.80
+left the 8B FSDP 8 speed-up at 1.18 against the published 1.28): cuBLAS's tensorwise FP8 GEMMs reach nearly the
+share of their peak that bf16 GEMMs reach of theirs. The others are assumed, with no published run here to fit:
+rowwise 0.75 (the per-row scaling epilogue), blockwise 0.60 (torchao's prototype Triton GEMMs), MXFP8 0.80 (B200)."""
+
+
+def cost(cfg: RunConfig) -> RecipeCost | None:
+    """The recipe's kernels on a CUDA cluster; None without FP8, and on CPU, whose FP8 GEMMs (torch._scaled_mm, or the
+    blockwise emulation in float32) a machine profile times in the run's own dtype."""
+    if cfg.cluster.device != DeviceType.cuda:
+        return None
+    return COSTS.get(cfg.precision.fp8)
+
+
+def peak(cfg: RunConfig) -> float | None:
+    """Dense peak TFLOP/s of the recipe's GEMMs: cluster.peak_tflops[mxfp8] for MXFP8 where the datasheet has it
+    (B200: the float8 figure), else [float8]."""
+    c, r = cfg.cluster, COSTS[cfg.precision.fp8]
+    return c.peak_tflops.get(r.peak) or c.peak_tflops.get("float8")
+
+
+def linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
+    """(converted, kept) forward GEMMs of all blocks' Linear layers on one rank for one microbatch, counted by shape.
+    TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two GEMMs of its shape. The head is not a block's."""
+    converted = set(precision.conversion(cfg)[0])
+    conv, kept = Counter(), Counter()
+    for layer in precision.linear_layers(cfg.model):
+        if not layer.fqn.startswith("layers."):
+            continue
+        k, n = precision.local_gemm_dims(layer, tp)
+        times = 2 if layer.fqn.endswith(".wkv") else 1
+        (conv if layer.fqn in converted else kept)[(tokens, k, n)] += times
+    return conv, kept
+
+
+def cast_elements(g: Gemm) -> tuple[float, float, float]:
+    """Elements of x (M x K), W (K x N) and dy (M x N) of one converted forward GEMM (M, K, N)."""
+    m, k, n = g
+    return float(m * k), float(k * n), float(m * n)
