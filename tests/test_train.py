@@ -96,7 +96,7 @@ def _one_line_per_step_off_a_terminal(out: str, rows: list[dict]) -> None:
     steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert len(steps) == len(rows) and all(re.fullmatch(r"step +\d+  loss .*  step \d+\.\d\ds  mem \d+\.\d\dGB", ln) for ln in steps), steps
     (done,) = [ln for ln in out.splitlines() if ln.startswith("done: ")]
-    assert re.search(r"median MFU .* of .* TFLOP/s \(measured, spread [\d.]+ %\)$", done), done
+    assert re.search(r"median MFU .* of .* TFLOP/s \w+ \(measured, spread [\d.]+ %\)$", done), done  # the peak's dtype named
     (cal,) = [ln for ln in out.splitlines() if ln.startswith("plan check: step time")]
     # whole on one line, with a profile of this machine cached (the prediction beside the measured peak) or without
     with_profile = r"measured peak .* TFLOP/s per rank and all-reduce [\d.]+ GB/s$"

@@ -44,7 +44,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.enabled = c.enable
         # async saves run their collectives on a group of their own (every rank creates it, in the same order)
-        self.group = dist.new_group(backend="gloo") if self.enabled and c.async_save else None
+        self.group = dist.new_group(backend="gloo", group_desc="checkpoint_async") if self.enabled and c.async_save else None
         # rank 0 checksums an async save's files in a thread of its own, once DCP has written them
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") if self.group is not None and self.rank == 0 else None
         # one stager for every save, so its (pinned, on CUDA) buffers are reused: DCP makes and frees its own per save otherwise

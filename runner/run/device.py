@@ -227,7 +227,7 @@ class DevicePolicy:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(self.backend, timeout=timeout)
         if self.dedicated_host_group:
-            self.host_group = dist.new_group(backend="gloo", timeout=timeout)
+            self.host_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="host")
 
     def clock(self) -> CpuClock | CudaEventClock:
         """What a phase costs this rank: CPU time on CPU, CUDA events on CUDA (runner.observe.monitor.StepMonitor)."""
