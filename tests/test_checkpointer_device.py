@@ -68,7 +68,7 @@ def test_async_saves_keep_one_stager_with_the_devices_options(monkeypatch, tmp_p
     from torch.distributed.checkpoint.staging import StagingOptions
 
     monkeypatch.setattr(checkpointer.dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(checkpointer.dist, "new_group", lambda backend: "ckpt-group")
+    monkeypatch.setattr(checkpointer.dist, "new_group", lambda backend, group_desc: "ckpt-group")
     made, used = [], []
     monkeypatch.setattr(checkpointer, "DefaultStager", lambda options: made.append(options) or SimpleNamespace(options=options))
     copied = Future()
