@@ -1,0 +1,153 @@
+"""Benchmark: the runner against TorchTitan's own Trainer, same model, weights, batches, optimizer and schedule.
+
+python bench/runner_vs_titan.py [--reps 5] [--steps 10] [--layouts dp2_tp2 tp2_pp2] [--runner-start fork|exec]
+                                [--titan-start exec|fork] [--out bench_out]
+
+Per layout (4 CPU ranks each), alternating: the runner (`python -m runner parallelism=<layout> ...`) and TorchTitan's
+Trainer.train() under torchrun (bench/titan_trainer.py: its config built from the same runner overrides), both from one
+tiny Hugging Face Llama 3 debug model (tests/hf_models.py) and the runner's synthetic data. Prints both loss curves side
+by side with their largest relative difference (target <= 1e-5), then each rep's tokens/s and the medians' ratio
+(target >= 0.98). tokens/s: the global batch's tokens over the wall time from one step's end to the next (what
+TorchTitan's MetricsProcessor counts; the runner's step ends are in its timeline.jsonl), steps 2 on; the runner's own
+figure (its step_time_s, which leaves out the row and the monitors' bookkeeping) is shown beside it.
+
+How the ranks start moves the step time on a CPU with fewer cores than ranks: ranks forked from a process that has the
+imports (the runner's default on cluster=local_cpu) train ~10 % faster here than ranks that are each a fresh
+interpreter (torchrun of a script; the runner's cluster.worker_start=exec), whichever loop they run. By default each side
+starts as it does out of the box (runner forked, TorchTitan under torchrun); --runner-start exec (or --titan-start fork)
+starts both alike, which compares the loops alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import titan_trainer  # noqa: E402
+
+LOSS_RTOL, SPEED_TARGET = 1e-5, 0.98
+
+
+def overrides(layout: str, hf: Path, a) -> list[str]:
+    """The runner's overrides of one point: the layout, the shape (the runner's defaults unless given), the weights."""
+    from tests import hf_models
+
+    shape = [f"training.steps={a.steps}", f"training.seq_len={a.seq_len}", f"training.global_batch_size={a.global_batch}"]
+    return [f"parallelism={layout}", *shape, f"training.microbatch_size={a.microbatch}", *hf_models.overrides("llama3", hf)]
+
+
+def _run(argv: list[str], env=None) -> None:
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def runner_run(run_dir: Path, point: list[str]) -> dict:
+    """Train `point` with `python -m runner`: its losses, grad norms, step ends (rank 0's timeline) and own tokens/s."""
+    from runner.config import runfiles
+
+    _run(["runner", *point, "logging.progress=false", f"hydra.run.dir={run_dir}"])
+    rows = [json.loads(line) for line in (run_dir / runfiles.METRICS).read_text().splitlines()]
+    events = [json.loads(line) for line in (run_dir / runfiles.TIMELINE).read_text().splitlines()]
+    ends = [e["end"] for e in events if e["event"] == "step"]
+    own = json.loads((run_dir / runfiles.SUMMARY).read_text())["tokens_per_s_median"]
+    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows], "ends": ends, "own_tokens_per_s": own}
+
+
+def titan_run(folder: Path, point: list[str], fork: bool) -> dict:
+    """Train `point` with TorchTitan's Trainer on 4 ranks (torchrun of the script, or forked: titan_trainer.fork_launch):
+    its losses, grad norms and step ends."""
+    spec = titan_trainer.write_spec(folder, point)
+    _run(titan_trainer.launch_args(spec, 4, fork=fork), env=titan_trainer.launch_env(4))
+    rows = titan_trainer.result(spec)
+    own = statistics.median(r["tokens_per_s"] for r in rows[1:])
+    return {
+        "loss": [r["loss"] for r in rows],
+        "grad_norm": [r["grad_norm"] for r in rows],
+        "ends": [r["end"] for r in rows],
+        "own_tokens_per_s": own,
+    }
+
+
+def tokens_per_s(ends: list[float], tokens: int) -> float:
+    """Median over steps 2 on of the step's tokens over the time since the previous step ended."""
+    return statistics.median(tokens / (b - a) for a, b in zip(ends, ends[1:], strict=False))
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def report_losses(layout: str, runner: list[dict], titan: list[dict]) -> list[str]:
+    """Both loss curves of the first rep side by side, the largest difference, and how much either moved across reps."""
+    r, t = runner[0]["loss"], titan[0]["loss"]
+    lines = [f"{layout}: losses (rep 0)", "  step  runner          TorchTitan      rel. diff"]
+    lines += [f"  {i:4d}  {a:.10f}  {b:.10f}  {rel(a, b):.1e}" for i, (a, b) in enumerate(zip(r, t, strict=True), start=1)]
+    worst = max(rel(a, b) for x, y in zip(runner, titan, strict=True) for a, b in zip(x["loss"], y["loss"], strict=True))
+    first = next((i for i, (a, b) in enumerate(zip(r, t, strict=True), start=1) if rel(a, b) > LOSS_RTOL), None)
+    drift = max(rel(a, b) for runs in (runner, titan) for x in runs for a, b in zip(x["loss"], runs[0]["loss"], strict=True))
+    norms = max(rel(a, b) for x, y in zip(runner, titan, strict=True) for a, b in zip(x["grad_norm"], y["grad_norm"], strict=True))
+    verdict = "met" if first is None else f"MISSED, first at step {first}"
+    lines.append(f"  largest relative loss difference over all reps {worst:.1e} (target <= {LOSS_RTOL:.0e}): {verdict}")
+    lines.append(f"  largest relative grad-norm difference {norms:.1e}; reps of one side differ by up to {drift:.1e}")
+    return lines
+
+
+def report_speed(layout: str, runner: list[dict], titan: list[dict], tokens: int) -> list[str]:
+    lines = [f"{layout}: tokens/s (step end to step end, steps 2 on)"]
+    r_all, t_all = [], []
+    for i, (x, y) in enumerate(zip(runner, titan, strict=True)):
+        r_all.append(tokens_per_s(x["ends"], tokens))
+        t_all.append(tokens_per_s(y["ends"], tokens))
+        lines.append(f"  rep {i}: runner {r_all[-1]:.1f} (its own step clock {x['own_tokens_per_s']:.1f}), TorchTitan {t_all[-1]:.1f}")
+    r, t = statistics.median(r_all), statistics.median(t_all)
+    lines.append(f"  median tokens/s: runner {r:.1f}, TorchTitan {t:.1f}; ratio runner/TorchTitan = {r / t:.3f} (target >= {SPEED_TARGET})")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--layouts", nargs="+", default=["dp2_tp2", "tp2_pp2"])
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--microbatch", type=int, default=2)
+    p.add_argument("--runner-start", choices=["fork", "exec"], default="fork", help="the runner's cluster.worker_start")
+    p.add_argument("--titan-start", choices=["exec", "fork"], default="exec", help="TorchTitan's: torchrun of the script, or forked")
+    p.add_argument("--out", type=Path, default=None, help="keep the runs in <out>/runs and every figure in <out>/runner_vs_titan.json")
+    a = p.parse_args()
+    from tests import hf_models
+
+    runs: dict[str, dict[str, list[dict]]] = {layout: {"runner": [], "titan": []} for layout in a.layouts}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d) if a.out is None else a.out / "runs"
+        hf = hf_models.save("llama3", tmp / "hf_llama3")
+        for i in range(a.reps):
+            for layout in a.layouts:
+                point = overrides(layout, hf, a)
+                runs[layout]["runner"].append(runner_run(tmp / f"runner-{layout}-{i}", [*point, f"cluster.worker_start={a.runner_start}"]))
+                runs[layout]["titan"].append(titan_run(tmp / f"titan-{layout}-{i}", point, a.titan_start == "fork"))
+                print(f"rep {i} {layout}: done", flush=True)
+    tokens = a.global_batch * a.seq_len
+    shape = f"seq {a.seq_len}, batch {a.global_batch} in microbatches of {a.microbatch}, {a.steps} steps, {a.reps} alternating reps"
+    starts = f"4 CPU ranks each (started: runner {a.runner_start}, TorchTitan {a.titan_start})"
+    print(f"debug Llama 3 from one Hugging Face folder, {shape}, {starts}")
+    for layout in a.layouts:
+        print("\n".join(report_losses(layout, runs[layout]["runner"], runs[layout]["titan"])))
+        print("\n".join(report_speed(layout, runs[layout]["runner"], runs[layout]["titan"], tokens)))
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "runner_vs_titan.json").write_text(json.dumps(runs, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
