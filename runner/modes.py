@@ -35,7 +35,8 @@ def plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> float:
     if sweep.multirun():
         print(plan_mod.one_line(budget))
     else:
-        plan_mod.render(budget, cfg.checkpoint.interval if cfg.checkpoint.enable else None)
+        c = cfg.checkpoint
+        plan_mod.render(budget, c.interval if c.enable else None, c.local.interval if c.enable and c.local.folder else None)
     freeze.write(cfg, lay, run_dir)
     print(f"plan written to {plan_mod.write(budget, run_dir)}")
     return search_objective.of_plan(cfg, budget)

@@ -267,10 +267,10 @@ def parity_consoles(parity) -> dict[int, str]:
 
 @pytest.fixture(scope="session")
 def shared_runs(request, tmp_path_factory) -> Multirun:
-    """The training points (tests/points.py) of test_train, test_checkpoint, test_tokens and test_slurm, of those this
-    session runs tests of, in one Hydra multirun: each launch imports torch and TorchTitan (~11 s), so the modules share
-    one. Points run in that module order, each module's in its own order (a point may resume from an earlier one's
-    checkpoint); names are unique. A point that failed fails only the tests that read it (point)."""
+    """The training points (tests/points.py) of test_train, test_checkpoint, test_local_checkpoint, test_tokens and
+    test_slurm, of those this session runs tests of, in one Hydra multirun: each launch imports torch and TorchTitan
+    (~11 s), so the modules share one. Points run in that module order, each module's in its own order (a point may
+    resume from an earlier one's checkpoint); names are unique. A point that failed fails only the tests that read it (point)."""
     from tests import points
 
     found = {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items if getattr(item, "module", None)}
@@ -279,6 +279,8 @@ def shared_runs(request, tmp_path_factory) -> Multirun:
         chosen |= points.TRAIN
     if "test_checkpoint" in found:
         chosen |= points.checkpoint(request.getfixturevalue("text_files"))
+    if "test_local_checkpoint" in found:
+        chosen |= points.checkpoint(request.getfixturevalue("text_files")) | points.local_tier(request.getfixturevalue("text_files"))
     if "test_tokens" in found:
         folders = request.getfixturevalue("token_folders")
         chosen |= points.tokens(folders.a, folders.b, tmp_path_factory.mktemp("tok_ckpt") / "ckpt")

@@ -269,6 +269,34 @@ def checkpoint(text: tuple[Path, Path]) -> dict[str, list[str]]:
     return {f"ckpt-{name}": [*checkpoint_common(text), *overrides] for name, overrides in CHECKPOINT_POINTS.items()}
 
 
+# ---- tests/test_local_checkpoint.py: the node-local tier on two simulated nodes, each a SIGKILLed run (shared_runs) --
+
+LOCAL_NODES = ["n0", "n0", "n1", "n1"]
+"""Ranks 0-1 on node n0, 2-3 on n1 (monitor.inject.node_names): each rank's partner is the same position on the other."""
+LOCAL_LOSSES = {"killed": "", "node_lost": "node:n1", "shards_lost": "shard:1", "flipped": "flip:1"}
+"""Each point's monitor.inject.lose_local: what is destroyed of the local tier before the restart reads it."""
+
+
+def local_tier(text: tuple[Path, Path]) -> dict[str, list[str]]:
+    """LOCAL_LOSSES as points of the shared multirun, named local-<name>: CHECKPOINT_POINTS' reference run (6 steps) with
+    synchronous shared saves every 2 steps and local ones between them (steps 1, 3, 5) into <assets>/local/<name>/<node>,
+    rank 1 SIGKILLed at the start of step 4 (after the local save of step 3, newer than the shared one of step 2) and
+    restarted by the elastic agent."""
+    common = [o for o in checkpoint_common(text) if not o.startswith("checkpoint.interval=")]
+    common += [
+        "checkpoint.interval=2",
+        "checkpoint.async_save=false",
+        "checkpoint.local.interval=1",
+        f"monitor.inject.node_names=[{','.join(LOCAL_NODES)}]",
+    ]
+    common += ["monitor.inject.kill_rank=1", f"monitor.inject.kill_at_step={CHECKPOINT_KILL_AT}", "cluster.max_restarts=1"]
+    out = {}
+    for name, loss in LOCAL_LOSSES.items():
+        folder = text[0].parent / "local" / name / "%N"
+        out[f"local-{name}"] = [*common, f"checkpoint.local.folder={folder}", *([f"monitor.inject.lose_local={loss}"] if loss else [])]
+    return out
+
+
 # ---- tests/test_tokens.py: data=tokens references, killed runs and a resume under another layout (shared_runs) ----
 
 TOKENS_STEPS, TOKENS_KILL_AT, TOKENS_SEQ = 3, 2, 64  # sync saves: step 1's checkpoint is published when step 2 starts

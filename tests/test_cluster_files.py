@@ -35,6 +35,7 @@ TOPOLOGY = {
     "inter_node_bandwidth_gbs": "the planner's and predictor's scale-out traffic",
     "mtbf_hours": "the planner's checkpoint interval (0: unknown, stated)",
     "checkpoint_write_gbs": "the planner's checkpoint interval (0: unknown, stated)",
+    "local_write_gbs": "the planner's local-tier checkpoint interval (0: unknown, stated)",
 }
 """Fields a CUDA cluster file itself states."""
 LAUNCH = {"launcher", "max_restarts", "worker_start", "rdzv_host", "rdzv_port", "slurm", "peak_cache_dir", "profile"}

@@ -79,6 +79,9 @@ BAD = [
     (["checkpoint.keep=-1"], "checkpoint.keep"),
     (["checkpoint.resume=true"], "checkpoint.resume"),  # with checkpoints off
     (["checkpoint.min_free_gb=-1"], "checkpoint.min_free_gb"),
+    (["checkpoint=local", "checkpoint.local.folder=ckpt"], "checkpoint.local.folder"),  # relative: inside the run folder
+    (["checkpoint=local", "checkpoint.local.folder=/l", "checkpoint.local.interval=0"], "checkpoint.local.interval"),
+    (["checkpoint=local", "checkpoint.local.folder=/l", "checkpoint.local.keep=0"], "checkpoint.local.keep"),
     (["checkpoint.export_hf=true"], "checkpoint.export_hf"),  # with checkpoints off
     (["checkpoint.init_from=/nonexistent/run", "mode=validate"], "checkpoint.init_from"),
     (["+checkpoint.init_record.step=4"], "checkpoint.init_record"),  # without checkpoint.init_from
@@ -108,6 +111,7 @@ BAD = [
     (["cluster.matmul_efficiency=1.5"], "cluster.matmul_efficiency"),
     (["cluster.mtbf_hours=-1"], "cluster.mtbf_hours"),
     (["cluster.checkpoint_write_gbs=-1"], "cluster.checkpoint_write_gbs"),
+    (["cluster.local_write_gbs=-1"], "cluster.local_write_gbs"),
     (["cluster.memory_bandwidth_gbs=-1"], "cluster.memory_bandwidth_gbs"),
     (["cluster.profile=/nonexistent/profile.json"], "cluster.profile"),
     (["data.name=web"], "data.name"),
@@ -173,6 +177,8 @@ BAD = [
     (["monitor.inject.flip_rank=4"], "monitor.inject.flip_rank"),  # 4 ranks: 0..3
     (["monitor.inject.flip_rank=0", "monitor.inject.flip_at_step=0"], "monitor.inject.flip_at_step"),
     (["monitor.inject.replay_rank=-2"], "monitor.inject.replay_rank"),
+    (["monitor.inject.node_names=[a,b]"], "monitor.inject.node_names"),  # 4 ranks
+    (["monitor.inject.lose_local=node:x"], "monitor.inject.lose_local"),
     (["distributed.timeout_s=0"], "distributed.timeout_s"),
     (["distributed.heartbeat_s=1000"], "distributed.heartbeat_s"),
     (["distributed.host_group=nccl"], "distributed.host_group"),

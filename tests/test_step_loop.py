@@ -122,6 +122,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
             poll=lambda: None,
             staged=lambda: events.append("staged"),
             save=lambda step, *a: events.append(f"save {step}") or 0.0,
+            last_tier="shared",
         ),
         watch=SimpleNamespace(signalled=False),
         stopped=False,

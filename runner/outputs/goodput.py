@@ -120,6 +120,8 @@ class Attempt:
     marks: dict[str, float] = field(default_factory=dict)
     restored: int = 0
     """The step the attempt resumed from (0: from the start)."""
+    restored_from: dict[str, Any] = field(default_factory=dict)
+    """Which checkpoint tier it resumed from and why ({"tier": "local" | "shared" | "none", "why": ...}), when it restored."""
     steps: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
@@ -186,6 +188,8 @@ def parse(events: list[dict[str, Any]]) -> Run:
         if e["event"] == "mark":
             a.marks[e["name"]] = e["time"]
             a.restored = e.get("step", a.restored)
+            if "tier" in e:
+                a.restored_from = {k: e[k] for k in ("tier", "why") if k in e}
         elif e["event"] == "step":
             a.steps.append(e)
         elif e["event"] == "failure":
@@ -353,6 +357,8 @@ def account(events: list[dict[str, Any]]) -> dict[str, Any]:
 def _attempt_row(a: Attempt) -> dict[str, Any]:
     how = ("stopped" if a.end.get("stopped") else "ended") if a.end else "failed"
     row = {"job": a.job, "attempt": a.attempt, "start": a.start, "stop": a.stop, "how": how, "resumed_from_step": a.restored}
+    if a.restored_from:
+        row["resumed_from_tier"] = a.restored_from
     row |= {"steps": len(a.steps), "startup_s": _startup(a), "startup": _startup_detail(a)}
     if a.failures:
         first = min(a.failures, key=lambda f: f["time"])

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from runner.config import checkpoint, runfiles
+from runner.config import checkpoint, local_checkpoint, runfiles
 from runner.config.schema import CheckpointConfig, ModelConfig
 from runner.run import titan
 
@@ -34,11 +34,15 @@ def restarted() -> bool:
 
 
 class Checkpointer:
-    def __init__(self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any], policy, shared: bool = False):
+    def __init__(
+        self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any], policy, shared: bool = False, inject=None
+    ):
         """`folder`: where checkpoints go (runner.config.checkpoint.folder); `num_steps`: the run's last step (always
         saved); `origin`: what the state is saved from (runner.config.checkpoint.origin), its model checked on resume;
         `policy`: the device policy, whose host group carries the choice of checkpoint and the export barrier; `shared`:
-        other jobs write the folder too (torchft's replica groups), so a save in flight may be theirs."""
+        other jobs write the folder too (torchft's replica groups), so a save in flight may be theirs; `inject`: the
+        test-only fault injection (monitor.inject.lose_local)."""
+        self.inject = inject
         self.cfg, self.folder, self.num_steps, self.origin, self.policy = c, folder, num_steps, origin, policy
         self.shared = shared
         self.rank = dist.get_rank()
@@ -54,6 +58,15 @@ class Checkpointer:
         self.published: list[int] = []
         self.blocked_s: list[float] = []
         """Seconds each save held the step loop (the copy for async saves, the whole write and checksums for sync ones)."""
+        self.local = None
+        if self.enabled and c.local.folder:
+            from runner.run.local_tier import LocalTier
+
+            self.local = LocalTier(c, folder, origin=origin, policy=policy)
+        self.last_tier = "shared"
+        """The tier of the last save ("shared" or "local"): metrics.jsonl's checkpoint_tier."""
+        self.restored_from: dict[str, Any] = {}
+        """Which tier the last restore read and why (the timeline's `restored` mark)."""
 
     def _extra(self, step: int, sched, data, guard, rng: bool = True) -> dict[str, Any]:
         extra = {
@@ -65,13 +78,24 @@ class Checkpointer:
             extra["rng"] = {f"rank{self.rank}": host} | ({} if device is None else {f"rank{self.rank}_device": device})
         return extra
 
-    def due(self, step: int) -> bool:
+    def shared_due(self, step: int) -> bool:
         return self.enabled and (step % self.cfg.interval == 0 or step == self.num_steps)
 
-    def save(self, step: int, built: titan.Built, opt, sched, data, guard) -> float:
-        """Start (async) or write (sync) the checkpoint of the state after `step`; return the seconds the loop was held."""
+    def due(self, step: int) -> bool:
+        """A save of either tier is due after `step` (the local tier's only where the shared one's is not)."""
+        return self.shared_due(step) or (self.local is not None and self.local.due(step))
+
+    def save(self, step: int, built: titan.Built, opt, sched, data, guard, *, shared: bool = False) -> float:
+        """Start (async) or write (sync) the checkpoint of the state after `step`, to the shared tier when it is due there
+        (or `shared`), else to the local tier; return the seconds the loop was held."""
         t0 = time.perf_counter()
         self.wait()  # a previous async save still writing (normally long done)
+        self.last_tier = "local" if self.local is not None and not (shared or self.shared_due(step)) else "shared"
+        if self.last_tier == "local":
+            self.local.save(step, built.parts, opt, self._extra(step, sched, data, guard))
+            held = time.perf_counter() - t0
+            self.blocked_s.append(held)
+            return held
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = checkpoint.partial_path(self.folder, step)
         fut, self.staging = titan.save_state(built.parts, opt, self._extra(step, sched, data, guard), partial, self.group, self.stager)
@@ -86,6 +110,8 @@ class Checkpointer:
 
     def staged(self) -> None:
         """Block until an async save's copy of the state is taken: before the optimizer changes the weights it copies."""
+        if self.local is not None:
+            self.local.staged()
         if self.staging is not None:
             self.staging.result()
             self.staging = None
@@ -96,11 +122,15 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Publish an async save as soon as it has finished (rank 0; the others only collect their futures)."""
+        if self.local is not None:
+            self.local.poll()
         if self.pending is not None and self.pending[0] is not None and self.pending[0].done():
             self._done()
 
     def wait(self) -> None:
         """Block until the save in flight is written and published (before the next one, and before exit)."""
+        if self.local is not None:
+            self.local.wait()
         if self.pending is not None:
             self._done()
 
@@ -209,8 +239,14 @@ class Checkpointer:
         """Load the checkpoint to resume from (pinned, else the newest intact one; of a step < `before` when given);
         return its step, None when there is none. A rewind (`before` given) keeps the guard's own record of the bad steps."""
         path, info = self._choose(before)
+        if self.local is not None:
+            step = self._restore_local(built, opt, sched, data, guard, before, checkpoint.step_of(Path(path)) if path else None)
+            if step is not None:
+                return step
         if path is None:
+            self.restored_from = {"tier": "none"} | ({"why": self.restored_from["why"]} if self.local is not None else {})
             return None
+        self.restored_from = {"tier": "shared"} | ({"why": self.restored_from["why"]} if self.local is not None else {})
         self._check(path, info)
         same_ranks = info["world_size"] == self.origin["world_size"]
         template = self._extra(0, sched, data, guard, rng=same_ranks)
@@ -222,6 +258,14 @@ class Checkpointer:
                 f"layout {self.origin['layout']} ({self.origin['degrees']}): {type(e).__name__}: {e}. "
                 "Fix: resume with the layout it was saved from"
             ) from e
+        step = self._apply(got, sched, data, guard, before, same_ranks)
+        if self.rank == 0:
+            rng = "" if same_ranks else f" (RNG states not restored: saved by {info['world_size']} ranks)"
+            print(f"checkpoint: resumed from {path} (step {step}, layout {info['layout']}){rng}", flush=True)
+        return step
+
+    def _apply(self, got: dict, sched, data, guard, before: int | None, same_ranks: bool) -> int:
+        """Put a loaded state's schedule, guard, data position and this rank's RNGs in place; return its step."""
         step = int(got["train"]["step"])
         sched.load_state_dict(json.loads(got["train"]["lr_scheduler"]))
         if before is None:
@@ -230,7 +274,26 @@ class Checkpointer:
         if same_ranks:
             mine = got["rng"]
             self.policy.set_rng_state((mine[f"rank{self.rank}"], mine.get(f"rank{self.rank}_device")))
+        return step
+
+    def _restore_local(self, built: titan.Built, opt, sched, data, guard, before: int | None, shared_step: int | None) -> int | None:
+        """The local tier's newest whole step, when it is newer than the shared tier's `shared_step` (runner.run.local_tier);
+        None: the shared tier is used. Either way one console line says which and why."""
+        if self.inject is not None and self.inject.lose_local and restarted() and before is None:
+            if self.rank == 0:
+                from runner.run.local_tier import inject_loss
+
+                shared = self.folder
+                print(f"inject: {inject_loss(self.inject, lambda node: local_checkpoint.root(self.cfg.local, node, shared))}", flush=True)
+            self.policy.barrier()
+        template = self._extra(0, sched, data, guard)
+        step, got, why = self.local.restore(shared_step, before, lambda p: titan.load_state(built.parts, opt, template, p, no_dist=True))
+        self.restored_from = {"tier": "shared" if step is None else "local", "why": why}
+        if step is None:
+            if self.rank == 0:
+                print(f"checkpoint: local tier not used: {why}", flush=True)
+            return None
+        self._apply(got, sched, data, guard, before, same_ranks=True)
         if self.rank == 0:
-            rng = "" if same_ranks else f" (RNG states not restored: saved by {info['world_size']} ranks)"
-            print(f"checkpoint: resumed from {path} (step {step}, layout {info['layout']}){rng}", flush=True)
+            print(f"checkpoint: resumed from the local tier, step {step} ({why})", flush=True)
         return step

@@ -63,8 +63,8 @@ def check(lay: Layout, mesh_coords: dict[str, int], rank: int, policy) -> list[t
     wrong = [f"{axis}: mesh {got}, layout {want[axis]}" for axis, got in mesh_coords.items() if got != want[axis]]
     if wrong:
         raise PlacementError(f"rank {rank}: TorchTitan's mesh coordinates differ from the runner's layout ({'; '.join(wrong)})")
-    places = policy.all_gather_object((node_name(rank), int(os.environ.get("LOCAL_RANK", "0"))))
-    split = split_tp_groups(lay, places)
+    places_ = places(policy, rank)
+    split = split_tp_groups(lay, places_)
     if split:
         raise PlacementError(
             "ranks are placed so that tensor-parallel groups cross nodes, which would put every layer's all-reduces "
@@ -72,4 +72,9 @@ def check(lay: Layout, mesh_coords: dict[str, int], rank: int, policy) -> list[t
             "global ranks (torchrun's c10d rendezvous does; with srun use --distribution=block, not cyclic/round-robin), "
             f"and keep tp <= GPUs per node ({lay.describe()})."
         )
-    return places
+    return places_
+
+
+def places(policy, rank: int) -> list[tuple[str, int]]:
+    """Every rank's (node, local rank), gathered over the device policy's host group."""
+    return policy.all_gather_object((node_name(rank), int(os.environ.get("LOCAL_RANK", "0"))))

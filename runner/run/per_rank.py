@@ -29,6 +29,8 @@ def start_rank(cfg) -> DevicePolicy:
     """What every rank does first (here and in the parity harness): the device policy, its threads,
     torchao's logging, the process groups."""
     policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    if cfg.monitor.inject.node_names:  # TEST-ONLY: simulated nodes on one machine (runner.run.mesh.node_name)
+        os.environ[mesh.NODE_NAMES_ENV] = ",".join(cfg.monitor.inject.node_names)
     policy.set_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     titan.quiet_torchao(cfg)
     forensics.make_dump_folders()  # the recorders' dump folders, before the process group reads their prefixes

@@ -42,11 +42,12 @@ def report(
 
 
 def checkpoint_line(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> str:
-    """The configured checkpoint interval beside the planner's Young/Daly suggestion (peak: measured, per rank)."""
+    """The configured checkpoint intervals (shared tier, and the node-local one when on) beside the planner's Young/Daly
+    suggestions (peak: measured, per rank)."""
     try:
         budget = plan.compute(cfg, lay, peak_tflops=peak_tflops)
     except ZeroDivisionError:  # a layout the planner cannot budget (no microbatch per stage): no step time, no suggestion
-        budget = {"checkpoint_interval_steps": None}
+        budget = {"checkpoint_interval_steps": None, "local_checkpoint_interval_steps": None}
     steps = budget["checkpoint_interval_steps"]
     if steps is None:
         why = "set cluster.mtbf_hours and cluster.checkpoint_write_gbs for a suggestion"
@@ -57,7 +58,19 @@ def checkpoint_line(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> s
         return f"checkpoints: off; planner suggests every {count(steps, 'step')} ({why})" if steps else f"checkpoints: off ({why})"
     mode = "async" if c.async_save else "sync"
     suggested = f"planner suggests {steps} (Young/Daly, {why})" if steps else f"planner: no suggestion ({why})"
-    return f"checkpoints: every {count(c.interval, 'step')} ({mode}, keep {c.keep or 'all'}) into {c.folder}; {suggested}"
+    line = f"checkpoints: every {count(c.interval, 'step')} ({mode}, keep {c.keep or 'all'}) into {c.folder}; {suggested}"
+    if not c.local.folder:
+        return line
+    local = budget["local_checkpoint_interval_steps"]
+    if local is None:
+        hint = "planner: no suggestion (set cluster.mtbf_hours and cluster.local_write_gbs for one)"
+    else:
+        w = budget["local_checkpoint_write_s"]
+        hint = f"planner suggests {local} (Young/Daly, {budget['local_checkpoint_interval_s']:.0f} s: write {w:.3g} s)"
+    simulated = cfg.monitor.inject.node_names  # TEST-ONLY simulated nodes on one machine
+    nodes = len(set(simulated)) if simulated else lay.world_size // devices_per_node(cfg.cluster, lay.world_size)
+    copy = "a copy on the next node" if nodes > 1 else "one node: no partner copy, so it survives a process failure, not a node loss"
+    return f"{line}\nlocal checkpoints: every {count(c.local.interval, 'step')} (keep {c.local.keep}, {copy}) into {c.local.folder}; {hint}"
 
 
 def integrity_line(cfg: RunConfig, lay: Layout) -> str:

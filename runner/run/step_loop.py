@@ -126,6 +126,7 @@ class StepLoop:
                 r |= self.evaluate()
         if "rewound_to" not in r and not self.stop_for_slurm(step, r, stop) and self.ckpt.due(step) and self.ft.saves():
             r["checkpoint_s"] = self.ckpt.save(step, self.built, self.opt, self.sched, self.data, guard)
+            r["checkpoint_tier"] = self.ckpt.last_tier
         if self.collector is not None:
             g0 = time.monotonic()
             if self.collector.run(step):  # at multiples of training.gc_every, on every rank alike
@@ -283,7 +284,7 @@ class StepLoop:
             self.watch.warned = True
             return False
         t0 = time.perf_counter()
-        self.ckpt.save(step, self.built, self.opt, self.sched, self.data, self.guard)
+        self.ckpt.save(step, self.built, self.opt, self.sched, self.data, self.guard, shared=True)
         self.ckpt.wait()  # written and published before the ranks exit
         saved = time.perf_counter() - t0
         r |= {"checkpoint_s": saved, "preempted": preempt.SIGNAL.name}

@@ -89,6 +89,7 @@ def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, e
             origin=checkpoint.origin(cfg, lay),
             policy=policy,
             shared=cfg.fault_tolerance.name != FaultTolerance.none,  # a restarting replica group leaves the live one's save alone
+            inject=cfg.monitor.inject,
         ),
         eval_data=eval_data,
         feed=loader.Prefetch(data, pin=policy.pins_host_batches),
@@ -124,7 +125,7 @@ def start(loop: StepLoop) -> int:
     if profiled:
         loop.prof = profiling.Session(cfg.profile, loop.lay, dist.get_rank(), loop.run_dir, loop.policy, step)
     if loop.timeline is not None:
-        loop.timeline.mark("restored", step=step - 1)
+        loop.timeline.mark("restored", step=step - 1, **loop.ckpt.restored_from)
     return step
 
 
@@ -177,6 +178,8 @@ def finish(loop: StepLoop, step: int) -> list[dict[str, Any]]:
     loop.apply_update()  # the last step's update ran at once (StepLoop.reads_weights); this is the guarantee
     t0 = time.perf_counter()
     loop.ckpt.wait()  # an async save in flight is written and published before the run ends
+    if loop.ckpt.local is not None and not loop.stopped:  # the run's local checkpoints are the job's: gone when it ends well
+        loop.ckpt.local.remove()
     loop.feed.close()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)

@@ -90,17 +90,30 @@ def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: ste
     }
 
 
-def checkpoint_interval(num_params: int, c: ClusterConfig, step_s: float | None) -> dict[str, Any]:
-    """Young/Daly: interval = sqrt(2 x write time x MTBF)."""
+def checkpoint_interval(num_params: int, c: ClusterConfig, step_s: float | None, nodes: int = 1) -> dict[str, Any]:
+    """Young/Daly for each tier: interval = sqrt(2 x write time x MTBF). The shared tier writes the whole checkpoint at
+    cluster.checkpoint_write_gbs; the local tier (checkpoint.local) writes each node's share, and with a partner node the
+    copy of a partner's share too, at one node's cluster.local_write_gbs, all nodes at once."""
     ckpt_gb = checkpoint.size_estimate_gb(num_params)
+
+    def tier(write_s: float | None) -> tuple[float | None, int | None]:
+        interval_s = math.sqrt(2 * write_s * c.mtbf_hours * 3600) if write_s and c.mtbf_hours > 0 else None
+        return interval_s, max(1, round(interval_s / step_s)) if interval_s and step_s else None
+
     write_s = ckpt_gb / c.checkpoint_write_gbs if c.checkpoint_write_gbs > 0 else None
-    interval_s = math.sqrt(2 * write_s * c.mtbf_hours * 3600) if write_s and c.mtbf_hours > 0 else None
+    local_gb = ckpt_gb / nodes * (2 if nodes > 1 else 1)
+    local_s = local_gb / c.local_write_gbs if c.local_write_gbs > 0 else None
+    (interval_s, steps), (local_interval_s, local_steps) = tier(write_s), tier(local_s)
     return {
         "checkpoint_gb": ckpt_gb,
         "checkpoint_write_s": write_s,
         "mtbf_hours": c.mtbf_hours or None,
         "checkpoint_interval_s": interval_s,
-        "checkpoint_interval_steps": max(1, round(interval_s / step_s)) if interval_s and step_s else None,
+        "checkpoint_interval_steps": steps,
+        "local_checkpoint_gb_per_node": local_gb,
+        "local_checkpoint_write_s": local_s,
+        "local_checkpoint_interval_s": local_interval_s,
+        "local_checkpoint_interval_steps": local_steps,
     }
 
 
@@ -148,7 +161,7 @@ def compute(
         **ct,
         **comm,
         **_estimate(ct, comm, bubble, pred, eff),
-        **checkpoint_interval(flops.num_params(m), c, ct["step_time_s"]),
+        **checkpoint_interval(flops.num_params(m), c, ct["step_time_s"], max(1, lay.world_size // dpn)),
     }
 
 

@@ -117,7 +117,7 @@ def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
     ]
 
 
-def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[tuple[str, str, str]]:
+def rows(plan: dict[str, Any], configured_interval: int | None = None, configured_local: int | None = None) -> list[tuple[str, str, str]]:
     """(row, value, note) lines of the printed table."""
     pct = lambda x: _f(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
     conv = plan["flops_convention"]
@@ -175,6 +175,11 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None) -> list[t
     if configured_interval:
         note += f"; configured: {configured_interval}"
     out.append(("checkpoint interval", _f(plan["checkpoint_interval_steps"], "d", " steps"), note))
+    if configured_local or plan["local_checkpoint_write_s"] is not None:
+        write = _f(plan["local_checkpoint_write_s"], ".1f", " s")
+        note = f"node-local tier: write {write} ({plan['local_checkpoint_gb_per_node']:.3g} GB per node)"
+        note += f"; configured: {configured_local}" if configured_local else "; off (checkpoint.local.folder)"
+        out.append(("local checkpoint interval", _f(plan["local_checkpoint_interval_steps"], "d", " steps"), note))
     return out
 
 
@@ -191,7 +196,7 @@ def one_line(plan: dict[str, Any]) -> str:
     )
 
 
-def render(plan: dict[str, Any], configured_interval: int | None = None) -> None:
+def render(plan: dict[str, Any], configured_interval: int | None = None, configured_local: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -199,6 +204,6 @@ def render(plan: dict[str, Any], configured_interval: int | None = None) -> None
     table = Table(title=f"step budget: {plan['model']} on {count(plan['world_size'], unit)}", title_justify="left")
     for col in ("", f"per {unit}", "note"):
         table.add_column(col)
-    for r in rows(plan, configured_interval):
+    for r in rows(plan, configured_interval, configured_local):
         table.add_row(*r, style="bold red" if "NOT" in r[2] or "LONGER" in r[2] else None)
     Console(highlight=False, width=160).print(table)

@@ -20,6 +20,21 @@ from runner.config.schema.choices import (
 
 
 @dataclass
+class LocalCheckpointConfig:
+    """The fast tier between shared checkpoints: every rank writes its own shard of the whole training state to its
+    node's local storage, and a copy of it to the same local rank on the next node (docs/checkpoints-and-data.md)."""
+
+    folder: str = ""
+    """Node-local storage (an absolute path on every node: a local SSD, /dev/shm); '' = no local tier. `%N` in it
+    is replaced by the node's name, as in SLURM's file patterns (e.g. simulated nodes on one machine). Not the shared
+    checkpoint.folder nor inside it."""
+    interval: int = 10
+    """Save to the local tier every this many steps (not at steps the shared tier saves)."""
+    keep: int = 2
+    """Local checkpoints kept per node (own shards and partner copies alike), >= 1."""
+
+
+@dataclass
 class CheckpointConfig:
     enable: bool = False
     """Save sharded checkpoints (PyTorch DCP): model, optimizer, LR schedule, step, RNG and data loader position."""
@@ -57,6 +72,8 @@ class CheckpointConfig:
     `python -m runner.export <run folder> --format hf` does; needs checkpoint.enable and a family runner.config.hf_folder lists."""
     min_free_gb: float = 0.0
     """Free space the checkpoint filesystem must keep beyond `keep` + 1 checkpoints, GB (pre-flight check)."""
+    local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
+    """The node-local tier (off unless local.folder is set)."""
 
 
 @dataclass
@@ -154,6 +171,8 @@ class ClusterConfig:
     checkpoint interval suggested)."""
     checkpoint_write_gbs: float = 0.0
     """Aggregate write bandwidth of the checkpoint storage, GB/s; 0 = unknown."""
+    local_write_gbs: float = 0.0
+    """Write bandwidth of one node's local storage (checkpoint.local.folder), GB/s; 0 = unknown."""
     memory_bandwidth_gbs: float = 0.0
     """Device memory bandwidth per device, GB/s (H100 SXM HBM3: 3,350), for the step-time predictor's roofline of
     the elementwise kernels; 0 = unknown (that term is left out)."""
@@ -269,6 +288,11 @@ class InjectConfig:
     level shift (0: none)."""
     norm_shift_scale: float = 4.0
     """Multiplier of the gradient norm the guard sees from norm_shift_step on."""
+    node_names: list[str] = field(default_factory=list)
+    """The node name of every rank, by global rank (simulated nodes on one machine, as RUNNER_NODE_NAMES); [] = the host's."""
+    lose_local: str = ""
+    """At a restart, before the local tier is read, rank 0 destroys part of it: `node:<name>` deletes that node's local
+    folder, `shard:<rank>` every copy of that rank's newest local shard, `flip:<rank>` one byte of that rank's own copy."""
 
 
 @dataclass

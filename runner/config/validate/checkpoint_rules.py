@@ -16,7 +16,7 @@ from pathlib import Path
 
 from runner.config import checkpoint, flops, hf_folder
 from runner.config.problems import Problem
-from runner.config.schema import Mode, RunConfig
+from runner.config.schema import FaultTolerance, Mode, RunConfig
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
@@ -36,6 +36,37 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(
             Problem("checkpoint.resume_from", c.resume_from, "is read only when resuming", "add checkpoint.resume=true, or leave it empty")
         )
+    if c.local.folder:
+        _local(cfg, out)
+
+
+def _local(cfg: RunConfig, out: list[Problem]) -> None:
+    """The node-local tier (checkpoint.local): on top of the shared one, on node-local storage, saving between its saves."""
+    c, lc = cfg.checkpoint, cfg.checkpoint.local
+    if not c.enable:
+        out.append(Problem("checkpoint.local.folder", lc.folder, "is a tier of checkpoints, and none are written", "use checkpoint=local"))
+    if not Path(lc.folder).is_absolute():
+        why = "must be an absolute path to node-local storage (a relative one would be inside the run folder, on shared storage)"
+        out.append(Problem("checkpoint.local.folder", lc.folder, why, "name a local SSD or /dev/shm, e.g. /local_ssd/ckpt"))
+    if lc.interval < 1:
+        out.append(Problem("checkpoint.local.interval", lc.interval, "must be >= 1", "save to the local tier every N >= 1 steps"))
+    elif lc.interval >= c.interval:
+        why = f"is not shorter than checkpoint.interval {c.interval}: the shared tier would take every save the local one is due"
+        out.append(Problem("checkpoint.local.interval", lc.interval, why, f"set it below {c.interval}, e.g. {max(1, c.interval // 5)}"))
+    if lc.keep < 1:
+        out.append(Problem("checkpoint.local.keep", lc.keep, "must be >= 1", "keep 1 or 2 local checkpoints per node"))
+    if cfg.fault_tolerance.name != FaultTolerance.none:
+        why = f"with fault_tolerance={cfg.fault_tolerance.name.value} a replica group recovers from a live one, and its layout changes"
+        out.append(Problem("checkpoint.local.folder", lc.folder, why, "leave checkpoint.local.folder empty under torchft"))
+
+
+def local_inside_shared(cfg: RunConfig, run_dir: Path) -> str | None:
+    """Why the local tier's folder cannot be where it is (None: it can): the shared folder itself or inside it."""
+    shared = checkpoint.folder(cfg.checkpoint, run_dir).resolve()
+    local = Path(cfg.checkpoint.local.folder.replace("%N", "node")).resolve()
+    if local == shared or shared in local.parents:
+        return f"is {'the shared checkpoint.folder' if local == shared else 'inside the shared checkpoint.folder'} {shared}"
+    return None
 
 
 def _storage(cfg: RunConfig, where: Path, out: list[Problem]) -> None:
@@ -142,6 +173,9 @@ def launch(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
     if cfg.checkpoint.enable:
         where = checkpoint.folder(cfg.checkpoint, run_dir)
         _storage(cfg, where, out)
+        local = cfg.checkpoint.local.folder
+        if local and Path(local).is_absolute() and (why := local_inside_shared(cfg, run_dir)):
+            out.append(Problem("checkpoint.local.folder", local, why, "name node-local storage outside it (a local SSD, /dev/shm)"))
         if cfg.checkpoint.resume:
             _resume(cfg, where, out)
 

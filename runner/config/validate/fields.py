@@ -188,6 +188,7 @@ def cluster(cfg: RunConfig, out: list[Problem]) -> None:
     for name in (
         "mtbf_hours",
         "checkpoint_write_gbs",
+        "local_write_gbs",
         "intra_node_bandwidth_gbs",
         "inter_node_bandwidth_gbs",
         "device_memory_gb",

@@ -98,6 +98,15 @@ def _inject(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
         )
     if not i.norm_shift_scale > 0:
         out.append(Problem("monitor.inject.norm_shift_scale", i.norm_shift_scale, "must be > 0", "use e.g. 4"))
+    if i.node_names and ws is not None and len(i.node_names) != ws:
+        why = f"names {len(i.node_names)} ranks' nodes, the job has {ws}"
+        out.append(Problem("monitor.inject.node_names", i.node_names, why, f"name one node per rank ({ws}), or [] for the hosts"))
+    what, _, arg = i.lose_local.partition(":")
+    rank = arg.isdigit() and int(arg) in range(ws or 0)
+    ok = {"": not arg, "node": arg in i.node_names, "shard": rank, "flip": rank}
+    if not ok.get(what, False):
+        fix = "use node:<a name in monitor.inject.node_names>, shard:<rank> or flip:<rank>, or '' (off)"
+        out.append(Problem("monitor.inject.lose_local", i.lose_local, "is not a part of the local tier to destroy", fix))
 
 
 def _distributed(cfg: RunConfig, out: list[Problem]) -> None:

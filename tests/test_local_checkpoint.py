@@ -1,0 +1,240 @@
+"""The node-local checkpoint tier (checkpoint.local): the restore rule, partners, folders and validation without ranks;
+with ranks, four SIGKILLed runs on two simulated nodes (tests/points.py, local_tier) in the session's shared multirun,
+each resumed by the elastic agent after part of the local tier was destroyed, every one with the losses of the
+uninterrupted reference run of test_checkpoint (the same 6 steps, schedule and data) bit for bit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from runner.config import checkpoint, freeze, local_checkpoint, plan, runfiles
+from runner.config.layout import resolve
+from runner.config.schema import LocalCheckpointConfig
+from runner.config.validate import checkpoint_rules
+from runner.outputs import goodput
+from runner.run import startup
+from tests.conftest import metrics
+from tests.points import CHECKPOINT_KILL_AT as KILL_AT
+from tests.points import CHECKPOINT_STEPS as STEPS
+
+PLACES = [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)]
+
+
+def test_partner_is_the_same_position_on_the_next_node():
+    assert [local_checkpoint.partner(PLACES, r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [local_checkpoint.source(PLACES, r) for r in range(6)] == [4, 5, 0, 1, 2, 3]
+    # simulated nodes under one launcher: torchrun's local ranks run 0-3, the position on the node is what counts
+    assert [local_checkpoint.partner([("n0", 0), ("n0", 1), ("n1", 2), ("n1", 3)], r) for r in range(4)] == [2, 3, 0, 1]
+    assert local_checkpoint.partner([("a", 0), ("a", 1)], 1) is None  # one node: no copy survives its loss
+
+
+def test_restore_rule_takes_the_newest_whole_local_step_only_if_newer_than_shared():
+    # 4 ranks on 2 nodes: ranks 0-1 report node a's folder, 2-3 node b's (each node holds its own shards and the copies)
+    both = {5: [0, 1, 2, 3], 3: [0, 1, 2, 3]}
+    lost_b = {3: [0, 1, 2, 3]}  # node b's step-5 folder is gone: node a still has ranks 2-3's copies of step 5
+    got = local_checkpoint.choose([both, both, lost_b, lost_b], shared_step=4)
+    assert (got.step, got.holders) == (5, {0: 0, 1: 1, 2: 0, 3: 0})
+    assert got.why == "local step 5 is whole and newer than shared step 4; rank(s) [2, 3] from their partner copies"
+    # rank 1's shard of step 5 on no node: step 3 is whole, but the shared tier's step 4 is newer
+    no_1 = {5: [0, 2, 3], 3: [0, 1, 2, 3]}
+    got = local_checkpoint.choose([no_1, no_1, no_1, no_1], shared_step=4)
+    assert got.step is None
+    assert (
+        got.why
+        == "local step 5 lacks rank(s) [1] (no intact copy on any node); shared step 4 is at least as new as the newest whole local step 3"
+    )
+    assert local_checkpoint.choose([no_1] * 4, shared_step=2).step == 3
+    assert local_checkpoint.choose([both] * 4, shared_step=None, before=5).step == 3  # a rewind to before step 5
+    none = local_checkpoint.choose([{}] * 4, shared_step=2)
+    assert (none.step, none.why) == (None, "no local checkpoint of this layout on any node")
+
+
+def _shard(root: Path, step: int, rank: int, origin: dict) -> Path:
+    partial = local_checkpoint.partial_path(root, step, rank)
+    partial.mkdir(parents=True)
+    (partial / ".metadata").write_bytes(b"m" * 10)
+    (partial / "__0_0.distcp").write_bytes(bytes(range(200)))
+    info = {"step": step, "rank": rank, **origin}
+    return checkpoint.publish(partial, local_checkpoint.shard_path(root, step, rank), info, checkpoint.file_records(partial))
+
+
+def test_held_skips_damaged_shards_and_other_layouts_and_prune_keeps_the_newest(tmp_path):
+    origin = {"world_size": 4, "layout": "tp2_dp2"}
+    for step in (1, 3, 5):
+        for rank in (0, 2):
+            _shard(tmp_path, step, rank, origin)
+    _shard(tmp_path, 5, 1, {"world_size": 2, "layout": "dp2"})
+    flipped = local_checkpoint.shard_path(tmp_path, 3, 2) / "__0_0.distcp"
+    flipped.write_bytes(bytes(reversed(range(200))))  # same size, other bytes
+    (tmp_path / "step-5" / "rank-3.partial").mkdir()  # a save cut off: not a candidate, not reported
+    held, skipped = local_checkpoint.held(tmp_path, origin)
+    assert held == {5: [0, 2], 3: [0], 1: [0, 2]}
+    assert len(skipped) == 2
+    assert skipped[0].endswith("rank-1: saved by layout dp2 (2 ranks), this run is tp2_dp2")
+    assert "rank-2: __0_0.distcp has crc32" in skipped[1] and skipped[1].endswith("(its content changed after the save)")
+    gone = local_checkpoint.prune(tmp_path, 2, [0])  # rank 0's own shards (and no copy) beyond the newest 2 steps
+    assert gone == [local_checkpoint.shard_path(tmp_path, 1, 0)]
+    assert (local_checkpoint.shard_path(tmp_path, 1, 2)).is_dir()  # another rank's: left to it
+    local_checkpoint.prune(tmp_path, 2, [2])
+    assert not (tmp_path / "step-1").exists()  # empty once both ranks pruned it
+
+
+def test_local_root_is_per_node_and_per_run(tmp_path):
+    c = LocalCheckpointConfig(folder="/local/%N/ckpt")
+    a, b = local_checkpoint.root(c, "n0", tmp_path / "x"), local_checkpoint.root(c, "n1", tmp_path / "x")
+    assert a.parent == Path("/local/n0/ckpt") and b.parent == Path("/local/n1/ckpt") and a.name == b.name
+    assert local_checkpoint.root(c, "n0", tmp_path / "y").name != a.name  # another run's shared folder
+
+
+LOCAL = ["checkpoint=local", "checkpoint.interval=10"]
+
+
+@pytest.mark.parametrize(
+    "overrides, field, why",
+    [
+        (["checkpoint.local.folder=/l"], "checkpoint.local.folder", "is a tier of checkpoints, and none are written"),
+        ([*LOCAL, "checkpoint.local.folder=ckpt"], "checkpoint.local.folder", "must be an absolute path to node-local storage"),
+        ([*LOCAL, "checkpoint.local.folder=/l", "checkpoint.local.interval=10"], "checkpoint.local.interval", "is not shorter than"),
+        (
+            [*LOCAL, "checkpoint.local.folder=/l", "checkpoint.local.interval=2", "checkpoint.local.keep=0"],
+            "checkpoint.local.keep",
+            "must be >= 1",
+        ),
+        (
+            [*LOCAL, "checkpoint.local.folder=/l", "checkpoint.local.interval=2", "fault_tolerance=torchft"],
+            "checkpoint.local.folder",
+            "torchft",
+        ),
+    ],
+)
+def test_local_tier_config_is_refused_with_field_and_fix(compose, overrides, field, why):
+    from runner.config import validate
+    from runner.config.problems import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate.check(compose(overrides))
+    (p,) = [p for p in e.value.problems if p.field == field]
+    assert why in p.why and p.fix
+
+
+def test_local_folder_inside_the_shared_one_is_refused(compose, tmp_path):
+    cfg = compose([*LOCAL, f"checkpoint.local.folder={tmp_path / 'run' / 'checkpoints' / 'fast'}", "checkpoint.local.interval=2"])
+    assert (
+        checkpoint_rules.local_inside_shared(cfg, tmp_path / "run")
+        == f"is inside the shared checkpoint.folder {tmp_path / 'run' / 'checkpoints'}"
+    )
+    cfg.checkpoint.local.folder = str(tmp_path / "elsewhere" / "%N")
+    assert checkpoint_rules.local_inside_shared(cfg, tmp_path / "run") is None
+
+
+def test_plan_suggests_both_tiers_and_start_up_shows_them(compose):
+    cfg = compose(["recipe=llama3_70b_h100x1024", "cluster.mtbf_hours=5", "cluster.checkpoint_write_gbs=50", "cluster.local_write_gbs=5"])
+    lay = resolve(cfg.parallelism, cfg.cluster)
+    b = plan.compute(cfg, lay)
+    nodes = lay.world_size // cfg.cluster.devices_per_node
+    assert b["local_checkpoint_gb_per_node"] == pytest.approx(2 * b["checkpoint_gb"] / nodes)  # its share and a partner's copy
+    assert b["local_checkpoint_write_s"] == pytest.approx(b["local_checkpoint_gb_per_node"] / 5)
+    assert b["local_checkpoint_interval_s"] == pytest.approx(math.sqrt(2 * b["local_checkpoint_write_s"] * 5 * 3600))
+    assert b["local_checkpoint_interval_steps"] == round(b["local_checkpoint_interval_s"] / b["step_time_s"])
+    assert b["local_checkpoint_interval_steps"] < b["checkpoint_interval_steps"]
+    cfg.checkpoint.enable, cfg.checkpoint.local.folder, cfg.checkpoint.local.interval = True, "/local_ssd/ckpt", 20
+    line = startup.checkpoint_line(cfg, lay, None).splitlines()[1]
+    w, s = b["local_checkpoint_write_s"], b["local_checkpoint_interval_s"]
+    steps = b["local_checkpoint_interval_steps"]
+    assert line == (
+        f"local checkpoints: every 20 steps (keep 2, a copy on the next node) into /local_ssd/ckpt; "
+        f"planner suggests {steps} (Young/Daly, {s:.0f} s: write {w:.3g} s)"
+    )
+
+
+# ---- with ranks: four SIGKILLed runs on two simulated nodes ---------------------------------------------------------
+
+
+def _by_step(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def reference(shared_runs):
+    return _by_step(shared_runs["ckpt-reference"][0])
+
+
+def _resumed(shared_runs, name: str, reference: dict[int, dict]) -> tuple[Path, str, list[dict]]:
+    """The point's run folder, console and rows, after checking its losses against the reference at every step."""
+    run_dir, console = shared_runs[f"local-{name}"]
+    got = _by_step(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in got:
+        keys = ("loss", "grad_norm", "data_hash", "lr")
+        assert [got[s][k] for k in keys] == [reference[s][k] for k in keys], (name, s)
+    return run_dir, console, metrics(run_dir)
+
+
+def _local_folder(run_dir: Path) -> Path:
+    """The folder that holds the point's per-node local folders (<assets>/local/<name>)."""
+    return Path(freeze.load(run_dir / runfiles.FROZEN).checkpoint.local.folder).parent
+
+
+@pytest.mark.e2e
+def test_killed_rank_resumes_from_the_newer_local_save(shared_runs, reference):
+    run_dir, console, rows = _resumed(shared_runs, "killed", reference)
+    assert "checkpoint: resumed from the local tier, step 3 (local step 3 is whole and newer than shared step 2)" in console
+    # nothing recomputed: step 4 was never finished; the local saves of steps 1 and 3 held the loop, as the shared ones do
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [(r["step"], r["checkpoint_tier"]) for r in rows if r.get("checkpoint_s")] == [
+        (1, "local"),
+        (2, "shared"),
+        (3, "local"),
+        (4, "shared"),
+        (5, "local"),
+        (6, "shared"),
+    ]
+    g = json.loads((run_dir / runfiles.GOODPUT).read_text())
+    second = g["attempts"][1]
+    assert (second["resumed_from_step"], second["resumed_from_tier"]["tier"], g["repeated_steps"]) == (3, "local", 0)
+    assert second["resumed_from_tier"]["why"] == "local step 3 is whole and newer than shared step 2"
+    (mark,) = [e for e in goodput.read(run_dir) if e.get("name") == "restored" and e["attempt"] == 1]
+    assert mark["tier"] == "local"
+    # the run ended well: its local checkpoints are gone from both nodes
+    local = _local_folder(run_dir)
+    assert sorted(p.name for p in local.iterdir()) == ["n0", "n1"] and not any(local.rglob("step-*"))
+    assert checkpoint.verify(run_dir / "checkpoints" / f"step-{STEPS}") is None
+
+
+@pytest.mark.e2e
+def test_lost_node_resumes_from_partner_copies(shared_runs, reference):
+    _, console, rows = _resumed(shared_runs, "node_lost", reference)
+    assert "inject: deleted node n1's local folder " in console
+    why = "local step 3 is whole and newer than shared step 2; rank(s) [2, 3] from their partner copies"
+    assert f"checkpoint: resumed from the local tier, step 3 ({why})" in console
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.e2e
+def test_both_copies_of_a_shard_lost_resumes_from_the_shared_tier(shared_runs, reference):
+    run_dir, console, rows = _resumed(shared_runs, "shards_lost", reference)
+    assert "inject: deleted 2 copies of rank 1's step-3 local shard" in console
+    why = "local step 3 lacks rank(s) [1] (no intact copy on any node); shared step 2 is at least as new as the newest whole local step 1"
+    assert f"checkpoint: local tier not used: {why}" in console
+    assert f"checkpoint: resumed from {run_dir / 'checkpoints' / 'step-2'} (step 2" in console
+    assert [r["step"] for r in rows] == [1, 2, 3, *range(3, STEPS + 1)]  # step 3 again, from the shared step 2
+    g = json.loads((run_dir / runfiles.GOODPUT).read_text())
+    assert g["attempts"][1]["resumed_from_tier"] == {"tier": "shared", "why": why} and g["repeated_steps"] == 1
+
+
+@pytest.mark.e2e
+def test_corrupted_local_shard_fails_its_checksum_and_the_partner_copy_is_used(shared_runs, reference):
+    _, console, _ = _resumed(shared_runs, "flipped", reference)
+    (flip,) = [ln for ln in console.splitlines() if ln.startswith("inject: flipped a byte of ")]
+    shard = Path(flip.rsplit(" ", 1)[1])
+    assert shard.parent.name == "rank-1" and shard.parent.parent.name == "step-3" and "/n0/" in str(shard)
+    (warn,) = [ln for ln in console.splitlines() if ln.startswith("WARNING: skipping local shard ")]
+    assert warn.startswith(f"WARNING: skipping local shard {shard.parent}: {shard.name} has crc32 ")
+    assert warn.endswith("was written (its content changed after the save)")
+    why = "local step 3 is whole and newer than shared step 2; rank(s) [1] from their partner copies"
+    assert f"checkpoint: resumed from the local tier, step 3 ({why})" in console
+    assert KILL_AT == 4
