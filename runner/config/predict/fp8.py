@@ -76,9 +76,30 @@ def peak(cfg: RunConfig) -> float | None:
     return c.peak_tflops.get(r.peak) or c.peak_tflops.get("float8")
 
 
+_GEMMS: dict[tuple, tuple[Counter[Gemm], Counter[Gemm]]] = {}
+"""linear_gemms' answers by what they depend on: mode=search prices thousands of candidates of one model, and walking
+every layer's keep_high_precision patterns each time made an FP8 search 17 times slower than a bf16 one."""
+
+
+def _shape_key(cfg: RunConfig, tp: int, tokens: int) -> tuple:
+    model = tuple(v for v in vars(cfg.model).values() if not isinstance(v, dict))  # init_record: provenance, not shape
+    return (model, tuple(cfg.precision.keep_high_precision), cfg.precision.fp8, tp, tokens)
+
+
 def linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
     """(converted, kept) forward GEMMs of all blocks' Linear layers on one rank for one microbatch, counted by shape.
-    TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two GEMMs of its shape. The head is not a block's."""
+    TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two GEMMs of its shape. The head is not a block's.
+    Cached (_GEMMS); the counters are shared, read them only."""
+    key = _shape_key(cfg, tp, tokens)
+    found = _GEMMS.get(key)
+    if found is None:
+        if len(_GEMMS) >= 4096:
+            _GEMMS.clear()
+        found = _GEMMS[key] = _linear_gemms(cfg, tp, tokens)
+    return found
+
+
+def _linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
     converted = set(precision.conversion(cfg)[0])
     conv, kept = Counter(), Counter()
     for layer in precision.linear_layers(cfg.model):
