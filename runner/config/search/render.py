@@ -49,6 +49,10 @@ def _fp8(cfg: RunConfig) -> str | None:
     return None if p.fp8.value == "none" else SHORT.get(p.param_dtype.value, p.param_dtype.value)
 
 
+def _fp8_note(cfg: RunConfig, fp8: str) -> str:
+    return f" ({cfg.precision.name}; 'vs {fp8}': the same candidate's predicted {fp8} step time over its FP8 one, MFU of the {fp8} peak):"
+
+
 def speed_up(x: float | None) -> str:
     """An FP8 speed-up as printed: 'x1.23' (the same candidate's bf16 step time over its FP8 one), '-' unpriced."""
     return "-" if x is None else f"x{x:.2f}"
@@ -112,8 +116,7 @@ def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str
         *(f"  {b}" for b in res.bounds),
         "rejected, by reason:",
         *(f"  {n:>10,}  {_reason(k, res)}" for k, n in res.rejected.most_common()),
-        f"top {min(SHOWN, len(res.ranked))} by predicted step time"
-        + (f" ({cfg.precision.name}; 'vs {fp8}': the same candidate's predicted {fp8} step time over its FP8 one, MFU of the {fp8} peak):" if fp8 else ":"),
+        f"top {min(SHOWN, len(res.ranked))} by predicted step time" + (_fp8_note(cfg, fp8) if fp8 else ":"),
         f"{'#':>3}  {'layout':<48} {'mbs':>3}  {'AC':<15} {'reshard':<7} {'step (s)':>9} {'MFU':>7}"
         + (f" {'vs ' + fp8:>8}" if fp8 else "")
         + f"  {'binding':<10} {'(s)':>8} {'mem (GB)':>8}",
