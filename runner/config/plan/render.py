@@ -67,7 +67,8 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         (
             "temporaries + buffers",
             _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"], ".3g", " GB"),
-            f"recomputed block or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
+            f"recomputed block{_fp8_casts(plan)} or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; "
+            f"RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
         ),
         (
             "total memory",
@@ -79,6 +80,11 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         (EXAMPLE, _f(plan["total_gb_per_gpu_worked_example"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
     ]
+
+
+def _fp8_casts(plan: dict[str, Any]) -> str:
+    """FP8 recipes: a converted Linear's backward also holds its float8 operands and a cast (runner.config.memory)."""
+    return ", an FP8 Linear's backward casts" if _fp8(plan) else ""
 
 
 def _binding(plan: dict[str, Any]) -> str:
