@@ -92,39 +92,41 @@ def peak(cfg: RunConfig) -> float | None:
     return c.peak_tflops.get(r.peak) or c.peak_tflops.get("float8")
 
 
-_GEMMS: dict[tuple, tuple[Counter[Gemm], Counter[Gemm]]] = {}
-"""linear_gemms' answers by what they depend on: mode=search prices thousands of candidates of one model, and walking
-every layer's keep_high_precision patterns each time made an FP8 search 17 times slower than a bf16 one."""
+_LAYERS: dict[tuple, tuple[Counter, Counter]] = {}
+"""block_layers' answers by what they depend on: mode=search prices and sizes thousands of candidates of one model,
+and walking every layer's keep_high_precision patterns each time made an FP8 search 17 (time) to 30 (memory) times
+slower than a bf16 one."""
 
 
-def _shape_key(cfg: RunConfig, tp: int, tokens: int) -> tuple:
+def block_layers(cfg: RunConfig, tp: int) -> tuple[Counter, Counter]:
+    """(converted, kept) Linear layers of all blocks on one TP rank, counted by (is w2, K, N): its weight shard's in and
+    out dims and whether it is an FFN's w2. TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two of its
+    shape. The head is not a block's. Cached (_LAYERS); the counters are shared, read them only."""
     model = tuple(v for v in vars(cfg.model).values() if not isinstance(v, dict))  # init_record: provenance, not shape
-    return (model, tuple(cfg.precision.keep_high_precision), cfg.precision.fp8, tp, tokens)
-
-
-def linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
-    """(converted, kept) forward GEMMs of all blocks' Linear layers on one rank for one microbatch, counted by shape.
-    TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two GEMMs of its shape. The head is not a block's.
-    Cached (_GEMMS); the counters are shared, read them only."""
-    key = _shape_key(cfg, tp, tokens)
-    found = _GEMMS.get(key)
+    key = (model, tuple(cfg.precision.keep_high_precision), cfg.precision.fp8, tp)
+    found = _LAYERS.get(key)
     if found is None:
-        if len(_GEMMS) >= 4096:
-            _GEMMS.clear()
-        found = _GEMMS[key] = _linear_gemms(cfg, tp, tokens)
+        if len(_LAYERS) >= 1024:
+            _LAYERS.clear()
+        converted = set(precision.conversion(cfg)[0])
+        conv, kept = Counter(), Counter()
+        for layer in precision.linear_layers(cfg.model):
+            if layer.fqn.startswith("layers."):
+                k, n = precision.local_gemm_dims(layer, tp)
+                times = 2 if layer.fqn.endswith(".wkv") else 1
+                (conv if layer.fqn in converted else kept)[(layer.fqn.endswith(".w2"), k, n)] += times
+        found = _LAYERS[key] = (conv, kept)
     return found
 
 
-def _linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
-    converted = set(precision.conversion(cfg)[0])
-    conv, kept = Counter(), Counter()
-    for layer in precision.linear_layers(cfg.model):
-        if not layer.fqn.startswith("layers."):
-            continue
-        k, n = precision.local_gemm_dims(layer, tp)
-        times = 2 if layer.fqn.endswith(".wkv") else 1
-        (conv if layer.fqn in converted else kept)[(tokens, k, n)] += times
-    return conv, kept
+def linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
+    """(converted, kept) forward GEMMs (M tokens, K, N) of all blocks' Linear layers on one rank for one microbatch,
+    counted by shape."""
+    out: tuple[Counter[Gemm], Counter[Gemm]] = (Counter(), Counter())
+    for layers, gemms in zip(block_layers(cfg, tp), out, strict=True):
+        for (_, k, n), times in layers.items():
+            gemms[(tokens, k, n)] += times
+    return out
 
 
 def cast_elements(g: Gemm) -> tuple[float, float, float]:
@@ -146,17 +148,10 @@ def backward_transient_bytes(cfg: RunConfig, tp: int, tokens: int) -> tuple[floa
         return 0.0, 0.0
     recipe = COSTS[cfg.precision.fp8]
     staging = recipe.staging_bytes[1 if cfg.training.compile else 0]
-    converted = set(precision.conversion(cfg)[0])
     first = later = 0.0
-    for layer in precision.linear_layers(cfg.model):
-        if layer.fqn not in converted or not layer.fqn.startswith("layers."):
-            continue
-        k, n = precision.local_gemm_dims(layer, tp)
+    for w2, k, n in block_layers(cfg, tp)[0]:
         b = backward_bytes(recipe, (tokens, k, n), staging)
-        if layer.fqn.endswith(".w2"):
-            first = max(first, b)
-        else:
-            later = max(later, b)
+        first, later = (max(first, b), later) if w2 else (first, max(later, b))
     return first, later
 
 
