@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from runner.config import flops, memory, plan, search, validate
+from runner.config import flops, memory, plan, precision, search, validate
 from runner.config.predict import accuracy, steptime
+from runner.config.predict import fp8 as fp8_model
 from runner.config.problems import ConfigError
 from runner.config.schema import Mode
 from runner.config.search import render as search_render
@@ -429,14 +430,20 @@ FP8_8B_TP8 = [
 ]
 
 
-def test_fp8_search_prints_each_candidates_speed_up_over_the_same_candidate_in_bf16(compose):
+def test_fp8_search_prints_each_candidates_speed_up_over_the_same_candidate_in_bf16(compose, monkeypatch):
     """mode=search precision=fp8_tensorwise ranks with the FP8 model and prints, per candidate, its predicted bf16 step
     over its FP8 one: where FP8 pays (the 70B's large GEMMs on 64 H100s, compiled casts: x1.23 for #1) and where it does
     not (the 8B at TP 8, whose sharded GEMMs gain less while every cast and tensorwise amax all-reduce stays: x0.99 in its
     one-line plan). Each printed figure is the bf16 config's own prediction (composed with precision=bf16) over the FP8
     one's; MFU is of the bf16 peak in both precisions."""
     cfg, bf16 = compose([*FP8_70B, "precision=fp8_tensorwise"]), compose([*FP8_70B, "precision=bf16"])
+    walks = []  # the FP8 model walks the model's layers once per TP degree, not per candidate (a 30x slower search)
+    monkeypatch.setattr(precision, "conversion", lambda c, real=precision.conversion: walks.append(1) or real(c))
+    fp8_model._LAYERS.clear()
     res = search.run(cfg)
+    layouts = len(list(search.layouts(cfg, search.world_size(cfg))))
+    assert len(walks) <= layouts + 4 < res.predictions  # validation's FP8 shape rule once per layout; the FP8 model once per TP
+    monkeypatch.undo()
     text = search_render.lines(cfg, res)
     head = next(i for i, t in enumerate(text) if t.startswith("  #  layout"))
     assert "vs bf16" in text[head] and "'vs bf16': the same candidate's predicted bf16 step time over its FP8 one" in text[head - 1]
