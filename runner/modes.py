@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from runner import sweep
 from runner.config import fault_tolerance, flops, freeze, precision, runfiles, slurm
 from runner.config.layout import Layout, label
+from runner.config.predict import fp8 as fp8_model
 from runner.config.schema import Fp8Recipe, RunConfig
 from runner.config.search import objective as search_objective
 from runner.config.wording import count
@@ -120,18 +121,30 @@ def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None
     print(f"dry run written to {dryrun_report.write(rep, run_dir)}")
 
 
+FP8_TERMS = (
+    "  FP8 costs mode=plan prices as their own terms: fp8_cast (the cast and scale kernels), fp8_amax (tensorwise amax "
+    "all-reduces over TP); the converted GEMMs in compute at the FP8 rate (runner/config/predict/fp8.py)"
+)
+"""mode=validate's line naming an FP8 recipe's cost terms (GPU clusters: the datasheet predictor's FP8 model)."""
+
+
 def _precision_lines(cfg: RunConfig) -> list[str]:
     pr = cfg.precision
-    dtype, emulated = precision.matmul_peak(cfg)
+    gemm, emulated = precision.matmul_peak(cfg)
+    dtype = precision.mfu_peak(cfg)
     peak = cfg.cluster.peak_tflops.get(dtype)
     mfu = f"  MFU against the {dtype} dense peak" + (f", {peak:g} TFLOP/s per device" if peak else " (measured at start-up)")
     if pr.fp8 == Fp8Recipe.none:
         return [f"  precision {pr.name}: {pr.param_dtype.value} compute, {pr.reduce_dtype.value} reduce", mfu]
     converted, kept = precision.conversion(cfg)
+    gemm_peak = cfg.cluster.peak_tflops.get(gemm)
+    if gemm != dtype:
+        mfu += f"; mfu_of_gemm_peak against the {gemm} one" + (f", {gemm_peak:g} TFLOP/s" if gemm_peak else "")
     return [
         f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
         f"(kept in {pr.param_dtype.value}: {', '.join(kept) or 'none'})",
         mfu + (" (FP8 emulated on CPU)" if emulated else ""),
+        *([FP8_TERMS] if fp8_model.cost(cfg) else []),
         *([f"  routed experts: {precision.grouped_experts(cfg)}"] if precision.grouped_experts(cfg) else []),
     ]
 

@@ -192,6 +192,11 @@ PLAN_MEMORY_CASES = {  # name: (overrides, dry-run ranks)
     "pp": (["parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),
     "pp_full_ac": (["parallelism=dp2_pp2", "training.global_batch_size=8", "training.activation_checkpoint=full"], [0]),
     "tp_sp": (["parallelism=dp2_tp2", "training.global_batch_size=4"], [0]),
+    # torchao's rowwise Float8Linear on the first stage, whose peak is inside w2's backward (its float8 casts): 3 s
+    "pp_fp8_rowwise": (
+        ["parallelism=dp2_pp2", "training.global_batch_size=8", "precision=fp8_rowwise", "precision.param_dtype=bfloat16"],
+        [0],
+    ),
 }
 DRYRUNS = {"dryrun-ledger": [*DRYRUN_SMALL, "dryrun.ranks=[0]"], "dryrun-8b": ["recipe=llama3_8b_fsdp8_h100"]}
 DRYRUNS |= {

@@ -121,3 +121,18 @@ def test_traced_layouts_show_each_term_measured_beside_predicted_and_the_term_be
     assert {t.get_text() for t in split.get_legend().get_texts()} == {"compute", "overhead", "bubble", "tp", "pp", "cp"}
     widths = [round(p.get_width(), 3) for p in split.patches[24:30]]  # dp2_tp2's predicted bar (the 5th), term by term
     assert widths == [0.4, 0.0, 0.0, 0.2, 0.0, 0.0]
+
+
+def test_an_fp8_runs_cast_and_amax_terms_are_columns_of_the_breakdown(tmp_path, capsys):
+    """runner.compare's breakdown has the FP8 terms as columns (runner.outputs.breakdown.TERMS): fp8_cast measured from
+    the cast kernels beside the predictor's; fp8_amax predicted only, its all-reduces being tp in a trace."""
+    _traced(
+        tmp_path, "fp8_tp2", {"compute": 0.4, "tp": 0.11, "fp8_cast": 0.07}, {"compute": 0.4, "tp": 0.1, "fp8_cast": 0.05, "fp8_amax": 0.01}
+    )
+    assert comparison.main([str(tmp_path)]) == 0
+    table = capsys.readouterr().out.split("where the step time goes")[1]
+    head = next(ln for ln in table.splitlines() if ln.startswith("┃"))
+    assert [c.strip() for c in head.split("┃")[3:-1]] == ["compute", "tp", "fp8_cast", "fp8_amax", "largest gap"]
+    row = next(ln for ln in table.splitlines() if ln.startswith("│ "))
+    cells = ["0.400 / 0.400 (1.00)", "0.110 / 0.100 (1.10)", "0.070 / 0.050 (1.40)", "0.000 / 0.010 (0.00)", "fp8_cast +0.020 s"]
+    assert [c.strip() for c in row.split("│")[3:-1]] == cells

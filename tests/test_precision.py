@@ -338,7 +338,9 @@ def test_cli_headline_validates_and_rejects_with_exit_2(tmp_path):
     proc = run_cli("parallelism=tp8_pp4", "precision=fp8_blockwise", "cluster=h100x1024", *seed, "mode=validate", run_dir=tmp_path / "a")
     assert proc.returncode == 0, proc.stderr
     assert "precision fp8_blockwise: 400 of 401 Linear layers in FP8 blockwise (kept in bfloat16: lm_head)" in proc.stdout
-    assert "MFU against the float8 dense peak, 1979 TFLOP/s per device" in proc.stdout
+    mfu = "MFU against the bfloat16 dense peak, 989 TFLOP/s per device; mfu_of_gemm_peak against the float8 one, 1979 TFLOP/s"
+    assert mfu in proc.stdout
+    assert "FP8 costs mode=plan prices as their own terms: fp8_cast (the cast and scale kernels), fp8_amax" in proc.stdout
     proc = run_cli("precision=mxfp8", run_dir=tmp_path / "b")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     assert "mxfp8 needs NVIDIA SM 10.0+ (Blackwell B200/GB200)" in proc.stderr

@@ -186,3 +186,21 @@ def test_bad_profile_settings_name_their_field(compose):
         validate.check(compose(["training.steps=4", "profile.steps=[5]", "profile.every=2", "profile.warmup=2", "profile.ranks=[4]"]))
     assert [(p.field, p.value) for p in e.value.problems] == [("profile.steps", [5]), ("profile.every", 2), ("profile.ranks", [4])]
     assert json.dumps(e.value.problems[0].why) == '"steps [5] are not steps of this run (1..4)"'
+
+
+def test_fp8_cast_kernels_are_their_own_term_and_torchaos_gemms_compute():
+    """profile/breakdown.json's fp8_cast: torchao's tensorwise and rowwise amax (abs, amax), the scale's reciprocal and
+    its blockwise and MX quantization kernels; its blockwise GEMMs (Triton) and torch._scaled_mm are compute."""
+    events = [
+        _x("ProfilerStep#3", 0, 100),
+        _x("aten::abs", 0, 10),
+        _x("aten::amax", 10, 10),
+        _x("aten::reciprocal", 20, 5),
+        _x("torchao::triton_fp8_blockwise_act_quant_lhs", 25, 15),
+        _x("torchao::triton_to_mxfp8_dim1", 40, 10),
+        _x("torchao::triton_fp8_gemm_1x128_128x128", 50, 20),
+        _x("torchao::blockwise_scaled_mm", 70, 10),
+        _x("aten::_scaled_mm", 80, 20),
+    ]
+    (step,) = breakdown.steps({"traceEvents": events}).values()
+    assert {k: round(v * 1e6, 6) for k, v in step["terms_s"].items() if v} == {"fp8_cast": 50, "compute": 50}

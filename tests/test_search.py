@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from runner.config import flops, memory, plan, search, validate
+from runner.config import flops, memory, plan, precision, search, validate
 from runner.config.predict import accuracy, steptime
+from runner.config.predict import fp8 as fp8_model
 from runner.config.problems import ConfigError
 from runner.config.schema import Mode
 from runner.config.search import render as search_render
@@ -403,3 +404,61 @@ def test_verify_is_refused_before_anything_runs(tmp_path):
         "Fix: set search.verify=0 and run the written sweep on the cluster" in proc.stderr
     )
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
+
+
+FP8_70B = [
+    "model=llama3_70b",
+    "cluster=h100x64",
+    "training.seq_len=4096",
+    "training.global_batch_size=64",
+    "training.compile=true",
+    "search.max_microbatch_size=1",
+    "search.max_virtual_stages=2",
+    "search.max_cp=1",
+    "mode=search",
+]
+FP8_8B_TP8 = [
+    "model=llama3_8b",
+    "cluster=h100_node",
+    "parallelism=tp2",
+    "parallelism.name=tp8",
+    "parallelism.tp=8",
+    "training.seq_len=8192",
+    "training.global_batch_size=8",
+    "training.microbatch_size=1",
+    "training.compile=true",
+]
+
+
+def test_fp8_search_prints_each_candidates_speed_up_over_the_same_candidate_in_bf16(compose, monkeypatch):
+    """mode=search precision=fp8_tensorwise ranks with the FP8 model and prints, per candidate, its predicted bf16 step
+    over its FP8 one: where FP8 pays (the 70B's large GEMMs on 64 H100s, compiled casts: x1.23 for #1) and where it does
+    not (the 8B at TP 8, whose sharded GEMMs gain less while every cast and tensorwise amax all-reduce stays: x0.99 in its
+    one-line plan). Each printed figure is the bf16 config's own prediction (composed with precision=bf16) over the FP8
+    one's; MFU is of the bf16 peak in both precisions."""
+    cfg, bf16 = compose([*FP8_70B, "precision=fp8_tensorwise"]), compose([*FP8_70B, "precision=bf16"])
+    walks = []  # the FP8 model walks the model's layers once per TP degree, not per candidate (a 30x slower search)
+    monkeypatch.setattr(precision, "conversion", lambda c, real=precision.conversion: walks.append(1) or real(c))
+    fp8_model._LAYERS.clear()
+    res = search.run(cfg)
+    layouts = len(list(search.layouts(cfg, search.world_size(cfg))))
+    assert len(walks) <= layouts + 4 < res.predictions  # validation's FP8 shape rule once per layout; the FP8 model once per TP
+    monkeypatch.undo()
+    text = search_render.lines(cfg, res)
+    head = next(i for i, t in enumerate(text) if t.startswith("  #  layout"))
+    assert "vs bf16" in text[head] and "'vs bf16': the same candidate's predicted bf16 step time over its FP8 one" in text[head - 1]
+    for i, r in enumerate(res.ranked[:3]):
+        fp8_s = steptime.predict(r.candidate.config(cfg), r.candidate.layout()).step_s
+        bf16_s = steptime.predict(r.candidate.config(bf16), r.candidate.layout()).step_s
+        assert (r.step_s, r.fp8_speed_up) == (fp8_s, pytest.approx(bf16_s / fp8_s))
+        assert f" {search_render.speed_up(bf16_s / fp8_s)}  " in text[head + 1 + i]
+        assert r.mfu == pytest.approx(search.mfu(bf16, bf16_s) * bf16_s / fp8_s)  # of the bf16 peak (989), not float8's
+    gain_70b = res.ranked[0].fp8_speed_up
+    assert gain_70b > 1.15 and search_render.to_json(res)["ranked"][0]["fp8_speed_up"] == gain_70b
+    small, small_bf16 = _as_plan(compose([*FP8_8B_TP8, "precision=fp8_tensorwise"])), _as_plan(compose([*FP8_8B_TP8, "precision=bf16"]))
+    lay = validate.check(small)
+    budget = plan.compute(small, lay)
+    gain_8b = plan.compute(small_bf16, lay)["estimated_step_time_s"] / budget["estimated_step_time_s"]
+    assert budget["fp8_speed_up"] == pytest.approx(gain_8b) and gain_8b < 1.0 < gain_70b
+    assert plan.one_line(budget).endswith(f", FP8 {search_render.speed_up(gain_8b)} vs bfloat16")
+    assert budget["predicted_terms_s"]["fp8_amax"] > 0.05 * budget["estimated_step_time_s"]  # TP 8's amax all-reduces: 9 %

@@ -19,7 +19,10 @@ The default figures follow what TorchTitan allocates, category by category as th
   w1, w3, silu and product outputs; per TP rank heads and FFN are / tp, norms / tp with SP. Full activation
   checkpointing keeps each block's input; one block is recomputed at a time during backward (a temporary).
 - temporaries: that recomputed block, or on the last stage the loss's backward (the logits and their fp32 and
-  param_dtype gradients), whichever is larger.
+  param_dtype gradients), whichever is larger. Under an FP8 recipe the block's backward also holds a converted
+  Linear's float8 operands and the cast that makes the last of them (runner/config/predict/fp8.py,
+  backward_transient_bytes); nothing else of FP8 stays in memory (no float8 weight copy, no scale buffer; saved
+  activations stay in param_dtype).
   The last stage adds the final norm, the head's input, its output (the param_dtype logits, kept for backward
   as every stage's output is) and the fp32 log-softmax of the loss (vocab / tp); other stages keep each
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
@@ -43,6 +46,7 @@ from typing import Any
 
 from runner.config import flops, pipeline
 from runner.config.layout import Layout
+from runner.config.predict import fp8
 from runner.config.schema import ActivationCheckpoint, DeviceType, RunConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
@@ -232,10 +236,12 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # routed experts are split over ep, then FSDP-sharded over dp_shard x cp / ep: every parameter's shard is / shard
     sharded = params / lay.tp / shard
     ac = t.activation_checkpoint != ActivationCheckpoint.none
+    ffn_grads = 0.0
     if keeps_weights_gathered(cfg, lay) and lay.pp > 1:
         weights_grads = local * (bw + rw)
         if not ac and not last:  # the peak is inside a block's backward: FFN gradients in param_dtype, not yet reduced
-            weights_grads += FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
+            ffn_grads = FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
+            weights_grads += ffn_grads
     else:
         weights_grads = head / lay.tp * bw + (sharded * MASTER_BYTES if micro > 1 else 0)
     # FSDP resharding after forward: the step peaks either in the loss's backward (its temporaries) or inside the
@@ -263,9 +269,14 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
-    temporaries = max(recompute, loss_backward)
+    # FP8: the block's backward peaks at w2's last cast, before the FFN has gradients, or at a later Linear's beside them
+    first, later = fp8.backward_transient_bytes(cfg, lay.tp, t.microbatch_size * t.seq_len // lay.cp)
+    if first - ffn_grads > later and first > loss_backward:
+        weights_grads -= ffn_grads
+    in_linear = recompute + (first if first - ffn_grads > later else later)
+    temporaries = max(in_linear, loss_backward)
     if in_block is not None and in_block > temporaries:
-        weights_grads, temporaries = weights_grads + in_block, recompute
+        weights_grads, temporaries = weights_grads + in_block, in_linear
     return {
         "params": local,
         "weights_grads": weights_grads,

@@ -9,6 +9,7 @@ per-family rule `linear_layers`, so the converted-layer list a run logs is the o
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -183,6 +184,15 @@ def mfu_peak(cfg: RunConfig) -> str:
     param_dtype (CPU: the peak is measured at launch, in the GEMMs' dtype) both use the GEMMs' peak."""
     high = cfg.precision.param_dtype.value
     return high if high in cfg.cluster.peak_tflops else matmul_peak(cfg)[0]
+
+
+def without_fp8(cfg: RunConfig) -> RunConfig:
+    """The same run with the FP8 recipe off: every layer in param_dtype (bf16 on GPUs), what an FP8 plan's speed-up is
+    measured against. A shallow copy (mode=search asks once per kept candidate), named after param_dtype."""
+    p, out = copy.copy(cfg.precision), copy.copy(cfg)
+    p.__dict__.update(name=p.param_dtype.value, fp8=Fp8Recipe.none, keep_high_precision=[])
+    out.precision = p
+    return out
 
 
 def parse_capability(text: str) -> tuple[int, int] | None:

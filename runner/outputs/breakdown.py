@@ -58,12 +58,16 @@ RECOMPUTE_SPAN = "runner/recompute"  # runner.run.profiling: torch.utils.checkpo
 
 SPANS = {DATA_SPAN: "data_wait", PP_WAIT_SPAN: "bubble", RECOMPUTE_SPAN: "recompute"}  # the runner's own spans and their terms
 COMPUTE = re.compile(
-    r"aten::(mm|addmm|bmm|baddbmm|_scaled_mm|_grouped_mm|_scaled_grouped_mm|_int_mm|"
-    r"_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+|_cudnn_attention_\w+)$"
+    r"(aten::(mm|addmm|bmm|baddbmm|_scaled_mm|_grouped_mm|_scaled_grouped_mm|_int_mm|"
+    r"_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+|_cudnn_attention_\w+)|"
+    r"torchao::(\w*_gemm_\w+|blockwise_scaled_mm))$"
 )
+"""GEMMs and attention: ATen's, and torchao's blockwise FP8 GEMMs (Triton, torchao 0.18: triton_fp8_gemm_1x128_128x128,
+triton_fp8_gemm_1x128_128x1, blockwise_scaled_mm), matched before FP8_CAST."""
 FP8_CAST = re.compile(r"(aten::(amax|abs|reciprocal)|torchao::\w+)$")
 """Ops that only an FP8 recipe's scaling issues in a training step (torchao's tensorwise amax is abs then max, rowwise
-amax; its blockwise and MX casts are torchao custom ops)."""
+amax; its blockwise and MX casts are torchao custom ops: triton_fp8_blockwise_*_quant_*, triton_to_mxfp8_dim0/1,
+mxfp8_quantize)."""
 METADATA = re.compile(
     r"aten::(view|_unsafe_view|view_as|as_strided|reshape|_reshape_alias|t|transpose|permute|slice|narrow|select|expand|"
     r"expand_as|unsqueeze|squeeze|split|split_with_sizes|chunk|unbind|tensor_split|detach|detach_|alias|empty|empty_strided|"

@@ -140,6 +140,7 @@ def compute(
     comm = communication(cfg, lay, micro, v, dpn, gbs_of)
     eff = matmul_efficiency if matmul_efficiency is not None else c.matmul_efficiency
     pred = steptime.predict(cfg, lay, profile, peak_tflops=peak_tflops, link_gbs=link_gbs, matmul_efficiency=matmul_efficiency)
+    speed_up = steptime.fp8_speed_up(cfg, lay, pred, profile, link_gbs=link_gbs, matmul_efficiency=matmul_efficiency)
     return {
         "model": f"{m.name} {m.flavor}",
         "params": flops.num_params(m),
@@ -161,6 +162,8 @@ def compute(
         **ct,
         **comm,
         **_estimate(ct, comm, bubble, pred, eff),
+        "fp8_speed_up": speed_up,  # the same layout's predicted param_dtype (bf16) step time over this FP8 one; None without FP8
+        "fp8_speed_up_over": cfg.precision.param_dtype.value if speed_up is not None else None,
         **checkpoint_interval(flops.num_params(m), c, ct["step_time_s"], max(1, lay.world_size // dpn)),
     }
 

@@ -67,7 +67,8 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         (
             "temporaries + buffers",
             _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"], ".3g", " GB"),
-            f"recomputed block or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
+            f"recomputed block{_fp8_casts(plan)} or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; "
+            f"RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
         ),
         (
             "total memory",
@@ -79,6 +80,11 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         (EXAMPLE, _f(plan["total_gb_per_gpu_worked_example"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
     ]
+
+
+def _fp8_casts(plan: dict[str, Any]) -> str:
+    """FP8 recipes: a converted Linear's backward also holds its float8 operands and a cast (runner.config.memory)."""
+    return ", an FP8 Linear's backward casts" if _fp8(plan) else ""
 
 
 def _binding(plan: dict[str, Any]) -> str:
@@ -107,7 +113,7 @@ def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
     if not _fp8(plan) or not terms:
         return []
     cast, amax = terms.get("fp8_cast", 0.0), terms.get("fp8_amax", 0.0)
-    return [
+    out = [
         (
             "FP8 casts and scales",
             _f(cast + amax, ".3f", " s"),
@@ -115,6 +121,17 @@ def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             "converted GEMMs in compute at the FP8 rate, kept layers (lm_head) at bf16's",
         )
     ]
+    if plan.get("fp8_speed_up") is not None:
+        over = plan["fp8_speed_up_over"]
+        out.append(
+            (
+                "FP8 speed-up",
+                f"x{plan['fp8_speed_up']:.2f}",
+                f"the same layout's predicted {over} step ({plan['estimated_step_time_s'] * plan['fp8_speed_up']:.3f} s) over this one: "
+                "above 1 where the GEMMs are large, below where casts and high-precision layers eat their gain",
+            )
+        )
+    return out
 
 
 def rows(plan: dict[str, Any], configured_interval: int | None = None, configured_local: int | None = None) -> list[tuple[str, str, str]]:
@@ -193,6 +210,7 @@ def one_line(plan: dict[str, Any]) -> str:
         f"(MFU {_f(plan['estimated_mfu'] and 100 * plan['estimated_mfu'], '.1f', ' %')}), m={plan['microbatches']}, "
         f"bubble {100 * plan['bubble_fraction']:.1f} %, TP {_f(plan['tp_comm_s'], '.3f', ' s')}, "
         f"memory {plan['total_gb_per_gpu']:.3g} GB ({fit})"
+        + (f", FP8 x{plan['fp8_speed_up']:.2f} vs {plan['fp8_speed_up_over']}" if plan.get("fp8_speed_up") is not None else "")
     )
 
 

@@ -40,6 +40,22 @@ class RecipeCost:
     """The scale is one amax over the whole tensor: an all-reduce over the TP group per operand (tensorwise)."""
     peak: str
     """The cluster.peak_tflops entry its GEMMs run at."""
+    staging_bytes: tuple[float, float]
+    """(eager, training.compile) bytes per element a cast holds beside its float8 output while it runs: torchao's eager
+    cast (float8_training_tensor._ToFloat8ConstrFunc) scales into an fp32 tensor and clamps it into another before the
+    float8 conversion (4 + 4); compiled, and in the blockwise and MX kernels, one fused kernel writes float8 only."""
+    scale_group: int | None
+    """Elements of a row that share one scale along the GEMM's reduction axis: None one scale per tensor (tensorwise),
+    0 one per row (rowwise), else one per that many (blockwise's 1 x 128 tiles, MXFP8's 32)."""
+    scale_bytes: int
+    """Bytes of one scale: fp32 (4), MXFP8's e8m0 exponent (1)."""
+
+    def scales(self, rows: int, cols: int) -> float:
+        """Bytes of the scales of a rows x cols float8 tensor scaled along its cols."""
+        if self.scale_group is None:
+            return float(self.scale_bytes)
+        groups = 1 if self.scale_group == 0 else -(-cols // self.scale_group)
+        return float(self.scale_bytes * rows * groups)
 
 
 # Bytes per element, compiled: tensorwise reads the tensor once for its amax and once for the cast, which writes the
@@ -50,10 +66,10 @@ class RecipeCost:
 # transpose): about 27 B per element per scaling axis pass, counted as 27 for tensorwise (one amax, one transpose)
 # and 50 for the two-axis rowwise and MXFP8 casts.
 COSTS = {
-    Fp8Recipe.tensorwise: RecipeCost(0.90, (), (27.0, 6.0), True, "float8"),
-    Fp8Recipe.rowwise: RecipeCost(0.75, (), (50.0, 6.0), False, "float8"),
-    Fp8Recipe.blockwise: RecipeCost(0.60, (), (6.1, 6.1), False, "float8"),
-    Fp8Recipe.mxfp8: RecipeCost(0.80, (), (50.0, 6.1), False, "mxfp8"),
+    Fp8Recipe.tensorwise: RecipeCost(0.90, (), (27.0, 6.0), True, "float8", (8.0, 0.0), None, 4),
+    Fp8Recipe.rowwise: RecipeCost(0.75, (), (50.0, 6.0), False, "float8", (8.0, 0.0), 0, 4),
+    Fp8Recipe.blockwise: RecipeCost(0.60, (), (6.1, 6.1), False, "float8", (0.0, 0.0), 128, 4),
+    Fp8Recipe.mxfp8: RecipeCost(0.80, (), (50.0, 6.1), False, "mxfp8", (0.0, 0.0), 32, 1),
 }
 """gemm_efficiency: tensorwise 0.90, the one figure fitted, on TorchTitan's Float8 rows of reference_runs.csv (0.80
 left the 8B FSDP 8 speed-up at 1.18 against the published 1.28): cuBLAS's tensorwise FP8 GEMMs reach nearly the
@@ -76,21 +92,74 @@ def peak(cfg: RunConfig) -> float | None:
     return c.peak_tflops.get(r.peak) or c.peak_tflops.get("float8")
 
 
+_LAYERS: dict[tuple, tuple[Counter, Counter]] = {}
+"""block_layers' answers by what they depend on: mode=search prices and sizes thousands of candidates of one model,
+and walking every layer's keep_high_precision patterns each time made an FP8 search 17 (time) to 30 (memory) times
+slower than a bf16 one."""
+
+
+def block_layers(cfg: RunConfig, tp: int) -> tuple[Counter, Counter]:
+    """(converted, kept) Linear layers of all blocks on one TP rank, counted by (is w2, K, N): its weight shard's in and
+    out dims and whether it is an FFN's w2. TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two of its
+    shape. The head is not a block's. Cached (_LAYERS); the counters are shared, read them only."""
+    model = tuple(v for v in vars(cfg.model).values() if not isinstance(v, dict))  # init_record: provenance, not shape
+    key = (model, tuple(cfg.precision.keep_high_precision), cfg.precision.fp8, tp)
+    found = _LAYERS.get(key)
+    if found is None:
+        if len(_LAYERS) >= 1024:
+            _LAYERS.clear()
+        converted = set(precision.conversion(cfg)[0])
+        conv, kept = Counter(), Counter()
+        for layer in precision.linear_layers(cfg.model):
+            if layer.fqn.startswith("layers."):
+                k, n = precision.local_gemm_dims(layer, tp)
+                times = 2 if layer.fqn.endswith(".wkv") else 1
+                (conv if layer.fqn in converted else kept)[(layer.fqn.endswith(".w2"), k, n)] += times
+        found = _LAYERS[key] = (conv, kept)
+    return found
+
+
 def linear_gemms(cfg: RunConfig, tp: int, tokens: int) -> tuple[Counter[Gemm], Counter[Gemm]]:
-    """(converted, kept) forward GEMMs of all blocks' Linear layers on one rank for one microbatch, counted by shape.
-    TorchTitan builds a GQA model's `wkv` config twice (wk and wv): two GEMMs of its shape. The head is not a block's."""
-    converted = set(precision.conversion(cfg)[0])
-    conv, kept = Counter(), Counter()
-    for layer in precision.linear_layers(cfg.model):
-        if not layer.fqn.startswith("layers."):
-            continue
-        k, n = precision.local_gemm_dims(layer, tp)
-        times = 2 if layer.fqn.endswith(".wkv") else 1
-        (conv if layer.fqn in converted else kept)[(tokens, k, n)] += times
-    return conv, kept
+    """(converted, kept) forward GEMMs (M tokens, K, N) of all blocks' Linear layers on one rank for one microbatch,
+    counted by shape."""
+    out: tuple[Counter[Gemm], Counter[Gemm]] = (Counter(), Counter())
+    for layers, gemms in zip(block_layers(cfg, tp), out, strict=True):
+        for (_, k, n), times in layers.items():
+            gemms[(tokens, k, n)] += times
+    return out
 
 
 def cast_elements(g: Gemm) -> tuple[float, float, float]:
     """Elements of x (M x K), W (K x N) and dy (M x N) of one converted forward GEMM (M, K, N)."""
     m, k, n = g
     return float(m * k), float(k * n), float(m * n)
+
+
+def backward_transient_bytes(cfg: RunConfig, tp: int, tokens: int) -> tuple[float, float]:
+    """Bytes an FP8 recipe holds beyond param_dtype's inside a block's backward, on any device (the CPU dry run runs
+    torchao's own casts), as (at the FFN's second Linear w2, whose backward runs first, before any FFN weight has a
+    gradient; at the largest of the other converted Linear layers): each the largest backward_bytes of its layers.
+
+    Nothing else changes in memory (torchao 0.18, read in float8/float8_linear.py and the blockwise and MX linears):
+    each converted Linear saves its high-precision input and weight for backward, as nn.Linear does, so activations are
+    those of param_dtype; dynamic scaling keeps no amax history or other buffer; and the float8 copies of the weights
+    are cast per GEMM and dropped, since FSDP's float8 all-gather (float8 weight shards) is off in TorchTitan 0.3.0."""
+    if cfg.precision.fp8 == Fp8Recipe.none:
+        return 0.0, 0.0
+    recipe = COSTS[cfg.precision.fp8]
+    staging = recipe.staging_bytes[1 if cfg.training.compile else 0]
+    first = later = 0.0
+    for w2, k, n in block_layers(cfg, tp)[0]:
+        b = backward_bytes(recipe, (tokens, k, n), staging)
+        first, later = (max(first, b), later) if w2 else (first, max(later, b))
+    return first, later
+
+
+def backward_bytes(recipe: RecipeCost, g: Gemm, staging: float) -> float:
+    """A converted Linear's backward (M tokens, K in, N out) at its last cast: the float8 dy scaled for the input
+    gradient (M x N) and the float8 weight for it (K x N) still held by the backward's locals, dy again scaled along
+    the tokens for the weight gradient (N x M), and the input being cast for it (K x M): its float8 output beside the
+    cast's staging, with every tensor's scales."""
+    m, k, n = g
+    held = 2 * m * n + k * n + recipe.scales(m, n) + recipe.scales(k, n) + recipe.scales(n, m)
+    return held + m * k * (1 + staging) + recipe.scales(k, m)

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from runner.config import comm as plan_comm
-from runner.config import flops, layout, pipeline
+from runner.config import flops, layout, pipeline, precision
 from runner.config.layout import MESH_ORDER, Layout
 from runner.config.memory import BYTES, keeps_weights_gathered
 from runner.config.predict import fp8, machine, work
@@ -316,3 +316,24 @@ def predict(
     found = _terms(cfg, lay, mach, ac or cfg.training.activation_checkpoint.value)
     terms = {k: found[k] for k in TERMS}
     return StepPrediction(sum(terms.values()), terms, max(terms, key=terms.get), mach.calibrated, mach.source)
+
+
+def fp8_speed_up(
+    cfg: RunConfig,
+    lay: Layout,
+    pred: StepPrediction,
+    profile=None,
+    *,
+    link_gbs: dict[str, float] | None = None,
+    matmul_efficiency: float | None = None,
+) -> float | None:
+    """Predicted step time of the same layout with the FP8 recipe off (precision.without_fp8: param_dtype, bf16 on
+    GPUs) over `pred`'s, the FP8 one: where FP8 pays (large GEMMs, > 1) and where its casts, amax reductions and the
+    layers kept in high precision eat the GEMMs' gain (small TP-sharded GEMMs, < 1 possible). None without the FP8
+    model (no recipe, a CPU cluster, a machine profile that times GEMMs in the run's dtype: no fp8_cast term) or a
+    prediction. The twin takes the same links and efficiency; a peak_tflops override names the float8 peak, so the
+    twin keeps the cluster's param_dtype peak."""
+    if not pred.step_s or not pred.terms.get("fp8_cast"):
+        return None
+    twin = predict(precision.without_fp8(cfg), lay, profile, link_gbs=link_gbs, matmul_efficiency=matmul_efficiency).step_s
+    return twin / pred.step_s if twin else None

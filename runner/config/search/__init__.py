@@ -35,7 +35,7 @@ from runner.config import flops, layout, memory, pipeline, precision, validate
 from runner.config.layout import Layout, label
 from runner.config.predict import steptime
 from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, ReshardPolicy, RunConfig
+from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig
 from runner.config.search.space import _reshards, bounds, debug_defaults, layouts, schedules  # noqa: F401  (the space)
 from runner.config.validate import pipeline_rules as pipeline_rules
 
@@ -115,6 +115,9 @@ class Ranked:
     """Schedules of the candidates that differ from this one only in the schedule and are predicted exactly alike (time,
     recomputation, memory): the predictor prices a zero-bubble schedule's bubble as its plain twin's, so they are listed
     once, here."""
+    fp8_speed_up: float | None = None
+    """Under an FP8 recipe: the same candidate's predicted step time in param_dtype (bf16) over this one's
+    (steptime.fp8_speed_up); None without FP8."""
 
     def key(self) -> tuple[float, float, float]:
         return (self.step_s, self.recompute, self.memory_gb)
@@ -329,13 +332,22 @@ class _Search:
 
 
 def mfu(cfg: RunConfig, step_s: float | None) -> float | None:
-    """Model FLOPs of a step over what the devices' dense peak could do in step_s (the plan's convention)."""
-    peak = cfg.cluster.peak_tflops.get(precision.matmul_peak(cfg)[0])
+    """Model FLOPs of a step over what the devices' dense peak could do in step_s (the plan's convention: the
+    param_dtype peak, bf16 on GPUs, whatever dtype the GEMMs run in, so FP8 and bf16 candidates compare)."""
+    peak = cfg.cluster.peak_tflops.get(precision.mfu_peak(cfg))
     if not step_s or not peak:
         return None
     t = cfg.training
     model_flops = t.global_batch_size * t.seq_len * flops.flops_per_token(cfg.model, t.seq_len, cfg.plan.flops_convention)
     return model_flops / (step_s * world_size(cfg) * peak * 1e12)
+
+
+def _with_fp8_speed_up(cfg: RunConfig, r: Ranked) -> Ranked:
+    """A kept candidate with its FP8 speed-up over the same candidate in bf16 (one more prediction each, kept ones only)."""
+    if cfg.precision.fp8 == Fp8Recipe.none:
+        return r
+    pred = steptime.StepPrediction(r.step_s, r.terms, r.binding)
+    return dataclasses.replace(r, fp8_speed_up=steptime.fp8_speed_up(r.candidate.config(cfg), r.candidate.layout(), pred))
 
 
 def run(cfg: RunConfig, keep: int = 10) -> Result:
@@ -347,6 +359,6 @@ def run(cfg: RunConfig, keep: int = 10) -> Result:
     for degrees in layouts(cfg, search.ws):
         search.layout(degrees)
     res = search.res
-    res.ranked, res.warning = search.best, debug_defaults(cfg)
+    res.ranked, res.warning = [_with_fp8_speed_up(cfg, r) for r in search.best], debug_defaults(cfg)
     res.seconds = time.perf_counter() - t0
     return res

@@ -40,11 +40,30 @@ def _reason(key: str, res: Result) -> str:
     return f"rule {key}" + (f" (e.g. {res.examples[key]})" if key in res.examples else "")
 
 
-def _row(i: int, r: Ranked) -> str:
+SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def _fp8(cfg: RunConfig) -> str | None:
+    """Under an FP8 recipe, the dtype its speed-up column compares with (param_dtype: bf16 on GPUs); else None."""
+    p = cfg.precision
+    return None if p.fp8.value == "none" else SHORT.get(p.param_dtype.value, p.param_dtype.value)
+
+
+def _fp8_note(cfg: RunConfig, fp8: str) -> str:
+    return f" ({cfg.precision.name}; 'vs {fp8}': the same candidate's predicted {fp8} step time over its FP8 one, MFU of the {fp8} peak):"
+
+
+def speed_up(x: float | None) -> str:
+    """An FP8 speed-up as printed: 'x1.23' (the same candidate's bf16 step time over its FP8 one), '-' unpriced."""
+    return "-" if x is None else f"x{x:.2f}"
+
+
+def _row(i: int, r: Ranked, fp8: bool = False) -> str:
     c = r.candidate
     mfu = f"{100 * r.mfu:5.1f} %" if r.mfu is not None else "    -  "
+    gain = f" {speed_up(r.fp8_speed_up):>8}" if fp8 else ""
     return (
-        f"{i:>3}  {r.label:<48} {c.microbatch_size:>3}  {c.ac.value:<15} {c.reshard.value:<7} {r.step_s:>9.3f} {mfu}  "
+        f"{i:>3}  {r.label:<48} {c.microbatch_size:>3}  {c.ac.value:<15} {c.reshard.value:<7} {r.step_s:>9.3f} {mfu}{gain}  "
         f"{r.binding:<10} {r.terms.get(r.binding, 0):>8.3f} {r.memory_gb:>8.1f}" + (f"  (also: {', '.join(r.also)})" if r.also else "")
     )
 
@@ -87,7 +106,7 @@ def why_first(res: Result) -> str:
 
 
 def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str]:
-    m = cfg.model
+    m, fp8 = cfg.model, _fp8(cfg)
     rejected = sum(res.rejected.values())
     out = [
         f"search: {m.name} {m.flavor} on {res.world_size:,} devices: {res.candidates:,} candidates, "
@@ -97,10 +116,11 @@ def lines(cfg: RunConfig, res: Result, sweep_cmd: str | None = None) -> list[str
         *(f"  {b}" for b in res.bounds),
         "rejected, by reason:",
         *(f"  {n:>10,}  {_reason(k, res)}" for k, n in res.rejected.most_common()),
-        f"top {min(SHOWN, len(res.ranked))} by predicted step time:",
-        f"{'#':>3}  {'layout':<48} {'mbs':>3}  {'AC':<15} {'reshard':<7} {'step (s)':>9} {'MFU':>7}  {'binding':<10} "
-        f"{'(s)':>8} {'mem (GB)':>8}",
-        *(_row(i + 1, r) for i, r in enumerate(res.ranked[:SHOWN])),
+        f"top {min(SHOWN, len(res.ranked))} by predicted step time" + (_fp8_note(cfg, fp8) if fp8 else ":"),
+        f"{'#':>3}  {'layout':<48} {'mbs':>3}  {'AC':<15} {'reshard':<7} {'step (s)':>9} {'MFU':>7}"
+        + (f" {'vs ' + fp8:>8}" if fp8 else "")
+        + f"  {'binding':<10} {'(s)':>8} {'mem (GB)':>8}",
+        *(_row(i + 1, r, bool(fp8)) for i, r in enumerate(res.ranked[:SHOWN])),
         why_first(res),
     ]
     t = verdict.tier(cfg, res, SHOWN)
@@ -127,6 +147,7 @@ def to_json(res: Result) -> dict:
                 "overrides": r.candidate.overrides(),
                 "step_s": r.step_s,
                 "mfu": r.mfu,
+                "fp8_speed_up": r.fp8_speed_up,
                 "binding": r.binding,
                 "terms": r.terms,
                 "memory_gb": r.memory_gb,
