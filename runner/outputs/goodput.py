@@ -4,19 +4,18 @@ The launcher of node 0 and rank 0 append what they did, with its wall-clock time
 attempt and requeued job), to the run folder's timeline.jsonl (runfiles.TIMELINE), one JSON object a line:
 
     launch   python -m runner started this run (`job`: SLURM's restart count, 0 outside SLURM)
-    mark     rank 0 of attempt (`job`, `attempt`) reached a start-up mark (MARKS; `restored` names the step resumed from)
+    mark     rank 0 of attempt (`job`, `attempt`) reached a start-up mark (MARKS; `restored` names the step resumed from,
+             and the checkpoint tier and why: `tier`, `why`)
     step     one step on rank 0: `start`, `end` (after its checkpoint save, evaluation and logging), `step_s`, `data_s`,
              `checkpoint_s`, `eval_s`, `overhead_s`, `rewound_to` after a rewind, and under fault_tolerance=torchft
              `ft_committed` and `ft_trained` (the quorum committed the step; this replica group trained it)
-    failure  a rank raised (`by`: "rank r: error"), or the elastic agent saw a rank fail ("agent"), and when the rank
-             that raised nothing was last alive (its record in logs/ranks/)
+    failure  a rank raised (`by`: "rank r: error") or the agent saw one fail ("agent"); a silent rank: when last alive
     end      rank 0 left the step loop (`stopped`: for SLURM's requeue), with the final save's blocking seconds
 
 `account` reads them back into PARTS, one row per part, each measured from its own timestamps; what no part covers
-is `unaccounted`. Under fault_tolerance=torchft each replica group keeps its own timeline (its folder replica_<r>), a
-failed attempt of a group throws no work away (its committed steps live on in its peers' weights), and the time the
-group is out of training is lost capacity (`outage`); `combine` sums the groups' accounts into the run's, in
-group-seconds. Torch-free: the launcher writes its event before torch is imported.
+is `unaccounted`. Under fault_tolerance=torchft each replica group keeps its own timeline (folder replica_<r>), a
+failed attempt of a group throws no work away (its committed steps live on in its peers' weights), the time it is out
+is lost capacity (`outage`); `combine` sums the groups' accounts, in group-seconds. Torch-free.
 """
 
 from __future__ import annotations
@@ -120,8 +119,7 @@ class Attempt:
     marks: dict[str, float] = field(default_factory=dict)
     restored: int = 0
     """The step the attempt resumed from (0: from the start)."""
-    restored_from: dict[str, Any] = field(default_factory=dict)
-    """Which checkpoint tier it resumed from and why ({"tier": "local" | "shared" | "none", "why": ...}), when it restored."""
+    restored_from: dict[str, Any] = field(default_factory=dict)  # the tier it resumed from, and why (the `restored` mark)
     steps: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
@@ -188,8 +186,7 @@ def parse(events: list[dict[str, Any]]) -> Run:
         if e["event"] == "mark":
             a.marks[e["name"]] = e["time"]
             a.restored = e.get("step", a.restored)
-            if "tier" in e:
-                a.restored_from = {k: e[k] for k in ("tier", "why") if k in e}
+            a.restored_from = {k: e[k] for k in ("tier", "why") if k in e} or a.restored_from
         elif e["event"] == "step":
             a.steps.append(e)
         elif e["event"] == "failure":
@@ -357,13 +354,10 @@ def account(events: list[dict[str, Any]]) -> dict[str, Any]:
 def _attempt_row(a: Attempt) -> dict[str, Any]:
     how = ("stopped" if a.end.get("stopped") else "ended") if a.end else "failed"
     row = {"job": a.job, "attempt": a.attempt, "start": a.start, "stop": a.stop, "how": how, "resumed_from_step": a.restored}
-    if a.restored_from:
-        row["resumed_from_tier"] = a.restored_from
+    row |= {"resumed_from_tier": a.restored_from} if a.restored_from else {}
     row |= {"steps": len(a.steps), "startup_s": _startup(a), "startup": _startup_detail(a)}
-    if a.failures:
-        first = min(a.failures, key=lambda f: f["time"])
-        row["failure"] = {"time": first["time"], "by": first["by"]}
-    return row
+    first = min(a.failures, key=lambda f: f["time"]) if a.failures else None
+    return row | ({"failure": {"time": first["time"], "by": first["by"]}} if first else {})
 
 
 def combine(reports: list[dict[str, Any]]) -> dict[str, Any]:
