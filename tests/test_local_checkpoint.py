@@ -183,6 +183,7 @@ def _local_folder(run_dir: Path) -> Path:
 def test_killed_rank_resumes_from_the_newer_local_save(shared_runs, reference):
     run_dir, console, rows = _resumed(shared_runs, "killed", reference)
     assert "checkpoint: resumed from the local tier, step 3 (local step 3 is whole and newer than shared step 2)" in console
+    assert "assuming the intent is to save in a single process" not in console  # DCP's no_dist notice: runner.run.known_warnings
     # nothing recomputed: step 4 was never finished; the local saves of steps 1 and 3 held the loop, as the shared ones do
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [(r["step"], r["checkpoint_tier"]) for r in rows if r.get("checkpoint_s")] == [
@@ -238,3 +239,45 @@ def test_corrupted_local_shard_fails_its_checksum_and_the_partner_copy_is_used(s
     why = "local step 3 is whole and newer than shared step 2; rank(s) [1] from their partner copies"
     assert f"checkpoint: resumed from the local tier, step 3 ({why})" in console
     assert KILL_AT == 4
+
+
+def test_async_local_save_is_published_and_restored_in_process(compose, tmp_path):
+    """One gloo rank (one node: no partner): an asynchronous save of the local tier through DCP's no_dist async_save is
+    published with its marker once the worker is done, pruned to `keep`, and loads back into the same model and
+    optimizer; the run's end deletes the rank's local root."""
+    import torch
+
+    from runner.config.schema import DeviceType
+    from runner.run.device import DevicePolicy
+    from runner.run.local_tier import LocalTier
+    from runner.run.titan import state
+    from tests.one_rank import gloo_rank
+
+    cfg = compose(["checkpoint=local", "checkpoint.interval=10", f"checkpoint.local.folder={tmp_path / 'local' / '%N'}"])
+    cfg.checkpoint.local.interval, cfg.checkpoint.local.keep = 2, 1
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = [torch.optim.AdamW(model.parameters(), lr=0.1)]
+    model(torch.randn(2, 8)).sum().backward()
+    opt[0].step()
+    origin = {"world_size": 1, "layout": "single"}
+    with gloo_rank(cfg, tmp_path):
+        policy = DevicePolicy(DeviceType.cpu, "gloo", dedicated_host_group=False)
+        tier = LocalTier(cfg.checkpoint, tmp_path / "shared", origin=origin, policy=policy)
+        assert (tier.partner, tier.nodes, tier.async_save) == (None, 1, True)
+        tier.save(2, [model], opt, {"train": {"step": 2}})
+        tier.staged()
+        saved = model.weight.detach().clone()
+        tier.wait()
+        tier.save(4, [model], opt, {"train": {"step": 4}})
+        tier.wait()
+        assert tier.published == [2, 4] and not (tier.root / "step-2").exists()  # keep 1
+        shard = local_checkpoint.shard_path(tier.root, 4, 0)
+        assert checkpoint.verify(shard) is None and checkpoint.marker(shard)["step"] == 4
+        with torch.no_grad():
+            model.weight.zero_()
+        step, got, why = tier.restore(None, None, lambda p: state.load_state([model], opt, {"train": {"step": 0}}, p, no_dist=True))
+        assert (step, got["train"]["step"], why) == (4, 4, "local step 4 is whole and no shared checkpoint")
+        assert torch.equal(model.weight, saved)
+        tier.remove()
+        assert not tier.root.exists()

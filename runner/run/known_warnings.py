@@ -32,6 +32,13 @@ HARMLESS = (
     Harmless(
         UserWarning,
         None,
+        r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a single process",
+        "the node-local checkpoint tier (runner.run.local_tier) saves and loads each rank's own shard with DCP's "
+        "no_dist on purpose: one checkpoint per rank, no collective",
+    ),
+    Harmless(
+        UserWarning,
+        None,
         r"DTensor random operators may not have complete support on cpu device mesh",
         "DTensor's RNG tracker is CUDA-only; on CPU the runner overwrites every sharded parameter with its shard of "
         "a one-rank initialization from training.seed (runner.run.titan.cpu.init_like_one_rank), so the random "
