@@ -390,7 +390,7 @@ def test_runner_collectives_follow_the_device_policy(runs):
     the only exception is the bandwidth probe, which measures the model's links on the default group."""
     probe = "runner/observe/plan_check.py:allreduce_gbs"
     want = {
-        "runner/run/mesh.py:check",
+        "runner/run/mesh.py:places",
         "runner/run/loader.py:check_inputs",
         "runner/run/step_sync.py:exchange",  # the step's one host collective: loss, data digest, stop flag
         "runner/run/train.py:summary",
