@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 # private_api: torch_dispatch_mode, torch_is_traceable_wrapper_subclass, torch_tree_flatten
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -88,6 +89,9 @@ def _group_of(args) -> str:
 class Ledger(TorchDispatchMode):
     """Live bytes of this rank by label, as a list of (storage, delta) events, plus the collectives issued."""
 
+    supports_higher_order_operators = True
+    """FlexAttention is a higher-order op (the CUDA rehearsal runs it): it passes through, its outputs are counted."""
+
     def __init__(self) -> None:
         super().__init__()
         self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -156,6 +160,11 @@ class Ledger(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars to local ops first: we see the local shards
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            out = func(*args, **kwargs)
+            if active_fake_mode() is self._fake:
+                self._count(out)
+            return out
         # private_api: torch_active_fake_mode, torch_c10d_functional_ops
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
             out = args[0]  # eager returns its argument; the fake kernel would make a new tensor
@@ -165,6 +174,10 @@ class Ledger(TorchDispatchMode):
             return out  # DTensor's sharding propagation on its own fake mode: no memory of this rank
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(func, args)
+        self._count(out)
+        return out
+
+    def _count(self, out) -> None:
         label = self.current_label()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -173,7 +186,6 @@ class Ledger(TorchDispatchMode):
                         self._resized(st)
                     else:
                         self._register(st, label)
-        return out
 
     def _collective(self, func, args) -> None:
         # private_api: torch_op_schema, torch_c10d_allgather_base, torch_c10d_reduce_scatter_base

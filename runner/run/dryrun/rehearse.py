@@ -60,10 +60,14 @@ def substitutions(cfg: RunConfig) -> list[str]:
     return out
 
 
-def rank_config(cfg: RunConfig, lay: Layout) -> RunConfig:
-    """The rehearsed config: the CPU build path (no CUDA here) and the batch runner.config.dryrun.report chose."""
+def rank_config(cfg: RunConfig, lay: Layout, device: DeviceType = DeviceType.cpu) -> RunConfig:
+    """The rehearsed config: the build path of `device` (CPU; or CUDA on fake CUDA tensors, runner.run.dryrun.cuda_rehearse,
+    where torch.compile is off: it needs a GPU) and the batch runner.config.dryrun.report chose."""
     dry = copy.deepcopy(cfg)
-    dry.cluster.device = DeviceType.cpu
+    dry.cluster.device = device
+    if device == DeviceType.cuda:
+        dry.training.compile = False
+        dry.parallelism.async_tp = False  # needs compile
     _, m = dryrun_report.microbatches(cfg, lay)
     dry.training.global_batch_size = m * lay.dp * cfg.training.microbatch_size
     return dry

@@ -1,0 +1,315 @@
+"""mode=dryrun dryrun.device=cuda: one process plays a rank of a CUDA layout through the runner's own CUDA code.
+
+The same rehearsal as runner.run.dryrun.rehearse, but the rank keeps the cluster's device: DevicePolicy's CUDA branch,
+titan.build materializing and initializing on "cuda" (FP8 conversion for the cluster's compute capability, FlexAttention
+masks), the step loop's batch moves (pinned host batches, step_loop.on_device) and its one host read
+(DevicePolicy.read), the device RNG state and the checkpoint staging options. Tensors are FakeTensorMode "cuda" tensors
+on a CUDA build of torch with no GPU; the device itself is faked by runner.run.dryrun.fake_cuda (every patch there).
+
+Per rank it reports the ledger's memory (as mode=dryrun), and per step the collectives by mesh axis and bytes, the
+host synchronizations (device-to-host copies and scalar reads on CUDA tensors, CUDA synchronize calls, non-blocking
+copies from pageable memory) and the attention kernels dispatched; plus the checks the CUDA test tier holds.
+
+`python -m runner.run.dryrun.cuda_rehearse JOBS` (started by runner.modes with fake_cuda.environment) reads a JSON list
+of {"frozen", "ranks", "out"} and writes each job's result to its "out"; one import of torch for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# private_api: torch_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runner.run.dryrun import fake_cuda
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "_assert_async")
+"""Ops that wait for the device on a GPU (their result is a host value or a data-dependent shape)."""
+
+
+class StepProbe(TorchDispatchMode):
+    """Host synchronizations and attention kernels of the fake CUDA step. A device-to-host copy or scalar read is a
+    synchronization on a GPU; here it returns zeros (the step's read of loss and grad norm has no value to read)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+        self.attention: dict[str, int] = {}
+        self.pageable_copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import torch
+
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func)).split(".")[0]
+        if "attention" in name:
+            self.attention[name] = self.attention.get(name, 0) + 1
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_cuda = first is not None and first.device.type == "cuda"
+        if on_cuda and name in SYNC_OPS:
+            self.syncs.append(name)
+            if name == "_local_scalar_dense":
+                return False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0
+        if name == "_to_copy" and first is not None:
+            to = kwargs.get("device")
+            if on_cuda and to is not None and torch.device(to).type == "cpu":
+                self.syncs.append("device-to-host copy")
+                # private_api: torch_unset_fake_temporarily
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    return torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype)
+            if first.device.type == "cpu" and to is not None and torch.device(to).type == "cuda" and kwargs.get("non_blocking"):
+                if not first.is_pinned():
+                    self.pageable_copies += 1  # on a GPU: synchronous, the host waits for the copy
+        return func(*args, **kwargs)
+
+    def take(self) -> dict[str, Any]:
+        out = {"syncs": list(self.syncs) + fake_cuda.SYNCS.events, "attention": dict(self.attention), "pageable_copies": self.pageable_copies}
+        self.syncs, self.attention, self.pageable_copies = [], {}, 0
+        fake_cuda.SYNCS.events.clear()
+        return out
+
+
+def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]:
+    """One step as StepLoop runs it: the batch pinned and moved (step_loop.on_device), forward/backward or the pipeline
+    schedule, the global-norm clip, the step's one host read (DevicePolicy.read), the optimizer update."""
+    import torch
+
+    from runner.run import step_loop, titan
+    from runner.run.dryrun import rehearse
+
+    t = cfg.training
+    local_batch = t.global_batch_size // lay.dp
+    host = [
+        (x.pin_memory(), y.pin_memory()) if policy.pins_host_batches else (x, y)  # what loader.Prefetch hands the step
+        for x, y in zip(
+            torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len)).split(t.microbatch_size),
+            torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len)).split(t.microbatch_size),
+            strict=True,
+        )
+    ]
+    global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
+    mark = led.phase if led is not None else (lambda name: None)
+    with probe:
+        microbatches = step_loop.on_device(host, policy.compute_device())
+        mark("forward/backward")
+        if built.schedule is not None:
+            local = titan.pipeline_step(built, microbatches, global_tokens)
+        else:
+            local = step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, rehearse._Silent())
+        mark("clip")
+        norm = titan.local_value(titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims))
+        policy.read(local, norm)
+        mark("optimizer")
+        if led is not None:
+            led.in_optimizer = True
+        opt.step()
+        if led is not None:
+            led.in_optimizer = False
+        mark("zero_grad")
+        opt.zero_grad(set_to_none=True)
+    return probe.take() | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb})}
+
+
+def _devices_and_dtypes(built, opt) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = [p for m in built.parts for p in m.parameters()]
+    states = [v for o in opt for s in o.state.values() for v in s.values() if hasattr(v, "device") and v.dim() > 0]
+    return {
+        "param_devices": sorted({local(p).device.type for p in params}),
+        "param_dtypes": sorted({str(local(p).dtype).removeprefix("torch.") for p in params}),
+        "optimizer_state_devices": sorted({local(v).device.type for v in states}),
+        "optimizer_state_dtypes": sorted({str(local(v).dtype).removeprefix("torch.") for v in states}),
+        "num_optimizer_states": len(states),
+    }
+
+
+def _grads(built) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for m in built.parts for p in m.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    return {"grad_devices": sorted({g.device.type for g in local}), "grad_dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in local})}
+
+
+def _fp8_modules(built) -> list[str]:
+    return sorted({type(m).__name__ for part in built.parts for m in part.modules() if "Float8" in type(m).__name__ or "fp8" in type(m).__name__.lower()})
+
+
+def _staging(policy) -> dict[str, Any]:
+    opts = policy.staging_options()
+    return {"use_pinned_memory": opts.use_pinned_memory, "use_async_staging": opts.use_async_staging, "non_blocking": opts.use_non_blocking_copy}
+
+
+def _rng(policy) -> dict[str, Any]:
+    host, device = policy.rng_state()
+    return {"host_bytes": int(host.numel()), "device_bytes": None if device is None else int(device.numel())}
+
+
+def _masks_per_stage(built, captured: list[int]) -> dict[str, Any]:
+    return {"stages": [getattr(s, "stage_index", 0) for s in _stages(built)], "forwards_with_masks": list(captured)}
+
+
+def _stages(built) -> list:
+    # private_api: torch_schedule_stages, torch_schedule_stage
+    if built.schedule is None:
+        return []
+    return list(getattr(built.schedule, "_stages", None) or [built.schedule._stage])
+
+
+def _capture_masks(built) -> list[int]:
+    """Count, per model part, the forwards that receive attention_masks (FlexAttention: every stage needs them)."""
+    counts = [0] * len(built.parts)
+
+    def hook(i):
+        def pre(module, args, kwargs):
+            if kwargs.get("attention_masks") is not None:
+                counts[i] += 1
+
+        return pre
+
+    for i, part in enumerate(built.parts):
+        part.register_forward_pre_hook(hook(i), with_kwargs=True)
+    return counts
+
+
+def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
+    """Build this rank on fake CUDA tensors through the runner's CUDA path and run two steps (the second measured)."""
+    import torch
+    import torch.distributed as dist
+
+    # private_api: torch_fake_tensor_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runner.run import titan
+    from runner.run.device import DevicePolicy
+    from runner.run.dryrun import ledger
+
+    t0 = time.perf_counter()
+    policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    assert not policy.cpu, "the CUDA rehearsal plays a CUDA cluster's rank"
+    torch.cuda.set_device(policy.compute_device())  # as DevicePolicy.start_group; the group itself is the fake one
+    pd = titan.build_mesh(cfg, lay)
+    torch.manual_seed(cfg.training.seed)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_cuda.devices_on()
+        built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
+        masks = _capture_masks(built)
+        opt, _ = titan.build_optimizer(cfg, built.parts)
+        titan.register_optimizer_hooks(built, opt)
+        build_s = time.perf_counter() - t0
+        probe = StepProbe()
+        t1 = time.perf_counter()
+        first = _step(cfg, lay, built, opt, policy, probe, None)
+        t2 = time.perf_counter()
+        led = ledger.Ledger()
+        ledger.label_state(led, built.parts, opt)
+        if built.schedule is not None:
+            ledger.label_pipeline(led, built.schedule)
+        with ledger.fsdp_labels(led), led:
+            second = _step(cfg, lay, built, opt, policy, probe, led)
+        result = led.sweep()
+        checks = _devices_and_dtypes(built, opt) | _staging(policy) | {"rng": _rng(policy), "fp8_modules": _fp8_modules(built)}
+        checks["masks"] = _masks_per_stage(built, masks) | {"attention_masks": built.attention_masks}
+        from runner.run.dryrun import rehearse
+
+        shards = rehearse._shards(built.parts)
+    # gradients of the last step were dropped by zero_grad: run their devices from a fresh backward-free read of state
+    rank = dist.get_rank()
+    return {
+        "rank": rank,
+        "coords": {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1},
+        "has_first_stage": built.has_first,
+        "has_last_stage": built.has_last,
+        "fake": True,
+        "device": "cuda",
+        "build_s": build_s,
+        "step_s": [t2 - t1, time.perf_counter() - t2],
+        "wall_s": time.perf_counter() - t0,
+        **result,
+        "categories_at_peak": ledger.by_category(result["at_peak"]),
+        "categories_max": ledger.by_category(result["max_each"]),
+        "num_params_local": sum(int(torch.Size(s["shape"]).numel()) for s in shards),
+        "param_shards": shards,
+        "steps": [first, second],
+        "checks": checks,
+    }
+
+
+def rehearse_rank(cfg, lay, rank: int, run_dir: Path) -> dict[str, Any]:
+    """One rank in this (forked) process: a fake process group of the layout's world size."""
+    import torch.distributed as dist
+
+    # private_api: torch_fake_store
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runner.run import titan
+
+    os.environ["LOCAL_RANK"] = str(rank % cfg.cluster.devices_per_node)
+    titan.quiet_torchao(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+    try:
+        return measure(cfg, lay, run_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(frozen: str, ranks: list[int], run_dir: str) -> dict[str, Any]:
+    from runner.config import freeze, layout
+    from runner.config.dryrun import report as dryrun_report
+    from runner.run.dryrun import rehearse
+
+    cfg = freeze.load(Path(frozen))
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    dry = rehearse.rank_config(cfg, lay, device=cfg.cluster.device)
+    del dryrun_report
+    out = []
+    for r in ranks:
+        out.append(rehearse._forked(rehearse_rank, dry, lay, r, Path(run_dir)))
+        print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
+    return {"substitutions": substitutions(cfg), "ranks": out}
+
+
+def substitutions(cfg) -> list[str]:
+    """What the CUDA rehearsal runs in place of the cluster's own: the kernels (no kernel runs), and the compiled
+    FlexAttention (eager here: torch.compile needs a GPU)."""
+    out = ["no kernel runs: fake CUDA tensors carry shapes, dtypes and devices, not values (the step's host read returns zeros)"]
+    if cfg.training.compile:
+        out.append("torch.compile: off (it needs a GPU and Triton)")
+    out.append("FlexAttention and its block masks: eager, not TorchTitan's torch.compile'd ones")
+    return out
+
+
+def main(jobs_path: str) -> None:
+    jobs = json.loads(Path(jobs_path).read_text())
+    c = jobs[0]["gpu"]
+    fake_cuda.install(c["capability"], c["memory_gb"], c["name"], c["devices_per_node"])
+    from runner.config import freeze
+    from runner.run import titan
+
+    titan.preload(freeze.load(Path(jobs[0]["frozen"])))
+    from runner.run.titan import cpu as titan_cpu
+
+    titan_cpu.eager_flex_attention()
+    for job in jobs:
+        try:
+            res = {"result": run_job(job["frozen"], job["ranks"], job["run_dir"])}
+        except RuntimeError as e:
+            res = {"error": str(e)}
+        Path(job["out"]).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
