@@ -16,6 +16,7 @@ of {"frozen", "ranks", "out"} and writes each job's result to its "out"; one imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -28,8 +29,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.run.dryrun import fake_cuda
 
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "_assert_async")
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero")
 """Ops that wait for the device on a GPU (their result is a host value or a data-dependent shape)."""
+MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+REDUCTIONS = ("_reduce_scatter_base_", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced_", "all_reduce", "allreduce_")
 
 
 class StepProbe(TorchDispatchMode):
@@ -42,7 +45,10 @@ class StepProbe(TorchDispatchMode):
         super().__init__()
         self.syncs: list[str] = []
         self.attention: dict[str, int] = {}
+        self.matmul_dtypes: set[str] = set()
+        self.reduce_dtypes: set[str] = set()
         self.pageable_copies = 0
+        self._read = None  # the storage of the last scalar read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import torch
@@ -53,10 +59,19 @@ class StepProbe(TorchDispatchMode):
             self.attention[name] = self.attention.get(name, 0) + 1
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_cuda = first is not None and first.device.type == "cuda"
+        if first is not None and first.device.type == "cuda" and name in MATMULS:
+            self.matmul_dtypes.add(str(first.dtype).removeprefix("torch."))
+        if first is not None and name in REDUCTIONS and first.dim() > 0 and first.numel() > 1:
+            self.reduce_dtypes.add(str(first.dtype).removeprefix("torch."))
         if on_cuda and name in SYNC_OPS:
-            self.syncs.append(name)
             if name == "_local_scalar_dense":
+                # FakeTensor.tolist reads element by element; a GPU's tolist copies the tensor once: one read per storage
+                st = first.untyped_storage()
+                if st is not self._read:
+                    self.syncs.append("scalar read (item/tolist)")
+                self._read = st
                 return False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0
+            self.syncs.append(name)
         if name == "_to_copy" and first is not None:
             to = kwargs.get("device")
             if on_cuda and to is not None and torch.device(to).type == "cpu":
@@ -72,8 +87,15 @@ class StepProbe(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def take(self) -> dict[str, Any]:
-        out = {"syncs": list(self.syncs) + fake_cuda.SYNCS.events, "attention": dict(self.attention), "pageable_copies": self.pageable_copies}
-        self.syncs, self.attention, self.pageable_copies = [], {}, 0
+        out = {
+            "syncs": list(self.syncs) + fake_cuda.SYNCS.events,
+            "attention": dict(self.attention),
+            "matmul_dtypes": sorted(self.matmul_dtypes),
+            "reduce_dtypes": sorted(self.reduce_dtypes),
+            "pageable_copies": self.pageable_copies,
+        }
+        self.syncs, self.attention, self.pageable_copies, self._read = [], {}, 0, None
+        self.matmul_dtypes, self.reduce_dtypes = set(), set()
         fake_cuda.SYNCS.events.clear()
         return out
 
@@ -108,6 +130,7 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
         mark("clip")
         norm = titan.local_value(titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims))
         policy.read(local, norm)
+        grads = _grads(built)
         mark("optimizer")
         if led is not None:
             led.in_optimizer = True
@@ -116,7 +139,7 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
             led.in_optimizer = False
         mark("zero_grad")
         opt.zero_grad(set_to_none=True)
-    return probe.take() | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb})}
+    return probe.take() | grads | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb})}
 
 
 def _devices_and_dtypes(built, opt) -> dict[str, Any]:
@@ -203,9 +226,15 @@ def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
     torch.cuda.set_device(policy.compute_device())  # as DevicePolicy.start_group; the group itself is the fake one
     pd = titan.build_mesh(cfg, lay)
     torch.manual_seed(cfg.training.seed)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    from runner.run.dryrun import rehearse
+
+    with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as stack:
         fake_cuda.devices_on()
         built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
+        if built.schedule is not None:
+            stack.enter_context(rehearse._fake_pipeline(cfg, lay, pd, "cuda"))
+        if lay.ep > 1:
+            stack.enter_context(rehearse._balanced_routing(built.parts, lay.ep))
         masks = _capture_masks(built)
         opt, _ = titan.build_optimizer(cfg, built.parts)
         titan.register_optimizer_hooks(built, opt)
@@ -223,10 +252,7 @@ def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
         result = led.sweep()
         checks = _devices_and_dtypes(built, opt) | _staging(policy) | {"rng": _rng(policy), "fp8_modules": _fp8_modules(built)}
         checks["masks"] = _masks_per_stage(built, masks) | {"attention_masks": built.attention_masks}
-        from runner.run.dryrun import rehearse
-
         shards = rehearse._shards(built.parts)
-    # gradients of the last step were dropped by zero_grad: run their devices from a fresh backward-free read of state
     rank = dist.get_rank()
     return {
         "rank": rank,

@@ -88,7 +88,7 @@ class _Silent:
 
 
 @contextmanager
-def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
+def _fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
     """The fake process group delivers no message, so answer locally what stages would tell each other in the
     first step: the static-vs-dynamic vote (all stages vote alike: same model, fixed microbatch shapes) and, for
     shape inference, the metadata of the gradient from the next stage (this stage's outputs) and of the hidden
@@ -103,7 +103,11 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
     t = cfg.training
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     h = torch.empty(
-        t.microbatch_size, t.seq_len // lay.tp if sp else t.seq_len, cfg.model.dim, dtype=getattr(torch, cfg.precision.param_dtype.value)
+        t.microbatch_size,
+        t.seq_len // lay.tp if sp else t.seq_len,
+        cfg.model.dim,
+        dtype=getattr(torch, cfg.precision.param_dtype.value),
+        device=device,
     )
     tp_mesh = pd.get_optional_mesh("tp")
     if tp_mesh is not None:
