@@ -53,6 +53,11 @@ class StepProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import torch
 
+        # private_api: torch_fake_tensor
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(t not in (torch.Tensor, FakeTensor) and issubclass(t, torch.Tensor) for t in types):
+            return NotImplemented  # DTensor, torchao's float8 tensors: see the plain ops they desugar to
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func)).split(".")[0]
         if "attention" in name:
