@@ -181,6 +181,44 @@ def _staging(policy) -> dict[str, Any]:
     return {"use_pinned_memory": opts.use_pinned_memory, "use_async_staging": opts.use_async_staging, "non_blocking": opts.use_non_blocking_copy}
 
 
+def _staged(cfg, built, opt, policy) -> dict[str, Any]:
+    """An async checkpoint's copy of the state, as runner.run.checkpointer takes it: the training state (titan.training_state,
+    with every RNG as Checkpointer._extra keeps it) through DCP's DefaultStager with the policy's staging options. The
+    write itself (DCP's writer on a gloo group of its own) is not rehearsed: fake tensors have no bytes to write."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.tensor import DTensor
+
+    from runner.run import titan
+
+    host, device = policy.rng_state()
+    rank = torch.distributed.get_rank()
+    extra = {"rng": {f"rank{rank}": host} | ({} if device is None else {f"rank{rank}_device": device})}
+    fake_cuda.PINNED_BYTES.clear()
+    stager = DefaultStager(policy.staging_options())
+    got = stager.stage(titan.training_state(built.parts, opt, extra))
+    staged = got.result() if hasattr(got, "result") else got
+    stager.close()
+    flat = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, torch.Tensor):
+            flat.append(x.to_local() if isinstance(x, DTensor) else x)
+
+    walk(staged)
+    big = [t for t in flat if t.dim() > 0]
+    return {
+        "staged_tensors": len(big),
+        "staged_devices": sorted({t.device.type for t in big}),
+        "staged_bytes": sum(t.numel() * t.element_size() for t in big),
+        "pinned_bytes": sum(fake_cuda.PINNED_BYTES),
+        "rng_keys": sorted(staged["rng"]),
+    }
+
+
 def _rng(policy) -> dict[str, Any]:
     host, device = policy.rng_state()
     return {"host_bytes": int(host.numel()), "device_bytes": None if device is None else int(device.numel())}
@@ -257,6 +295,8 @@ def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
         result = led.sweep()
         checks = _devices_and_dtypes(built, opt) | _staging(policy) | {"rng": _rng(policy), "fp8_modules": _fp8_modules(built)}
         checks["masks"] = _masks_per_stage(built, masks) | {"attention_masks": built.attention_masks}
+        if cfg.checkpoint.enable and cfg.checkpoint.async_save:
+            checks["checkpoint"] = _staged(cfg, built, opt, policy)
         shards = rehearse._shards(built.parts)
     rank = dist.get_rank()
     return {

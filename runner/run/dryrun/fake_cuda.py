@@ -50,6 +50,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torch.cuda", "mem_get_info", TORCH, "free and total memory of the rehearsed GPU"),
     Patch("torch.cuda", "max_memory_allocated", TORCH, "no allocator here: the ledger measures memory (DevicePolicy.max_memory_gb)"),
     Patch("torch.cuda", "Stream", TORCH, "FSDP2 and the DCP stager make side streams: Python stand-ins"),
+    Patch("torch", "Stream", TORCH, "DCP's DefaultStager makes its staging stream with torch.Stream(): the stand-in stream"),
     Patch("torch.cuda", "Event", TORCH, "CUDA events (DevicePolicy's clocks, FSDP2): stand-ins whose synchronize counts a host sync"),
     Patch("torch.cuda", "current_stream", TORCH, "the stand-in stream"),
     Patch("torch.cuda", "default_stream", TORCH, "the stand-in stream"),
@@ -62,6 +63,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torch.cuda", "set_rng_state_all", TORCH, "as set_rng_state"),
     Patch("torch.cuda", "manual_seed", TORCH, "torch.manual_seed seeds CUDA too, which needs the driver"),
     Patch("torch.cuda", "manual_seed_all", TORCH, "as manual_seed"),
+    Patch("torch.cuda._pin_memory_utils", "pin_memory", TORCH, "DCP's stager registers its host buffers (cudaHostRegister): recorded in PINNED_BYTES"),
+    Patch("torch.cuda._pin_memory_utils", "unpin_memory", TORCH, "its finalizer unregisters them: nothing to do"),
     Patch("torch.Tensor", "pin_memory", TORCH, "pinned host memory needs the driver: the tensor is kept and remembered as pinned"),
     Patch("torch.Tensor", "is_pinned", TORCH, "True for what pin_memory remembered"),
     Patch(
@@ -230,7 +233,9 @@ class _Syncs:
 
 SYNCS = _Syncs()
 PINNED: set[int] = set()
-"""Data pointers... of nothing: fake pinning remembers the storages pin_memory was asked for, by id."""
+"""The storages (by id) Tensor.pin_memory was asked to pin: is_pinned answers from it."""
+PINNED_BYTES: list[int] = []
+"""Host buffers registered as pinned (cudaHostRegister, as DCP's stager does), in bytes."""
 RECORDED: dict[str, Any] = {}
 """What the patched setters were asked (set_device, set_sync_debug_mode, set_rng_state)."""
 
@@ -271,6 +276,7 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
         ("torch.cuda", "mem_get_info"): lambda device=None: (props.total_memory, props.total_memory),
         ("torch.cuda", "max_memory_allocated"): lambda device=None: 0,
         ("torch.cuda", "Stream"): FakeStream,
+        ("torch", "Stream"): FakeStream,
         ("torch.cuda", "Event"): FakeEvent,
         ("torch.cuda", "current_stream"): lambda device=None: stream,
         ("torch.cuda", "default_stream"): lambda device=None: stream,
@@ -283,6 +289,8 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
         ("torch.cuda", "set_rng_state_all"): lambda states: None,
         ("torch.cuda", "manual_seed"): lambda seed: None,
         ("torch.cuda", "manual_seed_all"): lambda seed: None,
+        ("torch.cuda._pin_memory_utils", "pin_memory"): lambda data_ptr, size: PINNED_BYTES.append(size),
+        ("torch.cuda._pin_memory_utils", "unpin_memory"): lambda data_ptr: None,
         ("torch.Tensor", "pin_memory"): pin_memory,
         ("torch.Tensor", "is_pinned"): pinned,
         ("torch._subclasses.fake_tensor", "FakeTensorMode.avoid_device_init"): property(lambda self: True),

@@ -26,10 +26,8 @@ def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path,
     writes it in a background thread with `stager` (DCP's DefaultStager); returns (written, staged): futures that resolve when
     every rank has written, and when the copy is taken (None: taken before the return)."""
     import torch.distributed.checkpoint as dcp
-    from torchtitan.components.checkpointer.base import ModelWrapper
 
-    options, get_optim, _ = _optim_io()
-    state = {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), list(optimizer), options=options), **extra}
+    state = training_state(parts, optimizer, extra)
     if async_group is not None:
         got = dcp.async_save(state, checkpoint_id=str(path), process_group=async_group, async_stager=stager)
         if isinstance(got, dcp.state_dict_saver.AsyncSaveResponse):  # async staging: the copy is still being taken
@@ -37,6 +35,14 @@ def save_state(parts: list[torch.nn.Module], optimizer, extra: dict, path: Path,
         return got, None
     dcp.save(state, checkpoint_id=str(path))
     return None, None
+
+
+def training_state(parts: list[torch.nn.Module], optimizer, extra: dict) -> dict:
+    """What save_state writes: the model (ModelWrapper's canonical keys), the optimizer (flattened FQN keys) and `extra`."""
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    options, get_optim, _ = _optim_io()
+    return {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), list(optimizer), options=options), **extra}
 
 
 def save_model(parts: list[torch.nn.Module], path: Path) -> None:
