@@ -29,9 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.run.dryrun import fake_cuda
 
+# private_api: torch_aten_local_scalar_dense
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero")
 """Ops that wait for the device on a GPU (their result is a host value or a data-dependent shape)."""
+# private_api: torch_aten_scaled_mm, torch_aten_grouped_mm, torch_aten_scaled_grouped_mm
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+# private_api: torch_c10d_reduce_scatter_base
 REDUCTIONS = ("_reduce_scatter_base_", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced_", "all_reduce", "allreduce_")
 
 
@@ -53,7 +56,7 @@ class StepProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import torch
 
-        # private_api: torch_fake_tensor
+        # private_api: torch_fake_tensor, torch_aten_to_copy, torch_unset_fake_temporarily
         from torch._subclasses.fake_tensor import FakeTensor
 
         if any(t not in (torch.Tensor, FakeTensor) and issubclass(t, torch.Tensor) for t in types):

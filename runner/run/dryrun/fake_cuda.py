@@ -38,6 +38,8 @@ class Patch:
     why: str
 
 
+# private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_fake_avoid_device_init, torch_device_mesh_concatenate
+# private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug
 PATCHES: tuple[Patch, ...] = (
     Patch("torch.cuda", "is_available", TORCH, "the runner's and torch's CUDA-only Python branches (FSDP2, autocast) need True"),
     Patch("torch.cuda", "device_count", TORCH, "devices per node of the rehearsed cluster"),
@@ -264,6 +266,8 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
     def synchronize(device: Any = None) -> None:
         SYNCS.note("torch.cuda.synchronize")
 
+    # private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_fake_avoid_device_init, torch_device_mesh_concatenate
+    # private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug
     return {
         ("torch.cuda", "is_available"): lambda: True,
         ("torch.cuda", "device_count"): lambda: devices,

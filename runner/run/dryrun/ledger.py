@@ -160,6 +160,7 @@ class Ledger(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars to local ops first: we see the local shards
         kwargs = kwargs or {}
+        # private_api: torch_higher_order_operator
         if isinstance(func, HigherOrderOperator):
             out = func(*args, **kwargs)
             if active_fake_mode() is self._fake:
