@@ -137,6 +137,15 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
             f"  step {i}: host syncs {len(st['syncs'])} ({syncs}){pageable}; attention {attn}; "
             f"matmuls in {'/'.join(st['matmul_dtypes']) or '-'}, reductions in {'/'.join(st['reduce_dtypes']) or '-'}"
         )
+    loop = r.get("loop_steps") or []
+    if loop:
+        per = "; ".join(
+            f"step {st['step']}{' (logged)' if st['logged'] else ''}: {len(st['syncs'])} ({', '.join(st['syncs']) or 'none'})" for st in loop
+        )
+        out.append(
+            f"  the step loop itself (StepLoop.step, {len(loop)} steps): host syncs {per}; CUDA events read after the step's read "
+            f"(completed, no wait): {', '.join(str(st['completed_event_reads']) for st in loop)}"
+        )
     c = r["checks"]
     last = r["steps"][-1]
     out.append(

@@ -46,7 +46,6 @@ class StepProbe(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.syncs: list[str] = []
         self.attention: dict[str, int] = {}
         self.matmul_dtypes: set[str] = set()
         self.reduce_dtypes: set[str] = set()
@@ -71,19 +70,21 @@ class StepProbe(TorchDispatchMode):
             self.matmul_dtypes.add(str(first.dtype).removeprefix("torch."))
         if first is not None and name in REDUCTIONS and first.dim() > 0 and first.numel() > 1:
             self.reduce_dtypes.add(str(first.dtype).removeprefix("torch."))
+        if not on_cuda and name == "_local_scalar_dense" and first is not None:
+            return False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0  # a host value: no sync
         if on_cuda and name in SYNC_OPS:
             if name == "_local_scalar_dense":
                 # FakeTensor.tolist reads element by element; a GPU's tolist copies the tensor once: one read per storage
                 st = first.untyped_storage()
                 if st is not self._read:
-                    self.syncs.append("scalar read (item/tolist)")
+                    fake_cuda.SYNCS.note("scalar read (item/tolist)")
                 self._read = st
                 return False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0
-            self.syncs.append(name)
+            fake_cuda.SYNCS.note(name)
         if name == "_to_copy" and first is not None:
             to = kwargs.get("device")
             if on_cuda and to is not None and torch.device(to).type == "cpu":
-                self.syncs.append("device-to-host copy")
+                fake_cuda.SYNCS.note("device-to-host copy")
                 # private_api: torch_unset_fake_temporarily
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -95,14 +96,19 @@ class StepProbe(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def take(self) -> dict[str, Any]:
+        events = fake_cuda.SYNCS.events
+        first_read = next((i for i, e in enumerate(events) if e != fake_cuda.EVENT_WAIT), len(events))
+        # an event waited for after the step's first read has completed on a GPU (the read waited for every kernel
+        # queued before it): it reads a timing, it does not stall; one waited for before the read does
         out = {
-            "syncs": list(self.syncs) + fake_cuda.SYNCS.events,
+            "syncs": [e for i, e in enumerate(events) if e != fake_cuda.EVENT_WAIT or i < first_read],
+            "completed_event_reads": sum(1 for i, e in enumerate(events) if e == fake_cuda.EVENT_WAIT and i > first_read),
             "attention": dict(self.attention),
             "matmul_dtypes": sorted(self.matmul_dtypes),
             "reduce_dtypes": sorted(self.reduce_dtypes),
             "pageable_copies": self.pageable_copies,
         }
-        self.syncs, self.attention, self.pageable_copies, self._read = [], {}, 0, None
+        self.attention, self.pageable_copies, self._read = {}, 0, None
         self.matmul_dtypes, self.reduce_dtypes = set(), set()
         fake_cuda.SYNCS.events.clear()
         return out
@@ -254,8 +260,51 @@ def _capture_masks(built) -> list[int]:
     return counts
 
 
-def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
-    """Build this rank on fake CUDA tensors through the runner's CUDA path and run two steps (the second measured)."""
+LOOP_STEPS = 3
+"""Steps of the real step loop after the measured ones: a logging first step, a plain one, the last one."""
+
+
+def _step_loop(cfg, lay, built, policy, run_dir: Path, probe: StepProbe) -> list[dict[str, Any]]:
+    """The runner's own StepLoop (runner.run.train.build: the prefetching loader with pinned batches, the monitor's CUDA
+    event clocks, the loss guard, the step's host read and host collective, the deferred update) for LOOP_STEPS steps
+    on the synthetic data, no sinks and no checkpoint: per step its row's fields and what the probe saw."""
+    import copy
+
+    from runner.run import peak, per_rank, train
+
+    cfg = copy.deepcopy(cfg)
+    cfg.training.steps, cfg.logging.log_every, cfg.checkpoint.enable, cfg.eval.interval = LOOP_STEPS, LOOP_STEPS, False, 0
+    pk = peak.write(cfg, lay.world_size, run_dir) if not (run_dir / "peak.json").exists() else peak.read(run_dir)
+    from runner.run import accounting
+
+    acc = accounting.accounting(cfg, built, pk)
+    data = per_rank.data_for(cfg, lay, policy_rank(), run_dir, policy)
+    # the fake process group delivers no object: every rank answers as this one (the values fake tensors carry are zeros)
+    policy.all_gather_object = lambda obj: [obj] * lay.world_size
+    policy.broadcast_object = lambda obj, src: obj
+    with probe:
+        loop = train.build(cfg, lay, built, data, acc, [], run_dir, None, None, policy)
+    probe.take()
+    rows = []
+    for step in range(1, LOOP_STEPS + 1):
+        with probe:
+            loop.step(step)
+        seen = probe.take()
+        r = loop.rows[-1]
+        rows.append({"step": step, "logged": step % cfg.logging.log_every == 0 or step == cfg.training.steps, "row_host_syncs": r["host_syncs"], **seen})
+    loop.feed.close() if hasattr(loop.feed, "close") else None
+    return rows
+
+
+def policy_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
+    """Build this rank on fake CUDA tensors through the runner's CUDA path and run two steps (the second measured), then
+    (with `loop`) LOOP_STEPS steps of the runner's own StepLoop."""
     import torch
     import torch.distributed as dist
 
@@ -300,6 +349,7 @@ def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
         checks["masks"] = _masks_per_stage(built, masks) | {"attention_masks": built.attention_masks}
         if cfg.checkpoint.enable and cfg.checkpoint.async_save:
             checks["checkpoint"] = _staged(cfg, built, opt, policy)
+        loop_steps = _step_loop(cfg, lay, built, policy, run_dir, probe) if loop else []
         shards = rehearse._shards(built.parts)
     rank = dist.get_rank()
     return {
@@ -318,11 +368,12 @@ def measure(cfg, lay, run_dir: Path) -> dict[str, Any]:
         "num_params_local": sum(int(torch.Size(s["shape"]).numel()) for s in shards),
         "param_shards": shards,
         "steps": [first, second],
+        "loop_steps": loop_steps,
         "checks": checks,
     }
 
 
-def rehearse_rank(cfg, lay, rank: int, run_dir: Path) -> dict[str, Any]:
+def rehearse_rank(cfg, lay, rank: int, run_dir: Path, loop: bool = True) -> dict[str, Any]:
     """One rank in this (forked) process: a fake process group of the layout's world size."""
     import torch.distributed as dist
 
@@ -335,12 +386,12 @@ def rehearse_rank(cfg, lay, rank: int, run_dir: Path) -> dict[str, Any]:
     titan.quiet_torchao(cfg)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
     try:
-        return measure(cfg, lay, run_dir)
+        return measure(cfg, lay, run_dir, loop)
     finally:
         dist.destroy_process_group()
 
 
-def run_job(frozen: str, ranks: list[int], run_dir: str) -> dict[str, Any]:
+def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> dict[str, Any]:
     from runner.config import freeze, layout
     from runner.config.dryrun import report as dryrun_report
     from runner.run.dryrun import rehearse
@@ -351,7 +402,7 @@ def run_job(frozen: str, ranks: list[int], run_dir: str) -> dict[str, Any]:
     del dryrun_report
     out = []
     for r in ranks:
-        out.append(rehearse._forked(rehearse_rank, dry, lay, r, Path(run_dir)))
+        out.append(rehearse._forked(rehearse_rank, dry, lay, r, Path(run_dir), loop))
         print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
     return {"substitutions": substitutions(cfg), "ranks": out}
 
@@ -379,7 +430,7 @@ def main(jobs_path: str) -> None:
     titan_cpu.eager_flex_attention()
     for job in jobs:
         try:
-            res = {"result": run_job(job["frozen"], job["ranks"], job["run_dir"])}
+            res = {"result": run_job(job["frozen"], job["ranks"], job["run_dir"], job.get("loop", True))}
         except RuntimeError as e:
             res = {"error": str(e)}
         Path(job["out"]).write_text(json.dumps(res, indent=1))

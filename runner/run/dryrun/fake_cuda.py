@@ -186,10 +186,10 @@ class FakeEvent:
         return True
 
     def synchronize(self) -> None:
-        SYNCS.note("torch.cuda.Event.synchronize")
+        SYNCS.note(EVENT_WAIT)
 
     def elapsed_time(self, other: Any) -> float:
-        return 0.0
+        return 1.0  # ms; no kernel runs, and a span of zero would be no span (the monitor divides by a pipeline's)
 
 
 class FakeStream:
@@ -234,6 +234,7 @@ class _Syncs:
 
 
 SYNCS = _Syncs()
+EVENT_WAIT = "torch.cuda.Event.synchronize"
 PINNED: set[int] = set()
 """The storages (by id) Tensor.pin_memory was asked to pin: is_pinned answers from it."""
 PINNED_BYTES: list[int] = []
