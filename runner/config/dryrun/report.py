@@ -129,7 +129,7 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
     """What the CUDA rehearsal adds per rank: per step the host synchronizations, the attention kernels and the matmul
     and reduction dtypes; the devices of the state and the checks of the GPU path."""
     out = []
-    for i, st in enumerate(r["steps"], 1):
+    for i, st in enumerate(r["steps"], 1):  # step 1 is the run's first: lazy set-up (pipeline shape metadata) syncs there
         syncs = ", ".join(f"{what} x{n}" for what, n in Counter(st["syncs"]).items()) or "none"
         attn = ", ".join(f"{k} x{v}" for k, v in st["attention"].items()) or "none"
         pageable = f"; {st['pageable_copies']} non-blocking copies from pageable memory" if st["pageable_copies"] else ""

@@ -90,9 +90,13 @@ class StepProbe(TorchDispatchMode):
 
                 with unset_fake_temporarily():
                     return torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype)
-            if first.device.type == "cpu" and to is not None and torch.device(to).type == "cuda" and kwargs.get("non_blocking"):
-                if not first.is_pinned():
-                    self.pageable_copies += 1  # on a GPU: synchronous, the host waits for the copy
+            if first.device.type == "cpu" and to is not None and torch.device(to).type == "cuda":
+                if not kwargs.get("non_blocking"):
+                    # a blocking host-to-device copy: cudaMemcpyAsync then cudaStreamSynchronize (c10::cuda::memcpy_and_sync),
+                    # so the host waits for every kernel queued before it; torch's sync debug mode counts it
+                    fake_cuda.SYNCS.note("host-to-device copy (blocking)")
+                elif not first.is_pinned():
+                    self.pageable_copies += 1  # from pageable memory: synchronous whatever non_blocking says
         return func(*args, **kwargs)
 
     def take(self) -> dict[str, Any]:
