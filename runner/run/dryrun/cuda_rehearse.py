@@ -81,6 +81,13 @@ class StepProbe(TorchDispatchMode):
                 self._read = st
                 return False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0
             fake_cuda.SYNCS.note(name)
+        if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            dst, src = first, args[1]
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if src.device.type == "cuda" and dst.device.type == "cpu" and (blocking or not dst.is_pinned()):
+                fake_cuda.SYNCS.note("device-to-host copy_")
+            elif src.device.type == "cpu" and dst.device.type == "cuda" and blocking:
+                fake_cuda.SYNCS.note("host-to-device copy (blocking)")
         if name == "_to_copy" and first is not None:
             to = kwargs.get("device")
             if on_cuda and to is not None and torch.device(to).type == "cpu":
