@@ -48,6 +48,7 @@ class StepProbe(TorchDispatchMode):
         super().__init__()
         self.attention: dict[str, int] = {}
         self.matmul_dtypes: set[str] = set()
+        self.matmul_ops: set[str] = set()
         self.reduce_dtypes: set[str] = set()
         self.pageable_copies = 0
         self._read = None  # the storage of the last scalar read
@@ -68,6 +69,7 @@ class StepProbe(TorchDispatchMode):
         on_cuda = first is not None and first.device.type == "cuda"
         if first is not None and first.device.type == "cuda" and name in MATMULS:
             self.matmul_dtypes.add(str(first.dtype).removeprefix("torch."))
+            self.matmul_ops.add(f"{name}:{str(first.dtype).removeprefix('torch.')}:{tuple(first.shape)}")
         if first is not None and name in REDUCTIONS and first.dim() > 0 and first.numel() > 1:
             self.reduce_dtypes.add(str(first.dtype).removeprefix("torch."))
         if not on_cuda and name == "_local_scalar_dense" and first is not None:
@@ -116,11 +118,12 @@ class StepProbe(TorchDispatchMode):
             "completed_event_reads": sum(1 for i, e in enumerate(events) if e == fake_cuda.EVENT_WAIT and i > first_read),
             "attention": dict(self.attention),
             "matmul_dtypes": sorted(self.matmul_dtypes),
+            "matmul_ops": sorted(self.matmul_ops),
             "reduce_dtypes": sorted(self.reduce_dtypes),
             "pageable_copies": self.pageable_copies,
         }
         self.attention, self.pageable_copies, self._read = {}, 0, None
-        self.matmul_dtypes, self.reduce_dtypes = set(), set()
+        self.matmul_dtypes, self.matmul_ops, self.reduce_dtypes = set(), set(), set()
         fake_cuda.SYNCS.events.clear()
         return out
 
