@@ -56,7 +56,10 @@ def _torch_is_cuda_build() -> bool:
 def rehearsed(compose, tmp_path_factory):
     """Every case's (config, layout, report), rehearsed in one process under .venv-cuda's interpreter."""
     if not _torch_is_cuda_build():
-        pytest.skip("the CUDA tier runs in .venv-cuda: bash scripts/setup.sh --cuda-rehearsal, then .venv-cuda/bin/python -m pytest -m cuda_rehearsal")
+        pytest.skip(
+            "the CUDA tier runs in .venv-cuda: bash scripts/setup.sh --cuda-rehearsal, "
+            "then .venv-cuda/bin/python -m pytest -m cuda_rehearsal"
+        )
     from runner.config import plan
     from runner.run.dryrun import fake_cuda
 

@@ -140,7 +140,8 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
     loop = r.get("loop_steps") or []
     if loop:
         per = "; ".join(
-            f"step {st['step']}{' (logged)' if st['logged'] else ''}: {len(st['syncs'])} ({', '.join(st['syncs']) or 'none'})" for st in loop
+            f"step {st['step']}{' (logged)' if st['logged'] else ''}: {len(st['syncs'])} ({', '.join(st['syncs']) or 'none'})"
+            for st in loop
         )
         out.append(
             f"  the step loop itself (StepLoop.step, {len(loop)} steps): host syncs {per}; CUDA events read after the step's read "
@@ -150,7 +151,8 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
     last = r["steps"][-1]
     out.append(
         f"  on the device: parameters {'/'.join(c['param_devices'])} ({'/'.join(c['param_dtypes'])}), gradients "
-        f"{'/'.join(last['grad_devices'])} ({'/'.join(last['grad_dtypes'])}), optimizer state {'/'.join(c['optimizer_state_devices']) or '-'}, "
+        f"{'/'.join(last['grad_devices'])} ({'/'.join(last['grad_dtypes'])}), "
+        f"optimizer state {'/'.join(c['optimizer_state_devices']) or '-'}, "
         f"batches {'/'.join(last['batch_devices'])}; FP8 modules: {', '.join(c['fp8_modules']) or 'none'}"
     )
     rng = c["rng"]

@@ -192,16 +192,30 @@ def _grads(built) -> dict[str, Any]:
 
     grads = [p.grad for m in built.parts for p in m.parameters() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    return {"grad_devices": sorted({g.device.type for g in local}), "grad_dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in local})}
+    return {
+        "grad_devices": sorted({g.device.type for g in local}),
+        "grad_dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in local}),
+    }
 
 
 def _fp8_modules(built) -> list[str]:
-    return sorted({type(m).__name__ for part in built.parts for m in part.modules() if "Float8" in type(m).__name__ or "fp8" in type(m).__name__.lower()})
+    return sorted(
+        {
+            type(m).__name__
+            for part in built.parts
+            for m in part.modules()
+            if "Float8" in type(m).__name__ or "fp8" in type(m).__name__.lower()
+        }
+    )
 
 
 def _staging(policy) -> dict[str, Any]:
     opts = policy.staging_options()
-    return {"use_pinned_memory": opts.use_pinned_memory, "use_async_staging": opts.use_async_staging, "non_blocking": opts.use_non_blocking_copy}
+    return {
+        "use_pinned_memory": opts.use_pinned_memory,
+        "use_async_staging": opts.use_async_staging,
+        "non_blocking": opts.use_non_blocking_copy,
+    }
 
 
 def _staged(cfg, built, opt, policy) -> dict[str, Any]:
@@ -305,7 +319,14 @@ def _step_loop(cfg, lay, built, policy, run_dir: Path, probe: StepProbe) -> list
             loop.step(step)
         seen = probe.take()
         r = loop.rows[-1]
-        rows.append({"step": step, "logged": step % cfg.logging.log_every == 0 or step == cfg.training.steps, "row_host_syncs": r["host_syncs"], **seen})
+        rows.append(
+            {
+                "step": step,
+                "logged": step % cfg.logging.log_every == 0 or step == cfg.training.steps,
+                "row_host_syncs": r["host_syncs"],
+                **seen,
+            }
+        )
     loop.feed.close() if hasattr(loop.feed, "close") else None
     return rows
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import json
+import os
 import subprocess
 import sys
 from collections import namedtuple
@@ -65,7 +65,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torch.cuda", "set_rng_state_all", TORCH, "as set_rng_state"),
     Patch("torch.cuda", "manual_seed", TORCH, "torch.manual_seed seeds CUDA too, which needs the driver"),
     Patch("torch.cuda", "manual_seed_all", TORCH, "as manual_seed"),
-    Patch("torch.cuda._pin_memory_utils", "pin_memory", TORCH, "DCP's stager registers its host buffers (cudaHostRegister): recorded in PINNED_BYTES"),
+    Patch(
+        "torch.cuda._pin_memory_utils",
+        "pin_memory",
+        TORCH,
+        "DCP's stager registers its host buffers (cudaHostRegister): recorded in PINNED_BYTES",
+    ),
     Patch("torch.cuda._pin_memory_utils", "unpin_memory", TORCH, "its finalizer unregisters them: nothing to do"),
     Patch("torch.Tensor", "pin_memory", TORCH, "pinned host memory needs the driver: the tensor is kept and remembered as pinned"),
     Patch("torch.Tensor", "is_pinned", TORCH, "True for what pin_memory remembered"),
