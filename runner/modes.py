@@ -124,12 +124,12 @@ def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None
 
 
 def _cuda_rehearsal(cfg: RunConfig, frozen: Path, ranks: list[int], run_dir: Path) -> dict:
-    """dryrun.device=cuda: the ranks on fake CUDA tensors in .venv-cuda's interpreter (runner.run.dryrun.fake_cuda.launch;
+    """dryrun.device=cuda: the ranks on fake CUDA tensors in .venv-cuda's interpreter (runner.run.dryrun.cuda_env.launch;
     torch-free here). A rank that fails is a RuntimeError with its traceback, as in the CPU dry run."""
-    from runner.run.dryrun import fake_cuda
+    from runner.run.dryrun import cuda_env
 
-    job = {"frozen": str(frozen), "ranks": ranks, "run_dir": str(run_dir), "gpu": fake_cuda.gpu(cfg.cluster)}
-    (res,) = fake_cuda.launch([job], Path(__file__).resolve().parent.parent, run_dir)
+    job = {"frozen": str(frozen), "ranks": ranks, "run_dir": str(run_dir), "gpu": cuda_env.gpu(cfg.cluster)}
+    (res,) = cuda_env.launch([job], Path(__file__).resolve().parent.parent, run_dir)
     if "error" in res:
         raise RuntimeError(f"CUDA rehearsal failed:\n{res['error']}")
     return res["result"]

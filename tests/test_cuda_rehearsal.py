@@ -61,7 +61,7 @@ def rehearsed(compose, tmp_path_factory):
             "then .venv-cuda/bin/python -m pytest -m cuda_rehearsal"
         )
     from runner.config import plan
-    from runner.run.dryrun import fake_cuda
+    from runner.run.dryrun import cuda_env
 
     base = tmp_path_factory.mktemp("cuda")
     cases, jobs = {}, []
@@ -73,10 +73,10 @@ def rehearsed(compose, tmp_path_factory):
         frozen = freeze.write(cfg, lay, run_dir)
         ranks = dryrun_report.ranks(cfg, lay)
         cases[name] = (cfg, lay)
-        job = {"frozen": str(frozen), "ranks": ranks, "run_dir": str(run_dir), "gpu": fake_cuda.gpu(cfg.cluster)}
+        job = {"frozen": str(frozen), "ranks": ranks, "run_dir": str(run_dir), "gpu": cuda_env.gpu(cfg.cluster)}
         jobs.append(job | {"loop": name not in NO_LOOP})
     out = {}
-    for (name, (cfg, lay)), res in zip(cases.items(), fake_cuda.launch(jobs, ROOT, base), strict=True):
+    for (name, (cfg, lay)), res in zip(cases.items(), cuda_env.launch(jobs, ROOT, base), strict=True):
         assert "error" not in res, f"{name}: {res['error'][-3000:]}"
         out[name] = (cfg, lay, dryrun_report.report(cfg, lay, plan.compute(cfg, lay), res["result"]))
     return out

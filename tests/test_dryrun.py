@@ -119,17 +119,17 @@ def test_cuda_rehearsal_refuses_a_cpu_cluster(compose):
 
 def test_cuda_rehearsal_without_its_environment_names_the_set_up(tmp_path, monkeypatch):
     """No .venv-cuda (or a visible GPU): exit 2 (a ConfigError) naming scripts/setup.sh --cuda-rehearsal, before any process."""
-    from runner.run.dryrun import fake_cuda
+    from runner.run.dryrun import cuda_env
 
     job = {"frozen": "f", "ranks": [0], "run_dir": str(tmp_path), "gpu": {"capability": "9.0", "memory_gb": 80.0, "name": "x"}}
     with pytest.raises(ConfigError) as e:
-        fake_cuda.launch([job], tmp_path, tmp_path / "work")
+        cuda_env.launch([job], tmp_path, tmp_path / "work")
     assert "dryrun.device = cuda" in str(e.value) and "bash scripts/setup.sh --cuda-rehearsal" in str(e.value)
     assert f"no {tmp_path / '.venv-cuda'}" in str(e.value)
-    monkeypatch.setattr(fake_cuda, "gpu_visible", lambda: True)
+    monkeypatch.setattr(cuda_env, "gpu_visible", lambda: True)
     (tmp_path / ".venv-cuda" / "bin").mkdir(parents=True)
     (tmp_path / ".venv-cuda" / "bin" / "python").touch()
     with pytest.raises(ConfigError) as e:
-        fake_cuda.launch([job], tmp_path, tmp_path / "work")
+        cuda_env.launch([job], tmp_path, tmp_path / "work")
     assert "a GPU is visible here" in str(e.value)
     assert not (tmp_path / "work").exists()

@@ -56,11 +56,12 @@ PIPE_UTILS, SCHEDULES, STAGE = (
 AGENT, LOCAL_AGENT = "torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.agent.server.local_elastic_agent"
 DISPATCHER = "torchtitan.models.common.token_dispatcher"
 CUDA_REHEARSE, FAKE_CUDA = "runner/run/dryrun/cuda_rehearse.py", "runner/run/dryrun/fake_cuda.py"
+STEP_PROBE, CUDA_CHECKS = "runner/run/dryrun/step_probe.py", "runner/run/dryrun/cuda_checks.py"
 SCHEDULE_READERS = (
     "runner/observe/plan_check.py:StageTimer.__init__",
     f"{LEDGER}:label_pipeline",
     "runner/run/layout_parity.py:_stages",
-    f"{CUDA_REHEARSE}:_stages",
+    f"{CUDA_CHECKS}:stages",
 )
 FSDP_GROUP, RING = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group",
@@ -162,7 +163,7 @@ PRIVATE = (
     P("torch_pytree_logger", "torch.utils._pytree", "", TORCH, ("runner/run/known_warnings.py:HARMLESS",),
       "the logger of a harmless message dropped on the console"),
     # ---- torch: mode=dryrun's ledger and rehearsal ----
-    P("torch_dispatch_mode", "torch.utils._python_dispatch", "TorchDispatchMode", TORCH, (f"{LEDGER}:Ledger", f"{CUDA_REHEARSE}:StepProbe"),
+    P("torch_dispatch_mode", "torch.utils._python_dispatch", "TorchDispatchMode", TORCH, (f"{LEDGER}:Ledger", f"{STEP_PROBE}:StepProbe"),
       "subclassed: the ledger (and the CUDA rehearsal's probe) sees every op below DTensor, with the local shards a rank holds"),
     P("torch_is_traceable_wrapper_subclass", "torch.utils._python_dispatch", "is_traceable_wrapper_subclass", TORCH,
       (f"{LEDGER}:storages",), "the inner tensors of a tensor subclass, whose storages hold the bytes"),
@@ -183,7 +184,7 @@ PRIVATE = (
     P("torch_c10d_allgather_base", "torch", "ops.c10d._allgather_base_.default", TORCH, (f"{LEDGER}:Ledger._collective",),
       "FSDP's flat all-gather, whose buffer the ledger labels"),
     P("torch_c10d_reduce_scatter_base", "torch", "ops.c10d._reduce_scatter_base_.default", TORCH,
-      (f"{LEDGER}:Ledger._collective", f"{CUDA_REHEARSE}:REDUCTIONS"), "FSDP's flat reduce-scatter, whose buffer the ledger labels"),
+      (f"{LEDGER}:Ledger._collective", f"{STEP_PROBE}:REDUCTIONS"), "FSDP's flat reduce-scatter, whose buffer the ledger labels"),
     P("torch_storage_resize", "torch", "UntypedStorage.resize_", TORCH, (f"{LEDGER}:Ledger.__enter__",),
       "patched while the ledger runs: FSDP2 frees and re-allocates gathered parameters with resize_, which is not dispatched"),
     P("torch_fsdp_wait_for_unshard", FSDP_GROUP, "FSDPParamGroup.wait_for_unshard", TORCH, (f"{LEDGER}:fsdp_labels",),
@@ -228,18 +229,18 @@ PRIVATE = (
     P("torch_higher_order_operator", "torch._ops", "HigherOrderOperator", TORCH, (f"{LEDGER}:Ledger.__torch_dispatch__",),
       "FlexAttention's ops are higher-order ops: the ledger passes them through and counts their outputs"),
     P("torch_fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor", TORCH,
-      (f"{CUDA_REHEARSE}:StepProbe.__torch_dispatch__",), "the probe lets other tensor subclasses (DTensor, float8) desugar first"),
+      (f"{STEP_PROBE}:StepProbe.__torch_dispatch__",), "the probe lets other tensor subclasses (DTensor, float8) desugar first"),
     P("torch_unset_fake_temporarily", "torch._subclasses.fake_tensor", "unset_fake_temporarily", TORCH,
-      (f"{CUDA_REHEARSE}:StepProbe.__torch_dispatch__", f"{FAKE_CUDA}:_outside_fake"),
+      (f"{STEP_PROBE}:StepProbe.__torch_dispatch__", f"{FAKE_CUDA}:_outside_fake"),
       "a real zero tensor for a device-to-host copy; torch helpers that need values run outside the fake mode"),
-    P("torch_aten_local_scalar_dense", "torch", "ops.aten._local_scalar_dense", TORCH, (f"{CUDA_REHEARSE}:SYNC_OPS",),
+    P("torch_aten_local_scalar_dense", "torch", "ops.aten._local_scalar_dense", TORCH, (f"{STEP_PROBE}:SYNC_OPS",),
       "item()/tolist() on a CUDA tensor: a host synchronization, counted"),
-    P("torch_aten_to_copy", "torch", "ops.aten._to_copy", TORCH, (f"{CUDA_REHEARSE}:StepProbe.__torch_dispatch__",),
+    P("torch_aten_to_copy", "torch", "ops.aten._to_copy", TORCH, (f"{STEP_PROBE}:StepProbe.__torch_dispatch__",),
       "device-to-host copies (synchronizations) and non-blocking copies from pageable memory, counted"),
-    P("torch_aten_scaled_mm", "torch", "ops.aten._scaled_mm", TORCH, (f"{CUDA_REHEARSE}:MATMULS",),
+    P("torch_aten_scaled_mm", "torch", "ops.aten._scaled_mm", TORCH, (f"{STEP_PROBE}:MATMULS",),
       "an FP8 matmul: its operands' dtype is reported"),
-    P("torch_aten_grouped_mm", "torch", "ops.aten._grouped_mm", TORCH, (f"{CUDA_REHEARSE}:MATMULS",), "MoE's grouped GEMM, as above"),
-    P("torch_aten_scaled_grouped_mm", "torch", "ops.aten._scaled_grouped_mm", TORCH, (f"{CUDA_REHEARSE}:MATMULS",), "its FP8 form"),
+    P("torch_aten_grouped_mm", "torch", "ops.aten._grouped_mm", TORCH, (f"{STEP_PROBE}:MATMULS",), "MoE's grouped GEMM, as above"),
+    P("torch_aten_scaled_grouped_mm", "torch", "ops.aten._scaled_grouped_mm", TORCH, (f"{STEP_PROBE}:MATMULS",), "its FP8 form"),
     P("torch_ensure_cuda_device_guard", "torch._C", "_ensureCUDADeviceGuardSet", TORCH, (f"{FAKE_CUDA}:devices_on",),
       "installs FakeTensorMode's no-op CUDA guard while the shim still reports no device"),
     P("torch_pin_memory_utils_pin", "torch.cuda._pin_memory_utils", "pin_memory", TORCH,
