@@ -113,7 +113,7 @@ def _dryrun_ranks(ctx: Context, out: list[Problem]) -> None:
                 "dryrun.device",
                 cfg.dryrun.device.value,
                 f"the CUDA rehearsal plays a CUDA cluster's ranks; cluster {cfg.cluster.name} is a {cfg.cluster.device.value} cluster",
-                "pick a CUDA cluster (cluster=h100_node, cluster=slurm_h100 ...) or drop dryrun.device=cuda",
+                "pick a CUDA cluster (e.g. cluster=h100_node), or use dryrun.device=cpu",
             )
         )
     bad = [r for r in cfg.dryrun.ranks if not 0 <= r < lay.world_size]

@@ -75,7 +75,7 @@ PATCHES: tuple[Patch, ...] = (
         "torch._subclasses.fake_tensor",
         "FakeTensorMode.avoid_device_init",
         TORCH,
-        "FakeTensorMode decides from torch.cuda.is_available() whether to install its no-op CUDA guard; it must stay True",
+        "FakeTensorMode decides from CUDA being available whether to install its no-op CUDA guard; it must stay True",
     ),
     Patch(
         "torch.distributed.device_mesh",
