@@ -108,6 +108,7 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
         cfg.model.dim,
         dtype=getattr(torch, cfg.precision.param_dtype.value),
         device=device,
+        requires_grad=True,  # the previous stage's output is part of the graph: this stage sends its gradient back
     )
     tp_mesh = pd.get_optional_mesh("tp")
     if tp_mesh is not None:
