@@ -165,6 +165,9 @@ def test_collectives_by_axis_as_planned(rehearsed, case):
     for r in rep["ranks"]:
         got = {AXES[AXIS.match(c["group"]).group(1)] for c in r["collectives"] if c["bytes"] > 1024}
         assert got == want, (r["rank"], got, want, r["collectives"])
+        if lay.pp > 1:  # the first stage sends activations and receives their gradients, the last the other way round
+            p2p = {c["op"]: c["count"] for c in r["collectives"] if AXIS.match(c["group"]).group(1) == "pp" and c["op"] in ("send", "recv")}
+            assert p2p == {"send": micro, "recv": micro}, (r["rank"], p2p)
 
 
 @pytest.mark.parametrize("case", CASES)
