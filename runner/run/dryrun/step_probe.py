@@ -20,6 +20,7 @@ from runner.run.dryrun import fake_cuda
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero")
 """Ops that wait for the device on a GPU (their result is a host value or a data-dependent shape)."""
 # private_api: torch_aten_scaled_mm, torch_aten_grouped_mm, torch_aten_scaled_grouped_mm
+# torchao's blockwise FP8 GEMMs are custom ops (torchao::triton_fp8_gemm_*, torchao::blockwise_scaled_mm): matched by name
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
 # private_api: torch_c10d_reduce_scatter_base
 REDUCTIONS = ("_reduce_scatter_base_", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced_", "all_reduce", "allreduce_")
@@ -54,7 +55,7 @@ class StepProbe(TorchDispatchMode):
             self.attention[name] = self.attention.get(name, 0) + 1
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_cuda = first is not None and first.device.type == "cuda"
-        if first is not None and first.device.type == "cuda" and name in MATMULS:
+        if first is not None and first.device.type == "cuda" and (name in MATMULS or "gemm" in name or name.endswith("scaled_mm")):
             self.matmul_dtypes.add(str(first.dtype).removeprefix("torch."))
             self.matmul_ops.add(f"{name}:{str(first.dtype).removeprefix('torch.')}:{tuple(first.shape)}")
         if first is not None and name in REDUCTIONS and first.dim() > 0 and first.numel() > 1:
