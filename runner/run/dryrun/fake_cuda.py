@@ -108,9 +108,6 @@ PATCHES: tuple[Patch, ...] = (
 """Every patch, applied by `install` (for the process: the rehearsal process does nothing else)."""
 
 
-# ---- the patches ---------------------------------------------------------------------------------
-
-
 Props = namedtuple("Props", "name major minor total_memory multi_processor_count L2_cache_size warp_size is_integrated uuid gcnArchName")
 
 
@@ -167,8 +164,8 @@ class FakeStream:
 
 
 class _Syncs:
-    """Host synchronizations with the (fake) device, by what caused them; `runner.run.dryrun.cuda_step` adds the
-    device-to-host copies and scalar reads it sees on fake CUDA tensors."""
+    """Host synchronizations with the (fake) device in order, by what caused them: the stand-ins' synchronize calls
+    here, and the copies and scalar reads runner.run.dryrun.step_probe sees on fake CUDA tensors."""
 
     def __init__(self) -> None:
         self.events: list[str] = []
