@@ -137,10 +137,11 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
 
 
 @contextmanager
-def _balanced_routing(parts: list[torch.nn.Module], ep: int):
+def _balanced_routing(parts: list[torch.nn.Module], ep: int, on_exchange=None):
     """Expert parallelism sizes its all-to-all from the router's token counts, values fake tensors do not have:
     send and receive tokens x top-k / ep to and from every EP rank (perfectly balanced routing). The dispatcher's
-    class is taken from the built model, so that only runner.run.titan imports TorchTitan."""
+    class is taken from the built model, so that only runner.run.titan imports TorchTitan. `on_exchange` is called
+    where TorchTitan would read the splits to the host."""
     kinds = {type(m.token_dispatcher) for p in parts for m in p.modules() if getattr(m, "token_dispatcher", None) is not None}
     # private_api: titan_token_dispatcher_local_reorder, titan_token_count_exchange
     kinds = {k for k in kinds if hasattr(k, "_sync_token_count_exchange")}
@@ -155,6 +156,8 @@ def _balanced_routing(parts: list[torch.nn.Module], ep: int):
         return local_reorder
 
     def sync(self, local_counts, global_counts, ep_size):
+        if on_exchange is not None:  # the CUDA rehearsal counts the device-to-host copy of the splits this replaces
+            on_exchange()
         n = self._dryrun_routed
         splits = [n // ep_size + (1 if i < n % ep_size else 0) for i in range(ep_size)]
         return global_counts.reshape(-1), splits, list(splits)
