@@ -140,7 +140,8 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
     loop = r.get("loop_steps") or []
     if loop:
         per = "; ".join(
-            f"step {st['step']}{' (logged)' if st['logged'] else ''}: {len(st['syncs'])} ({', '.join(st['syncs']) or 'none'})"
+            f"step {st['step']}{' (logged)' if st['logged'] else ''}: {len(st['syncs'])} "
+            f"({', '.join(f'{what} x{n}' for what, n in Counter(st['syncs']).items()) or 'none'})"
             for st in loop
         )
         out.append(
