@@ -254,6 +254,9 @@ PRIVATE = (
       (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: run outside the fake mode"),
     P("torch_dtensor_first_shard_size", "torch.distributed.tensor._random", "_calc_first_shard_size", TORCH,
       (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: run outside the fake mode"),
+    P("torch_cp_compiled_create_block_mask", "torch.distributed.tensor.experimental._context_parallel._attention",
+      "_compiled_create_block_mask", TORCH, (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"),
+      "patched for a CUDA rehearsal: context parallelism's mask sharding with the eager create_block_mask"),
     P("torch_flex_disable_compile_debug", "torch.nn.attention.flex_attention", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", TORCH,
       (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: the flex_attention op without dynamo"),
     # ---- torch under the TorchTitan adapter ----

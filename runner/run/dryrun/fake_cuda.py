@@ -36,7 +36,7 @@ class Patch:
 
 
 # private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_fake_avoid_device_init, torch_device_mesh_concatenate
-# private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug
+# private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug, torch_cp_compiled_create_block_mask
 PATCHES: tuple[Patch, ...] = (
     Patch("torch.cuda", "is_available", TORCH, "the runner's and torch's CUDA-only Python branches (FSDP2, autocast) need True"),
     Patch("torch.cuda", "device_count", TORCH, "devices per node of the rehearsed cluster"),
@@ -96,6 +96,13 @@ PATCHES: tuple[Patch, ...] = (
         "trunc_normal_",
         TORCH,
         "rejection sampling with .item() in a loop (data-dependent under fake tensors): normal_ then clamp_; values do not matter here",
+    ),
+    Patch(
+        "torch.distributed.tensor.experimental._context_parallel._attention",
+        "_compiled_create_block_mask",
+        TORCH,
+        "context parallelism shards FlexAttention's block masks with a torch.compile'd create_block_mask (fullgraph), which "
+        "cannot compile here: the eager one, set before its first use",
     ),
     Patch(
         "torch.nn.attention.flex_attention",
@@ -208,8 +215,10 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
     def synchronize(device: Any = None) -> None:
         SYNCS.note("torch.cuda.synchronize")
 
+    from torch.nn.attention.flex_attention import create_block_mask
+
     # private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_fake_avoid_device_init, torch_device_mesh_concatenate
-    # private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug
+    # private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug, torch_cp_compiled_create_block_mask
     return {
         ("torch.cuda", "is_available"): lambda: True,
         ("torch.cuda", "device_count"): lambda: devices,
@@ -243,6 +252,7 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
         ("torch.distributed.device_mesh", "DeviceMesh._concatenate"): None,  # wrapped in install
         ("torch.distributed.tensor._random", "_calc_first_shard_size"): None,  # wrapped in install
         ("torch.nn.init", "trunc_normal_"): trunc_normal_,
+        ("torch.distributed.tensor.experimental._context_parallel._attention", "_compiled_create_block_mask"): create_block_mask,
         ("torch.nn.attention.flex_attention", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"): True,
     }
 
