@@ -46,6 +46,10 @@ CATEGORIES = {
 }
 
 # private_api: torch_wrap_tensor_autograd
+CUSTOM_COLLECTIVES = {"cplib": ("flex_cp_allgather", "flex_cp_allgather_backward")}
+"""Custom ops whose bodies run collectives (context parallelism's K/V all-gather for FlexAttention and its backward's
+reduce-scatter): under fake tensors their fake kernel runs instead, so the op itself is the collective, on the group
+its name argument gives, its input the tensors it is given."""
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # ops of the collective namespaces that send nothing
 
 
@@ -173,7 +177,7 @@ class Ledger(TorchDispatchMode):
             out = func(*args, **kwargs)
         if active_fake_mode() is not self._fake:
             return out  # DTensor's sharding propagation on its own fake mode: no memory of this rank
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in ("c10d", "_c10d_functional") or func.namespace in CUSTOM_COLLECTIVES:
             self._collective(func, args)
         self._count(out)
         return out
@@ -192,6 +196,11 @@ class Ledger(TorchDispatchMode):
         # private_api: torch_op_schema, torch_c10d_allgather_base, torch_c10d_reduce_scatter_base
         name = func._schema.name.split("::")[-1]
         if name in _NOT_COLLECTIVES:
+            return
+        if func.namespace in CUSTOM_COLLECTIVES:
+            rec = self.collectives[(name, _group_of(args))]
+            rec[0] += 1
+            rec[1] += _local_bytes([a for a in args if isinstance(a, torch.Tensor)])
             return
         if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
             for t in tree_flatten(args[:2])[0]:  # FSDP's flat all-gather / reduce-scatter buffers
