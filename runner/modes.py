@@ -13,7 +13,7 @@ from runner import sweep
 from runner.config import fault_tolerance, flops, freeze, precision, runfiles, slurm
 from runner.config.layout import Layout, label
 from runner.config.predict import fp8 as fp8_model
-from runner.config.schema import Fp8Recipe, RunConfig
+from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
 from runner.config.search import objective as search_objective
 from runner.config.wording import count
 
@@ -113,10 +113,14 @@ def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None
     from runner.config.dryrun import report as dryrun_report
 
     ranks = dryrun_report.ranks(cfg, lay)
-    freeze.write(cfg, lay, run_dir)
-    from runner.run.dryrun import rehearse as dryrun
+    frozen = freeze.write(cfg, lay, run_dir)
+    if cfg.dryrun.device == DeviceType.cuda:
+        measured = _cuda_rehearsal(cfg, frozen, ranks, run_dir)
+    else:
+        from runner.run.dryrun import rehearse as dryrun
 
-    rep = dryrun_report.report(cfg, lay, plan.compute(cfg, lay), dryrun.rehearse(cfg, lay, ranks, run_dir))
+        measured = dryrun.rehearse(cfg, lay, ranks, run_dir)
+    rep = dryrun_report.report(cfg, lay, plan.compute(cfg, lay), measured)
     print(dryrun_report.render(rep))
     print(f"dry run written to {dryrun_report.write(rep, run_dir)}")
 
@@ -126,6 +130,18 @@ FP8_TERMS = (
     "all-reduces over TP); the converted GEMMs in compute at the FP8 rate (runner/config/predict/fp8.py)"
 )
 """mode=validate's line naming an FP8 recipe's cost terms (GPU clusters: the datasheet predictor's FP8 model)."""
+
+
+def _cuda_rehearsal(cfg: RunConfig, frozen: Path, ranks: list[int], run_dir: Path) -> dict:
+    """dryrun.device=cuda: the ranks on fake CUDA tensors in .venv-cuda's interpreter (runner.run.dryrun.cuda_env.launch;
+    torch-free here). A rank that fails is a RuntimeError with its traceback, as in the CPU dry run."""
+    from runner.run.dryrun import cuda_env
+
+    job = {"frozen": str(frozen), "ranks": ranks, "run_dir": str(run_dir), "gpu": cuda_env.gpu(cfg.cluster)}
+    (res,) = cuda_env.launch([job], Path(__file__).resolve().parent.parent, run_dir)
+    if "error" in res:
+        raise RuntimeError(f"CUDA rehearsal failed:\n{res['error']}")
+    return res["result"]
 
 
 def _precision_lines(cfg: RunConfig) -> list[str]:

@@ -5,6 +5,10 @@
 #   scripts/setup.sh                  Python packages only; never a system package
 #   scripts/setup.sh --with-slurm     also Debian's slurm-wlm and munge (apt-get, as root), which the
 #                                     localhost SLURM cluster of the tests needs (scripts/slurm_local/)
+#   scripts/setup.sh --cuda-rehearsal only .venv-cuda: the CUDA build of the pinned torch from PyPI (about
+#                                     2.7 GB of download, 4.7 GB on disk), the project editable, and the
+#                                     fake-CUDA shim built with gcc; `mode=dryrun dryrun.device=cuda` and
+#                                     `pytest -m cuda_rehearsal` run there (docs/dryrun.md)
 # TORCH_INDEX_URL: the package index of torch's CPU wheels, asked only when pip's configured index has
 # no torch==2.13.0+cpu (the README's Setup says what to set it to).
 set -euo pipefail
@@ -13,7 +17,8 @@ WITH_SLURM=0
 for arg in "$@"; do
   case "$arg" in
     --with-slurm) WITH_SLURM=1 ;;
-    *) echo "usage: scripts/setup.sh [--with-slurm]" >&2; exit 2 ;;
+    --cuda-rehearsal) exec bash scripts/setup_cuda_rehearsal.sh ;;
+    *) echo "usage: scripts/setup.sh [--with-slurm | --cuda-rehearsal]" >&2; exit 2 ;;
   esac
 done
 if [ "$WITH_SLURM" = 1 ]; then

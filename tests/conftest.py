@@ -58,6 +58,17 @@ def _starts_no_process(item: pytest.Item):
         zygote.REFUSE.remove(refuse)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The CUDA tier (tests/test_cuda_rehearsal.py) runs in .venv-cuda, by `pytest -m cuda_rehearsal` only: any other
+    selection leaves it out, so the main suite neither runs nor skips it."""
+    if "cuda_rehearsal" in (config.option.markexpr or ""):
+        return
+    tier = [i for i in items if i.get_closest_marker("cuda_rehearsal")]
+    if tier:
+        config.hook.pytest_deselected(items=tier)
+        items[:] = [i for i in items if not i.get_closest_marker("cuda_rehearsal")]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     with _starts_no_process(item):

@@ -107,3 +107,29 @@ def test_8b_fsdp_dry_run_writes_the_expected_shards(compose, dry_runs):
     assert opt["plan_gb"] == pytest.approx(n * 12 / 8 / 1e9)
     assert opt["ratio"] == pytest.approx(1.0, abs=1e-4)
     assert sum(c["bytes"] for c in r["collectives"] if c["op"] == "_reduce_scatter_base") > 0
+
+
+def test_cuda_rehearsal_refuses_a_cpu_cluster(compose):
+    cfg = compose(["mode=dryrun", "dryrun.device=cuda"])
+    with pytest.raises(ConfigError) as e:
+        validate.check(cfg)
+    assert "dryrun.device = cuda: the CUDA rehearsal plays a CUDA cluster's ranks" in str(e.value)
+    assert "Fix: pick a CUDA cluster" in str(e.value)
+
+
+def test_cuda_rehearsal_without_its_environment_names_the_set_up(tmp_path, monkeypatch):
+    """No .venv-cuda (or a visible GPU): exit 2 (a ConfigError) naming scripts/setup.sh --cuda-rehearsal, before any process."""
+    from runner.run.dryrun import cuda_env
+
+    job = {"frozen": "f", "ranks": [0], "run_dir": str(tmp_path), "gpu": {"capability": "9.0", "memory_gb": 80.0, "name": "x"}}
+    with pytest.raises(ConfigError) as e:
+        cuda_env.launch([job], tmp_path, tmp_path / "work")
+    assert "dryrun.device = cuda" in str(e.value) and "bash scripts/setup.sh --cuda-rehearsal" in str(e.value)
+    assert f"no {tmp_path / '.venv-cuda'}" in str(e.value)
+    monkeypatch.setattr(cuda_env, "gpu_visible", lambda: True)
+    (tmp_path / ".venv-cuda" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-cuda" / "bin" / "python").touch()
+    with pytest.raises(ConfigError) as e:
+        cuda_env.launch([job], tmp_path, tmp_path / "work")
+    assert "a GPU is visible here" in str(e.value)
+    assert not (tmp_path / "work").exists()

@@ -183,6 +183,7 @@ BAD = [
     (["distributed.heartbeat_s=1000"], "distributed.heartbeat_s"),
     (["distributed.host_group=nccl"], "distributed.host_group"),
     (["dryrun.ranks=[4]"], "dryrun.ranks"),
+    (["mode=dryrun", "dryrun.device=cuda"], "dryrun.device"),  # the CPU default cluster: the CUDA rehearsal plays a CUDA one
     (["checkpoint=local", "checkpoint.resume_from=/nonexistent/step-4"], "checkpoint.resume_from"),
     (["distributed.shutdown_timeout_s=-1"], "distributed.shutdown_timeout_s"),
     (["fault_tolerance.name=fly"], "fault_tolerance.name"),

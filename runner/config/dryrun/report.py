@@ -6,12 +6,13 @@ with the largest measured peak."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from runner.config import memory, pipeline, runfiles
 from runner.config.layout import Layout
-from runner.config.schema import DeviceType, RunConfig
+from runner.config.schema import RunConfig
 
 GB = 1e9  # the plan's unit
 
@@ -68,11 +69,11 @@ TOLERANCE = {"weights + gradients": 0.02, "optimizer (master + moments)": 0.02, 
 
 
 def rehearsal_budget(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
-    """The plan's figures (GB) for a rank of pipeline stage `stage` as the rehearsal runs it: on CPU kernels, whose
-    RMSNorm saves more than CUDA's fused one, and its microbatches (a pipeline stage keeps a receive buffer for each;
-    runner.config.memory)."""
+    """The plan's figures (GB) for a rank of pipeline stage `stage` as the rehearsal runs it: on the rehearsal's
+    device's kernels (the CPU's RMSNorm saves more than CUDA's fused one; dryrun.device=cuda keeps the cluster's), and
+    its microbatches (a pipeline stage keeps a receive buffer for each; runner.config.memory)."""
     dry = copy.deepcopy(cfg)
-    dry.cluster.device = DeviceType.cpu
+    dry.cluster.device = cfg.dryrun.device
     return memory.stage_gb(dry, lay, microbatches(cfg, lay)[1], stage)
 
 
@@ -119,7 +120,49 @@ def render_rank(r: dict[str, Any], microbatches: int) -> str:
         f"  collectives of the rehearsed step ({microbatches} microbatches): "
         + (", ".join(f"{c['op']} on {c['group']} x{c['count']} {c['bytes'] / GB:.3g} GB" for c in r["collectives"]) or "none")
     )
+    if "steps" in r:  # dryrun.device=cuda (runner.run.dryrun.cuda_rehearse)
+        lines += cuda_lines(r)
     return "\n".join(lines)
+
+
+def cuda_lines(r: dict[str, Any]) -> list[str]:
+    """What the CUDA rehearsal adds per rank: per step the host synchronizations, the attention kernels and the matmul
+    and reduction dtypes; the devices of the state and the checks of the GPU path."""
+    out = []
+    for i, st in enumerate(r["steps"], 1):  # step 1 is the run's first: lazy set-up (pipeline shape metadata) syncs there
+        syncs = ", ".join(f"{what} x{n}" for what, n in Counter(st["syncs"]).items()) or "none"
+        attn = ", ".join(f"{k} x{v}" for k, v in st["attention"].items()) or "none"
+        pageable = f"; {st['pageable_copies']} non-blocking copies from pageable memory" if st["pageable_copies"] else ""
+        out.append(
+            f"  step {i}: host syncs {len(st['syncs'])} ({syncs}){pageable}; attention {attn}; "
+            f"matmuls in {'/'.join(st['matmul_dtypes']) or '-'}, reductions in {'/'.join(st['reduce_dtypes']) or '-'}"
+        )
+    loop = r.get("loop_steps") or []
+    if loop:
+        per = "; ".join(
+            f"step {st['step']}{' (logged)' if st['logged'] else ''}: {len(st['syncs'])} "
+            f"({', '.join(f'{what} x{n}' for what, n in Counter(st['syncs']).items()) or 'none'})"
+            for st in loop
+        )
+        out.append(
+            f"  the step loop itself (StepLoop.step, {len(loop)} steps): host syncs {per}; CUDA events read after the step's read "
+            f"(completed, no wait): {', '.join(str(st['completed_event_reads']) for st in loop)}"
+        )
+    c = r["checks"]
+    last = r["steps"][-1]
+    out.append(
+        f"  on the device: parameters {'/'.join(c['param_devices'])} ({'/'.join(c['param_dtypes'])}), gradients "
+        f"{'/'.join(last['grad_devices'])} ({'/'.join(last['grad_dtypes'])}), "
+        f"optimizer state {'/'.join(c['optimizer_state_devices']) or '-'}, "
+        f"batches {'/'.join(last['batch_devices'])}; FP8 modules: {', '.join(c['fp8_modules']) or 'none'}"
+    )
+    rng = c["rng"]
+    out.append(
+        f"  checkpoint staging: pinned {c['use_pinned_memory']}, async {c['use_async_staging']}; RNG state: host {rng['host_bytes']} B, "
+        f"device {rng['device_bytes'] if rng['device_bytes'] is not None else 'none'} B; attention masks to "
+        f"{sum(1 for n in c['masks']['forwards_with_masks'] if n)} of {len(c['masks']['forwards_with_masks'])} model parts"
+    )
+    return out
 
 
 def render(report: dict[str, Any]) -> str:

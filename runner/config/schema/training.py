@@ -8,6 +8,7 @@ from typing import Any
 from runner.config.schema.choices import (
     ActivationCheckpoint,
     DataSource,
+    DeviceType,
     DType,
     Fp8Recipe,
     InitFormat,
@@ -311,6 +312,10 @@ class DryrunConfig:
     full_batch: bool = False
     """Run the configured global batch; false runs the fewest microbatches per DP rank that reach the
     step's peak (pp + 1 with 1F1B, 2 without a pipeline; all of them with other schedules): a shorter step."""
+    device: DeviceType = DeviceType.cpu
+    """Device the rehearsal's tensors claim: cpu plays each rank on fake CPU tensors through the CPU build path;
+    cuda (a CUDA cluster only) through the runner's own CUDA code on fake CUDA tensors, in .venv-cuda (a CUDA build
+    of torch; `scripts/setup.sh --cuda-rehearsal`), on a machine without a GPU (docs/dryrun.md)."""
 
 
 @dataclass

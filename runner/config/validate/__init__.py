@@ -107,6 +107,15 @@ def _dryrun_ranks(ctx: Context, out: list[Problem]) -> None:
     cfg, lay = ctx.cfg, ctx.lay
     if lay is None or ctx.ws is None:
         return
+    if cfg.dryrun.device == DeviceType.cuda and cfg.cluster.device != DeviceType.cuda:
+        out.append(
+            Problem(
+                "dryrun.device",
+                cfg.dryrun.device.value,
+                f"the CUDA rehearsal plays a CUDA cluster's ranks; cluster {cfg.cluster.name} is a {cfg.cluster.device.value} cluster",
+                "pick a CUDA cluster (e.g. cluster=h100_node), or use dryrun.device=cpu",
+            )
+        )
     bad = [r for r in cfg.dryrun.ranks if not 0 <= r < lay.world_size]
     if bad:
         out.append(

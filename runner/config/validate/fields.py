@@ -11,7 +11,7 @@ import re
 
 from runner.config import flops, precision
 from runner.config.problems import Problem
-from runner.config.schema import Backend, DeviceType, DType, Fp8Recipe, Launcher, RunConfig, SlurmConfig, WorkerStart
+from runner.config.schema import Backend, DeviceType, DType, Fp8Recipe, Launcher, Mode, RunConfig, SlurmConfig, WorkerStart
 from runner.config.validate.layout_rules import DEGREES
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
@@ -228,7 +228,7 @@ def _profile(path: str, out: list[Problem]) -> None:
 
 def _slurm(cfg: RunConfig, out: list[Problem]) -> None:
     c, s = cfg.cluster, cfg.cluster.slurm
-    if not s.partition:
+    if not s.partition and cfg.mode != Mode.dryrun:  # a dry run (on a login node, before submitting) submits nothing
         out.append(
             Problem("cluster.slurm.partition", s.partition, "SLURM needs a partition to submit to", "set cluster.slurm.partition=<name>")
         )

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 # private_api: torch_dispatch_mode, torch_is_traceable_wrapper_subclass, torch_tree_flatten
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -45,6 +46,10 @@ CATEGORIES = {
 }
 
 # private_api: torch_wrap_tensor_autograd
+CUSTOM_COLLECTIVES = {"cplib": ("flex_cp_allgather", "flex_cp_allgather_backward")}
+"""Custom ops whose bodies run collectives (context parallelism's K/V all-gather for FlexAttention and its backward's
+reduce-scatter): under fake tensors their fake kernel runs instead, so the op itself is the collective, on the group
+its name argument gives, its input the tensors it is given."""
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # ops of the collective namespaces that send nothing
 
 
@@ -87,6 +92,9 @@ def _group_of(args) -> str:
 
 class Ledger(TorchDispatchMode):
     """Live bytes of this rank by label, as a list of (storage, delta) events, plus the collectives issued."""
+
+    supports_higher_order_operators = True
+    """FlexAttention is a higher-order op (the CUDA rehearsal runs it): it passes through, its outputs are counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,6 +164,12 @@ class Ledger(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars to local ops first: we see the local shards
         kwargs = kwargs or {}
+        # private_api: torch_higher_order_operator
+        if isinstance(func, HigherOrderOperator):
+            out = func(*args, **kwargs)
+            if active_fake_mode() is self._fake:
+                self._count(out)
+            return out
         # private_api: torch_active_fake_mode, torch_c10d_functional_ops
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
             out = args[0]  # eager returns its argument; the fake kernel would make a new tensor
@@ -163,8 +177,12 @@ class Ledger(TorchDispatchMode):
             out = func(*args, **kwargs)
         if active_fake_mode() is not self._fake:
             return out  # DTensor's sharding propagation on its own fake mode: no memory of this rank
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in ("c10d", "_c10d_functional") or func.namespace in CUSTOM_COLLECTIVES:
             self._collective(func, args)
+        self._count(out)
+        return out
+
+    def _count(self, out) -> None:
         label = self.current_label()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -173,12 +191,16 @@ class Ledger(TorchDispatchMode):
                         self._resized(st)
                     else:
                         self._register(st, label)
-        return out
 
     def _collective(self, func, args) -> None:
         # private_api: torch_op_schema, torch_c10d_allgather_base, torch_c10d_reduce_scatter_base
         name = func._schema.name.split("::")[-1]
         if name in _NOT_COLLECTIVES:
+            return
+        if func.namespace in CUSTOM_COLLECTIVES:
+            rec = self.collectives[(name, _group_of(args))]
+            rec[0] += 1
+            rec[1] += _local_bytes([a for a in args if isinstance(a, torch.Tensor)])
             return
         if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
             for t in tree_flatten(args[:2])[0]:  # FSDP's flat all-gather / reduce-scatter buffers

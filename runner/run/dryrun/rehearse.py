@@ -60,10 +60,14 @@ def substitutions(cfg: RunConfig) -> list[str]:
     return out
 
 
-def rank_config(cfg: RunConfig, lay: Layout) -> RunConfig:
-    """The rehearsed config: the CPU build path (no CUDA here) and the batch runner.config.dryrun.report chose."""
+def rank_config(cfg: RunConfig, lay: Layout, device: DeviceType = DeviceType.cpu) -> RunConfig:
+    """The rehearsed config: the build path of `device` (CPU; or CUDA on fake CUDA tensors, runner.run.dryrun.cuda_rehearse,
+    where torch.compile is off: it needs a GPU) and the batch runner.config.dryrun.report chose."""
     dry = copy.deepcopy(cfg)
-    dry.cluster.device = DeviceType.cpu
+    dry.cluster.device = device
+    if device == DeviceType.cuda:
+        dry.training.compile = False
+        dry.parallelism.async_tp = False  # needs compile
     _, m = dryrun_report.microbatches(cfg, lay)
     dry.training.global_batch_size = m * lay.dp * cfg.training.microbatch_size
     return dry
@@ -84,7 +88,7 @@ class _Silent:
 
 
 @contextmanager
-def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
+def _fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
     """The fake process group delivers no message, so answer locally what stages would tell each other in the
     first step: the static-vs-dynamic vote (all stages vote alike: same model, fixed microbatch shapes) and, for
     shape inference, the metadata of the gradient from the next stage (this stage's outputs) and of the hidden
@@ -99,7 +103,12 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
     t = cfg.training
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     h = torch.empty(
-        t.microbatch_size, t.seq_len // lay.tp if sp else t.seq_len, cfg.model.dim, dtype=getattr(torch, cfg.precision.param_dtype.value)
+        t.microbatch_size,
+        t.seq_len // lay.tp if sp else t.seq_len,
+        cfg.model.dim,
+        dtype=getattr(torch, cfg.precision.param_dtype.value),
+        device=device,
+        requires_grad=True,  # the previous stage's output is part of the graph: this stage sends its gradient back
     )
     tp_mesh = pd.get_optional_mesh("tp")
     if tp_mesh is not None:
@@ -128,10 +137,11 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd):
 
 
 @contextmanager
-def _balanced_routing(parts: list[torch.nn.Module], ep: int):
+def _balanced_routing(parts: list[torch.nn.Module], ep: int, on_exchange=None):
     """Expert parallelism sizes its all-to-all from the router's token counts, values fake tensors do not have:
     send and receive tokens x top-k / ep to and from every EP rank (perfectly balanced routing). The dispatcher's
-    class is taken from the built model, so that only runner.run.titan imports TorchTitan."""
+    class is taken from the built model, so that only runner.run.titan imports TorchTitan. `on_exchange` is called
+    where TorchTitan would read the splits to the host."""
     kinds = {type(m.token_dispatcher) for p in parts for m in p.modules() if getattr(m, "token_dispatcher", None) is not None}
     # private_api: titan_token_dispatcher_local_reorder, titan_token_count_exchange
     kinds = {k for k in kinds if hasattr(k, "_sync_token_count_exchange")}
@@ -146,6 +156,8 @@ def _balanced_routing(parts: list[torch.nn.Module], ep: int):
         return local_reorder
 
     def sync(self, local_counts, global_counts, ep_size):
+        if on_exchange is not None:  # the CUDA rehearsal counts the device-to-host copy of the splits this replaces
+            on_exchange()
         n = self._dryrun_routed
         splits = [n // ep_size + (1 if i < n % ep_size else 0) for i in range(ep_size)]
         return global_counts.reshape(-1), splits, list(splits)

@@ -28,7 +28,7 @@ from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, con
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.optim import build_optimizer, current_lr, garbage_collection, optimizers
-from runner.run.titan.state import load_model, load_state, save_model, save_state
+from runner.run.titan.state import load_model, load_state, save_model, save_state, training_state
 from runner.run.titan.step import clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
 
 __all__ = [
@@ -66,4 +66,5 @@ __all__ = [
     "save_state",
     "stage_modules",
     "titan_configs",
+    "training_state",
 ]

@@ -30,10 +30,8 @@ def save_state(
     saves its own shards alone (no collective: the node-local tier, runner.run.local_tier), asynchronously when
     `asynchronous`."""
     import torch.distributed.checkpoint as dcp
-    from torchtitan.components.checkpointer.base import ModelWrapper
 
-    options, get_optim, _ = _optim_io()
-    state = {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), list(optimizer), options=options), **extra}
+    state = training_state(parts, optimizer, extra)
     if async_group is not None or (no_dist and asynchronous):
         got = dcp.async_save(state, checkpoint_id=str(path), process_group=async_group, async_stager=stager, no_dist=no_dist)
         if isinstance(got, dcp.state_dict_saver.AsyncSaveResponse):  # async staging: the copy is still being taken
@@ -41,6 +39,14 @@ def save_state(
         return got, None
     dcp.save(state, checkpoint_id=str(path), no_dist=no_dist)
     return None, None
+
+
+def training_state(parts: list[torch.nn.Module], optimizer, extra: dict) -> dict:
+    """What save_state writes: the model (ModelWrapper's canonical keys), the optimizer (flattened FQN keys) and `extra`."""
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    options, get_optim, _ = _optim_io()
+    return {"model": ModelWrapper(parts).state_dict(), "optimizer": get_optim(_holder(parts), list(optimizer), options=options), **extra}
 
 
 def save_model(parts: list[torch.nn.Module], path: Path) -> None:

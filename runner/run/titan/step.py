@@ -112,4 +112,8 @@ def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Te
         loss_kwargs={"global_valid_tokens": global_tokens},
         return_outputs=False,
     )
-    return local_value(sum(loss.detach() for loss in losses)) if built.has_last else torch.zeros(())  # read by the policy
+    if built.has_last:
+        return local_value(sum(loss.detach() for loss in losses))
+    # read by the policy with the grad norm (DevicePolicy.read): made on the compute device, since a CPU zero would be
+    # copied to the device there, a blocking copy that waits for the stage's kernels (a second host sync per step)
+    return torch.zeros((), device=inputs.device)

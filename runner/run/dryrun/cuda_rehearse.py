@@ -1,0 +1,264 @@
+"""mode=dryrun dryrun.device=cuda: one process plays a rank of a CUDA layout through the runner's own CUDA code.
+
+The same rehearsal as runner.run.dryrun.rehearse, but the rank keeps the cluster's device: DevicePolicy's CUDA branch,
+titan.build materializing and initializing on "cuda" (FP8 conversion for the cluster's compute capability, FlexAttention
+masks), the step loop's batch moves (pinned host batches, step_loop.on_device) and its one host read
+(DevicePolicy.read), the device RNG state and the checkpoint staging options. Tensors are FakeTensorMode "cuda" tensors
+on a CUDA build of torch with no GPU; the device itself is faked by runner.run.dryrun.fake_cuda (every patch there).
+
+Per rank it reports the ledger's memory (as mode=dryrun), and per step the collectives by mesh axis and bytes, the
+host synchronizations (device-to-host copies and scalar reads on CUDA tensors, CUDA synchronize calls, non-blocking
+copies from pageable memory) and the attention kernels dispatched; plus the checks the CUDA test tier holds.
+
+`python -m runner.run.dryrun.cuda_rehearse JOBS` (started by runner.run.dryrun.cuda_env.launch) reads a JSON list
+of {"frozen", "ranks", "out"} and writes each job's result to its "out"; one import of torch for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.run.dryrun import cuda_checks, fake_cuda
+from runner.run.dryrun.step_probe import StepProbe
+
+
+def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]:
+    """One step as StepLoop runs it: the batch pinned and moved (step_loop.on_device), forward/backward or the pipeline
+    schedule, the global-norm clip, the step's one host read (DevicePolicy.read), the optimizer update."""
+    import torch
+
+    from runner.run import step_loop, titan
+    from runner.run.dryrun import rehearse
+
+    t = cfg.training
+    local_batch = t.global_batch_size // lay.dp
+    host = [
+        (x.pin_memory(), y.pin_memory()) if policy.pins_host_batches else (x, y)  # what loader.Prefetch hands the step
+        for x, y in zip(
+            torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len)).split(t.microbatch_size),
+            torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len)).split(t.microbatch_size),
+            strict=True,
+        )
+    ]
+    global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
+    mark = led.phase if led is not None else (lambda name: None)
+    with probe:
+        microbatches = step_loop.on_device(host, policy.compute_device())
+        mark("forward/backward")
+        if built.schedule is not None:
+            local = titan.pipeline_step(built, microbatches, global_tokens)
+        else:
+            local = step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, rehearse._Silent())
+        mark("clip")
+        norm = titan.local_value(titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims))
+        policy.read(local, norm)
+        grads = cuda_checks.grads(built)
+        mark("optimizer")
+        if led is not None:
+            led.in_optimizer = True
+        opt.step()
+        if led is not None:
+            led.in_optimizer = False
+        mark("zero_grad")
+        opt.zero_grad(set_to_none=True)
+    return probe.take() | grads | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb})}
+
+
+LOOP_STEPS = 3
+"""Steps of the real step loop after the measured ones: a logging first step, a plain one, the last one."""
+
+
+def _step_loop(cfg, lay, built, policy, run_dir: Path, probe: StepProbe) -> list[dict[str, Any]]:
+    """The runner's own StepLoop (runner.run.train.build: the prefetching loader with pinned batches, the monitor's CUDA
+    event clocks, the loss guard, the step's host read and host collective, the deferred update) for LOOP_STEPS steps
+    on the synthetic data, no sinks and no checkpoint: per step its row's fields and what the probe saw."""
+    import copy
+
+    from runner.run import peak, per_rank, train
+
+    cfg = copy.deepcopy(cfg)
+    cfg.training.steps, cfg.logging.log_every, cfg.checkpoint.enable, cfg.eval.interval = LOOP_STEPS, LOOP_STEPS, False, 0
+    pk = peak.write(cfg, lay.world_size, run_dir) if not (run_dir / "peak.json").exists() else peak.read(run_dir)
+    from runner.run import accounting
+
+    acc = accounting.accounting(cfg, built, pk)
+    data = per_rank.data_for(cfg, lay, policy_rank(), run_dir, policy)
+    # the fake process group delivers no object: every rank answers as this one (the values fake tensors carry are zeros)
+    policy.all_gather_object = lambda obj: [obj] * lay.world_size
+    policy.broadcast_object = lambda obj, src: obj
+    with probe:
+        loop = train.build(cfg, lay, built, data, acc, [], run_dir, None, None, policy)
+    probe.take()
+    rows = []
+    for step in range(1, LOOP_STEPS + 1):
+        with probe:
+            loop.step(step)
+        seen = probe.take()
+        r = loop.rows[-1]
+        rows.append(
+            {
+                "step": step,
+                "logged": step % cfg.logging.log_every == 0 or step == cfg.training.steps,
+                "row_host_syncs": r["host_syncs"],
+                **seen,
+            }
+        )
+    loop.feed.close() if hasattr(loop.feed, "close") else None
+    return rows
+
+
+def policy_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
+    """Build this rank on fake CUDA tensors through the runner's CUDA path and run two steps (the second measured), then
+    (with `loop`) LOOP_STEPS steps of the runner's own StepLoop."""
+    import torch
+    import torch.distributed as dist
+
+    # private_api: torch_fake_tensor_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runner.run import titan
+    from runner.run.device import DevicePolicy
+    from runner.run.dryrun import ledger
+
+    t0 = time.perf_counter()
+    policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    assert not policy.cpu, "the CUDA rehearsal plays a CUDA cluster's rank"
+    torch.cuda.set_device(policy.compute_device())  # as DevicePolicy.start_group; the group itself is the fake one
+    pd = titan.build_mesh(cfg, lay)
+    torch.manual_seed(cfg.training.seed)
+    from runner.run.dryrun import rehearse
+
+    with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as stack:
+        fake_cuda.devices_on()
+        built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
+        if built.schedule is not None:
+            stack.enter_context(rehearse._fake_pipeline(cfg, lay, pd, "cuda"))
+        if lay.ep > 1:
+            exchange = lambda: fake_cuda.SYNCS.note("MoE token-count exchange (device-to-host)")  # noqa: E731
+            stack.enter_context(rehearse._balanced_routing(built.parts, lay.ep, exchange))
+        masks = cuda_checks.capture_masks(built)
+        opt, _ = titan.build_optimizer(cfg, built.parts)
+        titan.register_optimizer_hooks(built, opt)
+        build_s = time.perf_counter() - t0
+        probe = StepProbe()
+        t1 = time.perf_counter()
+        first = _step(cfg, lay, built, opt, policy, probe, None)
+        t2 = time.perf_counter()
+        led = ledger.Ledger()
+        ledger.label_state(led, built.parts, opt)
+        if built.schedule is not None:
+            ledger.label_pipeline(led, built.schedule)
+        with ledger.fsdp_labels(led), led:
+            second = _step(cfg, lay, built, opt, policy, probe, led)
+        result = led.sweep()
+        checks = cuda_checks.devices_and_dtypes(built, opt) | cuda_checks.staging(policy)
+        checks |= {"rng": cuda_checks.rng(policy), "fp8_modules": cuda_checks.fp8_modules(built)}
+        checks["masks"] = cuda_checks.masks_per_stage(built, masks) | {"attention_masks": built.attention_masks}
+        if cfg.checkpoint.enable and cfg.checkpoint.async_save:
+            checks["checkpoint"] = cuda_checks.staged(cfg, built, opt, policy)
+        loop_steps = _step_loop(cfg, lay, built, policy, run_dir, probe) if loop else []
+        shards = rehearse._shards(built.parts)
+    rank = dist.get_rank()
+    return {
+        "rank": rank,
+        "coords": {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1},
+        "has_first_stage": built.has_first,
+        "has_last_stage": built.has_last,
+        "fake": True,
+        "device": "cuda",
+        "build_s": build_s,
+        "step_s": [t2 - t1, time.perf_counter() - t2],
+        "wall_s": time.perf_counter() - t0,
+        **result,
+        "categories_at_peak": ledger.by_category(result["at_peak"]),
+        "categories_max": ledger.by_category(result["max_each"]),
+        "num_params_local": sum(int(torch.Size(s["shape"]).numel()) for s in shards),
+        "param_shards": shards,
+        "steps": [first, second],
+        "loop_steps": loop_steps,
+        "checks": checks,
+    }
+
+
+def rehearse_rank(cfg, lay, rank: int, run_dir: Path, loop: bool = True) -> dict[str, Any]:
+    """One rank in this (forked) process: a fake process group of the layout's world size."""
+    import torch.distributed as dist
+
+    # private_api: torch_fake_store
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runner.run import titan
+
+    os.environ["LOCAL_RANK"] = str(rank % cfg.cluster.devices_per_node)
+    titan.quiet_torchao(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+    try:
+        return measure(cfg, lay, run_dir, loop)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> dict[str, Any]:
+    from runner.config import freeze, layout
+    from runner.config.dryrun import report as dryrun_report
+    from runner.run.dryrun import rehearse
+
+    cfg = freeze.load(Path(frozen))
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    dry = rehearse.rank_config(cfg, lay, device=cfg.cluster.device)
+    del dryrun_report
+    out = []
+    for r in ranks:
+        out.append(rehearse._forked(rehearse_rank, dry, lay, r, Path(run_dir), loop))
+        print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
+    return {"substitutions": substitutions(cfg), "ranks": out}
+
+
+def substitutions(cfg) -> list[str]:
+    """What the CUDA rehearsal runs in place of the cluster's own: the kernels (no kernel runs), and the compiled
+    FlexAttention (eager here: torch.compile needs a GPU)."""
+    out = ["no kernel runs: fake CUDA tensors carry shapes, dtypes and devices, not values (the step's host read returns zeros)"]
+    if cfg.training.compile:
+        out.append("torch.compile: off (it needs a GPU and Triton)")
+    out.append("FlexAttention and its block masks: eager, not TorchTitan's torch.compile'd ones")
+    if cfg.model.num_experts and cfg.parallelism.ep > 1:
+        out.append(
+            "MoE routing: perfectly balanced (tokens x top-k / ep to every EP rank); TorchTitan's token-count exchange, which "
+            "copies the all-to-all splits to the host (a synchronization per MoE layer and microbatch), is counted, not run"
+        )
+    return out
+
+
+def main(jobs_path: str) -> None:
+    jobs = json.loads(Path(jobs_path).read_text())
+    c = jobs[0]["gpu"]
+    fake_cuda.install(c["capability"], c["memory_gb"], c["name"], c["devices_per_node"])
+    from runner.config import freeze
+    from runner.run import titan
+
+    titan.preload(freeze.load(Path(jobs[0]["frozen"])))
+    from runner.run.titan import cpu as titan_cpu
+
+    titan_cpu.eager_flex_attention()
+    for job in jobs:
+        try:
+            res = {"result": run_job(job["frozen"], job["ranks"], job["run_dir"], job.get("loop", True))}
+        except RuntimeError as e:
+            res = {"error": str(e)}
+        Path(job["out"]).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,205 @@
+"""The CUDA test tier (`pytest -m cuda_rehearsal`, in .venv-cuda; .ci/run runs it after the main suite): the runner's own
+CUDA path, rehearsed on fake CUDA tensors (mode=dryrun dryrun.device=cuda, runner.run.dryrun.cuda_rehearse), holds to
+what a GPU run must do. The five cases run in one process (one import of torch), about a minute in all:
+
+- dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
+  save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank).
+
+Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
+the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
+per step; the plan's memory (cluster kernels) within 15 % and every mesh axis the plan says moves bytes with collectives
+(and no other); the checkpoint staging pinned and the device RNG state saved.
+
+The main suite leaves these tests out (tests/conftest.py deselects the marker unless `-m` names it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from runner.config import comm, freeze, validate
+from runner.config.dryrun import report as dryrun_report
+from tests.conftest import ROOT, run_cli
+
+pytestmark = [pytest.mark.cuda_rehearsal, pytest.mark.e2e]
+
+GPU4 = ["cluster=h100_node", "cluster.devices_per_node=4"]
+CASES = {
+    "dp2_tp2_bf16": ["parallelism=dp2_tp2", *GPU4, "precision=bf16"],
+    "fsdp_fp8_rowwise": ["parallelism=fsdp", *GPU4, "precision=fp8_rowwise"],
+    "tp2_pp2_flex": ["parallelism=tp2_pp2", *GPU4, "precision=bf16"],
+    "hsdp2x2_async_ckpt": ["parallelism=hsdp2x2", *GPU4, "precision=bf16", "checkpoint.enable=true", "checkpoint.async_save=true"],
+    "llama3_70b_tp8_pp4_fp8_blockwise": [
+        "recipe=llama3_70b_h100x1024",
+        "precision=fp8_blockwise",
+        "cluster=slurm_h100",
+        "cluster.num_nodes=128",
+        "dryrun.ranks=[0,1023]",
+    ],
+}
+NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise"}
+"""Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes."""
+TOLERANCE = 0.15
+FP8_MODULE = {"fp8_rowwise": "Float8Linear", "fp8_tensorwise": "Float8Linear", "fp8_blockwise": "BlockwiseFp8Linear"}
+
+
+def _torch_is_cuda_build() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
+
+
+@pytest.fixture(scope="module")
+def rehearsed(compose, tmp_path_factory):
+    """Every case's (config, layout, report), rehearsed in one process under .venv-cuda's interpreter."""
+    if not _torch_is_cuda_build():
+        pytest.skip(
+            "the CUDA tier runs in .venv-cuda: bash scripts/setup.sh --cuda-rehearsal, "
+            "then .venv-cuda/bin/python -m pytest -m cuda_rehearsal"
+        )
+    from runner.config import plan
+    from runner.run.dryrun import cuda_env
+
+    base = tmp_path_factory.mktemp("cuda")
+    cases, jobs = {}, []
+    for name, overrides in CASES.items():
+        cfg = compose([*overrides, "mode=dryrun", "dryrun.device=cuda"])
+        lay = validate.check(cfg)
+        run_dir = base / name
+        run_dir.mkdir()
+        frozen = freeze.write(cfg, lay, run_dir)
+        ranks = dryrun_report.ranks(cfg, lay)
+        cases[name] = (cfg, lay)
+        job = {"frozen": str(frozen), "ranks": ranks, "run_dir": str(run_dir), "gpu": cuda_env.gpu(cfg.cluster)}
+        jobs.append(job | {"loop": name not in NO_LOOP})
+    out = {}
+    for (name, (cfg, lay)), res in zip(cases.items(), cuda_env.launch(jobs, ROOT, base), strict=True):
+        assert "error" not in res, f"{name}: {res['error'][-3000:]}"
+        out[name] = (cfg, lay, dryrun_report.report(cfg, lay, plan.compute(cfg, lay), res["result"]))
+    return out
+
+
+def test_patched_names_exist():
+    """Every patch of runner.run.dryrun.fake_cuda names something this torch still has: an upgrade fails here, naming it."""
+    if not _torch_is_cuda_build():
+        pytest.skip("the CUDA tier runs in .venv-cuda")
+    from runner.run.dryrun import fake_cuda
+
+    assert fake_cuda.missing() == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_state_and_batches_live_on_cuda(rehearsed, case):
+    _, _, rep = rehearsed[case]
+    for r in rep["ranks"]:
+        c, last = r["checks"], r["steps"][-1]
+        assert c["param_devices"] == ["cuda"] and c["optimizer_state_devices"] == ["cuda"] and c["num_optimizer_states"] > 0, r["rank"]
+        assert last["grad_devices"] == ["cuda"] and last["batch_devices"] == ["cuda"], r["rank"]
+        assert last["pageable_copies"] == 0, "a non-blocking copy from pageable host memory waits for the device"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_precision_as_configured(rehearsed, case):
+    cfg, lay, rep = rehearsed[case]
+    pr = cfg.precision
+    for r in rep["ranks"]:
+        c, last = r["checks"], r["steps"][-1]
+        assert c["param_dtypes"] == ["float32"] and c["optimizer_state_dtypes"] == ["float32"]  # fp32 master weights and moments
+        fp8 = pr.fp8.value != "none"
+        want = {pr.param_dtype.value} | ({"float8_e4m3fn"} if fp8 else set())
+        assert set(last["matmul_dtypes"]) <= want, (r["rank"], last["matmul_dtypes"])
+        if lay.dp_shard > 1:
+            assert pr.reduce_dtype.value in last["reduce_dtypes"], last["reduce_dtypes"]
+        module = FP8_MODULE.get(cfg.precision.name)
+        assert c["fp8_modules"] == ([module] if module else []), c["fp8_modules"]
+        if fp8 and r["has_first_stage"]:  # the first stage's blocks are all converted (the last one's head is not)
+            assert "float8_e4m3fn" in last["matmul_dtypes"], last["matmul_ops"]  # scaled matmuls on FP8 operands
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flex_attention_masks_reach_every_stage(rehearsed, case):
+    _, lay, rep = rehearsed[case]
+    stages = set()
+    for r in rep["ranks"]:
+        m = r["checks"]["masks"]
+        assert m["attention_masks"], "FlexAttention is the GPU's attention"
+        assert all(n > 0 for n in m["forwards_with_masks"]), (r["rank"], m)
+        assert r["steps"][-1]["attention"].get("flex_attention", 0) > 0
+        stages.add(lay.coords(r["rank"])["pp"])
+    assert stages == ({0, lay.pp - 1} if lay.pp > 1 else {0})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_at_most_one_host_sync_per_step(rehearsed, case):
+    """The measured step, and the runner's own StepLoop (its monitor's CUDA event clocks, the loss guard, the host
+    collective, the deferred update) on its non-logging steps: at most one synchronization with the device."""
+    _, _, rep = rehearsed[case]
+    for r in rep["ranks"]:
+        # the run's first step is left out: torch's pipeline stages send their shape metadata as objects then (blocking copies)
+        assert len(r["steps"][1]["syncs"]) <= 1, (r["rank"], r["steps"][1]["syncs"])
+        loop = r["loop_steps"]
+        assert [st["step"] for st in loop] == ([] if case in NO_LOOP else [1, 2, 3])
+        for st in loop:
+            if not st["logged"]:
+                assert len(st["syncs"]) <= 1, (r["rank"], st)
+            assert st["pageable_copies"] == 0, "the loader's batches must be pinned for a non-blocking copy"
+
+
+AXIS = re.compile(r"^(?:mesh_)?(\w+?)\(\d+\)$")
+AXES = {"fsdp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "default_pg": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_collectives_by_axis_as_planned(rehearsed, case):
+    """Every mesh axis the plan says moves bytes in a step has collectives in the rehearsed step, and no other axis does
+    (the clip's scalar all-reduce of the grad norm aside)."""
+    cfg, lay, rep = rehearsed[case]
+    _, micro = dryrun_report.microbatches(cfg, lay)
+    gbs = dict.fromkeys(("intra-node", "scale-out"), 1.0)
+    v = cfg.parallelism.pp_virtual_stages if lay.pp > 1 else 1
+    planned = comm.communication(cfg, lay, micro, v, cfg.cluster.devices_per_node, gbs)
+    want = {a for a in ("tp", "pp", "dp", "cp", "ep") if planned[f"{a}_comm_gb"] > 0}
+    for r in rep["ranks"]:
+        got = {AXES[AXIS.match(c["group"]).group(1)] for c in r["collectives"] if c["bytes"] > 1024}
+        assert got == want, (r["rank"], got, want, r["collectives"])
+        if lay.pp > 1:  # the first stage sends activations and receives their gradients, the last the other way round
+            p2p = {c["op"]: c["count"] for c in r["collectives"] if AXIS.match(c["group"]).group(1) == "pp" and c["op"] in ("send", "recv")}
+            assert p2p == {"send": micro, "recv": micro}, (r["rank"], p2p)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_memory_within_the_plan(rehearsed, case):
+    _, _, rep = rehearsed[case]
+    for r in rep["ranks"]:
+        rows = {row["row"]: row for row in r["rows"]}
+        assert abs(rows["total (peak)"]["ratio"] - 1) <= TOLERANCE, (r["rank"], rows["total (peak)"])
+        for row in r["rows"]:
+            assert row["within"] in (None, True), (r["rank"], row)
+
+
+def test_async_checkpoint_staging_pins_host_memory_and_saves_the_device_rng(rehearsed):
+    _, _, rep = rehearsed["hsdp2x2_async_ckpt"]
+    for r in rep["ranks"]:
+        c = r["checks"]
+        assert c["use_pinned_memory"] and c["use_async_staging"] and c["non_blocking"]
+        ck = c["checkpoint"]
+        assert ck["pinned_bytes"] > 0 and ck["staged_tensors"] > 0
+        assert ck["rng_keys"] == [f"rank{r['rank']}", f"rank{r['rank']}_device"]
+        assert c["rng"]["device_bytes"] == 16  # the CUDA generator's Philox seed and offset
+
+
+def test_cpu_dry_run_agrees_and_names_its_difference(rehearsed, tmp_path):
+    """The CPU dry run of dp2_tp2 (fake CPU tensors, SDPA in place of FlexAttention, the CPU's unfused RMSNorm) beside the
+    CUDA rehearsal: parameters, gradients and optimizer state equal; the activations differ by what the CPU substitutes."""
+    cfg, lay, rep = rehearsed["dp2_tp2_bf16"]
+    proc = run_cli(*CASES["dp2_tp2_bf16"], "mode=dryrun", run_dir=tmp_path / "cpu", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cpu = json.loads((tmp_path / "cpu" / "dryrun.json").read_text())["ranks"][0]
+    gpu = rep["ranks"][0]
+    for label in ("param_shard", "grad_shard", "optimizer_state"):
+        assert cpu["max_each"][label] == gpu["max_each"][label], label
+    assert any("SDPA in place of FlexAttention" in s for s in json.loads((tmp_path / "cpu" / "dryrun.json").read_text())["substitutions"])
+    assert gpu["peak_bytes"] == pytest.approx(cpu["peak_bytes"], rel=TOLERANCE)
