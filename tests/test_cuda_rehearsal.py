@@ -3,7 +3,8 @@ CUDA path, rehearsed on fake CUDA tensors (mode=dryrun dryrun.device=cuda, runne
 what a GPU run must do. The five cases run in one process (one import of torch), about a minute in all:
 
 - dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
-  save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank).
+  save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention
+  gathers K/V over cp (a custom op the ledger counts as the collective it runs).
 
 Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
 the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
@@ -31,6 +32,7 @@ CASES = {
     "dp2_tp2_bf16": ["parallelism=dp2_tp2", *GPU4, "precision=bf16"],
     "fsdp_fp8_rowwise": ["parallelism=fsdp", *GPU4, "precision=fp8_rowwise"],
     "tp2_pp2_flex": ["parallelism=tp2_pp2", *GPU4, "precision=bf16"],
+    "dp2_cp2_flex": ["parallelism=cp2", "parallelism.dp_shard=-1", *GPU4, "precision=bf16"],  # FlexAttention's K/V all-gather
     "hsdp2x2_async_ckpt": ["parallelism=hsdp2x2", *GPU4, "precision=bf16", "checkpoint.enable=true", "checkpoint.async_save=true"],
     "llama3_70b_tp8_pp4_fp8_blockwise": [
         "recipe=llama3_70b_h100x1024",

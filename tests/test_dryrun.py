@@ -133,3 +133,10 @@ def test_cuda_rehearsal_without_its_environment_names_the_set_up(tmp_path, monke
         cuda_env.launch([job], tmp_path, tmp_path / "work")
     assert "a GPU is visible here" in str(e.value)
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.e2e
+def test_cuda_rehearsal_of_a_cpu_cluster_exits_2_without_a_traceback(tmp_path):
+    proc = run_cli("mode=dryrun", "dryrun.device=cuda", run_dir=tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "dryrun.device = cuda" in proc.stderr and "Fix: pick a CUDA cluster" in proc.stderr and "Traceback" not in proc.stderr

@@ -71,7 +71,8 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
 
 
 LOOP_STEPS = 3
-"""Steps of the real step loop after the measured ones: a logging first step, a plain one, the last one."""
+"""Steps of the runner's StepLoop after the measured ones: two plain steps (the second applies the first's deferred
+update) and the last, which logs and applies its own update at once."""
 
 
 def _step_loop(cfg, lay, built, policy, run_dir: Path, probe: StepProbe) -> list[dict[str, Any]]:
@@ -80,15 +81,14 @@ def _step_loop(cfg, lay, built, policy, run_dir: Path, probe: StepProbe) -> list
     on the synthetic data, no sinks and no checkpoint: per step its row's fields and what the probe saw."""
     import copy
 
-    from runner.run import peak, per_rank, train
+    import torch.distributed as dist
+
+    from runner.run import accounting, peak, per_rank, train
 
     cfg = copy.deepcopy(cfg)
     cfg.training.steps, cfg.logging.log_every, cfg.checkpoint.enable, cfg.eval.interval = LOOP_STEPS, LOOP_STEPS, False, 0
-    pk = peak.write(cfg, lay.world_size, run_dir) if not (run_dir / "peak.json").exists() else peak.read(run_dir)
-    from runner.run import accounting
-
-    acc = accounting.accounting(cfg, built, pk)
-    data = per_rank.data_for(cfg, lay, policy_rank(), run_dir, policy)
+    acc = accounting.accounting(cfg, built, peak.write(cfg, lay.world_size, run_dir))  # the datasheet's peak (peak.json)
+    data = per_rank.data_for(cfg, lay, dist.get_rank(), run_dir, policy)
     # the fake process group delivers no object: every rank answers as this one (the values fake tensors carry are zeros)
     policy.all_gather_object = lambda obj: [obj] * lay.world_size
     policy.broadcast_object = lambda obj, src: obj
@@ -109,14 +109,8 @@ def _step_loop(cfg, lay, built, policy, run_dir: Path, probe: StepProbe) -> list
                 **seen,
             }
         )
-    loop.feed.close() if hasattr(loop.feed, "close") else None
+    loop.feed.close()
     return rows
-
-
-def policy_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
