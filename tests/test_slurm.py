@@ -195,6 +195,29 @@ def test_takeover_hands_usr2_to_submitit_only_after_this_runs_checkpoint(tmp_pat
         signal.signal(signal.SIGUSR2, before)
 
 
+def test_the_agents_signal_handlers_end_with_its_ranks(tmp_path):
+    """A SLURM task's SIGTERM handler is submitit's bypass again once torch's agent is done: the requeue's SIGTERM
+    reached a task still writing its result after the ranks exited and left submitit's temporary file behind, which
+    failed the requeued task (CI, 2026-12-04). torch's own process context installs its raising handler here."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from runner.run import procs
+
+    bypassed: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: bypassed.append(signum))  # stands in for submitit's bypass
+    try:
+        with procs.agent_signal_handlers():
+            ctx = start_processes("rank", "/bin/sh", {0: ("-c", "exit 0")}, {0: {}}, DefaultLogsSpecs(log_dir=str(tmp_path)))
+            inside = signal.getsignal(signal.SIGTERM)
+            assert not ctx.wait(timeout=60).failures
+            ctx.close()
+        assert inside.__name__ == "_terminate_process_handler"  # the agent's, while its ranks run
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert bypassed == [signal.SIGTERM]  # after them: the earlier handler, no exception
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 SIGNALLED_RANK = r"""
 import json, os, signal, sys, time
 from runner.run import preempt

@@ -121,13 +121,14 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, check
     known_warnings.apply(known_warnings.on_console())  # the launcher's console: before the ranks import TorchTitan here
     os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
-        if cfg.cluster.worker_start == WorkerStart.fork:
-            from runner.run import per_rank, titan
+        with procs.agent_signal_handlers():
+            if cfg.cluster.worker_start == WorkerStart.fork:
+                from runner.run import per_rank, titan
 
-            titan.preload(cfg)
-            procs.fork_ranks(flags, per_rank.forked_main, str(frozen))
-        else:
-            torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+                titan.preload(cfg)
+                procs.fork_ranks(flags, per_rank.forked_main, str(frozen))
+            else:
+                torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
         written = forensics.write_report(cfg, run_dir, lay.world_size, str(e), forensics.torn_down(e.failures))
         if written is not None:

@@ -5,10 +5,11 @@ finished process exits. Two of these patch private torch 2.13 code; remove them 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:
@@ -87,6 +88,23 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torch's TORCHELASTIC_SIGNALS_TO_HANDLE
+
+
+@contextlib.contextmanager
+def agent_signal_handlers() -> Iterator[None]:
+    """The elastic agent's signal handlers last as long as its ranks. torch 2.13's agent installs handlers that raise
+    on SIGTERM, SIGINT, SIGHUP and SIGQUIT when it starts its ranks and never puts the earlier ones back. In a SLURM
+    task those were submitit's (SIGTERM bypassed): the SIGTERM of a requeue, arriving after the ranks exited, raised
+    inside submitit's writing of the task's result and left its temporary file, which failed the requeued task."""
+    before = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def drop_agent_signal_handlers() -> None:
