@@ -31,42 +31,21 @@ from runner.run.dryrun.step_probe import StepProbe
 def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]:
     """One step as StepLoop runs it: the batch pinned and moved (step_loop.on_device), forward/backward or the pipeline
     schedule, the global-norm clip, the step's one host read (DevicePolicy.read), the optimizer update."""
-    import torch
-
     from runner.run import step_loop, titan
     from runner.run.dryrun import rehearse
 
-    t = cfg.training
-    local_batch = t.global_batch_size // lay.dp
-    host = [
-        (x.pin_memory(), y.pin_memory()) if policy.pins_host_batches else (x, y)  # what loader.Prefetch hands the step
-        for x, y in zip(
-            torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len)).split(t.microbatch_size),
-            torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len)).split(t.microbatch_size),
-            strict=True,
-        )
+    host = [  # what loader.Prefetch hands the step
+        (x.pin_memory(), y.pin_memory()) if policy.pins_host_batches else (x, y) for x, y in rehearse.synthetic_microbatches(cfg, lay)
     ]
-    global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
-    mark = led.phase if led is not None else (lambda name: None)
+    grads: dict[str, Any] = {}
+
+    def read(local, norm) -> None:
+        policy.read(local, titan.local_value(norm))
+        grads.update(cuda_checks.grads(built))
+
     with probe:
         microbatches = step_loop.on_device(host, policy.compute_device())
-        mark("forward/backward")
-        if built.schedule is not None:
-            local = titan.pipeline_step(built, microbatches, global_tokens)
-        else:
-            local = step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, rehearse._Silent())
-        mark("clip")
-        norm = titan.local_value(titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims))
-        policy.read(local, norm)
-        grads = cuda_checks.grads(built)
-        mark("optimizer")
-        if led is not None:
-            led.in_optimizer = True
-        opt.step()
-        if led is not None:
-            led.in_optimizer = False
-        mark("zero_grad")
-        opt.zero_grad(set_to_none=True)
+        rehearse.one_step(cfg, built, opt, microbatches, led, read)
     return probe.take() | grads | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb})}
 
 

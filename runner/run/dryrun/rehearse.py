@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -171,22 +172,38 @@ def _balanced_routing(parts: list[torch.nn.Module], ep: int, on_exchange=None):
             k._local_reorder, k._sync_token_count_exchange = reorder, exchange
 
 
-def _one_step(cfg: RunConfig, lay: Layout, built, opt, led: ledger.Ledger | None) -> None:
-    """One training step of this rank: the pipeline schedule or forward/backward per microbatch, clip, AdamW."""
+def synthetic_microbatches(cfg: RunConfig, lay: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batch of one step, random tokens, split into (inputs, labels) microbatches."""
     t = cfg.training
     local_batch = t.global_batch_size // lay.dp
     inputs = torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len))
     labels = torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len))
-    microbatches = list(zip(inputs.split(t.microbatch_size), labels.split(t.microbatch_size), strict=True))
+    return list(zip(inputs.split(t.microbatch_size), labels.split(t.microbatch_size), strict=True))
+
+
+def one_step(
+    cfg: RunConfig,
+    built,
+    opt,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    led: ledger.Ledger | None,
+    after_clip: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> None:
+    """One training step of this rank on `microbatches`: the pipeline schedule or forward/backward per microbatch, clip,
+    the optimizer update. `after_clip(local loss, grad norm)` sees the step's results before the update, as the step
+    loop's host read does (runner.run.dryrun.cuda_rehearse)."""
+    t = cfg.training
     global_tokens = torch.tensor(float(t.global_batch_size * t.seq_len))
     mark = led.phase if led is not None else (lambda name: None)
     mark("forward/backward")
     if built.schedule is not None:
-        titan.pipeline_step(built, microbatches, global_tokens)
+        local = titan.pipeline_step(built, microbatches, global_tokens)
     else:
-        step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, _Silent())
+        local = step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches, global_tokens, _Silent())
     mark("clip")
-    titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims)
+    norm = titan.clip_grad_norm_tensor(built.parts, t.max_norm, built.parallel_dims)
+    if after_clip is not None:
+        after_clip(local, norm)
     mark("optimizer")
     if led is not None:
         led.in_optimizer = True
@@ -222,14 +239,14 @@ def _materialize_fake(parts: list[torch.nn.Module]) -> None:
 def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], list[float]]:
     """Step 1 unmeasured (lazy optimizer state, pipeline shape inference), step 2 under the ledger."""
     t1 = time.perf_counter()
-    _one_step(cfg, lay, built, opt, None)
+    one_step(cfg, built, opt, synthetic_microbatches(cfg, lay), None)
     t2 = time.perf_counter()
     led = ledger.Ledger()
     ledger.label_state(led, built.parts, opt)
     if built.schedule is not None:
         ledger.label_pipeline(led, built.schedule)
     with ledger.fsdp_labels(led), led:
-        _one_step(cfg, lay, built, opt, led)
+        one_step(cfg, built, opt, synthetic_microbatches(cfg, lay), led)
     return led.sweep(), [t2 - t1, time.perf_counter() - t2]
 
 
