@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import gc
 import json
 import os
 import shutil
@@ -67,6 +68,21 @@ def pytest_collection_modifyitems(config, items):
     if tier:
         config.hook.pytest_deselected(items=tier)
         items[:] = [i for i in items if not i.get_closest_marker("cuda_rehearsal")]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """What a test leaves alive (composed configs cached for the next tests, imported modules, models) goes out of the
+    cyclic collector's reach: its full collections walked the session's whole, growing heap again and again, 23 s of
+    the 130 s of `pytest -m "not e2e"`, 5 s after (measured with gc.callbacks). The price: cyclic garbage left by a
+    test stays until the session ends (0.5 GB more at the peak of `pytest -m "not e2e"`)."""
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Hand everything back to the collector, so that the interpreter's shutdown frees it (nanobind counts what is not
+    freed as a leak of its bindings, and says so)."""
+    gc.unfreeze()
+    gc.collect()
 
 
 @pytest.hookimpl(hookwrapper=True)
