@@ -278,8 +278,9 @@ def checkpoint(text: tuple[Path, Path]) -> dict[str, list[str]]:
 
 LOCAL_NODES = ["n0", "n0", "n1", "n1"]
 """Ranks 0-1 on node n0, 2-3 on n1 (monitor.inject.node_names): each rank's partner is the same position on the other."""
-LOCAL_LOSSES = {"killed": "", "node_lost": "node:n1", "shards_lost": "shard:1", "flipped": "flip:1"}
-"""Each point's monitor.inject.lose_local: what is destroyed of the local tier before the restart reads it."""
+LOCAL_LOSSES = {"flipped": "flip:1", "node_lost": "node:n1", "shards_lost": "shard:1"}
+"""Each point's monitor.inject.lose_local: what is destroyed of the local tier before the restart reads it. The plain
+kill (nothing lost) is the flipped point: ranks 0, 2 and 3 restore their own shards there, rank 1 its partner copy."""
 
 
 def local_tier(text: tuple[Path, Path]) -> dict[str, list[str]]:
@@ -298,7 +299,7 @@ def local_tier(text: tuple[Path, Path]) -> dict[str, list[str]]:
     out = {}
     for name, loss in LOCAL_LOSSES.items():
         folder = text[0].parent / "local" / name / "%N"
-        out[f"local-{name}"] = [*common, f"checkpoint.local.folder={folder}", *([f"monitor.inject.lose_local={loss}"] if loss else [])]
+        out[f"local-{name}"] = [*common, f"checkpoint.local.folder={folder}", f"monitor.inject.lose_local={loss}"]
     return out
 
 

@@ -1,7 +1,8 @@
 """The node-local checkpoint tier (checkpoint.local): the restore rule, partners, folders and validation without ranks;
-with ranks, four SIGKILLed runs on two simulated nodes (tests/points.py, local_tier) in the session's shared multirun,
+with ranks, three SIGKILLed runs on two simulated nodes (tests/points.py, local_tier) in the session's shared multirun,
 each resumed by the elastic agent after part of the local tier was destroyed, every one with the losses of the
-uninterrupted reference run of test_checkpoint (the same 6 steps, schedule and data) bit for bit."""
+uninterrupted reference run of test_checkpoint (the same 6 steps, schedule and data) bit for bit. A plain kill is not a
+run of its own: in the flipped one every rank but rank 1 restores its own shard."""
 
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ def test_plan_suggests_both_tiers_and_start_up_shows_them(compose):
     )
 
 
-# ---- with ranks: four SIGKILLed runs on two simulated nodes ---------------------------------------------------------
+# ---- with ranks: three SIGKILLed runs on two simulated nodes ---------------------------------------------------------
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:
@@ -179,10 +180,14 @@ def _local_folder(run_dir: Path) -> Path:
     return Path(freeze.load(run_dir / runfiles.FROZEN).checkpoint.local.folder).parent
 
 
+FLIPPED_WHY = "local step 3 is whole and newer than shared step 2; rank(s) [1] from their partner copies"
+
+
 @pytest.mark.e2e
 def test_killed_rank_resumes_from_the_newer_local_save(shared_runs, reference):
-    run_dir, console, rows = _resumed(shared_runs, "killed", reference)
-    assert "checkpoint: resumed from the local tier, step 3 (local step 3 is whole and newer than shared step 2)" in console
+    """The flipped point (rank 1's own shard damaged, its partner copy used; the other ranks restore their own)."""
+    run_dir, console, rows = _resumed(shared_runs, "flipped", reference)
+    assert f"checkpoint: resumed from the local tier, step 3 ({FLIPPED_WHY})" in console
     assert "assuming the intent is to save in a single process" not in console  # DCP's no_dist notice: runner.run.known_warnings
     # nothing recomputed: step 4 was never finished; the local saves of steps 1 and 3 held the loop, as the shared ones do
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -197,7 +202,7 @@ def test_killed_rank_resumes_from_the_newer_local_save(shared_runs, reference):
     g = json.loads((run_dir / runfiles.GOODPUT).read_text())
     second = g["attempts"][1]
     assert (second["resumed_from_step"], second["resumed_from_tier"]["tier"], g["repeated_steps"]) == (3, "local", 0)
-    assert second["resumed_from_tier"]["why"] == "local step 3 is whole and newer than shared step 2"
+    assert second["resumed_from_tier"]["why"] == FLIPPED_WHY
     (mark,) = [e for e in goodput.read(run_dir) if e.get("name") == "restored" and e["attempt"] == 1]
     assert mark["tier"] == "local"
     # the run ended well: its local checkpoints are gone from both nodes
@@ -236,8 +241,7 @@ def test_corrupted_local_shard_fails_its_checksum_and_the_partner_copy_is_used(s
     (warn,) = [ln for ln in console.splitlines() if ln.startswith("WARNING: skipping local shard ")]
     assert warn.startswith(f"WARNING: skipping local shard {shard.parent}: {shard.name} has crc32 ")
     assert warn.endswith("was written (its content changed after the save)")
-    why = "local step 3 is whole and newer than shared step 2; rank(s) [1] from their partner copies"
-    assert f"checkpoint: resumed from the local tier, step 3 ({why})" in console
+    assert f"checkpoint: resumed from the local tier, step 3 ({FLIPPED_WHY})" in console
     assert KILL_AT == 4
 
 
