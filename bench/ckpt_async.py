@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from runner.config import checkpoint  # noqa: E402
+from runner.formats import checkpoint  # noqa: E402
 
 MODES = {
     "none": ["checkpoint=none"],

@@ -44,10 +44,10 @@ def hooks(interval: int) -> dict[str, float]:
     """Seconds per hook call, measured in this process on a one-rank gloo group."""
     import torch.distributed as dist
 
-    from runner.config.layout import Layout
-    from runner.config.schema import RunConfig
     from runner.observe import forensics, monitor
     from runner.run.device import DevicePolicy
+    from runner.schema import RunConfig
+    from runner.schema.layout import Layout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
@@ -83,8 +83,8 @@ def _barrier_rank(rank: int, world: int, port: int, reps: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from runner.config.schema import RunConfig
     from runner.run.device import DevicePolicy
+    from runner.schema import RunConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo")

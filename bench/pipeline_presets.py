@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.config import runfiles
+from runner.formats import runfiles
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -41,14 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.config import (  # noqa: E402
-    compose,  # noqa: E402
-    runfiles,
-    validate,
-)
+from runner.config import compose, validate  # noqa: E402
 from runner.config import points as points_file  # noqa: E402
-from runner.config.predict import steptime  # noqa: E402
-from runner.config.predict.accuracy import spearman  # noqa: E402
+from runner.estimate.predict import steptime  # noqa: E402
+from runner.estimate.predict.accuracy import spearman  # noqa: E402
+from runner.formats import runfiles  # noqa: E402
 
 LAYOUTS = {
     "single": ["parallelism=single"],
@@ -129,7 +126,7 @@ def refit(profile: Path, share_runs: dict[str, list[float]], out: Path) -> Path:
     """The profile refitted (runner.calibrate.runs.refit) from the share runs' step times (per share point, one per
     repetition), written to `out`."""
     from runner.calibrate import runs as calibrate_runs
-    from runner.config.predict import machine_profile as steptime_profile
+    from runner.estimate.predict import machine_profile as steptime_profile
 
     cal = share_points(False)
     cfgs = {k: compose.compose(cal[k]) for k in share_runs}
@@ -140,7 +137,7 @@ def refit(profile: Path, share_runs: dict[str, list[float]], out: Path) -> Path:
 def twins(grid: dict[str, list[str]]) -> dict[str, str]:
     """The grid's keys whose run (layout, pipeline schedule, model width, sequence length) a share run also trains:
     that share run's key, by grid key."""
-    from runner.config.layout import resolve
+    from runner.schema.layout import resolve
 
     def what(overrides: list[str]) -> tuple:
         cfg = compose.compose(overrides)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.config import points as points_file  # noqa: E402
-from runner.config import runfiles  # noqa: E402
+from runner.formats import runfiles  # noqa: E402
 from runner.outputs.comparison import TERMS, gap_term  # noqa: E402
 
 LAYOUTS = {
@@ -67,7 +67,7 @@ def predicted_terms(s: dict, profile: Path | None) -> dict:
     if own or profile is None:
         return own or {}
     from runner.config import compose, validate
-    from runner.config.predict import steptime
+    from runner.estimate.predict import steptime
 
     cfg = compose.compose([*s["overrides"], f"cluster.profile={profile}"])
     return steptime.predict(cfg, validate.check(cfg)).terms

@@ -52,7 +52,7 @@ def _run(argv: list[str], env=None) -> None:
 
 def runner_run(run_dir: Path, point: list[str]) -> dict:
     """Train `point` with `python -m runner`: its losses, grad norms, step ends (rank 0's timeline) and own tokens/s."""
-    from runner.config import runfiles
+    from runner.formats import runfiles
 
     _run(["runner", *point, "logging.progress=false", f"hydra.run.dir={run_dir}"])
     rows = [json.loads(line) for line in (run_dir / runfiles.METRICS).read_text().splitlines()]

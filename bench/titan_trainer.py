@@ -38,7 +38,7 @@ IMPLEMENTATION = {"fused": "fused", "foreach": "foreach", "for_loop": "for-loop"
 
 def unsupported(cfg) -> list[str]:
     """Runner settings this equivalent config does not carry over (the bench and the test keep to the rest)."""
-    from runner.config.schema import ActivationCheckpoint, DataSource, Fp8Recipe
+    from runner.schema import ActivationCheckpoint, DataSource, Fp8Recipe
 
     checks = {
         "data=synthetic": cfg.data.name == DataSource.synthetic,
@@ -362,8 +362,8 @@ def main(spec_path: str) -> None:
     import torch.distributed as dist
     from torchtitan.tools.logging import init_logger
 
-    from runner.config import layout
     from runner.config.compose import compose
+    from runner.schema import layout
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = compose(spec["overrides"])

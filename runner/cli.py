@@ -17,8 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner import modes, sweep
 from runner.config import compose, compose_errors, freeze, validate
-from runner.config.schema import Mode
-from runner.config.wording import count
+from runner.schema import Mode
+from runner.schema.wording import count
 
 compose.register()
 

@@ -10,12 +10,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner import sweep
-from runner.config import fault_tolerance, flops, freeze, precision, runfiles, slurm
-from runner.config.layout import Layout, label
-from runner.config.predict import fp8 as fp8_model
-from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
+from runner.config import fault_tolerance, freeze, slurm
 from runner.config.search import objective as search_objective
-from runner.config.wording import count
+from runner.estimate import flops, precision
+from runner.estimate.predict import fp8 as fp8_model
+from runner.formats import runfiles
+from runner.schema import DeviceType, Fp8Recipe, RunConfig
+from runner.schema.layout import Layout, label
+from runner.schema.wording import count
 
 
 def validate(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:
@@ -27,8 +29,8 @@ def validate(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> No
 def plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> float:
     """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing.
     Returns the objective (predicted step time or MFU) for an optimizing sweeper."""
-    from runner.config import memory
-    from runner.config import plan as plan_mod
+    from runner.estimate import memory
+    from runner.estimate import plan as plan_mod
 
     device_gb = memory.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
     budget = plan_mod.compute(cfg, lay, device_memory_gb=device_gb)
@@ -109,8 +111,7 @@ def _sbatch_preview(dcfg: DictConfig, run_dir: Path) -> Path:
 
 def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None:
     """Play the chosen ranks of the layout on fake tensors in this process; print and write dryrun.json beside the plan."""
-    from runner.config import plan
-    from runner.config.dryrun import report as dryrun_report
+    from runner.estimate import dryrun_report, plan
 
     ranks = dryrun_report.ranks(cfg, lay)
     frozen = freeze.write(cfg, lay, run_dir)
@@ -127,7 +128,7 @@ def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None
 
 FP8_TERMS = (
     "  FP8 costs mode=plan prices as their own terms: fp8_cast (the cast and scale kernels), fp8_amax (tensorwise amax "
-    "all-reduces over TP); the converted GEMMs in compute at the FP8 rate (runner/config/predict/fp8.py)"
+    "all-reduces over TP); the converted GEMMs in compute at the FP8 rate (runner/estimate/predict/fp8.py)"
 )
 """mode=validate's line naming an FP8 recipe's cost terms (GPU clusters: the datasheet predictor's FP8 model)."""
 

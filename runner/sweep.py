@@ -16,11 +16,12 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner.config import fault_tolerance, freeze, runfiles, slurm, validate
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.config import fault_tolerance, freeze, slurm, validate
 from runner.config.search import objective as search_objective
+from runner.formats import runfiles
 from runner.outputs import goodput
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 
 @dataclass

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.config import compose  # noqa: E402
-from runner.config.schema import ClusterConfig  # noqa: E402
+from runner.schema import ClusterConfig  # noqa: E402
 
 CLUSTERS = ROOT / "conf" / "cluster"
 DOC = ROOT / "docs" / "clusters.md"

@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.config import families, flops  # noqa: E402  (torch-free; the counts written into comments)
-from runner.config.schema import ModelConfig  # noqa: E402
+from runner.config import families  # noqa: E402  (torch-free; the counts written into comments)
+from runner.estimate import flops  # noqa: E402  (torch-free; the counts written into comments)
+from runner.schema import ModelConfig  # noqa: E402
 
 MODEL_DIR = ROOT / "conf" / "model"
 MODELS_DOC = ROOT / "docs" / "models.md"

@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's runner, whatever the environment has installed
 sys.path.insert(0, str(ROOT / "scripts"))  # gpu_check_node imports this module as gpu_check
 
-from runner.config import runfiles  # noqa: E402  (torch-free)
-from runner.config.precision import RECIPES  # noqa: E402
-from runner.config.schema import Fp8Recipe  # noqa: E402
+from runner.estimate.precision import RECIPES  # noqa: E402
+from runner.formats import runfiles  # noqa: E402  (torch-free)
+from runner.schema import Fp8Recipe  # noqa: E402
 
 STEPS = 30
 SEQ_LEN = 2048

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import gpu_check as gc
 
-from runner.config import runfiles
+from runner.formats import runfiles
 
 NUM_GPUS = 8
 STEPS = 20

@@ -54,9 +54,9 @@ def trainer_config(spec: dict, model_spec=None):
     from torchtitan.models.llama3 import model_registry
     from torchtitan.trainer import Trainer
 
-    from runner.config.schema import LRSchedulerConfig, OptimizerConfig
-    from runner.config.schema import TrainingConfig as RunnerTraining
     from runner.run.titan.distributed import SPMD_BACKEND
+    from runner.schema import LRSchedulerConfig, OptimizerConfig
+    from runner.schema import TrainingConfig as RunnerTraining
 
     t, o, s = RunnerTraining(), OptimizerConfig(), LRSchedulerConfig()  # the runner's defaults, which gpu_check's runner command keeps
     if model_spec is None:

@@ -160,8 +160,9 @@ def compose():
 
 @pytest.fixture(scope="session")
 def budget(compose):
-    """budget(overrides) -> the plan's figures (runner.config.plan.compute) of the composed, validated config."""
-    from runner.config import plan, validate
+    """budget(overrides) -> the plan's figures (runner.estimate.plan.compute) of the composed, validated config."""
+    from runner.config import validate
+    from runner.estimate import plan
 
     def _budget(overrides: list[str]) -> dict:
         cfg = compose(overrides)
@@ -331,7 +332,8 @@ def parity_launches(
     """Train each launch's points one after another in one `python -m runner.parity <nproc>` process group (validated
     first) and return every point's layout_parity.json by name, with its run folder as "run_dir", and each launch's
     console (stdout) by rank count; `folder(nproc)` gives a fresh folder per launch."""
-    from runner.config import runfiles, validate
+    from runner.config import validate
+    from runner.formats import runfiles
     from runner.run import layout_parity
 
     out, consoles = {}, {}

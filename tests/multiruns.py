@@ -75,7 +75,7 @@ def multirun_status(names: list[str], sweep: Path, proc: subprocess.CompletedPro
     point's ranks failed (failed.json in its run folder) and goes on with the next point; an invalid point (invalid.json)
     leaves the exit code 0. Any other exit code, an exit 1 with no failed.json, or no run folder at all fails the
     multirun as a whole."""
-    from runner.config import runfiles
+    from runner.formats import runfiles
 
     folders = {name: sweep / str(i) for i, name in enumerate(names)}
     split = re.split(r"\[HYDRA\]\s+#(\d+) : ", proc.stdout)
@@ -92,7 +92,7 @@ def multirun_status(names: list[str], sweep: Path, proc: subprocess.CompletedPro
 def _point_failure(folder: Path, console: str) -> str | None:
     """Why the point of run folder `folder` failed, or None: its record (failed.json, invalid.json) with the tails of its
     console and of its ranks' stderr logs (local ranks 1 and up write theirs to files); no folder: it never started."""
-    from runner.config import runfiles
+    from runner.formats import runfiles
 
     if not folder.is_dir():
         return f"no run folder {folder}: the multirun ended before this point"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.config import pipeline
+from runner.estimate import pipeline
 from tests import hf_models
 
 # ---- tests/test_parallel.py: every layout that fits on this machine (parity_runs) --------------------------------

@@ -22,10 +22,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import checkpoint, freeze, runfiles, validate
-from runner.config.problems import ConfigError
-from runner.config.schema import ModelConfig
+from runner.config import freeze, validate
+from runner.formats import checkpoint, runfiles
 from runner.outputs import goodput
+from runner.schema import ModelConfig
+from runner.schema.problems import ConfigError
 from tests import text_assets
 from tests.conftest import metrics, run_cli
 from tests.multiruns import Lazy

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.config.schema import CheckpointConfig, DeviceType, LossGuardConfig
 from runner.observe.monitor import LossGuard
 from runner.run import checkpointer
 from runner.run.device import DevicePolicy
 from runner.run.loader import SyntheticData
+from runner.schema import CheckpointConfig, DeviceType, LossGuardConfig
 
 
 class CudaLikePolicy(DevicePolicy):

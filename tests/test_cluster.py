@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.config import layout
 from runner.run import mesh
+from runner.schema import layout
 from tests.conftest import ROOT, run_cli, run_module
 
 SLURM = ["cluster=slurm_h100", "cluster.slurm.partition=gpu", "precision=bf16"]  # a GPU cluster refuses the CPU default fp32
@@ -311,8 +311,8 @@ def test_preflight_starts_pipeline_recipes_on_cuda(compose, monkeypatch, recipe)
     """The pipeline step passes FlexAttention's block masks (runner.run.titan.step.batch_masks), so a node with an
     NVIDIA driver starts the PP recipes: no launch-time rule refuses them any more."""
     from runner.config import validate
-    from runner.config.problems import ConfigError
     from runner.config.validate import host_rules as launch_rules
+    from runner.schema.problems import ConfigError
 
     cfg = compose([f"recipe={recipe}"])
     lay = validate.check(cfg)

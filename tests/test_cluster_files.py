@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from runner.config import validate
-from runner.config.schema import ClusterConfig, DType
+from runner.schema import ClusterConfig, DType
 from tests.conftest import ROOT
 
 CLUSTERS, GPUS = ROOT / "conf" / "cluster", ROOT / "conf" / "gpu"

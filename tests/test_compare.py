@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runner.config.predict import accuracy
+from runner.estimate.predict import accuracy
 from runner.outputs import comparison
 
 

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from runner.config import families, layout, memory, plan, validate
-from runner.config.schema import Mode
+from runner.config import families, validate
+from runner.estimate import memory, plan
+from runner.schema import Mode, layout
 from tests import text_assets
 from tests.conftest import ROOT, run_cli
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config import flops, plan, validate
+from runner.config import validate
+from runner.estimate import flops, plan
 
 MOE = ["model=debug_moe", "parallelism=single"]
 LONG_405B = [

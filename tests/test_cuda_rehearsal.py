@@ -21,8 +21,8 @@ import re
 
 import pytest
 
-from runner.config import comm, freeze, validate
-from runner.config.dryrun import report as dryrun_report
+from runner.config import freeze, validate
+from runner.estimate import comm, dryrun_report
 from tests.conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.cuda_rehearsal, pytest.mark.e2e]
@@ -62,7 +62,7 @@ def rehearsed(compose, tmp_path_factory):
             "the CUDA tier runs in .venv-cuda: bash scripts/setup.sh --cuda-rehearsal, "
             "then .venv-cuda/bin/python -m pytest -m cuda_rehearsal"
         )
-    from runner.config import plan
+    from runner.estimate import plan
     from runner.run.dryrun import cuda_env
 
     base = tmp_path_factory.mktemp("cuda")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from runner.config import validate
-from runner.config.problems import ConfigError
+from runner.schema.problems import ConfigError
 from tests import text_assets
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from runner.config import freeze, search, validate
 from runner.config.compose import CONF, compose, register, to_object
-from runner.config.schema import Mode
+from runner.schema import Mode
 from tests import text_assets
 from tests.conftest import ROOT
 
@@ -207,7 +207,7 @@ def _checked(cmd: Command, overrides: list[str]) -> str | None:
 
 
 def _profile(path: Path) -> Path:
-    from runner.config.predict import machine_profile
+    from runner.estimate.predict import machine_profile
 
     entry = {"threads": 1, "matmul_tflops": 0.1, "gemm_half_dim": 32.0, "attention_tflops": 0.02, "memory_gbs": 10.0, "gemms": []}
     link = {"latency_s": 1e-3, "gbs": 1.0}

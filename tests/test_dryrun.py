@@ -13,9 +13,10 @@ import os
 
 import pytest
 
-from runner.config import flops, freeze, runfiles, validate
-from runner.config.dryrun import report as dryrun_report
-from runner.config.problems import ConfigError
+from runner.config import freeze, validate
+from runner.estimate import dryrun_report, flops
+from runner.formats import runfiles
+from runner.schema.problems import ConfigError
 from tests.conftest import run_cli, run_module
 from tests.points import DRYRUN_SMALL as SMALL
 

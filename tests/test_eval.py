@@ -14,9 +14,10 @@ import weakref
 import pytest
 import torch
 
-from runner.config import schema, validate
-from runner.config.problems import ConfigError
+from runner import schema
+from runner.config import validate
 from runner.run import evaluate, loader
+from runner.schema.problems import ConfigError
 from tests import text_assets
 from tests.one_rank import gloo_rank
 
@@ -113,9 +114,9 @@ class Recorded:
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
     """The debug model built by the runner on one in-process gloo rank, its weights moved off their initialization."""
-    from runner.config import layout
     from runner.run import titan
     from runner.run.device import DevicePolicy
+    from runner.schema import layout
 
     cfg = compose(
         ["parallelism=single", f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
@@ -333,7 +334,7 @@ def test_the_logged_learning_rate_is_torchtitans_schedule(one_rank, tmp_path, de
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
-    from runner.config.schema import LRDecay
+    from runner.schema import LRDecay
 
     steps, warmup, peak = 10, 2, 1e-3
     rows = _train(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.config import runfiles
+from runner.formats import runfiles
 from runner.outputs import comparison
 from runner.sweep import wandb_group
 from tests.conftest import run_cli

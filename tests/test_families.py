@@ -1,5 +1,5 @@
 """Every TorchTitan flavor is a model option: conf/model/ and the table in docs/models.md are what scripts/gen_models.py
-writes from the registries, and runner.config.flops counts what TorchTitan counts (total and active parameters,
+writes from the registries, and runner.estimate.flops counts what TorchTitan counts (total and active parameters,
 FLOPs per token) for every one of them, built on the meta device."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import re
 
 import pytest
 
-from runner.config import families, flops, memory, validate
-from runner.config.schema import ModelConfig
+from runner.config import families, validate
+from runner.estimate import flops, memory
+from runner.schema import ModelConfig
 from tests.conftest import ROOT
 
 
@@ -194,7 +195,7 @@ def test_deepseek_v3_recipe_is_the_reports_layout(compose, budget):
     ],
 )
 def test_family_rules(compose, overrides, field, words):
-    from runner.config.problems import ConfigError
+    from runner.schema.problems import ConfigError
 
     with pytest.raises(ConfigError) as err:
         validate.check(compose(overrides))

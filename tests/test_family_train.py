@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from runner.config import family_support, validate
-from runner.config.problems import ConfigError
+from runner.schema.problems import ConfigError
 from tests.conftest import ROOT
 from tests.points import FAMILY_LAUNCHES as LAUNCHES
 from tests.points import FAMILY_REFERENCE as REFERENCE
@@ -122,7 +122,7 @@ def test_registry_only_family_refuses_architecture_overrides(compose):
     """qwen3_5 is built as its registry flavor (no runner layer builder is tested without flash-linear-attention), so a
     GPU config that validates is the flavor itself: an override of its numbers is refused, not silently ignored."""
     from runner.config import validate
-    from runner.config.problems import ConfigError
+    from runner.schema.problems import ConfigError
 
     gpu = ["model=qwen3_5_debugmodel", "cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]
     assert validate.check(compose(gpu)).world_size == 8

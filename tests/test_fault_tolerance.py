@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import checkpoint, layout, runfiles, validate
 from runner.config import fault_tolerance as ft
-from runner.config.problems import ConfigError
+from runner.config import validate
+from runner.formats import checkpoint, runfiles
+from runner.schema import layout
+from runner.schema.problems import ConfigError
 
 FT = ["fault_tolerance=torchft", "parallelism=hsdp2x2"]
 

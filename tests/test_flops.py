@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config import flops
+from runner.estimate import flops
 
 
 def test_debug_flops_by_hand(compose):
@@ -17,7 +17,7 @@ def test_debug_flops_by_hand(compose):
 
 
 def test_mfu_and_hfu():
-    from runner.config.schema import ActivationCheckpoint, ModelConfig
+    from runner.schema import ActivationCheckpoint, ModelConfig
 
     # 1,000 tokens/s x 35,016,192 FLOPs/token on a 0.1 TFLOP/s machine = 35.0 %
     assert flops.mfu(1000, 35_016_192, 0.1e12) == pytest.approx(0.35016192)

@@ -194,7 +194,7 @@ def test_node_list_prints_commands_that_validate(tmp_path, capsys, compose):
     import shlex
 
     from runner.config import validate
-    from runner.config.schema import Mode
+    from runner.schema import Mode
 
     gct = _load("gpu_check_titan")
     assert gc.main(["--node", "--list", "--work-dir", str(tmp_path)]) == 0

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import checkpoint, freeze, layout, validate
-from runner.config.problems import ConfigError
+from runner.config import freeze, validate
+from runner.formats import checkpoint
+from runner.schema import layout
+from runner.schema.problems import ConfigError
 from tests import text_assets
 from tests.hf_compare import LOGITS_RTOL, assert_round_trip, exported, load_hf, logits_gap
 from tests.hf_compare import titan_model as _titan_model
@@ -263,10 +265,10 @@ def test_export_hf_needs_checkpoints_and_an_exported_family(compose):
 
 
 def test_sigmoid_router_flavors_are_the_registry_ones():
-    """runner.config.hf_folder.SIGMOID_ROUTER (validation's torch-free list) is what TorchTitan's registry builds."""
+    """runner.formats.hf_folder.SIGMOID_ROUTER (validation's torch-free list) is what TorchTitan's registry builds."""
     import importlib
 
-    from runner.config import hf_folder
+    from runner.formats import hf_folder
 
     for family, flavors in hf_folder.SIGMOID_ROUTER.items():
         module = importlib.import_module(f"torchtitan.models.{family}")

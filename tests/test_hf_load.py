@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import freeze, hf_folder, validate
-from runner.config.problems import ConfigError
+from runner.config import freeze, validate
+from runner.formats import hf_folder
+from runner.schema.problems import ConfigError
 from tests import hf_models
 from tests.points import HF_LAYOUTS as LAYOUTS
 from tests.points import HF_RESUMED as RESUMED
@@ -163,7 +164,7 @@ def test_deepseek_v3_needs_the_sigmoid_router(monkeypatch, capsys, tmp_path):
 
 
 def test_the_router_table_is_the_registrys(compose):
-    """runner.config.hf_folder.ROUTERS against TorchTitan: the flavors listed route with sigmoid scores over those groups, every
+    """runner.formats.hf_folder.ROUTERS against TorchTitan: the flavors listed route with sigmoid scores over those groups, every
     other flavor of the family with softmax."""
     from runner.run.titan.model import model_spec
 
@@ -282,7 +283,7 @@ def test_freezing_records_the_folder_and_a_replay_refuses_a_changed_one(monkeypa
 
 def test_the_model_identity_of_a_checkpoint_ignores_where_weights_started(compose, tmp_path):
     """A run resumes its own checkpoint whatever model.init_from says (the checkpoint takes precedence)."""
-    from runner.config import checkpoint
+    from runner.formats import checkpoint
 
     a, b = compose([]).model, compose([f"model.init_from={tmp_path}"]).model
     assert checkpoint.model_identity(a) == checkpoint.model_identity(b) and "init_from" not in checkpoint.model_identity(a)
@@ -392,7 +393,7 @@ def test_key_mapping_round_trips_on_meta(compose, model):
 
 
 def test_gpt_oss_adapter_loses_the_experts(compose):
-    """Why gpt_oss is refused (runner.config.hf_folder.NO_ADAPTER): the round trip drops exactly the 4 expert tensors of each
+    """Why gpt_oss is refused (runner.formats.hf_folder.NO_ADAPTER): the round trip drops exactly the 4 expert tensors of each
     block. When TorchTitan's mapping is fixed this fails: move gpt_oss to hf_folder.ADAPTERS."""
     from runner.run.titan import hf_adapter as titan_hf
 
@@ -402,7 +403,7 @@ def test_gpt_oss_adapter_loses_the_experts(compose):
 
 
 def test_every_family_in_the_table_has_an_adapter(compose):
-    """runner.config.hf_folder.ADAPTERS and NO_ADAPTER (torch-free) name the families whose TorchTitan spec has a
+    """runner.formats.hf_folder.ADAPTERS and NO_ADAPTER (torch-free) name the families whose TorchTitan spec has a
     state_dict_adapter: all six the runner offers."""
     from runner.config import families
     from runner.run.titan.model import model_spec

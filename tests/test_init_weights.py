@@ -11,10 +11,10 @@ import itertools
 import pytest
 import torch
 
-from runner.config import layout
 from runner.run import titan
 from runner.run.device import DevicePolicy
 from runner.run.titan import cpu, init
+from runner.schema import layout
 
 build = importlib.import_module("runner.run.titan.build")  # the package exports build(), the function
 

@@ -16,11 +16,11 @@ import json
 import pytest
 import torch
 
-from runner.config import layout, runfiles
-from runner.config.layout import Layout
-from runner.config.schema import InjectConfig, IntegrityConfig, StragglerConfig
+from runner.formats import runfiles
 from runner.observe import integrity, monitor
 from runner.run import startup
+from runner.schema import InjectConfig, IntegrityConfig, StragglerConfig, layout
+from runner.schema.layout import Layout
 from tests.conftest import ROOT, metrics, run_cli, summary
 
 STRAGGLER = ["monitor.straggler.interval=5", "monitor.straggler.windows=2"]
@@ -79,8 +79,8 @@ def test_flipped_bit_is_found_at_the_next_interval_and_rewinds(faults):
 def test_mismatch_stops_the_run_or_finds_no_checkpoint():
     from types import SimpleNamespace
 
-    from runner.config.schema import MismatchAction, RunConfig
     from runner.run.step_loop import StepLoop
+    from runner.schema import MismatchAction, RunConfig
 
     found = [{"step": 8, "check": "replica", "parameter": "w", "group": [0, 1, 2], "checksums": {}}]
     found[0] |= {"majority": {"ranks": [0, 2], "hosts": ["a"]}, "minority": {"ranks": [1], "hosts": ["b"]}}

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
-from runner.config import layout, plan, validate
-from runner.config.wording import count, device_unit
+from runner.config import validate
+from runner.estimate import plan
 from runner.run import startup
+from runner.schema import layout
+from runner.schema.wording import count, device_unit
 from tests.conftest import run_cli
 
 SWEEP_70B = ["recipe=llama3_70b_h100x1024", "mode=plan"]

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import checkpoint, freeze, local_checkpoint, plan, runfiles
-from runner.config.layout import resolve
-from runner.config.schema import LocalCheckpointConfig
+from runner.config import freeze
 from runner.config.validate import checkpoint_rules
+from runner.estimate import plan
+from runner.formats import checkpoint, local_checkpoint, runfiles
 from runner.outputs import goodput
 from runner.run import startup
+from runner.schema import LocalCheckpointConfig
+from runner.schema.layout import resolve
 from tests.conftest import metrics
 from tests.points import CHECKPOINT_KILL_AT as KILL_AT
 from tests.points import CHECKPOINT_STEPS as STEPS
@@ -114,7 +116,7 @@ LOCAL = ["checkpoint=local", "checkpoint.interval=10"]
 )
 def test_local_tier_config_is_refused_with_field_and_fix(compose, overrides, field, why):
     from runner.config import validate
-    from runner.config.problems import ConfigError
+    from runner.schema.problems import ConfigError
 
     with pytest.raises(ConfigError) as e:
         validate.check(compose(overrides))
@@ -251,10 +253,10 @@ def test_async_local_save_is_published_and_restored_in_process(compose, tmp_path
     optimizer; the run's end deletes the rank's local root."""
     import torch
 
-    from runner.config.schema import DeviceType
     from runner.run.device import DevicePolicy
     from runner.run.local_tier import LocalTier
     from runner.run.titan import state
+    from runner.schema import DeviceType
     from tests.one_rank import gloo_rank
 
     cfg = compose(["checkpoint=local", "checkpoint.interval=10", f"checkpoint.local.folder={tmp_path / 'local' / '%N'}"])

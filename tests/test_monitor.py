@@ -28,10 +28,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.config import layout, runfiles
-from runner.config.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig
+from runner.formats import runfiles
 from runner.observe import forensics, monitor
 from runner.run import startup
+from runner.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig, layout
 from tests.conftest import ROOT, metrics, run_cli
 
 TIMEOUT_S = 12

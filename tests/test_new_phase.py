@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import checkpoint, freeze, runfiles, validate
-from runner.config.problems import ConfigError
-from runner.config.schema import Mode, ModelConfig
+from runner.config import freeze, validate
+from runner.formats import checkpoint, runfiles
+from runner.schema import Mode, ModelConfig
+from runner.schema.problems import ConfigError
 from tests.conftest import metrics, run_cli
 from tests.one_rank import gloo_rank
 
@@ -43,9 +44,9 @@ LOSS_ATOL_TP = 1e-5
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
     """One in-process gloo rank and its one-rank mesh: (layout of parallelism=single, mesh, policy)."""
-    from runner.config import layout
     from runner.run import titan
     from runner.run.device import DevicePolicy
+    from runner.schema import layout
 
     cfg = compose(SHAPE)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config import pipeline
+from runner.estimate import pipeline
 from tests.points import PARALLEL_LAUNCHES as LAUNCHES
 from tests.points import SCHEDULES
 

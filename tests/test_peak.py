@@ -131,7 +131,7 @@ def _policy(cfg):
 
 def _cached(cache, machine: dict, created: str):
     """A profile (tests/test_predictor.py's, with round figures) stored in the cache as runner.calibrate stores it."""
-    from runner.config.predict import machine_profile as steptime_profile
+    from runner.estimate.predict import machine_profile as steptime_profile
     from tests.test_predictor import _profile
 
     prof = _profile() | {"machine": machine | {"created": created}}
@@ -165,7 +165,7 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
     from runner.calibrate import measure as calibrate
     from runner.calibrate import runs as calibrate_runs
     from runner.config import validate
-    from runner.config.predict import steptime
+    from runner.estimate.predict import steptime
     from runner.observe import plan_check
     from runner.run import metrics
     from tests.test_predictor import _profile
@@ -225,7 +225,7 @@ def _fp8_run(compose, tmp_path, monkeypatch, fp8_tflops: float, fp32_tflops: flo
     the GEMM measurements replaced by these rates; returns (config, accounting, peak record)."""
     from types import SimpleNamespace
 
-    from runner.config import flops
+    from runner.estimate import flops
     from runner.run import accounting
 
     monkeypatch.setattr(peak.concurrent.futures, "ProcessPoolExecutor", _InProcess)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config import pipeline, plan, validate
+from runner.config import validate
+from runner.estimate import pipeline, plan
 
 SEED = ["recipe=llama3_70b_h100x1024"]
 L405 = [*SEED, "model=llama3_405b", "mode=plan"]  # planned, not started: validation leaves the memory verdict to the plan

@@ -44,7 +44,7 @@ def test_worked_example_convention_is_named_and_the_two_tp_shares_say_what_of(bu
     """The worked example's budget convention replaces "seed's convention" (and keys ending `_seed`): one row of the
     table says what it is; plan.json still carries the old key names, equal, for one release. The two TP figures each
     say what they are a share of: the step time at the assumed MFU, and the bottom-up estimate."""
-    from runner.config import plan
+    from runner.estimate import plan
 
     b = budget(SEED)
     rows = plan.rows(b)

@@ -1,6 +1,6 @@
 """The plan's memory is held to the dry run: for debug layouts (PP with and without full activation
 checkpointing, TP + SP without PP, PP under FP8 rowwise) each rank's weights + gradients and optimizer state within 2 % of what the
-dry run measures at its peak, activations within 15 % (runner.config.dryrun.report.TOLERANCE). The cluster
+dry run measures at its peak, activations within 15 % (runner.estimate.dryrun_report.TOLERANCE). The cluster
 configs of issue 14 are checked by bench/dryrun_vs_plan.py (minutes), whose output bench/README.md quotes."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import json
 
 import pytest
 
-from runner.config import flops, runfiles, validate
-from runner.config.schema import DeviceType
+from runner.config import validate
+from runner.estimate import flops
+from runner.formats import runfiles
+from runner.schema import DeviceType
 from tests.points import PLAN_MEMORY_CASES as CASES  # dry runs, trained with tests/test_dryrun.py's in one multirun (dry_runs)
 
 HELD = ("weights + gradients", "optimizer (master + moments)", "activations")
@@ -83,7 +85,8 @@ def test_405b_weights_and_gradients_per_stage_match_the_dry_run(compose):
     that block's FFN gradients in bf16 and FSDP2 has not yet cast them to fp32 (dry run, tp8_pp16 at 8,192 ranks:
     18.97 GB on stage 0, 19.78 on stage 8); with full AC, and on the last stage (peak in the loss's backward), the
     peak comes before them (18.31 GB on stages 0 and 15)."""
-    from runner.config import layout, memory
+    from runner.estimate import memory
+    from runner.schema import layout
 
     measured = {("none", 0): 18.968, ("none", 8): 19.782, ("none", 15): 18.314, ("full", 15): 18.314}
     for (ac, st), gb in measured.items():
@@ -99,8 +102,8 @@ def test_405b_pipeline_activations_match_the_dry_run(compose):
     last one for its output's gradient (torch's PipelineStage allocates them in the first step and keeps them).
     Dry run, tp8_pp16 with full AC, 17 microbatches rehearsed: 1.97 GB on the last stage (the plan had 1.20 without
     them), 10.89 without AC."""
-    from runner.config import layout, memory
-    from runner.config.dryrun import report as dryrun_report
+    from runner.estimate import dryrun_report, memory
+    from runner.schema import layout
 
     for ac, gb in (("full", 1.967), ("none", 10.892)):
         cfg = compose([*P405, f"training.activation_checkpoint={ac}"])
@@ -129,7 +132,8 @@ def test_moe_optimizer_shard_and_rope_tables_match_the_dry_run(compose):
     parameter's fp32 shard is / dp_shard (dry run, debug_moe with ep 8 on 8 ranks: 49.5 MB of master + moments, 4,126,752
     local parameters; the plan had 39 MB dividing the experts by ep twice). DeepSeek-V3's RoPE tables have 16,384
     positions (TorchTitan's flavors), not llama3's 131,072: 6 x 16,384 x 32 complex64 = 25.2 MB measured."""
-    from runner.config import layout, memory
+    from runner.estimate import memory
+    from runner.schema import layout
 
     cfg = compose(MOE_EP8)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
@@ -149,8 +153,8 @@ def test_moe_mla_activations_on_the_rehearsals_cpu_kernels(compose):
     the fp32 output the scores weight. Dry run (debug_moe, ep 8, 256 tokens): 0.113 GB of activations at the peak,
     which falls inside the last block's backward (the plan, counting every block, had 0.069). The cluster's
     FlexAttention saves no probabilities: the plan on CUDA keeps them out."""
-    from runner.config import layout, memory
-    from runner.config.dryrun import report as dryrun_report
+    from runner.estimate import dryrun_report, memory
+    from runner.schema import layout
 
     cfg = compose(MOE_EP8)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
@@ -175,8 +179,8 @@ def test_fp8_casts_in_a_blocks_backward_match_the_dry_run(compose):
     well and the plan leaves out; gradients 30,296,064 (bf16) and 40,394,752 (fp32) bytes, the fp32 ones only (bf16 run:
     30,689,280); totals 194,580,672, 194,589,872 and 258,681,024 (plan 0.4 % and 0.6 % lower). The last stage (rank 3)
     peaks in the loss's backward (8,388,608 B, as without FP8)."""
-    from runner.config import layout
-    from runner.config.dryrun import report as dryrun_report
+    from runner.estimate import dryrun_report
+    from runner.schema import layout
 
     measured = {  # (precision overrides): (backward temporaries less w2's input gradient, weights + gradients, total)
         ("precision=fp8_tensorwise", "precision.param_dtype=bfloat16"): (4_784_144 - 512 * 768 * 2, 30_296_064, 194_580_672),

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.config import precision, validate
+from runner.config import validate
+from runner.estimate import precision
 from runner.run import titan
 from runner.run.titan import fp8_emulation as fe
 from tests.conftest import run_cli

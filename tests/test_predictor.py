@@ -1,4 +1,4 @@
-"""The step-time predictor (runner/config/predict/steptime.py): published GPU runs, the held-out Llama 3 paper
+"""The step-time predictor (runner/estimate/predict/steptime.py): published GPU runs, the held-out Llama 3 paper
 runs, machine profiles (round trip, named constants, what they change) and the labels."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from runner.config import plan, validate
-from runner.config.predict import machine_profile as steptime_profile
-from runner.config.predict import refs as steptime_refs
-from runner.config.predict import steptime
-from runner.config.predict.machine import DATASHEET
+from runner.calibrate import refs as steptime_refs
+from runner.config import validate
+from runner.estimate import plan
+from runner.estimate.predict import machine_profile as steptime_profile
+from runner.estimate.predict import steptime
+from runner.estimate.predict.machine import DATASHEET
 
 CPU = ["model=debug", "parallelism=dp2_tp2"]
 
@@ -22,7 +23,7 @@ def references():
 
 
 def test_published_runs_within_20_percent(references):
-    """TorchTitan's A100 and H100 tables (runner/config/predict/reference_runs.csv, role fit)."""
+    """TorchTitan's A100 and H100 tables (runner/calibrate/reference_runs.csv, role fit)."""
     fit = {k: r for k, r in references.items() if r.role == "fit"}
     assert len(fit) == 18  # 13 bf16 runs and TorchTitan's 5 Float8 runs on Grand Teton H100s
     off = {k: f"{100 * r.error:+.1f} %" for k, r in fit.items() if abs(r.error) > 0.20}
@@ -33,7 +34,7 @@ def test_published_runs_within_20_percent(references):
 
 
 def test_float8_runs_within_20_percent_and_the_8b_speed_up(references):
-    """TorchTitan's Float8 rows (tensorwise, compiled) priced by the FP8 model (runner/config/predict/fp8.py): within 20 %,
+    """TorchTitan's Float8 rows (tensorwise, compiled) priced by the FP8 model (runner/estimate/predict/fp8.py): within 20 %,
     each with its cast kernels; the 8B FSDP 8 run's speed-up over its bf16 twin within 0.1 of the published
     8,532 / 6,667 = 1.28; the TP runs pay tensorwise's amax all-reduces."""
     fp8_rows = {k: r for k, r in references.items() if k.endswith("float8")}
@@ -62,7 +63,7 @@ def test_reference_error_band_is_the_rms_error_of_the_reference_runs(references)
     takes seconds) is the RMS of predicted / measured - 1 over every modelled reference run."""
     import math
 
-    from runner.config.predict import machine
+    from runner.estimate.predict import machine
 
     errors = [r.error for r in references.values()]
     assert machine.REFERENCE_ERROR == pytest.approx(math.sqrt(sum(e * e for e in errors) / len(errors)), abs=5e-4)
@@ -395,7 +396,7 @@ def test_moe_expert_flops_per_gpu_do_not_change_with_ep(compose, model):
     compute term never falls below the plan's ideal (all model FLOPs at 100 % of the peak)."""
     import dataclasses
 
-    from runner.config.predict import work
+    from runner.estimate.predict import work
 
     base = compose([f"model={model}", *MOE_PLAN, "training.microbatch_size=4"])
 

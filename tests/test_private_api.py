@@ -33,7 +33,7 @@ ALLOWED = {
     "_getframe": "sys._getframe, documented",
     "_target_": "Hydra's documented instantiate key",
     "_self_": "Hydra's documented defaults-list keyword",
-    "_seed": "a suffix of the runner's own file names (runner.config.plan.RENAMED_SUFFIX)",
+    "_seed": "a suffix of the runner's own file names (runner.estimate.plan.RENAMED_SUFFIX)",
     "_quorum_": "the tag of torchft's dump folders: entry torchft_update_fr_path",
 }
 """Private-looking names the scan finds that are no library's private API, each with its reason."""

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction
 
-from runner.config.layout import Layout
-from runner.config.schema import ClusterConfig, DeviceType, DistributedConfig, ProfileConfig
 from runner.outputs import breakdown
 from runner.run import accounting, metrics, profiling
 from runner.run.device import DevicePolicy
+from runner.schema import ClusterConfig, DeviceType, DistributedConfig, ProfileConfig
+from runner.schema.layout import Layout
 
 A = ProfilerAction
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from runner.config import validate
-from runner.config.schema import DeviceType
+from runner.schema import DeviceType
 from tests import text_assets
 from tests.conftest import ROOT
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.config import search, validate
-from runner.config.problems import ConfigError, Problem
+from runner.schema.problems import ConfigError, Problem
 
 PACKAGE = Path(validate.__file__).parent
 

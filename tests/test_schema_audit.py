@@ -15,8 +15,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import compose, schema, validate
-from runner.config.problems import Problem
+from runner import schema
+from runner.config import compose, validate
+from runner.schema.problems import Problem
 
 GPU = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]  # bf16: a GPU refuses fp32
 SLURM = [

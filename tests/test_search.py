@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from runner.config import flops, memory, plan, precision, search, validate
-from runner.config.predict import accuracy, steptime
-from runner.config.predict import fp8 as fp8_model
-from runner.config.problems import ConfigError
-from runner.config.schema import Mode
+from runner.config import search, validate
 from runner.config.search import render as search_render
 from runner.config.search import verify as search_verify
+from runner.estimate import flops, memory, plan, precision
+from runner.estimate.predict import accuracy, steptime
+from runner.estimate.predict import fp8 as fp8_model
+from runner.schema import Mode
+from runner.schema.problems import ConfigError
 from tests.conftest import run_cli
 
 # Llama 3 8B on one 8-GPU node at seq 8,192: small enough to brute-force, large enough that memory rejects layouts
@@ -265,7 +266,7 @@ def test_schedules_predicted_alike_are_listed_once_and_the_one_line_plan_names_t
 
 def _verify_profile(tmp_path):
     """The CPU test profile with a slow point-to-point link (1 MB/s), so that no pipeline ties the top 3 (dp2, dpr2, tp2)."""
-    from runner.config.predict import machine_profile as steptime_profile
+    from runner.estimate.predict import machine_profile as steptime_profile
     from tests.test_predictor import _profile
 
     prof = _profile()
@@ -278,7 +279,7 @@ def test_candidates_closer_than_the_error_band_are_one_tier(compose, tmp_path):
     """The same search (local_cpu, 2 ranks: dp2 at 0.159 s, then 2.4 %, 11 % and 15 % slower, the 5th 32 %) on two
     profiles that differ only in their calibration residuals: predicted within a +/-17 % band, the first four are one
     tier and search.verify is the next step; with a +/-1 % band #1 is a clear winner and no tier is reported."""
-    from runner.config.predict import machine_profile as steptime_profile
+    from runner.estimate.predict import machine_profile as steptime_profile
     from tests.test_predictor import _profile
 
     def searched(error: float, name: str):

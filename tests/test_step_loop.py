@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.config.schema import DeviceType, LossGuardConfig, MonitorConfig
 from runner.observe import monitor
 from runner.run import step_loop
 from runner.run.device import DevicePolicy
 from runner.run.loader import Prefetch, SyntheticData
+from runner.schema import DeviceType, LossGuardConfig, MonitorConfig
 
 
 def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch):
@@ -192,8 +192,8 @@ def test_parity_sums_go_through_the_policys_host_group(compose, monkeypatch):
     """runner.run.layout_parity's exact gradient norm and weight fingerprint reduce over ranks through the policy: CPU float64
     tensors on the host group (on CUDA the default group is NCCL, which takes no host tensors), never torch.distributed's
     default group directly."""
-    from runner.config import layout
     from runner.run import layout_parity
+    from runner.schema import layout
 
     def default_group(*args, **kwargs):
         raise AssertionError("a collective on the default group")
@@ -257,8 +257,8 @@ def test_stage_and_phase_times_come_from_the_policys_device_clock(monkeypatch, t
     """On CUDA the host clock times kernel launches: a pipeline step's stages, the schedule's span and the step itself
     are timed on the policy's timeline clock (CUDA events), its phases on the policy's phase clock; no host clock is read.
     Timeline spans: 0 the step (2 s), 1 the schedule (1 s), 2 and 3 its two stage chunks (0.25 s each)."""
-    from runner.config.schema import MonitorConfig
     from runner.observe import plan_check
+    from runner.schema import MonitorConfig
 
     used: list[str] = []
     policy = _ClockPolicy(_Clock("phase", [0.9], used), _Clock("timeline", [2.0, 1.0, 0.25, 0.25], used))

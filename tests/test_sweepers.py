@@ -10,10 +10,10 @@ import math
 import pytest
 import yaml
 
-from runner.config import flops
-from runner.config.schema import ActivationCheckpoint, ModelConfig
 from runner.config.search import objective as search_objective
+from runner.estimate import flops
 from runner.run import metrics
+from runner.schema import ActivationCheckpoint, ModelConfig
 from tests.conftest import metrics as rows_of
 from tests.conftest import run_cli
 
@@ -45,7 +45,7 @@ def test_optuna_sweep_over_plans_finds_the_best_layout(tmp_path, budget):
 
 def test_neg_mfu_and_an_invalid_point_as_objectives():
     plan = {"estimated_step_time_s": 2.5, "estimated_mfu": 0.4}
-    from runner.config.schema import Objective, RunConfig
+    from runner.schema import Objective, RunConfig
 
     cfg = RunConfig()
     assert search_objective.of_plan(cfg, plan) == 2.5
@@ -92,8 +92,8 @@ def test_selective_ac_wraps_the_blocks_torchtitan_would():
     import torch
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-    from runner.config.schema import RunConfig
     from runner.run.titan.build import ac_config
+    from runner.schema import RunConfig
 
     cfg = RunConfig()
     cfg.training.activation_checkpoint = ActivationCheckpoint.selective_op

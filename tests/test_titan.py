@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from runner.config import flops, precision
+from runner.estimate import flops, precision
 from runner.run import titan
 from tests.conftest import ROOT, run_cli
 from tests.points import TITAN_LAUNCHES as LAUNCHES
@@ -63,7 +63,7 @@ def test_overrides_reach_the_built_model(compose, overrides):
 
 def test_size_check_names_both_counts(compose):
     m = compose(["parallelism=single"]).model
-    with pytest.raises(RuntimeError, match="with 6,163,711 parameters .* runner.config.flops counts 6,163,712"):
+    with pytest.raises(RuntimeError, match="with 6,163,711 parameters .* runner.estimate.flops counts 6,163,712"):
         titan.check_size(m, 256, 6_163_711, flops.flops_per_token(m, 256))
 
 

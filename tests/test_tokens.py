@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from runner.config import validate
-from runner.config.problems import ConfigError
 from runner.config.validate import data_rules as validate_tokens
-from runner.data import cli, manifest, order
+from runner.data import cli, order
+from runner.formats import data_manifest as manifest
 from runner.run.loader import Prefetch, TokenData
+from runner.schema.problems import ConfigError
 from tests import text_assets
 from tests.conftest import metrics, run_cli
 from tests.multiruns import Lazy

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import checkpoint, freeze, hf_folder, runfiles, validate
-from runner.config.problems import ConfigError
-from runner.config.user_files import UnreadableFile
-from runner.data import manifest
+from runner.config import freeze, validate
+from runner.formats import checkpoint, hf_folder, runfiles
+from runner.formats import data_manifest as manifest
+from runner.formats.user_files import UnreadableFile
+from runner.schema.problems import ConfigError
 from tests.conftest import run_cli
 
 RANDOM = random.Random(14).randbytes(64)
@@ -221,7 +222,7 @@ def test_a_shard_says_what_is_wrong_with_it(compose, folder, case):
 
 def test_a_json_file_says_what_is_wrong_with_it(tmp_path):
     """The words of the one JSON reader every JSON file above goes through."""
-    from runner.config.user_files import read_json
+    from runner.formats.user_files import read_json
 
     path = tmp_path / "f.json"
     for body, why in (

@@ -11,7 +11,8 @@ import typing
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from runner.config import schema, validate
+from runner import schema
+from runner.config import validate
 from runner.config.validate import finite
 from tests.conftest import run_cli
 

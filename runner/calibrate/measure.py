@@ -1,6 +1,6 @@
 """`python -m runner.calibrate`: measure this machine once and write the predictor's profile.
 
-What it measures (runner/config/predict/machine_profile.py describes the file):
+What it measures (runner/estimate/predict/machine_profile.py describes the file):
 - GEMMs at the per-rank shapes the given model(s) use under every TP/CP degree that fits the rank
   counts, forward + backward, with the threads each rank gets (runner/run/procs.threads_per_rank),
   in as many processes side by side as keep the cores busy, on operands cycled through more memory
@@ -38,15 +38,15 @@ import torch
 import torch.nn.functional as F
 
 from runner.calibrate import runs as calibrate_runs
-from runner.config import flops
-from runner.config.layout import Layout
-from runner.config.predict import machine as steptime_machine
-from runner.config.predict import machine_profile as steptime_profile
-from runner.config.predict import steptime
-from runner.config.predict import work as steptime_work
-from runner.config.schema import RunConfig
+from runner.estimate import flops
+from runner.estimate.predict import machine as steptime_machine
+from runner.estimate.predict import machine_profile as steptime_profile
+from runner.estimate.predict import steptime
+from runner.estimate.predict import work as steptime_work
 from runner.run import peak, procs
 from runner.run.peak import cpu_model
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 SIZES_BYTES = (1 << 16, 1 << 20, 1 << 22)  # collective sizes: latency-bound to bandwidth-bound
 QUICK_SIZES_BYTES = (1 << 16, 1 << 22)

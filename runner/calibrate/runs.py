@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runner.config import freeze, points, runfiles
-from runner.config.layout import label, resolve
-from runner.config.predict import machine_profile as steptime_profile
-from runner.config.predict import steptime
-from runner.config.schema import RunConfig
+from runner.config import freeze, points
+from runner.estimate.predict import machine_profile as steptime_profile
+from runner.estimate.predict import steptime
+from runner.formats import runfiles
 from runner.run import procs
+from runner.schema import RunConfig
+from runner.schema.layout import label, resolve
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # the short runs: a model so small that its GEMMs cost next to nothing, so what a block costs is the stack's

@@ -16,9 +16,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import compose_errors, slurm
-from runner.config.problems import ConfigError
-from runner.config.schema import RunConfig
-from runner.config.schema import register as register_schema
+from runner.schema import RunConfig
+from runner.schema import register as register_schema
+from runner.schema.problems import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (`conf/<group>/<option>.yaml`); `conf/recipe` and `conf/sweep` link to `recipes/` and `sweeps/`."""

@@ -16,8 +16,8 @@ import typing
 import yaml
 from omegaconf.errors import ValidationError
 
-from runner.config.problems import Problem
-from runner.config.schema import RunConfig
+from runner.schema import RunConfig
+from runner.schema.problems import Problem
 
 _YAML_FIXES = (
     ("'\\t'", "indent with spaces: YAML does not allow a tab there"),

@@ -3,7 +3,7 @@ its blocks are built (for conf/model/ comments and the model table of docs/model
 
 Torch-free. The architecture numbers of each flavor live in conf/model/<family>_<flavor>.yaml, written by
 scripts/gen_models.py from TorchTitan's registries; tests/test_families.py checks the flavors below, the files
-and the parameter and FLOP counts of runner/config/flops.py against TorchTitan, every flavor.
+and the parameter and FLOP counts of runner/estimate/flops.py against TorchTitan, every flavor.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from runner.config import family_support, wording
-from runner.config.schema import ModelConfig
+from runner.config import family_support
+from runner.schema import ModelConfig, wording
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def ep_degrees(m: ModelConfig) -> list[int]:
 
 def describe(m: ModelConfig) -> str:
     """The flavor's shape in one phrase: attention, then FFN."""
-    from runner.config import flops
+    from runner.estimate import flops
 
     if flops.is_mla(m):
         q = f"q rank {m.q_lora_rank}" if m.q_lora_rank else "direct q"
@@ -135,8 +135,8 @@ def legend() -> list[str]:
 
 
 def table_rows(options: dict[str, ModelConfig], alias_of: dict[str, str]) -> list[str]:
-    """docs/models.md's model table: one row per option (its alias beside it), counted by runner.config.flops."""
-    from runner.config import flops
+    """docs/models.md's model table: one row per option (its alias beside it), counted by runner.estimate.flops."""
+    from runner.estimate import flops
 
     rows = [
         "| option | family | flavor | params | active | TP degrees | EP degrees | trains on CPU |",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.config import hf_folder
 from runner.config.compose import CONF
-from runner.config.problems import Problem
-from runner.config.schema import DeviceType, RunConfig
+from runner.formats import hf_folder
+from runner.schema import DeviceType, RunConfig
+from runner.schema.problems import Problem
 
 CONF_MODEL = CONF / "model"
 REPRO = "scripts/repro_cpu_families.py"
@@ -31,7 +31,7 @@ class Support:
     """Why the runner builds the family only as its registry flavor (no model.* architecture overrides); "" = it rebuilds
     the model from model.* through the family's layer builders (runner.run.titan.model)."""
     fp8: str = "every recipe converts every plain Linear layer (attention, dense and shared-expert FFN, head)"
-    """What the FP8 recipes convert (routed experts stay in high precision: runner.config.precision.GROUPED_EXPERTS)."""
+    """What the FP8 recipes convert (routed experts stay in high precision: runner.estimate.precision.GROUPED_EXPERTS)."""
 
 
 _MLA_CP_CPU = (

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from runner.config.layout import Layout
-from runner.config.schema import FaultTolerance, RunConfig
+from runner.schema import FaultTolerance, RunConfig
+from runner.schema.layout import Layout
 
 
 def enabled(cfg: RunConfig) -> bool:

@@ -26,10 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf._utils import get_omega_conf_dumper  # private_api: omegaconf_yaml_dumper
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.config import compose, compose_errors, runfiles
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
-from runner.config.user_files import UnreadableFile, read_text
+from runner.config import compose, compose_errors
+from runner.formats import runfiles
+from runner.formats.user_files import UnreadableFile, read_text
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def pin(cfg: RunConfig, run_dir: Path) -> None:
     import os
 
     import runner.config.validate.checkpoint_rules as checkpoint_rules  # here: validation is not needed to load a frozen file
-    from runner.config import checkpoint
+    from runner.formats import checkpoint
 
     d = cfg.data
     d.files = [os.path.abspath(f) for f in d.files]
@@ -65,7 +66,7 @@ def _pin_init(cfg: RunConfig) -> None:
     model.init_record: sha256 of config.json and the index, each shard's size and header hash."""
     import os
 
-    from runner.config import hf_folder
+    from runner.formats import hf_folder
 
     m = cfg.model
     if m.init_from:
@@ -80,7 +81,7 @@ def _pin_weights(cfg: RunConfig) -> None:
     checkpoint's record in checkpoint.init_record: its step and the sha256 of its COMPLETE.json file list."""
     import os
 
-    from runner.config import checkpoint
+    from runner.formats import checkpoint
 
     c = cfg.checkpoint
     if c.init_from and not cfg.model.init_from:

@@ -18,10 +18,10 @@ import os
 import sys
 from pathlib import Path
 
-from runner.config.problems import ConfigError, Problem
-from runner.config.user_files import UnreadableFile
-from runner.data import manifest as mf
 from runner.data.prepare import FORMATS, Request, prepare
+from runner.formats import data_manifest as mf
+from runner.formats.user_files import UnreadableFile
+from runner.schema.problems import ConfigError, Problem
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,8 +39,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _inputs(files: list[str], text_field: str) -> list[Problem]:
-    from runner.config.schema import DataConfig, TextFormat
     from runner.config.validate.data_rules import first_record_lacks, holds_no_records
+    from runner.schema import DataConfig, TextFormat
 
     out = []
     for f in files:

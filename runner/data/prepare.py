@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.data import manifest as mf
 from runner.data import read
+from runner.formats import data_manifest as mf
 
 PART_FILE = re.compile(r"part-(\d+)\.")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from runner.config.problems import ConfigError, Problem
+from runner.schema.problems import ConfigError, Problem
 
 COLUMN = "text"
 BLOCK = 16 << 20  # pyarrow's JSON block: a line longer than this is retried with larger blocks

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.config import runfiles
-from runner.config.schema import RunConfig
+from runner.formats import runfiles
+from runner.schema import RunConfig
 
 STALE_HEARTBEATS = 3  # a record older than this many heartbeats before the freshest one is a frozen rank
 WATCHDOG = "Watchdog caught collective operation timeout"

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from runner.config import runfiles
-from runner.config.layout import Layout, group_of
-from runner.config.schema import InjectConfig, IntegrityConfig
+from runner.formats import runfiles
+from runner.schema import InjectConfig, IntegrityConfig
+from runner.schema.layout import Layout, group_of
 
 INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

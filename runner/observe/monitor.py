@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.config import runfiles
-from runner.config.schema import GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
+from runner.formats import runfiles
+from runner.schema import GuardAction, LossGuardConfig, MonitorConfig, StragglerConfig
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute", "own")
 """Phases whose slowness makes a straggler; `own` is the step on the timeline clock less its waits inside collectives

@@ -1,6 +1,6 @@
 """Check the planner against a measurement: predicted vs measured step time and bubble.
 
-After a run, the step-time predictor (runner/config/predict/steptime.py) is set beside the measured
+After a run, the step-time predictor (runner/estimate/predict/steptime.py) is set beside the measured
 medians: on the machine profile of `cluster.profile` (python -m runner.calibrate) when there is one; on CPU
 without one on the newest profile of this machine that runner.calibrate cached, else nothing (the run
 says how to make one); on GPUs without one on the datasheet model with what this run measured (the
@@ -17,9 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from runner.config import plan
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.estimate import plan
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 

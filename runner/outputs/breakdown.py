@@ -1,4 +1,4 @@
-"""A traced step's time split into the predictor's terms (runner/config/predict/steptime.py), from its Chrome trace.
+"""A traced step's time split into the predictor's terms (runner/estimate/predict/steptime.py), from its Chrome trace.
 
 Read from the step's `ProfilerStep#<s>` span on the thread that ran it (on CPU the ranks compute there; autograd's
 CPU backward runs on the calling thread). Every microsecond of the span goes to exactly one term, by the innermost

@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.config import runfiles
-from runner.config.predict.accuracy import error
-from runner.config.wording import count
+from runner.estimate.predict.accuracy import error
+from runner.formats import runfiles
 from runner.outputs import breakdown as breakdown_terms
+from runner.schema.wording import count
 
 
 def _overrides(run: Path) -> list[str]:
@@ -183,7 +183,7 @@ def table(rows: list[dict[str, Any]]):
 
 
 TERMS = breakdown_terms.TERMS
-"""The predictor's terms (runner.config.predict.steptime.TERMS) and the breakdown's two more (runner.outputs.breakdown)."""
+"""The predictor's terms (runner.estimate.predict.steptime.TERMS) and the breakdown's two more (runner.outputs.breakdown)."""
 MEASURED_ONLY = ("data_wait", "unattributed")  # the predictor has no such terms
 
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.config import runfiles, slurm
-from runner.config.wording import count
+from runner.config import slurm
+from runner.formats import runfiles
+from runner.schema.wording import count
 
 MARKS = ("rank_start", "main", "process_group", "built", "data", "restored")
 """Start-up marks of an attempt on rank 0, in order; its first step's start ends the start-up."""

@@ -1,6 +1,6 @@
 """What the step loop reports per step and per run: tokens/s, MFU/HFU against the run's peak, the summary.
 
-Every figure comes from runner.config.flops (FLOPs per token, MFU, HFU) and the run's peak.json
+Every figure comes from runner.estimate.flops (FLOPs per token, MFU, HFU) and the run's peak.json
 (runner.run.peak), so the same conventions hold in metrics.jsonl, summary.json and the console.
 """
 
@@ -10,10 +10,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from runner.config import flops
-from runner.config.layout import Layout, label
-from runner.config.schema import ActivationCheckpoint, RunConfig
-from runner.config.wording import count
+from runner.estimate import flops
+from runner.schema import ActivationCheckpoint, RunConfig
+from runner.schema.layout import Layout, label
+from runner.schema.wording import count
 
 
 @dataclass
@@ -30,12 +30,12 @@ class Accounting:
     emulated: bool
     """The FP8 matmuls are emulated (CPU blockwise): MFU is against the float32 peak."""
     num_params: int
-    """Parameters of the model that was built (TorchTitan's count, checked equal to runner.config.flops.num_params)."""
+    """Parameters of the model that was built (TorchTitan's count, checked equal to runner.estimate.flops.num_params)."""
     peak_spread: float | None
     """(max - min) / median of the measured peak's rounds; None for a peak from the cluster config."""
     mfu_peak_tflops: float | None = None
     """Dense peak per device `mfu` is measured against: param_dtype's (bf16 on GPUs) for every precision
-    (runner.config.precision.mfu_peak); `peak_tflops` is the GEMMs' dtype's, for `mfu_of_gemm_peak`. None: the same."""
+    (runner.estimate.precision.mfu_peak); `peak_tflops` is the GEMMs' dtype's, for `mfu_of_gemm_peak`. None: the same."""
     mfu_peak_flops_total: float | None = None
     mfu_dtype: str | None = None
 

@@ -1,4 +1,4 @@
-"""Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.config.checkpoint),
+"""Saving and resuming a whole training state on every rank (DCP through runner.run.titan, folders through runner.formats.checkpoint),
 and loading the model alone of another run's checkpoint (checkpoint.init_from, a new phase).
 
 State: model, optimizer, LR schedule, step, loss-guard history, every rank's RNGs (host and device) and the data loader position.
@@ -19,9 +19,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from runner.config import checkpoint, local_checkpoint, runfiles
-from runner.config.schema import CheckpointConfig, ModelConfig
+from runner.formats import checkpoint, local_checkpoint, runfiles
 from runner.run import titan
+from runner.schema import CheckpointConfig, ModelConfig
 
 
 class CheckpointMismatch(RuntimeError):
@@ -37,8 +37,8 @@ class Checkpointer:
     def __init__(
         self, c: CheckpointConfig, folder: Path, *, num_steps: int, origin: dict[str, Any], policy, shared: bool = False, inject=None
     ):
-        """`folder`: where checkpoints go (runner.config.checkpoint.folder); `num_steps`: the run's last step (always
-        saved); `origin`: what the state is saved from (runner.config.checkpoint.origin), its model checked on resume;
+        """`folder`: where checkpoints go (runner.formats.checkpoint.folder); `num_steps`: the run's last step (always
+        saved); `origin`: what the state is saved from (runner.formats.checkpoint.origin), its model checked on resume;
         `policy`: the device policy, whose host group carries the choice of checkpoint and the export barrier; `shared`:
         other jobs write the folder too (torchft's replica groups), so a save in flight may be theirs; `inject`: the
         test-only fault injection (monitor.inject.lose_local)."""
@@ -117,7 +117,7 @@ class Checkpointer:
             self.staging = None
 
     def _records(self, written: Future, partial: Path) -> dict[str, dict[str, Any]]:
-        written.result()  # every rank's shard is on disk (see runner.config.checkpoint)
+        written.result()  # every rank's shard is on disk (see runner.formats.checkpoint)
         return checkpoint.file_records(partial, self.cfg.checksum)
 
     def poll(self) -> None:

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config.schema import ClusterConfig, DeviceType, DistributedConfig, HostGroup
 from runner.run import procs
+from runner.schema import ClusterConfig, DeviceType, DistributedConfig, HostGroup
 
 RUNNER_ROOT = Path(__file__).resolve().parent.parent
 

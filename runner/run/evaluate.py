@@ -18,9 +18,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from runner.config.layout import Layout
 from runner.run import titan
 from runner.run.device import DevicePolicy
+from runner.schema.layout import Layout
 
 ROW_KEYS = ("eval_loss", "eval_ppl", "eval_s")
 

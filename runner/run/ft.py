@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from runner.config import fault_tolerance as ftc
-from runner.config import runfiles
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.formats import runfiles
 from runner.observe import integrity
 from runner.run import titan
 from runner.run.checkpointer import restarted
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 MOMENT_MOD = 1 << 20
 """The checksum's low bits whose first and second moments are summed over the replicas (exact in float64 for any quorum)."""

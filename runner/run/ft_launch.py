@@ -22,11 +22,12 @@ import time
 import uuid
 from pathlib import Path
 
-from runner.config import checkpoint, freeze, runfiles
 from runner.config import fault_tolerance as ft
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.config import freeze
+from runner.formats import checkpoint, runfiles
 from runner.outputs import goodput
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 POLL_S = 0.2
 

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from runner.config import checkpoint, freeze, hf_folder, runfiles
-from runner.config.problems import ConfigError
-from runner.config.schema import ModelConfig
-from runner.config.user_files import UnreadableFile
-from runner.data import manifest as mf
+from runner.config import freeze
+from runner.formats import checkpoint, hf_folder, runfiles
+from runner.formats import data_manifest as mf
+from runner.formats.user_files import UnreadableFile
 from runner.run.titan import hf_adapter as hf
+from runner.schema import ModelConfig
+from runner.schema.problems import ConfigError
 
 WRITTEN = re.compile(
     r"^(config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import freeze, layout, runfiles
-from runner.config.schema import Fp8Recipe, RunConfig, WorkerStart
+from runner.config import freeze
+from runner.formats import runfiles
 from runner.run import accounting, evaluate, peak, per_rank, procs, step_loop, titan, train
+from runner.schema import Fp8Recipe, RunConfig, WorkerStart, layout
 
 
 class Collect:

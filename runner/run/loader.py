@@ -244,7 +244,7 @@ class _Split:
     opened when first read, so start-up costs O(parts) whatever their size."""
 
     def __init__(self, folder: str, split: str):
-        from runner.data import manifest as mf
+        from runner.formats import data_manifest as mf
 
         self.folder, self.split, self.m = Path(folder), split, mf.load(folder)
         parts = self.m["splits"][split]["parts"]
@@ -255,7 +255,7 @@ class _Split:
 
     def _map(self, i: int) -> np.ndarray:
         if i not in self._maps:
-            from runner.data import manifest as mf
+            from runner.formats import data_manifest as mf
 
             self._maps[i] = np.memmap(mf.tokens_file(self.folder, self.names[i], self.split), dtype=self.m["dtype"], mode="r")
         return self._maps[i]

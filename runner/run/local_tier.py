@@ -5,9 +5,9 @@ alone (`no_dist`: no collective, one `.metadata` per shard) into its node's loca
 checkpoint.async_save is on, and publishes it like a shared checkpoint (COMPLETE.json with every file's size and CRC-32,
 then one rename). A worker thread then sends the shard's files to the partner rank (the same local rank on the next
 node) over a gloo group of its own, and keeps the copy its own source sent, so the loss of one node leaves every shard
-somewhere. Folders and the restore rule: runner.config.local_checkpoint.
+somewhere. Folders and the restore rule: runner.formats.local_checkpoint.
 
-At a restart every rank reports the intact shards on its node, all agree (runner.config.local_checkpoint.choose) on the
+At a restart every rank reports the intact shards on its node, all agree (runner.formats.local_checkpoint.choose) on the
 newest local step that is whole across nodes and newer than the newest shared checkpoint; a rank whose own copy is gone
 or damaged gets it from a rank that holds a copy, then every rank loads its own shard.
 """
@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from runner.config import checkpoint, local_checkpoint
-from runner.config.schema import CheckpointConfig, InjectConfig
+from runner.formats import checkpoint, local_checkpoint
 from runner.run import mesh, titan
+from runner.schema import CheckpointConfig, InjectConfig
 
 
 class LocalTier:
     def __init__(self, c: CheckpointConfig, shared: Path, *, origin: dict[str, Any], policy):
         """`shared`: the shared tier's folder (names this run's local root); `origin`: what the state is saved from
-        (runner.config.checkpoint.origin); `policy`: the device policy, whose host group gathers the nodes."""
+        (runner.formats.checkpoint.origin); `policy`: the device policy, whose host group gathers the nodes."""
         self.cfg, self.checksum, self.async_save, self.origin, self.policy = c.local, c.checksum, c.async_save, origin, policy
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         places = mesh.places(policy, self.rank)
@@ -108,7 +108,7 @@ class LocalTier:
             pending.result()
 
     def restore(self, shared_step: int | None, before: int | None, load: Callable[[Path], dict]) -> tuple[int | None, dict | None, str]:
-        """Every rank: agree on the local step to restore (runner.config.local_checkpoint.choose against the shared tier's
+        """Every rank: agree on the local step to restore (runner.formats.local_checkpoint.choose against the shared tier's
         newest `shared_step`), fetch this rank's shard from a rank holding a copy when its own is gone, and `load` it.
         Returns the step (None: use the shared tier), what `load` returned, and the reason in words."""
         self.wait()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 
-from runner.config.layout import Layout
+from runner.schema.layout import Layout
 
 NODE_NAME_ENV = "RUNNER_NODE_NAME"
 NODE_NAMES_ENV = "RUNNER_NODE_NAMES"

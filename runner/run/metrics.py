@@ -10,8 +10,8 @@ from typing import Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from runner.config import layout, runfiles
-from runner.config.schema import RunConfig
+from runner.formats import runfiles
+from runner.schema import RunConfig, layout
 
 
 class Sink(Protocol):

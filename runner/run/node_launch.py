@@ -20,13 +20,14 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.config import runfiles, validate
-from runner.config.layout import Layout
-from runner.config.problems import ConfigError
-from runner.config.schema import RunConfig, WorkerStart
-from runner.config.user_files import UnreadableFile
+from runner.config import validate
+from runner.formats import runfiles
+from runner.formats.user_files import UnreadableFile
 from runner.outputs import goodput
 from runner.run import known_warnings, procs
+from runner.schema import RunConfig, WorkerStart
+from runner.schema.layout import Layout
+from runner.schema.problems import ConfigError
 
 MONITOR_INTERVAL_S = 0.5
 
@@ -103,8 +104,9 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, check
     from torch.distributed.run import run as torchrun
 
     from runner.config import fault_tolerance as ft
-    from runner.config import freeze, layout
+    from runner.config import freeze
     from runner.observe import forensics
+    from runner.schema import layout
 
     cfg = cfg if cfg is not None else freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)

@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
-from runner.config import precision, runfiles
-from runner.config.predict import machine as steptime_machine
-from runner.config.schema import RunConfig
-from runner.config.wording import count
+from runner.estimate import precision
+from runner.estimate.predict import machine as steptime_machine
+from runner.formats import runfiles
 from runner.run.device import DevicePolicy
+from runner.schema import RunConfig
+from runner.schema.wording import count
 
 SIZES = (128, 256, 512, 1024, 2048)
 PLATEAU_GAIN = 0.05  # a size whose rate rises less than this over the previous one: the plateau is reached

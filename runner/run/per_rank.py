@@ -16,13 +16,15 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.config import freeze, layout, precision, runfiles, wording
-from runner.config.schema import DataSource, Fp8Recipe
-from runner.data import manifest
+from runner.config import freeze
+from runner.estimate import precision
+from runner.formats import data_manifest as manifest
+from runner.formats import runfiles
 from runner.observe import forensics
 from runner.outputs import goodput
 from runner.run import accounting, device, evaluate, ft, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
 from runner.run.device import DevicePolicy
+from runner.schema import DataSource, Fp8Recipe, layout, wording
 
 
 def start_rank(cfg) -> DevicePolicy:

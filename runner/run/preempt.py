@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.config import runfiles
 from runner.config.slurm import in_job as in_slurm_job
 from runner.config.slurm import restart_count
+from runner.formats import runfiles
 
 SIGNAL = signal.SIGUSR2
 

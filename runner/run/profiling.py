@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction
 
-from runner.config import runfiles
-from runner.config.layout import Layout
-from runner.config.schema import ProfileConfig
+from runner.formats import runfiles
 from runner.outputs import breakdown
 from runner.outputs.breakdown import COMM_SPAN, PP_WAIT_SPAN, RECOMPUTE_SPAN
 from runner.run.device import DevicePolicy
+from runner.schema import ProfileConfig
+from runner.schema.layout import Layout
 
 MAX_ENTRIES = 1_000_000
 """Allocation events the CUDA history keeps (a ring buffer; TorchTitan's memory_snapshot_max_entries default)."""

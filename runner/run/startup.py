@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.config import plan
-from runner.config.comm import link
-from runner.config.layout import MESH_ORDER, Layout, devices_per_node, group_of, label
-from runner.config.schema import RunConfig
-from runner.config.wording import count
+from runner.estimate import plan
+from runner.estimate.comm import link
+from runner.schema import RunConfig
+from runner.schema.layout import MESH_ORDER, Layout, devices_per_node, group_of, label
+from runner.schema.wording import count
 
 
 def report(

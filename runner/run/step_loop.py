@@ -15,9 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint
-from runner.config.layout import Layout
-from runner.config.schema import MismatchAction, RunConfig
+from runner.formats import checkpoint
 from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown, goodput
@@ -26,6 +24,8 @@ from runner.run.accounting import Accounting, row
 from runner.run.checkpointer import Checkpointer
 from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
+from runner.schema import MismatchAction, RunConfig
+from runner.schema.layout import Layout
 
 
 def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: torch.Tensor, mon: StepMonitor) -> torch.Tensor:

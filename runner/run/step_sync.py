@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.config.layout import Layout
 from runner.run import loader
+from runner.schema.layout import Layout
 
 
 @dataclass

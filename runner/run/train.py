@@ -14,9 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import checkpoint, hf_folder, runfiles
-from runner.config.layout import Layout
-from runner.config.schema import FaultTolerance, RunConfig
+from runner.formats import checkpoint, hf_folder, runfiles
 from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
@@ -26,6 +24,8 @@ from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
 from runner.run.step_loop import Hooks, StepLoop
+from runner.schema import FaultTolerance, RunConfig
+from runner.schema.layout import Layout
 
 
 def run(

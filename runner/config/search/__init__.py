@@ -31,13 +31,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from runner.config import flops, layout, memory, pipeline, precision, validate
-from runner.config.layout import Layout, label
-from runner.config.predict import steptime
-from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig
+from runner.config import validate
 from runner.config.search.space import _reshards, bounds, debug_defaults, layouts, schedules  # noqa: F401  (the space)
 from runner.config.validate import pipeline_rules as pipeline_rules
+from runner.estimate import flops, memory, pipeline, precision
+from runner.estimate.predict import steptime
+from runner.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig, layout
+from runner.schema.layout import Layout, label
+from runner.schema.problems import ConfigError, Problem
 
 AC = ActivationCheckpoint
 AC_TIERS = ((AC.none,), (AC.selective_op, AC.selective_layer), (AC.full,))  # least recomputation first
@@ -110,7 +111,7 @@ class Ranked:
     memory_gb: float
     mfu: float | None
     recompute: float
-    """Share of the forward recomputed (runner.config.flops): at equal predicted time, less is better."""
+    """Share of the forward recomputed (runner.estimate.flops): at equal predicted time, less is better."""
     also: tuple[str, ...] = ()
     """Schedules of the candidates that differ from this one only in the schedule and are predicted exactly alike (time,
     recomputation, memory): the predictor prices a zero-bubble schedule's bubble as its plain twin's, so they are listed

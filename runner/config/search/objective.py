@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runner.config.problems import ConfigError, Problem
-from runner.config.schema import Objective, RunConfig
+from runner.schema import Objective, RunConfig
+from runner.schema.problems import ConfigError, Problem
 
 WORST = math.inf
 

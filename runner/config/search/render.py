@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from runner.config import runfiles
-from runner.config.schema import RunConfig
 from runner.config.search import DOMINATED, MEMORY, TIED, UNPRICED, Ranked, Result, verdict
+from runner.formats import runfiles
+from runner.schema import RunConfig
 
 SHOWN = 10
 SWEEP_NAME = "search_top"

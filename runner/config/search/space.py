@@ -3,8 +3,8 @@ warning when a GPU cluster is searched at the debug defaults. Torch-free."""
 
 from __future__ import annotations
 
-from runner.config.schema import DeviceType, Fp8Recipe, ReshardPolicy, RunConfig, TrainingConfig
 from runner.config.validate import layout_rules as validate_layout
+from runner.schema import DeviceType, Fp8Recipe, ReshardPolicy, RunConfig, TrainingConfig
 
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 

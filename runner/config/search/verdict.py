@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.config import precision
-from runner.config.predict import machine as steptime_machine
-from runner.config.predict import machine_profile as steptime_profile
-from runner.config.problems import ConfigError, Problem
-from runner.config.schema import Launcher, RunConfig
 from runner.config.search import MEMORY, UNPRICED, Result, capacity_gb
+from runner.estimate import precision
+from runner.estimate.predict import machine as steptime_machine
+from runner.estimate.predict import machine_profile as steptime_profile
+from runner.schema import Launcher, RunConfig
+from runner.schema.problems import ConfigError, Problem
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.config import runfiles
-from runner.config.predict import accuracy
 from runner.config.search import Result
 from runner.config.search.render import SWEEP_NAME
-from runner.config.wording import count
+from runner.estimate.predict import accuracy
+from runner.formats import runfiles
+from runner.schema.wording import count
 
 MIN_SPEARMAN = 3  # points a rank correlation needs to say anything
 

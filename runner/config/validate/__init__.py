@@ -29,9 +29,9 @@ import runner.config.validate.model_rules as model_rules
 import runner.config.validate.monitor_rules as monitor_rules
 import runner.config.validate.pipeline_rules as pipeline_rules
 import runner.config.validate.profile_rules as profile_rules
-from runner.config.layout import Layout, resolve  # not `layout`: that name is this package's module of layout rules
-from runner.config.problems import ConfigError, Problem
-from runner.config.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
+from runner.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, Mode, ReshardPolicy, RunConfig
+from runner.schema.layout import Layout, resolve  # not `layout`: that name is this package's module of layout rules
+from runner.schema.problems import ConfigError, Problem
 
 __all__ = ["RULES", "ConfigError", "Context", "Needs", "Rule", "check", "preflight", "walk", "warnings"]
 
@@ -137,7 +137,7 @@ def _device_memory(ctx: Context, out: list[Problem]) -> None:
         return
     if c.device != DeviceType.cuda or c.device_memory_gb <= 0 or cfg.mode in (Mode.plan, Mode.dryrun):  # those two measure it
         return
-    from runner.config import plan  # the plan's own memory model; imported here, as only GPU configs need it
+    from runner.estimate import plan  # the plan's own memory model; imported here, as only GPU configs need it
 
     b = plan.compute(cfg, lay)
     if not b["fits_memory"]:

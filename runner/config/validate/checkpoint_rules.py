@@ -14,9 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.config import checkpoint, flops, hf_folder
-from runner.config.problems import Problem
-from runner.config.schema import FaultTolerance, Mode, RunConfig
+from runner.estimate import flops
+from runner.formats import checkpoint, hf_folder
+from runner.schema import FaultTolerance, Mode, RunConfig
+from runner.schema.problems import Problem
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
@@ -224,7 +225,7 @@ def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
 
 
 def init_source(cfg: RunConfig, out: list[Problem], *, deep: bool) -> Path | None:
-    """The checkpoint checkpoint.init_from names (runner.config.checkpoint.weights_source), if it is intact and of this model."""
+    """The checkpoint checkpoint.init_from names (runner.formats.checkpoint.weights_source), if it is intact and of this model."""
     c = cfg.checkpoint
     pick, notes = checkpoint.weights_source(Path(c.init_from), deep)
     if pick is None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.config.problems import Problem
-from runner.config.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
-from runner.config.user_files import UnreadableFile
-from runner.data import manifest as mf
+from runner.formats import data_manifest as mf
+from runner.formats.user_files import UnreadableFile
+from runner.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
+from runner.schema.problems import Problem
 
 PREPARE = "prepare it with `python -m runner.data prepare --input <files> --tokenizer <tokenizer.json> --out <folder>`"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from runner.config.problems import Problem
-from runner.config.schema import DataSource, Mode, RunConfig
+from runner.schema import DataSource, Mode, RunConfig
+from runner.schema.problems import Problem
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:

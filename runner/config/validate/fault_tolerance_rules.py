@@ -15,10 +15,9 @@ import socket
 from urllib.parse import urlparse
 
 from runner.config import fault_tolerance as ft
-from runner.config import layout
-from runner.config.layout import Layout
-from runner.config.problems import Problem
-from runner.config.schema import GuardAction, Launcher, MismatchAction, Mode, RunConfig
+from runner.schema import GuardAction, Launcher, MismatchAction, Mode, RunConfig, layout
+from runner.schema.layout import Layout
+from runner.schema.problems import Problem
 
 OFF = "or fault_tolerance=none"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 import re
 
-from runner.config import flops, precision
-from runner.config.problems import Problem
-from runner.config.schema import Backend, DeviceType, DType, Fp8Recipe, Launcher, Mode, RunConfig, SlurmConfig, WorkerStart
 from runner.config.validate.layout_rules import DEGREES
+from runner.estimate import flops, precision
+from runner.schema import Backend, DeviceType, DType, Fp8Recipe, Launcher, Mode, RunConfig, SlurmConfig, WorkerStart
+from runner.schema.problems import Problem
 
 DEVICE_DTYPES = {DeviceType.cpu: ("float32", "bfloat16"), DeviceType.cuda: ("float32", "bfloat16")}
 SEED_LIMIT = 2**32  # runner.run.loader seeds torch.Generator with seed x 1,000,003 + sample index, which must fit 64 bits
@@ -217,7 +217,7 @@ def cluster(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _profile(path: str, out: list[Problem]) -> None:
     """cluster.profile must be a machine profile the predictor can read."""
-    from runner.config.predict import machine as steptime_machine
+    from runner.estimate.predict import machine as steptime_machine
 
     try:
         steptime_machine.load(path)

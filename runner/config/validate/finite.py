@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from runner.config.problems import Problem
+from runner.schema.problems import Problem
 
 ALLOWED = {"monitor.inject.corrupt_scale": "nan is how a test injects a non-finite loss (runner.observe.monitor catches it)"}
 """The float fields that may hold nan or inf, and why."""

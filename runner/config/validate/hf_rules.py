@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.config import hf_folder
-from runner.config.problems import Problem
-from runner.config.schema import Mode, ModelConfig, RunConfig
-from runner.config.user_files import UnreadableFile
+from runner.formats import hf_folder
+from runner.formats.user_files import UnreadableFile
+from runner.schema import Mode, ModelConfig, RunConfig
+from runner.schema.problems import Problem
 
 FIELD = "model.init_from"
 SAVE = "a folder written by transformers' save_pretrained (or `hf download <repo> --local-dir <folder>`)"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 
-from runner.config import memory, slurm
-from runner.config.layout import Layout
-from runner.config.problems import Problem
-from runner.config.schema import ClusterConfig, DeviceType, RunConfig
+from runner.config import slurm
+from runner.estimate import memory
+from runner.schema import ClusterConfig, DeviceType, RunConfig
+from runner.schema.layout import Layout
+from runner.schema.problems import Problem
 
 
 def how_started(c: ClusterConfig, out: list[Problem]) -> None:

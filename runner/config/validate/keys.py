@@ -14,7 +14,7 @@ import difflib
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.problems import Problem
+from runner.schema.problems import Problem
 
 MOVED = {
     "training.lr": "optimizer.lr",

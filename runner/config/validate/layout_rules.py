@@ -6,10 +6,10 @@ rule runs on whatever the config fixes (the degrees always; dp_shard once it res
 
 from __future__ import annotations
 
-from runner.config import families, layout
-from runner.config.layout import Layout
-from runner.config.problems import Problem
-from runner.config.schema import DeviceType, ParallelismConfig, RunConfig
+from runner.config import families
+from runner.schema import DeviceType, ParallelismConfig, RunConfig, layout
+from runner.schema.layout import Layout
+from runner.schema.problems import Problem
 
 DEGREES = ("dp_replicate", "tp", "pp", "cp", "ep")
 

@@ -3,10 +3,11 @@ GEMM shapes can run. Torch-free; called by validate.check."""
 
 from __future__ import annotations
 
-from runner.config import families, family_support, flops, precision
-from runner.config.problems import Problem
-from runner.config.schema import DeviceType, ModelConfig, RunConfig
+from runner.config import families, family_support
 from runner.config.validate.layout_rules import divisors
+from runner.estimate import flops, precision
+from runner.schema import DeviceType, ModelConfig, RunConfig
+from runner.schema.problems import Problem
 
 SIZES = ("dim", "num_layers", "vocab_size", "rope_max_seq_len", "full_attention_interval")  # >= 1
 OPTIONAL_SIZES = (  # >= 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from runner.config.problems import Problem
-from runner.config.schema import GuardAction, MismatchAction, RunConfig
+from runner.schema import GuardAction, MismatchAction, RunConfig
+from runner.schema.problems import Problem
 
 HEARTBEATS_PER_TIMEOUT = 4  # a frozen rank's record must be visibly stale before its peers time out
 

@@ -1,12 +1,12 @@
 """Batch and pipeline rules: what torch's schedules and TorchTitan's pipeline_llm would refuse
-at start-up (runner/config/pipeline.py). Torch-free; called by validate.check."""
+at start-up (runner/estimate/pipeline.py). Torch-free; called by validate.check."""
 
 from __future__ import annotations
 
-from runner.config import pipeline
-from runner.config.layout import Layout
-from runner.config.problems import Problem
-from runner.config.schema import RunConfig
+from runner.estimate import pipeline
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
+from runner.schema.problems import Problem
 
 
 def schedule_name(cfg: RunConfig, out: list[Problem]) -> bool:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runner.config.problems import Problem
-from runner.config.schema import RunConfig
+from runner.schema import RunConfig
+from runner.schema.problems import Problem
 
 
 def check(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:

@@ -84,7 +84,7 @@ def gpu(cluster: Any) -> dict[str, Any]:
 def launch(jobs: list[dict[str, Any]], root: Path, work: Path) -> list[dict[str, Any]]:
     """Run the rehearsal jobs ({"frozen", "ranks", "run_dir", "gpu"}) in one process under .venv-cuda's interpreter
     with the shim preloaded; their results in order. ConfigError (exit 2) where the rehearsal cannot run here."""
-    from runner.config.problems import ConfigError, Problem
+    from runner.schema.problems import ConfigError, Problem
 
     python = find_python(root)
     why = unavailable(python) if python else f"no {root / '.venv-cuda'}"

@@ -184,9 +184,10 @@ def rehearse_rank(cfg, lay, rank: int, run_dir: Path, loop: bool = True) -> dict
 
 
 def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> dict[str, Any]:
-    from runner.config import freeze, layout
-    from runner.config.dryrun import report as dryrun_report
+    from runner.config import freeze
+    from runner.estimate import dryrun_report
     from runner.run.dryrun import rehearse
+    from runner.schema import layout
 
     cfg = freeze.load(Path(frozen))
     lay = layout.resolve(cfg.parallelism, cfg.cluster)

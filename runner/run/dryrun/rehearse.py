@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.config import freeze, layout
-from runner.config.dryrun import report as dryrun_report
-from runner.config.layout import Layout
-from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
+from runner.config import freeze
+from runner.estimate import dryrun_report
 from runner.run import step_loop, titan
 from runner.run.device import DevicePolicy
 from runner.run.dryrun import ledger
 from runner.run.titan import cpu as titan_cpu
+from runner.schema import DeviceType, Fp8Recipe, RunConfig, layout
+from runner.schema.layout import Layout
 
 
 def substitutions(cfg: RunConfig) -> list[str]:
@@ -46,7 +46,7 @@ def substitutions(cfg: RunConfig) -> list[str]:
             "attention: TorchTitan's causal SDPA in place of FlexAttention, which has no backward on the (CPU) fake tensors; "
             "both save out + logsumexp"
         )
-    if cfg.model.kv_lora_rank:  # the plan's rehearsal column counts it (runner.config.memory._mla_cpu_math_bytes_per_token)
+    if cfg.model.kv_lora_rank:  # the plan's rehearsal column counts it (runner.estimate.memory._mla_cpu_math_bytes_per_token)
         out.append(
             "multi-head latent attention: on CPU SDPA runs its math kernel (the value head dim differs from the query/key one), "
             "which saves fp32 q, k, v and the attention probabilities; a GPU's flash kernel saves out + logsumexp only"
@@ -63,7 +63,7 @@ def substitutions(cfg: RunConfig) -> list[str]:
 
 def rank_config(cfg: RunConfig, lay: Layout, device: DeviceType = DeviceType.cpu) -> RunConfig:
     """The rehearsed config: the build path of `device` (CPU; or CUDA on fake CUDA tensors, runner.run.dryrun.cuda_rehearse,
-    where torch.compile is off: it needs a GPU) and the batch runner.config.dryrun.report chose."""
+    where torch.compile is off: it needs a GPU) and the batch runner.estimate.dryrun_report chose."""
     dry = copy.deepcopy(cfg)
     dry.cluster.device = device
     if device == DeviceType.cuda:

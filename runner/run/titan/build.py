@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.config.layout import Layout
-from runner.config.schema import ActivationCheckpoint, RunConfig
 from runner.run.device import DevicePolicy
 from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8 import convert_precision
 from runner.run.titan.init import init_weights
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.step import loss_fn
+from runner.schema import ActivationCheckpoint, RunConfig
+from runner.schema.layout import Layout
 
 
 @dataclass
@@ -71,7 +71,7 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
 
 
 def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, materialize: bool = True) -> Built:
-    """The model of cfg.model on meta, checked against runner.config.flops, parallelized, materialized on `device`
+    """The model of cfg.model on meta, checked against runner.estimate.flops, parallelized, materialized on `device`
     (the device policy's compute device) and initialized; materialize=False leaves it on meta (the dry run
     materializes it on fake tensors)."""
     spec, converted = model_config(cfg, lay, materialize)

@@ -6,10 +6,10 @@ import datetime
 
 import torch.distributed as dist
 
-from runner.config import pipeline
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.estimate import pipeline
 from runner.run.device import DevicePolicy
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 SPMD_BACKEND = "partial_dtensor"
 """The SPMD backend that composes FSDP2 + TP here; TorchTitan's default fails with dp_shard or tp > 1 (docs/CPU.md)."""
@@ -61,7 +61,7 @@ def stage_modules(cfg: RunConfig, lay: Layout) -> list[list[str]]:
     want = pipeline.stage_layers(n, lay.pp * p.pp_virtual_stages, first, last)
     if got != want:
         raise RuntimeError(
-            f"TorchTitan split {n} layers as {got}, runner.config.pipeline.stage_layers says {want}: the mirror is out of date"
+            f"TorchTitan split {n} layers as {got}, runner.estimate.pipeline.stage_layers says {want}: the mirror is out of date"
         )
     return fqns
 

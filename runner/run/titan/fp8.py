@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.config import precision
-from runner.config.schema import Fp8Recipe, ModelConfig, RunConfig
+from runner.estimate import precision
 from runner.run.device import DevicePolicy
+from runner.schema import Fp8Recipe, ModelConfig, RunConfig
 
 
 def check_layer_table(model_config, m: ModelConfig) -> None:
-    """TorchTitan's Linear layers must be the ones runner.config.precision.linear_layers lists, which is
+    """TorchTitan's Linear layers must be the ones runner.estimate.precision.linear_layers lists, which is
     what validation shape-checked and `mode=validate` counted."""
     from torchtitan.models.common.linear import Linear
 
@@ -20,7 +20,7 @@ def check_layer_table(model_config, m: ModelConfig) -> None:
     if got != want:
         diff = next((g, w) for g, w in zip([*got, None], [*want, None], strict=False) if g != w)
         raise RuntimeError(
-            f"{m.name}'s TorchTitan config has {len(got)} Linear layers, runner.config.precision.linear_layers lists {len(want)}; "
+            f"{m.name}'s TorchTitan config has {len(got)} Linear layers, runner.estimate.precision.linear_layers lists {len(want)}; "
             f"first difference (fqn, in, out, plain Linear): TorchTitan {diff[0]}, table {diff[1]}: the table is out of date"
         )
 

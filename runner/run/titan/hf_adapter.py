@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from runner.config import flops, hf_folder
-from runner.config.schema import ModelConfig
+from runner.estimate import flops
+from runner.formats import hf_folder
 from runner.run.titan.model import model_spec
+from runner.schema import ModelConfig
 
 
 def adapter(spec, folder: Path):

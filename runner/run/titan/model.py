@@ -1,4 +1,4 @@
-"""TorchTitan's model config built from the runner's ModelConfig (runner/config/schema/training.py).
+"""TorchTitan's model config built from the runner's ModelConfig (runner/schema/training.py).
 
 The flavor in TorchTitan's registry gives everything the schema does not name (initializers,
 RoPE scaling, router scoring, attention backend); every architecture number the schema names
@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from runner.config import flops
-from runner.config.schema import ModelConfig
+from runner.estimate import flops
+from runner.schema import ModelConfig
 
 ATTN_BACKEND = "flex"
 """The attention backend asked of the registry and its builders (TorchTitan's default); on CPU the
@@ -125,7 +125,7 @@ def _qwen3(m: ModelConfig, flavor, qwen3):
 
 def _mla_moe(m: ModelConfig, flavor, family):
     """DeepSeek-V3's blocks (Kimi reuses them with its own initializers): MLA + MoE; num_experts = 0 makes every
-    block dense (ffn_hidden_dim), as runner.config.flops counts it. Kimi's vision encoder is dropped: the runner
+    block dense (ffn_hidden_dim), as runner.estimate.flops counts it. Kimi's vision encoder is dropped: the runner
     trains the text tower."""
     _refuse(m, (*GPT_OSS_FIELDS, "qk_norm"), "built from multi-head latent attention and MoE blocks")
     attention = flavor.layers[0].attention
@@ -213,5 +213,5 @@ def check_size(m: ModelConfig, seq_len: int, num_params: int, flops_per_token: i
     if (num_params, flops_per_token) != want:
         raise RuntimeError(
             f"TorchTitan built {m.name} {m.flavor} with {num_params:,} parameters and {flops_per_token:,} FLOPs per token; "
-            f"runner.config.flops counts {want[0]:,} and {want[1]:,} for the config: the model config is out of date"
+            f"runner.estimate.flops counts {want[0]:,} and {want[1]:,} for the config: the model config is out of date"
         )

@@ -8,8 +8,8 @@ import re
 
 import torch
 
-from runner.config.problems import ConfigError, Problem
-from runner.config.schema import OptimizerImpl, RunConfig
+from runner.schema import OptimizerImpl, RunConfig
+from runner.schema.problems import ConfigError, Problem
 
 NO_DECAY = r"(^|\.)(tok_embeddings|embed_tokens)\.|norm|\.bias$"
 """optimizer.no_decay_1d_and_embeddings' group: the token embeddings, every norm weight (the 1-D parameters of

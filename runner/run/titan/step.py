@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from runner.config.schema import RunConfig
+from runner.schema import RunConfig
 
 
 def loss_fn(cfg: RunConfig):

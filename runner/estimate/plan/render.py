@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.config import wording
-from runner.config.wording import count
+from runner.schema import wording
+from runner.schema.wording import count
 
 
 def _layers(split: list[int]) -> str:
@@ -83,7 +83,7 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def _fp8_casts(plan: dict[str, Any]) -> str:
-    """FP8 recipes: a converted Linear's backward also holds its float8 operands and a cast (runner.config.memory)."""
+    """FP8 recipes: a converted Linear's backward also holds its float8 operands and a cast (runner.estimate.memory)."""
     return ", an FP8 Linear's backward casts" if _fp8(plan) else ""
 
 
@@ -108,7 +108,7 @@ def _fp8(plan: dict[str, Any]) -> bool:
 
 
 def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """FP8 recipes: the predictor's own FP8 terms (runner/config/predict/fp8.py)."""
+    """FP8 recipes: the predictor's own FP8 terms (runner/estimate/predict/fp8.py)."""
     terms = plan["predicted_terms_s"]
     if not _fp8(plan) or not terms:
         return []

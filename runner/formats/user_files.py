@@ -1,8 +1,8 @@
 """Files a user hands over, read through one guarded entry each: a refusal, never a traceback.
 
-A Hugging Face folder (runner.config.hf_folder), a tokenizer and a prepared folder's manifest (runner.data.manifest),
-a frozen run file (runner.config.freeze), a checkpoint's COMPLETE.json (runner.config.checkpoint) and a machine
-profile (runner.config.predict.machine) may be empty, cut short, random bytes or JSON of another shape. Their readers
+A Hugging Face folder (runner.formats.hf_folder), a tokenizer and a prepared folder's manifest (runner.formats.data_manifest),
+a frozen run file (runner.config.freeze), a checkpoint's COMPLETE.json (runner.formats.checkpoint) and a machine
+profile (runner.estimate.predict.machine) may be empty, cut short, random bytes or JSON of another shape. Their readers
 raise UnreadableFile, which names the file, what is wrong and the fix; each caller words it as its own refusal (a
 Problem, ManifestError, ExportRefused). Torch-free.
 """

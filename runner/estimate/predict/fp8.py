@@ -1,6 +1,6 @@
 """What an FP8 recipe costs beyond its GEMMs, per converted Linear layer, as the step-time predictor counts it.
 
-Torch-free arithmetic. A converted Linear (runner/config/precision.py decides which) runs its three GEMMs (forward
+Torch-free arithmetic. A converted Linear (runner/estimate/precision.py decides which) runs its three GEMMs (forward
 y = x W, input gradient dx = dy W^T, weight gradient dW = x^T dy) at the FP8 rate of the recipe's kernel
 (machine.Machine.fp8_gemm_s), except those the recipe keeps in high precision, and pays for:
 - fp8_cast: the kernels that turn each of the GEMMs' three high-precision operands (x, W, dy) into float8 and their
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from runner.config import precision
-from runner.config.predict.work import Gemm
-from runner.config.schema import DeviceType, Fp8Recipe, RunConfig
+from runner.estimate import precision
+from runner.estimate.predict.work import Gemm
+from runner.schema import DeviceType, Fp8Recipe, RunConfig
 
 GEMMS = ("forward", "input_grad", "weight_grad")
 

@@ -1,14 +1,14 @@
 """Communication of one step in the step budget: TP, PP, DP, CP and EP traffic per device and its time
-(conventions in runner/config/plan/__init__.py's docstring)."""
+(conventions in runner/estimate/plan/__init__.py's docstring)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from runner.config import flops
-from runner.config.layout import MESH_ORDER, Layout
-from runner.config.memory import BYTES, keeps_weights_gathered
-from runner.config.schema import ActivationCheckpoint, RunConfig
+from runner.estimate import flops
+from runner.estimate.memory import BYTES, keeps_weights_gathered
+from runner.schema import ActivationCheckpoint, RunConfig
+from runner.schema.layout import MESH_ORDER, Layout
 
 
 def link(lay: Layout, axis: str, devices_per_node: int) -> str:

@@ -1,5 +1,5 @@
 """mode=dryrun in plain numbers (torch-free): which ranks to simulate, the batch the rehearsal runs, and
-the table of the plan's analytic memory (runner.config.memory, for the rank's own pipeline stage) beside the
+the table of the plan's analytic memory (runner.estimate.memory, for the rank's own pipeline stage) beside the
 measured one, each held row marked PASS/FAIL against its tolerance, and whether the plan's fits_memory agrees
 with the largest measured peak."""
 
@@ -10,9 +10,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from runner.config import memory, pipeline, runfiles
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.estimate import memory, pipeline
+from runner.formats import runfiles
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 GB = 1e9  # the plan's unit
 
@@ -54,7 +55,7 @@ def batch_note(cfg: RunConfig, lay: Layout) -> str | None:
         f"the same microbatches in flight on every stage ({pipeline.microbatches_in_flight(cfg.parallelism.pp_schedule, lay.pp, m)}) "
         "beside the accumulated gradients"
     )
-    # pipeline stages keep receive buffers per microbatch of the step (runner.config.memory.stage)
+    # pipeline stages keep receive buffers per microbatch of the step (runner.estimate.memory.stage)
     more = max(memory.stage_gb(cfg, lay, m, st)["total"] - memory.stage_gb(cfg, lay, dry, st)["total"] for st in range(lay.pp))
     if more < 0.0005:
         return note + ", so the same peak; dryrun.full_batch=true runs them all"
@@ -71,7 +72,7 @@ TOLERANCE = {"weights + gradients": 0.02, "optimizer (master + moments)": 0.02, 
 def rehearsal_budget(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     """The plan's figures (GB) for a rank of pipeline stage `stage` as the rehearsal runs it: on the rehearsal's
     device's kernels (the CPU's RMSNorm saves more than CUDA's fused one; dryrun.device=cuda keeps the cluster's), and
-    its microbatches (a pipeline stage keeps a receive buffer for each; runner.config.memory)."""
+    its microbatches (a pipeline stage keeps a receive buffer for each; runner.estimate.memory)."""
     dry = copy.deepcopy(cfg)
     dry.cluster.device = cfg.dryrun.device
     return memory.stage_gb(dry, lay, microbatches(cfg, lay)[1], stage)
@@ -79,7 +80,7 @@ def rehearsal_budget(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float
 
 def rows(plan: dict[str, float], measured: dict[str, Any]) -> list[dict[str, Any]]:
     """Plan beside measurement (GB, at the rank's peak). The fp32 master shard counts with the optimizer (12 bytes
-    per parameter), the gathered weights with the gradients, as in runner.config.memory."""
+    per parameter), the gathered weights with the gradients, as in runner.estimate.memory."""
     at = measured["at_peak"]
     pairs = [
         ("weights + gradients", "weights_grads", at["param_gathered"] + at["grad_shard"] + at["grad_unsharded"]),

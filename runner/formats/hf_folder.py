@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.config.schema import ModelConfig
-from runner.config.user_files import UnreadableFile, parse_json, read_json, wrong
+from runner.formats.user_files import UnreadableFile, parse_json, read_json, wrong
+from runner.schema import ModelConfig
 
 INIT_FIELDS = ("init_from", "init_format", "init_record")
 """ModelConfig fields that say where the weights started, not what the model is."""

@@ -15,7 +15,7 @@ MFU = model FLOP/s / (number of devices x dense peak per device in the compute d
 
 from __future__ import annotations
 
-from runner.config.schema import ActivationCheckpoint, ModelConfig
+from runner.schema import ActivationCheckpoint, ModelConfig
 
 CONVENTIONS = ("titan", "6N")
 

@@ -2,7 +2,7 @@
 assemble between them, and the rule that picks the local or the shared tier at a restart.
 
 Each rank writes its own shard of the whole training state (a DCP checkpoint of this rank alone, with the COMPLETE.json
-of runner.config.checkpoint: sizes, CRC-32s, what it was saved from) to `<root>/step-<n>/rank-<r>` on its node, and the
+of runner.formats.checkpoint: sizes, CRC-32s, what it was saved from) to `<root>/step-<n>/rank-<r>` on its node, and the
 rank it partners (the same local rank on the next node, a ring over nodes) keeps a copy in its own node's root. A local
 checkpoint of step n is usable when every rank's shard is intact on some node, saved by this layout.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.config import checkpoint, runfiles
-from runner.config.schema import LocalCheckpointConfig
+from runner.formats import checkpoint, runfiles
+from runner.schema import LocalCheckpointConfig
 
 RANK_PREFIX = "rank-"
 

@@ -13,7 +13,7 @@ Conventions, stated once and used throughout:
   the same bytes.
 - Ranks are placed in mesh order (pp, dp_replicate, dp_shard, cp, tp), TP fastest, so an
   axis whose group fits inside a node uses the intra-node link and the others scale-out.
-- Memory (runner.config.memory): what TorchTitan allocates on each pipeline stage at its peak (fp32
+- Memory (runner.estimate.memory): what TorchTitan allocates on each pipeline stage at its peak (fp32
   master shards and Adam moments over dp_shard x cp, gathered param_dtype weights, fp32 gradients
   unsharded under PP, the activations its blocks save for backward, the loss's logits, RoPE tables);
   the keys describe the stage with the largest total, which mode=dryrun measures. The budget convention of
@@ -30,13 +30,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config import checkpoint, flops, layout, pipeline, precision, runfiles
-from runner.config.comm import communication
-from runner.config.layout import Layout, label
-from runner.config.memory import memory
-from runner.config.plan.render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
-from runner.config.predict import steptime
-from runner.config.schema import ClusterConfig, RunConfig
+from runner.estimate import flops, pipeline, precision
+from runner.estimate.comm import communication
+from runner.estimate.memory import memory
+from runner.estimate.plan.render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
+from runner.estimate.predict import steptime
+from runner.formats import checkpoint, runfiles
+from runner.schema import ClusterConfig, RunConfig, layout
+from runner.schema.layout import Layout, label
 
 
 def _compute_time(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def _compute_time(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> dic
 
 
 def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: steptime.StepPrediction, eff: float) -> dict[str, Any]:
-    """The predictor's figures (runner/config/predict/steptime.py) in the plan's keys."""
+    """The predictor's figures (runner/estimate/predict/steptime.py) in the plan's keys."""
     step_s, dp_s = ct["step_time_s"], comm["dp_comm_s"]
     backward_s = step_s * (1 - bubble) * 2 / 3 if step_s is not None else None
     est_s = pred.step_s

@@ -7,7 +7,7 @@ bandwidth of each collective per group size on the backend, and the stack's fixe
 one, the cluster's datasheet figures are used with the constants below, which describe TorchTitan
 in eager mode on NVIDIA GPUs; ATTENTION_VS_MATMUL, the two bytes-per-element figures and
 LINK_EFFICIENCY were chosen on a grid (0.45-0.75, 40-80, 16-32, 0.7-0.9) to minimise the squared log
-error over the `fit` rows of runner/config/predict/reference_runs.csv (TorchTitan's published runs),
+error over the `fit` rows of runner/calibrate/reference_runs.csv (TorchTitan's published runs),
 never the `heldout` ones. Such predictions are labelled "datasheet, not calibrated".
 """
 
@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.config.schema import RunConfig
-from runner.config.user_files import parse_json
+from runner.formats.user_files import parse_json
+from runner.schema import RunConfig
 
 DATASHEET = "datasheet, not calibrated"
 PROFILE_KIND = "runner machine profile"
@@ -121,9 +121,9 @@ def _datasheet_links(cfg: RunConfig, link_gbs: dict[str, float] | None) -> dict[
 def datasheet(cfg: RunConfig, peak_tflops: float | None, link_gbs: dict[str, float] | None, efficiency: float | None) -> Machine | None:
     """The cluster's figures with the GPU constants above (a link of unknown bandwidth left out); None without a peak.
     The GEMMs, attention and the layers kept in high precision run at the param_dtype peak; an FP8 recipe's converted
-    GEMMs at its peak (float8, or mxfp8) x the recipe's efficiency (runner/config/predict/fp8.py). `peak_tflops`
+    GEMMs at its peak (float8, or mxfp8) x the recipe's efficiency (runner/estimate/predict/fp8.py). `peak_tflops`
     overrides the peak of the dtype MFU's GEMM figure names (precision.matmul_peak: float8 under FP8)."""
-    from runner.config.predict import fp8
+    from runner.estimate.predict import fp8
 
     c = cfg.cluster
     eff = efficiency if efficiency is not None else c.matmul_efficiency

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.config.schema import ClusterConfig, ParallelismConfig
+from runner.schema import ClusterConfig, ParallelismConfig
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.config import flops
-from runner.config.layout import Layout
-from runner.config.schema import RunConfig
+from runner.estimate import flops
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 Gemm = tuple[int, int, int]  # (M, K, N) of one forward GEMM on this rank
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.config.schema.choices import (
+from runner.schema.choices import (
     ActivationCheckpoint,
     DataSource,
     DeviceType,

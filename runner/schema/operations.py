@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.config.schema.choices import (
+from runner.schema.choices import (
     Backend,
     DeviceType,
     DType,
@@ -69,7 +69,7 @@ class CheckpointConfig:
     export_hf: bool = False
     """After the last step also export the last checkpoint as a Hugging Face folder `<folder>/model-hf` that `transformers`
     loads (config.json, safetensors shards, generation_config.json, the tokenizer of data=text), as
-    `python -m runner.export <run folder> --format hf` does; needs checkpoint.enable and a family runner.config.hf_folder lists."""
+    `python -m runner.export <run folder> --format hf` does; needs checkpoint.enable and a family runner.formats.hf_folder lists."""
     min_free_gb: float = 0.0
     """Free space the checkpoint filesystem must keep beyond `keep` + 1 checkpoints, GB (pre-flight check)."""
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runner.config.user_files import UnreadableFile, read_json, schema_problem
+from runner.formats.user_files import UnreadableFile, read_json, schema_problem
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -27,10 +27,10 @@ from typing import Any
 
 import yaml
 
-from runner.config import hf_folder, runfiles
-from runner.config.layout import Layout, label
-from runner.config.schema import CheckpointConfig, ModelConfig, RunConfig
-from runner.config.user_files import UnreadableFile, read_json, schema_problem, wrong
+from runner.formats import hf_folder, runfiles
+from runner.formats.user_files import UnreadableFile, read_json, schema_problem, wrong
+from runner.schema import CheckpointConfig, ModelConfig, RunConfig
+from runner.schema.layout import Layout, label
 
 MARKER = runfiles.CHECKPOINT_MARKER
 CHECKSUM = "crc32"

@@ -13,8 +13,8 @@ import copy
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from runner.config import flops
-from runner.config.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
+from runner.estimate import flops
+from runner.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.config.layout import Layout
-from runner.config.predict import machine as sm
-from runner.config.predict.machine import Link, Machine
-from runner.config.schema import RunConfig
+from runner.estimate.predict import machine as sm
+from runner.estimate.predict.machine import Link, Machine
+from runner.schema import RunConfig
+from runner.schema.layout import Layout
 
 CONSTANTS = {
     "layer_overhead_s": ("s", "fixed cost of one transformer block's forward or backward beyond its GEMMs and kernels (dispatch)"),

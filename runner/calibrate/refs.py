@@ -1,9 +1,9 @@
-"""Published GPU runs the datasheet predictor is checked against (runner/config/predict/reference_runs.csv).
+"""Published GPU runs the datasheet predictor is checked against (runner/calibrate/reference_runs.csv).
 
 Each row is composed from its Hydra overrides like a command line, priced by the predictor and set
 beside its measured step time: tokens/s per GPU give it directly; the Llama 3 paper's TFLOP/s per GPU
 are converted with the usual model-FLOP convention of Megatron-LM and TorchTitan ("titan" in
-runner/config/flops.py: the attention scores counted without causal sparsity), the paper stating none.
+runner/estimate/flops.py: the attention scores counted without causal sparsity), the paper stating none.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.config import compose, flops, layout
-from runner.config.predict import steptime
-from runner.config.schema import RunConfig
+from runner.config import compose
+from runner.estimate import flops
+from runner.estimate.predict import steptime
+from runner.schema import RunConfig, layout
 
 DATA = Path(__file__).resolve().parent / "reference_runs.csv"
 

@@ -12,7 +12,7 @@ seconds per step on the busiest rank:
 - dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, and FSDP's own copies into
   and out of their buffers (also with dp_shard = 1), less what runs under the block's compute;
 - fp8_cast, fp8_amax: an FP8 recipe's cast and scale kernels (memory traffic) and tensorwise scaling's amax
-  all-reduces over TP (runner/config/predict/fp8.py); its converted GEMMs are in compute, at the FP8 rate.
+  all-reduces over TP (runner/estimate/predict/fp8.py); its converted GEMMs are in compute, at the FP8 rate.
 `binding` names the largest. The machine's figures come from a profile (`cluster.profile`, written by
 `python -m runner.calibrate`) or else from the datasheet ("datasheet, not calibrated").
 """
@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from runner.config import comm as plan_comm
-from runner.config import flops, layout, pipeline, precision
-from runner.config.layout import MESH_ORDER, Layout
-from runner.config.memory import BYTES, keeps_weights_gathered
-from runner.config.predict import fp8, machine, work
-from runner.config.predict.machine import DATASHEET, Machine
-from runner.config.schema import RunConfig
+from runner.estimate import comm as plan_comm
+from runner.estimate import flops, pipeline, precision
+from runner.estimate.memory import BYTES, keeps_weights_gathered
+from runner.estimate.predict import fp8, machine, work
+from runner.estimate.predict.machine import DATASHEET, Machine
+from runner.schema import RunConfig, layout
+from runner.schema.layout import MESH_ORDER, Layout
 
 CPU_TERMS = ("compute", "non_matmul", "recompute", "overhead")
 TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "fp8_cast", "fp8_amax")
@@ -291,7 +291,7 @@ def resolve_machine(cfg: RunConfig, lay: Layout, profile=None, **datasheet_overr
     """The machine figures: `profile` (a loaded profile dict or a path), else cluster.profile, else the datasheet."""
     source = profile if profile is not None else cfg.cluster.profile
     if source is not None:
-        from runner.config.predict import machine_profile as steptime_profile
+        from runner.estimate.predict import machine_profile as steptime_profile
 
         return steptime_profile.machine(cfg, lay, source)
     return machine.datasheet(cfg, **datasheet_overrides)

@@ -11,7 +11,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from runner.config.schema.choices import (
+from runner.schema.choices import (
     ActivationCheckpoint,
     Backend,
     DataSource,
@@ -34,7 +34,7 @@ from runner.config.schema.choices import (
     WandbMode,
     WorkerStart,
 )
-from runner.config.schema.operations import (
+from runner.schema.operations import (
     CheckpointConfig,
     ClusterConfig,
     DistributedConfig,
@@ -51,7 +51,7 @@ from runner.config.schema.operations import (
     StragglerConfig,
     WandbConfig,
 )
-from runner.config.schema.training import (
+from runner.schema.training import (
     DataConfig,
     DryrunConfig,
     EvalConfig,
