@@ -22,7 +22,7 @@ import yaml
 from runner.config import freeze, search, validate
 from runner.config.compose import CONF, compose, register, to_object
 from runner.schema import Mode
-from tests import text_assets
+from tests import import_graph, text_assets
 from tests.conftest import ROOT
 
 COMMAND = re.compile(r"^python -m runner(\s|$)")  # not runner.compare, runner.calibrate, runner.data
@@ -274,3 +274,38 @@ def test_architecture_lists_every_module():
     trivial = {m for m in modules if m.endswith("__init__.py") and len((ROOT / "runner" / m).read_text().splitlines()) <= 8}
     missing = [m for m in modules if m not in trivial and f"`{m}`" not in doc]
     assert missing == [], f"add a row to docs/ARCHITECTURE.md for {missing}"
+
+
+TOP_DIRS = ("runner", "conf", "docs", "tests", "scripts", "bench", "recipes", "sweeps", "hydra_plugins")
+PACKAGES = tuple(p.name for p in (ROOT / "runner").iterdir() if (p / "__init__.py").exists())
+PATH = re.compile(r"(?<![\w./<-])((?:[\w.-]+/)+(?:[\w.-]+\.(?:py|md|csv|yaml|sh|c|h))?)(?![\w/])")
+DOTTED = re.compile(r"(?<![\w./])runner(?:\.\w+)+")
+
+
+def stale_paths(text: str) -> list[str]:
+    """The repository paths (`run/step_loop.py`, `runner/config/`, `scripts/setup.sh`; a module's path may leave out
+    `runner/`) and dotted names (`runner.run.device`, `runner.estimate.flops.mfu`) of a text that name nothing there."""
+    stale = []
+    for path in PATH.findall(text):
+        first = path.split("/")[0]
+        if first in TOP_DIRS + PACKAGES and not (ROOT / path).exists() and not (ROOT / "runner" / path).exists():
+            stale.append(path)
+    known = import_graph.modules()
+    for name in DOTTED.findall(text):
+        parts = name.split(".")
+        module = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in known), "")
+        rest = parts[len(module.split(".")) :]
+        if rest and rest[0] not in import_graph.defined_names(known[module]):
+            stale.append(name)
+    return stale
+
+
+def test_architecture_names_no_stale_path():
+    """Every path and dotted name docs/ARCHITECTURE.md gives exists: a module moved or renamed without its row fails
+    here, as a module added without one fails test_architecture_lists_every_module."""
+    assert stale_paths((ROOT / "docs" / "ARCHITECTURE.md").read_text()) == []
+
+
+def test_stale_paths_are_found():
+    text = "run/step_loop.py, `runner/config/flops.py`, runner/estimate/, runner.estimate.flops.mfu_of, tokens/s, conf/nope/"
+    assert stale_paths(text) == ["runner/config/flops.py", "conf/nope/", "runner.estimate.flops.mfu_of"]
