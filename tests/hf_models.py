@@ -20,7 +20,10 @@ constant start so a swapped or dropped norm shows in the loss.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from runner.formats.hf_folder import CONFIG, INDEX
 
 LLAMA3 = ["model=llama3_debugmodel"]
 QWEN3 = ["model=qwen3_debugmodel", "model.num_layers=2"]
@@ -119,3 +122,26 @@ def hf_loss(model, tokens, labels) -> float:
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()))
+
+
+PUBLISHED = {  # meta-llama/Llama-3.1-8B and -70B config.json
+    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+def published_llama(folder: Path, size: str) -> Path:
+    """config.json of Llama 3.1 `size` from transformers' LlamaConfig with the published values, and a 4-shard index
+    (the weights are not written: validation reads none)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        **PUBLISHED[size], vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE
+    )
+    config.architectures, config.torch_dtype = ["LlamaForCausalLM"], "bfloat16"
+    folder.mkdir(parents=True)
+    config.to_json_file(folder / CONFIG)
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    weight_map = {"model.embed_tokens.weight": shards[0], "lm_head.weight": shards[3]}
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 16060522496}, "weight_map": weight_map}))
+    return folder

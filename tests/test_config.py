@@ -12,7 +12,7 @@ import pytest
 from runner.config import families, validate
 from runner.estimate import memory, plan
 from runner.schema import Mode, layout
-from tests import import_graph, text_assets
+from tests import import_graph, in_process, text_assets
 from tests.conftest import ROOT, run_cli
 
 # Options that need a context to validate (the rest validate with the defaults).
@@ -103,7 +103,7 @@ def test_every_config_file_composes_and_validates(compose, path, tmp_path):
     if path == "conf/data/tokens.yaml":  # validation reads the prepared folder: prepare one
         extra = [f"data.path={text_assets.prepared(tmp_path)}"]
     if path == "recipes/llama3_8b_continue_h100x64.yaml":  # validation reads config.json and the index, and the tokens
-        from tests.test_hf_load import published_llama
+        from tests.hf_models import published_llama
 
         extra = [f"data.path={text_assets.prepared(tmp_path)}", f"model.init_from={published_llama(tmp_path / 'hf', '8B')}"]
     cfg = compose([*extra, *_overrides(path), "mode=validate"])
@@ -303,24 +303,6 @@ def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
-def _here(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
-    """`python -m runner <argv>` in this process, for cases that end before a run starts: its exit code and stderr.
-    What cli() patches in Hydra is put back afterwards."""
-    from hydra._internal import utils
-    from hydra._internal.hydra import Hydra
-
-    from runner import cli, sweep
-
-    monkeypatch.setattr(utils, "run_and_report", utils.run_and_report)
-    monkeypatch.setattr(Hydra, "get_mode", Hydra.get_mode)
-    monkeypatch.setattr(sweep, "STATE", sweep.State())
-    monkeypatch.setattr(sys, "argv", ["runner", *argv])
-    monkeypatch.setattr(cli, "_fast_exit", sys.exit)  # not os._exit, which would end pytest where torch is imported
-    with pytest.raises(SystemExit) as e:
-        cli.cli()
-    return e.value.code, capsys.readouterr().err
-
-
 @pytest.fixture
 def frozen(compose, tmp_path):
     """A run folder holding the frozen file of the default config."""
@@ -345,7 +327,9 @@ def test_a_yaml_error_in_a_frozen_file_names_file_line_and_column(monkeypatch, c
     text = frozen.read_text()
     n = text.splitlines().index("  steps: 10") + 1
     frozen.write_text(text.replace("\n  steps: 10\n", f"\n{new}\n", 1))
-    code, err = _here(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen", f"hydra.run.dir={tmp_path / 'r'}")
+    code, err = in_process.cli(
+        monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen", f"hydra.run.dir={tmp_path / 'r'}"
+    )
     assert code == 2 and "Traceback" not in err
     head, fix = err.splitlines()
     assert head == f"{frozen}:" + first.replace("{n+1}", str(n + 1)).replace("{n}", str(n))
@@ -362,7 +346,9 @@ def test_a_frozen_file_cut_short_is_refused_naming_it(monkeypatch, capsys, tmp_p
     assert freeze.load(frozen).training.steps == 10  # a whole file loads
     cut = lines[: lines.index("training:\n") + 2]  # ... up to `  steps: 10`
     frozen.write_text("".join(cut))
-    code, err = _here(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen", f"hydra.run.dir={tmp_path / 'r'}")
+    code, err = in_process.cli(
+        monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen", f"hydra.run.dir={tmp_path / 'r'}"
+    )
     assert code == 2 and not (tmp_path / "r").exists()
     assert err.splitlines()[0] == (
         f"{frozen}:{len(cut)}:12: the file ends here, without the line that ends every frozen file ({freeze.END!r}): "
@@ -372,7 +358,7 @@ def test_a_frozen_file_cut_short_is_refused_naming_it(monkeypatch, capsys, tmp_p
         freeze.load(frozen)  # the ranks' load refuses it too
     whole = "".join(lines)
     frozen.write_text(whole[: whole.index("created: '") + 15])  # cut mid-line, inside a quoted value
-    code, err = _here(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen")
+    code, err = in_process.cli(monkeypatch, capsys, "--config-dir", str(frozen.parent), "--config-name", "frozen")
     assert code == 2 and err.startswith(f"{frozen}:{whole[: whole.index('created: ')].count(chr(10)) + 1}:18: the file ends here")
 
 
@@ -394,7 +380,7 @@ def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypa
         with pytest.raises(validate.ConfigError) as e:
             compose([override])
         assert str(e.value.problems[0]).startswith(message)
-    code, err = _here(monkeypatch, capsys, "optimizer.lr=[1,2]")
+    code, err = in_process.cli(monkeypatch, capsys, "optimizer.lr=[1,2]")
     assert code == 2 and err == (
         "Invalid config (1 problem):\n  - optimizer.lr = [1, 2]: not a number (override optimizer.lr=[1,2]). "
         "Fix: use a number, e.g. optimizer.lr=0.0008.\n"
@@ -569,5 +555,19 @@ def test_only_the_device_policy_branches_on_the_device():
         if p.relative_to(ROOT).as_posix() not in allowed
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if branching.search(line)
+    ]
+    assert found == []
+
+
+def test_no_test_module_imports_another():
+    """Test modules share helpers through helper modules of tests/ (conftest, points, hf_models, in_process, ...),
+    never by importing each other: an import of a test module runs its module-level code and collects nothing."""
+    known = import_graph.modules("tests")
+    found = [
+        f"{imp.path}:{imp.line} imports {imp.module}"
+        for name, path in known.items()
+        if name.split(".")[-1].startswith("test_")
+        for imp in import_graph.of_file(path, name, known)
+        if imp.module.split(".")[-1].startswith("test_") or (imp.attribute or "").startswith("test_")
     ]
     assert found == []

@@ -15,16 +15,10 @@ from runner.config import families, validate
 from runner.estimate import flops, memory
 from runner.schema import ModelConfig
 from tests.conftest import ROOT
+from tests.gen_models import gen
 
 
 @functools.cache
-def gen():
-    spec = importlib.util.spec_from_file_location("gen_models", ROOT / "scripts" / "gen_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @functools.cache
 def registry_fields() -> dict[str, dict]:
     return gen().all_fields()

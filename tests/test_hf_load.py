@@ -7,7 +7,7 @@ parity_runs, one per rank count): `single` (1 rank) for every model, `ep2` for t
 loss must equal transformers' loss on the same tokens within 1e-5 relative (fp32; measured <= 1.1e-7, the float32
 rounding of the logged loss).
 
-Refusals run in this process through the CLI's main (tests/test_config.py's `_here`): exit 2, every problem named with
+Refusals run in this process through the CLI's main (tests/in_process.py's `cli`): exit 2, every problem named with
 both values and the fix, no traceback, no run folder left.
 """
 
@@ -23,10 +23,10 @@ from runner.config import freeze, validate
 from runner.formats import hf_folder
 from runner.schema.problems import ConfigError
 from tests import hf_models
+from tests.in_process import cli as _here
 from tests.points import HF_LAYOUTS as LAYOUTS
 from tests.points import HF_RESUMED as RESUMED
 from tests.points import hf_layouts as _layouts
-from tests.test_config import _here
 
 LOSS_RTOL = 1e-5
 POINTS = [(n, p) for n in hf_models.TINY for k in LAYOUTS for p in _layouts(n, k)]
@@ -318,39 +318,16 @@ def test_a_sharded_bfloat16_checkpoint_loads_exactly(compose, tmp_path):
 # --- the recipe: Llama 3.1 8B's published config.json, written by transformers, no weights -----------------------
 
 RECIPE = "recipe=llama3_8b_continue_h100x64"
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-LLAMA3_ROPE["original_max_position_embeddings"] = 8192
-PUBLISHED = {  # meta-llama/Llama-3.1-8B and -70B config.json
-    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
-    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
-}
-
-
-def published_llama(folder: Path, size: str) -> Path:
-    """config.json of Llama 3.1 `size` from transformers' LlamaConfig with the published values, and a 4-shard index
-    (the weights are not written: validation reads none)."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        **PUBLISHED[size], vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE
-    )
-    config.architectures, config.torch_dtype = ["LlamaForCausalLM"], "bfloat16"
-    folder.mkdir(parents=True)
-    config.to_json_file(folder / hf_folder.CONFIG)
-    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
-    weight_map = {"model.embed_tokens.weight": shards[0], "lm_head.weight": shards[3]}
-    (folder / hf_folder.INDEX).write_text(json.dumps({"metadata": {"total_size": 16060522496}, "weight_map": weight_map}))
-    return folder
 
 
 def test_the_continue_recipe_validates_against_llama_8b_and_refuses_70b(monkeypatch, capsys, tmp_path):
     from tests import text_assets
 
     data = f"data.path={text_assets.prepared(tmp_path / 'tokens')}"
-    eight = published_llama(tmp_path / "Llama-3.1-8B", "8B")
+    eight = hf_models.published_llama(tmp_path / "Llama-3.1-8B", "8B")
     code, err = _here(monkeypatch, capsys, RECIPE, f"model.init_from={eight}", data, "mode=validate", f"hydra.run.dir={tmp_path / 'r'}")
     assert code == 0, err
-    seventy = published_llama(tmp_path / "Llama-3.1-70B", "70B")
+    seventy = hf_models.published_llama(tmp_path / "Llama-3.1-70B", "70B")
     err = _refused(monkeypatch, capsys, tmp_path, RECIPE, f"model.init_from={seventy}", data, "mode=validate")
     differ = {"model.dim": (4096, "hidden_size = 8192"), "model.num_layers": (32, "num_hidden_layers = 80")}
     differ |= {"model.num_heads": (32, "num_attention_heads = 64"), "model.ffn_hidden_dim": (14336, "intermediate_size = 28672")}
@@ -369,7 +346,7 @@ def _round_trip(compose, model: str) -> tuple[dict, dict, dict]:
 
     from runner.run.titan import hf_adapter as titan_hf
     from runner.run.titan.model import model_spec
-    from tests.test_families import gen
+    from tests.gen_models import gen
 
     m = compose([f"model={model}"]).model
     with gen().kernel_placeholders(m.name):  # Qwen3.5's module imports flash-linear-attention's GPU kernels
@@ -407,7 +384,7 @@ def test_every_family_in_the_table_has_an_adapter(compose):
     state_dict_adapter: all six the runner offers."""
     from runner.config import families
     from runner.run.titan.model import model_spec
-    from tests.test_families import gen
+    from tests.gen_models import gen
 
     have = set()
     for f in families.FAMILIES:

@@ -132,9 +132,9 @@ def _policy(cfg):
 def _cached(cache, machine: dict, created: str):
     """A profile (tests/test_predictor.py's, with round figures) stored in the cache as runner.calibrate stores it."""
     from runner.estimate.predict import machine_profile as steptime_profile
-    from tests.test_predictor import _profile
+    from tests.machine_profiles import round_profile
 
-    prof = _profile() | {"machine": machine | {"created": created}}
+    prof = round_profile() | {"machine": machine | {"created": created}}
     path = steptime_profile.write(prof, cache / "made.json")
     return peak.store_profile(str(cache), path)
 
@@ -168,9 +168,9 @@ def test_calibrate_caches_its_profile_and_cpu_runs_use_the_newest_of_this_machin
     from runner.estimate.predict import steptime
     from runner.observe import plan_check
     from runner.run import metrics
-    from tests.test_predictor import _profile
+    from tests.machine_profiles import round_profile
 
-    fixture, cache = _profile(), tmp_path / "cache"
+    fixture, cache = round_profile(), tmp_path / "cache"
     run = compose(["model=debug", "parallelism=single", *calibrate_runs.RUN_AT_SHAPE])
     monkeypatch.setattr(calibrate, "by_ranks", lambda *a: fixture["by_ranks"])
     monkeypatch.setattr(calibrate_runs, "collectives", lambda cfg, n, *a: fixture["collectives"][str(n)])

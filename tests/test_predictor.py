@@ -13,6 +13,7 @@ from runner.estimate import plan
 from runner.estimate.predict import machine_profile as steptime_profile
 from runner.estimate.predict import steptime
 from runner.estimate.predict.machine import DATASHEET
+from tests.machine_profiles import round_profile
 
 CPU = ["model=debug", "parallelism=dp2_tp2"]
 
@@ -73,7 +74,7 @@ def test_calibration_residuals_are_its_runs_predicted_by_the_finished_profile(co
     """runner.calibrate records each of its runs predicted by the profile it made; their RMS error is the band."""
     from runner.calibrate import runs as calibrate_runs
 
-    prof = _profile()
+    prof = round_profile()
     cfgs = [compose(["model=debug", f"parallelism={p}", *calibrate_runs.RUN_AT_SHAPE]) for p in ("single", "tp2")]
     predicted = [steptime.predict(c, validate.check(c), prof).step_s for c in cfgs]
     found = calibrate_runs.residuals(prof, [(cfgs[0], predicted[0] / 1.1), (cfgs[1], predicted[1] / 0.9)])
@@ -104,24 +105,8 @@ def test_datasheet_prediction_is_labelled(compose):
     assert DATASHEET in plan.one_line(b)
 
 
-def _profile(layer_overhead_s: float = 2e-3) -> dict:
-    """A profile as python -m runner.calibrate writes it, with round figures."""
-    entry = {"threads": 1, "matmul_tflops": 0.1, "gemm_half_dim": 32.0, "attention_tflops": 0.02, "memory_gbs": 10.0, "gemms": []}
-    link = {"latency_s": 1e-3, "gbs": 1.0}
-    return {
-        "machine": {"cpu": "test cpu", "cores": 2, "device": "cpu", "backend": "gloo", "torch": "2.13", "dtype": "float32"},
-        "by_ranks": {"1": {**entry, "threads": 2}, "2": dict(entry), "4": dict(entry)},
-        "collectives": {n: {f"{op}@2": link for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")} for n in ("2", "4")},
-        "constants": {
-            "layer_overhead_s": steptime_profile.constant("layer_overhead_s", layer_overhead_s),
-            "collective_fixed_s": steptime_profile.constant("collective_fixed_s", 1e-3),
-            "comm_overlap": steptime_profile.constant("comm_overlap", 0.0),
-        },
-    }
-
-
 def test_profile_round_trip_and_its_named_constants(compose, tmp_path):
-    path = steptime_profile.write(_profile(), tmp_path / "profile.json")
+    path = steptime_profile.write(round_profile(), tmp_path / "profile.json")
     saved = json.loads(path.read_text())
     assert saved["kind"] == "runner machine profile" and saved["version"] == 2
     assert {k: v["unit"] for k, v in saved["constants"].items()} == {
@@ -142,7 +127,7 @@ def test_profile_constants_move_their_terms(compose):
     """4 ranks on 2 cores share them: compute stretches 2x; the fixed block cost is 2 passes x 6 blocks x m."""
     cfg = compose(CPU)
     lay = validate.check(cfg)
-    a, b = steptime.predict(cfg, lay, _profile(0.0)), steptime.predict(cfg, lay, _profile(2e-3))
+    a, b = steptime.predict(cfg, lay, round_profile(0.0)), steptime.predict(cfg, lay, round_profile(2e-3))
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
     assert b.terms["overhead"] - a.terms["overhead"] == pytest.approx(2 * 2e-3 * 6 * micro * 2)  # x2: 4 ranks on 2 cores
     assert a.terms["tp"] > 0 and a.terms["dp"] > 0 and a.terms["pp"] == 0
@@ -153,14 +138,14 @@ def test_fixed_costs_are_what_the_short_runs_take_beyond_the_measured_kernels(co
     4 ms collective predicts them give back those two constants, whatever the measured kernels are."""
     from runner.calibrate import runs as calibrate_runs
 
-    truth = _profile(layer_overhead_s=1.5e-3)
+    truth = round_profile(layer_overhead_s=1.5e-3)
     truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 4e-3)
     runs = []
     for layers in calibrate_runs.LAYERS:
         for par in ("single", "tp2"):
             cfg = compose([*calibrate_runs.TINY, *calibrate_runs.RUN, f"model.num_layers={layers}", f"parallelism={par}"])
             runs.append((cfg, steptime.predict(cfg, validate.check(cfg), truth).step_s))
-    fit = calibrate_runs.fit_fixed_costs(_profile(layer_overhead_s=0.0), runs)
+    fit = calibrate_runs.fit_fixed_costs(round_profile(layer_overhead_s=0.0), runs)
     assert fit["layer_overhead_s"]["value"] == pytest.approx(1.5e-3)
     assert fit["collective_fixed_s"]["value"] == pytest.approx(4e-3)
     assert fit["comm_overlap"]["value"] == 0.0  # gloo: its collectives need the cores the compute holds
@@ -171,16 +156,16 @@ def test_in_run_share_is_the_kernels_rate_inside_a_step(compose):
     kernel term by 1 / 0.8 (compute, elementwise, and FSDP's memory-bound copies in dp) and nothing else."""
     from runner.calibrate import runs as calibrate_runs
 
-    slow = _profile()
+    slow = round_profile()
     slow["by_ranks"]["2"]["in_run_share"] = 0.8
     cfg = compose(["model=debug", "parallelism=fsdp", "parallelism.dp_shard=2", *calibrate_runs.RUN_AT_SHAPE])
     lay = validate.check(cfg)
-    a, b = steptime.predict(cfg, lay, _profile()), steptime.predict(cfg, lay, slow)
-    assert calibrate_runs.fit_in_run_shares(_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, {}, {})
+    a, b = steptime.predict(cfg, lay, round_profile()), steptime.predict(cfg, lay, slow)
+    assert calibrate_runs.fit_in_run_shares(round_profile(), [(cfg, b.step_s)]) == ({2: pytest.approx(0.8)}, {}, {})
     assert b.terms["compute"] == pytest.approx(a.terms["compute"] / 0.8)
     assert b.terms["non_matmul"] == pytest.approx(a.terms["non_matmul"] / 0.8)
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
-    copies = cfg.model.num_layers * steptime._fsdp_copies_s(cfg, lay, steptime.resolve_machine(cfg, lay, _profile()), micro)
+    copies = cfg.model.num_layers * steptime._fsdp_copies_s(cfg, lay, steptime.resolve_machine(cfg, lay, round_profile()), micro)
     assert copies > 0.05 * a.terms["dp"]  # the debug model's 6 blocks: memory-bound copies of every block, every microbatch
     assert b.terms["dp"] - a.terms["dp"] == pytest.approx(copies * (1 / 0.8 - 1))  # the collectives do not move
     assert b.terms["overhead"] == a.terms["overhead"]
@@ -197,7 +182,7 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
     what its collectives cost beyond the old figure."""
     from runner.calibrate import runs as calibrate_runs
 
-    truth = _profile()
+    truth = round_profile()
     truth["by_ranks"]["2"]["in_run_share"], truth["by_ranks"]["4"]["in_run_share"] = 0.9, 0.7
     truth["by_ranks"]["4"]["collective_fixed_s"] = 7e-3
     truth["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 5e-3)
@@ -209,19 +194,19 @@ def test_share_and_collective_cost_come_from_runs_of_the_model(compose):
     runs = [timed(["parallelism=fsdp", "parallelism.dp_shard=1"]), timed(["parallelism=dp2_pp2"])]
     pipeline = [timed(["parallelism=single", "parallelism.pp=2", "parallelism.pp_schedule=1F1B"])]
     tp = [timed(["parallelism=tp2"]), timed(["parallelism=dp2_tp2"])]
-    shares, fixed, per_ranks = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, tp)
+    shares, fixed, per_ranks = calibrate_runs.fit_in_run_shares(round_profile(), runs, pipeline, tp)
     assert shares == {1: pytest.approx(1.0), 2: pytest.approx(0.9), 4: pytest.approx(0.7)}
     assert fixed == {"collective_fixed_s": pytest.approx(5e-3)} and per_ranks == {4: pytest.approx(7e-3)}
-    fitted = calibrate_runs.with_fit(_profile(), shares, fixed, per_ranks)
+    fitted = calibrate_runs.with_fit(round_profile(), shares, fixed, per_ranks)
     assert steptime_profile.machine_of(fitted, 4, "p").collective_fixed_s == pytest.approx(7e-3)  # measured: not stretched
     assert steptime_profile.machine_of(fitted, 8, "p").collective_fixed_s == pytest.approx(14e-3)  # 8 ranks share 2 cores 2x more
     assert steptime_profile.machine_of(fitted, 2, "p").collective_fixed_s == pytest.approx(5e-3)
     rows = {name: value for name, value, _ in steptime_profile.describe(fitted)}
     assert rows["collective_fixed_s, 4 rank(s)"] == "0.007 s"
-    _, _, none = calibrate_runs.fit_in_run_shares(_profile(), runs, pipeline, tp[:1])
-    without = calibrate_runs.with_fit(_profile(), {}, fixed, none)
+    _, _, none = calibrate_runs.fit_in_run_shares(round_profile(), runs, pipeline, tp[:1])
+    without = calibrate_runs.with_fit(round_profile(), {}, fixed, none)
     assert none == {} and steptime_profile.machine_of(without, 4, "p").collective_fixed_s == pytest.approx(10e-3)
-    alone, none, _ = calibrate_runs.fit_in_run_shares(_profile(), [timed(["parallelism=fsdp", "parallelism.dp_shard=2"])])
+    alone, none, _ = calibrate_runs.fit_in_run_shares(round_profile(), [timed(["parallelism=fsdp", "parallelism.dp_shard=2"])])
     assert none == {} and alone[2] < 0.9  # the profile's 1 ms per collective stays; the share takes the other 4 ms in
     cfg = pipeline[0][0]
     assert calibrate_runs._median_points([[(cfg, 1.0)], [(cfg, 3.0)], [(cfg, 1.5)]]) == [(cfg, 1.5)]  # over repetitions
@@ -233,7 +218,7 @@ def test_shape_factors_are_the_shares_fitted_at_each_calibrated_shape(compose):
     with the 2-rank one), and a profile without shapes predicts as before."""
     from runner.calibrate import runs as calibrate_runs
 
-    truth = _profile()
+    truth = round_profile()
     truth["by_ranks"]["1"]["in_run_share"], truth["by_ranks"]["2"]["in_run_share"] = 0.9, 0.8
     wide = ["model.dim=512", "model.ffn_hidden_dim=1536", "training.seq_len=512"]
     truth["by_shape"] = [
@@ -269,7 +254,7 @@ def test_refit_recovers_a_drifted_machine_from_the_share_runs_alone(compose):
     from runner.calibrate import runs as calibrate_runs
 
     wide = ["model.dim=512", "model.ffn_hidden_dim=1536"]
-    truth = _profile()
+    truth = round_profile()
     for n, share in (("1", 0.95), ("2", 0.9), ("4", 0.7)):
         truth["by_ranks"][n]["in_run_share"] = share
     truth["by_ranks"]["4"]["collective_fixed_s"] = 7e-3
@@ -278,7 +263,7 @@ def test_refit_recovers_a_drifted_machine_from_the_share_runs_alone(compose):
         {"dim": 256, "seq_len": 256, "factors": {"1": 1.0, "2": 1.0, "4": 1.0}},
         {"dim": 512, "seq_len": 256, "factors": {"1": 0.8, "2": 1.25}},
     ]
-    stale = _profile()
+    stale = round_profile()
     for n in ("1", "2", "4"):
         stale["by_ranks"][n]["in_run_share"] = 0.5
     stale["by_ranks"]["4"]["collective_fixed_s"] = 20e-3
@@ -312,7 +297,7 @@ def test_pipeline_bubble_is_the_fill_and_drain_through_the_other_ranks_first_sta
     and waits for one microbatch through stage 0 (1 block) at the start and the end: one block's chunk, not (p - 1)
     x the largest stage (2 blocks). Split 3, 3 without interleaving, rank 1 holds the same work and waits for stage
     0's 3 blocks: the classical sum of the stages + (m - 1) x the slowest."""
-    plain = _profile(layer_overhead_s=0.0)
+    plain = round_profile(layer_overhead_s=0.0)
 
     def pred(overrides):
         cfg = compose(["model=debug", "training.global_batch_size=8", "training.microbatch_size=2", *overrides])
@@ -330,7 +315,7 @@ def test_in_run_collective_cost_replaces_the_microbenchmark_latency(compose):
     (1 ms here) does not count, so raising the fixed cost by 1 ms adds exactly 1 ms per TP collective."""
     cfg = compose(["model=debug", "parallelism=tp2", "training.global_batch_size=4", "training.microbatch_size=2"])
     lay = validate.check(cfg)
-    lo, hi = _profile(), _profile()
+    lo, hi = round_profile(), round_profile()
     hi["constants"]["collective_fixed_s"] = steptime_profile.constant("collective_fixed_s", 2e-3)
     a, b = steptime.predict(cfg, lay, lo).terms["tp"], steptime.predict(cfg, lay, hi).terms["tp"]
     collectives = 2 * 2 * 2 * cfg.model.num_layers * 2  # (gather + scatter) x 2 sites x 2 passes x blocks x microbatches

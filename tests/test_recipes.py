@@ -70,7 +70,7 @@ def _cfg(compose, name: str, tmp_path):
     """The recipe composed for validation: the continue recipe's two folders written here (validation reads them)."""
     extra = []
     if name == "llama3_8b_continue_h100x64":
-        from tests.test_hf_load import published_llama
+        from tests.hf_models import published_llama
 
         extra = [f"data.path={text_assets.prepared(tmp_path)}", f"model.init_from={published_llama(tmp_path / 'hf', '8B')}"]
     return compose([*extra, f"recipe={name}", "mode=validate"])

@@ -267,9 +267,9 @@ def test_schedules_predicted_alike_are_listed_once_and_the_one_line_plan_names_t
 def _verify_profile(tmp_path):
     """The CPU test profile with a slow point-to-point link (1 MB/s), so that no pipeline ties the top 3 (dp2, dpr2, tp2)."""
     from runner.estimate.predict import machine_profile as steptime_profile
-    from tests.test_predictor import _profile
+    from tests.machine_profiles import round_profile
 
-    prof = _profile()
+    prof = round_profile()
     for links in prof["collectives"].values():
         links["send_recv@2"] = {"latency_s": 0.05, "gbs": 0.001}  # a profile's collectives cost their bytes + collective_fixed_s
     return steptime_profile.write(prof, tmp_path / "profile.json")
@@ -280,10 +280,10 @@ def test_candidates_closer_than_the_error_band_are_one_tier(compose, tmp_path):
     profiles that differ only in their calibration residuals: predicted within a +/-17 % band, the first four are one
     tier and search.verify is the next step; with a +/-1 % band #1 is a clear winner and no tier is reported."""
     from runner.estimate.predict import machine_profile as steptime_profile
-    from tests.test_predictor import _profile
+    from tests.machine_profiles import round_profile
 
     def searched(error: float, name: str):
-        prof = _profile()
+        prof = round_profile()
         for links in prof["collectives"].values():
             links["send_recv@2"] = {"latency_s": 0.05, "gbs": 0.001}  # no pipeline near the top
         prof["residuals"] = [
