@@ -309,3 +309,32 @@ def test_architecture_names_no_stale_path():
 def test_stale_paths_are_found():
     text = "run/step_loop.py, `runner/config/flops.py`, runner/estimate/, runner.estimate.flops.mfu_of, tokens/s, conf/nope/"
     assert stale_paths(text) == ["runner/config/flops.py", "conf/nope/", "runner.estimate.flops.mfu_of"]
+
+
+WHERE = {
+    "where is goodput computed",
+    "where does the Hugging Face export live",
+    "what happens in one step",
+    "where is torchft wired in",
+    "checkpoint save and resume",
+    "where is MFU computed",
+    "straggler detection",
+    "the data loader",
+}
+"""The questions docs/ARCHITECTURE.md's "Where to find it" answers, each with one path."""
+
+
+def test_where_to_find_it_gives_one_true_path_each():
+    """Each question: one module path that exists, and the names in parentheses after it defined there."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = doc.split("## Where to find it\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([^|`]+) \| `(runner/[\w/]+\.py)`(?: \(([^)]*)\))? \|$", section, re.M)
+    assert {q for q, _, _ in rows} == WHERE and len(rows) == len(WHERE), section
+    wrong = []
+    for question, path, names in rows:
+        if not (ROOT / path).is_file():
+            wrong.append(f"{question}: no {path}")
+            continue
+        defined = import_graph.defined_names(ROOT / path)
+        wrong += [f"{question}: {path} defines no {n}" for n in re.findall(r"`(\w+)", names) if n not in defined]
+    assert wrong == []
