@@ -1,4 +1,4 @@
-"""Tokenize local corpora into a prepared folder (layout in manifest.py), one part per input file.
+"""Tokenize local corpora into a prepared folder (layout in runner/formats/data_manifest.py), one part per input file.
 
 Each input file's documents are read into an Arrow file of one column (read.py: a bad line is refused
 with its file and line), tokenized by `datasets.map(batched=True, num_proc=...)` with a local `tokenizers`
