@@ -19,10 +19,16 @@ def test_debug_flops_by_hand(compose):
 def test_mfu_and_hfu():
     from runner.schema import ActivationCheckpoint, ModelConfig
 
-    # 1,000 tokens/s x 35,016,192 FLOPs/token on a 0.1 TFLOP/s machine = 35.0 %
-    assert flops.mfu(1000, 35_016_192, 0.1e12) == pytest.approx(0.35016192)
+    # 2,000 tokens in 2 s x 35,016,192 FLOPs/token on a 0.1 TFLOP/s machine = 35.0 %
+    assert flops.utilisation(2000, 2.0, 35_016_192, 0.1e12).mfu == pytest.approx(0.35016192)
     # 8 H100s at 40% of 989 TFLOP/s training 8B at seq 8192: tokens/s = 0.4 * 8 * 989e12 / FLOPs per token
-    assert flops.mfu(0.4 * 8 * 989e12 / 57_914_449_920, 57_914_449_920, 8 * 989e12) == pytest.approx(0.4)
+    assert flops.utilisation(0.4 * 8 * 989e12 / 57_914_449_920, 1.0, 57_914_449_920, 8 * 989e12).mfu == pytest.approx(0.4)
+    # an FP8 step: MFU of the bf16 peak (989), of the float8 GEMM peak (1979), HFU with full recomputation (x 4/3)
+    u = flops.utilisation(0.4 * 8 * 989e12 / 57_914_449_920, 1.0, 57_914_449_920, 8 * 989e12, 8 * 1979e12, 4 / 3)
+    assert (u.mfu, u.mfu_of_gemm_peak, u.hfu) == pytest.approx((0.4, 0.4 * 989 / 1979, 0.4 * 4 / 3))
+    # no time or no peak: no figure (a plan without a prediction, a cluster without a peak for that dtype)
+    assert flops.utilisation(1000, None, 1e9, 1e12) == flops.Utilisation(None, None, None)
+    assert flops.utilisation(1000, 1.0, 1e9, None, 1e12, 2.0) == flops.Utilisation(None, 1.0, None)
     m = ModelConfig()  # debug: dim 256, 16 heads of 16, ffn 768, 6 layers
     assert flops.hfu_factor(m, ActivationCheckpoint.full, 2) == pytest.approx(4 / 3)
     assert flops.hfu_factor(m, ActivationCheckpoint.none, 2) == 1.0
@@ -30,3 +36,19 @@ def test_mfu_and_hfu():
     assert flops.hfu_factor(m, ActivationCheckpoint.selective_layer, 4) == pytest.approx(1 + 1 / 6 / 3)  # block 3 only
     # selective_op recomputes wk, wo, w3: (256*256 + 256*256 + 256*768) of (4*256*256 + 3*256*768) matmul weights
     assert flops.hfu_factor(m, ActivationCheckpoint.selective_op, 2) == pytest.approx(1 + (5 / 13) / 3)
+
+
+def test_the_step_row_takes_its_utilisation_from_flops(compose):
+    """A run's step row (runner.run.accounting.row): MFU of the param_dtype peak, MFU of the GEMM peak, the 6N MFU and
+    HFU, each the figure flops.utilisation gives for the step's tokens and time."""
+    from runner.run import accounting
+
+    cfg = compose(["training.activation_checkpoint=full"])
+    tokens = cfg.training.global_batch_size * cfg.training.seq_len
+    acc = accounting.Accounting(2.0, 2e12, "test", 10**6, 9 * 10**5, "float8", False, 1, None, 1.0, 1e12, "bfloat16")
+    r = accounting.row(3, 2.5, 1.0, 0.5, 1e-3, cfg, acc, 1.0)
+    assert r["tokens_per_s"] == tokens / 0.5
+    assert r["mfu"] == pytest.approx(tokens * 1e6 / (0.5 * 1e12))
+    assert r["mfu_of_gemm_peak"] == pytest.approx(tokens * 1e6 / (0.5 * 2e12))
+    assert r["mfu_6n"] == pytest.approx(tokens * 9e5 / (0.5 * 1e12))
+    assert r["hfu"] == pytest.approx(r["mfu"] * 4 / 3)  # full recomputation: one more forward of the 6 units

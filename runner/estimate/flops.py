@@ -10,10 +10,13 @@ For mixture-of-experts models N is the ACTIVE parameter count in both convention
 `get_moe_model_nparams_and_flops`): a token runs num_experts_per_token of num_experts routed experts.
 TorchTitan counts every block's attention over the whole sequence, sliding-window blocks (gpt-oss) included, and
 so does "titan" here: its FLOPs equal TorchTitan's for every registered flavor (tests/test_families.py).
-MFU = model FLOP/s / (number of devices x dense peak per device in the compute dtype).
+MFU = model FLOP/s / (number of devices x dense peak per device in the compute dtype); `utilisation` computes it, and
+its siblings HFU and MFU of the GEMM peak, for the step rows of a run, the plan and the search alike.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from runner.schema import ActivationCheckpoint, ModelConfig
 
@@ -148,9 +151,34 @@ def flops_per_token(m: ModelConfig, seq_len: int, convention: str = "titan") -> 
     return 6 * matmul_params + 6 * num_full_attention_layers(m) * m.num_heads * attention_head_dims(m) * seq_len
 
 
-def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
-    return tokens_per_s * flops_token / peak_flops_total
+@dataclass(frozen=True)
+class Utilisation:
+    """How much of the devices' dense peak a step's FLOPs used: fractions, None where a time or a peak is missing."""
+
+    mfu: float | None
+    """Model FLOPs over the MFU peak (param_dtype's: runner.estimate.precision.mfu_peak)."""
+    mfu_of_gemm_peak: float | None
+    """The same model FLOPs over the peak of the dtype the GEMMs run in (float8 under an FP8 recipe on GPUs)."""
+    hfu: float | None
+    """Hardware FLOPs (model FLOPs and what activation checkpointing recomputes, `hfu_factor`) over the MFU peak."""
+
+
+def utilisation(
+    tokens: float,
+    seconds: float | None,
+    flops_token: float,
+    peak_flops: float | None,
+    gemm_peak_flops: float | None = None,
+    hfu_factor: float | None = None,
+) -> Utilisation:
+    """MFU and its siblings of `tokens` trained in `seconds` at `flops_token` model FLOPs each, against the peak FLOP/s
+    of all devices together (`peak_flops`; `gemm_peak_flops` that of the GEMMs' dtype; `hfu_factor` None: no HFU)."""
+
+    def of(peak: float | None) -> float | None:
+        return tokens * flops_token / (seconds * peak) if seconds and peak else None
+
+    mfu = of(peak_flops)
+    return Utilisation(mfu, of(gemm_peak_flops), mfu * hfu_factor if mfu is not None and hfu_factor is not None else None)
 
 
 def recompute_fraction(m: ModelConfig, ac: ActivationCheckpoint, layer_frequency: int) -> float:

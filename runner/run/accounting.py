@@ -91,21 +91,25 @@ def slow_fp8(cfg: RunConfig, acc: Accounting, pk: dict) -> str | None:
 
 
 def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting, memory_gb: float) -> dict:
-    tokens_per_s = cfg.training.global_batch_size * cfg.training.seq_len / dt
+    t = cfg.training
+    tokens = t.global_batch_size * t.seq_len
+    recomputes = t.activation_checkpoint != ActivationCheckpoint.none
+    hfu = flops.hfu_factor(cfg.model, t.activation_checkpoint, t.ac_layer_frequency) if recomputes else None
+    u = flops.utilisation(tokens, dt, acc.flops_per_token, acc.mfu_total, acc.peak_flops_total, hfu)
     out = {
         "step": step,
         "loss": loss,
         "grad_norm": grad_norm,
         "step_time_s": dt,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": tokens / dt,
         "lr": lr,
-        "mfu": flops.mfu(tokens_per_s, acc.flops_per_token, acc.mfu_total),
-        "mfu_6n": flops.mfu(tokens_per_s, acc.flops_per_token_6n, acc.mfu_total),
-        "mfu_of_gemm_peak": flops.mfu(tokens_per_s, acc.flops_per_token, acc.peak_flops_total),
+        "mfu": u.mfu,
+        "mfu_6n": flops.utilisation(tokens, dt, acc.flops_per_token_6n, acc.mfu_total).mfu,
+        "mfu_of_gemm_peak": u.mfu_of_gemm_peak,
         "memory_gb": memory_gb,
     }
-    if cfg.training.activation_checkpoint != ActivationCheckpoint.none:
-        out["hfu"] = out["mfu"] * flops.hfu_factor(cfg.model, cfg.training.activation_checkpoint, cfg.training.ac_layer_frequency)
+    if recomputes:
+        out["hfu"] = u.hfu
     return out
 
 

@@ -336,11 +336,9 @@ def mfu(cfg: RunConfig, step_s: float | None) -> float | None:
     """Model FLOPs of a step over what the devices' dense peak could do in step_s (the plan's convention: the
     param_dtype peak, bf16 on GPUs, whatever dtype the GEMMs run in, so FP8 and bf16 candidates compare)."""
     peak = cfg.cluster.peak_tflops.get(precision.mfu_peak(cfg))
-    if not step_s or not peak:
-        return None
     t = cfg.training
-    model_flops = t.global_batch_size * t.seq_len * flops.flops_per_token(cfg.model, t.seq_len, cfg.plan.flops_convention)
-    return model_flops / (step_s * world_size(cfg) * peak * 1e12)
+    fpt = flops.flops_per_token(cfg.model, t.seq_len, cfg.plan.flops_convention)
+    return flops.utilisation(t.global_batch_size * t.seq_len, step_s, fpt, peak and world_size(cfg) * peak * 1e12).mfu
 
 
 def _with_fp8_speed_up(cfg: RunConfig, r: Ranked) -> Ranked:

@@ -68,8 +68,20 @@ def _compute_time(cfg: RunConfig, lay: Layout, peak_tflops: float | None) -> dic
     }
 
 
-def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: steptime.StepPrediction, eff: float) -> dict[str, Any]:
-    """The predictor's figures (runner/estimate/predict/steptime.py) in the plan's keys."""
+def _utilisation(cfg: RunConfig, lay: Layout, ct: dict[str, Any], step_s: float | None) -> flops.Utilisation:
+    """The predicted step's MFU against the plan's peaks (per device in ct, times the world size)."""
+
+    def total(tflops: float | None) -> float | None:
+        return lay.world_size * tflops * 1e12 if tflops else None
+
+    tokens = cfg.training.global_batch_size * cfg.training.seq_len
+    return flops.utilisation(tokens, step_s, ct["flops_per_token"], total(ct["peak_tflops"]), total(ct["gemm_peak_tflops"]))
+
+
+def _estimate(
+    ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: steptime.StepPrediction, eff: float, u: flops.Utilisation
+) -> dict[str, Any]:
+    """The predictor's figures (runner/estimate/predict/steptime.py) in the plan's keys; `u`: their MFU."""
     step_s, dp_s = ct["step_time_s"], comm["dp_comm_s"]
     backward_s = step_s * (1 - bubble) * 2 / 3 if step_s is not None else None
     est_s = pred.step_s
@@ -82,8 +94,8 @@ def _estimate(ct: dict[str, Any], comm: dict[str, Any], bubble: float, pred: ste
         else None,
         "dp_comm_exposed_s": pred.terms["dp"] if est_s is not None else None,
         "estimated_step_time_s": est_s,
-        "estimated_mfu": ct["ideal_compute_s"] / est_s if est_s and ct["ideal_compute_s"] is not None else None,
-        "estimated_mfu_of_gemm_peak": ct["ideal_gemm_peak_s"] / est_s if est_s and ct["ideal_gemm_peak_s"] is not None else None,
+        "estimated_mfu": u.mfu,
+        "estimated_mfu_of_gemm_peak": u.mfu_of_gemm_peak,
         "predicted_terms_s": dict(pred.terms),
         "predicted_binding": pred.binding or None,
         "predicted_calibrated": pred.calibrated,
@@ -162,7 +174,7 @@ def compute(
         **memory(cfg, lay, micro, device_memory_gb),
         **ct,
         **comm,
-        **_estimate(ct, comm, bubble, pred, eff),
+        **_estimate(ct, comm, bubble, pred, eff, _utilisation(cfg, lay, ct, pred.step_s)),
         "fp8_speed_up": speed_up,  # the same layout's predicted param_dtype (bf16) step time over this FP8 one; None without FP8
         "fp8_speed_up_over": cfg.precision.param_dtype.value if speed_up is not None else None,
         **checkpoint_interval(flops.num_params(m), c, ct["step_time_s"], max(1, lay.world_size // dpn)),
