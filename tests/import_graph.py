@@ -76,3 +76,24 @@ def defined_names(path: Path) -> set[str]:
             body += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
             body += [n for h in getattr(node, "handlers", []) for n in h.body]
     return names
+
+
+def private_uses(path: Path, module: str, known: dict[str, Path]) -> list[str]:
+    """`file:line module._name` for each private name of another module of the tree that a file imports or reads
+    (`from m import _x`, `m._x` where `m` names a module it imported)."""
+    rel, tree, bound, out = path.relative_to(ROOT).as_posix(), ast.parse(path.read_text()), {}, []
+    for imp in of_file(path, module, known):
+        if imp.attribute and imp.attribute.startswith("_") and imp.module in known and imp.module != module:
+            out.append(f"{rel}:{imp.line} {imp.module}.{imp.attribute}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _base(node, module, path)
+            bound |= {a.asname or a.name: f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+        elif isinstance(node, ast.Import):
+            bound |= {a.asname: a.name for a in node.names if a.asname and a.name in known}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            other = bound[node.value.id]
+            if node.attr.startswith("_") and not node.attr.startswith("__") and other != module:
+                out.append(f"{rel}:{node.lineno} {other}.{node.attr}")
+    return out

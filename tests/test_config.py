@@ -571,3 +571,11 @@ def test_no_test_module_imports_another():
         if imp.module.split(".")[-1].startswith("test_") or (imp.attribute or "").startswith("test_")
     ]
     assert found == []
+
+
+def test_no_module_reads_another_modules_private_names():
+    """A name that starts with `_` is its module's own: what another module of runner/ needs is public where it lives
+    (issue 53: the CUDA rehearsal once called four private helpers of the CPU one, the torchft launcher a private rule)."""
+    known = import_graph.modules()
+    found = [use for name, path in known.items() for use in import_graph.private_uses(path, name, known)]
+    assert found == []

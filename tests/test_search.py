@@ -44,7 +44,7 @@ def _space(cfg):
         for sched, v in search.schedules(pp, cfg.search.max_virtual_stages):
             for mbs in range(1, cfg.search.max_microbatch_size + 1):
                 for ac in search.AC:
-                    for r in search._reshards(dps):
+                    for r in search.reshard_policies(dps):
                         yield search.Candidate(tp, cp, pp, dpr, dps, ep, sched, v, mbs, ac, r)
 
 
@@ -76,8 +76,9 @@ def _undominated(fits: dict) -> list:
     each AC with the first fitting of never, always: what the search may keep."""
     out = []
     for cand, ok in fits.items():
+        policies = search.reshard_policies(cand.dp_shard)
         if not ok or cand.ac not in next(
-            t for t in search.AC_TIERS if any(fits.get(cand._replace(ac=a, reshard=r)) for a in t for r in search._reshards(cand.dp_shard))
+            t for t in search.AC_TIERS if any(fits.get(cand._replace(ac=a, reshard=r)) for a in t for r in policies)
         ):
             continue
         if cand.reshard == search.ReshardPolicy.always and fits.get(cand._replace(reshard=search.ReshardPolicy.never)):

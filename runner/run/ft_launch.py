@@ -65,7 +65,7 @@ def start_lighthouse(cfg: RunConfig, run_dir: Path) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     address = ft.lighthouse_address(cfg, "localhost")
     deadline = time.monotonic() + 30
-    while ft_rules._unreachable(address):
+    while ft_rules.unreachable(address):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_pid(proc)
             raise LighthouseStopped(f"the torchft lighthouse ({' '.join(cmd)}) did not start; see {log}")

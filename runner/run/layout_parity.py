@@ -98,7 +98,7 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
     if rank == 0 and cfg.precision.fp8 != Fp8Recipe.none:
-        per_rank._record_fp8(cfg, built, peak.read(run_dir), run_dir, policy)  # precision.json, as a run writes it
+        per_rank.record_fp8(cfg, built, peak.read(run_dir), run_dir, policy)  # precision.json, as a run writes it
     eval_data = per_rank.eval_data_for(cfg, lay, rank, run_dir, policy)
     result = {
         "layout": cfg.parallelism.name,

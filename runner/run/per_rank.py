@@ -46,7 +46,7 @@ def build_mesh(cfg, lay: layout.Layout, policy: DevicePolicy):
     return pd, mesh.check(lay, titan.mesh_coords(pd), dist.get_rank(), policy)
 
 
-def _record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: DevicePolicy) -> str:
+def record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: DevicePolicy) -> str:
     """precision.json: the recipe, its path here, and which Linear layers it converted or kept."""
     kept = precision.conversion(cfg)[1]
     req = precision.RECIPES[cfg.precision.fp8]
@@ -176,7 +176,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
             f"nodes: {mesh.describe_nodes(places)}"
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
-            header += "\n" + _record_fp8(cfg, built, pk, run_dir, policy)
+            header += "\n" + record_fp8(cfg, built, pk, run_dir, policy)
         frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         slow_fp8 = accounting.slow_fp8(cfg, acc, pk)  # a CPU whose FP8 GEMMs are a reference loop: say so before the first step

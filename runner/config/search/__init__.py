@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from runner.config import validate
-from runner.config.search.space import _reshards, bounds, debug_defaults, layouts, schedules  # noqa: F401  (the space)
+from runner.config.search.space import bounds, debug_defaults, layouts, reshard_policies, schedules  # noqa: F401  (the space)
 from runner.config.validate import pipeline_rules as pipeline_rules
 from runner.estimate import flops, memory, pipeline, precision
 from runner.estimate.predict import steptime
@@ -273,7 +273,7 @@ class _Search:
     def settings(self, cand: Candidate) -> None:
         """AC and resharding of one layout, schedule and microbatch: bounded by the fastest setting's prediction,
         rejected by the lightest setting's memory, each kept only if nothing with less recomputation fits."""
-        lay, cfg, reshards = cand.layout(), self.cfg, _reshards(cand.dp_shard)
+        lay, cfg, reshards = cand.layout(), self.cfg, reshard_policies(cand.dp_shard)
         n = len(AC) * len(reshards)
         fastest = cand._replace(ac=AC.none, reshard=reshards[0])  # no recompute, no re-gathers
         bound = steptime.predict(fastest.config(cfg), lay)
@@ -312,7 +312,7 @@ class _Search:
 
     def layout(self, degrees: tuple[int, ...]) -> None:
         tp, cp, pp, dpr, dps, ep = degrees
-        s, reshards = self.cfg.search, _reshards(dps)
+        s, reshards = self.cfg.search, reshard_policies(dps)
         scheds = schedules(pp, s.max_virtual_stages)
         per = len(AC) * len(reshards)
         self.res.candidates += len(scheds) * s.max_microbatch_size * per

@@ -16,7 +16,7 @@ def schedules(pp: int, max_v: int) -> list[tuple[str, int]]:
     return [("1F1B", 1), ("GPipe", 1), *looped, ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
 
 
-def _reshards(dp_shard: int) -> tuple[ReshardPolicy, ...]:
+def reshard_policies(dp_shard: int) -> tuple[ReshardPolicy, ...]:
     return (ReshardPolicy.never, ReshardPolicy.always) if dp_shard > 1 else (ReshardPolicy.default,)
 
 

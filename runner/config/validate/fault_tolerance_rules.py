@@ -114,7 +114,7 @@ def launch(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("fault_tolerance.name", "torchft", why, f"pip install torchft==0.2.0 (scripts/setup.sh installs it) {OFF}"))
     address = cfg.fault_tolerance.lighthouse
     if address:
-        problem = _unreachable(address)
+        problem = unreachable(address)
         if problem:
             why = f"the torchft lighthouse does not answer: {problem}"
             out.append(
@@ -127,7 +127,7 @@ def launch(cfg: RunConfig, out: list[Problem]) -> None:
             )
 
 
-def _unreachable(address: str) -> str:
+def unreachable(address: str) -> str:
     """Why a TCP connection to the lighthouse's host:port fails ("" when it connects)."""
     where = _address(address)
     if where is None:

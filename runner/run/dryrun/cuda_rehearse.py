@@ -117,10 +117,10 @@ def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
         fake_cuda.devices_on()
         built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
         if built.schedule is not None:
-            stack.enter_context(rehearse._fake_pipeline(cfg, lay, pd, "cuda"))
+            stack.enter_context(rehearse.fake_pipeline(cfg, lay, pd, "cuda"))
         if lay.ep > 1:
             exchange = lambda: fake_cuda.SYNCS.note("MoE token-count exchange (device-to-host)")  # noqa: E731
-            stack.enter_context(rehearse._balanced_routing(built.parts, lay.ep, exchange))
+            stack.enter_context(rehearse.balanced_routing(built.parts, lay.ep, exchange))
         masks = cuda_checks.capture_masks(built)
         opt, _ = titan.build_optimizer(cfg, built.parts)
         titan.register_optimizer_hooks(built, opt)
@@ -142,7 +142,7 @@ def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
         if cfg.checkpoint.enable and cfg.checkpoint.async_save:
             checks["checkpoint"] = cuda_checks.staged(cfg, built, opt, policy)
         loop_steps = _step_loop(cfg, lay, built, policy, run_dir, probe) if loop else []
-        shards = rehearse._shards(built.parts)
+        shards = rehearse.param_shards(built.parts)
     rank = dist.get_rank()
     return {
         "rank": rank,
@@ -195,7 +195,7 @@ def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> d
     del dryrun_report
     out = []
     for r in ranks:
-        out.append(rehearse._forked(rehearse_rank, dry, lay, r, Path(run_dir), loop))
+        out.append(rehearse.in_fork(rehearse_rank, dry, lay, r, Path(run_dir), loop))
         print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
     return {"substitutions": substitutions(cfg), "ranks": out}
 

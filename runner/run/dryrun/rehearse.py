@@ -89,7 +89,7 @@ class _Silent:
 
 
 @contextmanager
-def _fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
+def fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
     """The fake process group delivers no message, so answer locally what stages would tell each other in the
     first step: the static-vs-dynamic vote (all stages vote alike: same model, fixed microbatch shapes) and, for
     shape inference, the metadata of the gradient from the next stage (this stage's outputs) and of the hidden
@@ -138,7 +138,7 @@ def _fake_pipeline(cfg: RunConfig, lay: Layout, pd, device: str = "cpu"):
 
 
 @contextmanager
-def _balanced_routing(parts: list[torch.nn.Module], ep: int, on_exchange=None):
+def balanced_routing(parts: list[torch.nn.Module], ep: int, on_exchange=None):
     """Expert parallelism sizes its all-to-all from the router's token counts, values fake tensors do not have:
     send and receive tokens x top-k / ep to and from every EP rank (perfectly balanced routing). The dispatcher's
     class is taken from the built model, so that only runner.run.titan imports TorchTitan. `on_exchange` is called
@@ -214,7 +214,7 @@ def one_step(
     opt.zero_grad(set_to_none=True)
 
 
-def _shards(parts: list[torch.nn.Module]) -> list[dict[str, Any]]:
+def param_shards(parts: list[torch.nn.Module]) -> list[dict[str, Any]]:
     from torch.distributed.tensor import DTensor
 
     out = []
@@ -261,8 +261,8 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
     # CPU tensors (fake ones in a dry run) whatever the cluster: the layout is the cluster's, the device this machine's
     built = titan.build(cfg, lay, pd, run_dir, torch.device("cpu"), materialize=not fake)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
-    pipe = _fake_pipeline(cfg, lay, pd) if fake and built.schedule is not None else nullcontext()
-    routing = _balanced_routing(built.parts, lay.ep) if fake and lay.ep > 1 else nullcontext()
+    pipe = fake_pipeline(cfg, lay, pd) if fake and built.schedule is not None else nullcontext()
+    routing = balanced_routing(built.parts, lay.ep) if fake and lay.ep > 1 else nullcontext()
     with fake_mode, pipe, routing:
         if fake:
             _materialize_fake(built.parts)
@@ -270,7 +270,7 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         titan.register_optimizer_hooks(built, opt)
         build_s = time.perf_counter() - t0
         result, step_s = _two_steps(cfg, lay, built, opt)
-        shards = _shards(built.parts)
+        shards = param_shards(built.parts)
     rank = dist.get_rank()
     return {
         "rank": rank,
@@ -303,7 +303,7 @@ def rehearse_rank(cfg: RunConfig, lay: Layout, rank: int, run_dir: Path) -> dict
         dist.destroy_process_group()
 
 
-def _forked(fn, *args) -> Any:
+def in_fork(fn, *args) -> Any:
     """fn(*args) in a child forked from this process, its JSON result read back through a pipe. A second fake
     world in one process fails: state from the first leaks in ("Could not resolve the process group registered
     under the name ..." in the second rank's first DTensor redistribute)."""
@@ -337,7 +337,7 @@ def rehearse(cfg: RunConfig, lay: Layout, ranks: list[int], run_dir: Path) -> di
     titan.preload(dry)
     out = []
     for r in ranks:
-        out.append(_forked(rehearse_rank, dry, lay, r, run_dir))
+        out.append(in_fork(rehearse_rank, dry, lay, r, run_dir))
         print(f"rank {r}: simulated in {out[-1]['wall_s']:.1f} s", flush=True)
     return {"substitutions": substitutions(cfg), "ranks": out}
 
