@@ -40,7 +40,6 @@ def test_issue_command_validates_and_splits_the_layout(compose):
     lay = validate.check(cfg)
     assert (cfg.fault_tolerance.name.value, cfg.cluster.max_restarts) == ("torchft", 3)  # the group turns restarts on
     assert ft.group_layout(lay) == dataclasses.replace(lay, dp_replicate=1)
-    assert [ft.global_rank(lay, 1, r) for r in range(2)] == [2, 3]
 
 
 @pytest.mark.parametrize(

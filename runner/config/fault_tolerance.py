@@ -2,7 +2,7 @@
 
 With fault_tolerance=torchft, the configured layout's dp_replicate groups become torchft replica groups: each is
 its own torchrun job with dp_replicate=1 (`group_layout`), knows its `replica_id`, and reads the data of its own
-replica's shards (`global_rank`), while a torchft lighthouse (`lighthouse_command`) keeps the quorum. The rules
+replica's shards (runner/run/ft.py's `data_coords`), while a torchft lighthouse (`lighthouse_command`) keeps the quorum. The rules
 that refuse what cannot work are in runner/config/validate/fault_tolerance_rules.py; docs/fault-tolerance.md says why.
 """
 
@@ -21,11 +21,6 @@ def enabled(cfg: RunConfig) -> bool:
 def group_layout(lay: Layout) -> Layout:
     """One replica group's torchrun job: the layout with dp_replicate=1 (TorchTitan's TorchFTManager expects it)."""
     return dataclasses.replace(lay, dp_replicate=1)
-
-
-def global_rank(lay: Layout, replica_id: int, job_rank: int) -> int:
-    """The rank `job_rank` of replica group `replica_id` holds in the configured layout (pp=1: groups are consecutive)."""
-    return replica_id * group_layout(lay).world_size + job_rank
 
 
 def lighthouse_address(cfg: RunConfig, host: str) -> str:

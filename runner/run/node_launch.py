@@ -89,9 +89,9 @@ def _note_failure(timeline: goodput.Timeline, attempt: int) -> None:
     timeline.failure("agent: restarting the ranks", attempt=attempt)
 
 
-def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, checked: bool = False) -> None:
+def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = False) -> None:
     """Run torchrun with `flags` on this node; raise ChildFailedError if a rank fails. `cfg` is the run's config as
-    `frozen` holds it (read from `frozen` when not given: `python -m runner.launch` on a node). Unless `checked`
+    `frozen` holds it (its callers have read or written that file). Unless `checked`
     (`python -m runner` ran it), the preflight runs first and a problem ends the launch with exit code 2.
 
     The elastic agent polls its ranks every `monitor_interval` seconds; when one fails (a collective that
@@ -104,11 +104,9 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, check
     from torch.distributed.run import run as torchrun
 
     from runner.config import fault_tolerance as ft
-    from runner.config import freeze
     from runner.observe import forensics
     from runner.schema import layout
 
-    cfg = cfg if cfg is not None else freeze.load(frozen)
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     run_dir = frozen.parent
     if ft.enabled(cfg):  # one replica group's job (runner.run.ft_launch): its ranks are the group's

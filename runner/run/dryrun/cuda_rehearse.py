@@ -96,7 +96,6 @@ def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
     """Build this rank on fake CUDA tensors through the runner's CUDA path and run two steps (the second measured), then
     (with `loop`) LOOP_STEPS steps of the runner's own StepLoop."""
     import torch
-    import torch.distributed as dist
 
     # private_api: torch_fake_tensor_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -143,26 +142,9 @@ def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
             checks["checkpoint"] = cuda_checks.staged(cfg, built, opt, policy)
         loop_steps = _step_loop(cfg, lay, built, policy, run_dir, probe) if loop else []
         shards = rehearse.param_shards(built.parts)
-    rank = dist.get_rank()
-    return {
-        "rank": rank,
-        "coords": {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1},
-        "has_first_stage": built.has_first,
-        "has_last_stage": built.has_last,
-        "fake": True,
-        "device": "cuda",
-        "build_s": build_s,
-        "step_s": [t2 - t1, time.perf_counter() - t2],
-        "wall_s": time.perf_counter() - t0,
-        **result,
-        "categories_at_peak": ledger.by_category(result["at_peak"]),
-        "categories_max": ledger.by_category(result["max_each"]),
-        "num_params_local": sum(int(torch.Size(s["shape"]).numel()) for s in shards),
-        "param_shards": shards,
-        "steps": [first, second],
-        "loop_steps": loop_steps,
-        "checks": checks,
-    }
+    step_s = [t2 - t1, time.perf_counter() - t2]
+    report = rehearse.rank_report(lay, built, result, shards, fake=True, build_s=build_s, step_s=step_s, t0=t0)
+    return report | {"device": "cuda", "steps": [first, second], "loop_steps": loop_steps, "checks": checks}
 
 
 def rehearse_rank(cfg, lay, rank: int, run_dir: Path, loop: bool = True) -> dict[str, Any]:

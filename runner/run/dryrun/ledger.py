@@ -144,9 +144,6 @@ class Ledger(TorchDispatchMode):
             if _RANK[label] > _RANK[self.label_of[i]]:
                 self.label_of[i] = label
 
-    def live_bytes(self) -> int:
-        return sum(self._size.values())
-
     def current_label(self) -> str:
         if self.in_optimizer:
             return "optimizer_temp"

@@ -271,16 +271,22 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         build_s = time.perf_counter() - t0
         result, step_s = _two_steps(cfg, lay, built, opt)
         shards = param_shards(built.parts)
+    return rank_report(lay, built, result, shards, fake=fake, build_s=build_s, step_s=step_s, t0=t0)
+
+
+def rank_report(lay: Layout, built, result: dict[str, Any], shards: list[dict[str, Any]], **timing: Any) -> dict[str, Any]:
+    """What a rehearsed rank reports, on CPU and in the CUDA rehearsal alike: where it sits, its measured storages by
+    category (`result`: the ledger's sweep), its parameter shards; `timing`: fake, build_s, step_s, t0 (its start)."""
     rank = dist.get_rank()
     return {
         "rank": rank,
         "coords": {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1},
         "has_first_stage": built.has_first,
         "has_last_stage": built.has_last,
-        "fake": fake,
-        "build_s": build_s,
-        "step_s": step_s,
-        "wall_s": time.perf_counter() - t0,
+        "fake": timing["fake"],
+        "build_s": timing["build_s"],
+        "step_s": timing["step_s"],
+        "wall_s": time.perf_counter() - timing["t0"],
         **result,
         "categories_at_peak": ledger.by_category(result["at_peak"]),
         "categories_max": ledger.by_category(result["max_each"]),

@@ -24,16 +24,6 @@ LATENT_ATTENTION_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "q
 GPT_OSS_FIELDS = ("attention_bias", "attention_sinks", "sliding_window", "moe_bias")
 
 
-FAMILY_BUILDERS = {
-    "llama3": "_llama3",
-    "qwen3": "_qwen3",
-    "deepseek_v3": "_mla_moe",
-    "kimi_k2_7": "_mla_moe",
-    "gpt_oss": "_gpt_oss",
-}
-"""The families whose blocks the runner rebuilds from model.*, each through its own TorchTitan layer builder."""
-
-
 REGISTRY_ONLY = ("qwen3_5",)
 """Families built as their registry flavor as it is (runner.config.family_support.Support.registry_only)."""
 
@@ -46,7 +36,7 @@ def model_spec(m: ModelConfig):
         return spec
     if m.name not in FAMILY_BUILDERS:
         raise ValueError(f"the runner builds TorchTitan's {', '.join(FAMILY_BUILDERS)} families, not {m.name}")
-    spec.model = globals()[FAMILY_BUILDERS[m.name]](m, spec.model, family)
+    spec.model = FAMILY_BUILDERS[m.name](m, spec.model, family)
     return spec
 
 
@@ -215,3 +205,13 @@ def check_size(m: ModelConfig, seq_len: int, num_params: int, flops_per_token: i
             f"TorchTitan built {m.name} {m.flavor} with {num_params:,} parameters and {flops_per_token:,} FLOPs per token; "
             f"runner.estimate.flops counts {want[0]:,} and {want[1]:,} for the config: the model config is out of date"
         )
+
+
+FAMILY_BUILDERS = {
+    "llama3": _llama3,
+    "qwen3": _qwen3,
+    "deepseek_v3": _mla_moe,
+    "kimi_k2_7": _mla_moe,
+    "gpt_oss": _gpt_oss,
+}
+"""The families whose blocks the runner rebuilds from model.*, each through its own TorchTitan layer builder."""
