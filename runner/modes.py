@@ -13,7 +13,7 @@ from runner import sweep
 from runner.config import fault_tolerance, freeze, slurm
 from runner.config.search import objective as search_objective
 from runner.estimate import flops, precision
-from runner.estimate.predict import fp8 as fp8_model
+from runner.estimate.predict import fp8_cost as fp8_model
 from runner.formats import runfiles
 from runner.schema import DeviceType, Fp8Recipe, RunConfig
 from runner.schema.layout import Layout, label
@@ -128,7 +128,7 @@ def dryrun(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> None
 
 FP8_TERMS = (
     "  FP8 costs mode=plan prices as their own terms: fp8_cast (the cast and scale kernels), fp8_amax (tensorwise amax "
-    "all-reduces over TP); the converted GEMMs in compute at the FP8 rate (runner/estimate/predict/fp8.py)"
+    "all-reduces over TP); the converted GEMMs in compute at the FP8 rate (runner/estimate/predict/fp8_cost.py)"
 )
 """mode=validate's line naming an FP8 recipe's cost terms (GPU clusters: the datasheet predictor's FP8 model)."""
 

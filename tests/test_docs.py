@@ -307,8 +307,8 @@ def test_architecture_names_no_stale_path():
 
 
 def test_stale_paths_are_found():
-    text = "run/step_loop.py, `runner/config/flops.py`, runner/estimate/, runner.estimate.flops.mfu_of, tokens/s, conf/nope/"
-    assert stale_paths(text) == ["runner/config/flops.py", "conf/nope/", "runner.estimate.flops.mfu_of"]
+    text = "run/step_loop.py, `runner/config/nope.py`, runner/estimate/, runner.estimate.flops.mfu_of, tokens/s, conf/nope/"
+    assert stale_paths(text) == ["runner/config/nope.py", "conf/nope/", "runner.estimate.flops.mfu_of"]
 
 
 WHERE = {

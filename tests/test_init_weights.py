@@ -13,7 +13,8 @@ import torch
 
 from runner.run import titan
 from runner.run.device import DevicePolicy
-from runner.run.titan import cpu, init
+from runner.run.titan import cpu
+from runner.run.titan import initial_weights as init
 from runner.schema import layout
 
 build = importlib.import_module("runner.run.titan.build")  # the package exports build(), the function

@@ -35,7 +35,7 @@ def test_published_runs_within_20_percent(references):
 
 
 def test_float8_runs_within_20_percent_and_the_8b_speed_up(references):
-    """TorchTitan's Float8 rows (tensorwise, compiled) priced by the FP8 model (runner/estimate/predict/fp8.py): within 20 %,
+    """TorchTitan's Float8 rows (tensorwise, compiled) priced by the FP8 model (runner/estimate/predict/fp8_cost.py): within 20 %,
     each with its cast kernels; the 8B FSDP 8 run's speed-up over its bf16 twin within 0.1 of the published
     8,532 / 6,667 = 1.28; the TP runs pay tensorwise's amax all-reduces."""
     fp8_rows = {k: r for k, r in references.items() if k.endswith("float8")}

@@ -13,7 +13,7 @@ from runner.config.search import render as search_render
 from runner.config.search import verify as search_verify
 from runner.estimate import flops, memory, plan, precision
 from runner.estimate.predict import accuracy, steptime
-from runner.estimate.predict import fp8 as fp8_model
+from runner.estimate.predict import fp8_cost as fp8_model
 from runner.schema import Mode
 from runner.schema.problems import ConfigError
 from tests.conftest import run_cli

@@ -20,7 +20,7 @@ The default figures follow what TorchTitan allocates, category by category as th
   checkpointing keeps each block's input; one block is recomputed at a time during backward (a temporary).
 - temporaries: that recomputed block, or on the last stage the loss's backward (the logits and their fp32 and
   param_dtype gradients), whichever is larger. Under an FP8 recipe the block's backward also holds a converted
-  Linear's float8 operands and the cast that makes the last of them (runner/estimate/predict/fp8.py,
+  Linear's float8 operands and the cast that makes the last of them (runner/estimate/predict/fp8_cost.py,
   backward_transient_bytes); nothing else of FP8 stays in memory (no float8 weight copy, no scale buffer; saved
   activations stay in param_dtype).
   The last stage adds the final norm, the head's input, its output (the param_dtype logits, kept for backward
@@ -45,7 +45,7 @@ import functools
 from typing import Any
 
 from runner.estimate import flops, pipeline
-from runner.estimate.predict import fp8
+from runner.estimate.predict import fp8_cost as fp8
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
 

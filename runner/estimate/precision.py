@@ -1,7 +1,7 @@
 """FP8 recipes as plain data: what each needs from the device and the GEMM shapes, which
 Linear layers it converts, and which dense peak MFU is measured against.
 
-Torch-free: validation reads it before launch; the adapter (runner/run/titan/fp8.py) picks the layers
+Torch-free: validation reads it before launch; the adapter (runner/run/titan/fp8_conversion.py) picks the layers
 to convert by walking TorchTitan's model config (its `traverse` over Linear configs) with the same
 keep_high_precision patterns, and refuses to build if that model's Linear layers differ from the
 per-family rule `linear_layers`, so the converted-layer list a run logs is the one validated here.

@@ -108,7 +108,7 @@ def _fp8(plan: dict[str, Any]) -> bool:
 
 
 def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """FP8 recipes: the predictor's own FP8 terms (runner/estimate/predict/fp8.py)."""
+    """FP8 recipes: the predictor's own FP8 terms (runner/estimate/predict/fp8_cost.py)."""
     terms = plan["predicted_terms_s"]
     if not _fp8(plan) or not terms:
         return []

@@ -121,9 +121,9 @@ def _datasheet_links(cfg: RunConfig, link_gbs: dict[str, float] | None) -> dict[
 def datasheet(cfg: RunConfig, peak_tflops: float | None, link_gbs: dict[str, float] | None, efficiency: float | None) -> Machine | None:
     """The cluster's figures with the GPU constants above (a link of unknown bandwidth left out); None without a peak.
     The GEMMs, attention and the layers kept in high precision run at the param_dtype peak; an FP8 recipe's converted
-    GEMMs at its peak (float8, or mxfp8) x the recipe's efficiency (runner/estimate/predict/fp8.py). `peak_tflops`
+    GEMMs at its peak (float8, or mxfp8) x the recipe's efficiency (runner/estimate/predict/fp8_cost.py). `peak_tflops`
     overrides the peak of the dtype MFU's GEMM figure names (precision.matmul_peak: float8 under FP8)."""
-    from runner.estimate.predict import fp8
+    from runner.estimate.predict import fp8_cost as fp8
 
     c = cfg.cluster
     eff = efficiency if efficiency is not None else c.matmul_efficiency

@@ -12,7 +12,7 @@ seconds per step on the busiest rank:
 - dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, and FSDP's own copies into
   and out of their buffers (also with dp_shard = 1), less what runs under the block's compute;
 - fp8_cast, fp8_amax: an FP8 recipe's cast and scale kernels (memory traffic) and tensorwise scaling's amax
-  all-reduces over TP (runner/estimate/predict/fp8.py); its converted GEMMs are in compute, at the FP8 rate.
+  all-reduces over TP (runner/estimate/predict/fp8_cost.py); its converted GEMMs are in compute, at the FP8 rate.
 `binding` names the largest. The machine's figures come from a profile (`cluster.profile`, written by
 `python -m runner.calibrate`) or else from the datasheet ("datasheet, not calibrated").
 """
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from runner.estimate import comm as plan_comm
 from runner.estimate import flops, pipeline, precision
 from runner.estimate.memory import BYTES, keeps_weights_gathered
-from runner.estimate.predict import fp8, machine, work
+from runner.estimate.predict import fp8_cost as fp8
+from runner.estimate.predict import machine, work
 from runner.estimate.predict.machine import DATASHEET, Machine
 from runner.schema import RunConfig, layout
 from runner.schema.layout import MESH_ORDER, Layout

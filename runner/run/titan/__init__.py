@@ -24,7 +24,7 @@ from runner.run.titan.distributed import (
     stage_modules,
     titan_configs,
 )
-from runner.run.titan.fp8 import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
+from runner.run.titan.fp8_conversion import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.optim import build_optimizer, current_lr, garbage_collection, optimizers

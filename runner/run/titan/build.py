@@ -12,8 +12,8 @@ import torch
 
 from runner.run.device import DevicePolicy
 from runner.run.titan.distributed import titan_configs
-from runner.run.titan.fp8 import convert_precision
-from runner.run.titan.init import init_weights
+from runner.run.titan.fp8_conversion import convert_precision
+from runner.run.titan.initial_weights import init_weights
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.step import loss_fn
 from runner.schema import ActivationCheckpoint, RunConfig

@@ -65,13 +65,13 @@ def force_sum_reduction(model: torch.nn.Module) -> None:
 def init_like_one_rank(model: torch.nn.Module, model_config, seed: int) -> None:
     """DTensor's RNG tracker is CUDA-only, so initializing sharded parameters on CPU would give
     different weights for every layout. Every rank initializes the unsharded model from the
-    seed (CPU runs are small), as the GPU path initializes its part (titan.init.init_weights: each
+    seed (CPU runs are small), as the GPU path initializes its part (titan.initial_weights.init_weights: each
     block from its own stream), and keeps its own shard of each parameter."""
     # private_api: torch_checkpoint_prefix
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from runner.run.titan.init import init_weights
+    from runner.run.titan.initial_weights import init_weights
 
     with torch.device("cpu"):
         ref = model_config.build()
