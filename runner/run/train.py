@@ -184,7 +184,7 @@ def finish(loop: StepLoop, step: int) -> list[dict[str, Any]]:
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)
     if cfg.checkpoint.enable and cfg.checkpoint.export_hf:
-        loop.ckpt.export_hf(cfg.data)
+        loop.ckpt.export_hf(cfg)
     final_checkpoint_s = time.perf_counter() - t0
     finish_from = time.time()  # once the last save is written: the finish part of goodput starts
     if not loop.rows:
