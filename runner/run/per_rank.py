@@ -21,7 +21,23 @@ from runner.config.schema import DataSource, Fp8Recipe
 from runner.data import manifest
 from runner.observe import forensics
 from runner.outputs import goodput
-from runner.run import accounting, device, evaluate, ft, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
+from runner.run import (
+    accounting,
+    console,
+    device,
+    evaluate,
+    ft,
+    known_warnings,
+    loader,
+    mesh,
+    metrics,
+    peak,
+    preempt,
+    procs,
+    startup,
+    titan,
+    train,
+)
 from runner.run.device import DevicePolicy
 
 
@@ -85,6 +101,7 @@ def main(frozen_path: str) -> None:
     frozen = Path(frozen_path)
     run_dir = frozen.parent
     cfg, lay = ft.job_view(*_load(frozen))  # fault_tolerance=torchft: this replica group's job
+    console.rank(cfg.logging.verbose, run_dir, runfiles.RUNNER_LOG)  # rank 0 writes runner.log; TorchTitan's lines as ours
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
     timeline = goodput.Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline

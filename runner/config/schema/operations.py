@@ -205,6 +205,9 @@ class LoggingConfig:
     """Log every this many steps (console, metrics.jsonl, W&B)."""
     progress: bool = True
     """Show a rich progress bar on rank 0."""
+    verbose: bool = False
+    """Print every log line of TorchTitan and the libraries (INFO and up) on the console; false: WARNING and up
+    (the rank logs of ranks 1.. keep every line either way)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
