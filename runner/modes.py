@@ -148,7 +148,7 @@ def _cuda_rehearsal(cfg: RunConfig, frozen: Path, ranks: list[int], run_dir: Pat
 def _precision_lines(cfg: RunConfig) -> list[str]:
     pr = cfg.precision
     gemm, emulated = precision.matmul_peak(cfg)
-    dtype = precision.mfu_peak(cfg)
+    dtype = precision.mfu_peak(cfg, measured=gemm not in cfg.cluster.peak_tflops)
     peak = cfg.cluster.peak_tflops.get(dtype)
     mfu = f"  MFU against the {dtype} dense peak" + (f", {peak:g} TFLOP/s per device" if peak else " (measured at start-up)")
     if pr.fp8 == Fp8Recipe.none:

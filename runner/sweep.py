@@ -4,6 +4,7 @@ so that the sweep goes on; one W&B group per sweep. Torch-free until the ranks a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -103,6 +104,14 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
         slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
     if node == 0:
         goodput.Timeline(run_dir).launch(STATE.task_started)
+    from runner.run import console
+
+    with console.teed(run_dir / runfiles.RUNNER_LOG) if node == 0 else contextlib.nullcontext():  # the run's console
+        return _launch(cfg, lay, run_dir, frozen, node, first_host, job_id)
+
+
+def _launch(cfg: RunConfig, lay: Layout, run_dir: Path, frozen: Path, node: int, first_host, job_id) -> float | None:
+    """Start the ranks (a torchft job, this machine, or this SLURM node); a failed run is recorded (failed.json)."""
     from runner.run import node_launch
 
     try:

@@ -111,6 +111,7 @@ def test_launch_plan_is_one_job_per_replica_group(compose, tmp_path):
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     text = ft_launch.plan(cfg, lay, tmp_path)
     assert text.count("sbatch --nodes=1 --ntasks-per-node=1") == 2 and "TORCHFT_LIGHTHOUSE=http://login1:29510" in text
+    assert "--bind=login1:29510 (listening on login1:29510: the address the replica groups use (fault_tolerance.lighthouse))" in text
     for r in range(2):
         frozen = tmp_path / f"replica_{r}" / runfiles.FROZEN
         assert "--nnodes=1 --nproc-per-node=8" in text and str(frozen) in text
@@ -119,6 +120,31 @@ def test_launch_plan_is_one_job_per_replica_group(compose, tmp_path):
         got = freeze.load(frozen)
         assert got.fault_tolerance.replica_id == r
         assert got.checkpoint.folder == str((tmp_path / "checkpoints").resolve())  # one folder for every group
+
+
+def test_lighthouse_listens_on_loopback_on_one_machine(compose, tmp_path):
+    """Issue 54: the lighthouse the runner starts listened on every interface ([::]) for a run on one machine. It binds
+    to 127.0.0.1 there (the start-up line says so), to fault_tolerance.lighthouse_bind when set."""
+    from types import SimpleNamespace
+
+    from runner.run import ft_launch
+
+    port = 29511
+    cfg = compose([*FT, f"fault_tolerance.lighthouse_port={port}"])
+    why = "loopback: every replica group runs on this machine"
+    assert ft.lighthouse_bind(cfg) == (f"127.0.0.1:{port}", why) and f"--bind=127.0.0.1:{port}" in ft.lighthouse_command(cfg)
+    assert ft_launch.started(cfg, SimpleNamespace(pid=7)) == f" (pid 7, listening on 127.0.0.1:{port}: {why})"
+    every = compose([*FT, "fault_tolerance.lighthouse_bind=0.0.0.0"])
+    assert ft.lighthouse_bind(every) == ("0.0.0.0:29510", "fault_tolerance.lighthouse_bind")
+    assert ft.local_address(every) == ft.local_address(compose(FT)) == "http://127.0.0.1:29510"
+    # the socket the started lighthouse listens on: test_lighthouse_killed_stops_every_group_and_the_checkpoint_resumes
+
+
+def _listening(port: int) -> list[tuple[str, str]]:
+    """(tcp or tcp6, local address in /proc/net's hex) of each socket of this machine listening on `port`."""
+    tables = {v: Path(f"/proc/net/{v}").read_text().splitlines()[1:] for v in ("tcp", "tcp6")}
+    found = [(v, ln.split()[1]) for v, lines in tables.items() for ln in lines if ln.split()[3] == "0A"]  # 0A: LISTEN
+    return [x for x in found if x[1].endswith(f":{port:04X}")]
 
 
 def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, monkeypatch):
@@ -158,7 +184,7 @@ STEPS, KILL_AT, INTERVAL = 30, 4, 3
 def _lighthouse_pid(out: Path) -> int:
     import re
 
-    m = re.search(r"fault tolerance: torchft lighthouse \S+ \(pid (\d+)\)", out.read_text())
+    m = re.search(r"fault tolerance: torchft lighthouse \S+ \(pid (\d+)", out.read_text())
     return int(m.group(1)) if m else 0
 
 
@@ -181,7 +207,7 @@ def outage(tmp_path_factory):
         *fo.COMMON,
         *fo.FT,
         *(o for o in PARALLEL_COMMON if o.startswith(("training.seq_len", "training.max_norm"))),  # the parity run's
-        f"fault_tolerance.lighthouse_port={_free_port()}",
+        f"fault_tolerance.lighthouse_port={(port := _free_port())}",
         f"training.steps={STEPS}",
         "checkpoint=local",
         f"checkpoint.interval={INTERVAL}",
@@ -195,6 +221,7 @@ def outage(tmp_path_factory):
     killed, killed_at = _kill_and_hold_restart(fo, run, proc)
     saved = fo.wait_for("group 1 back and a checkpoint after it", lambda: _recovered(fo, run), proc, 600)
     lighthouse = _lighthouse_pid(base / "run.out")
+    listening = _listening(port)
     lighthouse_at = time.time()
     os.kill(lighthouse, signal.SIGKILL)
     code = proc.wait(120)
@@ -217,6 +244,7 @@ def outage(tmp_path_factory):
         "killed": killed,
         "killed_at": killed_at,
         "lighthouse": lighthouse,
+        "listening": (port, listening),
         "lighthouse_at": lighthouse_at,
         "saved": saved,
         "last": last,
@@ -310,7 +338,10 @@ def test_healthy_steps_equal_plain_hsdp2x2(outage, parity_runs):
 @pytest.mark.e2e
 def test_lighthouse_killed_stops_every_group_and_the_checkpoint_resumes(outage):
     assert outage["code"] == 1
-    assert "the torchft lighthouse http://localhost:" in outage["out"] and f"(pid {outage['lighthouse']}) stopped" in outage["out"]
+    port, listening = outage["listening"]
+    assert listening == [("tcp", f"0100007F:{port:04X}")]  # 127.0.0.1 only, as the start-up line says
+    assert f"(pid {outage['lighthouse']}, listening on 127.0.0.1:{port}: loopback: every replica group runs" in outage["out"]
+    assert "the torchft lighthouse http://127.0.0.1:" in outage["out"] and f"(pid {outage['lighthouse']}) stopped" in outage["out"]
     assert outage["intact"] is None and f"the last checkpoint is {outage['last']}" in outage["out"]
     assert outage["again_code"] == 0, outage["again_out"][-3000:]
     for r in (0, 1):

@@ -7,6 +7,7 @@ The launched runs that write real timelines are read by the tests that make them
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +191,38 @@ def test_a_torchft_replica_group_down_is_lost_capacity_not_lost_work():
     assert run["total_s"] == pytest.approx(healthy["total_s"] + got["total_s"])
     assert run["parts_s"]["outage"] == pytest.approx(6.0) and run["goodput"] == pytest.approx((9 + 5) * 0.7 / run["total_s"])
     assert "lost capacity 6.00 s" in goodput.line(goodput.flat(run), goodput.runfiles.GOODPUT)
+
+
+def test_compilation_is_its_own_part_not_productive_time():
+    """Issue 54: with training.compile=true the first step's 19.8 s of compilation counted as productive time."""
+    first = _step(0, 0, 1, 2.5, step_s=20.8, compile_s=19.8) | {"end": 23.5}  # 20 s longer than the 1 s of _step
+    events = [*_marks(0, 0, 0.0), first, _step(0, 0, 2, 23.5), _end(0, 0, 24.5)]
+    got = goodput.account(events)
+    assert got["parts_s"]["compile"] == pytest.approx(19.8)
+    assert got["parts_s"]["productive"] == pytest.approx((20.8 - 0.1 - 19.8) + 0.7)  # less data waits and compilation
+    assert "compilation 19.80 s" in goodput.line(goodput.flat(got), Path("goodput.json"))
+
+
+def test_compile_clock_times_compilations_not_compiled_calls():
+    """runner.run.accounting.CompileClock on torch's compile callbacks as Dynamo fires them around a frame's compilation
+    and a lazily compiled backward (a nested one counts once); a compiled call outside them adds nothing."""
+    import time as clock_time
+
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    from runner.run.accounting import CompileClock
+
+    clock = CompileClock().install()
+    try:
+        with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0/0"):
+            clock_time.sleep(0.02)
+            with callback_handler.install_callbacks(CallbackTrigger.LAZY_BACKWARD, "0/0"):
+                clock_time.sleep(0.02)
+        first = clock.take()
+        clock_time.sleep(0.02)  # running compiled code: no callback
+        assert 0.04 <= first < 0.5 and clock.take() == 0
+    finally:
+        clock.remove()
+    with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "1/0"):
+        pass
+    assert clock.take() == 0  # removed

@@ -99,7 +99,8 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, name, tmp_path
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards == sorted(p.name for p in folder.glob("model-*.safetensors"))  # 50 kB shards
-    assert (folder / "generation_config.json").is_file() and not (folder / "tokenizer.json").exists()  # synthetic data: no tokenizer
+    assert (folder / "generation_config.json").is_file() and not (folder / "tokenizer.json").exists()  # no run around it: no tokenizer
+    assert f"export: the export has no tokenizer: {ckpt} is not in a run folder (frozen.yaml two levels up). Add one: export" in out
     hf = load_hf(folder)
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())  # a tied head counted once in both
     assert_round_trip(model, cfg, folder)
@@ -222,8 +223,88 @@ def test_refuses_an_out_folder_holding_other_files(saved, tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     code, _, err = _export(capsys, ckpt, "--format", "hf", "--out", out)
     assert code == 2 and "Traceback" not in err
-    assert f"export refused: --out {out} holds other files (notes.txt). Fix: name a new or empty folder" in err
+    want = f"export refused: --out {out} holds notes.txt and is not an earlier export (config.json and model.safetensors.index.json)."
+    assert want in err and "Fix: name a new or empty folder" in err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and not (tmp_path / "hf.partial").exists()
+
+
+def _run(compose, model, folder: Path, overrides: list[str]) -> Path:
+    """A run folder (frozen.yaml of `overrides`) holding one published checkpoint of `model`."""
+    cfg = compose([*FAMILIES["llama3_gqa_tied"][0], *overrides, "checkpoint=local"])
+    folder.mkdir()
+    freeze.write(cfg, layout.resolve(cfg.parallelism, cfg.cluster), folder)
+    _save(model, cfg, folder / "checkpoints")
+    return folder
+
+
+def test_never_writes_over_a_file_the_run_reads(saved, compose, tmp_path, capsys):
+    """Issue 54: an --out holding only the run's own tokenizer.json (data.tokenizer) was taken for an earlier export and
+    replaced. A folder holding what the run reads, or anything but an earlier export, is refused; nothing changes."""
+    model, _, _ = saved["llama3_gqa_tied"]
+    corpus, tok = text_assets.make(tmp_path / "assets")
+    (tmp_path / "tok").mkdir()
+    before = tok.read_bytes()
+    tok = tok.rename(tmp_path / "tok" / "tokenizer.json")  # a folder holding it alone
+    run = _run(compose, model, tmp_path / "run", ["data=text", f"data.files=[{corpus}]", f"data.tokenizer={tok}"])
+    for out, why in (
+        (tok.parent, f"holds data.tokenizer {tok}, which the run reads. Fix: name a new or empty folder outside it"),
+        (tmp_path, f"holds the checkpoint {run / 'checkpoints' / 'step-1'}, which the run reads"),
+    ):
+        code, _, err = _export(capsys, run, "--format", "hf", "--out", out)
+        assert code == 2 and f"export refused: --out {out} {why}" in err and "Traceback" not in err
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "tokenizer.json").write_bytes(before)  # a copy: not the run's, but no earlier export either
+    code, _, err = _export(capsys, run, "--format", "hf", "--out", lone)
+    assert code == 2 and f"export refused: --out {lone} holds tokenizer.json and is not an earlier export" in err
+    assert tok.read_bytes() == before and (lone / "tokenizer.json").read_bytes() == before
+    assert sorted(p.name for p in lone.iterdir()) == ["tokenizer.json"] and not (tmp_path / "lone.partial").exists()
+    assert [p.name for p in tok.parent.iterdir()] == ["tokenizer.json"] and not (tmp_path / "tok.partial").exists()
+
+
+def test_tokens_run_exports_the_tokenizer_its_data_was_prepared_with(saved, compose, tmp_path, capsys):
+    """data=tokens without data.tokenizer (the documented form): the manifest's tokenizer, checked by sha256; where it is
+    gone, one line says the export has none and how to add one; a --tokenizer the data was not prepared with is refused."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    model, _, _ = saved["llama3_gqa_tied"]
+    prepared = text_assets.prepared(tmp_path / "assets")
+    tok = tmp_path / "assets" / "tokenizer.json"
+    run = _run(compose, model, tmp_path / "run", ["data=tokens", f"data.path={prepared}"])
+    capsys.readouterr()  # prepare's progress bars
+    code, _, err = _export(capsys, run, "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0 and err == ""
+    eos = Tokenizer.from_file(str(tok)).token_to_id(text_assets.EOS)
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).eos_token == text_assets.EOS
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eos
+    moved = tok.rename(tmp_path / "tokenizer.json")
+    code, _, err = _export(capsys, run, "--format", "hf", "--out", tmp_path / "hf2")
+    want = f"{tok}, the tokenizer {prepared} was prepared with (manifest.json), is not there. Fix: export again with --tokenizer"
+    assert code == 0 and err == f"WARNING: export: the export has no tokenizer: {want} <the tokenizer.json the data was prepared with>\n"
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+    code, _, err = _export(capsys, run, "--format", "hf", "--out", tmp_path / "hf3", "--tokenizer", moved)
+    assert code == 0 and err == "" and json.loads((tmp_path / "hf3" / "config.json").read_text())["eos_token_id"] == eos
+    other = text_assets.tokenizer("WordLevel", tmp_path / "wl.json")
+    code, _, err = _export(capsys, run, "--format", "hf", "--out", tmp_path / "hf4", "--tokenizer", other)
+    assert code == 2 and f"export refused: --tokenizer {other} differs from the tokenizer {prepared} was prepared with" in err
+    assert not (tmp_path / "hf4").exists()
+
+
+def test_exported_files_share_one_mode(saved, tmp_path, capsys):
+    """safetensors creates its files 0600: the weights get the mode the umask gives every other file of the export."""
+    import os
+
+    _, _, ckpt = saved["llama3_gqa_tied"]
+    for umask, want in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(umask)
+        try:
+            out = tmp_path / f"hf{umask:o}"
+            assert _export(capsys, ckpt, "--format", "hf", "--out", out, "--max-shard-gb", "0.00005")[0] == 0
+        finally:
+            os.umask(old)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert len(modes) > 4 and set(modes.values()) == {want}, modes
 
 
 def test_replaces_an_earlier_export(saved, tmp_path, capsys):

@@ -260,3 +260,45 @@ def test_a_cpu_whose_fp8_gemms_crawl_says_so_before_the_first_step(compose, tmp_
     assert accounting.slow_fp8(*_fp8_run(compose, tmp_path, monkeypatch, 0.05, 0.1, "fast")) is None
     fp32 = {"peak_tflops": 0.1, "peak_flops_total": 1e11, "peak_source": "measured", "dtype": "float32", "emulated": False}
     assert accounting.slow_fp8(cfg, acc, fp32 | {"peak_spread": 0.0}) is None  # not an FP8 run: nothing measured
+
+
+CPU_PEAKS = {"float32": 0.175, "bfloat16": 0.02, "float8": 0.00014}
+"""TFLOP/s per node, issue 54's Intel CPU: float32 GEMMs at 175 GFLOP/s, torch._scaled_mm's reference loop 0.14."""
+STEP_FLOPS = 1.2471 * CPU_PEAKS["float8"] * 1e12
+"""The model FLOP/s of its FP8 step, which printed `mfu 124.71%` against the float8 figure."""
+
+
+def _cpu_precisions() -> list[str]:
+    from runner.config.compose import CONF
+    from runner.estimate import precision
+
+    names = sorted(p.stem for p in (CONF / "precision").glob("*.yaml"))
+    fp8 = {n: precision.RECIPES[precision.Fp8Recipe(n.removeprefix("fp8_"))] for n in names if n not in ("fp32", "bf16")}
+    return [n for n in names if n not in fp8 or fp8[n].on_cpu != "rejected"]
+
+
+@pytest.mark.parametrize("name", _cpu_precisions())
+def test_mfu_is_at_most_one_on_every_cpu_precision(compose, name, tmp_path, monkeypatch):
+    """MFU divides by param_dtype's peak for every precision, measured on CPU as the GEMMs' is (float32 beside an FP8
+    recipe's float8 one, as a GPU run takes bf16's beside float8's); `mfu_of_gemm_peak` keeps the float8 figure."""
+    from types import SimpleNamespace
+
+    from runner.estimate import flops
+    from runner.run import accounting
+
+    def measured(cfg, dtype, ranks_per_node):
+        one = {"tflops": CPU_PEAKS[dtype], "spread": 0.0, "rounds": [CPU_PEAKS[dtype]] * 5, "refused": []}
+        return one | {"size": 512, "threads": 1, "shares": 1}
+
+    monkeypatch.setattr(peak, "cpu_peak", measured)
+    cfg = compose(["parallelism=single", f"precision={name}"])
+    pk = peak.write(cfg, 1, tmp_path)
+    fpt = flops.flops_per_token(cfg.model, cfg.training.seq_len, "titan")
+    acc = accounting.accounting(cfg, SimpleNamespace(flops_per_token=fpt, num_params=flops.num_params(cfg.model)), pk)
+    tokens = cfg.training.global_batch_size * cfg.training.seq_len
+    row = accounting.row(1, 1.0, 1.0, tokens * fpt / STEP_FLOPS, 1e-3, cfg, acc, 0.0)
+    assert pk["mfu_dtype"] == cfg.precision.param_dtype.value and pk["mfu_peak_tflops"] == CPU_PEAKS[pk["mfu_dtype"]]
+    assert 0 < row["mfu"] <= 1 and row["mfu"] == pytest.approx(STEP_FLOPS / (CPU_PEAKS[pk["mfu_dtype"]] * 1e12))
+    if pk["dtype"] == "float8":  # the GEMMs' own figure, beside
+        assert row["mfu_of_gemm_peak"] == pytest.approx(1.2471)
+        assert json.loads((tmp_path / "peak.json").read_text())["mfu_dtype"] == "float32"

@@ -246,6 +246,7 @@ NO_BAD_VALUE = [
     ("data.shuffle", "either setting runs"),
     ("logging.name", "a label for reports"),
     ("logging.progress", "either setting runs"),
+    ("logging.verbose", "either setting runs"),
     ("logging.wandb.enable", "either setting runs"),
     ("logging.wandb.project", "any name W&B accepts"),
     ("logging.wandb.entity", "null = the account default"),

@@ -126,3 +126,27 @@ def test_known_harmless_warnings_leave_the_console_only(monkeypatch):
         known_warnings.apply(False)
         for logger in (pytree, redistribute):
             logger.removeHandler(handler)
+
+
+def test_library_log_lines_take_the_runners_format(capsys):
+    """TorchTitan logs on the root logger: on the console WARNING and up as `WARNING: <message>` (a named logger's name
+    before it), everything with logging.verbose; a rank log (not the console) keeps everything."""
+    import logging
+
+    from runner.run import console
+
+    root = logging.getLogger()
+    before = root.level, list(root.handlers)
+    try:
+        console.route_logs(verbose=False, console=True)
+        root.info("Building device mesh with parallelism: pp=1")
+        root.warning("Peak flops undefined")
+        logging.getLogger("torchft.manager").error("quorum failed")
+        assert capsys.readouterr() == ("", "WARNING: Peak flops undefined\nERROR: torchft.manager: quorum failed\n")
+        for verbose, is_console in ((True, True), (False, False)):
+            console.route_logs(verbose=verbose, console=is_console)
+            root.info("Applied FSDP to the model")
+            assert capsys.readouterr() == ("INFO: Applied FSDP to the model\n", "")
+    finally:
+        root.handlers[:] = before[1]
+        root.setLevel(before[0])

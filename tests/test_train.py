@@ -71,6 +71,20 @@ def test_default_command_trains_into_one_folder(tmp_path):
     _one_line_per_step_off_a_terminal(proc.stdout, rows)
     _known_warnings_only_in_rank_logs(proc.stdout + proc.stderr, made[0] / "logs")
     _clean_run_goodput(made[0], rows, began, wall, proc.stdout)
+    _runner_log_is_the_console(proc, made[0])
+
+
+def _runner_log_is_the_console(proc, run_dir) -> None:
+    """Issue 54: TorchTitan's INFO lines (root logger) stay off the console by default, in no other format, and runner.log
+    is the console as printed, once (not Hydra's job log: those lines once per rank, none of the runner's)."""
+    log = (run_dir / "runner.log").read_text().splitlines()
+    out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+    assert not [ln for ln in out + err if "][root][" in ln or "Building device mesh" in ln or "Applied FSDP" in ln]
+    assert sorted(log) == sorted(out + err) and [ln for ln in log if ln in out] == out
+    assert log[0].startswith("layout tp2_dp2: ") and sum(ln.startswith("step   10  loss ") for ln in log) == 1
+    assert [ln for ln in log if ln.startswith("goodput: ")] == [ln for ln in out if ln.startswith("goodput: ")]
+    rank_log = "".join(p.read_text() for p in (run_dir / "logs").rglob("stdout.log"))  # ranks 1-3 keep every line
+    assert rank_log.count("INFO: Building device mesh with parallelism: ") == 3
 
 
 def _clean_run_goodput(run_dir, rows: list[dict], began: float, wall: float, out: str) -> None:

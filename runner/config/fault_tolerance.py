@@ -9,6 +9,7 @@ that refuse what cannot work are in runner/config/validate/fault_tolerance_rules
 from __future__ import annotations
 
 import dataclasses
+from urllib.parse import urlsplit
 
 from runner.schema import FaultTolerance, RunConfig
 from runner.schema.layout import Layout
@@ -29,6 +30,36 @@ def lighthouse_address(cfg: RunConfig, host: str) -> str:
     return f.lighthouse or f"http://{host}:{f.lighthouse_port}"
 
 
+LOOPBACK = "127.0.0.1"
+WILDCARDS = ("0.0.0.0", "::", "[::]")
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def lighthouse_bind(cfg: RunConfig) -> tuple[str, str]:
+    """(host:port the lighthouse listens on, why that address). One machine: loopback, nothing outside it can
+    reach the quorum; a cluster: the address the replica groups use (the host of fault_tolerance.lighthouse); either
+    way fault_tolerance.lighthouse_bind when set."""
+    f = cfg.fault_tolerance
+    if f.lighthouse_bind:
+        return _host_port(f.lighthouse_bind, f.lighthouse_port), "fault_tolerance.lighthouse_bind"
+    if cfg.cluster.num_nodes == 1 and not f.lighthouse:
+        return _host_port(LOOPBACK, f.lighthouse_port), "loopback: every replica group runs on this machine"
+    url = urlsplit(f.lighthouse) if f.lighthouse else None
+    host, port = (url.hostname, url.port or f.lighthouse_port) if url and url.hostname else ("<lighthouse host>", f.lighthouse_port)
+    return _host_port(host, port), "the address the replica groups use (fault_tolerance.lighthouse)"
+
+
+def local_address(cfg: RunConfig) -> str:
+    """The lighthouse the replica groups of a run on one machine talk to: the configured one, or the runner's on
+    the host it binds to (loopback where it listens on every interface)."""
+    f = cfg.fault_tolerance
+    host = f.lighthouse_bind if f.lighthouse_bind and f.lighthouse_bind not in WILDCARDS else LOOPBACK
+    return lighthouse_address(cfg, f"[{host}]" if ":" in host and not host.startswith("[") else host)
+
+
 def lighthouse_command(cfg: RunConfig) -> list[str]:
     """torchft's own lighthouse binary (bundled in the torchft wheel) for this run."""
     f = cfg.fault_tolerance
@@ -38,7 +69,7 @@ def lighthouse_command(cfg: RunConfig) -> list[str]:
         "--quorum_tick_ms=100",
         f"--join_timeout_ms={f.join_timeout_ms}",
         f"--heartbeat_timeout_ms={f.heartbeat_timeout_ms}",
-        f"--bind=[::]:{f.lighthouse_port}",
+        f"--bind={lighthouse_bind(cfg)[0]}",
     ]
 
 

@@ -177,13 +177,15 @@ def matmul_peak(cfg: RunConfig) -> tuple[str, bool]:
     return "float32", True
 
 
-def mfu_peak(cfg: RunConfig) -> str:
+def mfu_peak(cfg: RunConfig, measured: bool = False) -> str:
     """The dtype whose dense peak `mfu` is measured against: param_dtype (bf16 on GPUs) whatever dtype the GEMMs run
     in, so that an FP8 run's MFU compares with a bf16 run's (TorchTitan prints N/A under FP8 for want of this,
     pytorch/torchtitan#2451); matmul_peak's dtype gives `mfu_of_gemm_peak`. Where the cluster states no peak for
-    param_dtype (CPU: the peak is measured at launch, in the GEMMs' dtype) both use the GEMMs' peak."""
+    param_dtype: with `measured` (a run whose peaks are measured at launch: CPU) param_dtype's is measured beside the
+    GEMMs' (a CPU FP8 run's float8 figure times torch._scaled_mm's CPU kernel, which can be a reference loop far
+    slower than what the step runs: MFU against it passed 100 %); otherwise (the plan, search) the GEMMs' peak."""
     high = cfg.precision.param_dtype.value
-    return high if high in cfg.cluster.peak_tflops else matmul_peak(cfg)[0]
+    return high if measured or high in cfg.cluster.peak_tflops else matmul_peak(cfg)[0]
 
 
 def without_fp8(cfg: RunConfig) -> RunConfig:

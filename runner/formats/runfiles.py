@@ -2,6 +2,7 @@
 
 <run folder>/
   frozen.yaml          the resolved config with provenance; `python -m runner --config-dir ...` replays it
+  runner.log           the run's console as printed from the launch on: the launcher's and rank 0's stdout and stderr
   plan.json            the step budget (mode=plan, and every launched run)
   invalid.json         a sweep point that failed validation: its overrides and problems
   failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
@@ -43,6 +44,7 @@ import json
 from pathlib import Path
 
 FROZEN = "frozen.yaml"
+RUNNER_LOG = "runner.log"  # the run's console (runner.run.console)
 PLAN = "plan.json"
 INVALID = "invalid.json"
 FAILED = "failed.json"
@@ -84,7 +86,7 @@ DATA_CACHE = "data_cache"
 FT_READY = "ft_ready"  # fault_tolerance=torchft: one file per replica group whose manager started (runner.run.ft)
 LIGHTHOUSE_LOG = Path(LOGS) / "lighthouse.log"  # fault_tolerance=torchft: the lighthouse the runner started
 HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
-HYDRA_LOGS = (".hydra", "runner.log", "__main__.log", "cli.log")  # what Hydra itself puts in a run folder
+HYDRA_LOGS = (".hydra", RUNNER_LOG, "__main__.log", "cli.log")  # what Hydra puts in a run folder (runner.log: its job log once)
 CHECKPOINT_MARKER = "COMPLETE.json"  # inside a checkpoint folder: written last, so its presence means complete
 CHECKPOINT_PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
 CHECKPOINT_PREFIX = "step-"

@@ -7,8 +7,8 @@ attempt and requeued job), to the run folder's timeline.jsonl (runfiles.TIMELINE
     mark     rank 0 of attempt (`job`, `attempt`) reached a start-up mark (MARKS; `restored` names the step resumed from,
              and the checkpoint tier and why: `tier`, `why`)
     step     one step on rank 0: `start`, `end` (after its checkpoint save, evaluation and logging), `step_s`, `data_s`,
-             `checkpoint_s`, `eval_s`, `overhead_s`, `rewound_to` after a rewind, and under fault_tolerance=torchft
-             `ft_committed` and `ft_trained` (the quorum committed the step; this replica group trained it)
+             `checkpoint_s`, `eval_s`, `overhead_s`, `compile_s` (training.compile), `rewound_to` after a rewind, and under
+             fault_tolerance=torchft `ft_committed` and `ft_trained` (the quorum committed the step; this replica group trained it)
     failure  a rank raised (`by`: "rank r: error") or the agent saw one fail ("agent"); a silent rank: when last alive
     end      rank 0 left the step loop (`stopped`: for SLURM's requeue), with the final save's blocking seconds
 
@@ -75,6 +75,7 @@ class Timeline:
         """One step on rank 0 (`row`: its metrics row): its span and the parts inside it, each timed."""
         saved = row.get("checkpoint_s", 0.0) + publish_s  # the save's blocking part, and publishing an async one
         parts = {"step_s": row["step_time_s"], "data_s": row["data_s"], "checkpoint_s": saved, "eval_s": row.get("eval_s", 0.0)}
+        parts |= {"compile_s": row["compile_s"]} if row.get("compile_s") else {}
         rewound = {"rewound_to": row["rewound_to"]} if "rewound_to" in row else {}
         ft = {k: row[k] for k in ("ft_committed", "ft_trained") if k in row}
         self.write("step", step=row["step"], start=started, end=time.time(), overhead_s=overhead_s, **parts, **rewound, **ft)
@@ -268,8 +269,9 @@ PARTS: tuple[Part, ...] = (
     Part(
         "productive",
         "productive",
-        lambda r: sum(s["step_s"] - s["data_s"] for s in r.counted()),
-        "the steps that count (not thrown away by a restart or a rewind), at their measured step time, less their data wait",
+        lambda r: sum(s["step_s"] - s["data_s"] - s.get("compile_s", 0.0) for s in r.counted()),
+        "the steps that count (not thrown away by a restart or a rewind), at their measured step time, less their data wait "
+        "and compilation",
     ),
     Part(
         "startup",
@@ -282,6 +284,12 @@ PARTS: tuple[Part, ...] = (
         "checkpoints",
         lambda r: _sum(r.counted(), "checkpoint_s") + sum(a.end.get("checkpoint_s", 0.0) for a in r.attempts if a.end),
         "the blocking part of the saves of counted steps, and the wait for the last save and the model export at the end",
+    ),
+    Part(
+        "compile",
+        "compilation",
+        lambda r: _sum(r.counted(), "compile_s"),
+        "training.compile: torch.compile compiling inside counted steps (the first step's graphs, their backward, recompilations)",
     ),
     Part("eval", "evaluation", lambda r: _sum(r.counted(), "eval_s"), "the evaluation passes after counted steps"),
     Part("data_wait", "data waits", lambda r: _sum(r.counted(), "data_s"), "how long counted steps waited for their batch"),

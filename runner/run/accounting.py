@@ -7,6 +7,7 @@ Every figure comes from runner.estimate.flops (FLOPs per token, MFU, HFU) and th
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,41 @@ def accounting(cfg: RunConfig, built, pk: dict) -> Accounting:
         pk.get("mfu_peak_flops_total", pk["peak_flops_total"]),
         pk.get("mfu_dtype", pk["dtype"]),
     )
+
+
+class CompileClock:
+    """Seconds torch.compile spends compiling (Dynamo's frames, the backward AOTAutograd compiles lazily at the first
+    backward, recompilations) between two `take`s: TorchDynamo's compile start and end callbacks, which fire around the
+    outermost compilation only."""
+
+    def __init__(self) -> None:
+        self.spent, self._since = 0.0, None
+
+    def _start(self, _args) -> None:
+        self._since = time.perf_counter()
+
+    def _end(self, _args) -> None:
+        if self._since is not None:
+            self.spent += time.perf_counter() - self._since
+            self._since = None
+
+    def install(self) -> CompileClock:
+        from torch._dynamo.callback import callback_handler  # private_api: torch_dynamo_compile_callbacks
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        return self
+
+    def remove(self) -> None:
+        from torch._dynamo.callback import callback_handler  # private_api: torch_dynamo_compile_callbacks
+
+        callback_handler.remove_start_callback(self._start)
+        callback_handler.remove_end_callback(self._end)
+
+    def take(self) -> float:
+        """The compilation seconds since the last take."""
+        spent, self.spent = self.spent, 0.0
+        return spent
 
 
 SLOW_FP8 = 10

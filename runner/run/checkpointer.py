@@ -157,15 +157,17 @@ class Checkpointer:
         if self.rank == 0:
             print(f"checkpoint: model-only export in {path}", flush=True)
 
-    def export_hf(self, data) -> None:
+    def export_hf(self, cfg) -> None:
         """Rank 0 writes the last published checkpoint as a Hugging Face folder (runner.run.hf_export); the others wait."""
         if self.rank == 0:
             from runner.run import hf_export
 
             last = checkpoint.final_path(self.folder, self.published[-1])
-            src = hf_export.Source(last, ModelConfig(**self.origin["model"]), data.tokenizer, data.eos_token)
+            src = hf_export.run_source(last, ModelConfig(**self.origin["model"]), cfg)
             out = hf_export.export(src, self.folder / runfiles.HF_EXPORT)
             print(f"checkpoint: Hugging Face export of {last.name} in {out}", flush=True)
+            if src.note:
+                print(f"WARNING: export: {src.note}", file=sys.stderr, flush=True)  # the run's own: never a bare checkpoint
         self.policy.barrier()
 
     def _pick(self, before: int | None) -> tuple[Path | None, str | None]:

@@ -63,7 +63,7 @@ def start_lighthouse(cfg: RunConfig, run_dir: Path) -> subprocess.Popen:
     log = run_dir / runfiles.LIGHTHOUSE_LOG
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    address = ft.lighthouse_address(cfg, "localhost")
+    address = ft.local_address(cfg)
     deadline = time.monotonic() + 30
     while ft_rules.unreachable(address):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -71,6 +71,14 @@ def start_lighthouse(cfg: RunConfig, run_dir: Path) -> subprocess.Popen:
             raise LighthouseStopped(f"the torchft lighthouse ({' '.join(cmd)}) did not start; see {log}")
         time.sleep(POLL_S)
     return proc
+
+
+def started(cfg: RunConfig, lighthouse: subprocess.Popen | None) -> str:
+    """' (pid N, listening on 127.0.0.1:29510: loopback ...)' for the lighthouse the runner started; '' for a given one."""
+    if lighthouse is None:
+        return " (fault_tolerance.lighthouse, not started here)"
+    bind, why = ft.lighthouse_bind(cfg)
+    return f" (pid {lighthouse.pid}, listening on {bind}: {why})"
 
 
 def start_group(cfg: RunConfig, lay: Layout, frozen: Path, lighthouse: str, replica_id: int) -> subprocess.Popen:
@@ -102,10 +110,10 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     frozen_files = write_replicas(cfg, lay, run_dir)
     shutil.rmtree(run_dir / runfiles.FT_READY, ignore_errors=True)  # a resumed run's groups meet again (runner.run.ft.all_heartbeating)
     lighthouse = start_lighthouse(cfg, run_dir) if not cfg.fault_tolerance.lighthouse else None
-    address = ft.lighthouse_address(cfg, "localhost")
+    address = ft.local_address(cfg)
     groups = [start_group(cfg, lay, f, address, r) for r, f in enumerate(frozen_files)]
     pids = ", ".join(f"group {r} pid {g.pid}" for r, g in enumerate(groups))
-    print(f"fault tolerance: torchft lighthouse {address}" + (f" (pid {lighthouse.pid})" if lighthouse else "") + f"; {pids}", flush=True)
+    print(f"fault tolerance: torchft lighthouse {address}{started(cfg, lighthouse)}; {pids}", flush=True)
     try:
         watch(cfg, run_dir, groups, lighthouse, address)
         first = run_dir / ft.replica_dir_name(0) / runfiles.SUMMARY
@@ -162,8 +170,10 @@ def plan(cfg: RunConfig, lay: Layout, run_dir: Path) -> str:
     nodes = max(1, c.num_nodes // lay.dp_replicate)
     slurm = c.launcher == "slurm"
     env = " ".join(f"{k}={v}" for k, v in ft.env(cfg, cfg.fault_tolerance.lighthouse or "http://<lighthouse host>:29510").items())
+    bind, why = ft.lighthouse_bind(cfg)
     lines = [
-        f"torchft lighthouse, on a host every node reaches, outside the groups' jobs: {' '.join(ft.lighthouse_command(cfg))}",
+        f"torchft lighthouse, on a host every node reaches, outside the groups' jobs: {' '.join(ft.lighthouse_command(cfg))}"
+        f" (listening on {bind}: {why})",
         f"{lay.dp_replicate} jobs, one per replica group, each {nodes} node(s) x {group.world_size // nodes} rank(s):",
     ]
     job_cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(c, num_nodes=nodes))

@@ -17,15 +17,15 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from runner.config import freeze
 from runner.formats import checkpoint, hf_folder, runfiles
-from runner.formats import data_manifest as mf
 from runner.formats.user_files import UnreadableFile
+from runner.run import export_inputs
 from runner.run.titan import hf_adapter as hf
 from runner.schema import ModelConfig
 from runner.schema.problems import ConfigError
@@ -49,6 +49,12 @@ class Source:
     tokenizer: str = ""
     """The run's tokenizers JSON file ('' = the run had none: no tokenizer files are written)."""
     eos_token: str = ""
+    reads: list[tuple[str, Path]] = field(default_factory=list)
+    """(what, path) of every file or folder the run reads: an export never writes over one of them."""
+    note: str = ""
+    """One line saying why the export has no tokenizer and how to add one ('' = it has one, or the run had none)."""
+    warn: bool = False
+    """The note is a warning: the run had a tokenizer the export cannot take."""
 
 
 def _run_config(run_dir: Path):
@@ -59,8 +65,9 @@ def _run_config(run_dir: Path):
         raise ExportRefused(str(e)) from e
 
 
-def source(path: Path) -> Source:
-    """The checkpoint to export from a run folder (its newest checkpoint) or a checkpoint folder, checksums verified."""
+def source(path: Path, tokenizer_file: str = "", eos_token: str | None = None) -> Source:
+    """The checkpoint to export from a run folder (its newest checkpoint) or a checkpoint folder, checksums verified;
+    `tokenizer_file`/`eos_token` (--tokenizer, --eos-token) stand in for the run's."""
     if (path / runfiles.CHECKPOINT_MARKER).is_file():
         ckpt, cfg = path, _run_config(path.parent.parent)  # <run folder>/<checkpoint.folder>/step-<n>, when it is that
     elif (path / runfiles.FROZEN).is_file():
@@ -82,18 +89,20 @@ def source(path: Path) -> Source:
         raise ExportRefused(
             f"{ckpt / runfiles.CHECKPOINT_MARKER} does not record the model it was saved from ({e}). Fix: {checkpoint.MARKER_FIX}"
         ) from e
-    data = cfg.data if cfg is not None else None
-    if data and data.tokenizer and not Path(data.tokenizer).is_file():
-        raise ExportRefused(
-            f"data.tokenizer {data.tokenizer} (the run's, in its {runfiles.FROZEN}) is not there, so the export would have no "
-            "tokenizer. Fix: put the tokenizer back at that path, or export the checkpoint folder from a copy outside the run folder"
-        )
-    if data and data.tokenizer:
-        try:
-            mf.tokenizer(data.tokenizer)
-        except UnreadableFile as e:
-            raise ExportRefused(f"the run's data.tokenizer {e}") from e
-    return Source(ckpt, model, data.tokenizer if data else "", data.eos_token if data else "")
+    return run_source(ckpt, model, cfg, tokenizer_file, eos_token)
+
+
+def run_source(ckpt: Path, model: ModelConfig, cfg, tokenizer_file: str = "", eos_token: str | None = None) -> Source:
+    """The Source of checkpoint `ckpt` of the run `cfg` (None: a checkpoint outside a run folder): its tokenizer
+    and the paths it reads. The run's own export (checkpoint.export_hf) comes here too."""
+    try:
+        tok = export_inputs.choose(ckpt, cfg.data if cfg is not None else None, tokenizer_file, eos_token)
+    except export_inputs.TokenizerRefused as e:
+        raise ExportRefused(str(e)) from e
+    reads = [("the checkpoint", ckpt), *export_inputs.reads(cfg)]
+    if tok.path:
+        reads.append(("the tokenizer", Path(tok.path)))
+    return Source(ckpt, model, tok.path, tok.eos_token, reads, tok.note, tok.warn)
 
 
 def _newest(folder: Path) -> Path | None:
@@ -103,16 +112,41 @@ def _newest(folder: Path) -> Path | None:
     return max(paths, key=checkpoint.step_of, default=None)
 
 
-def check_out(out: Path) -> None:
-    """Refuse an out folder that holds anything an export does not write."""
+def earlier_export(out: Path) -> bool:
+    """An export wrote `out`: its config.json and weight index are there and nothing an export does not write."""
+    names = [p.name for p in out.iterdir()]
+    return "config.json" in names and INDEX in names and all(WRITTEN.match(n) for n in names)
+
+
+def _overlap(out: Path, reads: list[tuple[str, Path]]) -> str | None:
+    """What the run reads that lies at or under `out` (replacing `out` would delete or overwrite it)."""
+    for what, path in reads:
+        path = Path(os.path.abspath(path))
+        if path == out or out in path.parents:
+            return f"{what} {path}"
+    return None
+
+
+def check_out(out: Path, reads: list[tuple[str, Path]] = ()) -> None:
+    """Refuse an out folder that is a file, holds something the run reads, or holds anything but an earlier export."""
     if out.exists() and not out.is_dir():
         raise ExportRefused(f"--out {out} is a file. Fix: name a new or empty folder")
-    other = sorted(p.name for p in out.iterdir() if not WRITTEN.match(p.name)) if out.is_dir() else []
-    if other:
+    if hit := _overlap(out, reads):
+        raise ExportRefused(f"--out {out} holds {hit}, which the run reads. Fix: name a new or empty folder outside it")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if names and not earlier_export(out):
+        other = [n for n in names if not WRITTEN.match(n)] or names
         raise ExportRefused(
-            f"--out {out} holds other files ({', '.join(other[:5])}{', ...' if len(other) > 5 else ''}). "
-            "Fix: name a new or empty folder (an earlier export there is replaced)"
+            f"--out {out} holds {', '.join(other[:5])}{', ...' if len(other) > 5 else ''} and is not an earlier export "
+            f"(config.json and {INDEX}). Fix: name a new or empty folder (an earlier export there is replaced)"
         )
+    partial = _partial(out)
+    if partial.exists() and not (partial.is_dir() and all(WRITTEN.match(p.name) for p in partial.iterdir())):
+        raise ExportRefused(f"{partial} is in the way of the export (it writes there first). Fix: move it, or name another --out")
+
+
+def _partial(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
 
 
 def refusal(m: ModelConfig) -> str | None:
@@ -130,8 +164,8 @@ def export(src: Source, out: Path, max_shard_bytes: int = 5 * 10**9) -> Path:
     why = refusal(src.model)
     if why:
         raise ExportRefused(f"{why}. Fix: export a model of another family")
-    check_out(out)
-    partial = out.with_name(out.name + ".partial")
+    check_out(out, src.reads)
+    partial = _partial(out)
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -157,6 +191,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("path", type=Path, help="a run folder (its newest checkpoint) or a checkpoint folder (<run>/checkpoints/step-<n>)")
     p.add_argument("--format", choices=["hf"], required=True, help="hf: a Hugging Face folder that transformers loads")
     p.add_argument("--out", type=Path, required=True, help="the folder to write (new, empty, or an earlier export)")
+    p.add_argument("--tokenizer", default="", help="the tokenizers JSON file to export (default: the run's; data=tokens: its manifest's)")
+    p.add_argument("--eos-token", default=None, help="its end-of-text token (default: the run's)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (also the weights held in memory)")
     return p.parse_args(argv)
 
@@ -164,12 +200,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        src = source(args.path.resolve())
+        src = source(args.path.resolve(), args.tokenizer, args.eos_token)
         out = export(src, args.out.resolve(), int(args.max_shard_gb * 1e9))
     except ExportRefused as e:
         print(f"export refused: {e}", file=sys.stderr)
         return 2
     print(f"export: {src.checkpoint} -> {out} ({', '.join(sorted(os.listdir(out)))})")
+    if src.note:
+        print(f"{'WARNING: ' if src.warn else ''}export: {src.note}", file=sys.stderr if src.warn else sys.stdout)
     return 0
 
 
@@ -241,6 +279,9 @@ def weights(path: Path, m: ModelConfig, folder: Path, max_shard_bytes: int) -> d
         weight_map.update(dict.fromkeys(shard, name))
         del shard
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    mode = (folder / INDEX).stat().st_mode & 0o777  # what the umask gives a new file; safetensors creates its own 0600
+    for shard in folder.glob("model-*.safetensors"):
+        os.chmod(shard, mode)
     return weight_map
 
 

@@ -279,11 +279,22 @@ def write(cfg: RunConfig, world_size: int, run_dir: Path) -> dict:
         rec |= {"peak_tflops": cfg.cluster.peak_tflops[dtype], "peak_spread": None}
     devices = DevicePolicy.of(cfg.cluster, cfg.distributed).peak_devices(world_size, cfg.cluster.num_nodes)
     rec |= {"peak_flops_total": rec["peak_tflops"] * 1e12 * devices, "fp8": cfg.precision.fp8.value, "device": cfg.cluster.device.value}
-    mfu_dtype = precision.mfu_peak(cfg)  # mfu's peak: param_dtype's (bf16) for every precision; peak_tflops is the GEMMs'
-    mfu_peak = rec["peak_tflops"] if mfu_dtype == dtype else cfg.cluster.peak_tflops[mfu_dtype]
-    rec |= {"mfu_dtype": mfu_dtype, "mfu_peak_tflops": mfu_peak, "mfu_peak_flops_total": mfu_peak * 1e12 * devices}
+    rec |= _mfu_peak(cfg, rec, world_size // cfg.cluster.num_nodes)
+    rec["mfu_peak_flops_total"] = rec["mfu_peak_tflops"] * 1e12 * devices
     (run_dir / runfiles.PEAK).write_text(json.dumps(rec, indent=2) + "\n")
     return rec
+
+
+def _mfu_peak(cfg: RunConfig, rec: dict, ranks_per_node: int) -> dict[str, Any]:
+    """mfu's peak: param_dtype's for every precision (runner.estimate.precision.mfu_peak); peak_tflops is the GEMMs'.
+    Stated by the cluster, or measured as the GEMMs' is (CPU: an FP8 run's float32 peak beside its float8 one)."""
+    mfu_dtype = precision.mfu_peak(cfg, measured=rec["peak_source"] == "measured")
+    if mfu_dtype == rec["dtype"]:
+        return {"mfu_dtype": mfu_dtype, "mfu_peak_tflops": rec["peak_tflops"]}
+    if mfu_dtype in cfg.cluster.peak_tflops:
+        return {"mfu_dtype": mfu_dtype, "mfu_peak_tflops": cfg.cluster.peak_tflops[mfu_dtype]}
+    m = cpu_peak(cfg, mfu_dtype, ranks_per_node)
+    return {"mfu_dtype": mfu_dtype, "mfu_peak_tflops": m["tflops"], "mfu_measurement": m}
 
 
 def spread_text(pk: dict) -> str:

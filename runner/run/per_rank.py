@@ -22,7 +22,23 @@ from runner.formats import data_manifest as manifest
 from runner.formats import runfiles
 from runner.observe import forensics
 from runner.outputs import goodput
-from runner.run import accounting, device, evaluate, ft, known_warnings, loader, mesh, metrics, peak, preempt, procs, startup, titan, train
+from runner.run import (
+    accounting,
+    console,
+    device,
+    evaluate,
+    ft,
+    known_warnings,
+    loader,
+    mesh,
+    metrics,
+    peak,
+    preempt,
+    procs,
+    startup,
+    titan,
+    train,
+)
 from runner.run.device import DevicePolicy
 from runner.schema import DataSource, Fp8Recipe, layout, wording
 
@@ -87,6 +103,7 @@ def main(frozen_path: str) -> None:
     frozen = Path(frozen_path)
     run_dir = frozen.parent
     cfg, lay = ft.job_view(*_load(frozen))  # fault_tolerance=torchft: this replica group's job
+    console.rank(cfg.logging.verbose, run_dir, runfiles.RUNNER_LOG)  # rank 0 writes runner.log; TorchTitan's lines as ours
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
     timeline = goodput.Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline

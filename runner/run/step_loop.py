@@ -20,7 +20,7 @@ from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown, goodput
 from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
-from runner.run.accounting import Accounting, row
+from runner.run.accounting import Accounting, CompileClock, row
 from runner.run.checkpointer import Checkpointer
 from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
@@ -96,6 +96,7 @@ class StepLoop:
 
     prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
     collector: Any = None  # training.gc_every: TorchTitan's GarbageCollection, every rank collecting at the same steps
+    compiling: CompileClock | None = None  # training.compile: compilation inside each step (goodput's own part)
 
     # --- one step, top to bottom ---------------------------------------------------------------------------------
 
@@ -144,6 +145,8 @@ class StepLoop:
         lanes = loader.digest_lanes(self.data, step - 1)
         if self.prof is not None:
             self.log_terms(self.prof.enter(step))
+        if self.compiling is not None:
+            self.compiling.take()  # compiled outside a step (an evaluation pass): its own part's time, not this step's
         t0 = time.perf_counter()
         self.apply_update()  # the last step's accepted update, timed with this step
         self.integrity.begin_step(step, self.built.parts)
@@ -166,6 +169,8 @@ class StepLoop:
         r |= {"integrity_checks": self.integrity.checks, "replay_checks": self.integrity.replays}
         r["data_hash"] = shared.data_hash
         r["data_s"] = self.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+        if self.compiling is not None:
+            r["compile_s"] = self.compiling.take()  # inside dt: counted apart from productive time (runner.outputs.goodput)
         if flagged:
             r["stragglers"] = flagged
         if self.prof is not None and profiling.profiled(self.cfg.profile, step):

@@ -19,7 +19,7 @@ from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.run import evaluate, ft, loader, peak, preempt, profiling, titan
-from runner.run.accounting import Accounting, summarize
+from runner.run.accounting import Accounting, CompileClock, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
@@ -98,6 +98,7 @@ def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, e
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
         timeline=timeline,
+        compiling=CompileClock().install() if t.compile else None,
     )
 
 
@@ -165,6 +166,8 @@ def load_weights(loop: StepLoop) -> None:
 def stop(loop: StepLoop) -> list[dict[str, Any]]:
     """Requeued after SLURM's warning: the steps so far; the summary is the finished run's."""
     loop.feed.close()
+    if loop.compiling is not None:
+        loop.compiling.remove()
     if loop.timeline is not None:
         figures = loop.timeline.end(time.time(), 0.0, stopped=True)
         print(goodput.line(figures, loop.run_dir / runfiles.GOODPUT, " so far (the job is requeued)"), flush=True)
@@ -181,10 +184,12 @@ def finish(loop: StepLoop, step: int) -> list[dict[str, Any]]:
     if loop.ckpt.local is not None and not loop.stopped:  # the run's local checkpoints are the job's: gone when it ends well
         loop.ckpt.local.remove()
     loop.feed.close()
+    if loop.compiling is not None:
+        loop.compiling.remove()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:
         loop.ckpt.export_model(loop.built)
     if cfg.checkpoint.enable and cfg.checkpoint.export_hf:
-        loop.ckpt.export_hf(cfg.data)
+        loop.ckpt.export_hf(cfg)
     final_checkpoint_s = time.perf_counter() - t0
     finish_from = time.time()  # once the last save is written: the finish part of goodput starts
     if not loop.rows:

@@ -205,6 +205,9 @@ class LoggingConfig:
     """Log every this many steps (console, metrics.jsonl, W&B)."""
     progress: bool = True
     """Show a rich progress bar on rank 0."""
+    verbose: bool = False
+    """Print every log line of TorchTitan and the libraries (INFO and up) on the console; false: WARNING and up
+    (the rank logs of ranks 1.. keep every line either way)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -336,6 +339,9 @@ class FaultToleranceConfig:
     """Address of a running torchft lighthouse (http://host:port); "" starts one on the first node at lighthouse_port."""
     lighthouse_port: int = 29510
     """Port of the lighthouse the runner starts (lighthouse ""), on the first node."""
+    lighthouse_bind: str = ""
+    """Host or IP the lighthouse listens on (its --bind, with the port): "" = loopback (127.0.0.1) for a run on one
+    machine, and on a cluster the host of `lighthouse`, the address the replica groups use; 0.0.0.0 = every interface."""
     min_replicas: int = 1
     """Replica groups a step needs to commit (the lighthouse's --min_replicas and the manager's min_replica_size)."""
     join_timeout_ms: int = 60000
