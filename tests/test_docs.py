@@ -279,7 +279,8 @@ def test_architecture_lists_every_module():
 TOP_DIRS = ("runner", "conf", "docs", "tests", "scripts", "bench", "recipes", "sweeps", "hydra_plugins")
 PACKAGES = tuple(p.name for p in (ROOT / "runner").iterdir() if (p / "__init__.py").exists())
 PATH = re.compile(r"(?<![\w./<-])((?:[\w.-]+/)+(?:[\w.-]+\.(?:py|md|csv|yaml|sh|c|h))?)(?![\w/])")
-DOTTED = re.compile(r"(?<![\w./])runner(?:\.\w+)+")
+DOTTED = re.compile(r"(?<![\w./])(?!runner\.log\b)runner(?:\.\w+)+")
+"""`runner.log`, the run folder's console file, is a file name, not a module."""
 
 
 def stale_paths(text: str) -> list[str]:
