@@ -364,6 +364,39 @@ def test_the_logged_learning_rate_is_torchtitans_schedule(one_rank, tmp_path, de
         assert min(expected[warmup:]) >= floor * peak
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [["training.steps=1"], ["training.steps=10", "lr_scheduler.warmup_steps=3", "lr_scheduler.decay_ratio=0.8"]],
+    ids=["smoke_step", "decay_clipped"],
+)
+def test_a_clipped_schedule_is_torchtitans_without_its_warning(compose, caplog, overrides):
+    """A warm-up or decay longer than the run trains TorchTitan's clipped schedule (the same rates step by step), and
+    TorchTitan's own "Adjusting ..." warning stays off: the runner's validation already said it in one line."""
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    from runner.run.titan import optim
+
+    cfg = compose(overrides)
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    with caplog.at_level("WARNING"):
+        opt, sched = optim.build_optimizer(cfg, [torch.nn.Linear(2, 2)])
+    assert [r.getMessage() for r in caplog.records if "Adjusting" in r.getMessage()] == []
+    ref_opt = default_adamw(lr=cfg.optimizer.lr).build(model_parts=[torch.nn.Linear(2, 2)])
+    with caplog.at_level("WARNING"):
+        ref = LRSchedulersContainer.Config(
+            warmup_steps=s.warmup_steps, decay_type=s.decay_type.value, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor
+        ).build(optimizers=ref_opt, training_steps=steps)
+    assert any("Adjusting" in r.getMessage() for r in caplog.records)  # TorchTitan clips the same numbers, with its warning
+    got, want = [], []
+    for _ in range(steps):
+        got.append(optim.current_lr(opt))
+        want.append(ref_opt.optimizers[0].param_groups[0]["lr"])
+        sched.step()
+        ref.step()
+    assert got == want
+
+
 def test_no_weight_decay_on_norms_and_embeddings_under_the_switch(one_rank):
     """optimizer.no_decay_1d_and_embeddings: the norm weights and the token embeddings land in a group with weight decay
     0, a Linear weight in the default group with optimizer.weight_decay; a pattern that matches no parameter is named."""

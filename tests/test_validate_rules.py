@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from runner.config import schema, validate
-from runner.config.validate import finite
+from runner.config.validate import fields, finite
 from tests.conftest import run_cli
 
 BIG_405B = [
@@ -183,23 +183,48 @@ def test_nan_device_memory_names_the_field_not_a_nan_budget(compose):
     )
 
 
-def test_a_schedule_longer_than_the_run_is_refused(compose):
-    """TorchTitan's scheduler would shorten a warm-up or decay that does not fit in training.steps (with a warning) and
-    train another schedule than the configured one; validation refuses it, and the schedule's own numbers."""
-    assert validate.warnings(compose(["lr_scheduler.warmup_steps=10", "training.steps=10"])) == []
-    validate.check(compose(["lr_scheduler.warmup_steps=10", "training.steps=10"]))  # warm-up to the last step, no decay
-    validate.check(compose(["lr_scheduler.warmup_steps=2", "lr_scheduler.decay_ratio=0.8", "training.steps=10"]))
-    cases = [
+@pytest.mark.parametrize(
+    "overrides,warning",
+    [
         (
-            ["lr_scheduler.warmup_steps=100000", "training.steps=10"],
-            "lr_scheduler.warmup_steps = 100000: warm-up 100000 steps are longer than training.steps = 10. "
-            "Fix: use lr_scheduler.warmup_steps=1, or more training.steps",
+            ["training.steps=1"],  # the smoke test: the default warm-up of 2 steps
+            "lr_scheduler.warmup_steps = 2: warm-up 2 steps are longer than training.steps = 1; the run warms up over 1 and "
+            "decays over 0 (TorchTitan's clipping). Fix: lr_scheduler.warmup_steps=1 configures that schedule and silences "
+            "this warning.",
         ),
         (
             ["lr_scheduler.warmup_steps=3", "lr_scheduler.decay_ratio=0.8", "training.steps=10"],
-            "lr_scheduler.warmup_steps = 3: warm-up 3 + decay 8 (lr_scheduler.decay_ratio 0.8 of 10) steps are longer than "
-            "training.steps = 10. Fix: use lr_scheduler.warmup_steps=2, or more training.steps",
+            "lr_scheduler.warmup_steps = 3: warm-up 3 + decay 8 (decay_ratio 0.8) steps are longer than training.steps = 10; "
+            "the run warms up over 3 and decays over 7 (TorchTitan's clipping). Fix: lr_scheduler.decay_ratio=null configures "
+            "that schedule and silences this warning.",
         ),
+        (
+            ["lr_scheduler.warmup_steps=100000", "lr_scheduler.decay_ratio=0.5", "training.steps=10"],
+            "lr_scheduler.warmup_steps = 100000: warm-up 100000 + decay 5 (decay_ratio 0.5) steps are longer than "
+            "training.steps = 10; the run warms up over 10 and decays over 0 (TorchTitan's clipping). "
+            "Fix: lr_scheduler.warmup_steps=10 lr_scheduler.decay_ratio=null configures that schedule and silences this warning.",
+        ),
+    ],
+)
+def test_a_schedule_longer_than_the_run_is_clipped_with_one_warning(compose, overrides, warning):
+    """TorchTitan clips a warm-up or decay that does not fit in training.steps ("Adjusting warmup steps"): the runner
+    validates it, prints one line saying what the run trains, and the line's fix configures exactly that schedule."""
+    cfg = compose(overrides)
+    validate.check(cfg)
+    assert [str(w) for w in validate.warnings(cfg)] == [warning]
+    fixed = compose([*overrides, *warning.split("Fix: ")[1].split(" configures")[0].split()])
+    assert validate.warnings(fixed) == [] and fields.schedule_steps(fixed) == fields.schedule_steps(cfg)
+
+
+def test_the_schedules_own_numbers_are_refused(compose):
+    """What is wrong in itself (a negative warm-up, a share outside [0, 1], NaN) is still refused, and a schedule that
+    fits draws no warning."""
+    for fits in (["lr_scheduler.warmup_steps=10", "training.steps=10"], ["lr_scheduler.decay_ratio=0.8", "training.steps=10"]):
+        validate.check(compose(fits))
+        assert validate.warnings(compose(fits)) == []
+    cases = [
+        (["lr_scheduler.warmup_steps=-1"], "lr_scheduler.warmup_steps = -1: must be >= 0. Fix: use 0 for no warm-up"),
+        (["lr_scheduler.decay_ratio=nan"], "lr_scheduler.decay_ratio = nan: "),
         (
             ["lr_scheduler.decay_ratio=1.5"],
             "lr_scheduler.decay_ratio = 1.5: a share of training.steps must be in [0, 1]. Fix: use e.g. 0.2",

@@ -90,9 +90,9 @@ def _optimizer(cfg: RunConfig, out: list[Problem]) -> None:
 
 
 def _schedule(cfg: RunConfig, out: list[Problem]) -> None:
-    """The schedule's numbers, and a warm-up plus decay that fits in training.steps: TorchTitan's scheduler would
-    shorten them with a warning and train another schedule than the one configured."""
-    s, steps = cfg.lr_scheduler, cfg.training.steps
+    """The schedule's own numbers. A warm-up or decay longer than training.steps is not wrong in itself (a one-step
+    smoke run keeps the default warm-up): TorchTitan clips it to the run, and `warnings` says so in one line."""
+    s = cfg.lr_scheduler
     if s.warmup_steps < 0:
         out.append(Problem("lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
     if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
@@ -101,29 +101,42 @@ def _schedule(cfg: RunConfig, out: list[Problem]) -> None:
         )
     if not 0 <= s.min_lr_factor <= 1:
         out.append(Problem("lr_scheduler.min_lr_factor", s.min_lr_factor, "must be in [0, 1] (a share of optimizer.lr)", "use e.g. 0.1"))
+
+
+def schedule_steps(cfg: RunConfig) -> tuple[int, int]:
+    """(warm-up, decay) steps of the schedule the run trains, as TorchTitan's LRSchedulersContainer.Config.build
+    computes them ("Adjusting warmup steps"): a warm-up longer than training.steps is clipped to it, then a decay
+    (decay_ratio) that does not fit after the warm-up to what is left. For a config whose numbers validate."""
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    warmup = min(s.warmup_steps, steps)
+    decay = steps - warmup if s.decay_ratio is None else round(steps * s.decay_ratio)
+    return warmup, min(decay, steps - warmup)
+
+
+def _clipped_schedule(cfg: RunConfig) -> Problem | None:
+    """One line when the run trains a shorter warm-up or decay than configured (TorchTitan's clipping)."""
+    s, steps = cfg.lr_scheduler, cfg.training.steps
     if steps < 1 or s.warmup_steps < 0 or (s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1):
-        return
-    decay = round(steps * s.decay_ratio) if s.decay_ratio is not None else max(steps - s.warmup_steps, 0)
-    if s.warmup_steps + decay > steps:
-        what = (
-            f"warm-up {s.warmup_steps} + decay {decay} (lr_scheduler.decay_ratio {s.decay_ratio} of {steps})"
-            if s.decay_ratio
-            else f"warm-up {s.warmup_steps}"
-        )
-        fix = f"lr_scheduler.warmup_steps={max(steps - decay, 0) if s.decay_ratio else steps // 10}"
-        out.append(
-            Problem(
-                "lr_scheduler.warmup_steps",
-                s.warmup_steps,
-                f"{what} steps are longer than training.steps = {steps}",
-                f"use {fix}, or more training.steps",
-            )
-        )
+        return None  # refused by the rules above
+    warmup, decay = schedule_steps(cfg)
+    asked = steps - s.warmup_steps if s.decay_ratio is None else round(steps * s.decay_ratio)
+    if warmup == s.warmup_steps and decay == asked:
+        return None
+    what = f"warm-up {s.warmup_steps}" + ("" if s.decay_ratio is None else f" + decay {asked} (decay_ratio {s.decay_ratio})")
+    fix = [f"lr_scheduler.warmup_steps={warmup}"] * (warmup < s.warmup_steps) + ["lr_scheduler.decay_ratio=null"] * (decay < asked)
+    return Problem(
+        "lr_scheduler.warmup_steps",
+        s.warmup_steps,
+        f"{what} steps are longer than training.steps = {steps}; the run warms up over {warmup} and decays over {decay} "
+        "(TorchTitan's clipping)",
+        f"{' '.join(fix)} configures that schedule and silences this warning",
+    )
 
 
 def warnings(cfg: RunConfig) -> list[Problem]:
     """What runs but is likely not what was meant: printed before the mode runs, never refused (validate.warnings)."""
-    return []
+    clipped = _clipped_schedule(cfg)
+    return [clipped] if clipped else []
 
 
 def _search(cfg: RunConfig, out: list[Problem]) -> None:

@@ -8,6 +8,7 @@ import re
 
 import torch
 
+import runner.config.validate.fields as fields
 from runner.config.problems import ConfigError, Problem
 from runner.config.schema import OptimizerImpl, RunConfig
 
@@ -59,8 +60,10 @@ def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     ]
     container = _container_class()
     opt = container(container.Config(param_groups=configs, implementation=IMPLEMENTATION[o.implementation]), model_parts=parts)
+    warmup, decay = fields.schedule_steps(cfg)  # clipped to the run as TorchTitan would (validate.warnings said so once)
+    ratio = None if decay == cfg.training.steps - warmup else s.decay_ratio  # None: the decay fills what warm-up leaves
     sched = LRSchedulersContainer.Config(
-        warmup_steps=s.warmup_steps, decay_type=s.decay_type.value, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor
+        warmup_steps=warmup, decay_type=s.decay_type.value, decay_ratio=ratio, min_lr_factor=s.min_lr_factor
     ).build(optimizers=opt, training_steps=cfg.training.steps)
     return opt, sched
 
