@@ -43,20 +43,26 @@ def main(dcfg: DictConfig) -> float | None:
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit
         for w in validate.warnings(cfg):
             print(f"WARNING: {w}", file=sys.stderr)
+        if cfg.optimizer.param_groups and cfg.mode not in (Mode.plan, Mode.search):
+            _param_groups(cfg)
         if cfg.mode != Mode.train:
             return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
         validate.preflight(cfg, run_dir, lay)
-        if cfg.optimizer.param_groups:  # the model's parameter names, on the meta device: each pattern must match one
-            from runner.run.titan import optim
-
-            unmatched = optim.unmatched(cfg, optim.parameter_names(cfg))
-            if unmatched is not None:
-                raise unmatched
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if sweep.multirun():
             return sweep.invalid_point(e, run_dir)
         sweep.fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
     return sweep.train(cfg, lay, run_dir)
+
+
+def _param_groups(cfg) -> None:
+    """Each optimizer.param_groups entry must take a parameter under TorchTitan's first-match rule, which needs the
+    model's parameter names: built on the meta device (torch; the torch-free modes plan and search leave it out)."""
+    from runner.run.titan import optim
+
+    unmatched = optim.unmatched(cfg, optim.parameter_names(cfg))
+    if unmatched is not None:
+        raise unmatched
 
 
 def _word_config_errors() -> None:

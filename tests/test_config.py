@@ -385,7 +385,16 @@ def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypa
         "Fix: use a number, e.g. cluster.device_memory_gb=0.0."
     ]
     for override, message in [  # a list's items, a null-able field, a list's element, a bool
-        ("data.mix=[{path:a,weight:x}]", "data.mix.weight = x: not a number (override data.mix=[{path:a,weight:x}]). Fix: use a number, "),
+        (  # the item is named by its index, and the fix is the whole override with that value replaced
+            "data.mix=[{path:a,weight:1},{path:b,weight:x}]",
+            "data.mix[1].weight = x: not a number (override data.mix=[{path:a,weight:1},{path:b,weight:x}]). Fix: use a number, "
+            "e.g. data.mix=[{path:a,weight:1},{path:b,weight:1.0}].",
+        ),
+        (
+            "optimizer.param_groups=[{pattern:'norm\\.weight$',weight_decay:abc}]",
+            "optimizer.param_groups[0].weight_decay = abc: not a number (override optimizer.param_groups=[{pattern:'norm\\.weight$',"
+            "weight_decay:abc}]). Fix: use a number, e.g. optimizer.param_groups=[{pattern:'norm\\.weight$',weight_decay:0.0}].",
+        ),
         ("cluster.num_nodes=two", "cluster.num_nodes = two: not an integer or null (override cluster.num_nodes=two). Fix: use an "),
         ("dryrun.ranks=[a]", "dryrun.ranks[0] = a: not an integer (override dryrun.ranks=[a]). Fix: use an integer, e.g. dryrun."),
         ("training.compile=maybe", "training.compile = maybe: not true or false (override training.compile=maybe). Fix: use true "),

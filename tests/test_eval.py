@@ -423,6 +423,45 @@ def test_no_weight_decay_on_norms_and_embeddings_under_the_switch(one_rank):
     assert "optimizer.param_groups[1].pattern = router\\.gate: matches no parameter of the model" in str(err)
 
 
+def test_param_groups_follow_titans_first_match_rule(compose, monkeypatch, capsys):
+    """TorchTitan gives a parameter to the first group whose pattern matches it: with [norm, ffn_norm] every ffn_norm
+    weight goes to group 0 and TorchTitan raises building the optimizer. `mode=validate` names group 1 (exit 2) and
+    its fix (the groups reordered) builds; the switch's group, left empty by a user group, is skipped, not raised."""
+    import re
+
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from runner.run.titan import optim
+    from runner.run.titan.model import model_spec
+    from tests.test_config import _here
+
+    override = "optimizer.param_groups=[{pattern:norm,weight_decay:0.0},{pattern:ffn_norm,weight_decay:0.0}]"
+    cfg = compose([override])
+    with torch.device("meta"):
+        model = model_spec(cfg.model).model.build()
+
+    def configs(c):
+        return [ParamGroupConfig(pattern=p, optimizer_name="AdamW", optimizer_kwargs={"weight_decay": d}) for p, d in optim.groups(c)]
+
+    with pytest.raises(ValueError, match="pattern 'ffn_norm' matched no parameters"):
+        OptimizersContainer._build_param_groups(model, configs(cfg), {})  # what a launch met after validation passed
+    code, err = _here(monkeypatch, capsys, override, "mode=validate")
+    assert code == 2 and err == (
+        "Invalid config (1 problem):\n  - optimizer.param_groups[1].pattern = ffn_norm: takes no parameter: every parameter "
+        "it matches goes to optimizer.param_groups[0] (pattern norm) first (TorchTitan gives a parameter to the first group "
+        "whose pattern matches it). Fix: put it first, optimizer.param_groups=[{pattern:'ffn_norm',weight_decay:0.0},"
+        "{pattern:'norm',weight_decay:0.0}], or narrow the earlier pattern.\n"
+    )
+    fixed = compose([re.search(r"optimizer\.param_groups=\[.*\]", err)[0]])
+    assert optim.unmatched(fixed, [n for n, _ in model.named_parameters()]) is None
+    OptimizersContainer._build_param_groups(model, configs(fixed), {})
+    fixed.optimizer.no_decay_1d_and_embeddings = True
+    fixed.optimizer.param_groups.append(schema.ParamGroup(pattern="embeddings"))  # the switch's group is left nothing
+    groups, _ = optim._container_class()._build_param_groups(model, configs(fixed), {})
+    n, total = cfg.model.num_layers, len(list(model.parameters()))
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups["AdamW"]] == [(n, 0.0), (n + 1, 0.0), (1, 0.0), (total - 2 * n - 2, 0.1)]
+
+
 def test_a_lasting_level_shift_is_skipped_at_most_max_consecutive_times(one_rank, tmp_path, capsys):
     """From step 8 on the guard sees 4 x the gradient norm (a level shift, not a spike): steps 8-10 are skipped
     (monitor.guard.max_consecutive 3), step 11 is accepted and the medians restart from it, and the run trains every

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import typing
 
 import pytest
@@ -244,3 +245,24 @@ def test_the_schedules_own_numbers_are_refused(compose):
         with pytest.raises(validate.ConfigError) as e:
             validate.check(compose(overrides))
         assert [str(p) for p in e.value.problems if str(p).startswith(message)], (message, [str(p) for p in e.value.problems])
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("optimizer.param_groups=[{pattern:norm,weight_decay:0.0},{pattern:'wo\\.weight',weight_decay:abc}]", "[1].weight_decay"),
+        ("optimizer.param_groups=[{pattern:norm,weight_decay:-1}]", "[0].weight_decay"),
+    ],
+    ids=["wrong_type", "negative"],
+)
+def test_a_wrong_field_of_a_param_group_is_named_by_index_with_a_fix_that_works(compose, override, field):
+    """A group's field is named with its index (`optimizer.param_groups[1].weight_decay`, not `...param_groups.weight_decay`)
+    and the fix is the whole override with that value corrected, which then composes and validates."""
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose([override]))
+    (p,) = e.value.problems
+    assert p.field == f"optimizer.param_groups{field}", str(p)
+    fix = re.search(r"(optimizer\.param_groups=\[.*\])", p.fix)[1]
+    cfg = compose([fix])
+    validate.check(cfg)
+    assert [g.weight_decay for g in cfg.optimizer.param_groups][-1] == 0.0

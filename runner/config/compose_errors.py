@@ -56,7 +56,34 @@ def problem(e: BaseException) -> Problem | None:
         return None
     where = re.match(r"Error merging override (\S+)|In '([^']+)'", str(e))
     source = f" (override {where[1]})" if where and where[1] else f" (in config '{where[2]}')" if where else ""
+    item = _list_item(key, str(e), err.value)
+    if item is not None:
+        return Problem(item[0], err.value, f"not {_phrase(hint)}{source}", f"use {_phrase(hint)}, e.g. {item[1]}")
     return Problem(key, err.value, f"not {_phrase(hint)}{source}", f"use {_phrase(hint)}, e.g. {_example(key.split('[')[0])}")
+
+
+def _list_item(key: str, message: str, value) -> tuple[str, str] | None:
+    """(`optimizer.param_groups[1].weight_decay`, the whole override with that value replaced by an example) for a
+    field of a list item given on the command line (`optimizer.param_groups=[{...},{...}]`), whose item OmegaConf's
+    error does not name; None for anything else."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    override = re.match(r"Error merging override (([^=\s]+)=.*)", message)
+    parent, _, name = key.rpartition(".")
+    if override is None or override[2] != parent or typing.get_origin(_hint(parent)) is not list:
+        return None
+    items = OverridesParser.create().parse_override(override[1]).value()
+    index = next((i for i, x in enumerate(items) if isinstance(x, dict) and name in x and str(x[name]) == str(value)), None)
+    if index is None:
+        return None
+    example = _example(key).rpartition("=")[2]
+    fixed = [dict(x, **{name: example}) if i == index else x for i, x in enumerate(items)]
+    body = ",".join("{" + ",".join(f"{k}:{_quoted(v)}" for k, v in x.items()) + "}" for x in fixed)
+    return f"{parent}[{index}].{name}", f"{parent}=[{body}]"
+
+
+def _quoted(v) -> str:
+    return f"'{v}'" if isinstance(v, str) and not re.fullmatch(r"[\w.\-]+", v) else _render(v)
 
 
 def _schema_key(full_key: str, message: str) -> str:

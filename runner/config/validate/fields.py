@@ -6,6 +6,7 @@ refuse at start-up, or what would silently turn a feature off.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -86,7 +87,20 @@ def _optimizer(cfg: RunConfig, out: list[Problem]) -> None:
                 )
             )
         if not g.weight_decay >= 0:
-            out.append(Problem(f"optimizer.param_groups[{i}].weight_decay", g.weight_decay, "must be >= 0", "use 0 for none"))
+            fixed = [dataclasses.replace(h, weight_decay=0.0) if h is g else h for h in o.param_groups]
+            out.append(
+                Problem(
+                    f"optimizer.param_groups[{i}].weight_decay",
+                    g.weight_decay,
+                    "must be >= 0",
+                    f"use 0 for none: {param_groups_override(fixed)}",
+                )
+            )
+
+
+def param_groups_override(groups) -> str:
+    """`optimizer.param_groups=[...]`: the groups as one command-line override (quote it for the shell)."""
+    return "optimizer.param_groups=[" + ",".join(f"{{pattern:'{g.pattern}',weight_decay:{g.weight_decay}}}" for g in groups) + "]"
 
 
 def _schedule(cfg: RunConfig, out: list[Problem]) -> None:
