@@ -58,6 +58,13 @@ def main(dcfg: DictConfig) -> float | None:
 def _param_groups(cfg) -> None:
     """Each optimizer.param_groups entry must take a parameter under TorchTitan's first-match rule, which needs the
     model's parameter names: built on the meta device (torch; the torch-free modes plan and search leave it out)."""
+    import importlib.util
+
+    from runner.config import families
+
+    package = families.FAMILIES[cfg.model.name].kernel_package if cfg.model.name in families.FAMILIES else ""
+    if package and importlib.util.find_spec(package) is None:
+        return  # the family's model module needs a GPU kernel package absent here: the launch, on a GPU machine, checks
     from runner.run.titan import optim
 
     unmatched = optim.unmatched(cfg, optim.parameter_names(cfg))
