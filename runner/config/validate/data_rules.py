@@ -181,7 +181,7 @@ def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: l
         name, folder, _, m = loaded[i]
         tokens, fraction = m["splits"]["eval"]["tokens"], m.get("eval_fraction")
         again = f"prepare {folder} again with a larger --eval-fraction" + (f" (it was {fraction})" if fraction is not None else "")
-        share = f"its share of eval.steps {e.steps} x global batch {batch}" if len(loaded) > 1 else f"eval.steps {e.steps} x global batch {batch}"
+        share = ("its share of " if len(loaded) > 1 else "") + f"eval.steps {e.steps} x global batch {batch}"
         out.append(
             Problem(
                 name,
