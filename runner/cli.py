@@ -90,7 +90,7 @@ def _word_config_errors() -> None:
             except Exception as e:
                 if utils._is_env_set("HYDRA_FULL_ERROR"):
                     raise
-                p = compose_errors.problem(e)
+                p = compose_errors.problem(e, *_overrides_and_dirs())
                 msg = compose_errors.yaml_message(e) or (str(validate.ConfigError([p])) if p else None)
                 if msg is None:
                     raise
@@ -101,6 +101,15 @@ def _word_config_errors() -> None:
 
     run_and_report.worded = True
     utils.run_and_report = run_and_report
+
+
+def _overrides_and_dirs() -> tuple[list[str], list[Path]]:
+    """The command line's overrides and the config search path's folders (`--config-dir`, conf/, hydra.searchpath)."""
+    # private_api: hydra_get_args_parser
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
+    return args.overrides, compose_errors.search_dirs(args.overrides, compose.CONF, args.config_dir)
 
 
 def refuse_cut_replay(argv: list[str]) -> None:
