@@ -252,8 +252,9 @@ def test_the_schedules_own_numbers_are_refused(compose):
     [
         ("optimizer.param_groups=[{pattern:norm,weight_decay:0.0},{pattern:'wo\\.weight',weight_decay:abc}]", "[1].weight_decay"),
         ("optimizer.param_groups=[{pattern:norm,weight_decay:-1}]", "[0].weight_decay"),
+        ("optimizer.param_groups=[{pattern:'wo\\.weight',weight_decay:0.0},{pattern:'norm(',weight_decay:0.0}]", "[1].pattern"),
     ],
-    ids=["wrong_type", "negative"],
+    ids=["wrong_type", "negative", "not_a_regex"],
 )
 def test_a_wrong_field_of_a_param_group_is_named_by_index_with_a_fix_that_works(compose, override, field):
     """A group's field is named with its index (`optimizer.param_groups[1].weight_decay`, not `...param_groups.weight_decay`)
@@ -263,6 +264,4 @@ def test_a_wrong_field_of_a_param_group_is_named_by_index_with_a_fix_that_works(
     (p,) = e.value.problems
     assert p.field == f"optimizer.param_groups{field}", str(p)
     fix = re.search(r"(optimizer\.param_groups=\[.*\])", p.fix)[1]
-    cfg = compose([fix])
-    validate.check(cfg)
-    assert [g.weight_decay for g in cfg.optimizer.param_groups][-1] == 0.0
+    validate.check(compose([fix]))

@@ -71,31 +71,23 @@ def _optimizer(cfg: RunConfig, out: list[Problem]) -> None:
             Problem("optimizer.weight_decay", o.weight_decay, f"{o.name.value} rejects a negative weight decay", "use 0 for none, e.g. 0.1")
         )
     for i, g in enumerate(o.param_groups):
+        field, norm = f"optimizer.param_groups[{i}]", _replaced(o.param_groups, i, pattern="norm")
         try:
             re.compile(g.pattern)
         except re.error as e:
-            out.append(
-                Problem(f"optimizer.param_groups[{i}].pattern", g.pattern, f"not a regular expression ({e})", "fix the pattern, e.g. norm")
-            )
+            out.append(Problem(f"{field}.pattern", g.pattern, f"not a regular expression ({e})", f"fix the pattern, e.g. {norm}"))
         if not g.pattern:
             out.append(
-                Problem(
-                    f"optimizer.param_groups[{i}].pattern",
-                    g.pattern,
-                    "an empty pattern takes every parameter",
-                    "name the parameters, e.g. norm",
-                )
+                Problem(f"{field}.pattern", g.pattern, "an empty pattern takes every parameter", f"name the parameters, e.g. {norm}")
             )
         if not g.weight_decay >= 0:
-            fixed = [dataclasses.replace(h, weight_decay=0.0) if h is g else h for h in o.param_groups]
-            out.append(
-                Problem(
-                    f"optimizer.param_groups[{i}].weight_decay",
-                    g.weight_decay,
-                    "must be >= 0",
-                    f"use 0 for none: {param_groups_override(fixed)}",
-                )
-            )
+            fixed = _replaced(o.param_groups, i, weight_decay=0.0)
+            out.append(Problem(f"{field}.weight_decay", g.weight_decay, "must be >= 0", f"use 0 for none: {fixed}"))
+
+
+def _replaced(groups: list, i: int, **change) -> str:
+    """The override of the groups with group i's fields changed: a fix that names the whole list, as it is given."""
+    return param_groups_override([dataclasses.replace(g, **change) if k == i else g for k, g in enumerate(groups)])
 
 
 def param_groups_override(groups) -> str:
