@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 import re
 import types
 import typing
@@ -241,7 +242,8 @@ def _config_file(name: str, dirs: list[Path]) -> Path | None:
 def _asking_files(group: str, option: str, dirs: list[Path]) -> list[Path]:
     """Config files whose defaults list picks `option` of `group` (`- override /model: x`, `- /model: x`, `- model: x`)."""
     line = re.compile(rf"^\s*-\s*(override\s+)?/?{re.escape(group)}\s*:\s*['\"]?{re.escape(option)}['\"]?\s*(#.*)?$", re.M)
-    return [p for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml")) if line.search(p.read_text(errors="replace"))]
+    files = [Path(root) / f for d in dirs for root, _, names in os.walk(d, followlinks=True) for f in names if f.endswith(".yaml")]
+    return [p for p in sorted(files) if line.search(p.read_text(errors="replace"))]  # followlinks: conf/recipe -> recipes/
 
 
 def _missing_option(err, overrides: list[str], dirs: list[Path]) -> Problem | None:
