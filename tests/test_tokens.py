@@ -349,6 +349,8 @@ def test_mixture_proportions_hold_and_indices_are_dense(weights):
         assert abs(len(ks) / n - w / sum(weights)) < 0.01
         assert ks == list(range(len(ks)))  # within-source index: every sample of the source once, in order
     assert picks == [order.Mixture(weights)(g) for g in range(n)]
+    for m in (0, 1, 7, 999, n):  # counts(m): how many of the first m samples each source feeds, without walking them
+        assert mix.counts(m) == [sum(1 for src, _ in picks[:m] if src == s) for s in range(len(weights))]
 
 
 # ---- reader ---------------------------------------------------------------------------------------------
