@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -30,6 +31,7 @@ MODES = {
     Mode.search: modes.search,
 }
 """The modes that start no training; mode=train launches (runner.sweep.train)."""
+FIX_OVERRIDE = "Fix the override or config file named above; `python -m runner --help` lists the groups."
 
 
 @hydra.main(version_base="1.3", config_path=str(compose.CONF), config_name="config")
@@ -73,9 +75,11 @@ def _param_groups(cfg) -> None:
 
 
 def _word_config_errors() -> None:
-    """Hydra reports what fails while it composes through `run_and_report`: a YAML syntax error as its traceback,
-    a value of the wrong type as OmegaConf's raw text. Word those two (runner.config.compose_errors) and exit 2;
-    leave the rest to Hydra, and everything to it when HYDRA_FULL_ERROR=1 asks for the full traceback."""
+    """Hydra reports what fails while it composes through `run_and_report`, with its traceback hint: a YAML syntax
+    error as its traceback, a value of the wrong type as OmegaConf's raw text, a key the schema lacks or a group option
+    that does not exist in its own words. Word those (runner.config.compose_errors), keep Hydra's words for its other
+    composition and override-grammar errors (they name the override) without the hint, and exit 2; leave everything
+    else to Hydra, and everything to it when HYDRA_FULL_ERROR=1 asks for the full traceback."""
     # private_api: hydra_run_and_report, hydra_is_env_set
     from hydra._internal import utils
 
@@ -92,6 +96,8 @@ def _word_config_errors() -> None:
                     raise
                 p = compose_errors.problem(e, *_overrides_and_dirs())
                 msg = compose_errors.yaml_message(e) or (str(validate.ConfigError([p])) if p else None)
+                if msg is None and isinstance(e, ConfigCompositionException | OverrideParseException):
+                    msg = f"{e}\n{FIX_OVERRIDE}"  # Hydra's own words (they name the override), not its traceback hint
                 if msg is None:
                     raise
                 print(msg, file=sys.stderr)
@@ -134,7 +140,7 @@ def cli() -> None:
         main()
     except SystemExit as e:
         if e.code == 1 and not sweep.STATE.entered:  # Hydra rejected the command line or a config file
-            print("Fix the override or config file named above; `python -m runner --help` lists the groups.", file=sys.stderr)
+            print(FIX_OVERRIDE, file=sys.stderr)
             sys.exit(2)
         if "torch" in sys.modules and isinstance(e.code, int):
             _fast_exit(e.code)

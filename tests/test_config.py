@@ -491,6 +491,23 @@ def test_hydras_composition_errors_are_worded_as_the_runners(monkeypatch, capsys
         validate.check(compose([fix]))
 
 
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("+training.steps=1", "Could not append to config. An item is already at 'training.steps'."),
+        ("~training.stepz", "Could not delete from config. 'training.stepz' does not exist."),
+        ("training.steps=[1", "no viable alternative at input '[1'"),
+    ],
+)
+def test_hydras_other_composition_errors_keep_its_words_without_its_hint(monkeypatch, capsys, override, words):
+    """Hydra's other refusals name the override themselves: its words, the runner's fix line, exit 2, no hint."""
+    from runner import cli
+
+    code, err = _here(monkeypatch, capsys, override, "mode=validate")
+    assert code == 2 and err.startswith(words) and err.endswith(f"{cli.FIX_OVERRIDE}\n"), err
+    assert "HYDRA_FULL_ERROR" not in err and "Traceback" not in err
+
+
 def test_every_composition_refuses_a_key_the_schema_lacks(capsys):
     """The command line, the tests' compose and `python -m runner.calibrate --variant` compose through
     runner.config.compose, which refuses `+typo=` (the calibration's own composition once skipped that check)."""
