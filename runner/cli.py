@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -30,6 +31,7 @@ MODES = {
     Mode.search: modes.search,
 }
 """The modes that start no training; mode=train launches (runner.sweep.train)."""
+FIX_OVERRIDE = "Fix the override or config file named above; `python -m runner --help` lists the groups."
 
 
 @hydra.main(version_base="1.3", config_path=str(compose.CONF), config_name="config")
@@ -43,15 +45,11 @@ def main(dcfg: DictConfig) -> float | None:
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit
         for w in validate.warnings(cfg):
             print(f"WARNING: {w}", file=sys.stderr)
+        if cfg.optimizer.param_groups and cfg.mode not in (Mode.plan, Mode.search):
+            _param_groups(cfg)
         if cfg.mode != Mode.train:
             return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
         validate.preflight(cfg, run_dir, lay)
-        if cfg.optimizer.param_groups:  # the model's parameter names, on the meta device: each pattern must match one
-            from runner.run.titan import optim
-
-            unmatched = optim.unmatched(cfg, optim.parameter_names(cfg))
-            if unmatched is not None:
-                raise unmatched
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if sweep.multirun():
             return sweep.invalid_point(e, run_dir)
@@ -59,10 +57,29 @@ def main(dcfg: DictConfig) -> float | None:
     return sweep.train(cfg, lay, run_dir)
 
 
+def _param_groups(cfg) -> None:
+    """Each optimizer.param_groups entry must take a parameter under TorchTitan's first-match rule, which needs the
+    model's parameter names: built on the meta device (torch; the torch-free modes plan and search leave it out)."""
+    import importlib.util
+
+    from runner.config import families
+
+    package = families.FAMILIES[cfg.model.name].kernel_package if cfg.model.name in families.FAMILIES else ""
+    if package and importlib.util.find_spec(package) is None:
+        return  # the family's model module needs a GPU kernel package absent here: the launch, on a GPU machine, checks
+    from runner.run.titan import optim
+
+    unmatched = optim.unmatched(cfg, optim.parameter_names(cfg))
+    if unmatched is not None:
+        raise unmatched
+
+
 def _word_config_errors() -> None:
-    """Hydra reports what fails while it composes through `run_and_report`: a YAML syntax error as its traceback,
-    a value of the wrong type as OmegaConf's raw text. Word those two (runner.config.compose_errors) and exit 2;
-    leave the rest to Hydra, and everything to it when HYDRA_FULL_ERROR=1 asks for the full traceback."""
+    """Hydra reports what fails while it composes through `run_and_report`, with its traceback hint: a YAML syntax
+    error as its traceback, a value of the wrong type as OmegaConf's raw text, a key the schema lacks or a group option
+    that does not exist in its own words. Word those (runner.config.compose_errors), keep Hydra's words for its other
+    composition and override-grammar errors (they name the override) without the hint, and exit 2; leave everything
+    else to Hydra, and everything to it when HYDRA_FULL_ERROR=1 asks for the full traceback."""
     # private_api: hydra_run_and_report, hydra_is_env_set
     from hydra._internal import utils
 
@@ -77,8 +94,10 @@ def _word_config_errors() -> None:
             except Exception as e:
                 if utils._is_env_set("HYDRA_FULL_ERROR"):
                     raise
-                p = compose_errors.problem(e)
+                p = compose_errors.problem(e, *_overrides_and_dirs())
                 msg = compose_errors.yaml_message(e) or (str(validate.ConfigError([p])) if p else None)
+                if msg is None and isinstance(e, ConfigCompositionException | OverrideParseException):
+                    msg = f"{e}\n{FIX_OVERRIDE}"  # Hydra's own words (they name the override), not its traceback hint
                 if msg is None:
                     raise
                 print(msg, file=sys.stderr)
@@ -88,6 +107,15 @@ def _word_config_errors() -> None:
 
     run_and_report.worded = True
     utils.run_and_report = run_and_report
+
+
+def _overrides_and_dirs() -> tuple[list[str], list[Path]]:
+    """The command line's overrides and the config search path's folders (`--config-dir`, conf/, hydra.searchpath)."""
+    # private_api: hydra_get_args_parser
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
+    return args.overrides, compose_errors.search_dirs(args.overrides, compose.CONF, args.config_dir)
 
 
 def refuse_cut_replay(argv: list[str]) -> None:
@@ -112,7 +140,7 @@ def cli() -> None:
         main()
     except SystemExit as e:
         if e.code == 1 and not sweep.STATE.entered:  # Hydra rejected the command line or a config file
-            print("Fix the override or config file named above; `python -m runner --help` lists the groups.", file=sys.stderr)
+            print(FIX_OVERRIDE, file=sys.stderr)
             sys.exit(2)
         if "torch" in sys.modules and isinstance(e.code, int):
             _fast_exit(e.code)

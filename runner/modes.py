@@ -159,7 +159,7 @@ def _precision_lines(cfg: RunConfig) -> list[str]:
         mfu += f"; mfu_of_gemm_peak against the {gemm} one" + (f", {gemm_peak:g} TFLOP/s" if gemm_peak else "")
     return [
         f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
-        f"(kept in {pr.param_dtype.value}: {', '.join(kept) or 'none'})",
+        f"(kept in {pr.param_dtype.value}: {precision.by_pattern(kept) or 'none'})",
         mfu + (" (FP8 emulated on CPU)" if emulated else ""),
         *([FP8_TERMS] if fp8_model.cost(cfg) else []),
         *([f"  routed experts: {precision.grouped_experts(cfg)}"] if precision.grouped_experts(cfg) else []),

@@ -281,13 +281,13 @@ def _no_traceback_exit2(proc):
     "args,message",
     [
         (["parallelism.tp=3"], "parallelism.tp = 3: must divide model.num_heads"),
-        (["training.stepz=3"], "Key 'stepz' not in 'TrainingConfig'"),
+        (["training.stepz=3"], "training.stepz = 3: not a field of TrainingConfig (override training.stepz=3)"),
         (
             ["training.steps=abc"],
             "Invalid config (1 problem):\n  - training.steps = abc: not an integer (override training.steps=abc). "
             "Fix: use an integer, e.g. training.steps=10.",
         ),
-        (["parallelism=nope"], "Could not find 'parallelism/nope'"),
+        (["parallelism=nope"], "parallelism = nope: not an option of the parallelism group (override parallelism=nope)"),
         (
             ["precision.param_dtype=float16"],
             "precision.param_dtype = float16: not one of float32, bfloat16 (override precision.param_dtype=float16). "
@@ -372,7 +372,16 @@ def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypa
         "Fix: use a number, e.g. cluster.device_memory_gb=0.0."
     ]
     for override, message in [  # a list's items, a null-able field, a list's element, a bool
-        ("data.mix=[{path:a,weight:x}]", "data.mix.weight = x: not a number (override data.mix=[{path:a,weight:x}]). Fix: use a number, "),
+        (  # the item is named by its index, and the fix is the whole override with that value replaced
+            "data.mix=[{path:a,weight:1},{path:b,weight:x}]",
+            "data.mix[1].weight = x: not a number (override data.mix=[{path:a,weight:1},{path:b,weight:x}]). Fix: use a number, "
+            "e.g. data.mix=[{path:a,weight:1},{path:b,weight:1.0}].",
+        ),
+        (
+            "optimizer.param_groups=[{pattern:'norm\\.weight$',weight_decay:abc}]",
+            "optimizer.param_groups[0].weight_decay = abc: not a number (override optimizer.param_groups=[{pattern:'norm\\.weight$',"
+            "weight_decay:abc}]). Fix: use a number, e.g. optimizer.param_groups=[{pattern:'norm\\.weight$',weight_decay:0.0}].",
+        ),
         ("cluster.num_nodes=two", "cluster.num_nodes = two: not an integer or null (override cluster.num_nodes=two). Fix: use an "),
         ("dryrun.ranks=[a]", "dryrun.ranks[0] = a: not an integer (override dryrun.ranks=[a]). Fix: use an integer, e.g. dryrun."),
         ("training.compile=maybe", "training.compile = maybe: not true or false (override training.compile=maybe). Fix: use true "),
@@ -385,6 +394,105 @@ def test_a_value_of_the_wrong_type_is_a_problem_naming_type_and_example(monkeypa
         "Invalid config (1 problem):\n  - optimizer.lr = [1, 2]: not a number (override optimizer.lr=[1,2]). "
         "Fix: use a number, e.g. optimizer.lr=0.0008.\n"
     )
+
+
+USER_RECIPES = {
+    "bad_option": "# @package _global_\ndefaults:\n  - override /model: llama3_8\n",
+    "bad_key": "# @package _global_\ntraining:\n  stepz: 3\n",
+    "bad_nested_key": "# @package _global_\nmonitor:\n  guard:\n    windw: 5\n",
+}
+"""A user's own recipes (`--config-dir <folder>`, `recipe/<name>.yaml`), each with one mistake Hydra refuses."""
+
+
+@pytest.mark.parametrize(
+    "argv,line,fix",
+    [
+        (["foo=1"], "foo = 1: not a field of RunConfig (override foo=1). Fix: remove it; the fields here are mode, model,", None),
+        (
+            ["training.stepz=1"],
+            "training.stepz = 1: not a field of TrainingConfig (override training.stepz=1). Fix: did you mean training.steps?",
+            "training.steps=1",
+        ),
+        (
+            ["optimizer.param_groups=[{pattern:norm,weight_decy:0}]"],
+            "optimizer.param_groups[0].weight_decy = 0: not a field of ParamGroup (override optimizer.param_groups=[{pattern:norm,"
+            "weight_decy:0}]). Fix: did you mean weight_decay? optimizer.param_groups=[{pattern:norm,weight_decay:0}] (the fields "
+            "of an item are pattern, weight_decay).",
+            "optimizer.param_groups=[{pattern:norm,weight_decay:0}]",
+        ),
+        (
+            ["model=llama3_8"],
+            "model = llama3_8: not an option of the model group (override model=llama3_8). Fix: use model=llama3_8b (the "
+            "closest; also llama3_3b, llama3_1b); `python -m runner --help` lists the 40 options.",
+            "model=llama3_8b",
+        ),
+        (
+            ["recipe=nope"],
+            "recipe = nope: not an option of the recipe group (override recipe=nope). Fix: use recipe=<option>; the options: "
+            "debug_dp2_tp2_cpu, deepseek_v3_671b_h800x2048,",
+            None,
+        ),
+        (
+            ["--config-dir", "{mine}", "recipe=bad_option"],
+            "model = llama3_8: not an option of the model group (asked by {mine}/recipe/bad_option.yaml). Fix: use "
+            "`- override /model: llama3_8b` in that file (the closest; also llama3_3b, llama3_1b);",
+            None,
+        ),
+        (
+            ["--config-dir", "{mine}", "recipe=bad_key"],
+            "training.stepz = 3: not a field of TrainingConfig (in recipe/bad_key: {mine}/recipe/bad_key.yaml). Fix: did you "
+            "mean training.steps?",
+            None,
+        ),
+        (
+            ["--config-dir", "{mine}", "recipe=bad_nested_key"],
+            "monitor.guard.windw = 5: not a field of LossGuardConfig (in recipe/bad_nested_key: {mine}/recipe/bad_nested_key.yaml). "
+            "Fix: did you mean monitor.guard.window?",
+            None,
+        ),
+    ],
+    ids=[
+        "top_level_key",
+        "nested_key",
+        "param_group_key",
+        "option",
+        "recipe_option",
+        "user_recipe_option",
+        "user_recipe_key",
+        "user_recipe_nested_key",
+    ],
+)
+def test_hydras_composition_errors_are_worded_as_the_runners(monkeypatch, capsys, tmp_path, compose, argv, line, fix):
+    """What Hydra refuses while composing (a key without `+`, at the top and nested; a group option that does not exist,
+    on the command line or asked by a user's recipe; a key a schema lacks inside a user's recipe file) reads as every
+    other problem: the key or option, the override or file that asked, the closest names, the fix; exit 2, no Hydra
+    hint to set HYDRA_FULL_ERROR. A fix that is an override composes."""
+    mine = tmp_path / "mine"
+    (mine / "recipe").mkdir(parents=True)
+    for name, text in USER_RECIPES.items():
+        (mine / "recipe" / f"{name}.yaml").write_text(text)
+    code, err = _here(monkeypatch, capsys, *(a.replace("{mine}", str(mine)) for a in argv), "mode=validate")
+    assert code == 2 and "HYDRA_FULL_ERROR" not in err and "Traceback" not in err, err
+    assert err.startswith(f"Invalid config (1 problem):\n  - {line.replace('{mine}', str(mine))}"), err
+    if fix:
+        validate.check(compose([fix]))
+
+
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("+training.steps=1", "Could not append to config. An item is already at 'training.steps'."),
+        ("~training.stepz", "Could not delete from config. 'training.stepz' does not exist."),
+        ("training.steps=[1", "no viable alternative at input '[1'"),
+    ],
+)
+def test_hydras_other_composition_errors_keep_its_words_without_its_hint(monkeypatch, capsys, override, words):
+    """Hydra's other refusals name the override themselves: its words, the runner's fix line, exit 2, no hint."""
+    from runner import cli
+
+    code, err = _here(monkeypatch, capsys, override, "mode=validate")
+    assert code == 2 and err.startswith(words) and err.endswith(f"{cli.FIX_OVERRIDE}\n"), err
+    assert "HYDRA_FULL_ERROR" not in err and "Traceback" not in err
 
 
 def test_every_composition_refuses_a_key_the_schema_lacks(capsys):

@@ -365,6 +365,39 @@ def test_the_logged_learning_rate_is_torchtitans_schedule(one_rank, tmp_path, de
         assert min(expected[warmup:]) >= floor * peak
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [["training.steps=1"], ["training.steps=10", "lr_scheduler.warmup_steps=3", "lr_scheduler.decay_ratio=0.8"]],
+    ids=["smoke_step", "decay_clipped"],
+)
+def test_a_clipped_schedule_is_torchtitans_without_its_warning(compose, caplog, overrides):
+    """A warm-up or decay longer than the run trains TorchTitan's clipped schedule (the same rates step by step), and
+    TorchTitan's own "Adjusting ..." warning stays off: the runner's validation already said it in one line."""
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    from runner.run.titan import optim
+
+    cfg = compose(overrides)
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    with caplog.at_level("WARNING"):
+        opt, sched = optim.build_optimizer(cfg, [torch.nn.Linear(2, 2)])
+    assert [r.getMessage() for r in caplog.records if "Adjusting" in r.getMessage()] == []
+    ref_opt = default_adamw(lr=cfg.optimizer.lr).build(model_parts=[torch.nn.Linear(2, 2)])
+    with caplog.at_level("WARNING"):
+        ref = LRSchedulersContainer.Config(
+            warmup_steps=s.warmup_steps, decay_type=s.decay_type.value, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor
+        ).build(optimizers=ref_opt, training_steps=steps)
+    assert any("Adjusting" in r.getMessage() for r in caplog.records)  # TorchTitan clips the same numbers, with its warning
+    got, want = [], []
+    for _ in range(steps):
+        got.append(optim.current_lr(opt))
+        want.append(ref_opt.optimizers[0].param_groups[0]["lr"])
+        sched.step()
+        ref.step()
+    assert got == want
+
+
 def test_no_weight_decay_on_norms_and_embeddings_under_the_switch(one_rank):
     """optimizer.no_decay_1d_and_embeddings: the norm weights and the token embeddings land in a group with weight decay
     0, a Linear weight in the default group with optimizer.weight_decay; a pattern that matches no parameter is named."""
@@ -389,6 +422,45 @@ def test_no_weight_decay_on_norms_and_embeddings_under_the_switch(one_rank):
     err = optim.unmatched(cfg, names)
     assert err is not None and [p.field for p in err.problems] == ["optimizer.param_groups[1].pattern"]
     assert "optimizer.param_groups[1].pattern = router\\.gate: matches no parameter of the model" in str(err)
+
+
+def test_param_groups_follow_titans_first_match_rule(compose, monkeypatch, capsys):
+    """TorchTitan gives a parameter to the first group whose pattern matches it: with [norm, ffn_norm] every ffn_norm
+    weight goes to group 0 and TorchTitan raises building the optimizer. `mode=validate` names group 1 (exit 2) and
+    its fix (the groups reordered) builds; the switch's group, left empty by a user group, is skipped, not raised."""
+    import re
+
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from runner.run.titan import optim
+    from runner.run.titan.model import model_spec
+    from tests.test_config import _here
+
+    override = "optimizer.param_groups=[{pattern:norm,weight_decay:0.0},{pattern:ffn_norm,weight_decay:0.0}]"
+    cfg = compose([override])
+    with torch.device("meta"):
+        model = model_spec(cfg.model).model.build()
+
+    def configs(c):
+        return [ParamGroupConfig(pattern=p, optimizer_name="AdamW", optimizer_kwargs={"weight_decay": d}) for p, d in optim.groups(c)]
+
+    with pytest.raises(ValueError, match="pattern 'ffn_norm' matched no parameters"):
+        OptimizersContainer._build_param_groups(model, configs(cfg), {})  # what a launch met after validation passed
+    code, err = _here(monkeypatch, capsys, override, "mode=validate")
+    assert code == 2 and err == (
+        "Invalid config (1 problem):\n  - optimizer.param_groups[1].pattern = ffn_norm: takes no parameter: every parameter "
+        "it matches goes to optimizer.param_groups[0] (pattern norm) first (TorchTitan gives a parameter to the first group "
+        "whose pattern matches it). Fix: put it first, optimizer.param_groups=[{pattern:'ffn_norm',weight_decay:0.0},"
+        "{pattern:'norm',weight_decay:0.0}], or narrow the earlier pattern.\n"
+    )
+    fixed = compose([re.search(r"optimizer\.param_groups=\[.*\]", err)[0]])
+    assert optim.unmatched(fixed, [n for n, _ in model.named_parameters()]) is None
+    OptimizersContainer._build_param_groups(model, configs(fixed), {})
+    fixed.optimizer.no_decay_1d_and_embeddings = True
+    fixed.optimizer.param_groups.append(schema.ParamGroup(pattern="embeddings"))  # the switch's group is left nothing
+    groups, _ = optim._container_class()._build_param_groups(model, configs(fixed), {})
+    n, total = cfg.model.num_layers, len(list(model.parameters()))
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups["AdamW"]] == [(n, 0.0), (n + 1, 0.0), (1, 0.0), (total - 2 * n - 2, 0.1)]
 
 
 def test_a_lasting_level_shift_is_skipped_at_most_max_consecutive_times(one_rank, tmp_path, capsys):

@@ -205,3 +205,29 @@ def test_head_dim_apart_from_width_validates(compose):
     gpu = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]
     validate.check(compose(["model=gpt_oss_20b", *gpu]))
     validate.check(compose(["model=qwen3_5_9b", *gpu]))
+
+
+DEBUG_FLAVORS = [(name, f) for name, fam in families.FAMILIES.items() for f in fam.flavors if f.startswith("debugmodel")]
+
+
+@pytest.mark.parametrize("family,flavor", DEBUG_FLAVORS, ids=[f"{a}-{b}" for a, b in DEBUG_FLAVORS])
+def test_no_decay_switch_takes_every_1d_parameter_and_the_embeddings(family, flavor):
+    """optimizer.no_decay_1d_and_embeddings' group (runner.run.titan.optim.NO_DECAY) takes exactly the token embeddings
+    and the parameters that are 1-D per unit (a grouped expert weight counts per expert): gpt-oss's attention sinks and
+    expert biases included, which it once decayed. Every family's debug flavors, built on the meta device."""
+    import torch
+
+    from runner.run.titan.optim import NO_DECAY
+
+    with gen().kernel_placeholders(family), torch.device("meta"), no_rope_tables():
+        model = gen().registry(family)[0].model_registry(flavor).model.build()
+    wanted, taken = set(), set()
+    for name, p in model.named_parameters():
+        per_unit = p.ndim - ("inner_experts" in name)  # (experts, ...) holds one tensor per expert
+        if per_unit == 1 or name.startswith("tok_embeddings."):
+            wanted.add(name)
+        if re.search(NO_DECAY, name):
+            taken.add(name)
+    assert taken == wanted, (sorted(taken - wanted)[:5], sorted(wanted - taken)[:5])
+    if family == "gpt_oss":
+        assert {"layers.0.attention.sinks", "layers.0.moe.routed_experts.inner_experts.mlp1_bias_EG"} <= taken

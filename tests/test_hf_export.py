@@ -358,3 +358,25 @@ def test_sigmoid_router_flavors_are_the_registry_ones():
             for name in ("debugmodel", "16B", "671B")
         }
         assert sorted(f for f, s in scores.items() if s == "sigmoid") == sorted(flavors), scores
+
+
+def test_the_export_keeps_dcps_single_process_notice_off_the_console(saved, tmp_path, monkeypatch):
+    """`python -m runner.export` reads a checkpoint in one process (DCP's no_dist): torch's "torch.distributed is
+    disabled ... assuming the intent is to load in a single process", registered with runner.run.known_warnings, is
+    not shown (every export printed it)."""
+    import runpy
+    import sys
+    import warnings
+
+    from runner.run import known_warnings
+
+    _, _, ckpt = saved["llama3_gqa_tied"]  # the module's checkpoints: nothing saved for this test alone
+    monkeypatch.setattr(sys, "argv", ["runner.export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")])
+    try:
+        with warnings.catch_warnings(record=True) as got, pytest.raises(SystemExit) as e:
+            warnings.simplefilter("always")
+            runpy.run_module("runner.export", run_name="__main__")
+    finally:
+        known_warnings.apply(False)
+    assert e.value.code == 0 and (tmp_path / "hf" / "config.json").is_file()
+    assert [str(w.message) for w in got if "torch.distributed is disabled" in str(w.message)] == []

@@ -362,3 +362,15 @@ def test_gpu_blockwise_linear_adds_its_bias(monkeypatch):
     x = torch.randn(2, 3, 128)
     assert isinstance(layer, linear.Float8BlockwiseLinear)
     assert torch.equal(layer(x), x @ layer.weight.T + layer.bias)
+
+
+def test_the_kept_layers_are_summarised_by_pattern(compose):
+    """mode=validate's precision line of DeepSeek-V3 671B listed all 120 kept layers (~3,300 characters); it summarises
+    them by pattern with counts, as the FP8 start-up line does."""
+    from runner import modes
+
+    line = modes._precision_lines(compose(["recipe=deepseek_v3_671b_h800x2048"]))[0]
+    assert line == (
+        "  precision fp8_blockwise: 427 of 547 Linear layers in FP8 blockwise "
+        "(kept in bfloat16: lm_head, layers.*.attention.wkv_a x61, layers.*.moe.router.gate x58)"
+    )

@@ -150,3 +150,35 @@ def test_library_log_lines_take_the_runners_format(capsys):
     finally:
         root.handlers[:] = before[1]
         root.setLevel(before[0])
+
+
+def test_a_resumed_schedule_warns_only_in_the_rank_logs(compose):
+    """TorchTitan's LRSchedulersContainer.load_state_dict (a resumed run) calls get_lr() outside step(): torch's
+    "please use `get_last_lr()`" UserWarning, registered with runner.run.known_warnings, stays off the console; the rate
+    it sets is the schedule's at the restored step."""
+    import warnings
+
+    import torch
+
+    from runner.run import known_warnings
+    from runner.run.titan import optim
+
+    cfg = compose(["training.steps=10"])
+    _, fresh = optim.build_optimizer(cfg, [torch.nn.Linear(2, 2)])
+    for _ in range(3):
+        fresh.step()
+
+    def resumed(console: bool) -> tuple[list[str], float]:
+        opt, sched = optim.build_optimizer(cfg, [torch.nn.Linear(2, 2)])
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            known_warnings.apply(console)
+            sched.load_state_dict(fresh.state_dict())
+        return [str(w.message) for w in got if "get_last_lr" in str(w.message)], sched.schedulers[0].get_last_lr()[0]
+
+    try:
+        assert resumed(console=True) == ([], fresh.schedulers[0].get_last_lr()[0])
+        shown, _ = resumed(console=False)  # a rank whose output is its log file keeps it
+        assert shown == ["To get the last learning rate computed by the scheduler, please use `get_last_lr()`."]
+    finally:
+        known_warnings.apply(False)

@@ -287,6 +287,47 @@ def test_validate_names_the_key_a_manifest_lacks(compose, small, tmp_path):
         assert got[0].why.startswith(f"{folder / manifest.MANIFEST} {why}") and "python -m runner.data prepare" in got[0].fix, got[0]
 
 
+def test_a_held_out_split_too_small_for_evaluation_is_refused_before_launch(compose, small, tmp_path, capsys):
+    """eval.steps global batches of the held-out split must fit in it (every rank once failed at start-up): refused by
+    mode=validate and the preflight from the manifests' counts, for data.path and each folder of a data.mix, with a fix
+    that fits prepared folders (eval.steps that fits, or --eval-fraction; not data=text's data.eval_files); and
+    `runner.data prepare` warns when the split it writes is empty or shorter than one pass of the defaults."""
+    held = (manifest.load(small.prepared)["splits"]["eval"]["tokens"] - 1) // 16  # samples of seq_len + 1 = 17 tokens
+    assert held == 10
+    base = ["data=tokens", "training.seq_len=16", "eval.interval=3"]
+    cfg = compose(["mode=validate", *base, f"data.path={small.prepared}", "eval.steps=2"])
+    with pytest.raises(ConfigError) as e:
+        validate.check(cfg)
+    assert [str(p) for p in e.value.problems] == [
+        f"data.path = {small.prepared}: its held-out split holds 10 samples of training.seq_len + 1 = 17 tokens (168 tokens), "
+        "fewer than the 16 an evaluation pass reads (eval.steps 2 x global batch 8). Fix: use eval.steps=1, or prepare "
+        f"{small.prepared} again with a larger --eval-fraction (it was {text_assets.FRACTION})."
+    ]
+    fixed = compose([*base, f"data.path={small.prepared}", "eval.steps=1"])
+    validate.preflight(fixed, tmp_path / "run")  # the fix passes
+    with pytest.raises(ConfigError, match="its held-out split holds 10 samples"):
+        validate.preflight(compose([*base, f"data.path={small.prepared}", "eval.steps=2"]), tmp_path / "run")
+    assert _prepare([small.corpus], small.tok, tmp_path / "none", "--eval-fraction", "0.001") == 0  # 40 documents: none held out
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "WARNING: the held-out split is empty: a run with eval.interval > 0 on this folder is refused. "
+        "Fix: prepare again with a larger --eval-fraction (now 0.001)."
+    )
+    mix = f"data.mix=[{{path:{small.prepared},weight:1}},{{path:{tmp_path / 'none'},weight:1}}]"
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(compose([*base, mix, "eval.steps=1"]), tmp_path / "run")
+    assert [str(p) for p in e.value.problems] == [
+        f"data.mix[1].path = {tmp_path / 'none'}: its held-out split holds 0 samples of training.seq_len + 1 = 17 tokens "
+        "(0 tokens), fewer than the 4 an evaluation pass reads (its share of eval.steps 1 x global batch 8). "
+        f"Fix: prepare {tmp_path / 'none'} again with a larger --eval-fraction (it was 0.001), or set eval.interval=0 to "
+        "evaluate nothing."
+    ]
+    assert cli.held_out_warning({"tokens": 168, "documents": 2}, 0.05).startswith(
+        "WARNING: the held-out split holds 168 tokens, fewer than one evaluation pass of the defaults reads (eval.steps 4 x "
+        "training.global_batch_size 8 x training.seq_len 256 + 1 = 8,193)"
+    )
+    assert cli.held_out_warning({"tokens": 0, "documents": 0}, 0.0) is None  # none asked for
+
+
 # ---- order ----------------------------------------------------------------------------------------------
 
 
@@ -309,6 +350,8 @@ def test_mixture_proportions_hold_and_indices_are_dense(weights):
         assert abs(len(ks) / n - w / sum(weights)) < 0.01
         assert ks == list(range(len(ks)))  # within-source index: every sample of the source once, in order
     assert picks == [order.Mixture(weights)(g) for g in range(n)]
+    for m in (0, 1, 7, 999, n):  # counts(m): how many of the first m samples each source feeds, without walking them
+        assert mix.counts(m) == [sum(1 for src, _ in picks[:m] if src == s) for s in range(len(weights))]
 
 
 # ---- reader ---------------------------------------------------------------------------------------------

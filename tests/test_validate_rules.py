@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import typing
 
 import pytest
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf, open_dict
 
 from runner import schema
 from runner.config import validate
-from runner.config.validate import finite
+from runner.config.validate import fields, finite
 from tests.conftest import run_cli
 
 BIG_405B = [
@@ -184,23 +185,48 @@ def test_nan_device_memory_names_the_field_not_a_nan_budget(compose):
     )
 
 
-def test_a_schedule_longer_than_the_run_is_refused(compose):
-    """TorchTitan's scheduler would shorten a warm-up or decay that does not fit in training.steps (with a warning) and
-    train another schedule than the configured one; validation refuses it, and the schedule's own numbers."""
-    assert validate.warnings(compose(["lr_scheduler.warmup_steps=10", "training.steps=10"])) == []
-    validate.check(compose(["lr_scheduler.warmup_steps=10", "training.steps=10"]))  # warm-up to the last step, no decay
-    validate.check(compose(["lr_scheduler.warmup_steps=2", "lr_scheduler.decay_ratio=0.8", "training.steps=10"]))
-    cases = [
+@pytest.mark.parametrize(
+    "overrides,warning",
+    [
         (
-            ["lr_scheduler.warmup_steps=100000", "training.steps=10"],
-            "lr_scheduler.warmup_steps = 100000: warm-up 100000 steps are longer than training.steps = 10. "
-            "Fix: use lr_scheduler.warmup_steps=1, or more training.steps",
+            ["training.steps=1"],  # the smoke test: the default warm-up of 2 steps
+            "lr_scheduler.warmup_steps = 2: warm-up 2 steps are longer than training.steps = 1; the run warms up over 1 and "
+            "decays over 0 (TorchTitan's clipping). Fix: lr_scheduler.warmup_steps=1 configures that schedule and silences "
+            "this warning.",
         ),
         (
             ["lr_scheduler.warmup_steps=3", "lr_scheduler.decay_ratio=0.8", "training.steps=10"],
-            "lr_scheduler.warmup_steps = 3: warm-up 3 + decay 8 (lr_scheduler.decay_ratio 0.8 of 10) steps are longer than "
-            "training.steps = 10. Fix: use lr_scheduler.warmup_steps=2, or more training.steps",
+            "lr_scheduler.warmup_steps = 3: warm-up 3 + decay 8 (decay_ratio 0.8) steps are longer than training.steps = 10; "
+            "the run warms up over 3 and decays over 7 (TorchTitan's clipping). Fix: lr_scheduler.decay_ratio=null configures "
+            "that schedule and silences this warning.",
         ),
+        (
+            ["lr_scheduler.warmup_steps=100000", "lr_scheduler.decay_ratio=0.5", "training.steps=10"],
+            "lr_scheduler.warmup_steps = 100000: warm-up 100000 + decay 5 (decay_ratio 0.5) steps are longer than "
+            "training.steps = 10; the run warms up over 10 and decays over 0 (TorchTitan's clipping). "
+            "Fix: lr_scheduler.warmup_steps=10 lr_scheduler.decay_ratio=null configures that schedule and silences this warning.",
+        ),
+    ],
+)
+def test_a_schedule_longer_than_the_run_is_clipped_with_one_warning(compose, overrides, warning):
+    """TorchTitan clips a warm-up or decay that does not fit in training.steps ("Adjusting warmup steps"): the runner
+    validates it, prints one line saying what the run trains, and the line's fix configures exactly that schedule."""
+    cfg = compose(overrides)
+    validate.check(cfg)
+    assert [str(w) for w in validate.warnings(cfg)] == [warning]
+    fixed = compose([*overrides, *warning.split("Fix: ")[1].split(" configures")[0].split()])
+    assert validate.warnings(fixed) == [] and fields.schedule_steps(fixed) == fields.schedule_steps(cfg)
+
+
+def test_the_schedules_own_numbers_are_refused(compose):
+    """What is wrong in itself (a negative warm-up, a share outside [0, 1], NaN) is still refused, and a schedule that
+    fits draws no warning."""
+    for fits in (["lr_scheduler.warmup_steps=10", "training.steps=10"], ["lr_scheduler.decay_ratio=0.8", "training.steps=10"]):
+        validate.check(compose(fits))
+        assert validate.warnings(compose(fits)) == []
+    cases = [
+        (["lr_scheduler.warmup_steps=-1"], "lr_scheduler.warmup_steps = -1: must be >= 0. Fix: use 0 for no warm-up"),
+        (["lr_scheduler.decay_ratio=nan"], "lr_scheduler.decay_ratio = nan: "),
         (
             ["lr_scheduler.decay_ratio=1.5"],
             "lr_scheduler.decay_ratio = 1.5: a share of training.steps must be in [0, 1]. Fix: use e.g. 0.2",
@@ -220,3 +246,23 @@ def test_a_schedule_longer_than_the_run_is_refused(compose):
         with pytest.raises(validate.ConfigError) as e:
             validate.check(compose(overrides))
         assert [str(p) for p in e.value.problems if str(p).startswith(message)], (message, [str(p) for p in e.value.problems])
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("optimizer.param_groups=[{pattern:norm,weight_decay:0.0},{pattern:'wo\\.weight',weight_decay:abc}]", "[1].weight_decay"),
+        ("optimizer.param_groups=[{pattern:norm,weight_decay:-1}]", "[0].weight_decay"),
+        ("optimizer.param_groups=[{pattern:'wo\\.weight',weight_decay:0.0},{pattern:'norm(',weight_decay:0.0}]", "[1].pattern"),
+    ],
+    ids=["wrong_type", "negative", "not_a_regex"],
+)
+def test_a_wrong_field_of_a_param_group_is_named_by_index_with_a_fix_that_works(compose, override, field):
+    """A group's field is named with its index (`optimizer.param_groups[1].weight_decay`, not `...param_groups.weight_decay`)
+    and the fix is the whole override with that value corrected, which then composes and validates."""
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose([override]))
+    (p,) = e.value.problems
+    assert p.field == f"optimizer.param_groups{field}", str(p)
+    fix = re.search(r"(optimizer\.param_groups=\[.*\])", p.fix)[1]
+    validate.check(compose([fix]))

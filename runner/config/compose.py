@@ -61,8 +61,8 @@ def compose_dict(overrides: list[str], name: str = "config") -> DictConfig:
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         try:
             return hydra_compose(config_name=name, overrides=list(overrides))
-        except ConfigCompositionException as e:  # a value of the wrong type: worded as every other problem
-            p = compose_errors.problem(e)
+        except ConfigCompositionException as e:  # worded as every other problem (runner.config.compose_errors)
+            p = compose_errors.problem(e, list(overrides), compose_errors.search_dirs(list(overrides), CONF))
             if p is None:
                 raise
             raise ConfigError([p]) from e

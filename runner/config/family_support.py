@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runner.config.compose import CONF
-from runner.formats import hf_folder
-from runner.schema import DeviceType, RunConfig
+from runner.schema import DeviceType, Mode, RunConfig
 from runner.schema.problems import Problem
 
 CONF_MODEL = CONF / "model"
@@ -30,6 +29,9 @@ class Support:
     registry_only: str = ""
     """Why the runner builds the family only as its registry flavor (no model.* architecture overrides); "" = it rebuilds
     the model from model.* through the family's layer builders (runner.run.titan.model)."""
+    dryrun_cpu: str = ""
+    """Why `mode=dryrun dryrun.device=cpu` cannot play the family (it runs the CPU ranks' attention path on fake
+    tensors); "" = it can. The CUDA rehearsal (dryrun.device=cuda) plays the GPU path."""
     fp8: str = "every recipe converts every plain Linear layer (attention, dense and shared-expert FFN, head)"
     """What the FP8 recipes convert (routed experts stay in high precision: runner.estimate.precision.GROUPED_EXPERTS)."""
 
@@ -51,12 +53,15 @@ SUPPORT: dict[str, Support] = {
         cpu="its attention sinks and sliding window need TorchTitan's FlexAttention, which has no backward on CPU "
         "(NotImplementedError: FlexAttention does not support backward on CPU), and the SDPA attention CPU ranks use "
         f"ignores the sinks and the window (`python {REPRO} gpt_oss`)",
+        dryrun_cpu="the CPU dry run plays the CPU ranks' SDPA attention, which has no sinks and no sliding window, so "
+        "it would measure another model (runner.run.titan.cpu.use_sdpa refuses it)",
         fp8="every recipe converts the plain Linear layers; the attention output (ScaledBiasRowwiseLinear, its bias "
         "divided by the TP degree) has no FP8 twin and stays in high precision",
     ),
     "qwen3_5": Support(
         cpu="its Gated DeltaNet layers run only as flash-linear-attention's Triton kernels, which need a GPU: Triton "
         f"launches no kernel without a GPU driver (`python {REPRO} qwen3_5`)",
+        dryrun_cpu="its model module imports flash-linear-attention's Triton kernels, a GPU package the CPU dry run lacks",
         registry_only="its Gated DeltaNet blocks need flash-linear-attention, absent here, so no layer builder of the "
         "runner's is tested: a GPU run builds TorchTitan's registry flavor as it is",
     ),
@@ -91,6 +96,16 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         out.append(Problem("parallelism.cp", cp, s.cp, f"use cp=1 with {cfg.model.name}"))
     elif cp > 1 and on_cpu and s.cp_cpu:
         out.append(Problem("parallelism.cp", cp, s.cp_cpu, f"use cp=1 with {cfg.model.name} here; {gpu_fix}"))
+    if cfg.mode == Mode.dryrun and cfg.dryrun.device == DeviceType.cpu and s.dryrun_cpu:
+        out.append(
+            Problem(
+                "dryrun.device",
+                cfg.dryrun.device.value,
+                f"cannot play {cfg.model.name}: {s.dryrun_cpu}",
+                "use dryrun.device=cuda (the CUDA rehearsal on fake CUDA tensors; scripts/setup.sh --cuda-rehearsal sets it "
+                "up), or mode=plan for the memory estimate alone",
+            )
+        )
     if s.registry_only:
         _registry_flavor(cfg, s, out)
     p = cfg.parallelism

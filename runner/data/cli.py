@@ -125,4 +125,25 @@ def main(argv: list[str] | None = None) -> int:
           f"{s['eval']['tokens']:,} held-out tokens in {s['eval']['documents']:,} documents ({m['dtype']})")  # fmt: skip
     if n := m["skipped_records"]:
         print(f"skipped {n:,} record{'s' * (n > 1)} whose text was null, missing or empty (skipped_records in manifest.json)")
+    if warning := held_out_warning(m["splits"]["eval"], a.eval_fraction):
+        print(warning, file=sys.stderr)
     return 0
+
+
+def held_out_warning(split: dict, fraction: float) -> str | None:
+    """One line when the held-out split is empty, or shorter than one evaluation pass of the default config reads
+    (validation refuses a run that evaluates on it: runner.config.validate.data_rules); None with --eval-fraction 0."""
+    from runner.schema import EvalConfig, TrainingConfig
+
+    t, steps = TrainingConfig(), EvalConfig().steps
+    need = steps * t.global_batch_size * t.seq_len + 1
+    if fraction == 0 or split["tokens"] >= need:
+        return None
+    fix = f"Fix: prepare again with a larger --eval-fraction (now {fraction})"
+    if not split["documents"]:
+        return f"WARNING: the held-out split is empty: a run with eval.interval > 0 on this folder is refused. {fix}."
+    return (
+        f"WARNING: the held-out split holds {split['tokens']:,} tokens, fewer than one evaluation pass of the defaults reads "
+        f"(eval.steps {steps} x training.global_batch_size {t.global_batch_size} x training.seq_len {t.seq_len} + 1 = "
+        f"{need:,}): a run that evaluates on it must read less. {fix}, or evaluate with fewer eval.steps or a shorter seq_len."
+    )

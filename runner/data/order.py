@@ -78,3 +78,20 @@ class Mixture:
             else:
                 node, k = right, k - before
         return node, k
+
+    def counts(self, n: int) -> list[int]:
+        """How many of the global samples 0..n-1 each source feeds (source s's indices 0..counts[s]-1), in O(sources):
+        the same quota of each split as `__call__` applies sample by sample."""
+        out: dict[int, int] = {}
+
+        def walk(node, k: int) -> None:
+            if isinstance(node, int):
+                out[node] = k
+                return
+            p, q, left, right = node
+            before = (k * p + q // 2) // q
+            walk(left, before)
+            walk(right, k - before)
+
+        walk(self.tree, n)
+        return [out[s] for s in sorted(out)]

@@ -10,6 +10,7 @@ per-family rule `linear_layers`, so the converted-layer list a run logs is the o
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -138,6 +139,16 @@ def grouped_experts(cfg: RunConfig) -> str | None:
 def kept_by(fqn: str, patterns: list[str]) -> str | None:
     """The first keep_high_precision pattern that matches a module name, or None."""
     return next((p for p in patterns if fnmatchcase(fqn, p)), None)
+
+
+def by_pattern(fqns: Iterable[str]) -> str:
+    """Module names summarised with their block index as `*` and a count, in first-seen order: `lm_head,
+    layers.*.attention.wkv_a x61` (a 61-block model's 120 kept layers on one line, not 5,000 characters)."""
+    kinds: dict[str, int] = {}
+    for fqn in fqns:
+        kind = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in kinds.items())
 
 
 def conversion(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:

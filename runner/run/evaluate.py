@@ -42,17 +42,15 @@ def check_split(data, steps: int) -> None:
     """A held-out split read in full by one pass must hold eval.steps batches: wrapping around would count samples twice."""
     held = getattr(data, "num_samples", None)  # the synthetic split is unbounded
     need = steps * data.global_batch
+    more = "hold out more text (data.eval_files, data.eval_fraction)"
     if isinstance(held, list):  # prepared token folders: each source's eval split must hold the samples the pass reads of it
-        reads = [0] * len(held)
-        for g in range(need):
-            source, k = data.mixture(g)
-            reads[source] = max(reads[source], k + 1)
-        short = [(h, r) for h, r in zip(held, reads, strict=True) if h < r]
+        short = [(h, r) for h, r in zip(held, data.mixture.counts(need), strict=True) if h < r]
         held, need = short[0] if short else (None, need)
+        more = "prepare the folder again with a larger --eval-fraction"  # validation names the folder (data_rules)
     if held is not None and held < need:
         raise ValueError(
             f"the held-out split holds {held} samples of seq_len + 1 tokens, fewer than eval.steps x training.global_batch_size "
-            f"= {need}; lower eval.steps, or hold out more text (data.eval_files, data.eval_fraction)"
+            f"= {need}; lower eval.steps, or {more}"
         )
 
 

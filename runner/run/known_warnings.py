@@ -34,7 +34,16 @@ HARMLESS = (
         None,
         r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a single process",
         "the node-local checkpoint tier (runner.run.local_tier) saves and loads each rank's own shard with DCP's "
-        "no_dist on purpose: one checkpoint per rank, no collective",
+        "no_dist on purpose: one checkpoint per rank, no collective; `python -m runner.export` reads a checkpoint of "
+        "any layout in one process (runner.run.hf_export)",
+    ),
+    Harmless(
+        UserWarning,
+        None,
+        r"To get the last learning rate computed by the scheduler, please use `get_last_lr\(\)`",
+        "a resumed run: TorchTitan's LRSchedulersContainer.load_state_dict sets each scheduler's rate at the restored "
+        "step by calling get_lr() outside step() (torchtitan/components/optimizer/lr_scheduler.py), which is the "
+        "schedule's rate there (tests/test_sinks.py compares it)",
     ),
     Harmless(
         UserWarning,

@@ -78,15 +78,14 @@ def record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: DeviceP
         "grouped_experts": precision.grouped_experts(cfg),
     }
     (run_dir / runfiles.PRECISION).write_text(json.dumps(rec, indent=2) + "\n")
-    kinds: dict[str, int] = {}
-    for fqn in built.fp8_converted:
-        kind = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
-        kinds[kind] = kinds.get(kind, 0) + 1
     emulated = " EMULATED in PyTorch ops (torchao's blockwise kernels are Triton-only)" if pk["emulated"] else ""
+    why: dict[str, list[str]] = {}  # the pattern (or reason) that kept them -> the layers it kept
+    for fqn, pattern in kept.items():
+        why.setdefault(pattern, []).append(fqn)
     return (
         f"fp8 {cfg.precision.fp8.value}{emulated}: converted {len(built.fp8_converted)} Linear layers "
-        f"({', '.join(f'{k} x{n}' for k, n in kinds.items())}); kept in {cfg.precision.param_dtype.value}: "
-        + ", ".join(f"{fqn} ({pattern})" for fqn, pattern in kept.items())
+        f"({precision.by_pattern(built.fp8_converted)}); kept in {cfg.precision.param_dtype.value}: "
+        + ", ".join(f"{precision.by_pattern(fqns)} ({pattern})" for pattern, fqns in why.items())
     )
 
 

@@ -285,7 +285,7 @@ PRIVATE = (
     P("titan_fqn_per_model_part", "torchtitan.distributed.pipeline_parallel", "_generate_llm_fqn_per_model_part", TITAN,
       ("runner/run/titan/distributed.py:stage_modules",), "TorchTitan's split of the layers into pipeline stages"),
     P("titan_build_param_groups", "torchtitan.components.optimizer", "OptimizersContainer._build_param_groups", TITAN,
-      ("runner/run/titan/optim.py:_container_class",), "overridden: a pipeline stage skips the groups none of its parameters match"),
+      ("runner/run/titan/optim.py:_container_class",), "overridden: a stage skips the groups taking none of its parameters (first match)"),
     P("titan_output_linear_init", "torchtitan.models.llama3", "_output_linear_init", TITAN, (f"{MODEL}:_decoder",),
       "the output head's initializer at m's width, where a family scales it (else the flavor's)"),
     P("titan_build_llama3_layers", "torchtitan.models.llama3", "_build_llama3_layers", TITAN, (f"{MODEL}:_llama3",),

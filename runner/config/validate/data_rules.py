@@ -143,15 +143,54 @@ def _tokenizer(path: str, vocab_size: int, out: list[Problem]) -> None:
 def folders(cfg: RunConfig, out: list[Problem]) -> None:
     """Every problem of the prepared folders against this config."""
     hashes: dict[str, str] = {}
-    for name, folder, _ in mf.sources(cfg.data.path, cfg.data.mix):
+    loaded = []
+    for name, folder, weight in mf.sources(cfg.data.path, cfg.data.mix):
         try:
             m = mf.load(folder)
         except mf.ManifestError as e:
             out.append(Problem(name, folder, str(e), PREPARE))
             continue
         hashes[name] = m["tokenizer"]["sha256"]
+        loaded.append((name, folder, weight, m))
         _fits(cfg, name, folder, m, out)
     _same_tokenizer(cfg, hashes, out)
+    if len(loaded) == len(mf.sources(cfg.data.path, cfg.data.mix)):
+        _held_out(cfg, loaded, out)
+
+
+def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: list[Problem]) -> None:
+    """An evaluation pass reads eval.steps global batches of the held-out split, each source its share of the mixture
+    (runner.run.evaluate.check_split refuses a shorter split on every rank at start-up): refused here from the
+    manifests' counts, with the eval.steps that fits."""
+    from runner.config import fault_tolerance
+    from runner.data.order import Mixture
+
+    e, t = cfg.eval, cfg.training
+    if e.interval == 0 or e.steps < 1 or t.seq_len < 1:
+        return
+    batch = t.global_batch_size * (cfg.parallelism.dp_replicate if fault_tolerance.enabled(cfg) else 1)  # runner.run.ft.data_coords
+    held = [max(m["splits"]["eval"]["tokens"] - 1, 0) // t.seq_len for *_, m in loaded]  # runner.run.loader.TokenData
+    mix = Mixture([w for _, _, w, _ in loaded])
+
+    def short(steps: int) -> list[int]:
+        return [i for i, (h, r) in enumerate(zip(held, mix.counts(steps * batch), strict=True)) if r > h]
+
+    fits = next(s for s in range(e.steps, -1, -1) if not short(s))
+    reads = mix.counts(e.steps * batch)
+    for i in short(e.steps):
+        name, folder, _, m = loaded[i]
+        tokens, fraction = m["splits"]["eval"]["tokens"], m.get("eval_fraction")
+        again = f"prepare {folder} again with a larger --eval-fraction" + (f" (it was {fraction})" if fraction is not None else "")
+        share = ("its share of " if len(loaded) > 1 else "") + f"eval.steps {e.steps} x global batch {batch}"
+        out.append(
+            Problem(
+                name,
+                folder,
+                f"its held-out split holds {held[i]} samples of training.seq_len + 1 = {t.seq_len + 1} tokens ({tokens:,} tokens), "
+                f"fewer than the {reads[i]} an evaluation pass reads ({share})",
+                f"use eval.steps={fits}, or {again}" if fits else f"{again}, or set eval.interval=0 to evaluate nothing",
+            )
+        )
 
 
 def _fits(cfg: RunConfig, name: str, folder: str, m: dict, out: list[Problem]) -> None:

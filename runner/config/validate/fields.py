@@ -6,6 +6,7 @@ refuse at start-up, or what would silently turn a feature off.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -70,29 +71,34 @@ def _optimizer(cfg: RunConfig, out: list[Problem]) -> None:
             Problem("optimizer.weight_decay", o.weight_decay, f"{o.name.value} rejects a negative weight decay", "use 0 for none, e.g. 0.1")
         )
     for i, g in enumerate(o.param_groups):
+        field, norm = f"optimizer.param_groups[{i}]", _replaced(o.param_groups, i, pattern="norm")
         try:
             re.compile(g.pattern)
         except re.error as e:
-            out.append(
-                Problem(f"optimizer.param_groups[{i}].pattern", g.pattern, f"not a regular expression ({e})", "fix the pattern, e.g. norm")
-            )
+            out.append(Problem(f"{field}.pattern", g.pattern, f"not a regular expression ({e})", f"fix the pattern, e.g. {norm}"))
         if not g.pattern:
             out.append(
-                Problem(
-                    f"optimizer.param_groups[{i}].pattern",
-                    g.pattern,
-                    "an empty pattern takes every parameter",
-                    "name the parameters, e.g. norm",
-                )
+                Problem(f"{field}.pattern", g.pattern, "an empty pattern takes every parameter", f"name the parameters, e.g. {norm}")
             )
         if not g.weight_decay >= 0:
-            out.append(Problem(f"optimizer.param_groups[{i}].weight_decay", g.weight_decay, "must be >= 0", "use 0 for none"))
+            fixed = _replaced(o.param_groups, i, weight_decay=0.0)
+            out.append(Problem(f"{field}.weight_decay", g.weight_decay, "must be >= 0", f"use 0 for none: {fixed}"))
+
+
+def _replaced(groups: list, i: int, **change) -> str:
+    """The override of the groups with group i's fields changed: a fix that names the whole list, as it is given."""
+    return param_groups_override([dataclasses.replace(g, **change) if k == i else g for k, g in enumerate(groups)])
+
+
+def param_groups_override(groups) -> str:
+    """`optimizer.param_groups=[...]`: the groups as one command-line override (quote it for the shell)."""
+    return "optimizer.param_groups=[" + ",".join(f"{{pattern:'{g.pattern}',weight_decay:{g.weight_decay}}}" for g in groups) + "]"
 
 
 def _schedule(cfg: RunConfig, out: list[Problem]) -> None:
-    """The schedule's numbers, and a warm-up plus decay that fits in training.steps: TorchTitan's scheduler would
-    shorten them with a warning and train another schedule than the one configured."""
-    s, steps = cfg.lr_scheduler, cfg.training.steps
+    """The schedule's own numbers. A warm-up or decay longer than training.steps is not wrong in itself (a one-step
+    smoke run keeps the default warm-up): TorchTitan clips it to the run, and `warnings` says so in one line."""
+    s = cfg.lr_scheduler
     if s.warmup_steps < 0:
         out.append(Problem("lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0", "use 0 for no warm-up"))
     if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
@@ -101,29 +107,42 @@ def _schedule(cfg: RunConfig, out: list[Problem]) -> None:
         )
     if not 0 <= s.min_lr_factor <= 1:
         out.append(Problem("lr_scheduler.min_lr_factor", s.min_lr_factor, "must be in [0, 1] (a share of optimizer.lr)", "use e.g. 0.1"))
+
+
+def schedule_steps(cfg: RunConfig) -> tuple[int, int]:
+    """(warm-up, decay) steps of the schedule the run trains, as TorchTitan's LRSchedulersContainer.Config.build
+    computes them ("Adjusting warmup steps"): a warm-up longer than training.steps is clipped to it, then a decay
+    (decay_ratio) that does not fit after the warm-up to what is left. For a config whose numbers validate."""
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    warmup = min(s.warmup_steps, steps)
+    decay = steps - warmup if s.decay_ratio is None else round(steps * s.decay_ratio)
+    return warmup, min(decay, steps - warmup)
+
+
+def _clipped_schedule(cfg: RunConfig) -> Problem | None:
+    """One line when the run trains a shorter warm-up or decay than configured (TorchTitan's clipping)."""
+    s, steps = cfg.lr_scheduler, cfg.training.steps
     if steps < 1 or s.warmup_steps < 0 or (s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1):
-        return
-    decay = round(steps * s.decay_ratio) if s.decay_ratio is not None else max(steps - s.warmup_steps, 0)
-    if s.warmup_steps + decay > steps:
-        what = (
-            f"warm-up {s.warmup_steps} + decay {decay} (lr_scheduler.decay_ratio {s.decay_ratio} of {steps})"
-            if s.decay_ratio
-            else f"warm-up {s.warmup_steps}"
-        )
-        fix = f"lr_scheduler.warmup_steps={max(steps - decay, 0) if s.decay_ratio else steps // 10}"
-        out.append(
-            Problem(
-                "lr_scheduler.warmup_steps",
-                s.warmup_steps,
-                f"{what} steps are longer than training.steps = {steps}",
-                f"use {fix}, or more training.steps",
-            )
-        )
+        return None  # refused by the rules above
+    warmup, decay = schedule_steps(cfg)
+    asked = steps - s.warmup_steps if s.decay_ratio is None else round(steps * s.decay_ratio)
+    if warmup == s.warmup_steps and decay == asked:
+        return None
+    what = f"warm-up {s.warmup_steps}" + ("" if s.decay_ratio is None else f" + decay {asked} (decay_ratio {s.decay_ratio})")
+    fix = [f"lr_scheduler.warmup_steps={warmup}"] * (warmup < s.warmup_steps) + ["lr_scheduler.decay_ratio=null"] * (decay < asked)
+    return Problem(
+        "lr_scheduler.warmup_steps",
+        s.warmup_steps,
+        f"{what} steps are longer than training.steps = {steps}; the run warms up over {warmup} and decays over {decay} "
+        "(TorchTitan's clipping)",
+        f"{' '.join(fix)} configures that schedule and silences this warning",
+    )
 
 
 def warnings(cfg: RunConfig) -> list[Problem]:
     """What runs but is likely not what was meant: printed before the mode runs, never refused (validate.warnings)."""
-    return []
+    clipped = _clipped_schedule(cfg)
+    return [clipped] if clipped else []
 
 
 def _search(cfg: RunConfig, out: list[Problem]) -> None:

@@ -8,13 +8,15 @@ import re
 
 import torch
 
+import runner.config.validate.fields as fields
 from runner.schema import OptimizerImpl, RunConfig
 from runner.schema.problems import ConfigError, Problem
 
-NO_DECAY = r"(^|\.)(tok_embeddings|embed_tokens)\.|norm|\.bias$"
-"""optimizer.no_decay_1d_and_embeddings' group: the token embeddings, every norm weight (the 1-D parameters of
-TorchTitan's models besides biases) and biases. One pattern, so that every pipeline stage has a parameter it matches
-(every stage holds norms)."""
+NO_DECAY = r"(^|\.)(tok_embeddings|embed_tokens)\.|norm|bias|\.sinks$|\.A_log$"
+"""optimizer.no_decay_1d_and_embeddings' group: the token embeddings and every 1-D parameter of TorchTitan's models:
+norm weights, biases (gpt-oss's expert biases `mlp1_bias_EG` included, 1-D per expert), gpt-oss's attention sinks,
+Qwen3.5's linear-attention decay `A_log` and `dt_bias`. One pattern, so that every pipeline stage has a parameter it
+matches (every stage holds norms); tests/test_eval.py checks it against every family's parameters."""
 
 IMPLEMENTATION = {OptimizerImpl.fused: "fused", OptimizerImpl.foreach: "foreach", OptimizerImpl.for_loop: "for-loop"}
 
@@ -29,18 +31,31 @@ def groups(cfg: RunConfig) -> list[tuple[str, float]]:
     return [*out, (".*", o.weight_decay)]
 
 
+def claims(patterns: list[str], names: list[str]) -> list[list[str]]:
+    """The names each pattern takes under TorchTitan's rule (OptimizersContainer._build_param_groups): a parameter
+    belongs to the first pattern that matches it, so a later pattern gets only what the earlier ones left."""
+    left, out = list(names), []
+    for pattern in patterns:
+        rx = re.compile(pattern)
+        out.append([n for n in left if rx.search(n)])
+        left = [n for n in left if not rx.search(n)]
+    return out
+
+
 def _container_class():
     from torchtitan.components.optimizer import OptimizersContainer
 
     class PerPartGroups(OptimizersContainer):
-        """TorchTitan's container, except that a model part (a pipeline stage) skips the groups none of its parameters
-        match: the embeddings live on the first stage only. Every pattern matches some part (unmatched)."""
+        """TorchTitan's container, except that a model part (a pipeline stage) skips the groups that take none of its
+        parameters: the embeddings live on the first stage only, and the switch's or the default group may find all
+        of a part's parameters taken by earlier groups. Every configured group takes some parameter (unmatched)."""
 
         # private_api: titan_build_param_groups
         @staticmethod
         def _build_param_groups(model, param_group_configs, impl_kwargs):
             names = [n for n, p in model.named_parameters() if p.requires_grad]
-            present = [g for g in param_group_configs if any(re.search(g.pattern, n) for n in names)]
+            taken = claims([g.pattern for g in param_group_configs], names)
+            present = [g for g, got in zip(param_group_configs, taken, strict=True) if got]
             return OptimizersContainer._build_param_groups(model, present, impl_kwargs)
 
     return PerPartGroups
@@ -59,8 +74,10 @@ def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     ]
     container = _container_class()
     opt = container(container.Config(param_groups=configs, implementation=IMPLEMENTATION[o.implementation]), model_parts=parts)
+    warmup, decay = fields.schedule_steps(cfg)  # clipped to the run as TorchTitan would (validate.warnings said so once)
+    ratio = None if decay == cfg.training.steps - warmup else s.decay_ratio  # None: the decay fills what warm-up leaves
     sched = LRSchedulersContainer.Config(
-        warmup_steps=s.warmup_steps, decay_type=s.decay_type.value, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor
+        warmup_steps=warmup, decay_type=s.decay_type.value, decay_ratio=ratio, min_lr_factor=s.min_lr_factor
     ).build(optimizers=opt, training_steps=cfg.training.steps)
     return opt, sched
 
@@ -87,19 +104,38 @@ def current_lr(opt) -> float:
 
 
 def unmatched(cfg: RunConfig, names: list[str]) -> ConfigError | None:
-    """optimizer.param_groups patterns that match none of `names` (the whole model's parameter names) as one error, or
-    None. TorchTitan would raise on the first such pattern at build time; this names every one before launch."""
-    problems = [
-        Problem(
-            f"optimizer.param_groups[{i}].pattern",
-            g.pattern,
-            "matches no parameter of the model",
-            f"match one of {', '.join(names[:4])}, ...",
+    """optimizer.param_groups that take no parameter of `names` (the whole model's) under TorchTitan's first-match rule,
+    as one error, or None. TorchTitan would raise on the first such group when the optimizer is built."""
+    groups = cfg.optimizer.param_groups
+    taken = claims([g.pattern for g in groups], names)
+    problems = []
+    for i, (g, got) in enumerate(zip(groups, taken, strict=True)):
+        if got:
+            continue
+        rx = re.compile(g.pattern)
+        before = [j for j in range(i) if any(rx.search(n) for n in taken[j])]
+        if not before:
+            problems.append(
+                Problem(f"optimizer.param_groups[{i}].pattern", g.pattern, "matches no parameter of the model", _names_fix(names))
+            )
+            continue
+        first = " and ".join(f"optimizer.param_groups[{j}] (pattern {groups[j].pattern})" for j in before)
+        order = [groups[i], *(h for k, h in enumerate(groups) if k != i)]
+        problems.append(
+            Problem(
+                f"optimizer.param_groups[{i}].pattern",
+                g.pattern,
+                f"takes no parameter: every parameter it matches goes to {first} first (TorchTitan gives a parameter "
+                "to the first group whose pattern matches it)",
+                f"put it first, {fields.param_groups_override(order)}, or narrow the earlier pattern",
+            )
         )
-        for i, g in enumerate(cfg.optimizer.param_groups)
-        if not any(re.search(g.pattern, n) for n in names)
-    ]
     return ConfigError(problems) if problems else None
+
+
+def _names_fix(names: list[str]) -> str:
+    shown = list(dict.fromkeys(re.sub(r"\.\d+\.", ".<i>.", n) for n in names))
+    return f"match one of {', '.join(shown[:6])}, ..." if len(shown) > 6 else f"match one of {', '.join(shown)}"
 
 
 def parameter_names(cfg: RunConfig) -> list[str]:
