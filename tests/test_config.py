@@ -471,7 +471,7 @@ def test_hydras_composition_errors_are_worded_as_the_runners(monkeypatch, capsys
     (mine / "recipe").mkdir(parents=True)
     for name, text in USER_RECIPES.items():
         (mine / "recipe" / f"{name}.yaml").write_text(text)
-    code, err = _here(monkeypatch, capsys, *(a.replace("{mine}", str(mine)) for a in argv), "mode=validate")
+    code, err = in_process.cli(monkeypatch, capsys, *(a.replace("{mine}", str(mine)) for a in argv), "mode=validate")
     assert code == 2 and "HYDRA_FULL_ERROR" not in err and "Traceback" not in err, err
     assert err.startswith(f"Invalid config (1 problem):\n  - {line.replace('{mine}', str(mine))}"), err
     if fix:
@@ -490,7 +490,7 @@ def test_hydras_other_composition_errors_keep_its_words_without_its_hint(monkeyp
     """Hydra's other refusals name the override themselves: its words, the runner's fix line, exit 2, no hint."""
     from runner import cli
 
-    code, err = _here(monkeypatch, capsys, override, "mode=validate")
+    code, err = in_process.cli(monkeypatch, capsys, override, "mode=validate")
     assert code == 2 and err.startswith(words) and err.endswith(f"{cli.FIX_OVERRIDE}\n"), err
     assert "HYDRA_FULL_ERROR" not in err and "Traceback" not in err
 

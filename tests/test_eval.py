@@ -434,7 +434,7 @@ def test_param_groups_follow_titans_first_match_rule(compose, monkeypatch, capsy
 
     from runner.run.titan import optim
     from runner.run.titan.model import model_spec
-    from tests.test_config import _here
+    from tests.in_process import cli as _here
 
     override = "optimizer.param_groups=[{pattern:norm,weight_decay:0.0},{pattern:ffn_norm,weight_decay:0.0}]"
     cfg = compose([override])

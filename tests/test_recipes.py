@@ -183,7 +183,7 @@ def test_every_recipe_in_every_mode_that_starts_no_training_exits_0_or_2_cleanly
     the CLI. mode=dryrun's rehearsal of rank 0 (5 to 152 s a recipe here) is left to the dry-run tests; here its
     validation, which refuses what the CPU dry run cannot play, naming dryrun.device=cuda."""
     from runner.config import search
-    from tests.test_config import _here
+    from tests.in_process import cli as _here
 
     every = search.layouts
     monkeypatch.setattr(search, "layouts", lambda cfg, ws: (all_ := list(every(cfg, ws)))[:: max(1, len(all_) // SEARCHED_LAYOUTS)])
@@ -201,7 +201,7 @@ def test_every_recipe_in_every_mode_that_starts_no_training_exits_0_or_2_cleanly
 def test_a_cpu_dry_run_of_gpt_oss_is_refused_naming_the_cuda_rehearsal(tmp_path, monkeypatch, capsys):
     """The CPU dry run plays SDPA attention, which has no sinks and no sliding window: gpt-oss's recipe is refused at
     validation (exit 2, nothing written), naming dryrun.device=cuda; it once ended in the forked rehearsal's traceback."""
-    from tests.test_config import _here
+    from tests.in_process import cli as _here
 
     code, err = _here(monkeypatch, capsys, "recipe=gpt_oss_120b_h100x64", "mode=dryrun", f"hydra.run.dir={tmp_path / 'run'}")
     assert code == 2 and err == (

@@ -23,8 +23,9 @@ import torch
 
 from runner.config import validate
 from runner.config.validate import data_rules as validate_tokens
-from runner.data import cli, order
+from runner.data import cli
 from runner.formats import data_manifest as manifest
+from runner.formats import data_order as order
 from runner.run.loader import Prefetch, TokenData
 from runner.schema.problems import ConfigError
 from tests import text_assets
@@ -82,7 +83,9 @@ def test_prepare_writes_tokens_index_and_manifest(assets):
 
 @pytest.mark.e2e
 def test_data_package_is_torch_free():
-    code = "import sys, runner.data.cli, runner.data.prepare, runner.data.order; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, runner.data.cli, runner.data.prepare, runner.formats.data_order; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

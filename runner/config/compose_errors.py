@@ -287,10 +287,10 @@ def _unknown_key(e: BaseException, overrides: list[str], dirs: list[Path]) -> Pr
         text, value = asked if asked else (cli[1], "?")
         if isinstance(value, list) and typing.get_origin(_hint(cli[1])) is list:  # a field of a list's item
             return _unknown_item_key(cli[1], text, value, key, fields, why)
-        return Problem(full, _leaf(value, full, cli[1]), f"{why} (override {text})", keys._suggest(key, fields, prefix))
+        return Problem(full, _leaf(value, full, cli[1]), f"{why} (override {text})", keys.suggest(key, fields, prefix))
     path = _config_file(in_file[1], dirs) if in_file else None
     where = f" (in {in_file[1]}{f': {path}' if path else ''})" if in_file else ""
-    return Problem(full, _file_value(path, full), f"{why}{where}", keys._suggest(key, fields, prefix))
+    return Problem(full, _file_value(path, full), f"{why}{where}", keys.suggest(key, fields, prefix))
 
 
 def _leaf(value, full: str, key: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runner.config.compose import CONF
+from runner.formats import hf_folder
 from runner.schema import DeviceType, Mode, RunConfig
 from runner.schema.problems import Problem
 

@@ -284,7 +284,7 @@ class TokenData(_Stream):
         microbatch: int, dp_rank: int, dp: int,
     ):  # fmt: skip
         super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
-        from runner.data.order import Mixture
+        from runner.formats.data_order import Mixture
 
         self.seed, self.shuffle, self.split = seed, shuffle, split
         self.splits = [_Split(folder, split) for folder, _ in sources]
@@ -303,7 +303,7 @@ class TokenData(_Stream):
         if not self.shuffle:
             return source, j
         if (source, epoch) not in self._perms:
-            from runner.data.order import Permutation
+            from runner.formats.data_order import Permutation
 
             if len(self._perms) > 8:  # one or two epochs per source are live at a time
                 self._perms.clear()

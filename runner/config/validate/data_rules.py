@@ -163,7 +163,7 @@ def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: l
     (runner.run.evaluate.check_split refuses a shorter split on every rank at start-up): refused here from the
     manifests' counts, with the eval.steps that fits."""
     from runner.config import fault_tolerance
-    from runner.data.order import Mixture
+    from runner.formats.data_order import Mixture
 
     e, t = cfg.eval, cfg.training
     if e.interval == 0 or e.steps < 1 or t.seq_len < 1:

@@ -24,7 +24,7 @@ MOVED = {
 """Fields that moved to another section (where they are now), so an old override is pointed to its new place."""
 
 
-def _suggest(key: str, fields: list[str], prefix: str) -> str:
+def suggest(key: str, fields: list[str], prefix: str) -> str:
     moved = {name.removeprefix(prefix): new for name, new in MOVED.items() if name.startswith(prefix)}
     close = difflib.get_close_matches(key, [*fields, *moved], n=3, cutoff=0.5)
     if close:
@@ -43,7 +43,7 @@ def unknown(cfg: DictConfig, prefix: str = "") -> list[Problem]:
         if fields is not None and key not in fields:
             value = OmegaConf.to_container(cfg, resolve=False)[key]
             why = f"not a field of {kind.__name__} (a `+` override adds keys the schema does not have, and nothing reads them)"
-            out.append(Problem(name, value, why, _suggest(str(key), fields, prefix)))
+            out.append(Problem(name, value, why, suggest(str(key), fields, prefix)))
             continue
         # private_api: omegaconf_get_node, omegaconf_is_none, omegaconf_is_missing
         child = cfg._get_node(key)
