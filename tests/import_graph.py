@@ -5,6 +5,7 @@ module: test modules share helpers through modules like this one, never by impor
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,12 @@ class Import:
     """The module named: `from a.b import c` names `a.b.c` where that is a module of the tree, else `a.b`."""
     attribute: str | None
     """`c` of `from a.b import c` where `a.b.c` is no module of the tree (a name `a.b` must define)."""
+
+
+@functools.cache
+def parse(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per test session."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def modules(package: str = "runner") -> dict[str, Path]:
@@ -42,7 +49,7 @@ def _base(node: ast.ImportFrom, module: str, path: Path) -> str:
 def of_file(path: Path, module: str, known: dict[str, Path]) -> list[Import]:
     """Every import of one file, wherever it stands (module level, functions, `if TYPE_CHECKING`)."""
     rel, out = path.relative_to(ROOT).as_posix(), []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out += [Import(rel, node.lineno, a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -62,7 +69,7 @@ def defined_names(path: Path) -> set[str]:
     """The names a module defines at its top level (functions, classes, assignments, imports), and those of the
     blocks (`if`, `try`) there."""
     names: set[str] = set()
-    body = list(ast.parse(path.read_text()).body)
+    body = list(parse(path).body)
     while body:
         node = body.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -81,7 +88,7 @@ def defined_names(path: Path) -> set[str]:
 def private_uses(path: Path, module: str, known: dict[str, Path]) -> list[str]:
     """`file:line module._name` for each private name of another module of the tree that a file imports or reads
     (`from m import _x`, `m._x` where `m` names a module it imported)."""
-    rel, tree, bound, out = path.relative_to(ROOT).as_posix(), ast.parse(path.read_text()), {}, []
+    rel, tree, bound, out = path.relative_to(ROOT).as_posix(), parse(path), {}, []
     for imp in of_file(path, module, known):
         if imp.attribute and imp.attribute.startswith("_") and imp.module in known and imp.module != module:
             out.append(f"{rel}:{imp.line} {imp.module}.{imp.attribute}")

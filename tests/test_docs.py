@@ -339,3 +339,20 @@ def test_where_to_find_it_gives_one_true_path_each():
         defined = import_graph.defined_names(ROOT / path)
         wrong += [f"{question}: {path} defines no {n}" for n in re.findall(r"`(\w+)", names) if n not in defined]
     assert wrong == []
+
+
+NOT_PATHS = {
+    "docs/performance.md": "TorchTitan's document (docs/clusters.md cites it for the Grand Teton host)",
+    "runner.comm": "the name of the profiler's span around each collective (docs/profiling.md), no module",
+}
+"""Path-like words of the user docs that name something outside this repository, each with its reason."""
+
+
+def test_user_docs_name_no_stale_path():
+    """README.md and every docs/*.md: the paths and `runner.` names they give exist (a moved module's old path fails)."""
+    stale = {
+        p.relative_to(ROOT).as_posix(): bad
+        for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        if (bad := [s for s in stale_paths(p.read_text()) if s not in NOT_PATHS])
+    }
+    assert stale == {}

@@ -70,14 +70,14 @@ class StepLoop:
     cfg: RunConfig
     lay: Layout
     built: titan.Built
-    data: Any  # runner.run.loader's SyntheticData, TextData or TokenData
+    data: loader.SyntheticData | loader.TextData | loader.TokenData
     acc: Accounting
     sinks: list[Sink]
     hooks: Hooks
     policy: DevicePolicy
-    opt: Any  # the optimizer (runner.run.titan.build_optimizer)
-    sched: Any  # its learning-rate schedule
-    loss_fn: Any
+    opt: titan.Optimizers  # one optimizer per model part (runner.run.titan.build_optimizer)
+    sched: titan.LRSchedulers  # its learning-rate schedule
+    loss_fn: titan.CrossEntropyLoss
     global_tokens: torch.Tensor
     timer: plan_check.StageTimer | None  # a pipeline's stage timer (None without one)
     mon: StepMonitor
@@ -86,16 +86,19 @@ class StepLoop:
     watch: preempt.RankWatch
     run_dir: Path
     integrity: integrity.Checker
-    eval_data: Any = None  # the held-out split (runner.run.loader, split="eval"); None when eval.interval is 0
+    # the held-out split (runner.run.loader, split="eval"); None when eval.interval is 0
+    eval_data: loader.SyntheticData | loader.TextData | loader.TokenData | None = None
     feed: loader.Prefetch | None = None
-    ft: Any = ft.OFF  # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
+    # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
+    ft: ft.Off | ft.Replica = ft.OFF
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (apply_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
     timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.outputs.goodput)
 
     prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
-    collector: Any = None  # training.gc_every: TorchTitan's GarbageCollection, every rank collecting at the same steps
+    # training.gc_every: TorchTitan's GarbageCollection, every rank collecting at the same steps
+    collector: titan.GarbageCollection | None = None
     compiling: CompileClock | None = None  # training.compile: compilation inside each step (goodput's own part)
 
     # --- one step, top to bottom ---------------------------------------------------------------------------------

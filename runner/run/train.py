@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint, hf_folder, runfiles
-from runner.observe import integrity, monitor, plan_check
+from runner.observe import forensics, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.run import evaluate, ft, loader, peak, preempt, profiling, titan
@@ -60,7 +60,20 @@ def run(
     return stop(loop) if loop.stopped else finish(loop, step)
 
 
-def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, eval_data=None, timeline=None) -> StepLoop:
+def build(
+    cfg: RunConfig,
+    lay: Layout,
+    built: titan.Built,
+    data: loader.SyntheticData | loader.TextData | loader.TokenData,
+    acc: Accounting,
+    sinks: list[Sink],
+    run_dir: Path,
+    recorder: forensics.RankRecorder | None,
+    hooks: Hooks | None,
+    policy: DevicePolicy,
+    eval_data: loader.SyntheticData | loader.TextData | loader.TokenData | None = None,
+    timeline: goodput.Timeline | None = None,
+) -> StepLoop:
     t = cfg.training
     opt, sched = titan.build_optimizer(cfg, built.parts)
     titan.register_optimizer_hooks(built, opt)

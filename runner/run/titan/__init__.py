@@ -12,6 +12,8 @@ the step loop needs:
 - cpu: the adaptations for CPU ranks on gloo (docs/CPU.md).
 """
 
+from typing import TYPE_CHECKING
+
 from runner.run.titan.build import Built, build, model_config, register_optimizer_hooks
 from runner.run.titan.distributed import (
     PRELOAD,
@@ -30,6 +32,12 @@ from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.optim import build_optimizer, current_lr, garbage_collection, optimizers
 from runner.run.titan.state import load_model, load_state, save_model, save_state, training_state
 from runner.run.titan.step import clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
+
+if TYPE_CHECKING:  # TorchTitan's types the step loop holds (runner.run.step_loop.StepLoop)
+    from runner.run.titan.optim import GarbageCollection as GarbageCollection
+    from runner.run.titan.optim import LRSchedulers as LRSchedulers
+    from runner.run.titan.optim import Optimizers as Optimizers
+    from runner.run.titan.step import CrossEntropyLoss as CrossEntropyLoss
 
 __all__ = [
     "PRELOAD",

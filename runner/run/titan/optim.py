@@ -5,11 +5,17 @@ per model part, parameter groups by name pattern; LRSchedulersContainer: warm-up
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
 import runner.config.validate.fields as fields
 from runner.schema import OptimizerImpl, RunConfig
+
+if TYPE_CHECKING:  # the types the step loop names; their modules are imported where they are built
+    from torchtitan.components.optimizer import OptimizersContainer as Optimizers
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer as LRSchedulers
+    from torchtitan.tools.utils import GarbageCollection
 from runner.schema.problems import ConfigError, Problem
 
 NO_DECAY = r"(^|\.)(tok_embeddings|embed_tokens)\.|norm|bias|\.sinks$|\.A_log$"
@@ -61,7 +67,7 @@ def _container_class():
     return PerPartGroups
 
 
-def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
+def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]) -> tuple[Optimizers, LRSchedulers]:
     """TorchTitan's OptimizersContainer and LRSchedulersContainer for the model parts."""
     from torchtitan.components.optimizer import ParamGroupConfig
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -82,7 +88,7 @@ def build_optimizer(cfg: RunConfig, parts: list[torch.nn.Module]):
     return opt, sched
 
 
-def garbage_collection(every: int):
+def garbage_collection(every: int) -> GarbageCollection | None:
     """TorchTitan's GarbageCollection (training.gc_every > 0): Python's automatic collection off, a generation-1
     collection at multiples of `every` (its `run(step)`); None leaves Python's automatic collection on."""
     if every <= 0:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from runner.schema import RunConfig
 
+if TYPE_CHECKING:
+    from torchtitan.components.loss import CrossEntropyLoss
 
-def loss_fn(cfg: RunConfig):
+
+def loss_fn(cfg: RunConfig) -> CrossEntropyLoss:
     """TorchTitan's cross-entropy: sum over tokens divided by the global token count, because
     TorchTitan's FSDP sums (does not average) gradients over data-parallel ranks."""
     from torchtitan.components.loss import CrossEntropyLoss
