@@ -43,9 +43,10 @@ def main(dcfg: DictConfig) -> float | None:
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit
         for w in validate.warnings(cfg):
             print(f"WARNING: {w}", file=sys.stderr)
+        if cfg.mode in (Mode.validate, Mode.train):  # one preflight: mode=validate refuses what a launch would
+            validate.preflight(cfg, run_dir, lay)
         if cfg.mode != Mode.train:
             return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
-        validate.preflight(cfg, run_dir, lay)
         if cfg.optimizer.param_groups:  # the model's parameter names, on the meta device: each pattern must match one
             from runner.run.titan import optim
 

@@ -132,6 +132,16 @@ def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> Mu
     return multirun_status(names, sweep, proc)
 
 
+def dcp_metadata() -> bytes:
+    """The `.metadata` DCP writes for an empty state (a pickle of its Metadata): what a fake checkpoint needs for the
+    preflight, which opens every checkpoint's metadata (runner.config.checkpoint.metadata_problem)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return pickle.dumps(Metadata(state_dict_metadata={}))
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -27,7 +27,7 @@ from runner.config.problems import ConfigError
 from runner.config.schema import ModelConfig
 from runner.outputs import goodput
 from tests import text_assets
-from tests.conftest import metrics, run_cli
+from tests.conftest import dcp_metadata, metrics, run_cli
 from tests.multiruns import Lazy
 from tests.points import CHECKPOINT_KILL_AT as KILL_AT
 from tests.points import CHECKPOINT_POINTS as POINTS
@@ -278,7 +278,7 @@ def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
     """A checkpoint folder as DCP leaves it (.metadata + one shard per rank), published or still partial."""
     part = checkpoint.partial_path(folder, step)
     part.mkdir(parents=True)
-    (part / ".metadata").write_bytes(b"m" * 5)
+    (part / ".metadata").write_bytes(dcp_metadata())
     for r, n in enumerate(sizes):
         (part / f"__{r}_0.distcp").write_bytes(b"x" * n)
     if not publish:
@@ -289,18 +289,19 @@ def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
 def test_publish_is_a_rename_with_a_marker_of_every_file(tmp_path):
     final = _fake(tmp_path, 3)
     assert final == tmp_path / "step-3" and not (tmp_path / "step-3.partial").exists()
-    crc = {n: f"{zlib.crc32(c * k):08x}" for n, c, k in ((".metadata", b"m", 5), ("__0_0.distcp", b"x", 10), ("__1_0.distcp", b"x", 20))}
+    crc = {n: f"{zlib.crc32(c * k):08x}" for n, c, k in (("__0_0.distcp", b"x", 10), ("__1_0.distcp", b"x", 20))}
+    meta = dcp_metadata()
     assert checkpoint.marker(final) == {
         "step": 3,
         "files": {
-            ".metadata": {"bytes": 5, "crc32": crc[".metadata"]},
+            ".metadata": {"bytes": len(meta), "crc32": f"{zlib.crc32(meta):08x}"},
             "__0_0.distcp": {"bytes": 10, "crc32": crc["__0_0.distcp"]},
             "__1_0.distcp": {"bytes": 20, "crc32": crc["__1_0.distcp"]},
         },
     }
     assert checkpoint.verify(final) is None
     assert checkpoint.file_records(final, checksum=False) == {
-        ".metadata": {"bytes": 5},
+        ".metadata": {"bytes": len(meta)},
         "__0_0.distcp": {"bytes": 10},
         "__1_0.distcp": {"bytes": 20},
     }

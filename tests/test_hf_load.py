@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -326,8 +329,8 @@ PUBLISHED = {  # meta-llama/Llama-3.1-8B and -70B config.json
 
 
 def published_llama(folder: Path, size: str) -> Path:
-    """config.json of Llama 3.1 `size` from transformers' LlamaConfig with the published values, and a 4-shard index
-    (the weights are not written: validation reads none)."""
+    """config.json of Llama 3.1 `size` from transformers' LlamaConfig with the published values, a 4-shard index and
+    its shards as safetensors headers of no tensor (the weights are not written: validation reads the headers only)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -339,6 +342,8 @@ def published_llama(folder: Path, size: str) -> Path:
     shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     weight_map = {"model.embed_tokens.weight": shards[0], "lm_head.weight": shards[3]}
     (folder / hf_folder.INDEX).write_text(json.dumps({"metadata": {"total_size": 16060522496}, "weight_map": weight_map}))
+    for name in shards:
+        (folder / name).write_bytes(struct.pack("<Q", 2) + b"{}")
     return folder
 
 
@@ -347,6 +352,8 @@ def test_the_continue_recipe_validates_against_llama_8b_and_refuses_70b(monkeypa
 
     data = f"data.path={text_assets.prepared(tmp_path / 'tokens')}"
     eight = published_llama(tmp_path / "Llama-3.1-8B", "8B")
+    # the recipe keeps 2 checkpoints of 96 GB: room this machine may lack, which mode=validate's preflight refuses
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1e15))
     code, err = _here(monkeypatch, capsys, RECIPE, f"model.init_from={eight}", data, "mode=validate", f"hydra.run.dir={tmp_path / 'r'}")
     assert code == 0, err
     seventy = published_llama(tmp_path / "Llama-3.1-70B", "70B")

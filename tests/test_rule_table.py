@@ -10,6 +10,7 @@ import pytest
 
 from runner.config import search, validate
 from runner.config.problems import ConfigError, Problem
+from runner.config.schema import Mode
 
 PACKAGE = Path(validate.__file__).parent
 
@@ -67,16 +68,17 @@ def test_every_rule_is_in_the_table_or_called_by_one():
 def test_the_table_says_why_search_skips_a_rule():
     names = [r.name for r in validate.RULES]
     assert len(names) == len(set(names))
-    files = [r for r in validate.RULES if r.needs == validate.Needs.FILES]
+    launch = (validate.Needs.FILES, validate.Needs.MACHINE)
+    files = [r for r in validate.RULES if r.needs in launch]
     assert files and all(r.search_skips for r in files)  # search starts nothing
-    skipped = {r.name for r in validate.RULES if r.search_skips and r.needs != validate.Needs.FILES}
+    skipped = {r.name for r in validate.RULES if r.search_skips and r.needs not in launch}
     assert skipped == {"world size", "batch, microbatches and pipeline schedule", "dry-run ranks", "device memory"}
 
 
-@pytest.mark.parametrize("needs", [validate.Needs.CONFIG, validate.Needs.LAYOUT, validate.Needs.FILES])
+@pytest.mark.parametrize("needs", list(validate.Needs))
 def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_path, needs):
     """A rule added to the table once is applied by validation (CONFIG, LAYOUT), search (CONFIG once, LAYOUT per
-    candidate) and the preflight (FILES): nothing else lists rules."""
+    candidate) and the preflight (FILES; MACHINE in a launch's, not in mode=validate's): nothing else lists rules."""
     seen: list[int | None] = []
 
     def rule(ctx: validate.Context, out: list[Problem]) -> None:
@@ -86,10 +88,16 @@ def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_p
     extra = validate.Rule("new rule", rule, needs, reads=("ctx",))
     monkeypatch.setattr(validate, "RULES", (*validate.RULES, extra))
     cfg = compose(["mode=search", "search.top_k=1", "cluster.devices_per_node=4"])
-    if needs == validate.Needs.FILES:
+    if needs in (validate.Needs.FILES, validate.Needs.MACHINE):
         validate.check(cfg)  # not a config rule
         with pytest.raises(ConfigError, match="the new rule"):
             validate.preflight(cfg, tmp_path)
+        cfg.mode = Mode.validate
+        if needs == validate.Needs.MACHINE:
+            validate.preflight(cfg, tmp_path)  # mode=validate checks a config for its cluster, not for this machine
+        else:
+            with pytest.raises(ConfigError, match="the new rule"):
+                validate.preflight(cfg, tmp_path)
         return
     with pytest.raises(ConfigError, match="the new rule"):
         validate.check(cfg)
