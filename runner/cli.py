@@ -36,8 +36,8 @@ MODES = {
 def main(dcfg: DictConfig) -> float | None:
     """The Hydra task: returns the config's objective (a float an optimizing sweeper minimizes; +inf for an
     invalid or failed point) where the mode has one."""
-    sweep.STATE.begin_task()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    sweep.STATE.begin_task(run_dir)
     try:
         cfg = compose.to_object(dcfg)
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit

@@ -406,3 +406,33 @@ def test_runner_collectives_follow_the_device_policy(runs):
         host = [c for c in calls if c["via_policy"]]
         assert [c for c in host if c["group"] != "host" or c["devices"] not in ([], ["cpu"])] == []
         assert {c["caller"] for c in calls} == want, rank
+
+
+def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
+    """SIGINT to the run's process group, as Ctrl-C in a terminal sends it, once step 2 is logged: exit 130 with one
+    line (the step reached, the command that resumes from the newest checkpoint), no failure (no failed.json, no
+    torch-elastic death-signal warnings, no traceback), and no checkpoint left half-written."""
+    import signal
+
+    def interrupt(pid: int, stdout) -> None:
+        deadline = time.monotonic() + 120
+        while not (stdout.is_file() and "step    2 " in stdout.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGINT)
+
+    run_dir = tmp_path / "run"
+    args = ["parallelism=single", "training.steps=200", "training.seq_len=64", "logging.progress=false", "+cluster.peak_tflops.float32=1"]
+    ckpt = ["checkpoint=local", "checkpoint.interval=1", "checkpoint.async_save=false"]
+    proc = run_cli(*args, *ckpt, run_dir=run_dir, while_running=interrupt)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    last = max(row["step"] for row in metrics(run_dir))
+    folder = run_dir / "checkpoints"
+    newest = max(int(p.name.removeprefix("step-")) for p in folder.glob("step-*"))
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"interrupted at step {last}( \(removed step-\d+\.partial, a save it cut off\))?; resume from step {newest} with: "
+        rf"python -m runner --config-dir {run_dir} --config-name frozen checkpoint.resume=true checkpoint.folder={folder}",
+        line,
+    ), line
+    assert 1 <= newest <= last and "death signal" not in proc.stderr and "SIGINT" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (run_dir / "failed.json").exists() and not list(folder.glob("*.partial"))

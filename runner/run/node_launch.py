@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -29,6 +30,10 @@ from runner.outputs import goodput
 from runner.run import known_warnings, procs
 
 MONITOR_INTERVAL_S = 0.5
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) reached the elastic agent, which stopped the ranks: the run was interrupted, nothing failed."""
 
 
 def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
@@ -98,6 +103,7 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, check
     which also ends a SIGSTOPped rank), and hang_report.json (a hang) or failure_report.json (a rank that
     raised) is written from the ranks' records.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -129,6 +135,10 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig | None = None, *, check
                 procs.fork_ranks(flags, per_rank.forked_main, str(frozen))
             else:
                 torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+    except SignalException as e:
+        if e.sigval != signal.SIGINT:  # SIGTERM, SIGHUP: the job is being ended, a failure of the run
+            raise
+        raise Interrupted() from None
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
         written = forensics.write_report(cfg, run_dir, lay.world_size, str(e), forensics.torn_down(e.failures))
         if written is not None:
