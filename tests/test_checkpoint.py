@@ -274,11 +274,11 @@ def test_reference_exports_hf_that_transformers_reads_with_the_runner_logits(ref
 # ---- without ranks -----------------------------------------------------------------------------------
 
 
-def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
+def _fake(folder: Path, step: int, sizes=(10, 20), publish=True, metadata: bytes | None = None) -> Path:
     """A checkpoint folder as DCP leaves it (.metadata + one shard per rank), published or still partial."""
     part = checkpoint.partial_path(folder, step)
     part.mkdir(parents=True)
-    (part / ".metadata").write_bytes(dcp_metadata())
+    (part / ".metadata").write_bytes(dcp_metadata() if metadata is None else metadata)
     for r, n in enumerate(sizes):
         (part / f"__{r}_0.distcp").write_bytes(b"x" * n)
     if not publish:
@@ -472,6 +472,50 @@ def test_resume_under_another_schedule_is_rejected_before_launch(compose, tmp_pa
     body.pop("schedule")
     marker.write_text(json.dumps(body))
     validate.preflight(compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=12"]), tmp_path)
+
+
+def test_a_file_where_the_run_writes_a_folder_is_refused_naming_it(compose, tmp_path):
+    """A checkpoint.local.folder that is a file passed the preflight and failed rank 0 after its first local save
+    (NotADirectoryError, a rank traceback); every folder the run writes is checked, and each file named."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("local", "run/checkpoints/model-hf", "run/profile"):
+        (tmp_path / name).write_text("")
+    cfg = compose(["checkpoint=local", f"checkpoint.local.folder={tmp_path / 'local'}", "checkpoint.export_hf=true", "profile.steps=[2]"])
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(cfg, run)
+    assert [str(p) for p in e.value.problems] == [
+        f"checkpoint.export_hf = True: {run}/checkpoints/model-hf is a file, not a folder (the run writes the Hugging Face "
+        "export there). Fix: name a folder, or move that file away.",
+        f"checkpoint.local.folder = {tmp_path}/local: {tmp_path}/local is a file, not a folder. Fix: name a folder, or move "
+        "that file away.",
+        f"hydra.run.dir = {run}: {run}/profile is a file, not a folder (the run writes the profiler's traces there). "
+        "Fix: name a folder, or move that file away.",
+    ]
+
+
+@pytest.mark.parametrize(
+    "metadata, why",
+    [
+        (b"m" * 5, "is not the pickle DCP wrote (at position 0, opcode b'm' unknown): cut short or overwritten"),
+        (b"\x80\x04\x95", "is not the pickle DCP wrote (not enough data in stream to read uint8): cut short or overwritten"),
+        (b"\x80\x04}\x94.", "holds a pickle of no class, not DCP's Metadata"),
+    ],
+    ids=["overwritten", "cut short", "another object"],
+)
+def test_a_checkpoint_whose_dcp_metadata_does_not_open_is_refused_before_launch(compose, tmp_path, metadata, why):
+    """Its marker's sizes and CRC-32s match (recorded from the bad file), so it passed, and every rank failed with DCP's
+    "metadata is None" and torch's elastic error page; a resume and checkpoint.init_from now name the file, exit 2."""
+    step4 = _fake(tmp_path / "checkpoints", 4, metadata=metadata)
+    _with_model(step4)
+    assert checkpoint.verify(step4) is None  # intact as far as its marker tells
+    resume = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"])
+    init = compose([f"checkpoint.init_from={step4}"])
+    for cfg, field, value in ((resume, "checkpoint.resume", True), (init, "checkpoint.init_from", str(step4))):
+        with pytest.raises(ConfigError) as e:
+            validate.preflight(cfg, tmp_path)
+        (p,) = e.value.problems
+        assert (p.field, p.value, p.why) == (field, value, f"the checkpoint {step4} cannot be loaded: {step4}/.metadata {why}")
 
 
 def test_resume_pins_the_checkpoint_it_starts_from(compose, tmp_path):

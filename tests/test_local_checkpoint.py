@@ -7,6 +7,7 @@ run of its own: in the flipped one every rank but rank 1 restores its own shard.
 from __future__ import annotations
 
 import json
+import shutil
 import math
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from runner.config.schema import LocalCheckpointConfig
 from runner.config.validate import checkpoint_rules
 from runner.outputs import goodput
 from runner.run import startup
-from tests.conftest import metrics
+from tests.conftest import dcp_metadata, metrics
 from tests.points import CHECKPOINT_KILL_AT as KILL_AT
 from tests.points import CHECKPOINT_STEPS as STEPS
 
@@ -54,10 +55,10 @@ def test_restore_rule_takes_the_newest_whole_local_step_only_if_newer_than_share
     assert (none.step, none.why) == (None, "no local checkpoint of this layout on any node")
 
 
-def _shard(root: Path, step: int, rank: int, origin: dict) -> Path:
+def _shard(root: Path, step: int, rank: int, origin: dict, metadata: bytes | None = None) -> Path:
     partial = local_checkpoint.partial_path(root, step, rank)
     partial.mkdir(parents=True)
-    (partial / ".metadata").write_bytes(b"m" * 10)
+    (partial / ".metadata").write_bytes(dcp_metadata() if metadata is None else metadata)
     (partial / "__0_0.distcp").write_bytes(bytes(range(200)))
     info = {"step": step, "rank": rank, **origin}
     return checkpoint.publish(partial, local_checkpoint.shard_path(root, step, rank), info, checkpoint.file_records(partial))
@@ -130,6 +131,46 @@ def test_local_folder_inside_the_shared_one_is_refused(compose, tmp_path):
     )
     cfg.checkpoint.local.folder = str(tmp_path / "elsewhere" / "%N")
     assert checkpoint_rules.local_inside_shared(cfg, tmp_path / "run") is None
+
+
+def test_a_restart_by_hand_finds_a_whole_local_step_where_every_node_folder_is_visible(compose, tmp_path):
+    """checkpoint.resume=true with no shared checkpoint was refused ("nothing to resume") although the local tier held a
+    whole step: where every node's folder is visible here (one node, or simulated nodes) the preflight finds it as the
+    ranks' restore does; where it is not (several nodes), the refusal says the tier is restored inside the job only."""
+    from runner.config import validate
+    from runner.config.problems import ConfigError
+
+    shared, run = tmp_path / "shared", tmp_path / "run"
+    over = ["checkpoint=local", "checkpoint.resume=true", f"checkpoint.folder={shared}", f"checkpoint.local.folder={tmp_path}/%N"]
+    cfg = compose([*over, "monitor.inject.node_names=[a,a,b,b]", "checkpoint.local.interval=2"])
+    lay = validate.check(cfg)
+    roots = {n: local_checkpoint.root(cfg.checkpoint.local, n, shared) for n in "ab"}
+    for rank, node in enumerate("aabb"):
+        _shard(roots[node], 4, rank, checkpoint.origin(cfg, lay))
+    validate.preflight(cfg, run, lay)  # step 4 is whole over nodes a and b: the ranks restore it
+
+    def refusal(cfg) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate.preflight(cfg, run, lay, node=True)
+        (p,) = [p for p in e.value.problems if p.field == "checkpoint.resume"]
+        return p.why
+
+    metadata = local_checkpoint.shard_path(roots["b"], 4, 3) / ".metadata"
+    shutil.rmtree(metadata.parent)
+    _shard(roots["b"], 4, 3, checkpoint.origin(cfg, lay), metadata=b"")  # its marker's sizes and CRC-32s match
+    assert refusal(cfg).endswith(f"its node-local tier's step 4 cannot be loaded: {metadata} is not the pickle DCP wrote "
+                                 "(pickle exhausted before seeing STOP): cut short or overwritten")  # fmt: skip
+    shutil.rmtree(metadata.parent)
+    assert refusal(cfg) == (
+        f"nothing to resume: the checkpoint folder {shared} does not exist; nor does its node-local tier in {roots['a']}, "
+        f"{roots['b']} (local step 4 lacks rank(s) [3] (no intact copy on any node))"
+    )
+    cfg.monitor.inject.node_names, cfg.cluster.num_nodes = [], 2  # two real nodes: this machine sees one folder
+    assert refusal(cfg) == (
+        f"nothing to resume: the checkpoint folder {shared} does not exist; the node-local tier (checkpoint.local.folder) "
+        "of a 2-node run is restored only by a restart inside the job (the elastic agent's, a SLURM requeue): this machine "
+        "sees its own node's folder only"
+    )
 
 
 def test_plan_suggests_both_tiers_and_start_up_shows_them(compose):

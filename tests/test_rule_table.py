@@ -110,3 +110,40 @@ def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_p
     else:
         res = search.run(cfg)
         assert res.ranked == [] and len(seen) == len(list(search.layouts(cfg, 4)))  # every candidate layout, refused
+
+
+def _files_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """A config that each FILES rule of the table refuses, and the field its problem names."""
+    blocker, shared = tmp_path / "a-file", tmp_path / "shared"
+    blocker.write_text("")
+    text = ["data=text", f"data.files=[{tmp_path / 'nope.jsonl'}]", f"data.tokenizer={tmp_path / 'tok.json'}"]
+    return {
+        "folders the run writes": (["checkpoint=local", f"checkpoint.local.folder={blocker}"], "checkpoint.local.folder"),
+        "data files and tokenizer": (text, "data.files"),
+        "held-out files": ([*text, "eval.interval=5", f"data.eval_files=[{tmp_path / 'val.jsonl'}]"], "data.eval_files"),
+        "Hugging Face folder to start from": (["parallelism=single", f"model.init_from={tmp_path / 'nowhere'}"], "model.init_from"),
+        # the case of issue 54: mode=validate said "config OK", the launch refused it
+        "checkpoint storage and what to resume": (
+            ["checkpoint=local", f"checkpoint.folder={shared}", f"checkpoint.local.folder={shared}"],
+            "checkpoint.local.folder",
+        ),
+        "checkpoint to start from": (["parallelism=single", f"checkpoint.init_from={tmp_path / 'nowhere'}"], "checkpoint.init_from"),
+    }
+
+
+def test_every_preflight_refusal_is_a_validate_refusal(compose, monkeypatch, capsys, tmp_path):
+    """mode=validate runs the launch's preflight (the FILES rules): what `python -m runner` refuses before it starts a
+    process is refused by `python -m runner mode=validate` in the same words (exit 2, no run folder left)."""
+    from tests.test_config import _here
+
+    cases = _files_cases(tmp_path)
+    assert set(cases) == {r.name for r in validate.RULES if r.needs == validate.Needs.FILES}  # a new FILES rule needs a case
+    for name, (overrides, field) in cases.items():
+        cfg = compose(overrides)
+        with pytest.raises(ConfigError) as e:
+            validate.preflight(cfg, tmp_path / "train", validate.check(cfg))  # mode=train's, before it launches
+        refused = [str(p) for p in e.value.problems]
+        assert any(p.startswith(f"{field} = ") for p in refused), (name, refused)
+        code, err = _here(monkeypatch, capsys, *overrides, "mode=validate", f"hydra.run.dir={tmp_path / 'validate'}")
+        assert code == 2 and all(p in err for p in refused) and "config OK" not in err, (name, err)
+        assert not (tmp_path / "validate").exists()
