@@ -153,7 +153,9 @@ def interrupted(cfg: RunConfig, run_dir: Path) -> str:
     if newest is None:
         return f"interrupted at {at}{removed}; no checkpoint was saved yet, so a rerun starts at step 1: {replay}"
     pinned = " checkpoint.resume_from=" if c.resume_from else ""  # resume the newest, not the checkpoint this run resumed
-    return f"interrupted at {at}{removed}; resume from step {newest} with: {replay} checkpoint.resume=true checkpoint.folder={where}{pinned}"
+    return (
+        f"interrupted at {at}{removed}; resume from step {newest} with: {replay} checkpoint.resume=true checkpoint.folder={where}{pinned}"
+    )
 
 
 def _newest_saved(cfg: RunConfig, where: Path) -> int | None:

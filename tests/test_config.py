@@ -337,7 +337,12 @@ def test_a_refused_config_leaves_nothing_in_outputs(monkeypatch, capsys, tmp_pat
         ),
         "a rule of the config": ("parallelism.tp=3",),
         "mode=train's preflight": ("checkpoint=local", f"checkpoint.local.folder={blocker}"),
-        "mode=validate's preflight": ("mode=validate", "checkpoint=local", f"checkpoint.folder={shared}", f"checkpoint.local.folder={shared}"),
+        "mode=validate's preflight": (
+            "mode=validate",
+            "checkpoint=local",
+            f"checkpoint.folder={shared}",
+            f"checkpoint.local.folder={shared}",
+        ),
     }
     for what, argv in refusals.items():
         code, err = _here(monkeypatch, capsys, *argv)

@@ -7,8 +7,8 @@ run of its own: in the flipped one every rank but rank 1 restores its own shard.
 from __future__ import annotations
 
 import json
-import shutil
 import math
+import shutil
 from pathlib import Path
 
 import pytest

@@ -249,7 +249,9 @@ class Checkpointer:
                 return step
         if path is None and self._by_hand(before):
             why = self.restored_from["why"]
-            raise CheckpointMismatch(f"checkpoint.resume=true but {self.folder} holds no intact checkpoint, nor the local tier a whole step ({why})")
+            raise CheckpointMismatch(
+                f"checkpoint.resume=true but {self.folder} holds no intact checkpoint, nor the local tier a whole step ({why})"
+            )
         if path is None:
             self.restored_from = {"tier": "none"} | ({"why": self.restored_from["why"]} if self.local is not None else {})
             return None

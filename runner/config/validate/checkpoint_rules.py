@@ -1,8 +1,9 @@
 """Checkpoint rules (torch-free). `check` is about the config alone (any cluster); `launch` looks at this machine
 before any rank starts: the checkpoint folder's room for the checkpoints kept (whether it can be written is
 folder_rules') and, when resuming, the checkpoint to start from: it must exist, be intact, have DCP metadata that opens
-and belong to this model; with no shared one, a whole step of the node-local tier where every node's folder is visible. `resume_point` is that checkpoint;
-runner.config.freeze.pin writes it into `checkpoint.resume_from`, so the frozen file replays from the same step.
+and belong to this model; with no shared one, a whole step of the node-local tier where every node's folder is
+visible. `resume_point` is that checkpoint; runner.config.freeze.pin writes it into `checkpoint.resume_from`, so the
+frozen file replays from the same step.
 `init_check` and `init_files` are the same for checkpoint.init_from, the checkpoint whose weights a new phase starts
 from (pinned by freeze.pin too, with its record in checkpoint.init_record).
 """
@@ -229,7 +230,7 @@ def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
     c = cfg.checkpoint
     if not c.init_from or cfg.model.init_from:  # init_check refuses both
         return
-    pick = init_source(cfg, out, deep=True)
+    pick = init_source(cfg, out)
     if pick is None:
         return
     if why := checkpoint.metadata_problem(pick):
@@ -251,10 +252,10 @@ def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
         out.append(Problem("checkpoint.folder", c.folder, why, fix))
 
 
-def init_source(cfg: RunConfig, out: list[Problem], *, deep: bool) -> Path | None:
+def init_source(cfg: RunConfig, out: list[Problem]) -> Path | None:
     """The checkpoint checkpoint.init_from names (runner.config.checkpoint.weights_source), if it is intact and of this model."""
     c = cfg.checkpoint
-    pick, notes = checkpoint.weights_source(Path(c.init_from), deep)
+    pick, notes = checkpoint.weights_source(Path(c.init_from))
     if pick is None:
         out.append(Problem(INIT, c.init_from, notes[0], INIT_FIX))
         return None

@@ -1,8 +1,9 @@
 """model.init_from: a local Hugging Face folder the run starts from. Torch-free.
 
 `check` (CONFIG) needs no files: the family must have a TorchTitan state_dict_adapter. `files` (FILES, the preflight
-of mode=validate and mode=train) reads the folder's config.json and index, and the shards' safetensors headers, and on a replay compares the folder with what the frozen file recorded
-(model.init_record, written by runner.config.freeze.pin).
+of mode=validate and mode=train) reads the folder's config.json and index, and the shards' safetensors headers, and
+on a replay compares the folder with what the frozen file recorded (model.init_record, written by
+runner.config.freeze.pin).
 """
 
 from __future__ import annotations
