@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner.config import checkpoint, fault_tolerance, freeze, local_checkpoint, runfiles, slurm, validate
+from runner.config import fault_tolerance, freeze, runfiles, slurm, validate
 from runner.config.layout import Layout
 from runner.config.schema import RunConfig
 from runner.config.search import objective as search_objective
@@ -117,8 +117,8 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
             node_launch.run(cfg, lay, frozen, checked=True)
         else:
             _slurm_node(cfg, lay, run_dir, frozen, first_host, job_id)
-    except (node_launch.Interrupted, KeyboardInterrupt):  # Ctrl-C: the agent stopped the ranks; nothing failed
-        print(interrupted(cfg, run_dir), file=sys.stderr)
+    except node_launch.Interrupted as e:  # Ctrl-C: the agent stopped the ranks; nothing failed
+        print(e, file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
         record = _failed_point(e, run_dir)
@@ -129,42 +129,6 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
         STATE.failed.append(" ".join(record["overrides"]))  # the sweep goes on; cli() exits 1 at its end
         return search_objective.WORST
     return _run_objective(cfg, run_dir) if node == 0 else None
-
-
-def interrupted(cfg: RunConfig, run_dir: Path) -> str:
-    """What Ctrl-C's exit (130, as `python -m runner.data prepare`) says: the last step the run finished and the command
-    that resumes it. A shared save the interrupt cut off (`step-<n>.partial`) is removed; a local tier's is ignored."""
-    try:
-        steps = [e["step"] for e in goodput.read(run_dir) if e.get("event") == "step"]
-    except ValueError:  # a line cut off as rank 0 stopped
-        steps = []
-    at = f"step {max(steps)}" if steps else "start-up (no step finished)"
-    replay = f"python -m runner --config-dir {run_dir} --config-name {runfiles.FROZEN.removesuffix('.yaml')}"
-    c = cfg.checkpoint
-    if not c.enable:
-        return f"interrupted at {at}; checkpoints are off, so a rerun starts at step 1: {replay}"
-    where = checkpoint.folder(c, run_dir).resolve()
-    cut = sorted(where.glob(f"{runfiles.CHECKPOINT_PREFIX}*{runfiles.CHECKPOINT_PARTIAL}")) if where.is_dir() else []
-    if not fault_tolerance.enabled(cfg):  # under torchft other replica groups may be saving there
-        for p in cut:
-            shutil.rmtree(p, ignore_errors=True)
-    removed = f" (removed {', '.join(p.name for p in cut)}, a save it cut off)" if cut and not fault_tolerance.enabled(cfg) else ""
-    newest = _newest_saved(cfg, where)
-    if newest is None:
-        return f"interrupted at {at}{removed}; no checkpoint was saved yet, so a rerun starts at step 1: {replay}"
-    pinned = " checkpoint.resume_from=" if c.resume_from else ""  # resume the newest, not the checkpoint this run resumed
-    return (
-        f"interrupted at {at}{removed}; resume from step {newest} with: {replay} checkpoint.resume=true checkpoint.folder={where}{pinned}"
-    )
-
-
-def _newest_saved(cfg: RunConfig, where: Path) -> int | None:
-    """The newest step saved to the shared folder `where` (by sizes), or to the local tier where its folders are visible."""
-    steps = [step for step, _ in checkpoint.scan(where).complete[:1]]
-    lc = cfg.checkpoint.local
-    for node in (local_checkpoint.visible_nodes(cfg) or []) if lc.folder else []:
-        steps.append(local_checkpoint.newest_step(local_checkpoint.root(lc, node, where)))
-    return max((s for s in steps if s is not None), default=None)
 
 
 def _run_objective(cfg: RunConfig, run_dir: Path) -> float:

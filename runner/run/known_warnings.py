@@ -72,7 +72,7 @@ HARMLESS = (
         None,
         "torch.distributed.elastic.agent.server.api",
         r"Received (2|Signals\.SIGINT|SIGINT) death signal, shutting down workers",
-        "Ctrl-C: the launcher says at which step the run stopped and how to resume it (runner.sweep.interrupted)",
+        "Ctrl-C: the launcher says at which step the run stopped and how to resume it (runner.run.node_launch.interrupted)",
     ),
     Harmless(
         None,
