@@ -197,7 +197,8 @@ def _resume(cfg: RunConfig, lay: Layout, where: Path, out: list[Problem]) -> Non
 
 
 def launch(cfg: RunConfig, lay: Layout, run_dir: Path, out: list[Problem]) -> None:
-    """The checkpoint folder can be written and has room; when resuming, what to resume from is intact and this model's."""
+    """The checkpoint folder has room (folder_rules: it can be written); when resuming, what to resume from is intact and
+    this model's."""
     if cfg.checkpoint.enable:
         where = checkpoint.folder(cfg.checkpoint, run_dir)
         _storage(cfg, where, out)
