@@ -408,31 +408,41 @@ def test_runner_collectives_follow_the_device_policy(runs):
         assert {c["caller"] for c in calls} == want, rank
 
 
-def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
-    """SIGINT to the run's process group, as Ctrl-C in a terminal sends it, once step 2 is logged: exit 130 with one
-    line (the step reached, the command that resumes from the newest checkpoint), no failure (no failed.json, no
-    torch-elastic death-signal warnings, no traceback), and no checkpoint left half-written."""
+def _interrupt_after(*marks: str):
+    """A `while_running` for run_cli: SIGINT to the command's process group, as Ctrl-C in a terminal sends it, once its
+    stdout holds every one of `marks`."""
     import signal
 
     def interrupt(pid: int, stdout) -> None:
         deadline = time.monotonic() + 120
-        while not (stdout.is_file() and "step    2 " in stdout.read_text()) and time.monotonic() < deadline:
+        while not (stdout.is_file() and all(m in stdout.read_text() for m in marks)) and time.monotonic() < deadline:
             time.sleep(0.1)
         os.killpg(pid, signal.SIGINT)
 
-    run_dir = tmp_path / "run"
+    return interrupt
+
+
+def test_ctrl_c_says_how_to_resume_and_a_restart_by_hand_resumes_from_the_local_tier(tmp_path):
+    """Ctrl-C once step 1 is logged: exit 130 with one line (the step reached, the command that resumes from the newest
+    checkpoint), no failure (no failed.json, no torch-elastic death-signal warnings, no traceback). Its checkpoints are
+    all in the local tier (one node): the command it prints passes the preflight, and its ranks restore the local step
+    as an elastic restart does (before, both refused a restart by hand without a shared checkpoint)."""
+    run_dir, local = tmp_path / "run", tmp_path / "local"
     args = ["parallelism=single", "training.steps=200", "training.seq_len=64", "logging.progress=false", "+cluster.peak_tflops.float32=1"]
-    ckpt = ["checkpoint=local", "checkpoint.interval=1", "checkpoint.async_save=false"]
-    proc = run_cli(*args, *ckpt, run_dir=run_dir, while_running=interrupt)
+    ckpt = ["checkpoint=local", "checkpoint.interval=100", "checkpoint.async_save=false", f"checkpoint.local.folder={local}"]
+    proc = run_cli(*args, *ckpt, "checkpoint.local.interval=1", run_dir=run_dir, while_running=_interrupt_after("step    1 "))
     assert proc.returncode == 130, proc.stderr[-3000:]
     last = max(row["step"] for row in metrics(run_dir))
-    folder = run_dir / "checkpoints"
-    newest = max(int(p.name.removeprefix("step-")) for p in folder.glob("step-*"))
+    (root,) = local.iterdir()
+    newest = max(int(p.name.removeprefix("step-")) for p in root.glob("step-*") if (p / "rank-0").is_dir())
     line = proc.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(
-        rf"interrupted at step {last}( \(removed step-\d+\.partial, a save it cut off\))?; resume from step {newest} with: "
-        rf"python -m runner --config-dir {run_dir} --config-name frozen checkpoint.resume=true checkpoint.folder={folder}",
-        line,
-    ), line
+    assert line == (
+        f"interrupted at step {last}; resume from step {newest} with: python -m runner --config-dir {run_dir} "
+        f"--config-name frozen checkpoint.resume=true checkpoint.folder={run_dir / 'checkpoints'}"
+    )
     assert 1 <= newest <= last and "death signal" not in proc.stderr and "SIGINT" not in proc.stderr and "Traceback" not in proc.stderr
-    assert not (run_dir / "failed.json").exists() and not list(folder.glob("*.partial"))
+    assert not (run_dir / "failed.json").exists()
+    restored = f"checkpoint: resumed from the local tier, step {newest} (local step {newest} is whole and no shared checkpoint)"
+    resumed = tmp_path / "resumed"
+    again = run_cli(*shlex.split(line.split(" with: ")[1])[3:], run_dir=resumed, while_running=_interrupt_after(restored))
+    assert again.returncode == 130 and restored in again.stdout, again.stderr[-3000:]
