@@ -518,6 +518,33 @@ def test_a_checkpoint_whose_dcp_metadata_does_not_open_is_refused_before_launch(
         assert (p.field, p.value, p.why) == (field, value, f"the checkpoint {step4} cannot be loaded: {step4}/.metadata {why}")
 
 
+def test_ctrl_c_line_names_the_step_reached_and_removes_a_save_it_cut_off(compose, tmp_path):
+    """What `python -m runner` prints when Ctrl-C stops a run (runner.run.node_launch.interrupted; a real one in
+    tests/test_train.py): the last step of the timeline, the newest checkpoint and the command that resumes from it."""
+    from runner.run import node_launch
+
+    steps = "".join(json.dumps({"event": "step", "step": s}) + "\n" for s in (1, 2, 3))
+    (tmp_path / runfiles.TIMELINE).write_text(steps + '{"event": "st')  # rank 0 stopped mid-line: no step is known
+    replay = f"python -m runner --config-dir {tmp_path} --config-name frozen"
+    assert node_launch.interrupted(compose([]), tmp_path) == (
+        f"interrupted at start-up (no step finished); checkpoints are off, so a rerun starts at step 1: {replay}"
+    )
+    (tmp_path / runfiles.TIMELINE).write_text(steps)
+    cfg = compose(["checkpoint=local"])
+    folder = tmp_path / "checkpoints"
+    assert node_launch.interrupted(cfg, tmp_path) == (
+        f"interrupted at step 3; no checkpoint to resume from in {folder} yet, so a rerun starts at step 1: {replay}"
+    )
+    _fake(folder, 2)
+    _fake(folder, 3, publish=False)  # the save Ctrl-C cut off
+    cfg.checkpoint.resume_from = str(folder / "step-1")  # this run resumed from step 1: its replay would again
+    assert node_launch.interrupted(cfg, tmp_path) == (
+        f"interrupted at step 3 (removed step-3.partial, a save it cut off); resume from step 2 with: {replay} "
+        f"checkpoint.resume=true checkpoint.folder={folder} checkpoint.resume_from="
+    )
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
+
+
 def test_resume_pins_the_checkpoint_it_starts_from(compose, tmp_path):
     for s in (2, 4):
         _with_model(_fake(tmp_path / "checkpoints", s))

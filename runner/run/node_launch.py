@@ -171,7 +171,7 @@ def interrupted(cfg: RunConfig, run_dir: Path) -> str:
     removed = f" (removed {', '.join(p.name for p in cut)}, a save it cut off)" if cut else ""
     newest = _newest_saved(cfg, where)
     if newest is None:
-        return f"interrupted at {at}{removed}; no checkpoint was saved yet, so a rerun starts at step 1: {replay}"
+        return f"interrupted at {at}{removed}; no checkpoint to resume from in {where} yet, so a rerun starts at step 1: {replay}"
     pinned = " checkpoint.resume_from=" if c.resume_from else ""  # resume the newest, not the checkpoint this run resumed
     return (
         f"interrupted at {at}{removed}; resume from step {newest} with: {replay} checkpoint.resume=true checkpoint.folder={where}{pinned}"
