@@ -173,6 +173,53 @@ def test_a_restart_by_hand_finds_a_whole_local_step_where_every_node_folder_is_v
     )
 
 
+def test_a_restart_by_hand_restores_the_local_step_on_the_ranks(compose, tmp_path):
+    """The ranks' side of a restart by hand with only local checkpoints (checkpoint.resume=true, no shared one): one gloo
+    rank restores the local step as an elastic restart does (it refused before); with the local tier gone too, it
+    refuses naming both tiers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from runner.config.schema import DeviceType
+    from runner.run.checkpointer import Checkpointer, CheckpointMismatch
+    from runner.run.device import DevicePolicy
+    from tests.one_rank import gloo_rank
+
+    class Saved:  # the schedule, guard and data position, as the Checkpointer saves and restores them
+        got = None
+
+        def state_dict(self, step=None):
+            return {"at": step}
+
+        def load_state_dict(self, state, step=None):
+            self.got = state
+
+    over = ["parallelism=single", "checkpoint=local", "checkpoint.async_save=false", "checkpoint.resume=true"]
+    cfg = compose([*over, f"checkpoint.local.folder={tmp_path / 'local'}"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = [torch.optim.AdamW(model.parameters(), lr=0.1)]
+    built, sched, data, guard = SimpleNamespace(parts=[model]), Saved(), Saved(), Saved()
+    with gloo_rank(cfg, tmp_path):
+        policy = DevicePolicy(DeviceType.cpu, "gloo", dedicated_host_group=False)
+        ckpt = Checkpointer(cfg.checkpoint, tmp_path / "shared", num_steps=100, origin={"world_size": 1, "layout": "single"}, policy=policy)
+        ckpt.save(3, built, opt, sched, data, guard)
+        assert ckpt.last_tier == "local" and not (tmp_path / "shared").exists()
+        saved = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        assert ckpt.restore(built, opt, sched, data, guard) == 3
+        assert torch.equal(model.weight, saved) and data.got == {"at": 3} and ckpt.restored_from["tier"] == "local"
+        ckpt.local.remove()
+        with pytest.raises(CheckpointMismatch) as e:
+            ckpt.restore(built, opt, sched, data, guard)
+    assert str(e.value) == (
+        f"checkpoint.resume=true but {tmp_path / 'shared'} holds no intact checkpoint, nor the local tier a whole step "
+        "(no local checkpoint of this layout on any node)"
+    )
+
+
 def test_plan_suggests_both_tiers_and_start_up_shows_them(compose):
     cfg = compose(["recipe=llama3_70b_h100x1024", "cluster.mtbf_hours=5", "cluster.checkpoint_write_gbs=50", "cluster.local_write_gbs=5"])
     lay = resolve(cfg.parallelism, cfg.cluster)
