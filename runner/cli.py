@@ -38,18 +38,19 @@ FIX_OVERRIDE = "Fix the override or config file named above; `python -m runner -
 def main(dcfg: DictConfig) -> float | None:
     """The Hydra task: returns the config's objective (a float an optimizing sweeper minimizes; +inf for an
     invalid or failed point) where the mode has one."""
-    sweep.STATE.begin_task()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    sweep.STATE.begin_task(run_dir)
     try:
         cfg = compose.to_object(dcfg)
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit
         for w in validate.warnings(cfg):
             print(f"WARNING: {w}", file=sys.stderr)
+        if cfg.mode in (Mode.validate, Mode.train):  # one preflight: mode=validate refuses what a launch would
+            validate.preflight(cfg, run_dir, lay)
         if cfg.optimizer.param_groups and cfg.mode not in (Mode.plan, Mode.search):
             _param_groups(cfg)
         if cfg.mode != Mode.train:
             return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
-        validate.preflight(cfg, run_dir, lay)
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if sweep.multirun():
             return sweep.invalid_point(e, run_dir)

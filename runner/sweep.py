@@ -36,10 +36,14 @@ class State:
     task_started: float = 0.0
     """When the Hydra task began: the process's start for the first task, the task's call for later sweep points
     (wall clock; the launch of the point's goodput, runner.outputs.goodput)."""
+    fresh: bool = True
+    """The task's run folder held only what Hydra puts there when the task began: a refusal removes it whole, with
+    whatever the runner wrote before refusing (frozen.yaml of a dry run whose rehearsal cannot start)."""
 
-    def begin_task(self) -> None:
+    def begin_task(self, run_dir: Path) -> None:
         self.task_started = time.time() if self.entered else goodput.process_start()
         self.entered = True
+        self.fresh = not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} <= set(runfiles.HYDRA_LOGS)
 
 
 STATE = State()
@@ -50,11 +54,11 @@ def multirun() -> bool:
 
 
 def discard(run_dir: Path) -> None:
-    """Remove the run folder Hydra just made, and the folders above it that it leaves empty up to the working
-    folder (outputs/<date>/ and outputs/ of Hydra's default run folder), so a check or a rejected config leaves
-    nothing behind. A run folder outside the working folder takes its parent along only if that is left empty."""
-    ours = set(runfiles.HYDRA_LOGS)
-    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= ours:
+    """Remove the run folder Hydra just made (not one that held anything else when the task began: a run's, which a
+    refusal keeps), and the folders above it that it leaves empty up to the working folder (outputs/<date>/ and
+    outputs/ of Hydra's default run folder), so a check or a rejected config leaves nothing behind. A run folder
+    outside the working folder takes its parent along only if that is left empty."""
+    if not run_dir.is_dir() or not STATE.fresh:
         return
     shutil.rmtree(run_dir)
     cwd = Path(HydraConfig.get().runtime.cwd)
@@ -123,6 +127,9 @@ def _launch(cfg: RunConfig, lay: Layout, run_dir: Path, frozen: Path, node: int,
             node_launch.run(cfg, lay, frozen, checked=True)
         else:
             _slurm_node(cfg, lay, run_dir, frozen, first_host, job_id)
+    except node_launch.Interrupted as e:  # Ctrl-C: the agent stopped the ranks; nothing failed
+        print(e, file=sys.stderr)
+        sys.exit(130)
     except Exception as e:  # a rank failed: the agent printed which one and where its log is
         record = _failed_point(e, run_dir)
         where = f"rank logs in {record['logs']}; recorded in {run_dir / runfiles.FAILED}"

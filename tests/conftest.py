@@ -98,25 +98,25 @@ def pytest_runtest_call(item):
 
 
 def run_cli(
-    *args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600, env: dict[str, str] | None = None
+    *args: str, run_dir: Path | None = None, cwd: Path = ROOT, timeout: int = 600, env: dict[str, str] | None = None, while_running=None
 ) -> subprocess.CompletedProcess:
     """`python -m runner <args>` (from the project root unless `cwd`); `run_dir` pins Hydra's output folder."""
     run_dir_arg = [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
-    return run_module(
-        "runner", *args, *run_dir_arg, cwd=cwd, timeout=timeout, env={**os.environ, "WANDB_SILENT": "true"} if env is None else env
-    )
+    env = {**os.environ, "WANDB_SILENT": "true"} if env is None else env
+    return run_module("runner", *args, *run_dir_arg, cwd=cwd, timeout=timeout, env=env, while_running=while_running)
 
 
 def run_module(
-    module: str, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
+    module: str, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None, while_running=None
 ) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` (environment: this one's unless `env`), captured as subprocess.run(text=True) would. Run by
-    a child of the session's zygote (tests/zygote.py), which has a launch's imports done: its own process, argv, folder,
-    environment and output, without paying the imports again."""
+    a child of the session's zygote (tests/zygote.py), which has a launch's imports done: its own process (group), argv,
+    folder, environment and output, without paying the imports again. `while_running(pid, stdout path)` is called once
+    it started (to send it a signal, say)."""
     argv = [sys.executable, "-m", module, *map(str, args)]
     for refuse in zygote.REFUSE:
         refuse(" ".join(map(str, argv[:4])))
-    return zygote.client().run(argv, cwd, dict(os.environ) if env is None else env, timeout)
+    return zygote.client().run(argv, cwd, dict(os.environ) if env is None else env, timeout, while_running)
 
 
 def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> Multirun:
@@ -130,6 +130,16 @@ def multirun(points: dict[str, list[str]], common: list[str], sweep: Path) -> Mu
     names = point_files.write(points, folder, common)
     proc = run_cli("-m", *point_files.argv(names, folder), f"hydra.sweep.dir={sweep}", timeout=1800)  # many points, a slow machine
     return multirun_status(names, sweep, proc)
+
+
+def dcp_metadata() -> bytes:
+    """The `.metadata` DCP writes for an empty state (a pickle of its Metadata): what a fake checkpoint needs for the
+    preflight, which opens every checkpoint's metadata (runner.formats.checkpoint.metadata_problem)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return pickle.dumps(Metadata(state_dict_metadata={}))
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -28,7 +28,7 @@ from runner.outputs import goodput
 from runner.schema import ModelConfig
 from runner.schema.problems import ConfigError
 from tests import text_assets
-from tests.conftest import metrics, run_cli
+from tests.conftest import dcp_metadata, metrics, run_cli
 from tests.multiruns import Lazy
 from tests.points import CHECKPOINT_KILL_AT as KILL_AT
 from tests.points import CHECKPOINT_POINTS as POINTS
@@ -275,11 +275,11 @@ def test_reference_exports_hf_that_transformers_reads_with_the_runner_logits(ref
 # ---- without ranks -----------------------------------------------------------------------------------
 
 
-def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
+def _fake(folder: Path, step: int, sizes=(10, 20), publish=True, metadata: bytes | None = None) -> Path:
     """A checkpoint folder as DCP leaves it (.metadata + one shard per rank), published or still partial."""
     part = checkpoint.partial_path(folder, step)
     part.mkdir(parents=True)
-    (part / ".metadata").write_bytes(b"m" * 5)
+    (part / ".metadata").write_bytes(dcp_metadata() if metadata is None else metadata)
     for r, n in enumerate(sizes):
         (part / f"__{r}_0.distcp").write_bytes(b"x" * n)
     if not publish:
@@ -290,18 +290,19 @@ def _fake(folder: Path, step: int, sizes=(10, 20), publish=True) -> Path:
 def test_publish_is_a_rename_with_a_marker_of_every_file(tmp_path):
     final = _fake(tmp_path, 3)
     assert final == tmp_path / "step-3" and not (tmp_path / "step-3.partial").exists()
-    crc = {n: f"{zlib.crc32(c * k):08x}" for n, c, k in ((".metadata", b"m", 5), ("__0_0.distcp", b"x", 10), ("__1_0.distcp", b"x", 20))}
+    crc = {n: f"{zlib.crc32(c * k):08x}" for n, c, k in (("__0_0.distcp", b"x", 10), ("__1_0.distcp", b"x", 20))}
+    meta = dcp_metadata()
     assert checkpoint.marker(final) == {
         "step": 3,
         "files": {
-            ".metadata": {"bytes": 5, "crc32": crc[".metadata"]},
+            ".metadata": {"bytes": len(meta), "crc32": f"{zlib.crc32(meta):08x}"},
             "__0_0.distcp": {"bytes": 10, "crc32": crc["__0_0.distcp"]},
             "__1_0.distcp": {"bytes": 20, "crc32": crc["__1_0.distcp"]},
         },
     }
     assert checkpoint.verify(final) is None
     assert checkpoint.file_records(final, checksum=False) == {
-        ".metadata": {"bytes": 5},
+        ".metadata": {"bytes": len(meta)},
         "__0_0.distcp": {"bytes": 10},
         "__1_0.distcp": {"bytes": 20},
     }
@@ -472,6 +473,77 @@ def test_resume_under_another_schedule_is_rejected_before_launch(compose, tmp_pa
     body.pop("schedule")
     marker.write_text(json.dumps(body))
     validate.preflight(compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=12"]), tmp_path)
+
+
+def test_a_file_where_the_run_writes_a_folder_is_refused_naming_it(compose, tmp_path):
+    """A checkpoint.local.folder that is a file passed the preflight and failed rank 0 after its first local save
+    (NotADirectoryError, a rank traceback); every folder the run writes is checked, and each file named."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("local", "run/checkpoints/model-hf", "run/profile"):
+        (tmp_path / name).write_text("")
+    cfg = compose(["checkpoint=local", f"checkpoint.local.folder={tmp_path / 'local'}", "checkpoint.export_hf=true", "profile.steps=[2]"])
+    with pytest.raises(ConfigError) as e:
+        validate.preflight(cfg, run)
+    assert [str(p) for p in e.value.problems] == [
+        f"checkpoint.export_hf = True: {run}/checkpoints/model-hf is a file, not a folder (the run writes the Hugging Face "
+        "export there). Fix: name a folder, or move that file away.",
+        f"checkpoint.local.folder = {tmp_path}/local: {tmp_path}/local is a file, not a folder. Fix: name a folder, or move "
+        "that file away.",
+        f"hydra.run.dir = {run}: {run}/profile is a file, not a folder (the run writes the profiler's traces there). "
+        "Fix: name a folder, or move that file away.",
+    ]
+
+
+@pytest.mark.parametrize(
+    "metadata, why",
+    [
+        (b"m" * 5, "is not the pickle DCP wrote (at position 0, opcode b'm' unknown): cut short or overwritten"),
+        (b"\x80\x04\x95", "is not the pickle DCP wrote (not enough data in stream to read uint8): cut short or overwritten"),
+        (b"\x80\x04}\x94.", "holds a pickle of no class, not DCP's Metadata"),
+    ],
+    ids=["overwritten", "cut short", "another object"],
+)
+def test_a_checkpoint_whose_dcp_metadata_does_not_open_is_refused_before_launch(compose, tmp_path, metadata, why):
+    """Its marker's sizes and CRC-32s match (recorded from the bad file), so it passed, and every rank failed with DCP's
+    "metadata is None" and torch's elastic error page; a resume and checkpoint.init_from now name the file, exit 2."""
+    step4 = _fake(tmp_path / "checkpoints", 4, metadata=metadata)
+    _with_model(step4)
+    assert checkpoint.verify(step4) is None  # intact as far as its marker tells
+    resume = compose(["checkpoint=local", "checkpoint.resume=true", "training.steps=8"])
+    init = compose([f"checkpoint.init_from={step4}"])
+    for cfg, field, value in ((resume, "checkpoint.resume", True), (init, "checkpoint.init_from", str(step4))):
+        with pytest.raises(ConfigError) as e:
+            validate.preflight(cfg, tmp_path)
+        (p,) = e.value.problems
+        assert (p.field, p.value, p.why) == (field, value, f"the checkpoint {step4} cannot be loaded: {step4}/.metadata {why}")
+
+
+def test_ctrl_c_line_names_the_step_reached_and_removes_a_save_it_cut_off(compose, tmp_path):
+    """What `python -m runner` prints when Ctrl-C stops a run (runner.run.node_launch.interrupted; a real one in
+    tests/test_train.py): the last step of the timeline, the newest checkpoint and the command that resumes from it."""
+    from runner.run import node_launch
+
+    steps = "".join(json.dumps({"event": "step", "step": s}) + "\n" for s in (1, 2, 3))
+    (tmp_path / runfiles.TIMELINE).write_text(steps + '{"event": "st')  # rank 0 stopped mid-line: no step is known
+    replay = f"python -m runner --config-dir {tmp_path} --config-name frozen"
+    assert node_launch.interrupted(compose([]), tmp_path) == (
+        f"interrupted at start-up (no step finished); checkpoints are off, so a rerun starts at step 1: {replay}"
+    )
+    (tmp_path / runfiles.TIMELINE).write_text(steps)
+    cfg = compose(["checkpoint=local"])
+    folder = tmp_path / "checkpoints"
+    assert node_launch.interrupted(cfg, tmp_path) == (
+        f"interrupted at step 3; no checkpoint to resume from in {folder} yet, so a rerun starts at step 1: {replay}"
+    )
+    _fake(folder, 2)
+    _fake(folder, 3, publish=False)  # the save Ctrl-C cut off
+    cfg.checkpoint.resume_from = str(folder / "step-1")  # this run resumed from step 1: its replay would again
+    assert node_launch.interrupted(cfg, tmp_path) == (
+        f"interrupted at step 3 (removed step-3.partial, a save it cut off); resume from step 2 with: {replay} "
+        f"checkpoint.resume=true checkpoint.folder={folder} checkpoint.resume_from="
+    )
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
 
 
 def test_resume_pins_the_checkpoint_it_starts_from(compose, tmp_path):

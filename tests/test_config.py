@@ -303,6 +303,41 @@ def test_cli_rejects_with_exit_2_and_leaves_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
+def test_a_refused_config_leaves_nothing_in_outputs(monkeypatch, capsys, tmp_path):
+    """Every refusal after Hydra made the run folder (outputs/<date>/<time> of the folder it starts in) removes it, with
+    what the runner wrote before refusing: a dry run whose CUDA rehearsal cannot start left .hydra/, frozen.yaml and
+    runner.log. A run folder that held a run when the task began is kept as it was."""
+    from runner.run.dryrun import cuda_env
+
+    monkeypatch.setattr(cuda_env, "find_python", lambda root: None)  # no .venv-cuda, whatever this machine has
+    monkeypatch.chdir(tmp_path)
+    blocker, shared = tmp_path / "a-file", tmp_path / "shared"
+    blocker.write_text("")
+    refusals = {
+        "the CUDA rehearsal, after the frozen file": (
+            *("mode=dryrun", "dryrun.device=cuda", "cluster=h100_node", "parallelism=fsdp", "precision=bf16"),
+            "training.global_batch_size=16",
+        ),
+        "a rule of the config": ("parallelism.tp=3",),
+        "mode=train's preflight": ("checkpoint=local", f"checkpoint.local.folder={blocker}"),
+        "mode=validate's preflight": (
+            "mode=validate",
+            "checkpoint=local",
+            f"checkpoint.folder={shared}",
+            f"checkpoint.local.folder={shared}",
+        ),
+    }
+    for what, argv in refusals.items():
+        code, err = in_process.cli(monkeypatch, capsys, *argv)
+        assert code == 2 and "Traceback" not in err, (what, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"], (what, err)
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "frozen.yaml").write_text("a run\n")
+    code, err = in_process.cli(monkeypatch, capsys, f"hydra.run.dir={held}")
+    assert code == 2 and "already holds a run" in err and (held / "frozen.yaml").read_text() == "a run\n"
+
+
 @pytest.fixture
 def frozen(compose, tmp_path):
     """A run folder holding the frozen file of the default config."""

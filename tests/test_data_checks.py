@@ -68,9 +68,10 @@ def test_text_field_missing_from_the_files_is_found_before_launch(compose, asset
 def test_mode_validate_checks_data_files_and_tokenizer(compose, assets, tmp_path):
     """mode=validate is the check users run before training: it used to say "config OK" for files that do not exist."""
     missing = ["data=text", f"data.files=[{tmp_path / 'nope.jsonl'}]", f"data.tokenizer={tmp_path / 'tok.json'}", "mode=validate"]
-    assert _problems(validate.check, compose(missing)) == [
+    validate.check(compose(missing))  # the config alone is right: the files are the preflight's, run by mode=validate too
+    assert _problems(validate.preflight, compose(missing), tmp_path) == [
         ("data.files", [str(tmp_path / "nope.jsonl")], "not found (paths are relative to where `python -m runner` starts)"),
         ("data.tokenizer", str(tmp_path / "tok.json"), "no such file"),
     ]
-    validate.check(compose(_text(assets, "mode=validate")))
+    validate.preflight(compose(_text(assets, "mode=validate")), tmp_path)
     validate.check(compose(missing[:3] + ["mode=plan"]))  # planning a cluster run needs no local data

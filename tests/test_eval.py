@@ -46,7 +46,9 @@ def test_bad_eval_config_lists_every_field(compose, tmp_path):
     both = _problems(compose, [*text, "eval.interval=5", "data.eval_files=[b.jsonl]", "data.eval_fraction=0.1"])
     assert list(both) == ["data.eval_fraction"]
     missing = str(tmp_path / "val.jsonl")
-    got = _problems(compose, [*text, "mode=validate", "eval.interval=5", f"data.eval_files=[{missing}]"])
+    with pytest.raises(ConfigError) as e:  # the preflight's, which mode=validate runs too
+        validate.preflight(compose([*text, "mode=validate", "eval.interval=5", f"data.eval_files=[{missing}]"]), tmp_path)
+    got = {p.field: (p.value, p.why) for p in e.value.problems}
     assert got["data.eval_files"] == ([missing], "not found (paths are relative to where `python -m runner` starts)")
     validate.check(compose([*text, "eval.interval=5", "data.eval_fraction=0.1"]))  # a held-out split: nothing to say
     validate.check(compose(["eval.interval=5"]))  # synthetic data has its own held-out split

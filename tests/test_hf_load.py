@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -325,6 +327,8 @@ def test_the_continue_recipe_validates_against_llama_8b_and_refuses_70b(monkeypa
 
     data = f"data.path={text_assets.prepared(tmp_path / 'tokens')}"
     eight = hf_models.published_llama(tmp_path / "Llama-3.1-8B", "8B")
+    # the recipe keeps 2 checkpoints of 96 GB: room this machine may lack, which mode=validate's preflight refuses
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1e15))
     code, err = _here(monkeypatch, capsys, RECIPE, f"model.init_from={eight}", data, "mode=validate", f"hydra.run.dir={tmp_path / 'r'}")
     assert code == 0, err
     seventy = hf_models.published_llama(tmp_path / "Llama-3.1-70B", "70B")

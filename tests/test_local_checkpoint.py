@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from runner.outputs import goodput
 from runner.run import startup
 from runner.schema import LocalCheckpointConfig
 from runner.schema.layout import resolve
-from tests.conftest import metrics
+from tests.conftest import dcp_metadata, metrics
 from tests.points import CHECKPOINT_KILL_AT as KILL_AT
 from tests.points import CHECKPOINT_STEPS as STEPS
 
@@ -56,10 +57,10 @@ def test_restore_rule_takes_the_newest_whole_local_step_only_if_newer_than_share
     assert (none.step, none.why) == (None, "no local checkpoint of this layout on any node")
 
 
-def _shard(root: Path, step: int, rank: int, origin: dict) -> Path:
+def _shard(root: Path, step: int, rank: int, origin: dict, metadata: bytes | None = None) -> Path:
     partial = local_checkpoint.partial_path(root, step, rank)
     partial.mkdir(parents=True)
-    (partial / ".metadata").write_bytes(b"m" * 10)
+    (partial / ".metadata").write_bytes(dcp_metadata() if metadata is None else metadata)
     (partial / "__0_0.distcp").write_bytes(bytes(range(200)))
     info = {"step": step, "rank": rank, **origin}
     return checkpoint.publish(partial, local_checkpoint.shard_path(root, step, rank), info, checkpoint.file_records(partial))
@@ -132,6 +133,93 @@ def test_local_folder_inside_the_shared_one_is_refused(compose, tmp_path):
     )
     cfg.checkpoint.local.folder = str(tmp_path / "elsewhere" / "%N")
     assert checkpoint_rules.local_inside_shared(cfg, tmp_path / "run") is None
+
+
+def test_a_restart_by_hand_finds_a_whole_local_step_where_every_node_folder_is_visible(compose, tmp_path):
+    """checkpoint.resume=true with no shared checkpoint was refused ("nothing to resume") although the local tier held a
+    whole step: where every node's folder is visible here (one node, or simulated nodes) the preflight finds it as the
+    ranks' restore does; where it is not (several nodes), the refusal says the tier is restored inside the job only."""
+    from runner.config import validate
+    from runner.schema.problems import ConfigError
+
+    shared, run = tmp_path / "shared", tmp_path / "run"
+    over = ["checkpoint=local", "checkpoint.resume=true", f"checkpoint.folder={shared}", f"checkpoint.local.folder={tmp_path}/%N"]
+    cfg = compose([*over, "monitor.inject.node_names=[a,a,b,b]", "checkpoint.local.interval=2"])
+    lay = validate.check(cfg)
+    roots = {n: local_checkpoint.root(cfg.checkpoint.local, n, shared) for n in "ab"}
+    for rank, node in enumerate("aabb"):
+        _shard(roots[node], 4, rank, checkpoint.origin(cfg, lay))
+    validate.preflight(cfg, run, lay)  # step 4 is whole over nodes a and b: the ranks restore it
+
+    def refusal(cfg) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate.preflight(cfg, run, lay, node=True)
+        (p,) = [p for p in e.value.problems if p.field == "checkpoint.resume"]
+        return p.why
+
+    metadata = local_checkpoint.shard_path(roots["b"], 4, 3) / ".metadata"
+    shutil.rmtree(metadata.parent)
+    _shard(roots["b"], 4, 3, checkpoint.origin(cfg, lay), metadata=b"")  # its marker's sizes and CRC-32s match
+    assert refusal(cfg).endswith(f"its node-local tier's step 4 cannot be loaded: {metadata} is not the pickle DCP wrote "
+                                 "(pickle exhausted before seeing STOP): cut short or overwritten")  # fmt: skip
+    shutil.rmtree(metadata.parent)
+    assert refusal(cfg) == (
+        f"nothing to resume: the checkpoint folder {shared} does not exist; nor does its node-local tier in {roots['a']}, "
+        f"{roots['b']} (local step 4 lacks rank(s) [3] (no intact copy on any node))"
+    )
+    cfg.monitor.inject.node_names, cfg.cluster.num_nodes = [], 2  # two real nodes: this machine sees one folder
+    assert refusal(cfg) == (
+        f"nothing to resume: the checkpoint folder {shared} does not exist; the node-local tier (checkpoint.local.folder) "
+        "of a 2-node run is restored only by a restart inside the job (the elastic agent's, a SLURM requeue): this machine "
+        "sees its own node's folder only"
+    )
+
+
+def test_a_restart_by_hand_restores_the_local_step_on_the_ranks(compose, tmp_path):
+    """The ranks' side of a restart by hand with only local checkpoints (checkpoint.resume=true, no shared one): one gloo
+    rank restores the local step as an elastic restart does (it refused before); with the local tier gone too, it
+    refuses naming both tiers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from runner.run.checkpointer import Checkpointer, CheckpointMismatch
+    from runner.run.device import DevicePolicy
+    from runner.schema import DeviceType
+    from tests.one_rank import gloo_rank
+
+    class Saved:  # the schedule, guard and data position, as the Checkpointer saves and restores them
+        got = None
+
+        def state_dict(self, step=None):
+            return {"at": step}
+
+        def load_state_dict(self, state, step=None):
+            self.got = state
+
+    over = ["parallelism=single", "checkpoint=local", "checkpoint.async_save=false", "checkpoint.resume=true"]
+    cfg = compose([*over, f"checkpoint.local.folder={tmp_path / 'local'}"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = [torch.optim.AdamW(model.parameters(), lr=0.1)]
+    built, sched, data, guard = SimpleNamespace(parts=[model]), Saved(), Saved(), Saved()
+    with gloo_rank(cfg, tmp_path):
+        policy = DevicePolicy(DeviceType.cpu, "gloo", dedicated_host_group=False)
+        ckpt = Checkpointer(cfg.checkpoint, tmp_path / "shared", num_steps=100, origin={"world_size": 1, "layout": "single"}, policy=policy)
+        ckpt.save(3, built, opt, sched, data, guard)
+        assert ckpt.last_tier == "local" and not (tmp_path / "shared").exists()
+        saved = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        assert ckpt.restore(built, opt, sched, data, guard) == 3
+        assert torch.equal(model.weight, saved) and data.got == {"at": 3} and ckpt.restored_from["tier"] == "local"
+        ckpt.local.remove()
+        with pytest.raises(CheckpointMismatch) as e:
+            ckpt.restore(built, opt, sched, data, guard)
+    assert str(e.value) == (
+        f"checkpoint.resume=true but {tmp_path / 'shared'} holds no intact checkpoint, nor the local tier a whole step "
+        "(no local checkpoint of this layout on any node)"
+    )
 
 
 def test_plan_suggests_both_tiers_and_start_up_shows_them(compose):

@@ -22,7 +22,7 @@ from runner.config import freeze, validate
 from runner.formats import checkpoint, runfiles
 from runner.schema import Mode, ModelConfig
 from runner.schema.problems import ConfigError
-from tests.conftest import metrics, run_cli
+from tests.conftest import dcp_metadata, metrics, run_cli
 from tests.one_rank import gloo_rank
 
 SHAPE = [
@@ -198,7 +198,7 @@ def _fake(folder: Path, step: int, shard: bytes = b"x" * 10, **model) -> Path:
     """A published checkpoint as DCP and the Checkpointer leave it, of the debug model (with `model`'s changes)."""
     part = checkpoint.partial_path(folder, step)
     part.mkdir(parents=True)
-    (part / ".metadata").write_bytes(b"m" * 5)
+    (part / ".metadata").write_bytes(dcp_metadata())
     (part / "__0_0.distcp").write_bytes(shard)
     info = {"step": step, "layout": "single", "model": {**checkpoint.model_identity(ModelConfig()), **model}}
     return checkpoint.publish(part, checkpoint.final_path(folder, step), info, checkpoint.file_records(part))
@@ -268,8 +268,8 @@ def test_what_cannot_be_started_from_is_refused_before_launch(compose, tmp_path)
     for given, why in cases.items():
         cfg = compose(["parallelism=single", f"checkpoint.init_from={given}"])
         assert _problems(validate.preflight, cfg, tmp_path / "phase") == [("checkpoint.init_from", str(given), why)]
-        cfg.mode = Mode.validate  # mode=validate reads the markers too (sizes only)
-        assert _problems(validate.check, cfg) == [("checkpoint.init_from", str(given), why)]
+        cfg.mode = Mode.validate  # mode=validate runs the same preflight
+        assert _problems(validate.preflight, cfg, tmp_path / "phase") == [("checkpoint.init_from", str(given), why)]
     (run / "checkpoints" / "step-4" / "__0_0.distcp").write_bytes(b"x")  # truncated
     cfg = compose(["parallelism=single", f"checkpoint.init_from={run / 'checkpoints' / 'step-4'}"])
     ((_, _, why),) = _problems(validate.preflight, cfg, tmp_path / "phase")

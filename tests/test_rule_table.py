@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.config import search, validate
+from runner.schema import Mode
 from runner.schema.problems import ConfigError, Problem
 
 PACKAGE = Path(validate.__file__).parent
@@ -67,16 +68,17 @@ def test_every_rule_is_in_the_table_or_called_by_one():
 def test_the_table_says_why_search_skips_a_rule():
     names = [r.name for r in validate.RULES]
     assert len(names) == len(set(names))
-    files = [r for r in validate.RULES if r.needs == validate.Needs.FILES]
+    launch = (validate.Needs.FILES, validate.Needs.MACHINE)
+    files = [r for r in validate.RULES if r.needs in launch]
     assert files and all(r.search_skips for r in files)  # search starts nothing
-    skipped = {r.name for r in validate.RULES if r.search_skips and r.needs != validate.Needs.FILES}
+    skipped = {r.name for r in validate.RULES if r.search_skips and r.needs not in launch}
     assert skipped == {"world size", "batch, microbatches and pipeline schedule", "dry-run ranks", "device memory"}
 
 
-@pytest.mark.parametrize("needs", [validate.Needs.CONFIG, validate.Needs.LAYOUT, validate.Needs.FILES])
+@pytest.mark.parametrize("needs", list(validate.Needs))
 def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_path, needs):
     """A rule added to the table once is applied by validation (CONFIG, LAYOUT), search (CONFIG once, LAYOUT per
-    candidate) and the preflight (FILES): nothing else lists rules."""
+    candidate) and the preflight (FILES; MACHINE in a launch's, not in mode=validate's): nothing else lists rules."""
     seen: list[int | None] = []
 
     def rule(ctx: validate.Context, out: list[Problem]) -> None:
@@ -86,10 +88,16 @@ def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_p
     extra = validate.Rule("new rule", rule, needs, reads=("ctx",))
     monkeypatch.setattr(validate, "RULES", (*validate.RULES, extra))
     cfg = compose(["mode=search", "search.top_k=1", "cluster.devices_per_node=4"])
-    if needs == validate.Needs.FILES:
+    if needs in (validate.Needs.FILES, validate.Needs.MACHINE):
         validate.check(cfg)  # not a config rule
         with pytest.raises(ConfigError, match="the new rule"):
             validate.preflight(cfg, tmp_path)
+        cfg.mode = Mode.validate
+        if needs == validate.Needs.MACHINE:
+            validate.preflight(cfg, tmp_path)  # mode=validate checks a config for its cluster, not for this machine
+        else:
+            with pytest.raises(ConfigError, match="the new rule"):
+                validate.preflight(cfg, tmp_path)
         return
     with pytest.raises(ConfigError, match="the new rule"):
         validate.check(cfg)
@@ -102,3 +110,40 @@ def test_a_new_rule_reaches_every_caller_of_its_kind(compose, monkeypatch, tmp_p
     else:
         res = search.run(cfg)
         assert res.ranked == [] and len(seen) == len(list(search.layouts(cfg, 4)))  # every candidate layout, refused
+
+
+def _files_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """A config that each FILES rule of the table refuses, and the field its problem names."""
+    blocker, shared = tmp_path / "a-file", tmp_path / "shared"
+    blocker.write_text("")
+    text = ["data=text", f"data.files=[{tmp_path / 'nope.jsonl'}]", f"data.tokenizer={tmp_path / 'tok.json'}"]
+    return {
+        "folders the run writes": (["checkpoint=local", f"checkpoint.local.folder={blocker}"], "checkpoint.local.folder"),
+        "data files and tokenizer": (text, "data.files"),
+        "held-out files": ([*text, "eval.interval=5", f"data.eval_files=[{tmp_path / 'val.jsonl'}]"], "data.eval_files"),
+        "Hugging Face folder to start from": (["parallelism=single", f"model.init_from={tmp_path / 'nowhere'}"], "model.init_from"),
+        # the case of issue 54: mode=validate said "config OK", the launch refused it
+        "checkpoint storage and what to resume": (
+            ["checkpoint=local", f"checkpoint.folder={shared}", f"checkpoint.local.folder={shared}"],
+            "checkpoint.local.folder",
+        ),
+        "checkpoint to start from": (["parallelism=single", f"checkpoint.init_from={tmp_path / 'nowhere'}"], "checkpoint.init_from"),
+    }
+
+
+def test_every_preflight_refusal_is_a_validate_refusal(compose, monkeypatch, capsys, tmp_path):
+    """mode=validate runs the launch's preflight (the FILES rules): what `python -m runner` refuses before it starts a
+    process is refused by `python -m runner mode=validate` in the same words (exit 2, no run folder left)."""
+    from tests.in_process import cli as _here
+
+    cases = _files_cases(tmp_path)
+    assert set(cases) == {r.name for r in validate.RULES if r.needs == validate.Needs.FILES}  # a new FILES rule needs a case
+    for name, (overrides, field) in cases.items():
+        cfg = compose(overrides)
+        with pytest.raises(ConfigError) as e:
+            validate.preflight(cfg, tmp_path / "train", validate.check(cfg))  # mode=train's, before it launches
+        refused = [str(p) for p in e.value.problems]
+        assert any(p.startswith(f"{field} = ") for p in refused), (name, refused)
+        code, err = _here(monkeypatch, capsys, *overrides, "mode=validate", f"hydra.run.dir={tmp_path / 'validate'}")
+        assert code == 2 and all(p in err for p in refused) and "config OK" not in err, (name, err)
+        assert not (tmp_path / "validate").exists()

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import re
 import typing
+from pathlib import Path
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -304,7 +305,10 @@ def _problems(composed: DictConfig | validate.ConfigError) -> list[Problem]:
     if isinstance(composed, validate.ConfigError):
         return composed.problems
     try:
-        validate.check(compose.to_object(composed))
+        cfg = compose.to_object(composed)
+        lay = validate.check(cfg)
+        if cfg.mode == schema.Mode.validate:  # mode=validate also runs the preflight (the files the config names)
+            validate.preflight(cfg, Path("/nonexistent-run"), lay)
     except validate.ConfigError as e:
         return e.problems
     return []

@@ -284,7 +284,7 @@ def test_validate_names_the_key_a_manifest_lacks(compose, small, tmp_path):
         edit(m)
         (folder / manifest.MANIFEST).write_text(json.dumps(m))
         with pytest.raises(ConfigError) as e:
-            validate.check(cfg)
+            validate.preflight(cfg, tmp_path)
         got = [p for p in e.value.problems if p.field.startswith("data.")]
         assert [(p.field, p.value) for p in got] == [("data.path", str(folder))], [str(p) for p in got]
         assert got[0].why.startswith(f"{folder / manifest.MANIFEST} {why}") and "python -m runner.data prepare" in got[0].fix, got[0]

@@ -420,3 +420,38 @@ def test_runner_collectives_follow_the_device_policy(runs):
         host = [c for c in calls if c["via_policy"]]
         assert [c for c in host if c["group"] != "host" or c["devices"] not in ([], ["cpu"])] == []
         assert {c["caller"] for c in calls} == want, rank
+
+
+def _interrupt_after(*marks: str):
+    """A `while_running` for run_cli: SIGINT to the command's process group, as Ctrl-C in a terminal sends it, once its
+    stdout holds every one of `marks`."""
+    import signal
+
+    def interrupt(pid: int, stdout) -> None:
+        deadline = time.monotonic() + 120
+        while not (stdout.is_file() and all(m in stdout.read_text() for m in marks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGINT)
+
+    return interrupt
+
+
+def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
+    """Ctrl-C once step 1 is logged: exit 130 with one line (the step reached, the command that resumes from the newest
+    checkpoint, here the local tier's: a restart by hand resumes from it, tests/test_local_checkpoint.py), no failure
+    (no failed.json, no torch-elastic death-signal warnings, no traceback)."""
+    run_dir, local = tmp_path / "run", tmp_path / "local"
+    args = ["parallelism=single", "training.steps=200", "training.seq_len=64", "logging.progress=false", "+cluster.peak_tflops.float32=1"]
+    ckpt = ["checkpoint=local", "checkpoint.interval=100", "checkpoint.async_save=false", f"checkpoint.local.folder={local}"]
+    proc = run_cli(*args, *ckpt, "checkpoint.local.interval=1", run_dir=run_dir, while_running=_interrupt_after("step    1 "))
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    last = max(row["step"] for row in metrics(run_dir))
+    (root,) = local.iterdir()
+    newest = max(int(p.name.removeprefix("step-")) for p in root.glob("step-*") if (p / "rank-0").is_dir())
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line == (
+        f"interrupted at step {last}; resume from step {newest} with: python -m runner --config-dir {run_dir} "
+        f"--config-name frozen checkpoint.resume=true checkpoint.folder={run_dir / 'checkpoints'}"
+    )
+    assert 1 <= newest <= last and "death signal" not in proc.stderr and "SIGINT" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (run_dir / "failed.json").exists()

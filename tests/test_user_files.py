@@ -169,7 +169,7 @@ def _refusal(compose, folder: Path, name: str) -> str:
         return str(e.value)
     assert name == "tokenizer"
     with pytest.raises(ConfigError) as e:
-        validate.check(_text(compose, folder))
+        validate.preflight(_text(compose, folder), folder / "launch")  # mode=validate's preflight reads the tokenizer
     return str(e.value)
 
 
@@ -183,7 +183,7 @@ def test_each_readers_valid_file_passes(compose, folder):
     assert freeze.load(frozen).training == compose([]).training and freeze.refusal(frozen) is None
     assert checkpoint.verify(folder / "ckpt" / "step-3") is None
     assert manifest.vocab_size(manifest.tokenizer(folder / "tokenizer.json")) == 3
-    validate.check(_text(compose, folder))
+    validate.preflight(_text(compose, folder), folder / "launch")
 
 
 def _text(compose, folder: Path):

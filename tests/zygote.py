@@ -37,7 +37,9 @@ def _exit_code(code: object) -> int:
 
 
 def _child(req: dict, answers: int) -> None:
-    """`python -m <module> <args>` in this forked process; never returns."""
+    """`python -m <module> <args>` in this forked process, a process group of its own with its ranks (a signal to the
+    group is Ctrl-C in a terminal); never returns."""
+    os.setsid()
     os.close(answers)  # the zygote's channel is not the command's (nor its ranks')
     os.chdir(req["cwd"])
     os.environ.clear()
@@ -98,7 +100,8 @@ class Client:
         self.answers, self.pending, self.count = read, b"", 0
         atexit.register(self.close)
 
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float, while_running=None) -> subprocess.CompletedProcess:
+        """`while_running(pid, stdout path)`, if given, is called once the command started (to signal it, say)."""
         import time
 
         self.count += 1
@@ -108,6 +111,8 @@ class Client:
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout
         pid = self._answer(deadline + 60)["pid"]
+        if while_running is not None:
+            while_running(pid, out)
         try:
             code = self._answer(deadline)["returncode"]
         except TimeoutError:

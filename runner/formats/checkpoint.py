@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickletools
 import shutil
 import zlib
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ from runner.schema import CheckpointConfig, ModelConfig, RunConfig
 from runner.schema.layout import Layout, label
 
 MARKER = runfiles.CHECKPOINT_MARKER
+METADATA = ".metadata"
+"""DCP's index of a checkpoint: a pickle of torch.distributed.checkpoint.metadata.Metadata, which every rank opens first."""
+_DCP_CLASS = "torch.distributed.checkpoint.metadata Metadata"
 CHECKSUM = "crc32"
 """Key of a file's checksum in COMPLETE.json (8 hex digits)."""
 _CHUNK = 1 << 22
@@ -160,6 +164,30 @@ def verify(path: Path, deep: bool = True) -> str | None:
     for name, (_, crc) in files.items() if deep else ():
         if crc is not None and (got := crc32(path / name)) != crc:
             return f"{name} has {CHECKSUM} {got}, {crc} was written (its content changed after the save)"
+    return None
+
+
+def metadata_problem(path: Path) -> str | None:
+    """Why DCP could not open the `.metadata` of the checkpoint folder `path` (None: it can). Read whole and walked as the
+    pickle of DCP's Metadata it must be, torch-free (pickletools reads the opcodes; nothing is unpickled): a file that is
+    unreadable, cut short or overwritten fails every rank's load with "metadata is None", not naming it, even where its
+    marker's sizes (or CRC-32s, recorded from the bad file) match."""
+    f = path / METADATA
+    try:
+        data = f.read_bytes()
+    except OSError as e:
+        return f"{f} cannot be read ({e.strerror or e})"
+    strings, first = [], None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if first is None and op.name in ("GLOBAL", "STACK_GLOBAL"):
+                first = arg if op.name == "GLOBAL" else " ".join(strings[-2:])
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except ValueError as e:  # an unknown opcode, or the stream ends before its STOP
+        return f"{f} is not the pickle DCP wrote ({e}): cut short or overwritten"
+    if first != _DCP_CLASS:
+        return f"{f} holds a pickle of {first or 'no class'}, not DCP's Metadata"
     return None
 
 

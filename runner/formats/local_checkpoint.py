@@ -10,15 +10,37 @@ checkpoint of step n is usable when every rank's shard is intact on some node, s
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.formats import checkpoint, runfiles
-from runner.schema import LocalCheckpointConfig
+from runner.schema import LocalCheckpointConfig, RunConfig
 
 RANK_PREFIX = "rank-"
+NODE_NAME_ENV = "RUNNER_NODE_NAME"
+"""Sets the node name of every rank an agent starts (nodes that share a hostname; runner.run.mesh)."""
+
+
+def this_node() -> str:
+    """This machine's node name as its ranks see it (runner.run.mesh.node_name without simulated nodes)."""
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
+
+def visible_nodes(cfg: RunConfig) -> list[str] | None:
+    """Every node of the run whose local folder this machine sees: the simulated nodes of monitor.inject.node_names
+    (all on this machine), or this node when the run has one; None for several nodes (each sees its own folder only)."""
+    if cfg.monitor.inject.node_names:
+        return sorted(set(cfg.monitor.inject.node_names))
+    return [this_node()] if cfg.cluster.num_nodes == 1 else None
+
+
+def node_folder(c: LocalCheckpointConfig, node: str) -> Path:
+    """`local.folder` on the node `node` (`%N` replaced by its name)."""
+    return Path(c.folder.replace("%N", node))
 
 
 def root(c: LocalCheckpointConfig, node: str, shared: Path) -> Path:
@@ -26,7 +48,7 @@ def root(c: LocalCheckpointConfig, node: str, shared: Path) -> Path:
     `run-<10 hex digits of the shared checkpoint folder's absolute path>`, so a restart of the run (elastic, requeued, by
     hand with the same checkpoint.folder) finds it and two runs on one node never share it."""
     key = hashlib.sha256(str(shared.resolve()).encode()).hexdigest()[:10]
-    return Path(c.folder.replace("%N", node)) / f"run-{key}"
+    return node_folder(c, node) / f"run-{key}"
 
 
 def shard_path(root: Path, step: int, rank: int) -> Path:

@@ -180,9 +180,13 @@ class Checkpointer:
         pick, warnings = checkpoint.choose(self.folder, before)
         for w in warnings:
             print(f"WARNING: {w}", file=sys.stderr, flush=True)
-        if pick is None and before is None and self.cfg.resume and not restarted():
+        if pick is None and self._by_hand(before) and self.local is None:  # with a local tier: restore() asks it first
             return None, f"checkpoint.resume=true but {self.folder} holds no intact checkpoint"
         return pick, None
+
+    def _by_hand(self, before: int | None) -> bool:
+        """A restart by hand (checkpoint.resume=true at the job's start), which must find something to resume."""
+        return before is None and self.cfg.resume and not restarted()
 
     def _choose(self, before: int | None) -> tuple[str | None, dict | None]:
         """Rank 0 picks (and warns about what it skips); every rank gets the same answer or the same error."""
@@ -245,6 +249,11 @@ class Checkpointer:
             step = self._restore_local(built, opt, sched, data, guard, before, checkpoint.step_of(Path(path)) if path else None)
             if step is not None:
                 return step
+        if path is None and self._by_hand(before):
+            why = self.restored_from["why"]
+            raise CheckpointMismatch(
+                f"checkpoint.resume=true but {self.folder} holds no intact checkpoint, nor the local tier a whole step ({why})"
+            )
         if path is None:
             self.restored_from = {"tier": "none"} | ({"why": self.restored_from["why"]} if self.local is not None else {})
             return None

@@ -77,6 +77,18 @@ HARMLESS = (
         "profile.*: each traced step is its own cycle of torch.profiler and is written to its own trace as the cycle ends "
         "(runner.run.profiling), so no event of an earlier cycle is wanted again",
     ),
+    Harmless(
+        None,
+        "torch.distributed.elastic.agent.server.api",
+        r"Received (2|Signals\.SIGINT|SIGINT) death signal, shutting down workers",
+        "Ctrl-C: the launcher says at which step the run stopped and how to resume it (runner.run.node_launch.interrupted)",
+    ),
+    Harmless(
+        None,
+        "torch.distributed.elastic.multiprocessing.api",
+        r"(Closing process \d+ via signal|Sending process \d+ closing signal) SIGINT$",
+        "Ctrl-C: the agent passes it on to every rank, and the launcher reports the interruption once",
+    ),
 )
 
 

@@ -13,11 +13,11 @@ RUNNER_NODE_NAME sets the node name of every rank an agent starts, and RUNNER_NO
 from __future__ import annotations
 
 import os
-import socket
 
+from runner.formats import local_checkpoint
 from runner.schema.layout import Layout
 
-NODE_NAME_ENV = "RUNNER_NODE_NAME"
+NODE_NAME_ENV = local_checkpoint.NODE_NAME_ENV
 NODE_NAMES_ENV = "RUNNER_NODE_NAMES"
 
 
@@ -29,7 +29,7 @@ def node_name(rank: int) -> str:
     names = os.environ.get(NODE_NAMES_ENV)
     if names:
         return names.split(",")[rank]
-    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+    return local_checkpoint.this_node()
 
 
 def tp_groups(lay: Layout) -> list[list[int]]:

@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
+import signal
 import sys
 import uuid
 from pathlib import Path
 
+from runner.config import fault_tolerance as ft
 from runner.config import validate
-from runner.formats import runfiles
+from runner.formats import checkpoint, local_checkpoint, runfiles
 from runner.formats.user_files import UnreadableFile
 from runner.outputs import goodput
 from runner.run import known_warnings, procs
@@ -30,6 +33,11 @@ from runner.schema.layout import Layout
 from runner.schema.problems import ConfigError
 
 MONITOR_INTERVAL_S = 0.5
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) reached the launcher (the elastic agent stops the ranks): the run was interrupted, nothing failed.
+    Its message is `interrupted`'s line."""
 
 
 def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
@@ -99,6 +107,7 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = Fal
     which also ends a SIGSTOPped rank), and hang_report.json (a hang) or failure_report.json (a rank that
     raised) is written from the ranks' records.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -117,10 +126,10 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = Fal
         except ConfigError as e:
             print(e, file=sys.stderr)
             procs.exit_now(2)
-    _node_setup(cfg, lay, frozen)
-    known_warnings.apply(known_warnings.on_console())  # the launcher's console: before the ranks import TorchTitan here
-    os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
     try:
+        _node_setup(cfg, lay, frozen)
+        known_warnings.apply(known_warnings.on_console())  # the launcher's console: before the ranks import TorchTitan here
+        os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
         with procs.agent_signal_handlers():
             if cfg.cluster.worker_start == WorkerStart.fork:
                 from runner.run import per_rank, titan
@@ -129,11 +138,54 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = Fal
                 procs.fork_ranks(flags, per_rank.forked_main, str(frozen))
             else:
                 torchrun(parse_args([*flags, "-m", "runner.worker", str(frozen)]))
+    except SignalException as e:
+        if e.sigval != signal.SIGINT:  # SIGTERM, SIGHUP: the job is being ended, a failure of the run
+            raise
+        raise Interrupted(interrupted(cfg, run_dir)) from None
+    except KeyboardInterrupt:  # before the agent started the ranks, or after they ended
+        raise Interrupted(interrupted(cfg, run_dir)) from None
     except ChildFailedError as e:  # the agent has stopped every rank: assemble the report from their records
         written = forensics.write_report(cfg, run_dir, lay.world_size, str(e), forensics.torn_down(e.failures))
         if written is not None:
             print(f"{written[0]}: report in {written[1]}", file=sys.stderr)
         raise
+
+
+def interrupted(cfg: RunConfig, run_dir: Path) -> str:
+    """What Ctrl-C's exit (130, as `python -m runner.data prepare`) says: the last step the run finished and the command
+    that resumes it. A shared save the interrupt cut off (`step-<n>.partial`) is removed on one node; a local tier's is
+    ignored by every restore."""
+    try:
+        steps = [e["step"] for e in goodput.read(run_dir) if e.get("event") == "step"]
+    except ValueError:  # a line cut off as rank 0 stopped
+        steps = []
+    at = f"step {max(steps)}" if steps else "start-up (no step finished)"
+    replay = f"python -m runner --config-dir {run_dir} --config-name {runfiles.FROZEN.removesuffix('.yaml')}"
+    c = cfg.checkpoint
+    if not c.enable:
+        return f"interrupted at {at}; checkpoints are off, so a rerun starts at step 1: {replay}"
+    where = checkpoint.folder(c, run_dir).resolve()
+    alone = cfg.cluster.num_nodes == 1 and not ft.enabled(cfg)  # else other nodes or replica groups may be saving there
+    cut = sorted(where.glob(f"{runfiles.CHECKPOINT_PREFIX}*{runfiles.CHECKPOINT_PARTIAL}")) if alone and where.is_dir() else []
+    for p in cut:  # the next start would remove them too (runner.run.checkpointer); a resume ignores them
+        shutil.rmtree(p, ignore_errors=True)
+    removed = f" (removed {', '.join(p.name for p in cut)}, a save it cut off)" if cut else ""
+    newest = _newest_saved(cfg, where)
+    if newest is None:
+        return f"interrupted at {at}{removed}; no checkpoint to resume from in {where} yet, so a rerun starts at step 1: {replay}"
+    pinned = " checkpoint.resume_from=" if c.resume_from else ""  # resume the newest, not the checkpoint this run resumed
+    return (
+        f"interrupted at {at}{removed}; resume from step {newest} with: {replay} checkpoint.resume=true checkpoint.folder={where}{pinned}"
+    )
+
+
+def _newest_saved(cfg: RunConfig, where: Path) -> int | None:
+    """The newest step saved to the shared folder `where` (by sizes), or to the local tier where its folders are visible."""
+    steps = [step for step, _ in checkpoint.scan(where).complete[:1]]
+    lc = cfg.checkpoint.local
+    for node in (local_checkpoint.visible_nodes(cfg) or []) if lc.folder else []:
+        steps.append(local_checkpoint.newest_step(local_checkpoint.root(lc, node, where)))
+    return max((s for s in steps if s is not None), default=None)
 
 
 def run(cfg: RunConfig, lay: Layout, frozen: Path, *, checked: bool = False) -> None:
@@ -155,5 +207,9 @@ def cli() -> None:
     except (UnreadableFile, ConfigError) as e:  # a frozen file cut short, not YAML, of the wrong shape: one message, exit 2
         print(e, file=sys.stderr)
         procs.exit_now(2)
-    start(sys.argv[1:-1], frozen, cfg)
+    try:
+        start(sys.argv[1:-1], frozen, cfg)
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        procs.exit_now(130)
     procs.exit_now(0)

@@ -209,5 +209,8 @@ def forked_main(frozen_path: str) -> None:
 
 def cli() -> None:
     """`python -m runner.worker` (runner/worker.py)."""
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says where the run stopped (runner.run.node_launch.interrupted), not each rank
+        procs.exit_now(130)
     procs.exit_now(0)  # an exec-started rank: skip the interpreter's teardown

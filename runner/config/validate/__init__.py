@@ -4,8 +4,10 @@ Torch-free. Each rule appends `Problem`s (field, value, why, fix) to the list it
 them all at once, so a wrong world size does not hide a wrong TP degree. A rule says what it reads:
 - `CONFIG`: the config alone; any cluster, including ones this machine cannot run;
 - `LAYOUT`: the parallel degrees as well; search applies it to every candidate layout;
-- `FILES`: this machine and its filesystem, now (the preflight, before any rank starts; `mode=validate` also
-  reads the data files, inside the data rules).
+- `FILES`: the files and folders the config names, as this machine sees them now (data, checkpoints to read, folders
+  to write): the preflight, which `mode=validate` and `mode=train` both run before any process starts;
+- `MACHINE`: this machine as the place the ranks start (how the run is started, driver, memory, torchft): the
+  preflight of a launch only, as `mode=validate` checks a config for its cluster from any machine (a login node).
 A rule search does not apply says why (`search_skips`); search's own calls (per-candidate memory, the cached
 batch rule) are named there. The rules live by subject in this package's modules.
 """
@@ -22,6 +24,7 @@ import runner.config.validate.data_rules as data_rules
 import runner.config.validate.eval_rules as eval_rules
 import runner.config.validate.fault_tolerance_rules as ft_rules
 import runner.config.validate.fields as fields
+import runner.config.validate.folder_rules as folder_rules
 import runner.config.validate.hf_rules as hf_rules
 import runner.config.validate.host_rules as launch_rules
 import runner.config.validate.layout_rules as layout_rules
@@ -40,6 +43,7 @@ class Needs(Enum):
     CONFIG = "config"
     LAYOUT = "layout"
     FILES = "files"
+    MACHINE = "machine"
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Context:
     lay: Layout | None = None
     """The layout as far as the config fixes it."""
     run_dir: Path | None = None
-    """The run folder (FILES rules: checkpoint storage, what to resume)."""
+    """The run folder (FILES rules: the folders the run writes, checkpoint storage, what to resume)."""
     node: bool = False
     """Called by the per-node launcher, which is how a multi-node or SLURM run is meant to start."""
     model_ok: bool = field(default=True)
@@ -206,14 +210,15 @@ RULES: tuple[Rule, ...] = (
         "search prices every candidate's memory with the same model (Search.fits) and sets apart those that do not fit",
         _CTX,
     ),
-    Rule("how the run is started", _how_started, Needs.FILES, _LAUNCH, ("cfg", "node")),
-    Rule("this machine: driver, kernels, memory", launch_rules.this_machine, Needs.FILES, _LAUNCH, ("cfg", "lay", "node")),
+    Rule("how the run is started", _how_started, Needs.MACHINE, _LAUNCH, ("cfg", "node")),
+    Rule("this machine: driver, kernels, memory", launch_rules.this_machine, Needs.MACHINE, _LAUNCH, ("cfg", "lay", "node")),
+    Rule("folders the run writes", folder_rules.check, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
     Rule("data files and tokenizer", data_rules.files, Needs.FILES, _LAUNCH),
     Rule("held-out files", eval_rules.files, Needs.FILES, _LAUNCH),
     Rule("Hugging Face folder to start from", hf_rules.files, Needs.FILES, _LAUNCH),
-    Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
+    Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "lay", "run_dir")),
     Rule("checkpoint to start from", checkpoint_rules.init_files, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
-    Rule("torchft installed, lighthouse answering", ft_rules.launch, Needs.FILES, _LAUNCH),
+    Rule("torchft installed, lighthouse answering", ft_rules.launch, Needs.MACHINE, _LAUNCH),
 )
 
 
@@ -239,9 +244,12 @@ warnings = fields.warnings
 
 def preflight(cfg: RunConfig, run_dir: Path, lay: Layout | None = None, *, node: bool = False) -> None:
     """Raise ConfigError with every problem of starting `cfg` here, now; change nothing. Run by `python -m runner`
-    before it freezes and launches a run, and by `python -m runner.launch` (`node`) on every node before torchrun."""
+    for mode=validate and before it freezes and launches a run (mode=train), and by `python -m runner.launch` (`node`)
+    on every node before torchrun. The FILES rules always; the MACHINE rules unless mode=validate, which checks a
+    config for its cluster, not for the machine it is typed on."""
     lay = lay or resolve(cfg.parallelism, cfg.cluster)
     out: list[Problem] = []
-    walk(Context(cfg, lay.world_size, lay, run_dir, node), out, (Needs.FILES,))
+    needs = (Needs.FILES,) if cfg.mode == Mode.validate else (Needs.FILES, Needs.MACHINE)
+    walk(Context(cfg, lay.world_size, lay, run_dir, node), out, needs)
     if out:
         raise ConfigError(out)

@@ -1,7 +1,9 @@
 """Checkpoint rules (torch-free). `check` is about the config alone (any cluster); `launch` looks at this machine
-before any rank starts: the checkpoint folder (writable, room for the checkpoints kept) and, when resuming, the
-checkpoint to start from: it must exist, be intact and belong to this model. `resume_point` is that checkpoint;
-runner.config.freeze.pin writes it into `checkpoint.resume_from`, so the frozen file replays from the same step.
+before any rank starts: the checkpoint folder's room for the checkpoints kept (whether it can be written is
+folder_rules') and, when resuming, the checkpoint to start from: it must exist, be intact, have DCP metadata that opens
+and belong to this model; with no shared one, a whole step of the node-local tier where every node's folder is
+visible. `resume_point` is that checkpoint; runner.config.freeze.pin writes it into `checkpoint.resume_from`, so the
+frozen file replays from the same step.
 `init_check` and `init_files` are the same for checkpoint.init_from, the checkpoint whose weights a new phase starts
 from (pinned by freeze.pin too, with its record in checkpoint.init_record).
 """
@@ -11,12 +13,13 @@ from __future__ import annotations
 import math
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+import runner.config.validate.folder_rules as folder_rules
 from runner.estimate import flops
-from runner.formats import checkpoint, hf_folder
-from runner.schema import FaultTolerance, Mode, RunConfig
+from runner.formats import checkpoint, hf_folder, local_checkpoint
+from runner.schema import FaultTolerance, RunConfig
+from runner.schema.layout import Layout
 from runner.schema.problems import Problem
 
 
@@ -71,23 +74,11 @@ def local_inside_shared(cfg: RunConfig, run_dir: Path) -> str | None:
 
 
 def _storage(cfg: RunConfig, where: Path, out: list[Problem]) -> None:
+    """Room for the checkpoints kept (a folder that cannot be written is the folder rule's: folder_rules)."""
     c = cfg.checkpoint
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        out.append(Problem("checkpoint.folder", where, f"{probe} is a file, so the folder cannot be made", "name a folder path"))
+    if folder_rules.unwritable(where) is not None:
         return
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as e:
-        out.append(
-            Problem(
-                "checkpoint.folder", where, f"cannot write into {probe} ({e.strerror})", "choose a writable folder or fix its permissions"
-            )
-        )
-        return
+    probe = folder_rules.nearest(where)
     one = checkpoint.size_estimate_gb(flops.num_params(cfg.model))
     saves = math.ceil(cfg.training.steps / c.interval)  # every interval, plus the last step
     count = min(c.keep + 1, saves) if c.keep else saves  # a new one is written before the oldest goes
@@ -104,8 +95,9 @@ def _storage(cfg: RunConfig, where: Path, out: list[Problem]) -> None:
         )
 
 
-def resume_point(cfg: RunConfig, where: Path, out: list[Problem], *, warn: bool = True) -> Path | None:
-    """The checkpoint a resume starts from (pinned, else the newest intact one in `where`), or a problem saying why none."""
+def resume_point(cfg: RunConfig, where: Path, out: list[Problem], *, warn: bool = True, lay: Layout | None = None) -> Path | None:
+    """The checkpoint a resume starts from (pinned, else the newest intact one in `where`), or a problem saying why none.
+    None without a problem: `where` holds none, but the local tier a whole step the ranks restore (given `lay`)."""
     c = cfg.checkpoint
     if c.resume_from:
         pick = Path(c.resume_from)
@@ -126,21 +118,57 @@ def resume_point(cfg: RunConfig, where: Path, out: list[Problem], *, warn: bool 
         print(f"WARNING: {w}", file=sys.stderr, flush=True)
     if pick is None:
         state = "does not exist" if not where.exists() else "holds no intact checkpoint"
-        out.append(
-            Problem(
-                "checkpoint.resume",
-                True,
-                f"nothing to resume: the checkpoint folder {where} {state}",
-                "point checkpoint.folder at the stopped run's checkpoints (an absolute path), "
-                "or drop checkpoint.resume=true to start at step 1",
+        local = _local_tier(cfg, lay, where) if lay is not None and cfg.checkpoint.local.folder else ""
+        if local is not None:
+            out.append(
+                Problem(
+                    "checkpoint.resume",
+                    True,
+                    f"nothing to resume: the checkpoint folder {where} {state}{local}",
+                    "point checkpoint.folder at the stopped run's checkpoints (an absolute path), "
+                    "or drop checkpoint.resume=true to start at step 1",
+                )
             )
-        )
     return pick
 
 
-def _resume(cfg: RunConfig, where: Path, out: list[Problem]) -> None:
-    pick = resume_point(cfg, where, out)
+def _local_tier(cfg: RunConfig, lay: Layout, where: Path) -> str | None:
+    """With no shared checkpoint, the node-local tier: None when the local folders of every node are visible here (one
+    node, or simulated ones) and hold a whole step with readable DCP metadata, which the ranks restore as at an elastic
+    restart (runner.formats.local_checkpoint.choose); else the words that say why it cannot be resumed from."""
+    c = cfg.checkpoint
+    nodes = local_checkpoint.visible_nodes(cfg)
+    if nodes is None:
+        return (
+            f"; the node-local tier (checkpoint.local.folder) of a {cfg.cluster.num_nodes}-node run is restored only by a "
+            "restart inside the job (the elastic agent's, a SLURM requeue): this machine sees its own node's folder only"
+        )
+    origin = checkpoint.origin(cfg, lay)
+    roots = sorted({local_checkpoint.root(c.local, n, where) for n in nodes})
+    merged: dict[int, set[int]] = {}
+    for r in roots:
+        for step, ranks in local_checkpoint.held(r, origin)[0].items():
+            merged.setdefault(step, set()).update(ranks)
+    choice = local_checkpoint.choose([{s: sorted(v) for s, v in merged.items()}] * lay.world_size, None)
+    if choice.step is None:
+        return f"; nor does its node-local tier in {', '.join(map(str, roots))} ({choice.why})"
+    for r in roots:
+        for rank in range(lay.world_size):
+            shard = local_checkpoint.shard_path(r, choice.step, rank)
+            if shard.is_dir() and (why := checkpoint.metadata_problem(shard)):
+                return f"; its node-local tier's step {choice.step} cannot be loaded: {why}"
+    return None
+
+
+def _resume(cfg: RunConfig, lay: Layout, where: Path, out: list[Problem]) -> None:
+    c = cfg.checkpoint
+    pick = resume_point(cfg, where, out, lay=lay)
     if pick is None:
+        return
+    if why := checkpoint.metadata_problem(pick):
+        field, value = ("checkpoint.resume_from", c.resume_from) if c.resume_from else ("checkpoint.resume", True)
+        fix = "resume from an older checkpoint (checkpoint.resume_from=<folder>/step-<n>), or restore the file from a copy"
+        out.append(Problem(field, value, f"the checkpoint {pick} cannot be loaded: {why}", fix))
         return
     info = checkpoint.marker(pick)
     diff = checkpoint.identity_mismatch(info.get("model", {}), checkpoint.model_identity(cfg.model))  # none recorded: every field differs
@@ -169,8 +197,9 @@ def _resume(cfg: RunConfig, where: Path, out: list[Problem]) -> None:
         )
 
 
-def launch(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
-    """The checkpoint folder can be written and has room; when resuming, what to resume from is intact and this model's."""
+def launch(cfg: RunConfig, lay: Layout, run_dir: Path, out: list[Problem]) -> None:
+    """The checkpoint folder has room (folder_rules: it can be written); when resuming, what to resume from is intact and
+    this model's."""
     if cfg.checkpoint.enable:
         where = checkpoint.folder(cfg.checkpoint, run_dir)
         _storage(cfg, where, out)
@@ -178,7 +207,7 @@ def launch(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
         if local and Path(local).is_absolute() and (why := local_inside_shared(cfg, run_dir)):
             out.append(Problem("checkpoint.local.folder", local, why, "name node-local storage outside it (a local SSD, /dev/shm)"))
         if cfg.checkpoint.resume:
-            _resume(cfg, where, out)
+            _resume(cfg, lay, where, out)
 
 
 INIT = "checkpoint.init_from"
@@ -186,7 +215,7 @@ INIT_FIX = f"name a run folder, its checkpoint folder or one <folder>/step-<n> o
 
 
 def init_check(cfg: RunConfig, out: list[Problem]) -> None:
-    """checkpoint.init_from against the rest of the config; with mode=validate also the checkpoint it names (sizes only)."""
+    """checkpoint.init_from against the rest of the config (the checkpoint it names: init_files, in the preflight)."""
     c = cfg.checkpoint
     if not c.init_from:
         if c.init_record:
@@ -195,9 +224,6 @@ def init_check(cfg: RunConfig, out: list[Problem]) -> None:
     if cfg.model.init_from:
         why = "model.init_from names weights to start from too: a run starts from one source of weights"
         out.append(Problem(INIT, c.init_from, why, f"drop {INIT} or model.init_from"))
-        return
-    if cfg.mode == Mode.validate:
-        init_source(cfg, out, deep=False)
 
 
 def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
@@ -206,8 +232,12 @@ def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
     c = cfg.checkpoint
     if not c.init_from or cfg.model.init_from:  # init_check refuses both
         return
-    pick = init_source(cfg, out, deep=True)
+    pick = init_source(cfg, out)
     if pick is None:
+        return
+    if why := checkpoint.metadata_problem(pick):
+        fix = "start from another checkpoint (an older <folder>/step-<n>), or restore the file from a copy"
+        out.append(Problem(INIT, c.init_from, f"the checkpoint {pick} cannot be loaded: {why}", fix))
         return
     if c.init_record and (diff := checkpoint.record_changes(c.init_record, checkpoint.weights_record(pick))):
         out.append(
@@ -224,10 +254,10 @@ def init_files(cfg: RunConfig, run_dir: Path, out: list[Problem]) -> None:
         out.append(Problem("checkpoint.folder", c.folder, why, fix))
 
 
-def init_source(cfg: RunConfig, out: list[Problem], *, deep: bool) -> Path | None:
+def init_source(cfg: RunConfig, out: list[Problem]) -> Path | None:
     """The checkpoint checkpoint.init_from names (runner.formats.checkpoint.weights_source), if it is intact and of this model."""
     c = cfg.checkpoint
-    pick, notes = checkpoint.weights_source(Path(c.init_from), deep)
+    pick, notes = checkpoint.weights_source(Path(c.init_from))
     if pick is None:
         out.append(Problem(INIT, c.init_from, notes[0], INIT_FIX))
         return None

@@ -1,5 +1,5 @@
-"""Data rules (torch-free): the config alone (`check`), and the files on disk (`files`, run by `mode=validate`
-and by the preflight before any rank starts). data=text: local files whose records hold the text field, and a
+"""Data rules (torch-free): the config alone (`check`), and the files on disk (`files`, a FILES rule: the preflight
+that `mode=validate` and `mode=train` run before any process starts). data=text: local files whose records hold the text field, and a
 tokenizers JSON file whose vocabulary fits the model. data=tokens: prepared folders. A folder must have an intact manifest,
 the tokenizer it was prepared with must be data.tokenizer's (when set) and the same across a mixture, its
 vocabulary must fit the model, and its train split must hold at least one sample (seq_len + 1 tokens)."""
@@ -11,14 +11,14 @@ from pathlib import Path
 
 from runner.formats import data_manifest as mf
 from runner.formats.user_files import UnreadableFile
-from runner.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
+from runner.schema import DataConfig, DataSource, RunConfig, TextFormat
 from runner.schema.problems import Problem
 
 PREPARE = "prepare it with `python -m runner.data prepare --input <files> --tokenizer <tokenizer.json> --out <folder>`"
 
 
 def check(cfg: RunConfig, out: list[Problem]) -> None:
-    """The data config alone; with mode=validate, the check users run before training, also the files it names."""
+    """The data config alone (the files it names: `files`)."""
     d = cfg.data
     if d.name == DataSource.text:
         if not d.files:
@@ -27,8 +27,6 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             )
         if not d.tokenizer:
             out.append(Problem("data.tokenizer", "''", "data=text needs a tokenizer", "point data.tokenizer at a local tokenizer.json"))
-        if cfg.mode == Mode.validate and d.files and d.tokenizer:
-            _text(d, cfg.model.vocab_size, out)
     if d.name == DataSource.tokens:
         _tokens(cfg, out)
 
@@ -61,8 +59,6 @@ def _tokens(cfg: RunConfig, out: list[Problem]) -> None:
             out.append(
                 Problem(f"data.mix[{i}].weight", m.weight, "must be > 0", "give each source a positive share (weights are normalized)")
             )
-    if cfg.mode == Mode.validate and not any(p.field.startswith("data.") for p in out):
-        folders(cfg, out)
 
 
 def _text(d: DataConfig, vocab_size: int, out: list[Problem]) -> None:

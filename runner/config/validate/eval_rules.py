@@ -1,7 +1,7 @@
 """Rules for evaluation on held-out data (torch-free): eval.* and the held-out split of data=text.
 
-`check` is about the config alone (called by validate.check; with mode=validate it also looks for the held-out
-files); `files` looks for the held-out files on this machine before any rank starts (walked by the preflight).
+`check` is about the config alone (called by validate.check); `files` looks for the held-out files on this machine
+before any process starts (walked by the preflight, in mode=validate and mode=train).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from runner.schema import DataSource, Mode, RunConfig
+from runner.schema import DataSource, RunConfig
 from runner.schema.problems import Problem
 
 
@@ -52,8 +52,6 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
                 "list held-out files: data.eval_files=[val.jsonl], or hold out documents of data.files: data.eval_fraction=0.01",
             )
         )
-    if cfg.mode == Mode.validate:
-        files(cfg, out)
 
 
 def files(cfg: RunConfig, out: list[Problem]) -> None:

@@ -1,9 +1,9 @@
 """model.init_from: a local Hugging Face folder the run starts from. Torch-free.
 
-`check` (CONFIG) needs no files: the family must have a TorchTitan state_dict_adapter; with mode=validate it also
-reads the folder's config.json and index (never the weights). `files` (FILES, the launch's preflight) reads them too,
-and the shards' safetensors headers, and on a replay compares the folder with what the frozen file recorded
-(model.init_record, written by runner.config.freeze.pin).
+`check` (CONFIG) needs no files: the family must have a TorchTitan state_dict_adapter. `files` (FILES, the preflight
+of mode=validate and mode=train) reads the folder's config.json and index, and the shards' safetensors headers, and
+on a replay compares the folder with what the frozen file recorded (model.init_record, written by
+runner.config.freeze.pin).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from runner.formats import hf_folder
 from runner.formats.user_files import UnreadableFile
-from runner.schema import Mode, ModelConfig, RunConfig
+from runner.schema import ModelConfig, RunConfig
 from runner.schema.problems import Problem
 
 FIELD = "model.init_from"
@@ -36,20 +36,18 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             )
         )
         return
-    if cfg.mode == Mode.validate:
-        folder(m, out, weights=False)
 
 
 def files(cfg: RunConfig, out: list[Problem]) -> None:
     """The folder on this machine now: config.json, the shards' headers and, on a replay, the frozen record."""
     m = cfg.model
-    if m.init_from and m.name in hf_folder.ADAPTERS and folder(m, out, weights=True):
+    if m.init_from and m.name in hf_folder.ADAPTERS and folder(m, out):
         _unchanged(m, out)
 
 
-def folder(m: ModelConfig, out: list[Problem], *, weights: bool) -> bool:
-    """config.json against model.*, the index, the dtype (and with `weights` each shard's header); True when the
-    folder could be read far enough to compare."""
+def folder(m: ModelConfig, out: list[Problem]) -> bool:
+    """config.json against model.*, the index, the dtype and each shard's header; True when the folder could be read
+    far enough to compare."""
     path = Path(m.init_from)
     config = _config(path, out)
     if config is None or not _has_weights(path, out):
@@ -67,7 +65,7 @@ def folder(m: ModelConfig, out: list[Problem], *, weights: bool) -> bool:
         )
     _router(m, path, config, out)
     _dtype(path, config, out)
-    return not weights or _shards(path, out)
+    return _shards(path, out)
 
 
 def _router(m: ModelConfig, path: Path, config: dict, out: list[Problem]) -> None:
