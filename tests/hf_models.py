@@ -21,6 +21,7 @@ constant start so a swapped or dropped norm shows in the loss.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 from runner.formats.hf_folder import CONFIG, INDEX
@@ -131,8 +132,8 @@ PUBLISHED = {  # meta-llama/Llama-3.1-8B and -70B config.json
 
 
 def published_llama(folder: Path, size: str) -> Path:
-    """config.json of Llama 3.1 `size` from transformers' LlamaConfig with the published values, and a 4-shard index
-    (the weights are not written: validation reads none)."""
+    """config.json of Llama 3.1 `size` from transformers' LlamaConfig with the published values, a 4-shard index and
+    its shards as safetensors headers of no tensor (the weights are not written: validation reads the headers only)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -144,4 +145,6 @@ def published_llama(folder: Path, size: str) -> Path:
     shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     weight_map = {"model.embed_tokens.weight": shards[0], "lm_head.weight": shards[3]}
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 16060522496}, "weight_map": weight_map}))
+    for name in shards:
+        (folder / name).write_bytes(struct.pack("<Q", 2) + b"{}")
     return folder
