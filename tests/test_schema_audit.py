@@ -248,6 +248,7 @@ NO_BAD_VALUE = [
     ("logging.name", "a label for reports"),
     ("logging.progress", "either setting runs"),
     ("logging.verbose", "either setting runs"),
+    ("fault_tolerance.lighthouse_bind", "any host the machine has, or \"\" for the default; an address it lacks fails torchft's bind, which names it"),
     ("logging.wandb.enable", "either setting runs"),
     ("logging.wandb.project", "any name W&B accepts"),
     ("logging.wandb.entity", "null = the account default"),

@@ -299,8 +299,8 @@ def test_a_held_out_split_too_small_for_evaluation_is_refused_before_launch(comp
     assert held == 10
     base = ["data=tokens", "training.seq_len=16", "eval.interval=3"]
     cfg = compose(["mode=validate", *base, f"data.path={small.prepared}", "eval.steps=2"])
-    with pytest.raises(ConfigError) as e:
-        validate.check(cfg)
+    with pytest.raises(ConfigError) as e:  # mode=validate runs the preflight too (runner/cli.py)
+        validate.preflight(cfg, tmp_path / "run", validate.check(cfg))
     assert [str(p) for p in e.value.problems] == [
         f"data.path = {small.prepared}: its held-out split holds 10 samples of training.seq_len + 1 = 17 tokens (168 tokens), "
         "fewer than the 16 an evaluation pass reads (eval.steps 2 x global batch 8). Fix: use eval.steps=1, or prepare "
