@@ -330,8 +330,8 @@ def test_token_data_reads_the_prepared_stream_and_keeps_the_stream_guarantees(as
         s = whole.token_start(g)
         assert whole.sample(g).tolist() == stream[s : s + SEQ + 1]
     assert sorted(whole.token_start(g) // SEQ for g in range(whole.num_samples[0])) == list(range(whole.num_samples[0]))
-    rows = torch.cat([i for i, _ in whole.microbatches(5)])
-    shards = [torch.cat([i for i, _ in _data(assets, r, 4).microbatches(5)]) for r in range(4)]
+    rows = torch.cat([mb.inputs for mb in whole.microbatches(5)])
+    shards = [torch.cat([mb.inputs for mb in _data(assets, r, 4).microbatches(5)]) for r in range(4)]
     assert torch.equal(torch.cat(shards), rows)
     # the position is a global sample index: a batch-size change on resume continues at the same sample
     small = _data(assets, gb=4)
@@ -361,7 +361,7 @@ def test_prefetch_uses_a_read_ahead_only_for_the_same_position(assets):
     feed = Prefetch(d)
     for step in (0, 1):
         got = feed.get(step)
-        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, d.microbatches(step), strict=True))
+        assert all(torch.equal(a, b) for (a, *_), (b, *_) in zip(got, d.microbatches(step), strict=True))
     d.load_state_dict({"next_sample": 800}, steps_done=0)  # a restore moves the position: the read-ahead of step 2 is stale
     got = feed.get(0)
     assert torch.equal(got[0][0], torch.stack([d.sample(800), d.sample(801)])[:, :-1])
@@ -408,7 +408,7 @@ def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
         (
             [f"data.path={assets.a}", "training.seq_len=16384"],
             "data.path",
-            "its train split holds 12161 tokens, fewer than training.seq_len + 1",
+            "its train split holds 11876 (input, label) pairs (tokens less one per document), fewer than training.seq_len = 16384",
         ),
     ]
     for overrides, field, why in cases:

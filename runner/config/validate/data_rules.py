@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from runner.config.problems import Problem
-from runner.config.schema import DataConfig, DataSource, Mode, RunConfig, TextFormat
+from runner.config.schema import DataConfig, DataSource, DeviceType, Mode, RunConfig, TextFormat
 from runner.config.user_files import UnreadableFile
 from runner.data import manifest as mf
 
@@ -31,6 +31,15 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             _text(d, cfg.model.vocab_size, out)
     if d.name == DataSource.tokens:
         _tokens(cfg, out)
+    if d.name != DataSource.synthetic and d.document_mask and cfg.parallelism.cp > 1 and cfg.cluster.device == DeviceType.cpu:
+        out.append(
+            Problem(
+                "data.document_mask",
+                True,
+                f"CPU ring attention (parallelism.cp = {cfg.parallelism.cp}) takes a causal mask only, not packed documents' mask",
+                "set data.document_mask=false on this CPU cluster, or parallelism.cp=1 (a CUDA cluster shards the document mask)",
+            )
+        )
 
 
 def files(cfg: RunConfig, out: list[Problem]) -> None:
@@ -76,7 +85,7 @@ def _text(d: DataConfig, vocab_size: int, out: list[Problem]) -> None:
             out.append(Problem("data.files", f, "the file holds no records", "leave it out of data.files, or give it its documents"))
         elif f not in missing and (why := first_record_lacks(Path(f), d)):
             out.append(Problem("data.text_field", d.text_field, f"{f}: {why}", "set data.text_field to the column holding the documents"))
-    _tokenizer(d.tokenizer, vocab_size, out)
+    _tokenizer(d.tokenizer, vocab_size, out, d.eos_token if d.document_mask else None)
 
 
 def holds_no_records(path: Path, d: DataConfig) -> bool:
@@ -120,15 +129,26 @@ def first_record_lacks(path: Path, d: DataConfig) -> str | None:
     return None
 
 
-def _tokenizer(path: str, vocab_size: int, out: list[Problem]) -> None:
+def _tokenizer(path: str, vocab_size: int, out: list[Problem], eos_token: str | None = None) -> None:
+    """The tokenizer file; with `eos_token` (data.document_mask on) also its document frame (runner.data.documents)."""
+    from runner.data import documents
+
     if not Path(path).is_file():
         out.append(Problem("data.tokenizer", path, "no such file", "point data.tokenizer at a local tokenizer.json"))
         return
     try:
-        vocab = mf.vocab_size(mf.tokenizer(path))  # the tokenizers library reads the file itself (torch-free, ~15 ms to import)
+        tok = mf.tokenizer(path)  # the tokenizers library reads the file itself (torch-free, ~15 ms to import)
+        frame = documents.specials(tok, path, eos_token) if eos_token is not None else None
     except UnreadableFile as e:
         out.append(Problem("data.tokenizer", path, f"{e.path} {e.why}", e.fix))
         return
+    vocab = mf.vocab_size(tok)
+    if frame is not None and (why := documents.special_problem(frame, path)):
+        if frame.source is None:
+            fix = f"set data.eos_token to the tokenizer's end-of-document token, or {documents.FIX}"
+            out.append(Problem("data.eos_token", eos_token, f"{why}: data.document_mask cannot tell documents apart", fix))
+        else:
+            out.append(Problem("data.tokenizer", path, f"{why}: data.document_mask cannot tell documents apart", documents.FIX))
     if vocab > vocab_size:
         out.append(
             Problem(
@@ -166,15 +186,13 @@ def _fits(cfg: RunConfig, name: str, folder: str, m: dict, out: list[Problem]) -
             )  # fmt: skip
         )
     tokens = m["splits"]["train"]["tokens"]
+    if cfg.data.document_mask:  # a document of L tokens gives L - 1 (input, label) pairs (runner.data.documents)
+        tokens, need = tokens - m["splits"]["train"]["documents"], cfg.training.seq_len
+        held = f"its train split holds {tokens} (input, label) pairs (tokens less one per document), fewer than training.seq_len = {need}"
+    else:
+        held = f"its train split holds {tokens} tokens, fewer than training.seq_len + 1 = {need}"
     if tokens < need:
-        out.append(
-            Problem(
-                name,
-                folder,
-                f"its train split holds {tokens} tokens, fewer than training.seq_len + 1 = {need}",
-                "prepare more text (or a smaller --eval-fraction), or lower training.seq_len",
-            )  # fmt: skip
-        )
+        out.append(Problem(name, folder, held, "prepare more text (or a smaller --eval-fraction), or lower training.seq_len"))
 
 
 def split_problem(name: str, folder: str, split: str, seq_len: int) -> Problem | None:
