@@ -201,3 +201,58 @@ def test_document_mask_off_is_todays_packing():
     assert mb.positions is None
     assert mb.inputs.tolist() == [tokens[:SEQ].tolist()] and mb.labels.tolist() == [tokens[1 : SEQ + 1].tolist()]
     assert data.num_samples == (len(tokens) - 1) // SEQ
+
+
+def _prepare(tmp_path, inputs, tok_path):
+    from runner.data import cli
+
+    out = tmp_path / "prepared"
+    argv = ["prepare", "--input", *map(str, inputs), "--tokenizer", str(tok_path), "--out", str(out), "--eval-fraction", "0"]
+    assert cli.main([*argv, "--num-proc", "1"]) == 0
+    return out
+
+
+def test_prepared_documents_are_framed_and_read_across_parts_as_text_data_reads_them(tmp_path):
+    """prepare frames each document with the tokenizer_config.json's BOS and EOS and records it (format 2); TokenData's
+    document windows over two parts equal TextData's over the same documents, positions included."""
+    from runner.data import manifest
+    from runner.run.loader import TokenData
+
+    _, tok_path = _tokenizer_folder(tmp_path, {"bos_token": "<s>", "eos_token": "</s>"})
+    texts = [["a b a", "b", "a a a a a a a a b"], ["b b", "a b a b a b a b a b a b", "a"]]
+    inputs = []
+    for i, part in enumerate(texts):
+        inputs.append(tmp_path / f"c{i}.jsonl")
+        inputs[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    out = _prepare(tmp_path, inputs, tok_path)
+    m = manifest.load(out)
+    assert (m["version"], m["bos_id"], m["eos_id"]) == (2, 0, 1)
+    ids = {"a": 2, "b": 3}
+    docs = [[0, *(ids[w] for w in t.split()), 1] for part in texts for t in part]
+    first = np.fromfile(manifest.tokens_file(out, "part-00000", "train"), dtype=np.uint16).tolist()
+    assert first == [t for d in docs[:3] for t in d]
+    shape = dict(seed=0, shuffle=False, seq_len=6, global_batch=1, microbatch=1, dp_rank=0, dp=1)
+    got = TokenData([(str(out), 1.0)], documents=True, **shape)
+    want = _text_data(docs, seq_len=6)
+    assert got.num_samples == [want.num_samples] == [sum(len(d) - 1 for d in docs) // 6]
+    for i in range(want.num_samples):  # sample 2 spans the two parts
+        assert _sample(got, i) == _sample(want, i)
+
+
+def test_a_format_1_folder_is_refused_with_the_command_that_rewrites_it(tmp_path):
+    from runner.data import manifest
+
+    _, tok_path = _tokenizer_folder(tmp_path, {"bos_token": "<s>", "eos_token": "</s>"})
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a b"}\n')
+    out = _prepare(tmp_path, [corpus], tok_path)
+    body = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps(body | {"version": 1}))
+    with pytest.raises(manifest.ManifestError) as e:
+        manifest.load(out)
+    assert str(e.value) == (
+        f"{out / 'manifest.json'} has format version 1, this runner reads 2; prepare it again (every part is rewritten, its "
+        f"documents framed by the tokenizer's BOS and EOS): python -m runner.data prepare --input {corpus.resolve()} "
+        f"--tokenizer {tok_path.resolve()} --out {out}"
+    )
+    assert _prepare(tmp_path, [corpus], tok_path) == out and manifest.load(out)["version"] == 2  # the command named fixes it
