@@ -256,3 +256,30 @@ def test_a_format_1_folder_is_refused_with_the_command_that_rewrites_it(tmp_path
         f"--tokenizer {tok_path.resolve()} --out {out}"
     )
     assert _prepare(tmp_path, [corpus], tok_path) == out and manifest.load(out)["version"] == 2  # the command named fixes it
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["strings", "added_tokens_decoder", "post_processor_adds_bos", "no_bos (Qwen)"],
+)
+def test_documents_are_framed_as_torchtitans_tokenizer_frames_them(tmp_path, case):
+    """runner.data.documents frames a document as TorchTitan's HuggingFaceTokenizer.encode(add_bos=True, add_eos=True)
+    does: the config's tokens (a string, an AddedToken object or an added_tokens_decoder entry), none added twice when
+    the tokenizer's own post-processor adds it, no BOS when the config names none."""
+    from tokenizers import processors
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if case == "added_tokens_decoder":
+        config = {"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>"}
+        config["added_tokens_decoder"] = {"0": {"content": "<s>", "special": True}, "1": {"content": "</s>", "special": True}}
+    if case == "no_bos (Qwen)":
+        config = {"bos_token": None, "eos_token": "</s>"}
+    tok, path = _tokenizer_folder(tmp_path, config)
+    if case == "post_processor_adds_bos":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        tok.save(str(path))
+    titan = HuggingFaceTokenizer(tokenizer_path=str(tmp_path))
+    frame = documents.specials(tok, path, "ignored")
+    for text in ("a b a", "b", "a a b b"):
+        assert frame.frame(tok.encode(text).ids) == titan.encode(text, add_bos=True, add_eos=True), text
