@@ -51,7 +51,7 @@ def check_split(data, steps: int) -> None:
         held, need = short[0] if short else (None, need)
     if held is not None and held < need:
         raise ValueError(
-            f"the held-out split holds {held} samples of seq_len + 1 tokens, fewer than eval.steps x training.global_batch_size "
+            f"the held-out split holds {held} samples, fewer than eval.steps x training.global_batch_size "
             f"= {need}; lower eval.steps, or hold out more text (data.eval_files, data.eval_fraction)"
         )
 
