@@ -283,3 +283,23 @@ def test_documents_are_framed_as_torchtitans_tokenizer_frames_them(tmp_path, cas
     frame = documents.specials(tok, path, "ignored")
     for text in ("a b a", "b", "a a b b"):
         assert frame.frame(tok.encode(text).ids) == titan.encode(text, add_bos=True, add_eos=True), text
+
+
+def test_flexattention_models_get_their_own_mask_per_batch_from_its_positions():
+    """The CUDA path (FlexAttention): each microbatch's positions go to the model's get_attention_masks, and a pipeline
+    step's whole local batch is masked at once from the microbatches' positions, to be split by the schedule."""
+    from types import SimpleNamespace
+
+    from runner.run.loader import Microbatch
+    from runner.run.titan import step
+
+    calls = []
+    model = SimpleNamespace(get_attention_masks=lambda positions: calls.append(positions) or f"mask of {positions.tolist()}")
+    built = SimpleNamespace(attention_masks=True, parts=[model], cp_load_balancer=None, extra_inputs={"positions": "arange"})
+    x, p = torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 1, 0, 1]])
+    _, _, extra = step.model_inputs(built, x, x, positions=p)
+    assert extra == {"positions": p, "attention_masks": "mask of [[0, 1, 0, 1]]"}
+    assert step.model_inputs(built, x, x)[2] == {"positions": "arange"}  # no positions: one document per sample, as built
+    mbs = [Microbatch(x, x, p), Microbatch(x, x, torch.tensor([[0, 0, 1, 2]]))]
+    batch = torch.cat([mb.positions for mb in mbs])
+    assert step.batch_masks(built, torch.cat([mb.inputs for mb in mbs]), batch)["attention_masks"] == f"mask of {batch.tolist()}"
