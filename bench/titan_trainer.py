@@ -87,8 +87,8 @@ def _loader_class():
 
         def __iter__(self):
             while True:
-                for inputs, labels in self.data.microbatches(self.step):
-                    yield {"input": inputs}, labels
+                for mb in self.data.microbatches(self.step):
+                    yield {"input": mb.inputs}, mb.labels
                 self.step += 1
 
         def state_dict(self) -> dict[str, Any]:
