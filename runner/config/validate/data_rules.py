@@ -1,8 +1,10 @@
 """Data rules (torch-free): the config alone (`check`), and the files on disk (`files`, run by `mode=validate`
 and by the preflight before any rank starts). data=text: local files whose records hold the text field, and a
-tokenizers JSON file whose vocabulary fits the model. data=tokens: prepared folders. A folder must have an intact manifest,
-the tokenizer it was prepared with must be data.tokenizer's (when set) and the same across a mixture, its
-vocabulary must fit the model, and its train split must hold at least one sample (seq_len + 1 tokens)."""
+tokenizers JSON file whose vocabulary fits the model and, with data.document_mask, whose end-of-document token is known
+(runner.data.documents); CPU ring attention (cp > 1 on CPU) takes no document mask. data=tokens: prepared folders.
+A folder must have an intact manifest (format 2), the tokenizer it was prepared with must be data.tokenizer's (when
+set) and the same across a mixture, its vocabulary must fit the model, and its train split must hold at least one
+sample (seq_len pairs; seq_len + 1 tokens with data.document_mask=false)."""
 
 from __future__ import annotations
 
