@@ -303,3 +303,21 @@ def test_flexattention_models_get_their_own_mask_per_batch_from_its_positions():
     mbs = [Microbatch(x, x, p), Microbatch(x, x, torch.tensor([[0, 0, 1, 2]]))]
     batch = torch.cat([mb.positions for mb in mbs])
     assert step.batch_masks(built, torch.cat([mb.inputs for mb in mbs]), batch)["attention_masks"] == f"mask of {batch.tolist()}"
+
+
+def test_a_pipeline_batchs_block_mask_splits_into_each_microbatchs_own_documents():
+    """The pipeline step masks the whole local batch at once (titan.step.batch_masks) and the schedule splits the BlockMask
+    along the batch (torch.distributed.pipelining.microbatch): each microbatch's part still reads its own rows' documents."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask
+    from torchtitan.models.common.attention import get_causal_mask_mod, get_efficient_causal_mask_mod_for_packed_document
+
+    from runner.run.titan.cpu import document_mask
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4, 5, 6], [0, 1, 0, 1, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])
+    mods = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    whole = create_block_mask(mods, 4, None, 8, 8, device="cpu")
+    _, chunks = split_args_kwargs_into_chunks((), {"attention_masks": whole}, 2)
+    for i, chunk in enumerate(chunks):
+        got = create_mask(chunk["attention_masks"].mask_mod, 2, 1, 8, 8, device="cpu")
+        assert torch.equal(got, document_mask(positions[2 * i : 2 * i + 2])), i
