@@ -212,7 +212,7 @@ def _prepare(tmp_path, inputs, tok_path):
     return out
 
 
-def test_prepared_documents_are_framed_and_read_across_parts_as_text_data_reads_them(tmp_path):
+def test_prepared_documents_are_framed_and_read_across_parts_as_text_data_reads_them(tmp_path, capsys):
     """prepare frames each document with the tokenizer_config.json's BOS and EOS and records it (format 2); TokenData's
     document windows over two parts equal TextData's over the same documents, positions included."""
     from runner.data import manifest
@@ -225,6 +225,7 @@ def test_prepared_documents_are_framed_and_read_across_parts_as_text_data_reads_
         inputs.append(tmp_path / f"c{i}.jsonl")
         inputs[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
     out = _prepare(tmp_path, inputs, tok_path)
+    assert "each document: BOS '<s>' + its tokens + EOS '</s>', as TorchTitan's tokenizer frames it" in capsys.readouterr().out
     m = manifest.load(out)
     assert (m["version"], m["bos_id"], m["eos_id"]) == (2, 0, 1)
     ids = {"a": 2, "b": 3}

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = "prepared" if wrote else "already up to date:"
     print(f"{verb} {a.out}: {s['train']['tokens']:,} train tokens in {s['train']['documents']:,} documents, "
           f"{s['eval']['tokens']:,} held-out tokens in {s['eval']['documents']:,} documents ({m['dtype']})")  # fmt: skip
+    bos = f"BOS {m['bos_token']!r} + " if m["bos_token"] is not None else ""
+    print(f"each document: {bos}its tokens + EOS {m['eos_token']!r}, as TorchTitan's tokenizer frames it (runner.data.documents)")
     if n := m["skipped_records"]:
         print(f"skipped {n:,} record{'s' * (n > 1)} whose text was null, missing or empty (skipped_records in manifest.json)")
     return 0
