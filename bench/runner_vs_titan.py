@@ -1,12 +1,15 @@
 """Benchmark: the runner against TorchTitan's own Trainer, same model, weights, batches, optimizer and schedule.
 
 python bench/runner_vs_titan.py [--reps 5] [--steps 10] [--layouts dp2_tp2 tp2_pp2] [--runner-start fork|exec]
-                                [--titan-start exec|fork] [--out bench_out]
+                                [--titan-start exec|fork] [--data synthetic|text] [--out bench_out]
 
 Per layout (4 CPU ranks each), alternating: the runner (`python -m runner parallelism=<layout> ...`) and TorchTitan's
 Trainer.train() under torchrun (bench/titan_trainer.py: its config built from the same runner overrides), both from one
-tiny Hugging Face Llama 3 debug model (tests/hf_models.py) and the runner's synthetic data. Prints both loss curves side
-by side with their largest relative difference (target <= 1e-5), then each rep's tokens/s and the medians' ratio
+tiny Hugging Face Llama 3 debug model (tests/hf_models.py) and the runner's synthetic data (--data text: a local jsonl of
+documents of varied length, some shorter than a sample and some longer than two, and a word-level tokenizer with BOS
+and EOS in the Hugging Face folder; TorchTitan reads them with its own HuggingFaceTextDataset and tokenizer, the runner
+with data=text in file order, data.shuffle=false; one DP replica only, default layout tp2_pp2: docs/training.md). Prints
+both loss curves side by side with their largest relative difference (target <= 1e-5), then each rep's tokens/s and the medians' ratio
 (target >= 0.98). tokens/s: the global batch's tokens over the wall time from one step's end to the next (what
 TorchTitan's MetricsProcessor counts; the runner's step ends are in its timeline.jsonl), steps 2 on; the runner's own
 figure (its step_time_s, which leaves out the row and the monitors' bookkeeping) is shown beside it.
@@ -36,12 +39,43 @@ from bench import titan_trainer  # noqa: E402
 LOSS_RTOL, SPEED_TARGET = 1e-5, 0.98
 
 
-def overrides(layout: str, hf: Path, a) -> list[str]:
-    """The runner's overrides of one point: the layout, the shape (the runner's defaults unless given), the weights."""
+def overrides(layout: str, hf: Path, a, corpus: Path | None = None) -> list[str]:
+    """The runner's overrides of one point: the layout, the shape (the runner's defaults unless given), the weights; with a
+    corpus, data=text in file order with the tokenizer of the Hugging Face folder."""
     from tests import hf_models
 
     shape = [f"training.steps={a.steps}", f"training.seq_len={a.seq_len}", f"training.global_batch_size={a.global_batch}"]
-    return [f"parallelism={layout}", *shape, f"training.microbatch_size={a.microbatch}", *hf_models.overrides("llama3", hf)]
+    tok = hf / "tokenizer.json"
+    text = [] if corpus is None else ["data=text", f"data.files=[{corpus}]", f"data.tokenizer={tok}", "data.shuffle=false"]
+    return [f"parallelism={layout}", *shape, f"training.microbatch_size={a.microbatch}", *hf_models.overrides("llama3", hf), *text]
+
+
+def text_assets(folder: Path, hf: Path, num_docs: int = 400, seed: int = 0) -> Path:
+    """corpus/corpus.jsonl under `folder` (documents of 5 to 700 words), and a word-level tokenizer with BOS and EOS named by
+    its tokenizer_config.json, saved into the Hugging Face folder `hf` (TorchTitan's hf_assets_path); returns the corpus."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tests import text_assets as ta
+
+    rng = random.Random(seed)
+    words = sorted({"".join(rng.choice(ta.SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(400)})
+    docs = []
+    for _ in range(num_docs):
+        w = [rng.choice(words)]
+        for _ in range(rng.choice([rng.randint(5, 100), rng.randint(100, 700)]) - 1):  # bigrams: something to learn
+            w.append(words[(words.index(w[-1]) * 7 + rng.randint(0, 5)) % len(words)])
+        docs.append(" ".join(w))
+    corpus = folder / "corpus" / "corpus.jsonl"
+    corpus.parent.mkdir(parents=True, exist_ok=True)
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(docs, trainer=trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}) + "\n")
+    return corpus
 
 
 def _run(argv: list[str], env=None) -> None:
@@ -117,7 +151,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--layouts", nargs="+", default=["dp2_tp2", "tp2_pp2"])
+    p.add_argument("--layouts", nargs="+", default=None, help="default dp2_tp2 tp2_pp2 (synthetic), tp2_pp2 (text)")
+    p.add_argument("--data", choices=["synthetic", "text"], default="synthetic")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--microbatch", type=int, default=2)
@@ -125,22 +160,24 @@ def main() -> None:
     p.add_argument("--titan-start", choices=["exec", "fork"], default="exec", help="TorchTitan's: torchrun of the script, or forked")
     p.add_argument("--out", type=Path, default=None, help="keep the runs in <out>/runs and every figure in <out>/runner_vs_titan.json")
     a = p.parse_args()
+    a.layouts = a.layouts or (["dp2_tp2", "tp2_pp2"] if a.data == "synthetic" else ["tp2_pp2"])
     from tests import hf_models
 
     runs: dict[str, dict[str, list[dict]]] = {layout: {"runner": [], "titan": []} for layout in a.layouts}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d) if a.out is None else a.out / "runs"
         hf = hf_models.save("llama3", tmp / "hf_llama3")
+        corpus = text_assets(tmp, hf) if a.data == "text" else None
         for i in range(a.reps):
             for layout in a.layouts:
-                point = overrides(layout, hf, a)
+                point = overrides(layout, hf, a, corpus)
                 runs[layout]["runner"].append(runner_run(tmp / f"runner-{layout}-{i}", [*point, f"cluster.worker_start={a.runner_start}"]))
                 runs[layout]["titan"].append(titan_run(tmp / f"titan-{layout}-{i}", point, a.titan_start == "fork"))
                 print(f"rep {i} {layout}: done", flush=True)
     tokens = a.global_batch * a.seq_len
     shape = f"seq {a.seq_len}, batch {a.global_batch} in microbatches of {a.microbatch}, {a.steps} steps, {a.reps} alternating reps"
     starts = f"4 CPU ranks each (started: runner {a.runner_start}, TorchTitan {a.titan_start})"
-    print(f"debug Llama 3 from one Hugging Face folder, {shape}, {starts}")
+    print(f"debug Llama 3 from one Hugging Face folder, {a.data} data, {shape}, {starts}")
     for layout in a.layouts:
         print("\n".join(report_losses(layout, runs[layout]["runner"], runs[layout]["titan"])))
         print("\n".join(report_speed(layout, runs[layout]["runner"], runs[layout]["titan"], tokens)))

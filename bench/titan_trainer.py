@@ -11,9 +11,11 @@ scripts/gpu_check_titan.py does: the registry's model of model.flavor; the runne
 `lr_scheduler.*` as its OptimizersContainer and LRSchedulersContainer configs; max_norm, gc_every, the precision's
 dtypes. The weights come from model.init_from through TorchTitan's checkpointer (initial_load_path,
 initial_load_in_hf); the dataloader is SyntheticLoader, which serves the runner's synthetic samples
-(runner.run.loader.SyntheticData: by global sample index, each DP rank its slice). On a CPU rank the runner's CPU
-adaptations (runner/run/titan/cpu.py, docs/CPU.md) are applied to TorchTitan's process too: the device globals, SDPA
-attention, sum reductions for gloo, the threads per rank, the partial_dtensor SPMD backend (and two stand-ins where
+(runner.run.loader.SyntheticData: by global sample index, each DP rank its slice), or for data=text read as TorchTitan
+reads it (text_in_order) TorchTitan's own HuggingFaceTextDataLoader and HuggingFaceTokenizer. On a CPU rank the runner's
+CPU adaptations (runner/run/titan/cpu.py, docs/CPU.md) are applied to TorchTitan's process too: the device globals, SDPA
+attention with packed documents' mask (cpu_document_masks), sum reductions for gloo, the threads per rank, the
+partial_dtensor SPMD backend (and two stand-ins where
 TorchTitan's Trainer itself fails on CPU or on torch 2.13: cpu_stand_ins, whole_batch_pipeline_step). The result file (written
 by the last rank, which holds the last pipeline stage) has one row per step: TorchTitan's loss, grad norm and
 throughput as its MetricsProcessor logged them, and the wall time the step ended.
@@ -41,7 +43,7 @@ def unsupported(cfg) -> list[str]:
     from runner.schema import ActivationCheckpoint, DataSource, Fp8Recipe
 
     checks = {
-        "data=synthetic": cfg.data.name == DataSource.synthetic,
+        "data=synthetic, or data=text read as TorchTitan reads it": cfg.data.name == DataSource.synthetic or text_in_order(cfg),
         "model.init_from set (a Hugging Face folder)": bool(cfg.model.init_from),
         "optimizer.param_groups empty": not cfg.optimizer.param_groups,
         "optimizer.no_decay_1d_and_embeddings=false": not cfg.optimizer.no_decay_1d_and_embeddings,
@@ -52,6 +54,48 @@ def unsupported(cfg) -> list[str]:
         == (1, 1, 1),
     }
     return [what for what, ok in checks.items() if not ok]
+
+
+def text_in_order(cfg) -> bool:
+    """data=text that TorchTitan's own text loader reads into the same batches: one file in the folder TorchTitan's
+    c4_test loader reads, the tokenizer in the Hugging Face folder (TorchTitan's hf_assets_path), documents masked, in
+    file order (data.shuffle=false), by one DP replica (TorchTitan splits documents, not samples, between replicas:
+    docs/training.md)."""
+    from runner.schema import DataSource, layout
+
+    d = cfg.data
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    in_hf = bool(cfg.model.init_from) and Path(d.tokenizer).resolve() == (Path(cfg.model.init_from) / "tokenizer.json").resolve()
+    return d.name == DataSource.text and len(d.files) == 1 and in_hf and d.document_mask and not d.shuffle and lay.dp == 1
+
+
+def _text_loader(cfg):
+    """TorchTitan's own text loader and tokenizer over data.files (its c4_test loader reads the file's folder)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    return HuggingFaceTokenizer.Config(), HuggingFaceTextDataLoader.Config(
+        dataset="c4_test", dataset_path=str(Path(cfg.data.files[0]).parent)
+    )
+
+
+def cpu_document_masks() -> None:
+    """TorchTitan's Trainer builds masks only for FlexAttention and varlen (post_dataloading_process); its SDPA model gets
+    the positions alone. On CPU (no FlexAttention backward) the runner's SDPA takes packed documents' mask: added here
+    the way the runner adds it (runner.run.titan.cpu.document_mask from the batch's positions)."""
+    from torchtitan.trainer import Trainer
+
+    import runner.run.titan.cpu as cpu_adapt
+
+    original = Trainer.post_dataloading_process
+
+    def with_document_mask(self, input_dict, labels):
+        inputs, labels, extra = original(self, input_dict, labels)
+        if "positions" in extra and "attention_masks" not in extra:
+            extra["attention_masks"] = cpu_adapt.document_mask(extra["positions"])
+        return inputs, labels, extra
+
+    Trainer.post_dataloading_process = with_document_mask
 
 
 def _loader_class():
@@ -87,8 +131,8 @@ def _loader_class():
 
         def __iter__(self):
             while True:
-                for inputs, labels in self.data.microbatches(self.step):
-                    yield {"input": inputs}, labels
+                for mb in self.data.microbatches(self.step):
+                    yield {"input": mb.inputs}, mb.labels
                 self.step += 1
 
         def state_dict(self) -> dict[str, Any]:
@@ -165,12 +209,17 @@ def trainer_config(cfg, lay, dump_folder: str, cpu: bool = True):
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     spec = model_spec(cfg, cpu)
     kwargs = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if text_in_order(cfg):
+        tokenizer, dataloader = _text_loader(cfg)
+    else:
+        tokenizer = _no_tokenizer_class().Config()
+        dataloader = _loader_class().Config(seed=t.seed, vocab_size=cfg.model.vocab_size, global_batch_size=t.global_batch_size)
     return Trainer.Config(
         model_spec=spec,
-        hf_assets_path=cfg.model.init_from,  # the state-dict adapter reads its index (if any)
+        hf_assets_path=cfg.model.init_from,  # the state-dict adapter reads its index (if any); the text loader its tokenizer
         dump_folder=dump_folder,
-        tokenizer=_no_tokenizer_class().Config(),
-        dataloader=_loader_class().Config(seed=t.seed, vocab_size=cfg.model.vocab_size, global_batch_size=t.global_batch_size),
+        tokenizer=tokenizer,
+        dataloader=dataloader,
         loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec)),
         optimizer=OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=".*", optimizer_name=o.name.value, optimizer_kwargs=kwargs)],
@@ -303,6 +352,7 @@ def start_rank(cfg) -> bool:
         policy.set_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # as the runner's ranks (its launcher also sets OMP_NUM_THREADS)
         cpu_adapt.patch_device_globals()
         cpu_stand_ins()
+        cpu_document_masks()
     return policy.cpu
 
 

@@ -271,6 +271,17 @@ def hf_folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def titan_text(tmp_path_factory, hf_folders) -> tuple[Path, Path]:
+    """(a copy of the llama3 folder with a word-level tokenizer naming BOS and EOS, a jsonl of documents of varied length):
+    the real-data point both the runner and TorchTitan's Trainer train (bench/runner_vs_titan.text_assets)."""
+    from bench.runner_vs_titan import text_assets
+
+    folder = tmp_path_factory.mktemp("titan_text")
+    hf = Path(shutil.copytree(hf_folders["llama3"], folder / "hf"))
+    return hf, text_assets(folder, hf, num_docs=40)
+
+
+@pytest.fixture(scope="session")
 def hf_round_trip(tmp_path_factory) -> dict[str, Path]:
     """The checkpoint folder each HF_ROUND_TRIP parity point (tests/points.py) saves into. {point: its folder}."""
     from tests import points
@@ -280,14 +291,14 @@ def hf_round_trip(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def parity(compose, tmp_path_factory, hf_folders, hf_round_trip) -> tuple[dict[str, dict], dict[int, str]]:
+def parity(compose, tmp_path_factory, hf_folders, hf_round_trip, titan_text) -> tuple[dict[str, dict], dict[int, str]]:
     """The parity points of tests/points.py (test_parallel's, test_family_train's, test_titan's, the Hugging Face
     tests' and test_runner_vs_titan's), each with its section's common overrides, in one launch per rank count: a
     launch imports torch and TorchTitan and starts a process group (~10 s), so the modules share theirs.
     (parity_runs, parity_consoles)."""
     from tests import points
 
-    launches = points.parity_launches(hf_folders, tmp_path_factory.mktemp("hf_ckpt") / "ckpt", hf_round_trip)
+    launches = points.parity_launches(hf_folders, tmp_path_factory.mktemp("hf_ckpt") / "ckpt", hf_round_trip, titan_text)
     return parity_launches(compose, launches, [], lambda nproc: tmp_path_factory.mktemp(f"parity{nproc}"))
 
 

@@ -171,7 +171,21 @@ def titan_trainer(models: dict[str, Path]) -> list[str]:
     return ["parallelism=dp2_tp2", *shape, "logging.progress=false", *hf_models.overrides("llama3", models["llama3"])]
 
 
-def parity_launches(models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path]) -> dict[int, dict[str, list[str]]]:
+TITAN_TRAINER_TEXT = "titan_trainer_text-tp2_pp2"
+"""The 4-rank parity point on real documents that test_runner_vs_titan trains again with TorchTitan's own text loader."""
+
+
+def titan_trainer_text(hf: Path, corpus: Path) -> list[str]:
+    """TITAN_TRAINER_TEXT's overrides: TITAN_TRAINER's shape on tp2_pp2 (one DP replica: TorchTitan's order, docs/training.md)
+    reading `corpus` in file order with the tokenizer of the Hugging Face folder `hf` (bench/runner_vs_titan.text_assets)."""
+    shape = ["training.steps=3", "training.seq_len=64", "training.global_batch_size=8", "training.microbatch_size=2"]
+    text = ["data=text", f"data.files=[{corpus}]", f"data.tokenizer={hf / 'tokenizer.json'}", "data.shuffle=false"]
+    return ["parallelism=tp2_pp2", *shape, "logging.progress=false", *hf_models.overrides("llama3", hf), *text]
+
+
+def parity_launches(
+    models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path], text: tuple[Path, Path] | None = None
+) -> dict[int, dict[str, list[str]]]:
     """Every parity point, each with its section's common overrides, per rank count (ascending): test_parallel's,
     test_family_train's, test_titan's, then the HF ones (hf_launches' arguments) and test_runner_vs_titan's."""
     launches: dict[int, dict[str, list[str]]] = {}
@@ -181,6 +195,8 @@ def parity_launches(models: dict[str, Path], ckpt: Path, round_trip: dict[str, P
     for nproc, points in hf_launches(models, ckpt, round_trip).items():  # their common overrides inside
         launches.setdefault(nproc, {}).update(points)
     launches[4][TITAN_TRAINER] = titan_trainer(models)
+    if text is not None:
+        launches[4][TITAN_TRAINER_TEXT] = titan_trainer_text(*text)
     return dict(sorted(launches.items()))
 
 

@@ -376,7 +376,7 @@ def test_text_data_shards_are_disjoint_and_position_survives_a_batch_change(asse
     assert torch.cat([p.positions(3) for p in parts]).tolist() == whole.positions(3).tolist()
     starts = [s for _, s in whole.positions(3).tolist()]
     assert len(set(starts)) == 8 and all(s % 64 == 0 for s in starts)  # 8 different pieces of the stream
-    inp, lab = whole.microbatches(3)[0]
+    inp, lab, _ = whole.microbatches(3)[0]
     assert torch.equal(inp[:, 1:], lab[:, :-1]) and torch.equal(inp[0], tokens[starts[0] : starts[0] + 64])
     # resume after 5 steps of 8 samples with a global batch of 4: the next samples are 40..43
     resumed = shard(0, 1, gb=4)

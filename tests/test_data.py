@@ -15,7 +15,7 @@ def _data(dp_rank: int, dp: int, seed: int = 0) -> SyntheticData:
 
 
 def _rows(d: SyntheticData, step: int) -> torch.Tensor:
-    return torch.cat([inp for inp, _ in d.microbatches(step)])
+    return torch.cat([mb.inputs for mb in d.microbatches(step)])
 
 
 def test_dp_shards_partition_the_global_batch():
@@ -27,7 +27,8 @@ def test_dp_shards_partition_the_global_batch():
 
 
 def test_labels_are_inputs_shifted_and_steps_differ():
-    inp, lab = _data(0, 2).microbatches(0)[0]
+    inp, lab, positions = _data(0, 2).microbatches(0)[0]
+    assert positions is None  # one document per sample
     assert inp.shape == lab.shape == (2, 32)
     assert torch.equal(inp[:, 1:], lab[:, :-1])
     assert not torch.equal(_rows(_data(0, 1), 0), _rows(_data(0, 1), 1))
@@ -39,7 +40,7 @@ def test_seed_decides_the_stream():
 
 
 def test_stream_is_learnable_progression():
-    inp, _ = _data(0, 1).microbatches(0)[0]
+    inp = _data(0, 1).microbatches(0)[0].inputs
     diffs = (inp[:, 1:] - inp[:, :-1]) % 2048
     # most steps repeat the sample's stride (1 token in 10 is noise)
     mode = torch.mode(diffs, dim=1).values  # per-sample stride

@@ -72,7 +72,7 @@ def test_synthetic_held_out_split_is_disjoint_from_training_and_fixed():
     assert not seen & {tuple(held.sample(j).tolist()) for j in range(2 * BATCH)}
     train.load_state_dict({"next_sample": 4096}, steps_done=7)  # the training position does not move the held-out batches
     assert [_synthetic("eval", r, 2).indices(1) for r in range(2)] == [[4, 5], [6, 7]]
-    rows = torch.cat([torch.cat([i, lab[:, -1:]], dim=1) for i, lab in held.microbatches(1)])
+    rows = torch.cat([torch.cat([i, lab[:, -1:]], dim=1) for i, lab, _ in held.microbatches(1)])
     assert torch.equal(rows, torch.stack([loader.sample(3, -(j + 1), SEQ, 256) for j in range(BATCH, 2 * BATCH)]))
 
 

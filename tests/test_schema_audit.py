@@ -122,6 +122,7 @@ BAD = [
     (["data=text", "data.files=[corpus.jsonl]"], "data.tokenizer"),  # text with no tokenizer
     (["data=tokens"], "data.path"),  # tokens with no prepared folder
     (["data=tokens", "data.path=a", "data.mix=[{path:b,weight:1}]"], "data.mix"),  # one folder and a mixture at once
+    (["data=tokens", "data.path=a", "parallelism=cp2"], "data.document_mask"),  # CPU ring attention takes no document mask
     (["logging.wandb.mode=cloud"], "logging.wandb.mode"),
     (["logging.log_every=0"], "logging.log_every"),
     (["training.steps=0"], "training.steps"),
@@ -243,12 +244,15 @@ NO_BAD_VALUE = [
     ("cluster.slurm.exclusive", "either setting submits"),
     ("cluster.slurm.container_image", "free text passed to pyxis"),
     ("data.text_field", "any column name; its presence is checked when the files are read"),
-    ("data.eos_token", "skipped when the tokenizer lacks it"),
+    ("data.eos_token", "a bare tokenizer's EOS: one it lacks is refused with the files (tests/test_documents.py), skipped when off"),
     ("data.shuffle", "either setting runs"),
     ("logging.name", "a label for reports"),
     ("logging.progress", "either setting runs"),
     ("logging.verbose", "either setting runs"),
-    ("fault_tolerance.lighthouse_bind", "any host the machine has, or \"\" for the default; an address it lacks fails torchft's bind, which names it"),
+    (
+        "fault_tolerance.lighthouse_bind",
+        'any host the machine has, or "" for the default; an address it lacks fails torchft\'s bind, which names it',
+    ),
     ("logging.wandb.enable", "either setting runs"),
     ("logging.wandb.project", "any name W&B accepts"),
     ("logging.wandb.entity", "null = the account default"),

@@ -295,14 +295,15 @@ def test_a_held_out_split_too_small_for_evaluation_is_refused_before_launch(comp
     mode=validate and the preflight from the manifests' counts, for data.path and each folder of a data.mix, with a fix
     that fits prepared folders (eval.steps that fits, or --eval-fraction; not data=text's data.eval_files); and
     `runner.data prepare` warns when the split it writes is empty or shorter than one pass of the defaults."""
-    held = (manifest.load(small.prepared)["splits"]["eval"]["tokens"] - 1) // 16  # samples of seq_len + 1 = 17 tokens
+    split = manifest.load(small.prepared)["splits"]["eval"]
+    held = (split["tokens"] - split["documents"]) // 16  # samples of seq_len (input, label) pairs, within documents
     assert held == 10
     base = ["data=tokens", "training.seq_len=16", "eval.interval=3"]
     cfg = compose(["mode=validate", *base, f"data.path={small.prepared}", "eval.steps=2"])
     with pytest.raises(ConfigError) as e:  # mode=validate runs the preflight too (runner/cli.py)
         validate.preflight(cfg, tmp_path / "run", validate.check(cfg))
     assert [str(p) for p in e.value.problems] == [
-        f"data.path = {small.prepared}: its held-out split holds 10 samples of training.seq_len + 1 = 17 tokens (168 tokens), "
+        f"data.path = {small.prepared}: its held-out split holds 10 samples of training.seq_len = 16 (input, label) pairs (168 tokens), "
         "fewer than the 16 an evaluation pass reads (eval.steps 2 x global batch 8). Fix: use eval.steps=1, or prepare "
         f"{small.prepared} again with a larger --eval-fraction (it was {text_assets.FRACTION})."
     ]
@@ -319,8 +320,8 @@ def test_a_held_out_split_too_small_for_evaluation_is_refused_before_launch(comp
     with pytest.raises(ConfigError) as e:
         validate.preflight(compose([*base, mix, "eval.steps=1"]), tmp_path / "run")
     assert [str(p) for p in e.value.problems] == [
-        f"data.mix[1].path = {tmp_path / 'none'}: its held-out split holds 0 samples of training.seq_len + 1 = 17 tokens "
-        "(0 tokens), fewer than the 4 an evaluation pass reads (its share of eval.steps 1 x global batch 8). "
+        f"data.mix[1].path = {tmp_path / 'none'}: its held-out split holds 0 samples of training.seq_len = 16 (input, label) "
+        "pairs (0 tokens), fewer than the 4 an evaluation pass reads (its share of eval.steps 1 x global batch 8). "
         f"Fix: prepare {tmp_path / 'none'} again with a larger --eval-fraction (it was 0.001), or set eval.interval=0 to "
         "evaluate nothing."
     ]
@@ -377,8 +378,8 @@ def test_token_data_reads_the_prepared_stream_and_keeps_the_stream_guarantees(as
         s = whole.token_start(g)
         assert whole.sample(g).tolist() == stream[s : s + SEQ + 1]
     assert sorted(whole.token_start(g) // SEQ for g in range(whole.num_samples[0])) == list(range(whole.num_samples[0]))
-    rows = torch.cat([i for i, _ in whole.microbatches(5)])
-    shards = [torch.cat([i for i, _ in _data(assets, r, 4).microbatches(5)]) for r in range(4)]
+    rows = torch.cat([mb.inputs for mb in whole.microbatches(5)])
+    shards = [torch.cat([mb.inputs for mb in _data(assets, r, 4).microbatches(5)]) for r in range(4)]
     assert torch.equal(torch.cat(shards), rows)
     # the position is a global sample index: a batch-size change on resume continues at the same sample
     small = _data(assets, gb=4)
@@ -408,7 +409,7 @@ def test_prefetch_uses_a_read_ahead_only_for_the_same_position(assets):
     feed = Prefetch(d)
     for step in (0, 1):
         got = feed.get(step)
-        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, d.microbatches(step), strict=True))
+        assert all(torch.equal(a, b) for (a, *_), (b, *_) in zip(got, d.microbatches(step), strict=True))
     d.load_state_dict({"next_sample": 800}, steps_done=0)  # a restore moves the position: the read-ahead of step 2 is stale
     got = feed.get(0)
     assert torch.equal(got[0][0], torch.stack([d.sample(800), d.sample(801)])[:, :-1])
@@ -455,7 +456,7 @@ def test_prepared_folders_are_checked_before_launch(compose, assets, tmp_path):
         (
             [f"data.path={assets.a}", "training.seq_len=16384"],
             "data.path",
-            "its train split holds 12161 tokens, fewer than training.seq_len + 1",
+            "its train split holds 11876 (input, label) pairs (tokens less one per document), fewer than training.seq_len = 16384",
         ),
     ]
     for overrides, field, why in cases:

@@ -3,6 +3,9 @@
     python -m runner.data prepare --input a.jsonl b.parquet c.txt --tokenizer tokenizer.json --out prepared/web
         [--text-field text] [--eos-token '<|end_of_text|>'] [--eval-fraction 0.01] [--num-proc N]
 
+Every document is framed by the tokenizer's BOS and EOS as TorchTitan frames it: those the tokenizer_config.json beside
+the tokenizer names; a bare tokenizer.json has no BOS and --eos-token as its EOS (runner.formats.documents).
+
 The format of each input comes from its extension (.jsonl/.json, .txt, .parquet). Bad arguments are
 reported all at once, naming the option, the value and the fix, with exit code 2 before anything is written;
 so is an --out holding files of the prepared layout that prepare did not write. A bad record (a line that is
@@ -32,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers JSON file (tokenizer.json)")
     q.add_argument("--out", required=True, help="the prepared folder (created; a rerun reuses what is already done)")
     q.add_argument("--text-field", default="text", help="jsonl/parquet: the column holding each document")
-    q.add_argument("--eos-token", default="<|end_of_text|>", help="a token of the tokenizer, appended after every document")
+    q.add_argument("--eos-token", default="<|end_of_text|>",
+                   help="a bare tokenizer.json's end-of-document token (a tokenizer_config.json beside it names its own)")  # fmt: skip
     q.add_argument("--eval-fraction", type=float, default=0.01, help="share of each file's documents held out as the eval split")
     q.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizing processes (datasets.map num_proc)")
     return p
@@ -58,15 +62,21 @@ def _inputs(files: list[str], text_field: str) -> list[Problem]:
 
 
 def _tokenizer(path: str, eos: str, out: list[Problem]) -> None:
+    from runner.formats import documents
+
     try:
         mf.tokenizer_info(Path(path))
         tok = mf.tokenizer(path)
+        frame = documents.specials(tok, path, eos)
     except UnreadableFile as e:
         out.append(Problem("--tokenizer", path, f"{e.path} {e.why}", e.fix))
         return
-    if tok.token_to_id(eos) is None:
+    if why := documents.special_problem(frame, path):
+        if frame.source is not None:
+            out.append(Problem("--tokenizer", path, f"{why}: documents could not be told apart", documents.FIX))
+            return
         special = sorted(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
-        out.append(Problem("--eos-token", eos, f"not a token of {path}: documents would run together with no separator",
+        out.append(Problem("--eos-token", eos, f"{why}: documents would run together with no separator",
                            f"give the tokenizer's end-of-document token, one of its special tokens {special}" if special
                            else "give the token that ends a document in this tokenizer's vocabulary"))  # fmt: skip
 
@@ -123,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = "prepared" if wrote else "already up to date:"
     print(f"{verb} {a.out}: {s['train']['tokens']:,} train tokens in {s['train']['documents']:,} documents, "
           f"{s['eval']['tokens']:,} held-out tokens in {s['eval']['documents']:,} documents ({m['dtype']})")  # fmt: skip
+    bos = f"BOS {m['bos_token']!r} + " if m["bos_token"] is not None else ""
+    print(f"each document: {bos}its tokens + EOS {m['eos_token']!r}, as TorchTitan's tokenizer frames it (runner.formats.documents)")
     if n := m["skipped_records"]:
         print(f"skipped {n:,} record{'s' * (n > 1)} whose text was null, missing or empty (skipped_records in manifest.json)")
     if warning := held_out_warning(m["splits"]["eval"], a.eval_fraction):

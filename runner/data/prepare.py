@@ -2,10 +2,10 @@
 
 Each input file's documents are read into an Arrow file of one column (read.py: a bad line is refused
 with its file and line), tokenized by `datasets.map(batched=True, num_proc=...)` with a local `tokenizers`
-JSON file, and written as a train and a held-out (eval) token file with their document indexes. Document j
-of a file is held out when floor((j + 1) f) > floor(j f), f the eval fraction: an exact share, evenly
-spread, the same on every run. A record whose text is null, missing or empty is skipped (it keeps its j),
-and counted: `skipped_records`, per source and in all.
+JSON file (each document framed by the tokenizer's own BOS and EOS: runner.formats.documents), and written as a
+train and a held-out (eval) token file with their document indexes. Document j of a file is held out when
+floor((j + 1) f) > floor(j f), f the eval fraction: an exact share, evenly spread, the same on every run. A
+record whose text is null, missing or empty is skipped (it keeps its j), and counted: `skipped_records`, per source and in all.
 A part is published by renaming its files into place and then writing its record; the manifest comes
 last; then the files of parts beyond the inputs (a rerun with fewer of them) are removed. A rerun skips
 every part whose record matches its source (size and sha256) and settings, so it is idempotent and resumes
@@ -27,6 +27,7 @@ import numpy as np
 
 from runner.data import read
 from runner.formats import data_manifest as mf
+from runner.formats import documents
 
 PART_FILE = re.compile(r"part-(\d+)\.")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
@@ -45,11 +46,12 @@ class Request:
 
 
 class _Encode:
-    """The batched map function (picklable for num_proc workers): token ids + EOS of each non-empty
-    document, and whether it is held out."""
+    """The batched map function (picklable for num_proc workers): the token ids of each non-empty document framed by
+    the tokenizer's BOS and EOS (runner.formats.documents.Specials.frame, as TorchTitan's text dataset encodes them), and
+    whether it is held out."""
 
-    def __init__(self, tokenizer: str, eos_id: int | None, eval_fraction: float):
-        self.tokenizer, self.eos_id, self.f = tokenizer, eos_id, eval_fraction
+    def __init__(self, tokenizer: str, frame: documents.Specials, eval_fraction: float):
+        self.tokenizer, self.specials, self.f = tokenizer, frame, eval_fraction
         self.parent, self._tok = os.getpid(), None
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
@@ -60,14 +62,13 @@ class _Encode:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._tok = Tokenizer.from_file(self.tokenizer)
         keep = [(j, d) for j, d in zip(indices, batch[read.COLUMN], strict=True) if d]
-        tail = [] if self.eos_id is None else [self.eos_id]
-        ids = [e.ids + tail for e in self._tok.encode_batch([d for _, d in keep])]
+        ids = [self.specials.frame(e.ids) for e in self._tok.encode_batch([d for _, d in keep])]
         held = [int((j + 1) * self.f) > int(j * self.f) for j, _ in keep]
         return {"ids": ids, "held_out": held}
 
 
-def _settings(req: Request, fmt: str, tok: dict, dtype: str) -> dict:
-    return {"format": fmt, "text_field": req.text_field, "eos_token": req.eos_token, "eval_fraction": req.eval_fraction,
+def _settings(req: Request, fmt: str, tok: dict, frame: documents.Specials, dtype: str) -> dict:
+    return {"format": fmt, "text_field": req.text_field, **documents.describe(frame), "eval_fraction": req.eval_fraction,
             "tokenizer_sha256": tok["sha256"], "dtype": dtype}  # fmt: skip
 
 
@@ -92,10 +93,10 @@ def _published(out: Path, part: str, source: dict, settings: dict) -> dict | Non
     return rec
 
 
-def _tokenized(req: Request, src: Path, fmt: str, eos_id: int | None, cache: Path):
+def _tokenized(req: Request, src: Path, fmt: str, frame: documents.Specials, cache: Path):
     """The number of records read, and their tokens."""
     ds = read.texts(src, fmt, req.text_field, cache)
-    fn = _Encode(str(req.tokenizer), eos_id, req.eval_fraction)
+    fn = _Encode(str(req.tokenizer), frame, req.eval_fraction)
     nproc = max(1, min(req.num_proc, len(ds)))  # datasets shards the rows over the processes
     return len(ds), ds.map(fn, batched=True, batch_size=req.batch_size, with_indices=True, remove_columns=ds.column_names,
                            num_proc=nproc if nproc > 1 else None, desc=f"tokenizing {src.name}")  # fmt: skip
@@ -132,10 +133,10 @@ def _write(ds, out: Path, part: str, dtype: str) -> dict:
     return counts
 
 
-def _part(req: Request, i: int, src: Path, tok: dict, eos_id: int | None, dtype: str, say) -> tuple[dict, bool]:
+def _part(req: Request, i: int, src: Path, tok: dict, frame: documents.Specials, dtype: str, say) -> tuple[dict, bool]:
     """Part i's record, and whether it was (re)written now."""
     part, fmt = mf.part_name(i), FORMATS[src.suffix.lower()]
-    source, settings = _source(src), _settings(req, fmt, tok, dtype)
+    source, settings = _source(src), _settings(req, fmt, tok, frame, dtype)
     rec = _published(req.out, part, source, settings)
     if rec is not None:
         say(f"{part}: {src.name} already prepared ({rec['splits']['train']['tokens']:,} train tokens)")
@@ -144,7 +145,7 @@ def _part(req: Request, i: int, src: Path, tok: dict, eos_id: int | None, dtype:
     shutil.rmtree(cache, ignore_errors=True)
     files = [f(req.out, part, split) for split in mf.SPLITS for f in (mf.tokens_file, mf.index_file)]
     try:
-        records, ds = _tokenized(req, src, fmt, eos_id, cache)
+        records, ds = _tokenized(req, src, fmt, frame, cache)
         counts = _write(ds, req.out, part, dtype)
     except BaseException:  # an input error or Ctrl-C: nothing of this part is left
         for f in files:
@@ -169,7 +170,7 @@ def _remove_stale(out: Path, n: int) -> list[str]:
     return sorted({f.name.split(".")[0] for f in stale})
 
 
-def _manifest(req: Request, tok: dict, eos_id: int | None, dtype: str, records: list[dict]) -> dict:
+def _manifest(req: Request, tok: dict, frame: documents.Specials, dtype: str, records: list[dict]) -> dict:
     splits = {
         s: {
             "tokens": sum(r["splits"][s]["tokens"] for r in records),
@@ -181,8 +182,7 @@ def _manifest(req: Request, tok: dict, eos_id: int | None, dtype: str, records: 
     return {
         "version": mf.VERSION,
         "tokenizer": {"path": str(req.tokenizer.resolve()), **tok},
-        "eos_token": req.eos_token,
-        "eos_id": eos_id,
+        **documents.describe(frame),
         "dtype": dtype,
         "eval_fraction": req.eval_fraction,
         "sources": [
@@ -200,17 +200,17 @@ def prepare(req: Request, say=print) -> tuple[dict, bool]:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is downloaded
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tok = mf.tokenizer_info(req.tokenizer)
-    eos_id = Tokenizer.from_file(str(req.tokenizer)).token_to_id(req.eos_token)
+    frame = documents.specials(Tokenizer.from_file(str(req.tokenizer)), req.tokenizer, req.eos_token)
     dtype = mf.dtype_for(tok["vocab_size"])
     created = not req.out.exists()
     req.out.mkdir(parents=True, exist_ok=True)
     try:
-        parts = [_part(req, i, Path(src), tok, eos_id, dtype, say) for i, src in enumerate(req.inputs)]
+        parts = [_part(req, i, Path(src), tok, frame, dtype, say) for i, src in enumerate(req.inputs)]
     finally:
         shutil.rmtree(req.out / ".cache", ignore_errors=True)
         if created and not any(req.out.iterdir()):
             req.out.rmdir()  # failed before any part was published: the folder is as it was, absent
-    m = _manifest(req, tok, eos_id, dtype, [rec for rec, _ in parts])
+    m = _manifest(req, tok, frame, dtype, [rec for rec, _ in parts])
     path = req.out / mf.MANIFEST
     wrote = any(new for _, new in parts) or not path.is_file() or json.loads(path.read_text()) != m
     if wrote:

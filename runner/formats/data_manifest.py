@@ -1,13 +1,16 @@
 """A prepared folder on disk: its file names, the manifest, and the checks a reader relies on (torch-free).
 
 <folder>/
-  manifest.json               tokenizer (sha256 of its normalized JSON, vocabulary), dtype, EOS, the
+  manifest.json               format version, tokenizer (sha256 of its normalized JSON, vocabulary), dtype, BOS and EOS, the
                               held-out fraction, sources (path, bytes, sha256, skipped_records), per
                               split: tokens, documents and parts, skipped_records (records whose text
                               was null, missing or empty: skipped); written last, atomically
   part-<i>.json               part i's record (its source, settings and counts): its files are complete
-  part-<i>.<split>.bin        the split's documents of source i, each followed by EOS (uint16 or uint32)
-  part-<i>.<split>.idx        uint64 end offset (in tokens) of each document in the .bin file
+  part-<i>.<split>.bin        the split's documents of source i, each framed by the tokenizer's BOS and EOS (uint16 or uint32)
+  part-<i>.<split>.idx        uint64 end offset (in tokens) of each document in the .bin file: where the next one starts
+
+Format 2 (this one) frames documents as TorchTitan's tokenizer wrapper does (runner.formats.documents); format 1 appended
+EOS alone, and a reader refuses it with the command that rewrites it (a rerun of prepare rewrites every part).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from runner.formats.user_files import UnreadableFile, read_json, schema_problem
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
 DTYPES = ("uint16", "uint32")
@@ -141,7 +144,9 @@ def load(folder: str | Path) -> dict:
     except UnreadableFile as e:
         raise ManifestError(f"{e.path} {e.why}") from e
     if m.get("version") != VERSION:
-        raise ManifestError(f"{path} has version {json.dumps(m.get('version'))}, this runner reads {VERSION}")
+        older = isinstance(m.get("version"), int) and m["version"] < VERSION
+        fix = f"; prepare it again (every part is rewritten, its documents framed by the tokenizer's BOS and EOS): {_again(m, folder)}"
+        raise ManifestError(f"{path} has format version {json.dumps(m.get('version'))}, this runner reads {VERSION}{fix if older else ''}")
     if why := schema_problem(m, SCHEMA):
         raise ManifestError(f"{path} {why} (edited, or not written by `python -m runner.data prepare`)")
     if m["dtype"] not in DTYPES:
@@ -157,6 +162,13 @@ def load(folder: str | Path) -> dict:
                 if got != want:
                     raise ManifestError(f"{f} {'is missing' if got is None else f'has {got} bytes'}, the manifest says {want} bytes")
     return m
+
+
+def _again(m: dict, folder: Path) -> str:
+    """The prepare command that rewrites an older folder, from what its manifest recorded."""
+    inputs = " ".join(str(s.get("path", "<file>")) for s in m.get("sources", [])) or "<files>"
+    tok = (m.get("tokenizer") or {}).get("path", "<tokenizer.json>")
+    return f"python -m runner.data prepare --input {inputs} --tokenizer {tok} --out {folder}"
 
 
 def sources(path: str, mix: list) -> list[tuple[str, str, float]]:

@@ -49,7 +49,7 @@ def check_split(data, steps: int) -> None:
         more = "prepare the folder again with a larger --eval-fraction"  # validation names the folder (data_rules)
     if held is not None and held < need:
         raise ValueError(
-            f"the held-out split holds {held} samples of seq_len + 1 tokens, fewer than eval.steps x training.global_batch_size "
+            f"the held-out split holds {held} samples, fewer than eval.steps x training.global_batch_size "
             f"= {need}; lower eval.steps, or {more}"
         )
 
@@ -57,8 +57,8 @@ def check_split(data, steps: int) -> None:
 def _forward(built, loss_fn, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
     """This rank's loss share of one batch, microbatch by microbatch, as step_loop.forward_backward without its backward."""
     losses = []
-    for full_inputs, full_labels in microbatches:
-        inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)
+    for mb in microbatches:
+        inputs, labels, extra = titan.model_inputs(built, mb.inputs, mb.labels, positions=mb.positions)
         loss, _ = loss_fn(built.parts[0](inputs, **extra), labels, global_tokens)
         losses.append(loss)
     return titan.local_value(sum(losses)).cpu()

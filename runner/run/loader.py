@@ -9,9 +9,13 @@ group has the same DP rank and so the same inputs (`check_inputs` checks both at
 synthetic: sample g is an arithmetic progression modulo the vocabulary with a random start and
 stride, 1 token in 10 replaced by noise.
 text: the documents of local files (Hugging Face datasets, from local paths only) tokenized with a
-local `tokenizers` JSON file, each followed by the EOS token, concatenated into one stream and cut
-into samples of seq_len + 1 tokens (inputs and labels overlap by one token, like TorchTitan's
-loader); sample g is piece perm_e[g mod N] of epoch e = g // N, perm_e a seeded permutation.
+local `tokenizers` JSON file. With data.document_mask (the default) each document is framed by the tokenizer's BOS and
+EOS and shifted into (input, label) pairs within itself, the pairs of all documents are one stream cut into samples of
+seq_len pairs, and each sample carries its positions (restarting per document): TorchTitan's text dataset
+(runner.formats.documents). Without it (today's packing before documents) each document is followed by data.eos_token,
+the tokens are one stream cut into samples of seq_len + 1 tokens (inputs and labels overlap by one token), and
+attention and positions run across documents. Either way sample g is piece perm_e[g mod N] of epoch e = g // N,
+perm_e a seeded permutation.
 tokens: folders prepared by `python -m runner.data prepare`, read by memory map, one or a weighted mixture
 (`TokenData`); the same cut into samples, with an on-the-fly permutation instead of a materialized one.
 
@@ -31,6 +35,7 @@ import zlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +43,16 @@ import torch
 MAX_STRIDE = 16
 NOISE = 0.1
 SOURCE_SHIFT = 48  # token_start of a mixture: source index above the bits of a token offset (2^48 tokens per source)
+
+
+class Microbatch(NamedTuple):
+    """One microbatch on its way to the model: token ids and their labels (microbatch, seq_len), and the positions of
+    packed documents (restarting at each document; None: one document per sample, positions 0..seq_len-1 and a plain
+    causal mask, as synthetic data and data.document_mask=false have)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 def sample(seed: int, index: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -58,6 +73,8 @@ class _Stream(ABC):
         self.local = global_batch // dp
         self.first = dp_rank * self.local
         self.next_sample, self.at_step = 0, 0
+        self.documents = False
+        """Samples are windows of document pairs with their positions (data.document_mask; `window`)."""
 
     def indices(self, step: int) -> list[int]:
         """Global sample indices this rank reads at `step` (0-based)."""
@@ -75,14 +92,23 @@ class _Stream(ABC):
     def sample(self, index: int) -> torch.Tensor:
         """Tokens (seq_len + 1) of global sample `index`."""
 
+    def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs, labels, positions) of global sample `index` (seq_len each) when `documents`."""
+        raise NotImplementedError(f"{type(self).__name__} has no document windows")
+
     @abstractmethod
     def token_start(self, index: int) -> int:
         """Where sample `index` starts in the source's token stream (its position in the data)."""
 
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, labels) per microbatch of this rank's share of `step` (0-based)."""
+    def microbatches(self, step: int) -> list[Microbatch]:
+        """The microbatches of this rank's share of `step` (0-based)."""
+        if self.documents:
+            rows = [self.window(i) for i in self.indices(step)]
+            inputs, labels, positions = (torch.from_numpy(np.stack(x)) for x in zip(*rows, strict=True))
+            m = self.microbatch
+            return [Microbatch(*mb) for mb in zip(inputs.split(m), labels.split(m), positions.split(m), strict=True)]
         rows = torch.stack([self.sample(i) for i in self.indices(step)])
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.microbatch)]
+        return [Microbatch(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.microbatch)]
 
     def positions(self, step: int) -> torch.Tensor:
         """(global sample index, token start) of every sample this rank reads at `step`."""
@@ -119,6 +145,24 @@ def held_out(document: str, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
+def _documents(files: list[str], fmt: str, text_field: str, cache_dir: Path, split: str, eval_fraction: float) -> list[str]:
+    """The non-empty documents of `files` in `split` (all of them when eval_fraction is 0; else those `held_out` picks
+    for "eval" and the others for "train"), in file order."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is downloaded
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from datasets import load_dataset
+
+    column = "text" if fmt == "text" else text_field
+    ds = load_dataset(fmt, data_files=[str(Path(f).resolve()) for f in files], split="train", cache_dir=str(cache_dir))
+    docs = [d for d in ds[column] if d]
+    if eval_fraction > 0:
+        docs = [d for d in docs if held_out(d, eval_fraction) == (split == "eval")]
+    return docs
+
+
 def load_tokens(
     files: list[str],
     fmt: str,
@@ -129,40 +173,57 @@ def load_tokens(
     split: str = "train",
     eval_fraction: float = 0.0,
 ) -> torch.Tensor:
-    """The documents of `files` in `split` (all of them when eval_fraction is 0; else those `held_out` picks for
-    "eval" and the others for "train"), tokenized and concatenated (EOS after each) into one int64 stream."""
-    import os
-
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is downloaded
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    from datasets import load_dataset
+    """data.document_mask=false: the documents of `files` in `split` (`_documents`), tokenized and concatenated (EOS
+    after each) into one int64 stream."""
     from tokenizers import Tokenizer
 
-    column = "text" if fmt == "text" else text_field
-    ds = load_dataset(fmt, data_files=[str(Path(f).resolve()) for f in files], split="train", cache_dir=str(cache_dir))
     tok = Tokenizer.from_file(tokenizer)
     eos = tok.token_to_id(eos_token)
     stream: list[int] = []
-    docs = [d for d in ds[column] if d]
-    if eval_fraction > 0:
-        docs = [d for d in docs if held_out(d, eval_fraction) == (split == "eval")]
-    for enc in tok.encode_batch(docs):
+    for enc in tok.encode_batch(_documents(files, fmt, text_field, cache_dir, split, eval_fraction)):
         stream.extend(enc.ids)
         if eos is not None:
             stream.append(eos)
     return torch.tensor(stream, dtype=torch.int64)
 
 
+def load_documents(
+    files: list[str], fmt: str, text_field: str, tokenizer: str, eos_token: str, cache_dir: Path, split: str = "train",
+    eval_fraction: float = 0.0,
+) -> tuple[torch.Tensor, np.ndarray]:  # fmt: skip
+    """data.document_mask: the documents of `files` in `split`, each framed by the tokenizer's BOS and EOS (as TorchTitan's
+    tokenizer wrapper frames them: runner.formats.documents.specials), as one int64 stream and each document's end offset."""
+    from tokenizers import Tokenizer
+
+    from runner.formats import documents
+
+    tok = Tokenizer.from_file(tokenizer)
+    frame = documents.specials(tok, tokenizer, eos_token).frame
+    docs = [frame(enc.ids) for enc in tok.encode_batch(_documents(files, fmt, text_field, cache_dir, split, eval_fraction))]
+    ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
+    return torch.tensor([t for d in docs for t in d], dtype=torch.int64), ends
+
+
 class TextData(_Stream):
     def __init__(
-        self, tokens: torch.Tensor, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int
-    ):
+        self, tokens: torch.Tensor, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int,
+        ends: np.ndarray | None = None,
+    ):  # fmt: skip
+        """`ends`: each document's end offset in `tokens` (load_documents); None cuts the stream as one text."""
         super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
         self.tokens, self.seed, self.shuffle = tokens, seed, shuffle
-        self.num_samples = (len(tokens) - 1) // seq_len
+        if ends is not None:
+            from runner.formats.documents import PairStream, Piece
+
+            self.documents = True
+            self.pairs = PairStream([Piece(lambda start, n: tokens[start : start + n].numpy(), ends)])
+            self.num_samples = self.pairs.num_pairs // seq_len
+            what = f"{self.pairs.num_pairs} (input, label) pairs in {len(ends)} documents, fewer than one sample of seq_len = {seq_len}"
+        else:
+            self.num_samples = (len(tokens) - 1) // seq_len
+            what = f"{len(tokens)} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"
         if self.num_samples < 1:
-            raise ValueError(f"the text data holds {len(tokens)} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
+            raise ValueError(f"the text data holds {what}")
         self._perms: dict[int, torch.Tensor] = {}
 
     def _piece(self, index: int) -> int:
@@ -180,6 +241,9 @@ class TextData(_Stream):
         s = self.token_start(index)
         return self.tokens[s : s + self.seq_len + 1]
 
+    def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.pairs.window(self.token_start(index), self.seq_len)
+
 
 def _digest(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().numpy().tobytes())
@@ -190,7 +254,7 @@ def check_inputs(data: _Stream, dp_rank_of, step: int, policy) -> str:
     ranks with the same DP rank (a TP/CP/PP group) must read the same samples with the same tokens, and different
     DP ranks disjoint samples. Disjointness is judged by sample index, not content: a corpus may repeat itself."""
     mbs = data.microbatches(step)
-    content = _digest(torch.cat([torch.cat([i, lab], dim=1) for i, lab in mbs]))
+    content = _digest(torch.cat([torch.cat([t for t in mb if t is not None], dim=1) for mb in mbs]))
     mine = torch.tensor([content, *data.indices(step)], dtype=torch.int64)
     got = policy.all_gather(mine)  # the device policy's host collectives
     return judge_inputs([(int(t[0]), t[1:].tolist()) for t in got], dp_rank_of)
@@ -249,6 +313,7 @@ class _Split:
         self.folder, self.split, self.m = Path(folder), split, mf.load(folder)
         parts = self.m["splits"][split]["parts"]
         self.names = [p["name"] for p in parts]
+        self._docs = [p["documents"] for p in parts]
         self.ends = np.cumsum([p["tokens"] for p in parts], dtype=np.int64)
         self.num_tokens = int(self.ends[-1]) if len(parts) else 0
         self._maps: dict[int, np.ndarray] = {}
@@ -259,6 +324,17 @@ class _Split:
 
             self._maps[i] = np.memmap(mf.tokens_file(self.folder, self.names[i], self.split), dtype=self.m["dtype"], mode="r")
         return self._maps[i]
+
+    def pieces(self) -> list:
+        """Each part as a runner.formats.documents.Piece: its tokens and its documents' end offsets (the .idx file)."""
+        from runner.formats import data_manifest as mf
+        from runner.formats.documents import Piece
+
+        def piece(i: int) -> Piece:
+            ends = np.memmap(mf.index_file(self.folder, self.names[i], self.split), dtype=np.uint64, mode="r") if self._docs[i] else []
+            return Piece(lambda start, n: self._map(i)[start : start + n].astype(np.int64), ends)
+
+        return [piece(i) for i in range(len(self.names))]
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n) of the split, across part boundaries, as int64."""
@@ -281,19 +357,25 @@ class TokenData(_Stream):
 
     def __init__(
         self, sources: list[tuple[str, float]], *, split: str = "train", seed: int, shuffle: bool, seq_len: int, global_batch: int,
-        microbatch: int, dp_rank: int, dp: int,
+        microbatch: int, dp_rank: int, dp: int, documents: bool = False,
     ):  # fmt: skip
+        """`documents`: samples are windows of each source's document pairs (data.document_mask), else of its tokens."""
         super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
         from runner.formats.data_order import Mixture
+        from runner.formats.documents import PairStream
 
-        self.seed, self.shuffle, self.split = seed, shuffle, split
+        self.seed, self.shuffle, self.split, self.documents = seed, shuffle, split, documents
         self.splits = [_Split(folder, split) for folder, _ in sources]
-        self.num_samples = [(s.num_tokens - 1) // seq_len for s in self.splits]
-        for (folder, _), n, s in zip(sources, self.num_samples, self.splits, strict=True):
+        self.streams = [PairStream(s.pieces()) for s in self.splits] if documents else []
+        if documents:
+            self.num_samples = [p.num_pairs // seq_len for p in self.streams]
+            held = [f"{p.num_pairs} (input, label) pairs, fewer than one sample of seq_len = {seq_len}" for p in self.streams]
+        else:
+            self.num_samples = [(s.num_tokens - 1) // seq_len for s in self.splits]
+            held = [f"{s.num_tokens} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}" for s in self.splits]
+        for (folder, _), n, what in zip(sources, self.num_samples, held, strict=True):
             if n < 1:
-                raise ValueError(
-                    f"the {split} split of {folder} holds {s.num_tokens} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"
-                )
+                raise ValueError(f"the {split} split of {folder} holds {what}")
         self.mixture = Mixture([w for _, w in sources])
         self._perms: dict[tuple[int, int], object] = {}
 
@@ -318,6 +400,10 @@ class TokenData(_Stream):
         source, piece = self._piece(index)
         return torch.from_numpy(self.splits[source].read(piece * self.seq_len, self.seq_len + 1))
 
+    def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        source, piece = self._piece(index)
+        return self.streams[source].window(piece * self.seq_len, self.seq_len)
+
 
 class Prefetch:
     """Reads step s + 1's microbatches in a background thread while step s trains. A batch is a pure function of
@@ -334,7 +420,7 @@ class Prefetch:
     def _key(self, step: int) -> tuple[int, int, int]:
         return (self.data.next_sample, self.data.at_step, step)
 
-    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def get(self, step: int) -> list[Microbatch]:
         """Microbatches of `step` (0-based), then the read of step + 1 starts."""
         t0 = time.perf_counter()
         if self._ahead is not None and self._ahead[0] == self._key(step):
@@ -345,9 +431,9 @@ class Prefetch:
         self._ahead = (self._key(step + 1), self._pool.submit(self._read, step + 1))
         return mbs
 
-    def _read(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _read(self, step: int) -> list[Microbatch]:
         mbs = self.data.microbatches(step)
-        return [(x.pin_memory(), y.pin_memory()) for x, y in mbs] if self.pin else mbs
+        return [Microbatch(*(None if t is None else t.pin_memory() for t in mb)) for mb in mbs] if self.pin else mbs
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -151,16 +151,21 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
         return loader.SyntheticData(seed=t.seed, vocab=cfg.model.vocab_size, split=split, **common)
     if d.name == DataSource.tokens:
         sources = [(folder, w) for _, folder, w in manifest.sources(cfg.data.path, cfg.data.mix)]
-        return loader.TokenData(sources, split=split, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
+        shuffle = d.shuffle and split == "train"
+        return loader.TokenData(sources, split=split, seed=t.seed, shuffle=shuffle, documents=d.document_mask, **common)
     files, fraction = (d.eval_files, 0.0) if split == "eval" and d.eval_files else (d.files, d.eval_fraction)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:
         policy.barrier()
     cache = run_dir / runfiles.DATA_CACHE
-    tokens = loader.load_tokens(files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache, split=split, eval_fraction=fraction)
+    args = (files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache)
+    if d.document_mask:
+        tokens, ends = loader.load_documents(*args, split=split, eval_fraction=fraction)
+    else:
+        tokens, ends = loader.load_tokens(*args, split=split, eval_fraction=fraction), None
     if first:
         policy.barrier()
-    return loader.TextData(tokens, seed=t.seed, shuffle=d.shuffle and split == "train", **common)
+    return loader.TextData(tokens, seed=t.seed, shuffle=d.shuffle and split == "train", ends=ends, **common)
 
 
 def eval_data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):

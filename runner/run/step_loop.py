@@ -32,8 +32,8 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
     """Accumulate gradients over this rank's microbatches; return its share of the loss (with CP,
     the share of its sequence chunks: the loss divides by the global token count either way)."""
     losses = []
-    for full_inputs, full_labels in microbatches:
-        inputs, labels, extra = titan.model_inputs(built, full_inputs, full_labels)
+    for mb in microbatches:
+        inputs, labels, extra = titan.model_inputs(built, mb.inputs, mb.labels, positions=mb.positions)
         with mon.phase("forward"):
             pred = built.parts[0](inputs, **extra)
             mon.after_forward()
@@ -46,10 +46,10 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
     return titan.local_value(sum(losses))  # left on the device: the step reads it once, with the grad norm (DevicePolicy.read)
 
 
-def on_device(microbatches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def on_device(microbatches: list[loader.Microbatch], device: torch.device) -> list[loader.Microbatch]:
     """The data streams produce CPU tensors; the model, the loss and the pipeline schedule take them on the
     compute device (TorchTitan's own train step moves its labels the same way)."""
-    return [(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)) for inputs, labels in microbatches]
+    return [loader.Microbatch(*(None if t is None else t.to(device, non_blocking=True) for t in mb)) for mb in microbatches]
 
 
 @dataclass

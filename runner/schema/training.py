@@ -269,7 +269,12 @@ class DataConfig:
     """text: path of a Hugging Face `tokenizers` JSON file (tokenizer.json); tokens: optional, must be the one the
     folders were prepared with (checked by hash)."""
     eos_token: str = "<|end_of_text|>"
-    """text: token appended after every document when the stream is packed (skipped if the tokenizer lacks it)."""
+    """text: end-of-document token of a bare tokenizer.json; a tokenizer_config.json beside data.tokenizer names the BOS
+    and EOS instead (as TorchTitan's tokenizer reads them). data.document_mask=false appends this token alone."""
+    document_mask: bool = True
+    """text, tokens: train documents as TorchTitan does: each framed by the tokenizer's BOS and EOS, labels within the
+    document, positions restarting per document and attention masked to it. false: today's packing (one token stream,
+    positions 0..seq_len-1 and causal attention across documents). Synthetic data is one document per sample either way."""
     shuffle: bool = True
     """text, tokens: visit the packed samples in a new order each epoch (seeded by training.seed)."""
     path: str = ""

@@ -1,8 +1,10 @@
 """Data rules (torch-free): the config alone (`check`), and the files on disk (`files`, a FILES rule: the preflight
 that `mode=validate` and `mode=train` run before any process starts). data=text: local files whose records hold the text field, and a
-tokenizers JSON file whose vocabulary fits the model. data=tokens: prepared folders. A folder must have an intact manifest,
-the tokenizer it was prepared with must be data.tokenizer's (when set) and the same across a mixture, its
-vocabulary must fit the model, and its train split must hold at least one sample (seq_len + 1 tokens)."""
+tokenizers JSON file whose vocabulary fits the model and, with data.document_mask, whose end-of-document token is known
+(runner.formats.documents); CPU ring attention (cp > 1 on CPU) takes no document mask. data=tokens: prepared folders.
+A folder must have an intact manifest (format 2), the tokenizer it was prepared with must be data.tokenizer's (when
+set) and the same across a mixture, its vocabulary must fit the model, and its train split must hold at least one
+sample (seq_len pairs; seq_len + 1 tokens with data.document_mask=false)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from runner.formats import data_manifest as mf
 from runner.formats.user_files import UnreadableFile
-from runner.schema import DataConfig, DataSource, RunConfig, TextFormat
+from runner.schema import DataConfig, DataSource, DeviceType, RunConfig, TextFormat
 from runner.schema.problems import Problem
 
 PREPARE = "prepare it with `python -m runner.data prepare --input <files> --tokenizer <tokenizer.json> --out <folder>`"
@@ -29,6 +31,15 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
             out.append(Problem("data.tokenizer", "''", "data=text needs a tokenizer", "point data.tokenizer at a local tokenizer.json"))
     if d.name == DataSource.tokens:
         _tokens(cfg, out)
+    if d.name != DataSource.synthetic and d.document_mask and cfg.parallelism.cp > 1 and cfg.cluster.device == DeviceType.cpu:
+        out.append(
+            Problem(
+                "data.document_mask",
+                True,
+                f"CPU ring attention (parallelism.cp = {cfg.parallelism.cp}) takes a causal mask only, not packed documents' mask",
+                "set data.document_mask=false on this CPU cluster, or parallelism.cp=1 (a CUDA cluster shards the document mask)",
+            )
+        )
 
 
 def files(cfg: RunConfig, out: list[Problem]) -> None:
@@ -72,7 +83,7 @@ def _text(d: DataConfig, vocab_size: int, out: list[Problem]) -> None:
             out.append(Problem("data.files", f, "the file holds no records", "leave it out of data.files, or give it its documents"))
         elif f not in missing and (why := first_record_lacks(Path(f), d)):
             out.append(Problem("data.text_field", d.text_field, f"{f}: {why}", "set data.text_field to the column holding the documents"))
-    _tokenizer(d.tokenizer, vocab_size, out)
+    _tokenizer(d.tokenizer, vocab_size, out, d.eos_token if d.document_mask else None)
 
 
 def holds_no_records(path: Path, d: DataConfig) -> bool:
@@ -116,15 +127,26 @@ def first_record_lacks(path: Path, d: DataConfig) -> str | None:
     return None
 
 
-def _tokenizer(path: str, vocab_size: int, out: list[Problem]) -> None:
+def _tokenizer(path: str, vocab_size: int, out: list[Problem], eos_token: str | None = None) -> None:
+    """The tokenizer file; with `eos_token` (data.document_mask on) also its document frame (runner.formats.documents)."""
+    from runner.formats import documents
+
     if not Path(path).is_file():
         out.append(Problem("data.tokenizer", path, "no such file", "point data.tokenizer at a local tokenizer.json"))
         return
     try:
-        vocab = mf.vocab_size(mf.tokenizer(path))  # the tokenizers library reads the file itself (torch-free, ~15 ms to import)
+        tok = mf.tokenizer(path)  # the tokenizers library reads the file itself (torch-free, ~15 ms to import)
+        frame = documents.specials(tok, path, eos_token) if eos_token is not None else None
     except UnreadableFile as e:
         out.append(Problem("data.tokenizer", path, f"{e.path} {e.why}", e.fix))
         return
+    vocab = mf.vocab_size(tok)
+    if frame is not None and (why := documents.special_problem(frame, path)):
+        if frame.source is None:
+            fix = f"set data.eos_token to the tokenizer's end-of-document token, or {documents.FIX}"
+            out.append(Problem("data.eos_token", eos_token, f"{why}: data.document_mask cannot tell documents apart", fix))
+        else:
+            out.append(Problem("data.tokenizer", path, f"{why}: data.document_mask cannot tell documents apart", documents.FIX))
     if vocab > vocab_size:
         out.append(
             Problem(
@@ -154,6 +176,14 @@ def folders(cfg: RunConfig, out: list[Problem]) -> None:
         _held_out(cfg, loaded, out)
 
 
+def _samples(cfg: RunConfig, split: dict) -> int:
+    """The samples a split of a prepared folder gives: seq_len (input, label) pairs each, a document of L tokens giving
+    L - 1 pairs (runner.formats.documents); seq_len + 1 tokens each with data.document_mask=false."""
+    if cfg.data.document_mask:
+        return max(split["tokens"] - split["documents"], 0) // cfg.training.seq_len
+    return max(split["tokens"] - 1, 0) // cfg.training.seq_len
+
+
 def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: list[Problem]) -> None:
     """An evaluation pass reads eval.steps global batches of the held-out split, each source its share of the mixture
     (runner.run.evaluate.check_split refuses a shorter split on every rank at start-up): refused here from the
@@ -165,7 +195,7 @@ def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: l
     if e.interval == 0 or e.steps < 1 or t.seq_len < 1:
         return
     batch = t.global_batch_size * (cfg.parallelism.dp_replicate if fault_tolerance.enabled(cfg) else 1)  # runner.run.ft.data_coords
-    held = [max(m["splits"]["eval"]["tokens"] - 1, 0) // t.seq_len for *_, m in loaded]  # runner.run.loader.TokenData
+    held = [_samples(cfg, m["splits"]["eval"]) for *_, m in loaded]  # runner.run.loader.TokenData
     mix = Mixture([w for _, _, w, _ in loaded])
 
     def short(steps: int) -> list[int]:
@@ -173,6 +203,11 @@ def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: l
 
     fits = next(s for s in range(e.steps, -1, -1) if not short(s))
     reads = mix.counts(e.steps * batch)
+    unit = (
+        f"training.seq_len = {t.seq_len} (input, label) pairs"
+        if cfg.data.document_mask
+        else f"training.seq_len + 1 = {t.seq_len + 1} tokens"
+    )
     for i in short(e.steps):
         name, folder, _, m = loaded[i]
         tokens, fraction = m["splits"]["eval"]["tokens"], m.get("eval_fraction")
@@ -182,7 +217,7 @@ def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: l
             Problem(
                 name,
                 folder,
-                f"its held-out split holds {held[i]} samples of training.seq_len + 1 = {t.seq_len + 1} tokens ({tokens:,} tokens), "
+                f"its held-out split holds {held[i]} samples of {unit} ({tokens:,} tokens), "
                 f"fewer than the {reads[i]} an evaluation pass reads ({share})",
                 f"use eval.steps={fits}, or {again}" if fits else f"{again}, or set eval.interval=0 to evaluate nothing",
             )
@@ -201,15 +236,13 @@ def _fits(cfg: RunConfig, name: str, folder: str, m: dict, out: list[Problem]) -
             )  # fmt: skip
         )
     tokens = m["splits"]["train"]["tokens"]
+    if cfg.data.document_mask:  # a document of L tokens gives L - 1 (input, label) pairs (runner.formats.documents)
+        tokens, need = tokens - m["splits"]["train"]["documents"], cfg.training.seq_len
+        held = f"its train split holds {tokens} (input, label) pairs (tokens less one per document), fewer than training.seq_len = {need}"
+    else:
+        held = f"its train split holds {tokens} tokens, fewer than training.seq_len + 1 = {need}"
     if tokens < need:
-        out.append(
-            Problem(
-                name,
-                folder,
-                f"its train split holds {tokens} tokens, fewer than training.seq_len + 1 = {need}",
-                "prepare more text (or a smaller --eval-fraction), or lower training.seq_len",
-            )  # fmt: skip
-        )
+        out.append(Problem(name, folder, held, "prepare more text (or a smaller --eval-fraction), or lower training.seq_len"))
 
 
 def split_problem(name: str, folder: str, split: str, seq_len: int) -> Problem | None:

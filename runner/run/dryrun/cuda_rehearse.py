@@ -35,7 +35,8 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
     from runner.run.dryrun import rehearse
 
     host = [  # what loader.Prefetch hands the step
-        (x.pin_memory(), y.pin_memory()) if policy.pins_host_batches else (x, y) for x, y in rehearse.synthetic_microbatches(cfg, lay)
+        type(mb)(mb.inputs.pin_memory(), mb.labels.pin_memory()) if policy.pins_host_batches else mb
+        for mb in rehearse.synthetic_microbatches(cfg, lay)
     ]
     grads: dict[str, Any] = {}
 
@@ -46,7 +47,7 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
     with probe:
         microbatches = step_loop.on_device(host, policy.compute_device())
         rehearse.one_step(cfg, built, opt, microbatches, led, read)
-    return probe.take() | grads | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb})}
+    return probe.take() | grads | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb if x is not None})}
 
 
 LOOP_STEPS = 3

@@ -172,20 +172,22 @@ def balanced_routing(parts: list[torch.nn.Module], ep: int, on_exchange=None):
             k._local_reorder, k._sync_token_count_exchange = reorder, exchange
 
 
-def synthetic_microbatches(cfg: RunConfig, lay: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's batch of one step, random tokens, split into (inputs, labels) microbatches."""
+def synthetic_microbatches(cfg: RunConfig, lay: Layout) -> list:
+    """This rank's batch of one step, random tokens, split into loader.Microbatch (one document per sample)."""
+    from runner.run.loader import Microbatch
+
     t = cfg.training
     local_batch = t.global_batch_size // lay.dp
     inputs = torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len))
     labels = torch.randint(0, cfg.model.vocab_size, (local_batch, t.seq_len))
-    return list(zip(inputs.split(t.microbatch_size), labels.split(t.microbatch_size), strict=True))
+    return [Microbatch(x, y) for x, y in zip(inputs.split(t.microbatch_size), labels.split(t.microbatch_size), strict=True)]
 
 
 def one_step(
     cfg: RunConfig,
     built,
     opt,
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list,
     led: ledger.Ledger | None,
     after_clip: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:

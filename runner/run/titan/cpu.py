@@ -4,6 +4,7 @@ which upstream error each one avoids."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -30,14 +31,52 @@ def patch_device_globals() -> None:
 
 
 def use_sdpa(model_config) -> None:
-    """FlexAttention has no backward on CPU: use TorchTitan's causal SDPA inner attention. Not for gpt-oss: SDPA
-    would silently drop its sinks and sliding window (validation rejects it on CPU: runner.config.family_support)."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
+    """FlexAttention has no backward on CPU ("FlexAttention does not support backward on CPU", torch 2.13, eager or
+    compiled): use TorchTitan's causal SDPA inner attention, which also takes packed documents' boolean mask
+    (`document_mask`). Not for gpt-oss: SDPA would silently drop its sinks and sliding window (validation rejects it on
+    CPU: runner.config.family_support)."""
     if any(hasattr(layer.attention, "sliding_window_size") for layer in model_config.layers):
         raise RuntimeError("attention with sinks or a sliding window (gpt-oss) has no CPU path: SDPA would compute another model")
     for layer in model_config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.attention.inner_attention = _masked_sdpa().Config()
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The mask TorchTitan's FlexAttention applies to packed documents (decoder.py's _create_flex_attention_mask_for_document:
+    its causal AND packed-document mask mods, built from `positions`), evaluated densely: (batch, 1, seq, seq) booleans,
+    True where a query may read a key. SDPA with it computes what FlexAttention computes with the BlockMask."""
+    from torch.nn.attention.flex_attention import and_masks, create_mask
+    from torchtitan.models.common.attention import get_causal_mask_mod, get_efficient_causal_mask_mod_for_packed_document
+
+    b, s = positions.shape
+    mods = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    return create_mask(mods, b, 1, s, s, device=positions.device)
+
+
+@functools.cache
+def _masked_sdpa():
+    """TorchTitan's ScaledDotProductAttention, which refuses attention_masks, taking `document_mask`'s boolean mask:
+    without one it is TorchTitan's causal SDPA unchanged (the same call, bitwise)."""
+    from dataclasses import dataclass
+
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    class DocumentMaskedSdpa(ScaledDotProductAttention):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            pass
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs):
+            if attention_masks is None:
+                return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal, **kwargs)
+            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+
+    return DocumentMaskedSdpa
 
 
 def eager_flex_attention() -> None:

@@ -37,24 +37,45 @@ def clip_grad_norm_tensor(parts: list[torch.nn.Module], max_norm: float, pd) -> 
     return clip_grad_norm_(grads, max_norm, foreach=True, pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled)
 
 
-def model_inputs(built, inputs: torch.Tensor, labels: torch.Tensor, extra: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Tokens, labels and keyword inputs of one microbatch (`extra`, default the model's built ones); with CP, this
-    rank's sequence chunks (TorchTitan's prepare_context_parallel_input: load-balanced chunks, positions for RoPE)."""
+def model_inputs(
+    built, inputs: torch.Tensor, labels: torch.Tensor, extra: dict | None = None, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Tokens, labels and keyword inputs of one microbatch (`extra`, default the model's built ones; with `positions`,
+    packed documents: those positions and their document mask, `document_inputs`); with CP, this rank's sequence
+    chunks (TorchTitan's prepare_context_parallel_input: load-balanced chunks of tokens, positions and masks)."""
+    if positions is not None:
+        extra = document_inputs(built, positions)
     extra = built.extra_inputs if extra is None else extra
     if built.cp_load_balancer is None:
         return inputs, labels, extra
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
-    positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
-    extra = {"positions": positions} | {k: v for k, v in extra.items() if k != "positions"}
-    return prepare_context_parallel_input(inputs, labels, extra, built.parallel_dims.get_mesh("cp"), inputs.device, built.cp_load_balancer)
+    if "positions" not in extra:
+        extra = {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)} | extra
+    cp_mesh = built.parallel_dims.get_mesh("cp")
+    return prepare_context_parallel_input(inputs, labels, dict(extra), cp_mesh, inputs.device, built.cp_load_balancer)
 
 
-def batch_masks(built, inputs: torch.Tensor) -> dict:
+def document_inputs(built, positions: torch.Tensor) -> dict:
+    """Keyword inputs of packed documents, as TorchTitan's trainer builds them per batch from the loader's positions
+    (restarting at 0 at each document): the positions (RoPE) and the model's get_attention_masks, FlexAttention's causal
+    AND packed-document BlockMask (models/common/decoder.py). The CPU's SDPA takes the same mask mods as a boolean mask
+    (runner.run.titan.cpu.document_mask)."""
+    if built.attention_masks:
+        return {"positions": positions, "attention_masks": built.parts[0].get_attention_masks(positions=positions)}
+    from runner.run.titan.cpu import document_mask
+
+    return {"positions": positions, "attention_masks": document_mask(positions)}
+
+
+def batch_masks(built, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> dict:
     """Keyword inputs of a pipeline step's whole local batch, as TorchTitan's trainer builds them: positions, then the
-    model's get_attention_masks (FlexAttention's BlockMask, one document per sample). The schedule splits both along
-    the batch, one part per microbatch (torch.distributed.pipelining.microbatch splits a BlockMask), and hands
-    them to every stage. Without masks (SDPA, the CPU attention) the model's built inputs."""
+    model's get_attention_masks (FlexAttention's BlockMask; one document per sample without `positions`). The schedule
+    splits both along the batch, one part per microbatch (torch.distributed.pipelining.microbatch splits a BlockMask
+    and a tensor), and hands them to every stage. Without positions or masks (SDPA, the CPU attention) the model's
+    built inputs."""
+    if positions is not None:
+        return document_inputs(built, positions)
     if not built.attention_masks:
         return built.extra_inputs
     positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
@@ -105,8 +126,10 @@ def _forward_actions_only(schedule):
 
 
 def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
-    inputs = torch.cat([i for i, _ in microbatches])
-    inputs, labels, extra = model_inputs(built, inputs, torch.cat([lab for _, lab in microbatches]), batch_masks(built, inputs))
+    inputs = torch.cat([mb.inputs for mb in microbatches])
+    positions = None if microbatches[0].positions is None else torch.cat([mb.positions for mb in microbatches])
+    labels = torch.cat([mb.labels for mb in microbatches])
+    inputs, labels, extra = model_inputs(built, inputs, labels, batch_masks(built, inputs, positions))
     losses = [] if built.has_last else None
     run(
         *((inputs,) if built.has_first else ()),
