@@ -19,6 +19,7 @@ check decides about the state).
 from __future__ import annotations
 
 import json
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -84,14 +85,19 @@ def compare(step: int, table: list[dict[str, int]], groups: list[list[int]], who
 def replay_verdict(step: int, runs: list[tuple[dict, dict]], who: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ranks whose replay differed. A loss share is computed by its rank alone, so a differing loss names the rank;
     gradients are reduced over ranks before anyone sees them, so a difference only there names every rank it reached."""
-    by_loss = [r for r, (a, b) in enumerate(runs) if a["loss"] != b["loss"]]
-    by_grad = [r for r, (a, b) in enumerate(runs) if a["grad_sq"] != b["grad_sq"]]
+    by_loss = [r for r, (a, b) in enumerate(runs) if not same_bits(a["loss"], b["loss"])]
+    by_grad = [r for r, (a, b) in enumerate(runs) if any(not same_bits(a[k], b[k]) for k in a if k != "loss")]
     out = []
     for r in by_loss or by_grad:
         a, b = runs[r]
         found = {"step": step, "check": "replay", "rank": r, "host": who[r]["host"], "first": a, "second": b}
         out.append(found | {"grads_differ_on": by_grad})
     return out
+
+
+def same_bits(a: float, b: float) -> bool:
+    """Bitwise equal (a NaN reproduced as the same NaN is equal; 0.0 and -0.0 are not)."""
+    return struct.pack("<d", a) == struct.pack("<d", b)
 
 
 def describe(m: dict[str, Any]) -> str:

@@ -256,6 +256,8 @@ class StepMonitor:
         self.judge = StragglerJudge(self.s)
         self.arrivals = ArrivalJudge(self.s)
         self.replaying = False  # set by the replay check (runner.observe.integrity) while it recomputes a step
+        self.attributing = False  # set while a flagged step is replayed (runner.observe.attribution)
+        self._fault = "due"  # the test-only compute fault: due | fired (this step) | done
         self.step = 0
         self.now: dict[str, float] = {}
         self._pending: list[tuple[str, Any]] = []  # phases whose time the clock resolves at the end of the step
@@ -293,6 +295,7 @@ class StepMonitor:
             self._span = self.timeline.start()
             self.waits.start()
         self._stamps: list[tuple[float, float]] = []  # (arrival, departure) at this step's host collectives
+        self._fault = "done" if self._fault == "fired" else self._fault
         self._maybe_kill()
         self.mark("data")
 
@@ -368,10 +371,16 @@ class StepMonitor:
 
     def corrupt(self, loss):
         """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank; replay_rank's replayed
-        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be."""
-        if self.replaying and self.rank == self.inject.replay_rank:
+        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be; fault_rank's loss at
+        fault_at_step is multiplied by corrupt_scale on the first pass only (not in its attribution replay, nor when the
+        step runs again after a rewind), as a transient arithmetic fault of one device would be."""
+        i = self.inject
+        if self.replaying and self.rank == i.replay_rank:
             loss = loss * (1 + 1e-6)
-        return loss * self.inject.corrupt_scale if self.step in self.inject.corrupt_steps else loss
+        if self.rank == i.fault_rank and self.step == i.fault_at_step and not self.attributing and self._fault != "done":
+            self._fault = "fired"
+            loss = loss * i.corrupt_scale
+        return loss * i.corrupt_scale if self.step in i.corrupt_steps else loss
 
     def end_step(self) -> list[dict[str, Any]]:
         """Close the step; at the end of a window gather and judge. Returns the stragglers flagged now (every rank)."""

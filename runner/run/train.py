@@ -17,7 +17,7 @@ import torch.distributed as dist
 from runner.config import checkpoint, hf_folder, runfiles
 from runner.config.layout import Layout
 from runner.config.schema import FaultTolerance, RunConfig
-from runner.observe import integrity, monitor, plan_check
+from runner.observe import attribution, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.run import evaluate, ft, loader, peak, preempt, profiling, titan
@@ -96,6 +96,7 @@ def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, e
         watch=preempt.rank_watch(),
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
+        attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
         timeline=timeline,
     )
@@ -206,7 +207,7 @@ def summary(loop: StepLoop) -> dict[str, Any]:
     cfg, lay, rows, acc, policy, guard = loop.cfg, loop.lay, loop.rows, loop.acc, loop.policy, loop.guard
     out = summarize(rows, cfg, lay, acc)
     guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
-    out["monitor"] = loop.mon.summary() | guarded | loop.integrity.summary()
+    out["monitor"] = loop.mon.summary() | guarded | loop.integrity.summary() | loop.attributor.summary()
     out |= evaluate.summary(rows)
     peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
     out["memory_gb_max"] = float(peak_mem)
