@@ -241,6 +241,13 @@ def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
     # one NaN update would make every later loss NaN
     assert all(math.isfinite(rows[s]["loss"]) and math.isfinite(rows[s]["grad_norm"]) for s in range(9, 11))
     assert "loss guard: step 8 non-finite (loss nan, grad norm nan): skip" in " ".join(proc.stdout.split())
+    # replayed before the optimizer acted: the NaN reproduces bitwise on every rank, so it is the batch's
+    (e,) = [json.loads(line) for line in (run_dir / runfiles.SPIKES).read_text().splitlines()]
+    assert (e["step"], e["verdict"], e["ranks"], e["action"], e["metric"]) == (8, "data", [0, 1, 2, 3], "skip", "loss")
+    assert (
+        "spike attribution: step 8 non-finite (loss nan, grad norm nan): data (the replay reproduces it bitwise on all 4 ranks"
+        in " ".join(proc.stdout.split())
+    )
 
 
 @pytest.mark.e2e
@@ -257,6 +264,8 @@ def test_repeated_spikes_rewind_to_last_checkpoint(clean):
     assert replay11["repeat"] is True and "repeat" not in first11 and replay11["attempt"] == 0
     assert (run_dir / "checkpoints" / "step-10" / ".metadata").is_file()
     assert all(r["loss"] < 10 for r in rows[13:])
+    spikes = [json.loads(line) for line in (run_dir / runfiles.SPIKES).read_text().splitlines()]
+    assert [(e["step"], e["verdict"], e["action"]) for e in spikes] == [(12, "data", "skip"), (13, "data", "rewind")]
 
 
 def test_loss_guard_decisions():
