@@ -432,6 +432,9 @@ def test_a_lasting_level_shift_rewinds_once_and_every_spike_is_attributed_to_the
         (13, "data", "accept", [0]),
     ]
     assert spikes[0]["metric"] == "loss" and spikes[0]["value"] == rows[7]["loss"] and spikes[0]["value"] > 3 * spikes[0]["median"]
+    # the batch that spiked: step 8 reads global samples 14 and 15 (2 a step), step 11 (after the rewind) 20 and 21
+    assert spikes[0]["samples"] == [{"index": i, "token_start": i * (SEQ + 1), "num_tokens": SEQ + 1} for i in (14, 15)]
+    assert [e["index"] for e in spikes[3]["samples"]] == [20, 21]
     monitor = json.loads((tmp_path / runfiles.SUMMARY).read_text())["monitor"]
     assert (monitor["rewinds"], monitor["spike_verdicts"]) == (1, {"data": 6, "hardware": 0})
     out = " ".join(capsys.readouterr().out.split())
@@ -454,6 +457,7 @@ def test_a_fault_the_replay_does_not_reproduce_is_hardware_and_rewinds(one_rank,
     assert rows[7]["loss"] < 20 and "verdict" not in rows[7] and rows[-1]["skipped_steps"] == 0
     (e,) = [json.loads(ln) for ln in (tmp_path / runfiles.SPIKES).read_text().splitlines()]
     assert (e["step"], e["verdict"], e["ranks"], e["action"]) == (6, "hardware", [0], "rewind") and e["hosts"]
+    assert "samples" not in e  # the batch is not to blame
     monitor = json.loads((tmp_path / runfiles.SUMMARY).read_text())["monitor"]
     assert monitor["spike_verdicts"] == {"data": 0, "hardware": 1} and monitor["bad_steps"] == []
     out = " ".join(capsys.readouterr().out.split())

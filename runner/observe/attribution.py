@@ -31,9 +31,12 @@ class Attributor:
         self.path = run_dir / runfiles.SPIKES
         self.counts = {DATA: 0, HARDWARE: 0}
 
-    def judge(self, step: int, verdict, first: tuple[float, float], again: Callable[[], tuple[float, float]], parts, zero_grad, rng, mon):
+    def judge(
+        self, step: int, verdict, first: tuple[float, float], again: Callable[[], tuple[float, float]], parts, zero_grad, rng, mon, samples
+    ):
         """first: this rank's loss share and the global grad norm of the first pass, whose (clipped) gradients are still in
-        place; again() recomputes the step and clips, from the RNG state `rng`. Returns the verdict's record."""
+        place; again() recomputes the step and clips, from the RNG state `rng`; samples() lists the step's global samples
+        and their origin (recorded with a data verdict). Returns the verdict's record."""
         a = {"loss": first[0], "grad_sq": integrity.grad_sq(parts), "grad_norm": first[1]}
         zero_grad()
         self.policy.set_rng_state(rng)
@@ -50,6 +53,8 @@ class Attributor:
         action = self.on_mismatch.value if differ else verdict.action
         entry = {"step": step, "metric": verdict.metric, "value": verdict.value, "median": verdict.median, "verdict": kind}
         entry |= {"ranks": ranks, "hosts": sorted({self.who[r]["host"] for r in ranks}), "action": action, "spike": verdict.spike}
+        if kind == DATA:
+            entry["samples"] = samples()  # the batch that spiked: every global sample of the step, left out unless accepted
         self.counts[kind] += 1
         if self.rank == 0:
             with open(self.path, "a") as fh:

@@ -31,6 +31,7 @@ import zlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,6 +84,15 @@ class _Stream(ABC):
         """(inputs, labels) per microbatch of this rank's share of `step` (0-based)."""
         rows = torch.stack([self.sample(i) for i in self.indices(step)])
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.microbatch)]
+
+    def step_samples(self, step: int) -> list[dict[str, Any]]:
+        """Every global sample of `step` (0-based, all ranks' shares) and where it comes from (origin)."""
+        base = self.next_sample + (step - self.at_step) * self.global_batch
+        return [{"index": i, **self.origin(i)} for i in range(base, base + self.global_batch)]
+
+    def origin(self, index: int) -> dict[str, Any]:
+        """Where sample `index` starts in the source's token stream."""
+        return {"token_start": self.token_start(index), "num_tokens": self.seq_len + 1}
 
     def positions(self, step: int) -> torch.Tensor:
         """(global sample index, token start) of every sample this rank reads at `step`."""
@@ -317,6 +327,12 @@ class TokenData(_Stream):
     def sample(self, index: int) -> torch.Tensor:
         source, piece = self._piece(index)
         return torch.from_numpy(self.splits[source].read(piece * self.seq_len, self.seq_len + 1))
+
+    def origin(self, index: int) -> dict[str, Any]:
+        """The prepared folder and split the sample is read from, and its token range in that split's stream."""
+        source, piece = self._piece(index)
+        split = self.splits[source]
+        return {"source": str(split.folder), "split": split.split, "token_start": piece * self.seq_len, "num_tokens": self.seq_len + 1}
 
 
 class Prefetch:

@@ -207,9 +207,8 @@ class StepLoop:
             return None
         rng, microbatches = self.replay_from
         zero_grad = lambda: self.opt.zero_grad(set_to_none=True)  # noqa: E731
-        found = self.attributor.judge(
-            step, verdict, first, lambda: self.recompute(microbatches), self.built.parts, zero_grad, rng, self.mon
-        )
+        again, samples = (lambda: self.recompute(microbatches)), (lambda: self.data.step_samples(step - 1))
+        found = self.attributor.judge(step, verdict, first, again, self.built.parts, zero_grad, rng, self.mon, samples)
         if found["verdict"] == attribution.HARDWARE:
             self.guard.revert()
             verdict.action = attribution.HARDWARE
