@@ -119,6 +119,39 @@ def test_spike_the_replay_does_not_reproduce_is_hardware_naming_the_rank(faults)
     assert f"hardware (the replay differs on rank 2, host {e['hosts'][0]}): step not applied; monitor.integrity.on_mismatch=rewind" in flat
 
 
+def test_a_device_wrong_the_same_way_twice_disagrees_with_its_peers(tmp_path, capsys):
+    """dp2_tp2 (TP groups [0, 1] and [2, 3]): rank 3's loss share reproduces in its replay but differs from its TP peer's,
+    whose value it must equal: hardware, both peers named (two peers: no majority). A global grad norm off on one rank
+    of four names that rank alone. Peers that agree give a data verdict."""
+    from types import SimpleNamespace
+
+    from runner.config.schema import MismatchAction
+    from runner.observe import attribution
+
+    who = [{"host": f"h{r}"} for r in range(4)]
+    same = [{"loss": 1.0, "grad_sq": 4.0, "grad_norm": 2.0} for _ in range(4)]
+    assert attribution.peer_mismatches(5, same, [[0, 1], [2, 3]], who) == []
+    off = [*same[:3], same[3] | {"loss": 1.5}]
+    assert [(m["rank"], m["value"], m["group"]) for m in attribution.peer_mismatches(5, off, [[0, 1], [2, 3]], who)] == [
+        (2, "loss", [2, 3]),
+        (3, "loss", [2, 3]),
+    ]
+    norm = [same[0], same[1] | {"grad_norm": 2.5}, *same[2:]]
+    assert [(m["rank"], m["value"]) for m in attribution.peer_mismatches(5, norm, [[0, 1], [2, 3]], who)] == [(1, "grad_norm")]
+    policy = SimpleNamespace(set_rng_state=lambda rng: None, all_gather_object=lambda mine: [(a, a) for a in off])
+    judge = attribution.Attributor(policy, who, 0, tmp_path, MismatchAction.stop, [[0, 1], [2, 3]])
+    verdict = monitor.Verdict("loss 40 > 3 x running median 1", "skip", "loss", 40.0, 1.0)
+    mon = SimpleNamespace(attributing=False)
+    e = judge.judge(5, verdict, (1.0, 2.0), lambda: (1.0, 2.0), [], lambda: None, None, mon, lambda: [])
+    assert (e["verdict"], e["check"], e["ranks"], e["hosts"], e["action"]) == ("hardware", "peers", [2, 3], ["h2", "h3"], "stop")
+    assert "step 5 loss 40 > 3 x running median 1: hardware (rank 2, 3, host h2, h3 disagrees with peers that must agree)" in (
+        capsys.readouterr().out
+    )
+    assert integrity.describe(e["mismatches"][1]) == (
+        "integrity: step 5 rank 3 (host h3) disagrees with its peers [2, 3] on its loss share: {'2': 1.0, '3': 1.5}"
+    )
+
+
 @pytest.mark.e2e
 def test_replay_names_the_rank_that_does_not_reproduce(faults):
     run_dir, _, out, _ = faults

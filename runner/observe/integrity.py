@@ -95,12 +95,20 @@ def replay_verdict(step: int, runs: list[tuple[dict, dict]], who: list[dict[str,
     return out
 
 
+def bits(a: float) -> bytes:
+    """A float's bits (a NaN reproduced as the same NaN compares equal; 0.0 and -0.0 do not)."""
+    return struct.pack("<d", a)
+
+
 def same_bits(a: float, b: float) -> bool:
-    """Bitwise equal (a NaN reproduced as the same NaN is equal; 0.0 and -0.0 are not)."""
-    return struct.pack("<d", a) == struct.pack("<d", b)
+    return bits(a) == bits(b)
 
 
 def describe(m: dict[str, Any]) -> str:
+    if m["check"] == "peers":  # runner.observe.attribution: a flagged step's first pass across ranks
+        what = "global grad norm" if m["value"] == "grad_norm" else "loss share"
+        who = f"rank {m['rank']} (host {m['host']})"
+        return f"integrity: step {m['step']} {who} disagrees with its peers {m['group']} on its {what}: {m['values']}"
     if m["check"] == "replay":
         a, b = m["first"], m["second"]
         return (

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.config import checkpoint, hf_folder, runfiles
-from runner.config.layout import Layout
+from runner.config.layout import Layout, group_of
 from runner.config.schema import FaultTolerance, RunConfig
 from runner.observe import attribution, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
@@ -96,10 +96,15 @@ def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, e
         watch=preempt.rank_watch(),
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
-        attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch),
+        attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch, tp_groups(lay)),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
         timeline=timeline,
     )
+
+
+def tp_groups(lay: Layout) -> list[list[int]]:
+    """The ranks of each tensor-parallel group: their loss shares must agree (runner.observe.attribution)."""
+    return [list(g) for g in sorted({tuple(group_of(lay, r, "tp")) for r in range(lay.world_size)})]
 
 
 def start(loop: StepLoop) -> int:
