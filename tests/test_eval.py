@@ -479,6 +479,67 @@ def test_a_lasting_level_shift_is_skipped_at_most_max_consecutive_times(one_rank
     assert "loss guard: step 11: grad norm " in out and "after 3 skipped steps in a row: accepted as a new level" in out
 
 
+CHECKPOINTS = {"checkpoint.enable": True, "checkpoint.interval": 4, "checkpoint.keep": 0, "checkpoint.async_save": False}
+
+
+def test_a_lasting_level_shift_rewinds_once_and_every_spike_is_attributed_to_the_data(one_rank, tmp_path, capsys):
+    """Every batch's loss x5 from step 8 on (monitor.inject.corrupt_steps: the same on every pass) with action=rewind and
+    checkpoints every 4 steps: 8-10 spike, the run rewinds to step 4 and replays 5-7, 11-13 spike again right after the
+    rewind and 13 is accepted as the new level: one rewind, and 14-20 train. Each flagged step is replayed before the
+    optimizer acts and reproduces bitwise: a data verdict each, in spikes.jsonl and the summary. Before, the run rewound
+    again at 13 and skipped every later step."""
+    from runner.formats import runfiles
+
+    shift = {"monitor.inject.corrupt_steps": list(range(8, 21)), "monitor.inject.corrupt_scale": 5.0}
+    rewind = {"monitor.guard.action": schema.GuardAction.rewind, **CHECKPOINTS}
+    rows = _train(one_rank, tmp_path, {"training.steps": 20, "optimizer.lr": 1e-7, **shift, **rewind})
+    assert [r["step"] for r in rows] == [*range(1, 11), 5, 6, 7, *range(11, 21)]
+    acted = {r["step"]: r["action"] for r in rows if "action" in r}
+    assert acted == {8: "skip", 9: "skip", 10: "rewind", 11: "skip", 12: "skip", 13: "accept"}
+    assert rows[9]["rewound_to"] == 4 and rows[-1]["skipped_steps"] == 5
+    spikes = [json.loads(ln) for ln in (tmp_path / runfiles.SPIKES).read_text().splitlines()]
+    assert [(e["step"], e["verdict"], e["action"], e["ranks"]) for e in spikes] == [
+        (8, "data", "skip", [0]),
+        (9, "data", "skip", [0]),
+        (10, "data", "rewind", [0]),
+        (11, "data", "skip", [0]),
+        (12, "data", "skip", [0]),
+        (13, "data", "accept", [0]),
+    ]
+    assert spikes[0]["metric"] == "loss" and spikes[0]["value"] == rows[7]["loss"] and spikes[0]["value"] > 3 * spikes[0]["median"]
+    # the batch that spiked: step 8 reads global samples 14 and 15 (2 a step), step 11 (after the rewind) 20 and 21
+    assert spikes[0]["samples"] == [{"index": i, "token_start": i * (SEQ + 1), "num_tokens": SEQ + 1} for i in (14, 15)]
+    assert [e["index"] for e in spikes[3]["samples"]] == [20, 21]
+    monitor = json.loads((tmp_path / runfiles.SUMMARY).read_text())["monitor"]
+    assert (monitor["rewinds"], monitor["spike_verdicts"]) == (1, {"data": 6, "hardware": 0})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "again right after the rewind at step 10: a lasting level shift, not a spike: accepted, no second rewind" in out
+    assert "spike attribution: step 8 loss " in out and ": data (the replay reproduces it bitwise on all 1 ranks" in out
+
+
+def test_a_fault_the_replay_does_not_reproduce_is_hardware_and_rewinds(one_rank, tmp_path, capsys):
+    """Rank 0's loss at step 6 x1e4 on the first pass only (monitor.inject.fault_rank): the replay differs, a hardware
+    verdict naming the rank; the step is not applied, not counted as skipped, and monitor.integrity.on_mismatch=rewind
+    goes back to step 4's checkpoint, after which steps 5-8 train (the fault fires once)."""
+    from runner.formats import runfiles
+
+    fault = {"monitor.inject.fault_rank": 0, "monitor.inject.fault_at_step": 6, "monitor.inject.corrupt_scale": 1e4}
+    rewind = {"monitor.integrity.on_mismatch": schema.MismatchAction.rewind, **CHECKPOINTS}
+    rows = _train(one_rank, tmp_path, {"training.steps": 8, **fault, **rewind})
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    r6 = rows[5]
+    assert (r6["verdict"], r6["verdict_ranks"], r6["rewound_to"], r6["skipped_steps"]) == ("hardware", [0], 4, 0)
+    assert rows[7]["loss"] < 20 and "verdict" not in rows[7] and rows[-1]["skipped_steps"] == 0
+    (e,) = [json.loads(ln) for ln in (tmp_path / runfiles.SPIKES).read_text().splitlines()]
+    assert (e["step"], e["verdict"], e["ranks"], e["action"]) == (6, "hardware", [0], "rewind") and e["hosts"]
+    assert "samples" not in e  # the batch is not to blame
+    monitor = json.loads((tmp_path / runfiles.SUMMARY).read_text())["monitor"]
+    assert monitor["spike_verdicts"] == {"data": 0, "hardware": 1} and monitor["bad_steps"] == []
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"spike attribution: step 6 loss {e['value']:.4g} > 3 x running median" in out
+    assert f": hardware (the replay differs on rank 0, host {e['hosts'][0]}): step not applied" in out
+
+
 def test_collections_run_at_the_same_steps_with_automatic_collection_off(one_rank, tmp_path):
     """training.gc_every=3 over 7 steps: inside the loop Python's automatic collection is off and the only collections are
     TorchTitan's GarbageCollection's, at steps 3 and 6 (every rank collects at the same step); after it, it is on again."""

@@ -3,10 +3,11 @@
 One 4-rank launch (`faults`, plain data parallel: 4 replicas of every parameter, so a flipped bit has a
 majority against it): rank 2 computes 60 % longer in every forward (a slower device, busy: the phase judge
 must name it alone), rank 3's replayed forwards at steps 5, 10, 15 and 20 differ by 1e-6 (the replay check
-must name it), and rank 1 flips a bit of a parameter at step 17 (the replica check at step 20 must name it and
-rewind to step 16's checkpoint, after which the replicas agree again). The clean side (nothing reported over
-40 steps of HSDP with a rewind) rides on tests/test_monitor.py's `clean` launch, the rank slowed from outside
-(SIGSTOP/SIGCONT from the test) on its dp2_tp2 `slow` launch.
+must name it), rank 1 flips a bit of a parameter at step 17 (the replica check at step 20 must name it and
+rewind to step 16's checkpoint, after which the replicas agree again), and rank 2's loss at step 9 is x1e4 on the
+first pass only (the spike's attribution replay must call it hardware, name rank 2 and rewind to step 8). The clean
+side (nothing reported over 40 steps of HSDP with a rewind) rides on tests/test_monitor.py's `clean` launch, the rank
+slowed from outside (SIGSTOP/SIGCONT from the test) on its dp2_tp2 `slow` launch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def faults(tmp_path_factory):
     args += ["logging.progress=false", *STRAGGLER, "monitor.integrity.interval=4", "monitor.integrity.replay_interval=5"]
     args += ["monitor.inject.flip_rank=1", "monitor.inject.flip_at_step=17", "monitor.inject.replay_rank=3"]
     args += ["monitor.inject.delay_rank=2", "monitor.inject.delay_frac=1.0"]  # the forward doubled: clear of the judge's floor
+    args += ["monitor.inject.fault_rank=2", "monitor.inject.fault_at_step=9"]
     args += ["monitor.integrity.on_mismatch=rewind", "checkpoint=local", "checkpoint.interval=8", "checkpoint.keep=0"]
     proc = run_cli(*args, run_dir=run_dir, timeout=900)
     return run_dir, proc.returncode, proc.stdout, proc.stderr
@@ -44,11 +46,12 @@ def test_straggler_named_within_window_count(faults):
     flagged = [json.loads(line) for line in (run_dir / runfiles.STRAGGLERS).read_text().splitlines()]
     assert {f["rank"] for f in flagged} == {2}, flagged  # nobody else, in any phase
     first = next(f for f in flagged if f["phase"] == "forward")
-    assert first["step"] == 1 + 5 * 2  # step 1 is not judged; windows end at steps 6 and 11: named at the 2nd window
+    # step 1 is not judged; windows of 5 steps end at steps 6 and 10 (step 9 ran twice: the hardware rewind): the 2nd names it
+    assert first["step"] == 10
     assert first["windows"] == 2 and first["slowdown"] > 1.3
     assert (first["local_rank"], first["coords"]) == (2, {"pp": 0, "dp_replicate": 2, "dp_shard": 0, "cp": 0, "tp": 0})
     assert first["host"] and first["median_s"] > 0
-    row = next(r for r in metrics(run_dir) if r["step"] == 11)
+    row = next(r for r in metrics(run_dir) if r["step"] == 10)
     assert any(f["rank"] == 2 and f["phase"] == "forward" for f in row["stragglers"]) and row["straggler_windows"] == 2
     flat = " ".join(out.split())  # rich wraps the console at its width
     assert "straggler: rank 2 (host" in flat and "local rank 2, mesh pp=0 dp_replicate=2 dp_shard=0 cp=0 tp=0) forward" in flat
@@ -68,8 +71,9 @@ def test_flipped_bit_is_found_at_the_next_interval_and_rewinds(faults):
     assert len({m["checksums"][str(r)] for r in (0, 2, 3)}) == 1 and m["checksums"]["1"] != m["checksums"]["0"]
     assert report["on_mismatch"] == "rewind"
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == [*range(1, 21), *range(17, 23)]  # rewound from 20 to step 16's checkpoint
-    assert rows[19]["rewound_to"] == 16 and [x["check"] for x in rows[19]["integrity"]] == ["replay", "replica"]
+    # rewound from 9 to step 8's checkpoint (hardware), from 20 to step 16's (the flip)
+    assert [r["step"] for r in rows] == [*range(1, 10), *range(9, 21), *range(17, 23)]
+    assert rows[20]["rewound_to"] == 16 and [x["check"] for x in rows[20]["integrity"]] == ["replay", "replica"]
     assert summary(run_dir)["monitor"]["integrity_checks"] == 6  # 4, 8, 12, 16, 20, and 20 again
     flat = " ".join(out.split())
     assert "integrity: step 20 parameter tok_embeddings.weight: ranks [1] (hosts " in flat
@@ -87,6 +91,7 @@ def test_mismatch_stops_the_run_or_finds_no_checkpoint():
     checker = SimpleNamespace(check=lambda step, parts: found, path=ROOT / "integrity_report.json")
     cfg = RunConfig()
     loop = SimpleNamespace(cfg=cfg, integrity=checker, built=SimpleNamespace(parts=[]), opt=None, sched=None, data=None, guard=None)
+    loop.mismatch = lambda step, found, report: StepLoop.mismatch(loop, step, found, report)  # also a hardware verdict's
     with pytest.raises(integrity.IntegrityError, match=r"step 8 parameter w: ranks \[1\] \(hosts b\) differ from the majority \[0, 2\]"):
         StepLoop.check_replicas(loop, 8)
     cfg.monitor.integrity.on_mismatch = MismatchAction.rewind
@@ -95,6 +100,56 @@ def test_mismatch_stops_the_run_or_finds_no_checkpoint():
         StepLoop.check_replicas(loop, 8)
     checker.check = lambda step, parts: []
     assert StepLoop.check_replicas(loop, 8) == {}
+
+
+@pytest.mark.e2e
+def test_spike_the_replay_does_not_reproduce_is_hardware_naming_the_rank(faults):
+    """Rank 2's first pass of step 9 is off (x1e4): the guard flags the step, every rank replays it, rank 2's loss share
+    differs: hardware, rank 2 named alone (its peers reproduce), the step is not applied (not a skipped step) and
+    on_mismatch=rewind goes back to step 8's checkpoint; step 9 then trains (the fault fired once)."""
+    run_dir, _, out, _ = faults
+    (e,) = [json.loads(line) for line in (run_dir / runfiles.SPIKES).read_text().splitlines()]
+    assert (e["step"], e["verdict"], e["ranks"], e["action"], e["metric"]) == (9, "hardware", [2], "rewind", "loss") and e["hosts"]
+    first9, again9 = [r for r in metrics(run_dir) if r["step"] == 9]
+    assert (first9["verdict"], first9["verdict_ranks"], first9["rewound_to"], first9["skipped_steps"]) == ("hardware", [2], 8, 0)
+    assert again9["loss"] < 20 and "verdict" not in again9 and "spike" not in again9
+    assert summary(run_dir)["monitor"]["spike_verdicts"] == {"data": 0, "hardware": 1}
+    flat = " ".join(out.split())
+    assert f"spike attribution: step 9 loss {e['value']:.4g} > 3 x running median" in flat
+    assert f"hardware (the replay differs on rank 2, host {e['hosts'][0]}): step not applied; monitor.integrity.on_mismatch=rewind" in flat
+
+
+def test_a_device_wrong_the_same_way_twice_disagrees_with_its_peers(tmp_path, capsys):
+    """dp2_tp2 (TP groups [0, 1] and [2, 3]): rank 3's loss share reproduces in its replay but differs from its TP peer's,
+    whose value it must equal: hardware, both peers named (two peers: no majority). A global grad norm off on one rank
+    of four names that rank alone. Peers that agree give a data verdict."""
+    from types import SimpleNamespace
+
+    from runner.observe import attribution
+    from runner.schema import MismatchAction
+
+    who = [{"host": f"h{r}"} for r in range(4)]
+    same = [{"loss": 1.0, "grad_sq": 4.0, "grad_norm": 2.0} for _ in range(4)]
+    assert attribution.peer_mismatches(5, same, [[0, 1], [2, 3]], who) == []
+    off = [*same[:3], same[3] | {"loss": 1.5}]
+    assert [(m["rank"], m["value"], m["group"]) for m in attribution.peer_mismatches(5, off, [[0, 1], [2, 3]], who)] == [
+        (2, "loss", [2, 3]),
+        (3, "loss", [2, 3]),
+    ]
+    norm = [same[0], same[1] | {"grad_norm": 2.5}, *same[2:]]
+    assert [(m["rank"], m["value"]) for m in attribution.peer_mismatches(5, norm, [[0, 1], [2, 3]], who)] == [(1, "grad_norm")]
+    policy = SimpleNamespace(set_rng_state=lambda rng: None, all_gather_object=lambda mine: [(a, a) for a in off])
+    judge = attribution.Attributor(policy, who, 0, tmp_path, MismatchAction.stop, [[0, 1], [2, 3]])
+    verdict = monitor.Verdict("loss 40 > 3 x running median 1", "skip", "loss", 40.0, 1.0)
+    mon = SimpleNamespace(attributing=False)
+    e = judge.judge(5, verdict, (1.0, 2.0), lambda: (1.0, 2.0), [], lambda: None, None, mon, lambda: [])
+    assert (e["verdict"], e["check"], e["ranks"], e["hosts"], e["action"]) == ("hardware", "peers", [2, 3], ["h2", "h3"], "stop")
+    assert "step 5 loss 40 > 3 x running median 1: hardware (rank 2, 3, host h2, h3 disagrees with peers that must agree)" in (
+        capsys.readouterr().out
+    )
+    assert integrity.describe(e["mismatches"][1]) == (
+        "integrity: step 5 rank 3 (host h3) disagrees with its peers [2, 3] on its loss share: {'2': 1.0, '3': 1.5}"
+    )
 
 
 @pytest.mark.e2e

@@ -241,6 +241,13 @@ def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
     # one NaN update would make every later loss NaN
     assert all(math.isfinite(rows[s]["loss"]) and math.isfinite(rows[s]["grad_norm"]) for s in range(9, 11))
     assert "loss guard: step 8 non-finite (loss nan, grad norm nan): skip" in " ".join(proc.stdout.split())
+    # replayed before the optimizer acted: the NaN reproduces bitwise on every rank, so it is the batch's
+    (e,) = [json.loads(line) for line in (run_dir / runfiles.SPIKES).read_text().splitlines()]
+    assert (e["step"], e["verdict"], e["ranks"], e["action"], e["metric"]) == (8, "data", [0, 1, 2, 3], "skip", "loss")
+    assert (
+        "spike attribution: step 8 non-finite (loss nan, grad norm nan): data (the replay reproduces it bitwise on all 4 ranks"
+        in " ".join(proc.stdout.split())
+    )
 
 
 @pytest.mark.e2e
@@ -257,6 +264,8 @@ def test_repeated_spikes_rewind_to_last_checkpoint(clean):
     assert replay11["repeat"] is True and "repeat" not in first11 and replay11["attempt"] == 0
     assert (run_dir / "checkpoints" / "step-10" / ".metadata").is_file()
     assert all(r["loss"] < 10 for r in rows[13:])
+    spikes = [json.loads(line) for line in (run_dir / runfiles.SPIKES).read_text().splitlines()]
+    assert [(e["step"], e["verdict"], e["action"]) for e in spikes] == [(12, "data", "skip"), (13, "data", "rewind")]
 
 
 def test_loss_guard_decisions():
@@ -271,6 +280,57 @@ def test_loss_guard_decisions():
     off = monitor.LossGuard(LossGuardConfig(enable=False, warmup_steps=0))
     assert off.check(1, 1.0, 1.0).action == "ok" and off.check(2, 1e9, 1.0).action == "ok"
     assert off.check(3, float("inf"), 1.0).action == "skip"  # a non-finite loss never updates weights, guard on or off
+
+
+def _replay(g: monitor.LossGuard, losses: dict[int, float], every: int, last: int) -> tuple[list[int], list[str]]:
+    """The step loop around a guard, as step_loop.step and rewind drive it: a rewind goes back to the newest checkpoint
+    (one every `every` steps) before the streak and leaves the guard's bad steps out. Returns the steps trained or
+    skipped in order and the verdict lines."""
+    steps, lines, step = [], [], 1
+    while step <= last:
+        if step in g.bad_steps:
+            step += 1
+            continue
+        steps.append(step)
+        v = g.check(step, losses[step], 1.0)
+        if v.action == "accept":
+            lines.append(g.describe(step, v))
+        step = (g.streak_start - 1) // every * every + 1 if v.action == "rewind" else step + 1
+    return steps, lines
+
+
+def test_a_lasting_level_shift_rewinds_once_then_is_accepted():
+    """The issue's run: checkpoints every 4 steps, every loss x5 from step 8 on, action=rewind. Steps 8-10 spike, the
+    run rewinds to step 4 and replays 5-7; 11-13 spike again right after the rewind: the same shift, accepted at 13
+    (no second rewind) with the medians restarted, and 14-20 train. Before, every step from 11 on was skipped."""
+    g = monitor.LossGuard(LossGuardConfig(action=GuardAction.rewind))  # factor 3, window 20, warm-up 5, 3 in a row
+    losses = {s: (5.0 if s >= 8 else 1.0) * (1 + 0.01 * s) for s in range(1, 21)}
+    steps, lines = _replay(g, losses, every=4, last=20)
+    assert steps == [*range(1, 11), 5, 6, 7, *range(11, 21)]
+    assert (g.rewinds, g.skipped, sorted(g.bad_steps)) == (1, 5, [8, 9, 10, 11, 12])
+    assert lines == [
+        "loss guard: step 13: loss 5.65 > 3 x running median 1.05 again right after the rewind at step 10: a lasting level "
+        "shift, not a spike: accepted, no second rewind, the running medians restart from this step"
+    ]
+    assert list(g.losses) == [losses[s] for s in range(13, 21)]
+    # a new streak later on (not right after a rewind) rewinds again
+    assert [g.check(s, 1e3, 1.0).action for s in (21, 22, 23)] == ["skip", "skip", "rewind"] and g.rewinds == 2
+
+
+def test_a_spike_after_non_finite_steps_is_judged_against_the_medians_before_them():
+    """Three NaN steps then a finite spike: the spike is skipped (one finite spike, not max_consecutive of them in a
+    row); before, the fourth bad step in a row was accepted as a level shift and trained."""
+    g = monitor.LossGuard(LossGuardConfig(max_consecutive=3))
+    for s in range(1, 7):
+        assert g.check(s, 1.0, 1.0).action == "ok"
+    assert [g.check(s, math.nan, 1.0).action for s in (7, 8, 9)] == ["skip"] * 3
+    v = g.check(10, 50.0, 1.0)
+    assert (v.action, v.metric, v.value, v.median) == ("skip", "loss", 50.0, 1.0)
+    assert [g.check(s, 50.0, 1.0).action for s in (11, 12, 13)] == ["skip", "skip", "accept"]  # the 4th finite one
+    assert g.check(14, 51.0, 1.0).action == "ok"  # judged against the new level
+    g.check(15, math.nan, 1.0)
+    g.revert()  # the step was not the data's (a hardware verdict): as if never judged
+    assert 15 not in g.bad_steps and g.skipped == 6 and g.consecutive == 0
 
 
 # ---------------------------------------------------------------- hangs

@@ -180,6 +180,8 @@ BAD = [
     (["monitor.inject.flip_rank=4"], "monitor.inject.flip_rank"),  # 4 ranks: 0..3
     (["monitor.inject.flip_rank=0", "monitor.inject.flip_at_step=0"], "monitor.inject.flip_at_step"),
     (["monitor.inject.replay_rank=-2"], "monitor.inject.replay_rank"),
+    (["monitor.inject.fault_rank=4"], "monitor.inject.fault_rank"),  # 4 ranks: 0..3
+    (["monitor.inject.fault_rank=0", "monitor.inject.fault_at_step=0"], "monitor.inject.fault_at_step"),
     (["monitor.inject.node_names=[a,b]"], "monitor.inject.node_names"),  # 4 ranks
     (["monitor.inject.lose_local=node:x"], "monitor.inject.lose_local"),
     (["distributed.timeout_s=0"], "distributed.timeout_s"),

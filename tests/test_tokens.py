@@ -401,6 +401,13 @@ def test_mixture_reads_each_source_in_its_share(assets):
         if src == 1:  # source 1 reads folder b
             s = start & ((1 << 48) - 1)
             assert mixed.sample(g).tolist() == b[s : s + SEQ + 1]
+    # a data verdict's record of a step: every global sample, the folder it is read from and its token range there
+    samples = mixed.step_samples(2)
+    assert [e["index"] for e in samples] == list(range(16, 24))
+    for e in samples:
+        src = mixed.mixture(e["index"])[0]
+        assert e["source"] == str([assets.a, assets.b][src]) and e["split"] == "train" and e["num_tokens"] == SEQ + 1
+        assert e["token_start"] == mixed.token_start(e["index"]) & ((1 << 48) - 1)
 
 
 @pytest.mark.e2e

@@ -14,6 +14,7 @@
   goodput.json         the run's wall time since its first launch, split into parts (runner.outputs.goodput.PARTS)
   preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
   stragglers.jsonl     the straggler monitor's per-window tables
+  spikes.jsonl         every step the loss guard flagged, replayed: its verdict (data or hardware), ranks, action
   integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
   hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
   failure_report.json  a rank that raised: each rank's exception and last state
@@ -56,6 +57,7 @@ TIMELINE = "timeline.jsonl"  # every attempt's timestamped events, across restar
 GOODPUT = "goodput.json"  # the wall time since the first launch, part by part (runner.outputs.goodput)
 PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
+SPIKES = "spikes.jsonl"  # the loss guard's flagged steps and their attribution (runner.observe.attribution)
 HANG_REPORT = "hang_report.json"
 INTEGRITY_REPORT = "integrity_report.json"
 FAILURE_REPORT = "failure_report.json"

@@ -19,6 +19,7 @@ check decides about the state).
 from __future__ import annotations
 
 import json
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,8 @@ def compare(step: int, table: list[dict[str, int]], groups: list[list[int]], who
 def replay_verdict(step: int, runs: list[tuple[dict, dict]], who: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ranks whose replay differed. A loss share is computed by its rank alone, so a differing loss names the rank;
     gradients are reduced over ranks before anyone sees them, so a difference only there names every rank it reached."""
-    by_loss = [r for r, (a, b) in enumerate(runs) if a["loss"] != b["loss"]]
-    by_grad = [r for r, (a, b) in enumerate(runs) if a["grad_sq"] != b["grad_sq"]]
+    by_loss = [r for r, (a, b) in enumerate(runs) if not same_bits(a["loss"], b["loss"])]
+    by_grad = [r for r, (a, b) in enumerate(runs) if any(not same_bits(a[k], b[k]) for k in a if k != "loss")]
     out = []
     for r in by_loss or by_grad:
         a, b = runs[r]
@@ -94,7 +95,20 @@ def replay_verdict(step: int, runs: list[tuple[dict, dict]], who: list[dict[str,
     return out
 
 
+def bits(a: float) -> bytes:
+    """A float's bits (a NaN reproduced as the same NaN compares equal; 0.0 and -0.0 do not)."""
+    return struct.pack("<d", a)
+
+
+def same_bits(a: float, b: float) -> bool:
+    return bits(a) == bits(b)
+
+
 def describe(m: dict[str, Any]) -> str:
+    if m["check"] == "peers":  # runner.observe.attribution: a flagged step's first pass across ranks
+        what = "global grad norm" if m["value"] == "grad_norm" else "loss share"
+        who = f"rank {m['rank']} (host {m['host']})"
+        return f"integrity: step {m['step']} {who} disagrees with its peers {m['group']} on its {what}: {m['values']}"
     if m["check"] == "replay":
         a, b = m["first"], m["second"]
         return (

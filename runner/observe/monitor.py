@@ -115,20 +115,35 @@ class Verdict:
     """Why the step is bad (None: it is fine)."""
     action: str
     """ok | skip | rewind | accept (a spike after max_consecutive skipped ones: trained, the medians restart from it)"""
+    metric: str = ""
+    """What spiked: loss | grad_norm (empty when fine)."""
+    value: float = 0.0
+    """Its value at the step."""
+    median: float = 0.0
+    """Its running median before the step (nan before warm-up, for a non-finite step)."""
+    why: str = ""
+    """Why an accepted spike was accepted (the console line's end)."""
 
 
 class LossGuard:
-    """Running medians of accepted losses and grad norms; a spike is a value above factor x median, or non-finite."""
+    """Running medians of accepted losses and grad norms; a spike is a value above factor x median, or non-finite.
+
+    Finite spikes in a row (`finite`) decide a level shift; non-finite steps neither count nor break that run, so a
+    spike right after them is judged against the medians before them. `rewound_at` is the step of the last rewind and
+    `after_rewind` the first step judged past it: a streak starting there that reaches max_consecutive again is the
+    same shift, which persisted across the rewind, and is accepted instead of rewinding a second time."""
 
     def __init__(self, cfg: LossGuardConfig):
         self.cfg = cfg
         self.losses: deque[float] = deque(maxlen=cfg.window)
         self.norms: deque[float] = deque(maxlen=cfg.window)
-        self.consecutive = 0
+        self.consecutive = self.finite = 0
         self.streak_start = 0
+        self.rewound_at = self.after_rewind = 0
         self.bad_steps: set[int] = set()
         self.skipped = 0
         self.rewinds = 0
+        self._before: dict[str, Any] | None = None  # the state before the last flagged step (revert)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps, so a resumed run judges later steps exactly as the uninterrupted one."""
@@ -136,7 +151,10 @@ class LossGuard:
             "losses": list(self.losses),
             "norms": list(self.norms),
             "consecutive": self.consecutive,
+            "finite": self.finite,
             "streak_start": self.streak_start,
+            "rewound_at": self.rewound_at,
+            "after_rewind": self.after_rewind,
             "bad_steps": sorted(self.bad_steps),
             "skipped": self.skipped,
             "rewinds": self.rewinds,
@@ -148,53 +166,81 @@ class LossGuard:
         self.norms.clear()
         self.norms.extend(state["norms"])
         self.consecutive, self.streak_start = state["consecutive"], state["streak_start"]
+        # checkpoints written before the level-shift bookkeeping existed lack these three
+        self.finite = state.get("finite", state["consecutive"])
+        self.rewound_at, self.after_rewind = state.get("rewound_at", 0), state.get("after_rewind", 0)
         self.bad_steps = set(state["bad_steps"])
         self.skipped, self.rewinds = state["skipped"], state["rewinds"]
 
-    def _spike(self, loss: float, grad_norm: float) -> str | None:
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            return f"non-finite (loss {loss}, grad norm {grad_norm})"  # caught even with the guard off
+    def _spike(self, loss: float, grad_norm: float) -> Verdict | None:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # caught even with the guard off
+            metric, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad_norm)
+            median = statistics.median(self.losses if metric == "loss" else self.norms) if self.losses else math.nan
+            return Verdict(f"non-finite (loss {loss}, grad norm {grad_norm})", "skip", metric, value, median)
         if not self.cfg.enable or len(self.losses) < max(1, self.cfg.warmup_steps):
             return None
         f = self.cfg.factor
         lm, gm = statistics.median(self.losses), statistics.median(self.norms)
         if loss > f * lm:
-            return f"loss {loss:.4g} > {f:g} x running median {lm:.4g}"
+            return Verdict(f"loss {loss:.4g} > {f:g} x running median {lm:.4g}", "skip", "loss", loss, lm)
         if grad_norm > f * gm:
-            return f"grad norm {grad_norm:.4g} > {f:g} x running median {gm:.4g}"
+            return Verdict(f"grad norm {grad_norm:.4g} > {f:g} x running median {gm:.4g}", "skip", "grad_norm", grad_norm, gm)
         return None
 
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
-        spike = self._spike(loss, grad_norm)
-        if spike is None:
-            self.consecutive = 0
+        verdict = self._spike(loss, grad_norm)
+        if self.rewound_at and not self.after_rewind and step > self.rewound_at:
+            self.after_rewind = step  # the first step judged past the batches the rewind left out
+        if verdict is None:
+            self.consecutive = self.finite = 0
             self.losses.append(loss)
             self.norms.append(grad_norm)
             return Verdict(None, "ok")
+        self._before = self.state_dict()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.bad_steps.add(step)
         self.skipped += 1
         self.consecutive += 1
+        self.finite += finite
         if self.consecutive == 1:
             self.streak_start = step
-        if self.cfg.action == GuardAction.rewind and self.consecutive >= self.cfg.max_consecutive:
-            self.consecutive = 0
+        m = self.cfg.max_consecutive
+        if self.cfg.action == GuardAction.rewind and self.consecutive >= m:
+            if finite and self.finite >= m and self.streak_start == self.after_rewind:
+                why = f"again right after the rewind at step {self.rewound_at}: a lasting level shift, not a spike"
+                why += ": accepted, no second rewind"
+                return self._accept(step, loss, grad_norm, verdict, why)
+            self.consecutive = self.finite = 0
             self.rewinds += 1
-            return Verdict(spike, "rewind")
-        if self.consecutive > self.cfg.max_consecutive and math.isfinite(loss) and math.isfinite(grad_norm):
-            self.bad_steps.discard(step)  # a level shift, not a spike: train on it and judge from the new level
-            self.skipped -= 1
-            self.consecutive = 0
-            self.losses.clear()
-            self.norms.clear()
-            self.losses.append(loss)
-            self.norms.append(grad_norm)
-            return Verdict(spike, "accept")
-        return Verdict(spike, "skip")
+            self.rewound_at, self.after_rewind = step, 0
+            verdict.action = "rewind"
+            return verdict
+        if self.cfg.action == GuardAction.skip and finite and self.finite > m:
+            return self._accept(step, loss, grad_norm, verdict, f"after {m} skipped steps in a row: accepted as a new level")
+        return verdict
+
+    def _accept(self, step: int, loss: float, grad_norm: float, verdict: Verdict, why: str) -> Verdict:
+        """A level shift, not a spike: train on the step and judge later ones from the new level."""
+        self.bad_steps.discard(step)
+        self.skipped -= 1
+        self.consecutive = self.finite = 0
+        self.rewound_at = self.after_rewind = 0
+        self.losses.clear()
+        self.norms.clear()
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
+        verdict.action, verdict.why = "accept", why
+        return verdict
+
+    def revert(self) -> None:
+        """Undo the last flagged step's bookkeeping: it was no spike of the data (runner.observe.attribution: hardware)."""
+        if self._before is not None:
+            self.load_state_dict(self._before)
+            self._before = None
 
     def describe(self, step: int, verdict: Verdict) -> str:
         """The console's line for an accepted spike: the step, its value against the median, what the guard did."""
-        done = "accepted as a new level, the running medians restart from this step"
-        return f"loss guard: step {step}: {verdict.spike} after {self.cfg.max_consecutive} skipped steps in a row: {done}"
+        return f"loss guard: step {step}: {verdict.spike} {verdict.why}, the running medians restart from this step"
 
     def shifted(self, step: int, grad_norm: float, inject) -> float:
         """TEST-ONLY: the grad norm the guard judges, times inject.norm_shift_scale from inject.norm_shift_step on."""
@@ -210,6 +256,8 @@ class StepMonitor:
         self.judge = StragglerJudge(self.s)
         self.arrivals = ArrivalJudge(self.s)
         self.replaying = False  # set by the replay check (runner.observe.integrity) while it recomputes a step
+        self.attributing = False  # set while a flagged step is replayed (runner.observe.attribution)
+        self._fault = "due"  # the test-only compute fault: due | fired (this step) | done
         self.step = 0
         self.now: dict[str, float] = {}
         self._pending: list[tuple[str, Any]] = []  # phases whose time the clock resolves at the end of the step
@@ -247,6 +295,7 @@ class StepMonitor:
             self._span = self.timeline.start()
             self.waits.start()
         self._stamps: list[tuple[float, float]] = []  # (arrival, departure) at this step's host collectives
+        self._fault = "done" if self._fault == "fired" else self._fault
         self._maybe_kill()
         self.mark("data")
 
@@ -322,10 +371,16 @@ class StepMonitor:
 
     def corrupt(self, loss):
         """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank; replay_rank's replayed
-        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be."""
-        if self.replaying and self.rank == self.inject.replay_rank:
+        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be; fault_rank's loss at
+        fault_at_step is multiplied by corrupt_scale on the first pass only (not in its attribution replay, nor when the
+        step runs again after a rewind), as a transient arithmetic fault of one device would be."""
+        i = self.inject
+        if self.replaying and self.rank == i.replay_rank:
             loss = loss * (1 + 1e-6)
-        return loss * self.inject.corrupt_scale if self.step in self.inject.corrupt_steps else loss
+        if self.rank == i.fault_rank and self.step == i.fault_at_step and not self.attributing and self._fault != "done":
+            self._fault = "fired"
+            loss = loss * i.corrupt_scale
+        return loss * i.corrupt_scale if self.step in i.corrupt_steps else loss
 
     def end_step(self) -> list[dict[str, Any]]:
         """Close the step; at the end of a window gather and judge. Returns the stragglers flagged now (every rank)."""

@@ -35,7 +35,7 @@ import zlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -109,6 +109,15 @@ class _Stream(ABC):
             return [Microbatch(*mb) for mb in zip(inputs.split(m), labels.split(m), positions.split(m), strict=True)]
         rows = torch.stack([self.sample(i) for i in self.indices(step)])
         return [Microbatch(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.microbatch)]
+
+    def step_samples(self, step: int) -> list[dict[str, Any]]:
+        """Every global sample of `step` (0-based, all ranks' shares) and where it comes from (origin)."""
+        base = self.next_sample + (step - self.at_step) * self.global_batch
+        return [{"index": i, **self.origin(i)} for i in range(base, base + self.global_batch)]
+
+    def origin(self, index: int) -> dict[str, Any]:
+        """Where sample `index` starts in the source's token stream."""
+        return {"token_start": self.token_start(index), "num_tokens": self.seq_len + 1}
 
     def positions(self, step: int) -> torch.Tensor:
         """(global sample index, token start) of every sample this rank reads at `step`."""
@@ -403,6 +412,16 @@ class TokenData(_Stream):
     def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         source, piece = self._piece(index)
         return self.streams[source].window(piece * self.seq_len, self.seq_len)
+
+    def origin(self, index: int) -> dict[str, Any]:
+        """The prepared folder and split the sample is read from, and its range in that split's stream: seq_len (input,
+        label) pairs of its documents (data.document_mask), else seq_len + 1 tokens."""
+        source, piece = self._piece(index)
+        split = self.splits[source]
+        where = {"source": str(split.folder), "split": split.split}
+        if self.documents:
+            return where | {"pair_start": piece * self.seq_len, "num_pairs": self.seq_len}
+        return where | {"token_start": piece * self.seq_len, "num_tokens": self.seq_len + 1}
 
 
 class Prefetch:

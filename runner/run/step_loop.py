@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint
-from runner.observe import integrity, monitor, plan_check
+from runner.observe import attribution, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown, goodput
 from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
@@ -100,6 +100,9 @@ class StepLoop:
     # training.gc_every: TorchTitan's GarbageCollection, every rank collecting at the same steps
     collector: titan.GarbageCollection | None = None
     compiling: CompileClock | None = None  # training.compile: compilation inside each step (goodput's own part)
+    attributor: attribution.Attributor | None = None  # replays the guard's flagged steps (None: not attributed)
+    # this step's RNG state and batch on the device: what a flagged step is replayed from
+    replay_from: tuple[tuple[torch.Tensor, torch.Tensor | None], list[loader.Microbatch]] | None = None
 
     # --- one step, top to bottom ---------------------------------------------------------------------------------
 
@@ -155,6 +158,7 @@ class StepLoop:
         self.integrity.begin_step(step, self.built.parts)
         local, norm = self.train_step(step)
         share, grad_norm = policy.read(local, norm)  # waits for the step's kernels (the update's too)
+        first = (share, grad_norm)
         with mon.phase("loss"):
             shared = step_sync.exchange(policy, self.lay, dist.get_rank(), share, lanes, self.watch.signalled)
         dt = time.perf_counter() - t0
@@ -163,9 +167,12 @@ class StepLoop:
         loss = self.ft.global_loss(shared.loss)
         grad_norm = self.guard.shifted(step, grad_norm, self.cfg.monitor.inject)  # TEST-ONLY injection; as read otherwise
         verdict = self.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
+        found = self.attribute(step, verdict, first)  # a flagged step: the data or the hardware, before the optimizer acts
         lr = titan.current_lr(self.opt)  # the rate this step's update uses
         self.decide_update(step, verdict, shared.stop, self.ft.should_commit())  # torchft's vote (always True with it off)
         replicas = self.check_replicas(step) if self.integrity.check_due(step) else {}
+        if found is not None and found["verdict"] == attribution.HARDWARE and "rewound_to" not in replicas:
+            replicas = self.mismatch(step, found["mismatches"], self.attributor.path)
         flagged = mon.end_step()
         r = row(step, loss, grad_norm, dt, lr, self.cfg, self.acc, policy.max_memory_gb())
         r |= {"skipped_steps": self.guard.skipped, "straggler_windows": mon.windows_judged}
@@ -176,6 +183,8 @@ class StepLoop:
             r["compile_s"] = self.compiling.take()  # inside dt: counted apart from productive time (runner.outputs.goodput)
         if flagged:
             r["stragglers"] = flagged
+        if found is not None:
+            r |= {"verdict": found["verdict"], "verdict_ranks": found["ranks"]}
         if self.prof is not None and profiling.profiled(self.cfg.profile, step):
             r["profiled"] = True  # the profiler ran: left out of the medians
         r |= self.ft.row(step, r, self.built.parts)
@@ -187,6 +196,7 @@ class StepLoop:
         built, mon = self.built, self.mon
         with torch.profiler.record_function(breakdown.DATA_SPAN):
             microbatches = on_device(self.feed.get(step - 1), self.policy.compute_device())
+        self.replay_from = (self.policy.rng_state(), microbatches) if self.attributor is not None else None
         if self.integrity.replay_due(step):
             local = self.integrity.replay(
                 step, lambda: self.compute(microbatches), built.parts, lambda: self.opt.zero_grad(set_to_none=True), mon
@@ -198,6 +208,28 @@ class StepLoop:
         with mon.phase("optimizer"):
             grad_norm = titan.clip_grad_norm_tensor(built.parts, self.cfg.training.max_norm, built.parallel_dims)
         return local, titan.local_value(grad_norm)
+
+    def attribute(self, step: int, verdict: monitor.Verdict, first: tuple[float, float]) -> dict[str, Any] | None:
+        """A flagged step replayed from its batch and RNG state (runner.observe.attribution). A hardware verdict takes the
+        step back from the guard (it says nothing of the data) and leaves it unapplied; `mismatch` then decides."""
+        if not verdict.spike or self.attributor is None or self.ft is not ft.OFF:  # torchft: replica groups are separate jobs
+            return None
+        rng, microbatches = self.replay_from
+        zero_grad = lambda: self.opt.zero_grad(set_to_none=True)  # noqa: E731
+        again, samples = (lambda: self.recompute(microbatches)), (lambda: self.data.step_samples(step - 1))
+        found = self.attributor.judge(step, verdict, first, again, self.built.parts, zero_grad, rng, self.mon, samples)
+        if found["verdict"] == attribution.HARDWARE:
+            self.guard.revert()
+            verdict.action = attribution.HARDWARE
+        return found
+
+    def recompute(self, microbatches) -> tuple[float, float]:
+        """The step's forward/backward and clip again; this rank's loss share and the global grad norm on the host."""
+        local = self.compute(microbatches)
+        with self.mon.phase("optimizer"):
+            norm = titan.clip_grad_norm_tensor(self.built.parts, self.cfg.training.max_norm, self.built.parallel_dims)
+        share, grad_norm = self.policy.read(local, titan.local_value(norm))
+        return share, grad_norm
 
     def compute(self, microbatches) -> torch.Tensor:
         """Forward/backward (or the pipeline schedule); returns this rank's loss share."""
@@ -262,9 +294,11 @@ class StepLoop:
     def check_replicas(self, step: int) -> dict[str, Any]:
         """At monitor.integrity.interval: compare replicas; on a mismatch stop, or rewind (row fields of the step)."""
         found = self.integrity.check(step, self.built.parts)
-        if not found:
-            return {}
-        where = f"report in {self.integrity.path}"
+        return self.mismatch(step, found, self.integrity.path) if found else {}
+
+    def mismatch(self, step: int, found: list[dict[str, Any]], report: Path) -> dict[str, Any]:
+        """monitor.integrity.on_mismatch: stop, or rewind to the newest checkpoint at or before the step."""
+        where = f"report in {report}"
         if self.cfg.monitor.integrity.on_mismatch == MismatchAction.stop:
             raise integrity.IntegrityError(f"{integrity.describe(found[0])} ({len(found)} mismatches); stopping ({where})")
         self.ckpt.wait()

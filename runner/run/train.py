@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint, hf_folder, runfiles
-from runner.observe import forensics, integrity, monitor, plan_check
+from runner.observe import attribution, forensics, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.run import evaluate, ft, loader, peak, preempt, profiling, titan
@@ -25,7 +25,7 @@ from runner.run.device import DevicePolicy
 from runner.run.metrics import Sink
 from runner.run.step_loop import Hooks, StepLoop
 from runner.schema import FaultTolerance, RunConfig
-from runner.schema.layout import Layout
+from runner.schema.layout import Layout, group_of
 
 
 def run(
@@ -109,10 +109,16 @@ def build(
         watch=preempt.rank_watch(),
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
+        attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch, tp_groups(lay)),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
         timeline=timeline,
         compiling=CompileClock().install() if t.compile else None,
     )
+
+
+def tp_groups(lay: Layout) -> list[list[int]]:
+    """The ranks of each tensor-parallel group: their loss shares must agree (runner.observe.attribution)."""
+    return [list(g) for g in sorted({tuple(group_of(lay, r, "tp")) for r in range(lay.world_size)})]
 
 
 def start(loop: StepLoop) -> int:
@@ -224,7 +230,7 @@ def summary(loop: StepLoop) -> dict[str, Any]:
     cfg, lay, rows, acc, policy, guard = loop.cfg, loop.lay, loop.rows, loop.acc, loop.policy, loop.guard
     out = summarize(rows, cfg, lay, acc)
     guarded = {"skipped_steps": guard.skipped, "rewinds": guard.rewinds, "bad_steps": sorted(guard.bad_steps)}
-    out["monitor"] = loop.mon.summary() | guarded | loop.integrity.summary()
+    out["monitor"] = loop.mon.summary() | guarded | loop.integrity.summary() | loop.attributor.summary()
     out |= evaluate.summary(rows)
     peak_mem = policy.all_reduce(torch.tensor([max(r["memory_gb"] for r in rows)], dtype=torch.float64), op=dist.ReduceOp.MAX)
     out["memory_gb_max"] = float(peak_mem)

@@ -286,6 +286,11 @@ class InjectConfig:
     """Step (1-based) at whose start flip_rank flips the bit."""
     replay_rank: int = -1
     """Rank whose replayed forward scales its loss by (1 + 1e-6), a non-reproducible computation (-1: none)."""
+    fault_rank: int = -1
+    """Rank whose loss at fault_at_step is multiplied by corrupt_scale on the first pass only (-1: none): a transient
+    arithmetic fault that the spike's attribution replay does not reproduce (a hardware verdict)."""
+    fault_at_step: int = 0
+    """Step (1-based) of fault_rank's fault; it fires once (not again when a rewind trains the step again)."""
     norm_shift_step: int = 0
     """From this step (1-based) on, the loss guard sees the global gradient norm times norm_shift_scale, a lasting
     level shift (0: none)."""

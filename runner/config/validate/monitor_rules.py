@@ -76,13 +76,18 @@ def _guard(cfg: RunConfig, out: list[Problem]) -> None:
 
 def _inject(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     i, steps = cfg.monitor.inject, cfg.training.steps
-    for name in ("delay_rank", "hang_rank", "kill_rank", "flip_rank", "replay_rank"):
+    for name in ("delay_rank", "hang_rank", "kill_rank", "flip_rank", "replay_rank", "fault_rank"):
         r = getattr(i, name)
         if r < -1 or (ws is not None and r >= ws):
             out.append(Problem(f"monitor.inject.{name}", r, f"not a rank of this job (world size {ws})", "use -1 (off) or a rank number"))
     if i.delay_frac < 0:
         out.append(Problem("monitor.inject.delay_frac", i.delay_frac, "must be >= 0", "use e.g. 0.5 for 50 % extra forward time"))
-    for rank, step in (("hang_rank", "hang_at_step"), ("kill_rank", "kill_at_step"), ("flip_rank", "flip_at_step")):
+    for rank, step in (
+        ("hang_rank", "hang_at_step"),
+        ("kill_rank", "kill_at_step"),
+        ("flip_rank", "flip_at_step"),
+        ("fault_rank", "fault_at_step"),
+    ):
         if getattr(i, rank) >= 0 and not 1 <= getattr(i, step) <= steps:
             out.append(Problem(f"monitor.inject.{step}", getattr(i, step), f"outside steps 1..{steps}", f"use a step in 1..{steps}"))
     if i.hang_s < 0:
