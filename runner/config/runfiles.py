@@ -13,6 +13,7 @@
   goodput.json         the run's wall time since its first launch, split into parts (runner.outputs.goodput.PARTS)
   preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
   stragglers.jsonl     the straggler monitor's per-window tables
+  moe_load.jsonl       MoE models: hot experts, hot EP ranks and dead experts the hot-expert judge named
   integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
   hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
   failure_report.json  a rank that raised: each rank's exception and last state
@@ -54,6 +55,7 @@ TIMELINE = "timeline.jsonl"  # every attempt's timestamped events, across restar
 GOODPUT = "goodput.json"  # the wall time since the first launch, part by part (runner.outputs.goodput)
 PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
+MOE_LOAD = "moe_load.jsonl"  # the hot-expert judge: hot and dead experts, hot EP ranks (runner.observe.moe_load)
 HANG_REPORT = "hang_report.json"
 INTEGRITY_REPORT = "integrity_report.json"
 FAILURE_REPORT = "failure_report.json"

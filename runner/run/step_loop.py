@@ -21,7 +21,7 @@ from runner.config.schema import MismatchAction, RunConfig
 from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown, goodput
-from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
+from runner.run import evaluate, expert_load, ft, loader, preempt, profiling, step_sync, titan
 from runner.run.accounting import Accounting, row
 from runner.run.checkpointer import Checkpointer
 from runner.run.device import DevicePolicy
@@ -89,6 +89,7 @@ class StepLoop:
     eval_data: Any = None  # the held-out split (runner.run.loader, split="eval"); None when eval.interval is 0
     feed: loader.Prefetch | None = None
     ft: Any = ft.OFF  # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
+    experts: Any = expert_load.OFF  # MoE models: the experts' token counts at logged steps (runner.run.expert_load)
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (apply_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -148,9 +149,10 @@ class StepLoop:
         self.apply_update()  # the last step's accepted update, timed with this step
         self.integrity.begin_step(step, self.built.parts)
         local, norm = self.train_step(step)
-        share, grad_norm = policy.read(local, norm)  # waits for the step's kernels (the update's too)
+        share, grad_norm, *counts = policy.read(local, norm, *self.experts.collect(step))  # waits for the step's kernels (the update's too)
+        extra = self.experts.summands(step, counts)  # at logged steps of an MoE model: its experts' token counts
         with mon.phase("loss"):
-            shared = step_sync.exchange(policy, self.lay, dist.get_rank(), share, lanes, self.watch.signalled)
+            shared = step_sync.exchange(policy, self.lay, dist.get_rank(), share, lanes, self.watch.signalled, extra)
         dt = time.perf_counter() - t0
         if self.prof is not None:
             self.prof.end(step, dt)
@@ -170,7 +172,7 @@ class StepLoop:
             r["stragglers"] = flagged
         if self.prof is not None and profiling.profiled(self.cfg.profile, step):
             r["profiled"] = True  # the profiler ran: left out of the medians
-        r |= self.ft.row(step, r, self.built.parts)
+        r |= self.ft.row(step, r, self.built.parts) | self.experts.row(step, shared.extra)
         return r | replicas, verdict, shared.stop
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +227,7 @@ class StepLoop:
         self.pending = verdict.action in ("ok", "accept") and committed
         if not self.pending:
             self.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
+            titan.clear_counts(self.built.parts)  # nor its experts' token counts the next expert-bias update
             if committed:
                 self.sched.step()
         elif self.reads_weights(step, stop):

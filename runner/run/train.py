@@ -20,7 +20,7 @@ from runner.config.schema import FaultTolerance, RunConfig
 from runner.observe import integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
-from runner.run import evaluate, ft, loader, peak, preempt, profiling, titan
+from runner.run import evaluate, expert_load, ft, loader, peak, preempt, profiling, titan
 from runner.run.accounting import Accounting, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -97,6 +97,7 @@ def build(cfg, lay, built, data, acc, sinks, run_dir, recorder, hooks, policy, e
         run_dir=run_dir,
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
+        experts=expert_load.of(cfg, lay, dist.get_rank(), policy, built.parts, run_dir),
         timeline=timeline,
     )
 
