@@ -58,9 +58,7 @@ def _moe_load(cfg: RunConfig, out: list[Problem]) -> None:
     if m.windows < 1:
         out.append(Problem("monitor.moe_load.windows", m.windows, "must be >= 1", "set monitor.moe_load.windows to N >= 1, e.g. 3"))
     if m.min_tokens < 1:
-        out.append(
-            Problem("monitor.moe_load.min_tokens", m.min_tokens, "must be >= 1 (a dead expert is one with no token)", "use e.g. 16")
-        )
+        out.append(Problem("monitor.moe_load.min_tokens", m.min_tokens, "must be >= 1 (a dead expert is one with no token)", "use e.g. 16"))
 
 
 def _guard(cfg: RunConfig, out: list[Problem]) -> None:
