@@ -189,6 +189,29 @@ def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
     return min(micro, lay.pp - stage)
 
 
+def held_microbatches(cfg: RunConfig, lay: Layout, micro: int, st: int) -> float:
+    """Microbatches' worth of rank `st`'s saved activations at its peak. Interleaved1F1B runs, before its first backward,
+    torch's warm-up of (v - 1) x the microbatches of a round + 2 (pp - 1 - st) forwards of the rank's virtual stages, and
+    one more as the steady state starts; each holds 1/v of the rank's blocks (Qwen3-235B pp8 v2, rank 0: 23 of its 64
+    stage-microbatches, the dry run's 7.86 GB). Other schedules: in_flight."""
+    p = cfg.parallelism
+    if lay.pp == 1 or p.pp_schedule != "Interleaved1F1B":
+        return in_flight(cfg, lay, micro, st)
+    v = p.pp_virtual_stages
+    per_round = micro // max(1, micro // lay.pp)
+    return min((v - 1) * per_round + 2 * (lay.pp - 1 - st) + 1, micro * v) / v
+
+
+def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: bool) -> int:
+    """Receive buffers per microbatch of rank `st`: torch's PipelineStage makes, per virtual stage, one for its input
+    (all but the model's first stage) and one for its output's gradient (all but the last), kept across steps. A looped
+    schedule's rank holds stages st, st + pp, ...; a V schedule's (single-stage count kept) is not checked yet."""
+    if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style != "loop":
+        return (not first) + (not last)
+    n = lay.pp * cfg.parallelism.pp_virtual_stages
+    return sum((s != 0) + (s != n - 1) for s in range(st, n, lay.pp))
+
+
 def _selective_op_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
     """What TorchTitan's SelectiveAC saves of a llama3 block beside its input: the outputs of the odd-numbered
     matmuls (wq, wv, w1, w2; w2's before TP's reduce), the attention output and its fp32 logsumexp."""
@@ -263,8 +286,8 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         extras += hidden  # the stage's output, kept for backward
     # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
     # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
-    receive = micro * hidden * ((not first) + (not last))
-    activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
+    receive = micro * hidden * receive_buffers(cfg, lay, st, first, last)
+    activations = held_microbatches(cfg, lay, micro, st) * (layers + extras) + receive
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
