@@ -208,6 +208,8 @@ PLAN_MEMORY_CASES = {  # name: (overrides, dry-run ranks)
     "pp": (["parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),
     "pp_full_ac": (["parallelism=dp2_pp2", "training.global_batch_size=8", "training.activation_checkpoint=full"], [0]),
     "tp_sp": (["parallelism=dp2_tp2", "training.global_batch_size=4"], [0]),
+    # Interleaved1F1B (v 2): each virtual stage holds torch's warm-up count of microbatches and its own receive buffers
+    "pp_interleaved": (["parallelism=pp2_interleaved", "training.global_batch_size=8"], [0, 1]),
     # torchao's rowwise Float8Linear on the first stage, whose peak is inside w2's backward (its float8 casts): 3 s
     "pp_fp8_rowwise": (
         ["parallelism=dp2_pp2", "training.global_batch_size=8", "precision=fp8_rowwise", "precision.param_dtype=bfloat16"],

@@ -24,6 +24,23 @@ def test_a_measured_run_shows_its_predicted_step_time_and_the_error(tmp_path, ca
     assert rows == {"pred": ["0.250 s", "0.200 s", "-20.0 %"], "nopred": ["0.250 s", "-", "-"], "old": ["0.250 s", "0.500 s", "+100.0 %"]}
 
 
+def test_moe_runs_show_their_experts_load_beside_a_dense_run(tmp_path, capsys):
+    """summary.json's medians of the worst layer's max/mean and busiest EP rank share (runner.run.accounting.moe_medians,
+    from metrics.jsonl's `moe`) become the last column; a dense run shows "-"."""
+    from runner.run.accounting import moe_medians
+
+    windows = [{"max_mean": [1.2, 1.5], "ep_share": [0.52, 0.6]}, {"max_mean": [1.1, 1.3], "ep_share": [0.55, 0.5]}]
+    windows.append({"max_mean": [1.4, 1.0], "ep_share": [0.7, 0.5]})
+    assert moe_medians(windows) == {"moe_max_mean_median": 1.4, "moe_ep_share_median": 0.6}
+    base = {"degrees": "dp_shard=2", "memory_gb_max": 1.0, "step_time_s_median": 0.25, "mfu_median": 0.1}
+    for name, extra in {"moe": moe_medians(windows), "dense": {}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(base | extra))
+    assert comparison.main([str(tmp_path)]) == 0
+    lines = [ln.split("│") for ln in capsys.readouterr().out.splitlines() if ln.startswith("│")]
+    assert {cells[1].strip(): cells[12].strip() for cells in lines} == {"moe": "1.40 x, 60.0 %", "dense": "-"}
+
+
 def test_spearman_ranks_ties_by_their_mean_rank():
     assert accuracy.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert accuracy.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)

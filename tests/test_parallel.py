@@ -80,6 +80,26 @@ def test_cp_and_ep_parallelize_through_torchtitan(trained):
     assert 7.0 < moe["loss"] < 9.0 and moe["grad_norm"] > 1.0  # ln(2048) = 7.62 at init
 
 
+def test_expert_load_is_measured_at_each_logged_step(trained):
+    """debug_moe's MoE blocks 1-5 route each of a step's 128 tokens to 3 of 8 experts. Each logged row carries every
+    layer's tokens per expert summed over the ranks, read with the step's one host read (host_syncs as a dense step's)
+    and summed in its one host collective: ep2's counts are the one-rank run's at step 1 (same weights, same batch), and
+    its busiest EP rank's share is reported (a half at best). A balanced run names no hot or dead expert."""
+    ref, got = trained["moe_single"], trained["ep2"]
+    for run in (ref, got):
+        for r in run["rows"]:
+            moe = r["moe"]
+            assert (moe["layers"], moe["steps"], moe["dead"]) == ([1, 2, 3, 4, 5], 1, [])
+            assert [sum(t) for t in moe["tokens"]] == [128 * 3] * 5
+            assert all(1.0 < m < 2.0 for m in moe["max_mean"])  # under monitor.moe_load.hot_factor
+            assert "moe_flags" not in r
+        assert not (run["run_dir"] / "moe_load.jsonl").exists()
+    assert [r["host_syncs"] for r in got["rows"]] == [r["host_syncs"] for r in trained["single"]["rows"]]
+    assert got["rows"][0]["moe"]["tokens"] == ref["rows"][0]["moe"]["tokens"]
+    assert "ep_share" not in ref["rows"][0]["moe"]
+    assert all(0.5 <= s < 1.25 / 2 for r in got["rows"] for s in r["moe"]["ep_share"])
+
+
 def test_single_rank_reference_is_sane(trained):
     rows = trained["single"]["rows"]
     assert 7.0 < rows[0]["loss"] < 9.0 and 0.5 < rows[0]["grad_norm"] < 1.0  # ln(2048) = 7.62 at init

@@ -177,6 +177,10 @@ BAD = [
     (["monitor.integrity.interval=-1"], "monitor.integrity.interval"),
     (["monitor.integrity.replay_interval=-1"], "monitor.integrity.replay_interval"),
     (["monitor.integrity.on_mismatch=rewind"], "monitor.integrity.on_mismatch"),  # with checkpoints off
+    (["monitor.moe_load.hot_factor=1"], "monitor.moe_load.hot_factor"),
+    (["monitor.moe_load.rank_factor=0.5"], "monitor.moe_load.rank_factor"),
+    (["monitor.moe_load.windows=0"], "monitor.moe_load.windows"),
+    (["monitor.moe_load.min_tokens=0"], "monitor.moe_load.min_tokens"),
     (["monitor.inject.flip_rank=4"], "monitor.inject.flip_rank"),  # 4 ranks: 0..3
     (["monitor.inject.flip_rank=0", "monitor.inject.flip_at_step=0"], "monitor.inject.flip_at_step"),
     (["monitor.inject.replay_rank=-2"], "monitor.inject.replay_rank"),
@@ -262,6 +266,7 @@ NO_BAD_VALUE = [
     ("training.compile", "either setting runs (async TP's need for it is checked under parallelism.async_tp)"),
     ("monitor.straggler.enable", "either setting runs"),
     ("monitor.straggler.arrival", "either setting runs"),
+    ("monitor.moe_load.enable", "either setting runs"),
     ("monitor.guard.enable", "off is a documented choice; non-finite values are caught either way"),
     ("monitor.inject.corrupt_scale", "any float is a corruption, nan included"),
     ("distributed.flight_recorder.enable", "either setting runs"),

@@ -89,7 +89,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
 
     monkeypatch.setattr(step_loop.StepLoop, "train_step", train_step)
     shared = step_loop.step_sync.Shared
-    monkeypatch.setattr(step_loop.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop: shared(share, "d", False))
+    monkeypatch.setattr(step_loop.step_sync, "exchange", lambda policy, lay, rank, share, lanes, stop, extra: shared(share, "d", False, []))
 
     def row(step, loss, norm, dt, *rest):
         events.append(f"row dt={dt:g}")
@@ -157,6 +157,34 @@ def test_a_spike_never_reaches_the_weights_and_updates_land_before_the_weights_a
         loop.step(step)
     assert [e for e in events if e.startswith(("applied", "save"))] == ["applied 1", "applied 2", "applied 4", "save 4", "applied 5"]
     assert loop.guard.bad_steps == {3} and not loop.pending
+
+
+def test_a_skipped_step_leaves_the_next_expert_bias_update_one_batch_of_token_counts(monkeypatch):
+    """TorchTitan's MoE adds each forward's tokens per expert to `tokens_per_expert_E`, and the optimizer's step pre-hook
+    moves the expert bias from them and zeroes them. Step 3 spikes and runs no optimizer step: its counts are dropped
+    with its gradients, so the update of step 4 counts step 4's batch alone, as every other update counts its own."""
+    events: list[str] = []
+    loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0})
+    block = torch.nn.Module()
+    block.moe_enabled, block.moe = True, torch.nn.Module()
+    block.moe.load_balance_coeff = 1e-3
+    block.moe.register_buffer("tokens_per_expert_E", torch.zeros(4))
+    part = torch.nn.Module()
+    part.layers = torch.nn.ModuleDict({"1": block})
+    loop.built = SimpleNamespace(parts=[part])
+    counts = block.moe.tokens_per_expert_E
+    fwd = step_loop.StepLoop.train_step
+
+    def routed(loop, step):  # each forward routes one batch: 8 tokens per expert
+        counts.add_(8.0)
+        return fwd(loop, step)
+
+    monkeypatch.setattr(step_loop.StepLoop, "train_step", routed)
+    seen = []
+    loop.opt.step = lambda: seen.append(counts.tolist()) or counts.zero_()  # the pre-hook reads, then zeroes them
+    for step in range(1, 6):
+        loop.step(step)
+    assert seen == [[8.0] * 4] * 4  # the updates of steps 1, 2, 4 and 5
 
 
 def test_prefetch_pins_its_batches_when_the_compute_device_is_cuda(monkeypatch):

@@ -189,6 +189,46 @@ def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
     return min(micro, lay.pp - stage)
 
 
+def _looped_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[int] | None:
+    """Interleaved1F1B: the microbatches each of rank `st`'s virtual stages (st, st + pp, ...) holds at its peak. Before
+    its first backward the rank runs torch's warm-up, (v - 1) x the microbatches of a round + 2 (pp - 1 - st) forwards,
+    a round of each virtual stage in turn, then one more forward as the steady state starts (Qwen3-235B pp8 v2, rank 0:
+    15 and 8, the dry run's 7.86 GB; the last rank: 8 of its blocks' stage, 1 of the head's). None for other schedules."""
+    p = cfg.parallelism
+    if lay.pp == 1 or p.pp_schedule != "Interleaved1F1B":
+        return None
+    v = p.pp_virtual_stages
+    per_round = micro // max(1, micro // lay.pp)
+    warmup = min((v - 1) * per_round + 2 * (lay.pp - 1 - st), micro * v)
+    held = [0] * v
+    for k in range(min(warmup + 1, micro * v)):
+        held[(k // per_round) % v] += 1
+    return held
+
+
+def _chunk_blocks(cfg: RunConfig, lay: Layout, st: int) -> list[tuple[int, int]]:
+    """(dense, moe) blocks of each of rank `st`'s virtual stages in a looped schedule (stage st + c x pp)."""
+    m, p = cfg.model, cfg.parallelism
+    split = pipeline.stage_layers(m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+    dense_left, out = m.num_dense_layers if flops.is_moe(m) else m.num_layers, []
+    for i, n in enumerate(split):
+        d = min(n, dense_left)
+        dense_left -= d
+        if i % lay.pp == st:
+            out.append((d, n - d))
+    return out
+
+
+def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: bool) -> int:
+    """Receive buffers per microbatch of rank `st`: torch's PipelineStage makes, per virtual stage, one for its input
+    (all but the model's first stage) and one for its output's gradient (all but the last), kept across steps. A looped
+    schedule's rank holds stages st, st + pp, ...; a V schedule's (single-stage count kept) is not checked yet."""
+    if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style != "loop":
+        return (not first) + (not last)
+    n = lay.pp * cfg.parallelism.pp_virtual_stages
+    return sum((s != 0) + (s != n - 1) for s in range(st, n, lay.pp))
+
+
 def _selective_op_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
     """What TorchTitan's SelectiveAC saves of a llama3 block beside its input: the outputs of the odd-numbered
     matmuls (wq, wv, w1, w2; w2's before TP's reduce), the attention output and its fp32 logsumexp."""
@@ -254,17 +294,19 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     moe_layer = layer_bytes_per_token(cfg, lay, moe=True) * tokens
     hidden = bw * m.dim * tokens / (lay.tp if sp else 1)  # one hidden state: a block's input, a stage's output
     layers = _saved_by_blocks(cfg, lay, blocks, first, (full_layer, moe_layer, hidden), tokens)
-    extras = 8 * tokens if first else 0  # the embedding's token ids
-    if last:  # final norm, the head's input and output (the stage's output, kept for backward), the loss's fp32 log-softmax, labels
-        head_in = _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim
-        logits = bw * m.vocab_size / lay.tp if lay.pp > 1 else 0  # without PP the loss's backward frees them (a temporary)
-        extras += (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens
-    else:
-        extras += hidden  # the stage's output, kept for backward
+    extras = _extras(cfg, lay, first, last, tokens, hidden)
     # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
     # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
-    receive = micro * hidden * ((not first) + (not last))
+    receive = micro * hidden * receive_buffers(cfg, lay, st, first, last)
     activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
+    held = _looped_held(cfg, lay, micro, st)
+    if held is not None:  # each virtual stage's blocks and extras times the microbatches it holds
+        n = lay.pp * cfg.parallelism.pp_virtual_stages
+        activations = receive
+        for c, (blk, k) in enumerate(zip(_chunk_blocks(cfg, lay, st), held, strict=True)):
+            cf, cl = st + c * lay.pp == 0, st + c * lay.pp == n - 1
+            saved = _saved_by_blocks(cfg, lay, blk, cf, (full_layer, moe_layer, hidden), tokens)
+            activations += k * (saved + _extras(cfg, lay, cf, cl, tokens, hidden))
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
@@ -287,6 +329,19 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "buffers": buffers,
         "total": weights_grads + optimizer + activations + temporaries + buffers,
     }
+
+
+def _extras(cfg: RunConfig, lay: Layout, first: bool, last: bool, tokens: float, hidden: float) -> float:
+    """Bytes a (virtual) stage saves per microbatch beside its blocks: the embedding's token ids on the first; on the last
+    the final norm, the head's input and output, the loss's fp32 log-softmax and labels; else its output."""
+    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
+    sp = cfg.parallelism.sequence_parallel and lay.tp > 1
+    extras = 8 * tokens if first else 0  # the embedding's token ids
+    if last:  # final norm, the head's input and output (the stage's output, kept for backward), the loss's fp32 log-softmax, labels
+        head_in = _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim
+        logits = bw * m.vocab_size / lay.tp if lay.pp > 1 else 0  # without PP the loss's backward frees them (a temporary)
+        return extras + (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens
+    return extras + hidden  # the stage's output, kept for backward
 
 
 def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int) -> float:

@@ -72,6 +72,8 @@ def load(run: Path) -> dict[str, Any] | None:
             "mfu_of_gemm_peak": s.get("mfu_of_gemm_peak_median"),
             "gemm_dtype": s.get("peak_dtype"),
             "eval_loss": s.get("eval_loss_final"),  # None for runs without evaluation (eval.interval=0)
+            "moe_max_mean": s.get("moe_max_mean_median"),  # MoE runs: the experts' load (runner.observe.moe_load)
+            "moe_ep_share": s.get("moe_ep_share_median"),
             "terms_measured": (s.get("profile") or {}).get("terms_s"),  # profile/breakdown.json's busiest rank (profile.*)
             "terms_predicted": cal.get("terms_predicted_s"),
         }
@@ -152,16 +154,27 @@ def _error(r: dict[str, Any]) -> str:
     return "-" if e is None else f"{100 * e:+.1f} %"
 
 
+def _moe_cell(r: dict[str, Any]) -> str:
+    """The median over logged windows of the worst layer's max/mean, and with EP the busiest EP rank's share."""
+    if r.get("moe_max_mean") is None:
+        return "-"
+    share = r.get("moe_ep_share")
+    return f"{r['moe_max_mean']:.2f} x" + ("" if share is None else f", {100 * share:.1f} %")
+
+
 def table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     note = _unfit_note(rows)
     t = Table(title="layouts by step time", title_justify="left", caption=note and f"{note} (yellow)", caption_justify="left")
+    moe = any(r.get("moe_max_mean") is not None for r in rows)  # a column only beside MoE runs
     for col in ("run", "layout", "source", "memory / rank", "bubble", "TP share", "step time", "predicted", "error", "MFU", "eval loss"):
         t.add_column(col)
+    if moe:
+        t.add_column("experts max/mean, EP share")
     for r in sorted(rows, key=_sort_key):
         if r["source"] in ("invalid", "failed"):
-            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", "", "", "", style="red")
+            t.add_row(r["run"], "-", r["source"], "\n".join(r["problems"]), "", "", "", "", "", "", "", *([""] if moe else []), style="red")
             continue
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f} s"
         pred = "-" if r["predicted_s"] is None else f"{r['predicted_s']:.3f} s"
@@ -177,6 +190,7 @@ def table(rows: list[dict[str, Any]]):
             _error(r),
             _mfu_cell(r),
             "-" if r.get("eval_loss") is None else f"{r['eval_loss']:.4f}",
+            *([_moe_cell(r)] if moe else []),
             style="yellow" if r.get("fits") is False else None,
         )
     return t

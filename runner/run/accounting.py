@@ -182,4 +182,15 @@ def summarize(rows: list[dict[str, Any]], cfg: RunConfig, lay: Layout, acc: Acco
     }
     if "hfu" in rows[0]:
         out["hfu_median"] = statistics.median(r["hfu"] for r in steady)
+    return out | moe_medians([r["moe"] for r in steady if "moe" in r] or [r["moe"] for r in rows if "moe" in r])
+
+
+def moe_medians(windows: list[dict[str, Any]]) -> dict[str, float]:
+    """MoE runs: the median over logged windows of the worst layer's max/mean and (with EP) busiest EP rank share
+    (metrics.jsonl's `moe`, runner.observe.moe_load), for runner.compare."""
+    out = {}
+    if windows:
+        out["moe_max_mean_median"] = statistics.median(max(w["max_mean"]) for w in windows)
+    if windows and "ep_share" in windows[0]:
+        out["moe_ep_share_median"] = statistics.median(max(w["ep_share"]) for w in windows)
     return out

@@ -239,12 +239,13 @@ class DevicePolicy:
         return WallClock() if self.cpu else CudaEventClock()
 
     def read(self, *values: torch.Tensor) -> list[float]:
-        """The step's one host synchronization: these device scalars in one device-to-host copy, which waits for every
-        kernel queued before it (the step's forward/backward and clip, and the previous step's optimizer)."""
+        """The step's one host synchronization: these device tensors (scalars; at logged steps of an MoE model also the
+        experts' token counts) in one device-to-host copy, flattened in order, which waits for every kernel queued
+        before it (the step's forward/backward and clip, and the previous step's optimizer)."""
         if self.cpu:
             self.host_syncs += 1  # on CUDA the copy is counted by count_syncs, as every synchronizing op is
         device = self.compute_device()
-        return torch.stack([v.detach().reshape(()).to(device, torch.float64) for v in values]).tolist()
+        return torch.cat([v.detach().reshape(-1).to(device, torch.float64) for v in values]).tolist()
 
     def count_syncs(self) -> None:
         """On CUDA: count every synchronizing CUDA operation into host_syncs (torch's sync debug mode warns on each;

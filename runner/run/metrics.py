@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from runner.formats import runfiles
+from runner.observe import moe_load
 from runner.schema import RunConfig, layout
 
 
@@ -191,6 +192,8 @@ class WandbSink:
         scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float, str))}
         for f in row.get("stragglers", []):  # one series per rank and phase: the slowdown when flagged
             scalars[f"straggler/rank{f['rank']}_{f['phase']}"] = f["slowdown"]
+        if "moe" in row:  # the experts' load (runner.observe.moe_load): flat keys, not the per-expert table
+            scalars |= moe_load.wandb_keys(row["moe"])
         self.run.log(scalars, step=row["step"])
 
     def log_breakdown(self, found: dict[str, Any]) -> None:

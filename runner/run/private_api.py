@@ -265,6 +265,8 @@ PRIVATE = (
     # ---- torch under the TorchTitan adapter ----
     P("torch_checkpoint_prefix", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_PREFIX", TORCH,
       (f"{CPU}:init_like_one_rank",), "the name part activation checkpointing adds, dropped to match the unwrapped model's names"),
+    P("torch_checkpoint_impl", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl", TORCH,
+      ("runner/run/titan/moe.py:_recomputed",), "how TorchTitan's MoE pre-hook tells a recomputed block (its counts doubled)"),
     P("torch_ring_attention", RING, "_templated_ring_attention", TORCH, (f"{CPU}:enable_ring_attention",),
       "context parallelism's ring attention, given CPU's flash-attention op"),
     P("torch_ring_attention_backward", RING, "_templated_ring_attention_backward", TORCH, (f"{CPU}:enable_ring_attention",),

@@ -19,7 +19,7 @@ from runner.formats import checkpoint
 from runner.observe import attribution, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown, goodput
-from runner.run import evaluate, ft, loader, preempt, profiling, step_sync, titan
+from runner.run import evaluate, expert_load, ft, loader, preempt, profiling, step_sync, titan
 from runner.run.accounting import Accounting, CompileClock, row
 from runner.run.checkpointer import Checkpointer
 from runner.run.device import DevicePolicy
@@ -91,6 +91,7 @@ class StepLoop:
     feed: loader.Prefetch | None = None
     # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
     ft: ft.Off | ft.Replica = ft.OFF
+    experts: expert_load.ExpertLoad | expert_load.Off = expert_load.OFF  # MoE models: token counts at logged steps
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (apply_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -157,10 +158,11 @@ class StepLoop:
         self.apply_update()  # the last step's accepted update, timed with this step
         self.integrity.begin_step(step, self.built.parts)
         local, norm = self.train_step(step)
-        share, grad_norm = policy.read(local, norm)  # waits for the step's kernels (the update's too)
+        share, grad_norm, *counts = policy.read(local, norm, *self.experts.collect(step))  # waits for the step's kernels (the update's too)
+        extra = self.experts.summands(step, counts)  # at logged steps of an MoE model: its experts' token counts
         first = (share, grad_norm)
         with mon.phase("loss"):
-            shared = step_sync.exchange(policy, self.lay, dist.get_rank(), share, lanes, self.watch.signalled)
+            shared = step_sync.exchange(policy, self.lay, dist.get_rank(), share, lanes, self.watch.signalled, extra)
         dt = time.perf_counter() - t0
         if self.prof is not None:
             self.prof.end(step, dt)
@@ -187,7 +189,7 @@ class StepLoop:
             r |= {"verdict": found["verdict"], "verdict_ranks": found["ranks"]}
         if self.prof is not None and profiling.profiled(self.cfg.profile, step):
             r["profiled"] = True  # the profiler ran: left out of the medians
-        r |= self.ft.row(step, r, self.built.parts)
+        r |= self.ft.row(step, r, self.built.parts) | self.experts.row(step, shared.extra)
         return r | replicas, verdict, shared.stop
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +267,7 @@ class StepLoop:
         self.pending = verdict.action in ("ok", "accept") and committed
         if not self.pending:
             self.opt.zero_grad(set_to_none=True)  # a spike's gradients never reach the weights
+            titan.clear_counts(self.built.parts)  # nor its experts' token counts the next expert-bias update
             if committed:
                 self.sched.step()
         elif self.reads_weights(step, stop):

@@ -26,6 +26,9 @@ class Shared:
     """The data digest of every sample the job read this step (runner.run.loader.digest_text)."""
     stop: bool
     """Some rank has SLURM's warning signal: every rank stops after this step (runner.run.preempt)."""
+    extra: list[float]
+    """The sums of the ranks' extra summands (at logged steps of an MoE model: the experts' token counts,
+    runner.run.expert_load); empty without them."""
 
 
 def parts(lay: Layout, rank: int, loss_share: float, lanes: tuple[float, float], stop: bool) -> list[float]:
@@ -37,8 +40,9 @@ def parts(lay: Layout, rank: int, loss_share: float, lanes: tuple[float, float],
     return [loss, *(lanes if first else (0.0, 0.0)), 1.0 if stop else 0.0]
 
 
-def exchange(policy, lay: Layout, rank: int, loss_share: float, lanes: tuple[float, float], stop: bool) -> Shared:
-    """One SUM all-reduce on the host group; every rank returns the same Shared."""
-    total = policy.all_reduce(torch.tensor(parts(lay, rank, loss_share, lanes, stop), dtype=torch.float64))
-    loss, lane0, lane1, stops = total.tolist()  # a host tensor: reading it waits for no device
-    return Shared(loss, loader.digest_text((lane0, lane1)), stops > 0)
+def exchange(policy, lay: Layout, rank: int, loss_share: float, lanes: tuple[float, float], stop: bool, extra: list[float] = ()) -> Shared:
+    """One SUM all-reduce on the host group; every rank returns the same Shared. `extra`: summands every rank adds as
+    they are, the same number on every rank."""
+    total = policy.all_reduce(torch.tensor(parts(lay, rank, loss_share, lanes, stop) + list(extra), dtype=torch.float64))
+    loss, lane0, lane1, stops, *sums = total.tolist()  # a host tensor: reading it waits for no device
+    return Shared(loss, loader.digest_text((lane0, lane1)), stops > 0, sums)

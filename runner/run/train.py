@@ -18,7 +18,7 @@ from runner.formats import checkpoint, hf_folder, runfiles
 from runner.observe import attribution, forensics, integrity, monitor, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
-from runner.run import evaluate, ft, loader, peak, preempt, profiling, titan
+from runner.run import evaluate, expert_load, ft, loader, peak, preempt, profiling, titan
 from runner.run.accounting import Accounting, CompileClock, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -111,6 +111,7 @@ def build(
         integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
         attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch, tp_groups(lay)),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
+        experts=expert_load.of(cfg, lay, dist.get_rank(), policy, built.parts, run_dir),
         timeline=timeline,
         compiling=CompileClock().install() if t.compile else None,
     )

@@ -315,11 +315,30 @@ class IntegrityConfig:
 
 
 @dataclass
+class MoeLoadConfig:
+    enable: bool = True
+    """Measure the routed experts' load at logged steps (MoE models only): tokens per expert and per EP rank, summed
+    over the steps since the last logged one (a window), in metrics.jsonl's `moe`, and judge it (docs/monitoring.md)."""
+    hot_factor: float = 2.0
+    """An expert is hot when its tokens in a window exceed this many times the mean over its layer's experts: it then
+    does twice the GEMM work of a balanced expert and its EP rank's all-to-all waits for it."""
+    rank_factor: float = 1.25
+    """An EP rank is hot when its experts' share of a layer's tokens exceeds this many times the fair share 1 / ep
+    (the all-to-all and the grouped GEMMs of every EP rank wait for the busiest one: 1.25 costs ~25 % of the layer)."""
+    windows: int = 3
+    """Consecutive windows an expert or EP rank must be hot, or an expert receive no token, before it is named."""
+    min_tokens: int = 16
+    """Windows with fewer routed tokens per expert than this (on average) are not judged: a handful of tokens spreads
+    unevenly by chance."""
+
+
+@dataclass
 class MonitorConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     guard: LossGuardConfig = field(default_factory=LossGuardConfig)
     inject: InjectConfig = field(default_factory=InjectConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    moe_load: MoeLoadConfig = field(default_factory=MoeLoadConfig)
 
 
 @dataclass

@@ -49,6 +49,18 @@ def _integrity(cfg: RunConfig, out: list[Problem]) -> None:
         )
 
 
+def _moe_load(cfg: RunConfig, out: list[Problem]) -> None:
+    m = cfg.monitor.moe_load
+    for name, example in (("hot_factor", "2.0 (twice the mean expert's tokens)"), ("rank_factor", "1.25 (25 % above the fair share)")):
+        if not getattr(m, name) > 1:
+            why = "a load factor must exceed 1 (balance is 1)"
+            out.append(Problem(f"monitor.moe_load.{name}", getattr(m, name), why, f"use e.g. {example}"))
+    if m.windows < 1:
+        out.append(Problem("monitor.moe_load.windows", m.windows, "must be >= 1", "set monitor.moe_load.windows to N >= 1, e.g. 3"))
+    if m.min_tokens < 1:
+        out.append(Problem("monitor.moe_load.min_tokens", m.min_tokens, "must be >= 1 (a dead expert is one with no token)", "use e.g. 16"))
+
+
 def _guard(cfg: RunConfig, out: list[Problem]) -> None:
     g = cfg.monitor.guard
     if not g.factor > 1:
@@ -146,4 +158,5 @@ def check(cfg: RunConfig, ws: int | None, out: list[Problem]) -> None:
     _guard(cfg, out)
     _inject(cfg, ws, out)
     _integrity(cfg, out)
+    _moe_load(cfg, out)
     _distributed(cfg, out)

@@ -1,0 +1,50 @@
+"""TorchTitan's MoE bookkeeping, read and kept exact: the routed experts' token counts (`tokens_per_expert_E`, added in
+each MoE forward and zeroed by the optimizer's step pre-hook that moves the expert bias, TorchTitan's auxiliary-loss-free
+load balancing in components/optimizer.py)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def moe_blocks(parts: list[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
+    """This rank's MoE blocks as (model block index, block), walked as TorchTitan's pre-hook walks them (`layers` keeps
+    the model's block indices as keys in every pipeline stage)."""
+    out = []
+    for part in parts:
+        for key, block in getattr(part, "layers", {}).items():
+            if getattr(block, "moe_enabled", False):
+                out.append((int(key), block))
+    return out
+
+
+def _recomputed(block: torch.nn.Module) -> bool:
+    """Full activation checkpointing runs the block's forward twice, counting its tokens twice (TorchTitan's
+    _is_recomputation_enabled, whose pre-hook halves the counts the same way)."""
+    # private_api: torch_checkpoint_impl
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    return getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
+
+
+def take_counts(blocks: list[tuple[int, torch.nn.Module]]) -> torch.Tensor:
+    """(blocks, experts) float32 on the device: each block's tokens per expert since they were last zeroed. Without load
+    balancing nothing else reads or zeroes them, so they are zeroed here (each call then returns one step's counts);
+    with it they stay for the pre-hook. Device ops only: no host synchronization."""
+    rows = []
+    for _, block in blocks:
+        moe = block.moe
+        counts = moe.tokens_per_expert_E
+        local = counts.to_local() if hasattr(counts, "to_local") else counts
+        rows.append(local // 2 if _recomputed(block) else local.clone())
+        if moe.load_balance_coeff is None:
+            counts.zero_()
+    return torch.stack(rows)
+
+
+def clear_counts(parts: list[torch.nn.Module]) -> None:
+    """A step whose gradients are dropped (the loss guard's skip or rewind, a step torchft did not commit) runs no
+    optimizer step, so no pre-hook zeroes its counts: zero them, or the next expert-bias update counts two batches."""
+    with torch.no_grad():
+        for _, block in moe_blocks(parts):
+            block.moe.tokens_per_expert_E.zero_()
