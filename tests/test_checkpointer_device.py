@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.observe.monitor import LossGuard
+from runner.observe.loss_guard import LossGuard
 from runner.run import checkpointer
 from runner.run.device import DevicePolicy
 from runner.run.loader import SyntheticData

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from runner.formats import runfiles
-from runner.observe import integrity, monitor
+from runner.observe import integrity, loss_guard, monitor
 from runner.run import startup
 from runner.schema import InjectConfig, IntegrityConfig, StragglerConfig, layout
 from runner.schema.layout import Layout
@@ -140,7 +140,7 @@ def test_a_device_wrong_the_same_way_twice_disagrees_with_its_peers(tmp_path, ca
     assert [(m["rank"], m["value"]) for m in attribution.peer_mismatches(5, norm, [[0, 1], [2, 3]], who)] == [(1, "grad_norm")]
     policy = SimpleNamespace(set_rng_state=lambda rng: None, all_gather_object=lambda mine: [(a, a) for a in off])
     judge = attribution.Attributor(policy, who, 0, tmp_path, MismatchAction.stop, [[0, 1], [2, 3]])
-    verdict = monitor.Verdict("loss 40 > 3 x running median 1", "skip", "loss", 40.0, 1.0)
+    verdict = loss_guard.Verdict("loss 40 > 3 x running median 1", "skip", "loss", 40.0, 1.0)
     mon = SimpleNamespace(attributing=False)
     e = judge.judge(5, verdict, (1.0, 2.0), lambda: (1.0, 2.0), [], lambda: None, None, mon, lambda: [])
     assert (e["verdict"], e["check"], e["ranks"], e["hosts"], e["action"]) == ("hardware", "peers", [2, 3], ["h2", "h3"], "stop")

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 from runner.formats import runfiles
-from runner.observe import forensics, monitor
+from runner.observe import forensics, loss_guard, monitor
 from runner.run import startup
 from runner.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig, layout
 from tests.conftest import ROOT, metrics, run_cli
@@ -269,7 +269,7 @@ def test_repeated_spikes_rewind_to_last_checkpoint(clean):
 
 
 def test_loss_guard_decisions():
-    g = monitor.LossGuard(LossGuardConfig(factor=3.0, window=4, warmup_steps=2, action=GuardAction.rewind, max_consecutive=2))
+    g = loss_guard.LossGuard(LossGuardConfig(factor=3.0, window=4, warmup_steps=2, action=GuardAction.rewind, max_consecutive=2))
     assert g.check(1, float("nan"), 1.0).action == "skip"  # non-finite is caught before any history exists
     assert g.check(2, 50.0, 1.0).action == "ok"  # no history yet: not judged
     assert g.check(3, 8.0, 1.0).action == "ok"
@@ -277,12 +277,12 @@ def test_loss_guard_decisions():
     v = g.check(5, 1e4, 1.0)
     assert (v.action, g.streak_start, g.rewinds, sorted(g.bad_steps)) == ("rewind", 4, 1, [1, 4, 5])
     assert g.check(6, 7.9, 1.0).action == "ok" and g.skipped == 3
-    off = monitor.LossGuard(LossGuardConfig(enable=False, warmup_steps=0))
+    off = loss_guard.LossGuard(LossGuardConfig(enable=False, warmup_steps=0))
     assert off.check(1, 1.0, 1.0).action == "ok" and off.check(2, 1e9, 1.0).action == "ok"
     assert off.check(3, float("inf"), 1.0).action == "skip"  # a non-finite loss never updates weights, guard on or off
 
 
-def _replay(g: monitor.LossGuard, losses: dict[int, float], every: int, last: int) -> tuple[list[int], list[str]]:
+def _replay(g: loss_guard.LossGuard, losses: dict[int, float], every: int, last: int) -> tuple[list[int], list[str]]:
     """The step loop around a guard, as step_loop.step and rewind drive it: a rewind goes back to the newest checkpoint
     (one every `every` steps) before the streak and leaves the guard's bad steps out. Returns the steps trained or
     skipped in order and the verdict lines."""
@@ -303,7 +303,7 @@ def test_a_lasting_level_shift_rewinds_once_then_is_accepted():
     """The issue's run: checkpoints every 4 steps, every loss x5 from step 8 on, action=rewind. Steps 8-10 spike, the
     run rewinds to step 4 and replays 5-7; 11-13 spike again right after the rewind: the same shift, accepted at 13
     (no second rewind) with the medians restarted, and 14-20 train. Before, every step from 11 on was skipped."""
-    g = monitor.LossGuard(LossGuardConfig(action=GuardAction.rewind))  # factor 3, window 20, warm-up 5, 3 in a row
+    g = loss_guard.LossGuard(LossGuardConfig(action=GuardAction.rewind))  # factor 3, window 20, warm-up 5, 3 in a row
     losses = {s: (5.0 if s >= 8 else 1.0) * (1 + 0.01 * s) for s in range(1, 21)}
     steps, lines = _replay(g, losses, every=4, last=20)
     assert steps == [*range(1, 11), 5, 6, 7, *range(11, 21)]
@@ -320,7 +320,7 @@ def test_a_lasting_level_shift_rewinds_once_then_is_accepted():
 def test_a_spike_after_non_finite_steps_is_judged_against_the_medians_before_them():
     """Three NaN steps then a finite spike: the spike is skipped (one finite spike, not max_consecutive of them in a
     row); before, the fourth bad step in a row was accepted as a level shift and trained."""
-    g = monitor.LossGuard(LossGuardConfig(max_consecutive=3))
+    g = loss_guard.LossGuard(LossGuardConfig(max_consecutive=3))
     for s in range(1, 7):
         assert g.check(s, 1.0, 1.0).action == "ok"
     assert [g.check(s, math.nan, 1.0).action for s in (7, 8, 9)] == ["skip"] * 3
@@ -556,7 +556,8 @@ def test_monitor_and_distributed_values_are_validated():
 
 @pytest.mark.e2e
 def test_monitor_config_side_is_torch_free():
-    modules = "runner.config.validate.monitor_rules, runner.observe.forensics, runner.observe.monitor, runner.run.startup"
+    modules = "runner.config.validate.monitor_rules, runner.observe.forensics, runner.observe.loss_guard, runner.observe.monitor"
+    modules += ", runner.run.startup"
     code = f"import sys, {modules}\nprint('TORCH_LOADED', 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

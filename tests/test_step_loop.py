@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.observe import monitor
+from runner.observe import loss_guard, monitor
 from runner.run import step_loop
 from runner.run.device import DevicePolicy
 from runner.run.loader import Prefetch, SyntheticData
@@ -106,7 +106,7 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
             begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], finished_step=lambda: None, windows_judged=0
         ),
         integrity=SimpleNamespace(begin_step=lambda s, p: None, check_due=lambda s: False, checks=0, replays=0, take=lambda: []),
-        guard=monitor.LossGuard(LossGuardConfig(warmup_steps=1)),
+        guard=loss_guard.LossGuard(LossGuardConfig(warmup_steps=1)),
         opt=opt,
         sched=SimpleNamespace(step=lambda: None),
         built=SimpleNamespace(parts=[]),

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint
-from runner.observe import attribution, integrity, monitor, plan_check
+from runner.observe import attribution, integrity, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown, goodput
 from runner.run import evaluate, expert_load, ft, loader, preempt, profiling, step_sync, titan
@@ -81,7 +81,7 @@ class StepLoop:
     global_tokens: torch.Tensor
     timer: plan_check.StageTimer | None  # a pipeline's stage timer (None without one)
     mon: StepMonitor
-    guard: monitor.LossGuard
+    guard: loss_guard.LossGuard
     ckpt: Checkpointer
     watch: preempt.RankWatch
     run_dir: Path
@@ -143,7 +143,7 @@ class StepLoop:
         self.publish(step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
         return r["rewound_to"] + 1 if "rewound_to" in r else self.ft.next_step(step)
 
-    def measure(self, step: int) -> tuple[dict[str, Any], monitor.Verdict, bool]:
+    def measure(self, step: int) -> tuple[dict[str, Any], loss_guard.Verdict, bool]:
         """Train the step and judge it: its metrics row, the guard's verdict, whether the ranks stop for SLURM. Outside
         logging and check steps this is the step's one host synchronization and its one host collective."""
         mon, policy = self.mon, self.policy
@@ -211,7 +211,7 @@ class StepLoop:
             grad_norm = titan.clip_grad_norm_tensor(built.parts, self.cfg.training.max_norm, built.parallel_dims)
         return local, titan.local_value(grad_norm)
 
-    def attribute(self, step: int, verdict: monitor.Verdict, first: tuple[float, float]) -> dict[str, Any] | None:
+    def attribute(self, step: int, verdict: loss_guard.Verdict, first: tuple[float, float]) -> dict[str, Any] | None:
         """A flagged step replayed from its batch and RNG state (runner.observe.attribution). A hardware verdict takes the
         step back from the guard (it says nothing of the data) and leaves it unapplied; `mismatch` then decides."""
         if not verdict.spike or self.attributor is None or self.ft is not ft.OFF:  # torchft: replica groups are separate jobs
@@ -261,7 +261,7 @@ class StepLoop:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
 
-    def decide_update(self, step: int, verdict: monitor.Verdict, stop: bool, committed: bool) -> None:
+    def decide_update(self, step: int, verdict: loss_guard.Verdict, stop: bool, committed: bool) -> None:
         """An accepted step's update waits for the next step (apply_update); a spike's gradients are dropped now, and so
         are a step's that torchft's quorum did not commit (its schedule does not advance either)."""
         self.pending = verdict.action in ("ok", "accept") and committed

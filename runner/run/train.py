@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint, hf_folder, runfiles
-from runner.observe import attribution, forensics, integrity, monitor, plan_check
+from runner.observe import attribution, forensics, integrity, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.run import evaluate, expert_load, ft, loader, peak, preempt, profiling, titan
@@ -94,7 +94,7 @@ def build(
         global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
         timer=plan_check.StageTimer(built.schedule, mon.timeline) if built.schedule is not None else None,
         mon=mon,
-        guard=monitor.LossGuard(cfg.monitor.guard),
+        guard=loss_guard.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(
             cfg.checkpoint,
             checkpoint.folder(cfg.checkpoint, run_dir),
