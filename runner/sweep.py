@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from runner.config import fault_tolerance, freeze, slurm, validate
 from runner.config.search import objective as search_objective
 from runner.formats import runfiles
-from runner.outputs import goodput
+from runner.outputs.timeline import Timeline, process_start
 from runner.schema import RunConfig
 from runner.schema.layout import Layout
 
@@ -41,7 +41,7 @@ class State:
     whatever the runner wrote before refusing (frozen.yaml of a dry run whose rehearsal cannot start)."""
 
     def begin_task(self, run_dir: Path) -> None:
-        self.task_started = time.time() if self.entered else goodput.process_start()
+        self.task_started = time.time() if self.entered else process_start()
         self.entered = True
         self.fresh = not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} <= set(runfiles.HYDRA_LOGS)
 
@@ -107,7 +107,7 @@ def train(cfg: RunConfig, lay: Layout, run_dir: Path) -> float | None:
     else:
         slurm.wait_for(frozen)  # the first node writes it; all nodes share the run folder
     if node == 0:
-        goodput.Timeline(run_dir).launch(STATE.task_started)
+        Timeline(run_dir).launch(STATE.task_started)
     from runner.run import console
 
     with console.teed(run_dir / runfiles.RUNNER_LOG) if node == 0 else contextlib.nullcontext():  # the run's console

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.outputs import goodput
+from runner.outputs import goodput, timeline
 
 
 def _marks(job: int, attempt: int, t: float, restored: int = 0) -> list[dict]:
@@ -115,7 +115,7 @@ def test_line_and_flat_figures_list_every_part(tmp_path):
 def test_timeline_appends_one_line_per_event_with_job_and_attempt(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    tl = goodput.Timeline(tmp_path)
+    tl = timeline.Timeline(tmp_path)
     tl.mark("built", 5.0)
     tl.failure("agent: restarting the ranks", attempt=0)
     tl.step({"step": 3, "step_time_s": 0.5, "data_s": 0.1, "checkpoint_s": 0.2, "rewound_to": 1}, 7.0, overhead_s=0.01, publish_s=0.03)
@@ -166,7 +166,7 @@ def test_process_start_is_this_process_start_by_ps():
     import time
 
     elapsed = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True, check=True).stdout)
-    assert goodput.process_start() == pytest.approx(time.time() - elapsed, abs=1.1)  # ps counts whole seconds
+    assert timeline.process_start() == pytest.approx(time.time() - elapsed, abs=1.1)  # ps counts whole seconds
 
 
 def test_a_torchft_replica_group_down_is_lost_capacity_not_lost_work():

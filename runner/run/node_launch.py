@@ -27,6 +27,7 @@ from runner.config import validate
 from runner.formats import checkpoint, local_checkpoint, runfiles
 from runner.formats.user_files import UnreadableFile
 from runner.outputs import goodput
+from runner.outputs.timeline import Timeline
 from runner.run import known_warnings, procs
 from runner.schema import RunConfig, WorkerStart
 from runner.schema.layout import Layout
@@ -73,7 +74,7 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
     from runner.run import peak
 
     procs.honour_shutdown_timeout()
-    procs.note_agent_restarts(lambda attempt: _note_failure(goodput.Timeline(frozen.parent), attempt))
+    procs.note_agent_restarts(lambda attempt: _note_failure(Timeline(frozen.parent), attempt))
     if not (frozen.parent / runfiles.PEAK).exists():
         peak.write(cfg, lay.world_size, frozen.parent)  # before the ranks start: the machine is idle
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -86,7 +87,7 @@ def _node_setup(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def _note_failure(timeline: goodput.Timeline, attempt: int) -> None:
+def _note_failure(timeline: Timeline, attempt: int) -> None:
     """The agent restarts the ranks of `attempt`: when the one that went quiet first was last alive, and when the
     agent noticed (runner.outputs.goodput takes the earliest of these and the ranks' own errors)."""
     from runner.observe import forensics

@@ -21,7 +21,7 @@ from runner.estimate import precision
 from runner.formats import data_manifest as manifest
 from runner.formats import runfiles
 from runner.observe import forensics
-from runner.outputs import goodput
+from runner.outputs.timeline import Timeline, process_start
 from runner.run import (
     accounting,
     console,
@@ -105,9 +105,9 @@ def main(frozen_path: str) -> None:
     console.rank(cfg.logging.verbose, run_dir, runfiles.RUNNER_LOG)  # rank 0 writes runner.log; TorchTitan's lines as ours
     for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
-    timeline = goodput.Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline
+    timeline = Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline
     if timeline is not None:
-        timeline.mark("rank_start", goodput.process_start())
+        timeline.mark("rank_start", process_start())
         timeline.mark("main", entered)
     policy = start_rank(cfg)
     if timeline is not None:
@@ -119,7 +119,7 @@ def main(frozen_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolicy, timeline: goodput.Timeline | None):
+def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolicy, timeline: Timeline | None):
     """Mesh and placement check, then training under this rank's forensics recorder (returned)."""
     rank = dist.get_rank()
     try:
@@ -134,7 +134,7 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
     try:
         _train(cfg, lay, pd, rank, run_dir, recorder, places, policy, timeline)
     except Exception as e:  # e.g. a collective timed out: leave the rank's last state and recorder dump, then fail
-        goodput.Timeline(run_dir).failure(f"rank {rank}: {type(e).__name__}: {e}")  # when the attempt's work ended (goodput)
+        Timeline(run_dir).failure(f"rank {rank}: {type(e).__name__}: {e}")  # when the attempt's work ended (goodput)
         recorder.failed(e, cfg, run_dir)
         raise
     return recorder

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from runner.formats import checkpoint
 from runner.observe import attribution, integrity, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
-from runner.outputs import breakdown, goodput
+from runner.outputs import breakdown
+from runner.outputs.timeline import Timeline
 from runner.run import evaluate, expert_load, ft, loader, preempt, profiling, step_sync, titan
 from runner.run.accounting import Accounting, CompileClock, row
 from runner.run.checkpointer import Checkpointer
@@ -95,7 +96,7 @@ class StepLoop:
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (apply_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
-    timeline: goodput.Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.outputs.goodput)
+    timeline: Timeline | None = None  # rank 0 of a launched run: each step and the end (runner.outputs.timeline)
 
     prof: profiling.Session | None = None  # profile.* (None when off and profile.memory is off)
     # training.gc_every: TorchTitan's GarbageCollection, every rank collecting at the same steps

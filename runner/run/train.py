@@ -18,6 +18,7 @@ from runner.formats import checkpoint, hf_folder, runfiles
 from runner.observe import attribution, forensics, integrity, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
+from runner.outputs.timeline import Timeline
 from runner.run import evaluate, expert_load, ft, loader, peak, preempt, profiling, titan
 from runner.run.accounting import Accounting, CompileClock, summarize
 from runner.run.checkpointer import Checkpointer, restarted
@@ -40,7 +41,7 @@ def run(
     recorder=None,
     hooks: Hooks | None = None,
     eval_data: loader.SyntheticData | loader.TextData | None = None,
-    timeline: goodput.Timeline | None = None,
+    timeline: Timeline | None = None,
 ) -> list[dict[str, Any]]:
     """Train cfg.training.steps steps (from a checkpoint when resuming), evaluating on `eval_data` (the held-out split)
     every eval.interval steps; every rank returns its rows. Rank 0 of a launched run records its steps and its end in
@@ -72,7 +73,7 @@ def build(
     hooks: Hooks | None,
     policy: DevicePolicy,
     eval_data: loader.SyntheticData | loader.TextData | loader.TokenData | None = None,
-    timeline: goodput.Timeline | None = None,
+    timeline: Timeline | None = None,
 ) -> StepLoop:
     t = cfg.training
     opt, sched = titan.build_optimizer(cfg, built.parts)
