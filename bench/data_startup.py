@@ -30,7 +30,7 @@ from tests import text_assets  # noqa: E402
 PROBE = """
 import json, resource, sys, time
 import torch
-from runner.run.loader import TokenData
+from runner.run.token_data import TokenData
 def rss_mb():
     with open("/proc/self/status") as fh:
         return next(int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS")) / 1024

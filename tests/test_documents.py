@@ -216,7 +216,7 @@ def test_prepared_documents_are_framed_and_read_across_parts_as_text_data_reads_
     """prepare frames each document with the tokenizer_config.json's BOS and EOS and records it (format 2); TokenData's
     document windows over two parts equal TextData's over the same documents, positions included."""
     from runner.formats import data_manifest as manifest
-    from runner.run.loader import TokenData
+    from runner.run.token_data import TokenData
 
     _, tok_path = _tokenizer_folder(tmp_path, {"bos_token": "<s>", "eos_token": "</s>"})
     texts = [["a b a", "b", "a a a a a a a a b"], ["b b", "a b a b a b a b a b a b", "a"]]

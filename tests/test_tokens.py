@@ -26,7 +26,8 @@ from runner.config.validate import data_rules as validate_tokens
 from runner.data import cli
 from runner.formats import data_manifest as manifest
 from runner.formats import data_order as order
-from runner.run.loader import Prefetch, TokenData
+from runner.run.loader import Prefetch
+from runner.run.token_data import TokenData
 from runner.schema.problems import ConfigError
 from tests import text_assets
 from tests.conftest import metrics, run_cli

@@ -17,7 +17,7 @@ the tokens are one stream cut into samples of seq_len + 1 tokens (inputs and lab
 attention and positions run across documents. Either way sample g is piece perm_e[g mod N] of epoch e = g // N,
 perm_e a seeded permutation.
 tokens: folders prepared by `python -m runner.data prepare`, read by memory map, one or a weighted mixture
-(`TokenData`); the same cut into samples, with an on-the-fly permutation instead of a materialized one.
+(runner.run.token_data.TokenData); the same cut into samples, with an on-the-fly permutation instead of a materialized one.
 
 `Prefetch` reads the next step's batch in a background thread while the current step trains.
 
@@ -42,7 +42,6 @@ import torch
 
 MAX_STRIDE = 16
 NOISE = 0.1
-SOURCE_SHIFT = 48  # token_start of a mixture: source index above the bits of a token offset (2^48 tokens per source)
 
 
 class Microbatch(NamedTuple):
@@ -65,8 +64,8 @@ def sample(seed: int, index: int, seq_len: int, vocab: int) -> torch.Tensor:
     return torch.where(noise, torch.randint(0, vocab, (seq_len + 1,), generator=g), tokens)
 
 
-class _Stream(ABC):
-    """Global-sample addressing, the DP slice and the loader position shared by both sources."""
+class Stream(ABC):
+    """Global-sample addressing, the DP slice and the loader position shared by every source (runner.run.token_data's too)."""
 
     def __init__(self, *, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int):
         self.seq_len, self.global_batch, self.microbatch = seq_len, global_batch, microbatch
@@ -127,7 +126,7 @@ class _Stream(ABC):
 SPLITS = ("train", "eval")
 
 
-class SyntheticData(_Stream):
+class SyntheticData(Stream):
     def __init__(
         self, *, seed: int, seq_len: int, vocab: int, global_batch: int, microbatch: int, dp_rank: int, dp: int, split: str = "train"
     ):
@@ -213,7 +212,7 @@ def load_documents(
     return torch.tensor([t for d in docs for t in d], dtype=torch.int64), ends
 
 
-class TextData(_Stream):
+class TextData(Stream):
     def __init__(
         self, tokens: torch.Tensor, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int,
         ends: np.ndarray | None = None,
@@ -258,7 +257,7 @@ def _digest(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().numpy().tobytes())
 
 
-def check_inputs(data: _Stream, dp_rank_of, step: int, policy) -> str:
+def check_inputs(data: Stream, dp_rank_of, step: int, policy) -> str:
     """Start-up proof of the input layout at `step`: every rank's (content hash, global sample indices) are gathered;
     ranks with the same DP rank (a TP/CP/PP group) must read the same samples with the same tokens, and different
     DP ranks disjoint samples. Disjointness is judged by sample index, not content: a corpus may repeat itself."""
@@ -295,7 +294,7 @@ DIGEST_BITS = 32
 """Bits of each of the digest's two lanes: a step's sum of row hashes stays exact in float64 below 2**21 rows."""
 
 
-def digest_lanes(data: _Stream, step: int) -> tuple[float, float]:
+def digest_lanes(data: Stream, step: int) -> tuple[float, float]:
     """This rank's part of the data digest at `step`: per lane, the sum of a hash of every (sample index, token start)
     it reads (host arithmetic, no tensor). Summed over one rank of each data-parallel group (runner.run.step_sync),
     it is the same for runs that consume the same data, whatever their layout."""
@@ -312,118 +311,6 @@ def digest_text(lanes: tuple[float, float]) -> str:
     return "".join(f"{int(v) % (1 << DIGEST_BITS):08x}" for v in lanes)
 
 
-class _Split:
-    """One split of a prepared folder as a single token stream, read by memory map: the parts' token files are
-    opened when first read, so start-up costs O(parts) whatever their size."""
-
-    def __init__(self, folder: str, split: str):
-        from runner.formats import data_manifest as mf
-
-        self.folder, self.split, self.m = Path(folder), split, mf.load(folder)
-        parts = self.m["splits"][split]["parts"]
-        self.names = [p["name"] for p in parts]
-        self._docs = [p["documents"] for p in parts]
-        self.ends = np.cumsum([p["tokens"] for p in parts], dtype=np.int64)
-        self.num_tokens = int(self.ends[-1]) if len(parts) else 0
-        self._maps: dict[int, np.ndarray] = {}
-
-    def _map(self, i: int) -> np.ndarray:
-        if i not in self._maps:
-            from runner.formats import data_manifest as mf
-
-            self._maps[i] = np.memmap(mf.tokens_file(self.folder, self.names[i], self.split), dtype=self.m["dtype"], mode="r")
-        return self._maps[i]
-
-    def pieces(self) -> list:
-        """Each part as a runner.formats.documents.Piece: its tokens and its documents' end offsets (the .idx file)."""
-        from runner.formats import data_manifest as mf
-        from runner.formats.documents import Piece
-
-        def piece(i: int) -> Piece:
-            ends = np.memmap(mf.index_file(self.folder, self.names[i], self.split), dtype=np.uint64, mode="r") if self._docs[i] else []
-            return Piece(lambda start, n: self._map(i)[start : start + n].astype(np.int64), ends)
-
-        return [piece(i) for i in range(len(self.names))]
-
-    def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the split, across part boundaries, as int64."""
-        out, i = [], int(np.searchsorted(self.ends, start, side="right"))
-        while n > 0:
-            begin = start - (int(self.ends[i - 1]) if i else 0)
-            chunk = self._map(i)[begin : begin + n]
-            out.append(chunk)
-            start, n, i = start + len(chunk), n - len(chunk), i + 1
-        return np.concatenate(out).astype(np.int64)
-
-
-class TokenData(_Stream):
-    """Prepared token folders (`python -m runner.data prepare`), one or a weighted mixture, by memory map.
-
-    Global sample g goes to source s with within-source index k = Mixture(weights)(g) (k = g for one source);
-    source s cuts its split into N_s samples of seq_len + 1 tokens (stride seq_len, like TextData) and reads
-    piece P_{s,e}(k mod N_s) of epoch e = k // N_s, P a seeded Feistel permutation: all pure functions of g,
-    so a position is the next sample index alone and nothing grows with the corpus."""
-
-    def __init__(
-        self, sources: list[tuple[str, float]], *, split: str = "train", seed: int, shuffle: bool, seq_len: int, global_batch: int,
-        microbatch: int, dp_rank: int, dp: int, documents: bool = False,
-    ):  # fmt: skip
-        """`documents`: samples are windows of each source's document pairs (data.document_mask), else of its tokens."""
-        super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
-        from runner.formats.data_order import Mixture
-        from runner.formats.documents import PairStream
-
-        self.seed, self.shuffle, self.split, self.documents = seed, shuffle, split, documents
-        self.splits = [_Split(folder, split) for folder, _ in sources]
-        self.streams = [PairStream(s.pieces()) for s in self.splits] if documents else []
-        if documents:
-            self.num_samples = [p.num_pairs // seq_len for p in self.streams]
-            held = [f"{p.num_pairs} (input, label) pairs, fewer than one sample of seq_len = {seq_len}" for p in self.streams]
-        else:
-            self.num_samples = [(s.num_tokens - 1) // seq_len for s in self.splits]
-            held = [f"{s.num_tokens} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}" for s in self.splits]
-        for (folder, _), n, what in zip(sources, self.num_samples, held, strict=True):
-            if n < 1:
-                raise ValueError(f"the {split} split of {folder} holds {what}")
-        self.mixture = Mixture([w for _, w in sources])
-        self._perms: dict[tuple[int, int], object] = {}
-
-    def _piece(self, index: int) -> tuple[int, int]:
-        source, k = self.mixture(index)
-        epoch, j = divmod(k, self.num_samples[source])
-        if not self.shuffle:
-            return source, j
-        if (source, epoch) not in self._perms:
-            from runner.formats.data_order import Permutation
-
-            if len(self._perms) > 8:  # one or two epochs per source are live at a time
-                self._perms.clear()
-            self._perms[(source, epoch)] = Permutation(self.num_samples[source], (self.seed * 1_000_003 + epoch) * 1_000_003 + source)
-        return source, self._perms[(source, epoch)](j)
-
-    def token_start(self, index: int) -> int:
-        source, piece = self._piece(index)
-        return (source << SOURCE_SHIFT) | piece * self.seq_len
-
-    def sample(self, index: int) -> torch.Tensor:
-        source, piece = self._piece(index)
-        return torch.from_numpy(self.splits[source].read(piece * self.seq_len, self.seq_len + 1))
-
-    def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        source, piece = self._piece(index)
-        return self.streams[source].window(piece * self.seq_len, self.seq_len)
-
-    def origin(self, index: int) -> dict[str, Any]:
-        """The prepared folder and split the sample is read from, and its range in that split's stream: seq_len (input,
-        label) pairs of its documents (data.document_mask), else seq_len + 1 tokens."""
-        source, piece = self._piece(index)
-        split = self.splits[source]
-        where = {"source": str(split.folder), "split": split.split}
-        if self.documents:
-            return where | {"pair_start": piece * self.seq_len, "num_pairs": self.seq_len}
-        return where | {"token_start": piece * self.seq_len, "num_tokens": self.seq_len + 1}
-
-
 class Prefetch:
     """Reads step s + 1's microbatches in a background thread while step s trains. A batch is a pure function of
     (loader position, step), so a read ahead is used only when that key still holds (a restore or a rewind moves
@@ -431,7 +318,7 @@ class Prefetch:
     (a CUDA compute device: DevicePolicy.pins_host_batches) the batches are read into pinned memory, without which
     the step's non_blocking copy to the device is a synchronous one."""
 
-    def __init__(self, data: _Stream, pin: bool = False):
+    def __init__(self, data: Stream, pin: bool = False):
         self.data, self.waited_s, self.pin = data, 0.0, pin
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._ahead = None

@@ -37,6 +37,7 @@ from runner.run import (
     procs,
     startup,
     titan,
+    token_data,
     train,
 )
 from runner.run.device import DevicePolicy
@@ -152,7 +153,7 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
     if d.name == DataSource.tokens:
         sources = [(folder, w) for _, folder, w in manifest.sources(cfg.data.path, cfg.data.mix)]
         shuffle = d.shuffle and split == "train"
-        return loader.TokenData(sources, split=split, seed=t.seed, shuffle=shuffle, documents=d.document_mask, **common)
+        return token_data.TokenData(sources, split=split, seed=t.seed, shuffle=shuffle, documents=d.document_mask, **common)
     files, fraction = (d.eval_files, 0.0) if split == "eval" and d.eval_files else (d.files, d.eval_fraction)
     first = int(os.environ["LOCAL_RANK"]) == 0  # builds the datasets cache of this node; the others then read it
     if not first:

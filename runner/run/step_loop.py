@@ -20,7 +20,7 @@ from runner.observe import attribution, integrity, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown
 from runner.outputs.timeline import Timeline
-from runner.run import evaluate, expert_load, ft, loader, preempt, profiling, step_sync, titan
+from runner.run import evaluate, expert_load, ft, loader, preempt, profiling, step_sync, titan, token_data
 from runner.run.accounting import Accounting, CompileClock, row
 from runner.run.checkpointer import Checkpointer
 from runner.run.device import DevicePolicy
@@ -71,7 +71,7 @@ class StepLoop:
     cfg: RunConfig
     lay: Layout
     built: titan.Built
-    data: loader.SyntheticData | loader.TextData | loader.TokenData
+    data: loader.SyntheticData | loader.TextData | token_data.TokenData
     acc: Accounting
     sinks: list[Sink]
     hooks: Hooks
@@ -88,7 +88,7 @@ class StepLoop:
     run_dir: Path
     integrity: integrity.Checker
     # the held-out split (runner.run.loader, split="eval"); None when eval.interval is 0
-    eval_data: loader.SyntheticData | loader.TextData | loader.TokenData | None = None
+    eval_data: loader.SyntheticData | loader.TextData | token_data.TokenData | None = None
     feed: loader.Prefetch | None = None
     # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
     ft: ft.Off | ft.Replica = ft.OFF

@@ -19,7 +19,7 @@ from runner.observe import attribution, forensics, integrity, loss_guard, plan_c
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.outputs.timeline import Timeline
-from runner.run import evaluate, expert_load, ft, loader, peak, preempt, profiling, titan
+from runner.run import evaluate, expert_load, ft, loader, peak, preempt, profiling, titan, token_data
 from runner.run.accounting import Accounting, CompileClock, summarize
 from runner.run.checkpointer import Checkpointer, restarted
 from runner.run.device import DevicePolicy
@@ -33,7 +33,7 @@ def run(
     cfg: RunConfig,
     lay: Layout,
     built: titan.Built,
-    data: loader.SyntheticData | loader.TextData | loader.TokenData,
+    data: loader.SyntheticData | loader.TextData | token_data.TokenData,
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,
@@ -65,14 +65,14 @@ def build(
     cfg: RunConfig,
     lay: Layout,
     built: titan.Built,
-    data: loader.SyntheticData | loader.TextData | loader.TokenData,
+    data: loader.SyntheticData | loader.TextData | token_data.TokenData,
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,
     recorder: forensics.RankRecorder | None,
     hooks: Hooks | None,
     policy: DevicePolicy,
-    eval_data: loader.SyntheticData | loader.TextData | loader.TokenData | None = None,
+    eval_data: loader.SyntheticData | loader.TextData | token_data.TokenData | None = None,
     timeline: Timeline | None = None,
 ) -> StepLoop:
     t = cfg.training

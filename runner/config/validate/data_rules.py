@@ -195,7 +195,7 @@ def _held_out(cfg: RunConfig, loaded: list[tuple[str, str, float, dict]], out: l
     if e.interval == 0 or e.steps < 1 or t.seq_len < 1:
         return
     batch = t.global_batch_size * (cfg.parallelism.dp_replicate if fault_tolerance.enabled(cfg) else 1)  # runner.run.ft.data_coords
-    held = [_samples(cfg, m["splits"]["eval"]) for *_, m in loaded]  # runner.run.loader.TokenData
+    held = [_samples(cfg, m["splits"]["eval"]) for *_, m in loaded]  # runner.run.token_data.TokenData
     mix = Mixture([w for _, _, w, _ in loaded])
 
     def short(steps: int) -> list[int]:
