@@ -34,22 +34,24 @@ from runner.schema.choices import (
     WandbMode,
     WorkerStart,
 )
+from runner.schema.monitoring import (
+    InjectConfig,
+    IntegrityConfig,
+    LossGuardConfig,
+    MoeLoadConfig,
+    MonitorConfig,
+    StragglerConfig,
+)
 from runner.schema.operations import (
     CheckpointConfig,
     ClusterConfig,
     DistributedConfig,
     FaultToleranceConfig,
     FlightRecorderConfig,
-    InjectConfig,
-    IntegrityConfig,
     LocalCheckpointConfig,
     LoggingConfig,
-    LossGuardConfig,
-    MoeLoadConfig,
-    MonitorConfig,
     ProfileConfig,
     SlurmConfig,
-    StragglerConfig,
     WandbConfig,
 )
 from runner.schema.training import (
