@@ -41,10 +41,9 @@ recomputation, the 5*a*s/h score term dropped (fused attention).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from runner.estimate import flops, pipeline
+from runner.estimate import flops, pipeline, pipeline_ranks
 from runner.estimate.predict import fp8_cost as fp8
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
@@ -151,82 +150,10 @@ def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bo
     return layers[0] * dense_block + layers[1] * moe_block + emb + head, head
 
 
-def _stage_blocks(cfg: RunConfig, lay: Layout) -> list[tuple[int, int]]:
-    """(dense, moe) blocks held by each pipeline rank (its virtual stages together)."""
-    m, p = cfg.model, cfg.parallelism
-    v = p.pp_virtual_stages if lay.pp > 1 else 1
-    dense = m.num_dense_layers if flops.is_moe(m) else m.num_layers
-    v_shape = v > 1 and p.pp_schedule in ("ZBVZeroBubble", "DualPipeV")
-    return _blocks_per_rank(m.num_layers, dense, lay.pp, v, v_shape, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-
-
-@functools.lru_cache(maxsize=4096)
-def _blocks_per_rank(num_layers: int, dense: int, pp: int, v: int, v_shape: bool, first: int, last: int) -> list[tuple[int, int]]:
-    """Cached: mode=search asks for the same split for thousands of candidates."""
-    split = pipeline.stage_layers(num_layers, pp * v, first, last)
-    dense_left, out = dense, [[0, 0] for _ in range(pp)]
-    for i, n in enumerate(split):
-        rank = min(i, 2 * pp - 1 - i) if v_shape else i % pp
-        d = min(n, dense_left)
-        dense_left -= d
-        out[rank][0] += d
-        out[rank][1] += n - d
-    return [tuple(x) for x in out]
-
-
 def rope_bytes_per_position(m) -> float:
     """One block's RoPE table per position: complex64 rotations (head_dim / 2) or fp32 cos and sin (head_dim each)."""
     head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
     return head_dim * ROPE_COS_SIN_BYTES if m.rope_cos_sin else head_dim / 2 * ROPE_ENTRY_BYTES
-
-
-def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
-    """Microbatches whose activations pipeline stage `stage` holds at its peak (1F1B family: pp - stage)."""
-    if lay.pp == 1:
-        return 1
-    if cfg.parallelism.pp_schedule in ("GPipe", "LoopedBFS"):
-        return micro
-    return min(micro, lay.pp - stage)
-
-
-def _looped_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[int] | None:
-    """Interleaved1F1B: the microbatches each of rank `st`'s virtual stages (st, st + pp, ...) holds at its peak. Before
-    its first backward the rank runs torch's warm-up, (v - 1) x the microbatches of a round + 2 (pp - 1 - st) forwards,
-    a round of each virtual stage in turn, then one more forward as the steady state starts (Qwen3-235B pp8 v2, rank 0:
-    15 and 8, the dry run's 7.86 GB; the last rank: 8 of its blocks' stage, 1 of the head's). None for other schedules."""
-    p = cfg.parallelism
-    if lay.pp == 1 or p.pp_schedule != "Interleaved1F1B":
-        return None
-    v = p.pp_virtual_stages
-    per_round = micro // max(1, micro // lay.pp)
-    warmup = min((v - 1) * per_round + 2 * (lay.pp - 1 - st), micro * v)
-    held = [0] * v
-    for k in range(min(warmup + 1, micro * v)):
-        held[(k // per_round) % v] += 1
-    return held
-
-
-def _chunk_blocks(cfg: RunConfig, lay: Layout, st: int) -> list[tuple[int, int]]:
-    """(dense, moe) blocks of each of rank `st`'s virtual stages in a looped schedule (stage st + c x pp)."""
-    m, p = cfg.model, cfg.parallelism
-    split = pipeline.stage_layers(m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    dense_left, out = m.num_dense_layers if flops.is_moe(m) else m.num_layers, []
-    for i, n in enumerate(split):
-        d = min(n, dense_left)
-        dense_left -= d
-        if i % lay.pp == st:
-            out.append((d, n - d))
-    return out
-
-
-def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: bool) -> int:
-    """Receive buffers per microbatch of rank `st`: torch's PipelineStage makes, per virtual stage, one for its input
-    (all but the model's first stage) and one for its output's gradient (all but the last), kept across steps. A looped
-    schedule's rank holds stages st, st + pp, ...; a V schedule's (single-stage count kept) is not checked yet."""
-    if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style != "loop":
-        return (not first) + (not last)
-    n = lay.pp * cfg.parallelism.pp_virtual_stages
-    return sum((s != 0) + (s != n - 1) for s in range(st, n, lay.pp))
 
 
 def _selective_op_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
@@ -266,7 +193,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # the last stage holds the final norm, the head and the loss: pipeline rank pp - 1, or rank 0 in a V schedule
     v_shaped = lay.pp > 1 and pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
     first, last = st == 0, st == (0 if v_shaped else lay.pp - 1)
-    blocks = _stage_blocks(cfg, lay)[st]
+    blocks = pipeline_ranks.stage_blocks(cfg, lay)[st]
     params, head = _stage_params(cfg, blocks, first, last)
     ep_share = 0.0
     if flops.is_moe(m) and lay.ep > 1:  # routed experts are split over ep before FSDP shards the rest
@@ -297,13 +224,13 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     extras = _extras(cfg, lay, first, last, tokens, hidden)
     # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
     # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
-    receive = micro * hidden * receive_buffers(cfg, lay, st, first, last)
-    activations = in_flight(cfg, lay, micro, st) * (layers + extras) + receive
-    held = _looped_held(cfg, lay, micro, st)
+    receive = micro * hidden * pipeline_ranks.receive_buffers(cfg, lay, st, first, last)
+    activations = pipeline_ranks.in_flight(cfg, lay, micro, st) * (layers + extras) + receive
+    held = pipeline_ranks.looped_held(cfg, lay, micro, st)
     if held is not None:  # each virtual stage's blocks and extras times the microbatches it holds
         n = lay.pp * cfg.parallelism.pp_virtual_stages
         activations = receive
-        for c, (blk, k) in enumerate(zip(_chunk_blocks(cfg, lay, st), held, strict=True)):
+        for c, (blk, k) in enumerate(zip(pipeline_ranks.chunk_blocks(cfg, lay, st), held, strict=True)):
             cf, cl = st + c * lay.pp == 0, st + c * lay.pp == n - 1
             saved = _saved_by_blocks(cfg, lay, blk, cf, (full_layer, moe_layer, hidden), tokens)
             activations += k * (saved + _extras(cfg, lay, cf, cl, tokens, hidden))
