@@ -8,7 +8,7 @@ import json
 import pytest
 
 from runner.estimate.predict import accuracy
-from runner.outputs import comparison
+from runner.outputs import comparison, run_rows
 
 
 def test_a_measured_run_shows_its_predicted_step_time_and_the_error(tmp_path, capsys):
@@ -69,7 +69,7 @@ def _sweep_with_a_layout_that_does_not_fit(tmp_path):
         (tmp_path / name / ".hydra").mkdir(parents=True)
         (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- mode=plan\n- parallelism.tp={tp}\n")
         (tmp_path / name / result).write_text(json.dumps(body))
-    return comparison.collect([tmp_path])
+    return run_rows.collect([tmp_path])
 
 
 def test_layouts_that_do_not_fit_rank_after_those_that_fit_in_the_table(tmp_path, capsys):
@@ -129,7 +129,7 @@ def test_traced_layouts_show_each_term_measured_beside_predicted_and_the_term_be
         "tp +0.400 s",
     ]
     assert rows["cp2"][0] == "0.700" and rows["cp2"][-1] == "-"
-    fig = comparison.figure(comparison.collect([tmp_path]))
+    fig = comparison.figure(run_rows.collect([tmp_path]))
     split = fig.axes[1]
     labels = [t.get_text() for t in split.get_yticklabels()]
     assert labels == [f"{n}  {w}" for n in ("dp2_pp2", "cp2", "dp2_tp2") for w in ("predicted", "measured")]  # fastest first

@@ -181,13 +181,13 @@ def test_eval_line_and_summary_reach_the_sinks(tmp_path):
 
 
 def test_compare_shows_the_final_eval_loss(tmp_path):
-    from runner.outputs import comparison
+    from runner.outputs import comparison, run_rows
 
     base = {"degrees": "dp=2", "memory_gb_max": 1.0, "plan_check": {}, "step_time_s_median": 1.0, "mfu_median": 0.1}
     for name, extra in (("with", {"eval_loss_final": 6.54321}), ("without", {})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(base | extra))
-    rows = comparison.collect([tmp_path])
+    rows = run_rows.collect([tmp_path])
     table = comparison.table(rows)
     assert table.columns[-1].header == "eval loss"
     assert {r["run"]: cell for r, cell in zip(rows, table.columns[-1]._cells, strict=True)} == {"with": "6.5432", "without": "-"}

@@ -83,14 +83,14 @@ def test_startup_block_counts(compose, tmp_path):
 
 
 def test_compare_shows_a_cpu_plan_with_the_rank_overhead(compose, tmp_path):
-    from runner.outputs import comparison
+    from runner.outputs import run_rows
 
     cfg = compose(["parallelism=single"])
     b = plan.compute(cfg, validate.check(cfg))
     plan.write(b, tmp_path)
-    row = comparison.load(tmp_path)
+    row = run_rows.load(tmp_path)
     model, over = b["total_gb_per_gpu"], cfg.cluster.rank_overhead_gb
     assert row["memory"] == f"{model + over:.3g} GB ? ({model:.3g} model + {over:g} rank overhead)"
     gpu = compose(["recipe=llama3_70b_h100x1024"])
     plan.write(plan.compute(gpu, validate.check(gpu)), tmp_path)
-    assert "overhead" not in comparison.load(tmp_path)["memory"]  # device memory on GPU: no host overhead
+    assert "overhead" not in run_rows.load(tmp_path)["memory"]  # device memory on GPU: no host overhead
