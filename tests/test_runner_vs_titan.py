@@ -19,17 +19,7 @@ RTOL = 1e-5
 
 @pytest.mark.e2e
 def test_runner_losses_are_titan_trainers(parity_runs, hf_folders, tmp_path):
-    from bench import titan_trainer
-
-    runner = parity_runs[points.TITAN_TRAINER]["rows"]
-    spec = titan_trainer.write_spec(tmp_path, points.titan_trainer(hf_folders))
-    proc = run_module(*titan_trainer.launch_args(spec, 4, fork=True), env=titan_trainer.launch_env(4), timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    titan = titan_trainer.result(spec)
-    assert [r["step"] for r in runner] == [r["step"] for r in titan] == [1, 2, 3]
-    for mine, theirs in zip(runner, titan, strict=True):
-        assert mine["loss"] == pytest.approx(theirs["loss"], rel=RTOL), (mine["step"], mine["loss"], theirs["loss"])
-        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), (mine["step"], mine["grad_norm"], theirs["grad_norm"])
+    _equals_titan_trainer(parity_runs[points.TITAN_TRAINER]["rows"], points.titan_trainer(hf_folders), tmp_path)
 
 
 @pytest.mark.e2e
@@ -37,10 +27,15 @@ def test_runner_trains_documents_as_titan_trainer(parity_runs, titan_text, tmp_p
     """data=text with document masks: TorchTitan's Trainer with its HuggingFaceTextDataset, its HuggingFaceTokenizer (BOS and
     EOS from tokenizer_config.json) and its per-batch masks (the CPU's dense form, bench/titan_trainer.cpu_document_masks)
     trains the runner's losses and grad norms (bench/runner_vs_titan.py --data text: bitwise equal on tp2_pp2)."""
+    _equals_titan_trainer(parity_runs[points.TITAN_TRAINER_TEXT]["rows"], points.titan_trainer_text(*titan_text), tmp_path)
+
+
+def _equals_titan_trainer(runner: list[dict], spec_args, tmp_path) -> None:
+    """TorchTitan's Trainer on 4 forked ranks (bench/titan_trainer.py) trains steps 1-3 to the runner's losses and grad
+    norms within RTOL."""
     from bench import titan_trainer
 
-    runner = parity_runs[points.TITAN_TRAINER_TEXT]["rows"]
-    spec = titan_trainer.write_spec(tmp_path, points.titan_trainer_text(*titan_text))
+    spec = titan_trainer.write_spec(tmp_path, spec_args)
     proc = run_module(*titan_trainer.launch_args(spec, 4, fork=True), env=titan_trainer.launch_env(4), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     titan = titan_trainer.result(spec)
