@@ -358,8 +358,11 @@ def test_fp8_converted_layers_and_accounting(runs):
         assert (s["peak_dtype"], s["fp8_emulated"], rec["emulated"]) == ("float32" if emulated else "float8", emulated, emulated)
         assert ("EMULATED in PyTorch ops" in console) == emulated
         assert ("square torch.mm " if emulated else "square torch._scaled_mm (e4m3) ") in peak["method"], peak["method"]
+        assert peak["mfu_dtype"] == "float32"  # MFU against param_dtype's peak, as a GPU's against bf16's (issue 54)
         for r in metrics(run_dir):
-            assert r["mfu"] == pytest.approx(r["tokens_per_s"] * s["flops_per_token"] / (peak["peak_tflops"] * 1e12))
+            work = r["tokens_per_s"] * s["flops_per_token"]
+            assert r["mfu"] == pytest.approx(work / (peak["mfu_peak_tflops"] * 1e12)) and 0 < r["mfu"] <= 1
+            assert r["mfu_of_gemm_peak"] == pytest.approx(work / (peak["peak_tflops"] * 1e12))  # the GEMMs' own peak
     assert summary(runs["fp8_blockwise_tp2_pp2"])["degrees"] == "pp=2 x tp=2"
 
 
