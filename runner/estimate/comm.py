@@ -1,5 +1,5 @@
 """Communication of one step in the step budget: TP, PP, DP, CP and EP traffic per device and its time
-(conventions in runner/estimate/plan/__init__.py's docstring)."""
+(conventions in runner/estimate/plan.py's docstring)."""
 
 from __future__ import annotations
 

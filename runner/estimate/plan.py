@@ -34,7 +34,7 @@ from typing import Any
 from runner.estimate import flops, pipeline, precision
 from runner.estimate.comm import communication
 from runner.estimate.memory import memory
-from runner.estimate.plan.render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
+from runner.estimate.plan_render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
 from runner.estimate.predict import steptime
 from runner.formats import checkpoint, runfiles
 from runner.schema import ClusterConfig, RunConfig, layout
