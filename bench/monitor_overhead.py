@@ -44,7 +44,7 @@ def hooks(interval: int) -> dict[str, float]:
     """Seconds per hook call, measured in this process on a one-rank gloo group."""
     import torch.distributed as dist
 
-    from runner.observe import forensics, monitor
+    from runner.observe import monitor, rank_recorder
     from runner.run.device import DevicePolicy
     from runner.schema import RunConfig
     from runner.schema.layout import Layout
@@ -53,8 +53,8 @@ def hooks(interval: int) -> dict[str, float]:
     dist.init_process_group("gloo")
     cfg, lay = RunConfig(), Layout(1, 1, 1, 1, 1)
     with tempfile.TemporaryDirectory() as d:
-        rec = forensics.RankRecorder(cfg, Path(d), 0, lay.coords(0))
-        rec.groups = forensics.process_groups()
+        rec = rank_recorder.RankRecorder(cfg, Path(d), 0, lay.coords(0))
+        rec.groups = rank_recorder.process_groups()
         mon = monitor.StepMonitor(cfg.monitor, DevicePolicy.of(cfg.cluster, cfg.distributed), lay.coords, 0, rec, Path(d))
         n = 20000
         t0 = time.perf_counter()

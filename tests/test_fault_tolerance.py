@@ -154,19 +154,19 @@ def test_flight_recorder_dumps_under_torchft_quorum_folders(compose, tmp_path, m
     import torch.distributed as dist
     from torch.distributed.flight_recorder.components import loader as fr_loader
 
-    from runner.observe import forensics
+    from runner.observe import forensics, rank_recorder
 
     cfg = compose(FT)
-    folder = forensics.dump_folder(cfg, tmp_path)
+    folder = rank_recorder.dump_folder(cfg, tmp_path)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/rank__quorum_2/3")
-    path = forensics.dump_path(cfg, tmp_path, 1)
+    path = rank_recorder.dump_path(cfg, tmp_path, 1)
     assert path == folder / "rank__quorum_2" / "3"
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         dist.all_reduce(torch.ones(2))
         path.parent.mkdir(parents=True)
-        forensics.dump_flight_recorder(path)
+        rank_recorder.dump_flight_recorder(path)
     finally:
         dist.destroy_process_group()
     assert forensics.analyse_commands(folder) == [f"torchfrtrace {path.parent} --prefix '' --allow-incomplete-ranks"]

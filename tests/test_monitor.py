@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 from runner.formats import runfiles
-from runner.observe import forensics, loss_guard, monitor
+from runner.observe import forensics, loss_guard, monitor, rank_recorder
 from runner.run import startup
 from runner.schema import Backend, DeviceType, GuardAction, LossGuardConfig, RunConfig, StragglerConfig, layout
 from tests.conftest import ROOT, metrics, run_cli
@@ -503,12 +503,12 @@ def test_cuda_flight_recorder_environment(tmp_path):
     cfg.cluster.device = DeviceType.cuda
     cfg.distributed.flight_recorder.buffer_size = 5000
     cfg.distributed.flight_recorder.enable_timing = True
-    env = forensics.rank_env(cfg, tmp_path)
+    env = rank_recorder.rank_env(cfg, tmp_path)
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "5000" and env["TORCH_FR_BUFFER_SIZE"] == "5000"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_ENABLE_TIMING"] == "1"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
     cfg.distributed.flight_recorder.enable = False
-    assert forensics.rank_env(cfg, tmp_path)["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert rank_recorder.rank_env(cfg, tmp_path)["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
 
 
 @pytest.mark.e2e
@@ -594,7 +594,7 @@ def test_dump_folder_exists_before_the_process_group_starts(monkeypatch, tmp_pat
     seen = []
     monkeypatch.setattr(per_rank.titan, "init_process_group", lambda cfg, policy: seen.append(sorted(p.name for p in tmp_path.rglob("*"))))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    for key, value in forensics.rank_env(cfg, tmp_path / "run").items():
+    for key, value in rank_recorder.rank_env(cfg, tmp_path / "run").items():
         monkeypatch.setenv(key, value)
     per_rank.start_rank(cfg)
     assert seen == [["flight_recorder", "run"]]
@@ -611,9 +611,9 @@ def test_nccl_recorder_is_read_beside_the_host_groups(monkeypatch, tmp_path):
 
     monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *a: dump("1", "gloo:barrier"))
     monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *a: dump("0", "nccl:all_reduce"), raising=False)
-    got = forensics.RankRecorder(_cuda_run_config(), tmp_path, 0, {})._in_flight()
+    got = rank_recorder.RankRecorder(_cuda_run_config(), tmp_path, 0, {})._in_flight()
     assert {g: c["op"] for g, c in got.items()} == {"0": "nccl:all_reduce", "1": "gloo:barrier"}
-    assert list(forensics.RankRecorder(RunConfig(), tmp_path, 0, {})._in_flight()) == ["1"]  # gloo: the generic recorder only
+    assert list(rank_recorder.RankRecorder(RunConfig(), tmp_path, 0, {})._in_flight()) == ["1"]  # gloo: the generic recorder only
 
 
 def test_waits_inside_collectives_are_timed_on_the_step_thread(tmp_path):

@@ -23,95 +23,26 @@
 
 `distributed.host_group=dedicated` gives CPU runs the CUDA arrangement of host collectives (their
 own gloo group), which is how the test suite proves on CPU that no runner collective bypasses the
-policy (`audit`). Nothing else in the runtime branches on the device; the TorchTitan adapter's CPU
+policy (runner.run.collective_audit). Nothing else in the runtime branches on the device; the TorchTitan adapter's CPU
 adaptations ask `policy.cpu`.
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
 import resource
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from runner.run import procs
+from runner.run.clocks import CpuClock, CudaEventClock, WallClock
 from runner.schema import ClusterConfig, DeviceType, DistributedConfig, HostGroup
 
-RUNNER_ROOT = Path(__file__).resolve().parent.parent
-
-
-class CpuClock:
-    """Phase times from the process's CPU time: a rank blocked in a gloo collective accrues none, so a
-    slow rank is not hidden by the peers that wait for it, and time-sharing of the cores does not count."""
-
-    measures_cpu_time = True
-
-    def now(self) -> float:
-        return time.process_time()
-
-    def start(self) -> float:
-        return time.process_time()
-
-    def stop(self, started: float) -> float:
-        return time.process_time() - started
-
-    def resolve(self, value: Any) -> float:
-        return value
-
-
-class WallClock:
-    """The step's timeline on a CPU rank: wall-clock seconds, waits and stops included (a rank stopped from outside
-    accrues none of CPU time, but all of this)."""
-
-    measures_cpu_time = False
-
-    def now(self) -> float:
-        return time.perf_counter()
-
-    def start(self) -> float:
-        return time.perf_counter()
-
-    def stop(self, started: float) -> float:
-        return time.perf_counter() - started
-
-    def resolve(self, value: Any) -> float:
-        return value
-
-
-class CudaEventClock:
-    """Phase times from CUDA events recorded on the current stream: kernels run asynchronously, so the
-    host clock would time the launches, not the work. Elapsed times are read at the end of each step (`resolve`), after
-    the step's one host synchronization (DevicePolicy.read): its events have completed, so reading them waits for nothing."""
-
-    measures_cpu_time = False
-
-    def now(self) -> float:
-        return time.perf_counter()  # host time, for the test-only busy loop only
-
-    def start(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def stop(self, started: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        return started, end
-
-    def resolve(self, value: Any) -> float:
-        if isinstance(value, float):
-            return value
-        start, end = value
-        end.synchronize()  # returns at once after the step's read; an event recorded after it (the host collective's) is near
-        return start.elapsed_time(end) / 1000
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What torch's sync debug mode warns (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync)."""
 
 
 @dataclass
@@ -304,53 +235,3 @@ class DevicePolicy:
             self.host_syncs += 1
         else:
             torch.cuda.synchronize()
-
-
-SYNC_WARNING = "called a synchronizing CUDA operation"
-"""What torch's sync debug mode warns (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync)."""
-
-AUDITED = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
-
-
-@contextmanager
-def audit(policy: DevicePolicy, out: Path):
-    """TEST-ONLY (distributed.audit_collectives): record every torch.distributed collective the runner's own
-    modules call, with the group and tensor device it used, into `out` (one JSON list per rank)."""
-    calls: list[dict[str, Any]] = []
-    # private_api: torch_distributed_collectives
-    originals = {name: getattr(dist, name) for name in AUDITED}
-
-    here = Path(__file__).resolve()
-
-    def wrap(name: str, fn):
-        def recorded(*args, **kwargs):
-            frames = [Path(f.filename).resolve() for f in inspect.stack(0)[1:4]]
-            via_policy = frames[0] == here
-            caller = inspect.stack(0)[2 if via_policy else 1]
-            path = Path(caller.filename).resolve()
-            if path.is_relative_to(RUNNER_ROOT):
-                group = kwargs.get("group")
-                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-                tensors += [x for a in args if isinstance(a, list) for x in a if isinstance(x, torch.Tensor)]
-                calls.append(
-                    {
-                        "op": name,
-                        "caller": f"{path.relative_to(RUNNER_ROOT.parent).as_posix()}:{caller.function}",
-                        "via_policy": via_policy,
-                        "group": "host" if group is not None and group is policy.host_group else "default" if group is None else "other",
-                        "devices": sorted({t.device.type for t in tensors}),
-                    }
-                )
-            return fn(*args, **kwargs)
-
-        return recorded
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(calls, indent=1) + "\n")

@@ -114,7 +114,7 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = Fal
     from torch.distributed.run import run as torchrun
 
     from runner.config import fault_tolerance as ft
-    from runner.observe import forensics
+    from runner.observe import forensics, rank_recorder
     from runner.schema import layout
 
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
@@ -130,7 +130,7 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = Fal
     try:
         _node_setup(cfg, lay, frozen)
         known_warnings.apply(known_warnings.on_console())  # the launcher's console: before the ranks import TorchTitan here
-        os.environ.update(forensics.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
+        os.environ.update(rank_recorder.rank_env(cfg, run_dir))  # the agent passes its environment to every rank
         with procs.agent_signal_handlers():
             if cfg.cluster.worker_start == WorkerStart.fork:
                 from runner.run import per_rank, titan

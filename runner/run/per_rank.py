@@ -20,12 +20,12 @@ from runner.config import freeze
 from runner.estimate import precision
 from runner.formats import data_manifest as manifest
 from runner.formats import runfiles
-from runner.observe import forensics
+from runner.observe import rank_recorder
 from runner.outputs.timeline import Timeline, process_start
 from runner.run import (
     accounting,
+    collective_audit,
     console,
-    device,
     evaluate,
     ft,
     known_warnings,
@@ -52,7 +52,7 @@ def start_rank(cfg) -> DevicePolicy:
         os.environ[mesh.NODE_NAMES_ENV] = ",".join(cfg.monitor.inject.node_names)
     policy.set_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     titan.quiet_torchao(cfg)
-    forensics.make_dump_folders()  # the recorders' dump folders, before the process group reads their prefixes
+    rank_recorder.make_dump_folders()  # the recorders' dump folders, before the process group reads their prefixes
     titan.init_process_group(cfg, policy)
     return policy
 
@@ -104,7 +104,7 @@ def main(frozen_path: str) -> None:
     run_dir = frozen.parent
     cfg, lay = ft.job_view(*_load(frozen))  # fault_tolerance=torchft: this replica group's job
     console.rank(cfg.logging.verbose, run_dir, runfiles.RUNNER_LOG)  # rank 0 writes runner.log; TorchTitan's lines as ours
-    for key, value in forensics.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
+    for key, value in rank_recorder.rank_env(cfg, run_dir).items():  # the launcher set these; torchrun-started ranks set them here
         os.environ.setdefault(key, value)
     timeline = Timeline(run_dir) if os.environ.get("RANK") == "0" else None  # rank 0 keeps the run's timeline
     if timeline is not None:
@@ -114,7 +114,7 @@ def main(frozen_path: str) -> None:
     if timeline is not None:
         timeline.mark("process_group")
     audited = cfg.distributed.audit_collectives
-    with device.audit(policy, run_dir / runfiles.COLLECTIVES / f"rank_{dist.get_rank()}.json") if audited else nullcontext():
+    with collective_audit.audit(policy, run_dir / runfiles.COLLECTIVES / f"rank_{dist.get_rank()}.json") if audited else nullcontext():
         recorder = _start_and_train(cfg, lay, run_dir, policy, timeline)
     recorder.done()
     dist.destroy_process_group()
@@ -130,7 +130,7 @@ def _start_and_train(cfg, lay: layout.Layout, run_dir: Path, policy: DevicePolic
             print(f"refusing to train: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
-    recorder = forensics.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
+    recorder = rank_recorder.RankRecorder(cfg, run_dir, rank, lay.coords(rank))
     recorder.start()
     try:
         _train(cfg, lay, pd, rank, run_dir, recorder, places, policy, timeline)
@@ -199,7 +199,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
         )
         if cfg.precision.fp8 != Fp8Recipe.none:
             header += "\n" + record_fp8(cfg, built, pk, run_dir, policy)
-        frozen, fr = run_dir / runfiles.FROZEN, forensics.dump_folder(cfg, run_dir)
+        frozen, fr = run_dir / runfiles.FROZEN, rank_recorder.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)
         slow_fp8 = accounting.slow_fp8(cfg, acc, pk)  # a CPU whose FP8 GEMMs are a reference loop: say so before the first step
         if slow_fp8:

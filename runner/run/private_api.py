@@ -44,7 +44,7 @@ class Private:
 
 P = Private
 CLI, SWEEPER = "runner/cli.py", "hydra_plugins/runner_sweeper/__init__.py"
-FORENSICS, WAITS, PROCS = "runner/observe/forensics.py", "runner/observe/waits.py", "runner/run/procs.py"
+RECORDER, WAITS, PROCS = "runner/observe/rank_recorder.py", "runner/observe/waits.py", "runner/run/procs.py"
 LEDGER, REHEARSE = "runner/run/dryrun/ledger.py", "runner/run/dryrun/rehearse.py"
 PROFILING, CPU, MODEL = "runner/run/profiling.py", "runner/run/titan/cpu.py", "runner/run/titan/model.py"
 C10D, FUNCOL = "torch.distributed.distributed_c10d", "torch.distributed._functional_collectives"
@@ -101,7 +101,7 @@ PRIVATE = (
     P("submitit_submit_module", "submitit.core._submit", "", SUBMITIT, ("runner/config/slurm.py:sbatch_script",),
       "the command SlurmExecutor puts in the sbatch file (python -u -m submitit.core._submit <folder>)"),
     P("torchft_update_fr_path", "torchft.manager", "Manager._update_fr_path", TORCHFT,
-      (f"{FORENSICS}:dump_path", f"{FORENSICS}:QUORUM_TAG"),
+      (f"{RECORDER}:dump_path", f"{RECORDER}:QUORUM_TAG"),
       "the flight-recorder dump path torchft sets per quorum (<prefix>_quorum_<id>/<global rank>), read back by its format"),
     P("python_run_exitfuncs", "atexit", "_run_exitfuncs", PYTHON, (f"{PROCS}:exit_now",),
       "the exit handlers run before os._exit skips the interpreter's finalization"),
@@ -119,19 +119,19 @@ PRIVATE = (
     P("torch_spawn_join", "torch.multiprocessing.spawn", "ProcessContext.join", TORCH, (f"{PROCS}:_fork_grace",),
       "patched: forked ranks get the configured grace period after SIGTERM, not a fixed 30 s"),
     # ---- torch: process groups, the flight recorder, collectives ----
-    P("torch_c10d_world", C10D, "_world", TORCH, (f"{FORENSICS}:process_groups", "runner/run/titan/distributed.py:_set_group_timeouts"),
+    P("torch_c10d_world", C10D, "_world", TORCH, (f"{RECORDER}:process_groups", "runner/run/titan/distributed.py:_set_group_timeouts"),
       "c10d's registry of process groups: their names and ranks"),
     P("torch_set_pg_timeout", C10D, "_set_pg_timeout", TORCH, ("runner/run/titan/distributed.py:_set_group_timeouts",),
       "DeviceMesh's groups get the configured timeout, not the backend's default"),
     P("torch_resolve_process_group", C10D, "_resolve_process_group", TORCH, (f"{LEDGER}:_group_of", f"{PROFILING}:CollectiveNames._group"),
       "the process group behind a group name (what the functional collectives and the c10d ops take)"),
     P("torch_pg_sequence_number", "torch.distributed", "ProcessGroup._get_sequence_number_for_group", TORCH,
-      (f"{FORENSICS}:_sequence_numbers",), "how many collectives each group has issued, to tell which rank is behind in a hang report"),
-    P("torch_dump_fr_trace_json", "torch._C._distributed_c10d", "_dump_fr_trace_json", TORCH, (f"{FORENSICS}:_last_collectives",),
+      (f"{RECORDER}:_sequence_numbers",), "how many collectives each group has issued, to tell which rank is behind in a hang report"),
+    P("torch_dump_fr_trace_json", "torch._C._distributed_c10d", "_dump_fr_trace_json", TORCH, (f"{RECORDER}:_last_collectives",),
       "the flight recorder's entries, for the last collective of each group"),
-    P("torch_dump_nccl_trace_json", "torch._C._distributed_c10d", "_dump_nccl_trace_json", TORCH, (f"{FORENSICS}:_last_collectives",),
+    P("torch_dump_nccl_trace_json", "torch._C._distributed_c10d", "_dump_nccl_trace_json", TORCH, (f"{RECORDER}:_last_collectives",),
       "NCCL's flight recorder, beside the generic one", nccl=True),
-    P("torch_dump_fr_trace", "torch._C._distributed_c10d", "_dump_fr_trace", TORCH, (f"{FORENSICS}:dump_flight_recorder",),
+    P("torch_dump_fr_trace", "torch._C._distributed_c10d", "_dump_fr_trace", TORCH, (f"{RECORDER}:dump_flight_recorder",),
       "the flight recorder as the pickle torchfrtrace reads"),
     P("torch_work_wait", "torch._C._distributed_c10d", "Work.wait", TORCH, (f"{WAITS}:_WORK", f"{WAITS}:Waits.start"),
       "patched while a step runs: each rank's waits inside collectives are timed"),
@@ -143,8 +143,8 @@ PRIVATE = (
     P("torch_funcol_resolve_group_name", FUNCOL, "_resolve_group_name", TORCH, (f"{PROFILING}:CollectiveNames._group",),
       "the group name of a functional collective's group argument, to name its mesh axis in the trace"),
     P("torch_distributed_collectives", "torch.distributed", "", TORCH,
-      ("runner/run/device.py:audit", f"{PROFILING}:CollectiveNames.__enter__"),
-      "patched: the collectives of device.AUDITED are recorded (test-only audit), those of profiling.DIST_OPS named in traces"),
+      ("runner/run/collective_audit.py:audit", f"{PROFILING}:CollectiveNames.__enter__"),
+      "patched: the collectives of collective_audit.AUDITED are recorded (test-only audit), those of profiling.DIST_OPS named in traces"),
     P("torch_pipeline_wait_batch_p2p", SCHEDULES, "_wait_batch_p2p", TORCH, (f"{PROFILING}:CollectiveNames.__enter__",),
       "patched while a traced step runs: the schedules' P2P waits get a span of their own"),
     P("torch_checkpoint_rerun", "torch.utils.checkpoint", "_run_fn_with_dynamo_disabled", TORCH,

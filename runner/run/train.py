@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint, hf_folder, runfiles
-from runner.observe import attribution, forensics, integrity, loss_guard, plan_check
+from runner.observe import attribution, integrity, loss_guard, plan_check, rank_recorder
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.outputs.timeline import Timeline
@@ -69,7 +69,7 @@ def build(
     acc: Accounting,
     sinks: list[Sink],
     run_dir: Path,
-    recorder: forensics.RankRecorder | None,
+    recorder: rank_recorder.RankRecorder | None,
     hooks: Hooks | None,
     policy: DevicePolicy,
     eval_data: loader.SyntheticData | loader.TextData | token_data.TokenData | None = None,
