@@ -3,6 +3,7 @@ rejected with field, value and fix, exit code 2, no traceback and no run folder.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -698,6 +699,27 @@ def test_only_the_device_policy_branches_on_the_device():
         if p.relative_to(ROOT).as_posix() not in allowed
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if branching.search(line)
+    ]
+    assert found == []
+
+
+def test_test_only_faults_live_in_one_module():
+    """Every fault a test plants (a switch of monitor.inject) is read by runner.observe.fault_injection and by no other
+    module of the runtime; only the simulated node names (`node_names`, the mesh and the local tier's nodes) are read
+    where nodes are."""
+    from runner.schema import InjectConfig
+
+    switches = [f.name for f in dataclasses.fields(InjectConfig) if f.name != "node_names"]
+    home = ROOT / "runner/observe/fault_injection.py"
+    assert [s for s in switches if not re.search(rf"\.{s}\b", home.read_text())] == []
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {s}"
+        for d in ("runner/run", "runner/observe")
+        for p in sorted((ROOT / d).rglob("*.py"))
+        if p != home
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        for s in switches
+        if re.search(rf"\binject\.{s}\b|\b(c|i)\.{s}\b", line)
     ]
     assert found == []
 

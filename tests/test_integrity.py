@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from runner.formats import runfiles
-from runner.observe import integrity, loss_guard, monitor
+from runner.observe import fault_injection, integrity, loss_guard, monitor
 from runner.run import startup
-from runner.schema import InjectConfig, IntegrityConfig, StragglerConfig, layout
+from runner.schema import InjectConfig, StragglerConfig, layout
 from runner.schema.layout import Layout
 from tests.conftest import ROOT, metrics, run_cli, summary
 
@@ -141,7 +141,7 @@ def test_a_device_wrong_the_same_way_twice_disagrees_with_its_peers(tmp_path, ca
     policy = SimpleNamespace(set_rng_state=lambda rng: None, all_gather_object=lambda mine: [(a, a) for a in off])
     judge = attribution.Attributor(policy, who, 0, tmp_path, MismatchAction.stop, [[0, 1], [2, 3]])
     verdict = loss_guard.Verdict("loss 40 > 3 x running median 1", "skip", "loss", 40.0, 1.0)
-    mon = SimpleNamespace(attributing=False)
+    mon = SimpleNamespace(faults=SimpleNamespace(attributing=False))
     e = judge.judge(5, verdict, (1.0, 2.0), lambda: (1.0, 2.0), [], lambda: None, None, mon, lambda: [])
     assert (e["verdict"], e["check"], e["ranks"], e["hosts"], e["action"]) == ("hardware", "peers", [2, 3], ["h2", "h3"], "stop")
     assert "step 5 loss 40 > 3 x running median 1: hardware (rank 2, 3, host h2, h3 disagrees with peers that must agree)" in (
@@ -205,11 +205,11 @@ def test_checksum_sees_one_flipped_bit():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     before = integrity.checksums([model])
-    checker = integrity.Checker(IntegrityConfig(), InjectConfig(flip_rank=0, flip_at_step=2), Layout(1, 1, 1, 1, 1), 0, None, ROOT, [])
-    checker.begin_step(1, [model])
+    faults = fault_injection.Faults(InjectConfig(flip_rank=0, flip_at_step=2), rank=0)
+    faults.flip(1, [model])
     assert integrity.checksums([model]) == before  # not the flip step
     w0, bit = model.weight[0, 0].item(), int(model.weight.detach().view(torch.int32)[0, 0]) & (1 << 22)
-    checker.begin_step(2, [model])
+    faults.flip(2, [model])
     after = integrity.checksums([model])
     # one bit: the (wrapping int32) sum moves by its power of two
     assert (after["weight"] - before["weight"]) % (1 << 32) == (-(1 << 22) if bit else 1 << 22) % (1 << 32)

@@ -182,3 +182,42 @@ def test_a_resumed_schedule_warns_only_in_the_rank_logs(compose):
         assert shown == ["To get the last learning rate computed by the scheduler, please use `get_last_lr()`."]
     finally:
         known_warnings.apply(False)
+
+
+def _documented_keys() -> dict[str, str]:
+    """docs/outputs.md's table of metrics.jsonl keys: key -> when it is written ('every row' or a condition)."""
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs/outputs.md").read_text()
+    section = text[text.index("## metrics.jsonl, key by key") :]
+    section = section[: section.index("\n## ", 1)]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `"):
+            out |= dict.fromkeys((k.strip().strip("`") for k in cells[0].split(",")), cells[1])
+    return out
+
+
+def test_the_documented_metrics_keys_are_the_step_rows_fields():
+    """docs/outputs.md lists every key of metrics.jsonl, and only those, with the keys of every row marked alike in the
+    doc and the dataclass (a field with no default of None)."""
+    from runner.formats import metrics_row
+
+    documented = _documented_keys()
+    assert sorted(documented) == sorted(metrics_row.FIELDS)
+    assert sorted(k for k, when in documented.items() if when == "every row") == sorted(metrics_row.ALWAYS)
+
+
+def test_a_step_row_leaves_out_what_did_not_happen_and_refuses_an_unknown_key():
+    import dataclasses
+
+    import pytest
+
+    from runner.formats.metrics_row import StepRow
+
+    every = {f.name: 1 for f in dataclasses.fields(StepRow) if f.default is dataclasses.MISSING}
+    row = StepRow(**every).add({"eval_loss": 2.0, "eval_ppl": 7.4, "eval_s": 0.5})
+    assert row.as_json() == every | {"host_syncs": 0, "attempt": 0, "eval_loss": 2.0, "eval_ppl": 7.4, "eval_s": 0.5}
+    with pytest.raises(KeyError, match=r"no field \['eval_perplexity'\]; add it to runner.formats.metrics_row.StepRow"):
+        row.add({"eval_perplexity": 7.4})

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.observe import loss_guard, monitor
+from runner.observe import fault_injection, loss_guard, monitor
 from runner.run import step_loop
 from runner.run.device import DevicePolicy
 from runner.run.loader import Prefetch, SyntheticData
-from runner.schema import DeviceType, LossGuardConfig, MonitorConfig
+from runner.schema import DeviceType, InjectConfig, LossGuardConfig, MonitorConfig
 
 
 def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch):
@@ -93,7 +93,8 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
 
     def row(step, loss, norm, dt, *rest):
         events.append(f"row dt={dt:g}")
-        return {"step": step, "step_time_s": dt}
+        zero = dict.fromkeys(("tokens_per_s", "lr", "mfu", "mfu_6n", "mfu_of_gemm_peak", "memory_gb"), 0.0)
+        return {"step": step, "loss": loss, "grad_norm": norm, "step_time_s": dt} | zero
 
     monkeypatch.setattr(step_loop, "row", row)
     opt = _Optimizers(
@@ -103,9 +104,14 @@ def _fake_loop(monkeypatch, events: list[str], losses: dict[int, float], steps: 
     )
     return _loop(
         mon=SimpleNamespace(
-            begin_step=lambda s: None, phase=lambda name: nullcontext(), end_step=lambda: [], finished_step=lambda: None, windows_judged=0
+            begin_step=lambda s: None,
+            phase=lambda name: nullcontext(),
+            end_step=lambda: [],
+            finished_step=lambda: None,
+            windows_judged=0,
+            faults=fault_injection.Faults(InjectConfig(), rank=0),
         ),
-        integrity=SimpleNamespace(begin_step=lambda s, p: None, check_due=lambda s: False, checks=0, replays=0, take=lambda: []),
+        integrity=SimpleNamespace(check_due=lambda s: False, checks=0, replays=0, take=lambda: []),
         guard=loss_guard.LossGuard(LossGuardConfig(warmup_steps=1)),
         opt=opt,
         sched=SimpleNamespace(step=lambda: None),

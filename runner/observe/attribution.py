@@ -48,11 +48,11 @@ class Attributor:
         a = {"loss": first[0], "grad_sq": integrity.grad_sq(parts), "grad_norm": first[1]}
         zero_grad()
         self.policy.set_rng_state(rng)
-        mon.attributing = True
+        mon.faults.attributing = True  # the test-only transient fault does not strike again
         try:
             loss, norm = again()
         finally:
-            mon.attributing = False
+            mon.faults.attributing = False
         b = {"loss": loss, "grad_sq": integrity.grad_sq(parts), "grad_norm": norm}
         runs = self.policy.all_gather_object((a, b))
         differ = integrity.replay_verdict(step, runs, self.who) or peer_mismatches(step, [a for a, _ in runs], self.tp_groups, self.who)

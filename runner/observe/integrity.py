@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from runner.formats import runfiles
-from runner.schema import InjectConfig, IntegrityConfig
+from runner.schema import IntegrityConfig
 from runner.schema.layout import Layout, group_of
 
 INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -125,26 +125,15 @@ def describe(m: dict[str, Any]) -> str:
 
 
 class Checker:
-    """What the step loop calls: the test-only bit flip, the replay, and the replica check at its interval (one per rank)."""
+    """What the step loop calls: the replay, and the replica check at its interval (one per rank)."""
 
-    def __init__(self, cfg: IntegrityConfig, inject: InjectConfig, lay: Layout, rank: int, policy, run_dir: Path, who: list[dict]):
-        self.cfg, self.inject, self.rank, self.policy, self.who = cfg, inject, rank, policy, who
+    def __init__(self, cfg: IntegrityConfig, lay: Layout, rank: int, policy, run_dir: Path, who: list[dict]):
+        self.cfg, self.rank, self.policy, self.who = cfg, rank, policy, who
         self.groups = replica_groups(lay)
         self.path = run_dir / runfiles.INTEGRITY_REPORT
         self.found: list[dict[str, Any]] = []  # every mismatch of the run, as integrity_report.json lists them
         self.new: list[dict[str, Any]] = []  # those not yet attached to a metrics row (take)
         self.checks = self.replays = 0
-        self._flipped = False
-
-    def begin_step(self, step: int, parts: list[torch.nn.Module]) -> None:
-        """TEST-ONLY: flip_rank flips bit 22 (a float32 mantissa's top bit) of its first parameter's first element,
-        once (a rewind replays the step without flipping again)."""
-        if self.rank == self.inject.flip_rank and step == self.inject.flip_at_step and not self._flipped:
-            self._flipped = True
-            with torch.no_grad():
-                t = local_shard(next(parts[0].parameters()))
-                flat = t.view(INT_OF_WIDTH[t.element_size()]).view(-1)
-                flat[0] ^= 1 << min(22, 8 * t.element_size() - 2)
 
     def replay_due(self, step: int) -> bool:
         return self.cfg.replay_interval > 0 and step % self.cfg.replay_interval == 0
@@ -156,11 +145,11 @@ class Checker:
         a = {"loss": float(first), "grad_sq": grad_sq(parts)}
         zero_grad()
         self.policy.set_rng_state(rng)
-        mon.replaying = True
+        mon.faults.replaying = True  # the test-only non-reproducible rank (fault_injection)
         try:
             second = compute()
         finally:
-            mon.replaying = False
+            mon.faults.replaying = False
         b = {"loss": float(second), "grad_sq": grad_sq(parts)}
         self.replays += 1
         self._record(replay_verdict(step, self.policy.all_gather_object((a, b)), self.who))

@@ -147,7 +147,3 @@ class LossGuard:
     def describe(self, step: int, verdict: Verdict) -> str:
         """The console's line for an accepted spike: the step, its value against the median, what the guard did."""
         return f"loss guard: step {step}: {verdict.spike} {verdict.why}, the running medians restart from this step"
-
-    def shifted(self, step: int, grad_norm: float, inject) -> float:
-        """TEST-ONLY: the grad norm the guard judges, times inject.norm_shift_scale from inject.norm_shift_step on."""
-        return grad_norm * inject.norm_shift_scale if inject.norm_shift_step and step >= inject.norm_shift_step else grad_norm

@@ -1,17 +1,17 @@
-"""Observers of the step loop: phase timing and the straggler monitor, test-only fault injection.
+"""Observers of the step loop: phase timing and the straggler monitor.
 
 `StragglerJudge` and `ArrivalJudge` are plain Python (unit-tested without ranks); the loss-spike guard is
 runner.observe.loss_guard. `StepMonitor` is what the step loop calls at its phase boundaries: it times each phase on
 the policy's clock, the step and its waits inside collectives on the policy's timeline clock (runner.observe.waits: a
-rank's own work is the step less its waits), tells the rank's forensics record where the rank is, and every
-`monitor.straggler.interval` steps gathers the per-rank medians in one small all-gather.
+rank's own work is the step less its waits), tells the rank's record (runner.observe.rank_recorder) where the rank is,
+and every `monitor.straggler.interval` steps gathers the per-rank medians in one small all-gather. The test-only faults a
+run may plant are runner.observe.fault_injection's (`faults`, the rank's set, struck at the phase boundaries).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import statistics
 import time
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.formats import runfiles
+from runner.observe.fault_injection import Faults
 from runner.schema import MonitorConfig, StragglerConfig
 
 JUDGED = ("forward", "backward", "optimizer", "pp_compute", "own")
@@ -111,12 +112,9 @@ class StepMonitor:
 
     def __init__(self, cfg: MonitorConfig, policy, coords_of, rank: int, recorder, run_dir: Path, compiled: bool = False):
         self.rank, self.recorder, self.policy = rank, recorder, policy
-        self.s, self.inject = cfg.straggler, cfg.inject
+        self.s = cfg.straggler
         self.judge = StragglerJudge(self.s)
         self.arrivals = ArrivalJudge(self.s)
-        self.replaying = False  # set by the replay check (runner.observe.integrity) while it recomputes a step
-        self.attributing = False  # set while a flagged step is replayed (runner.observe.attribution)
-        self._fault = "due"  # the test-only compute fault: due | fired (this step) | done
         self.step = 0
         self.now: dict[str, float] = {}
         self._pending: list[tuple[str, Any]] = []  # phases whose time the clock resolves at the end of the step
@@ -130,13 +128,13 @@ class StepMonitor:
         who = policy.all_gather_object({"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0))})
         self.ws = len(who)
         self.who = [{**w, "coords": coords_of(r)} for r, w in enumerate(who)]
-        self._t0 = 0.0
         self._wall0, self._stamps = time.perf_counter(), []
         # What a phase costs this rank, by the device policy's clock: on CPU the process's CPU time (a rank
         # blocked in a gloo collective accrues none, so the peers that wait for a slow rank do not look as slow
         # as it), on CUDA events around the phase's kernels.
         self.clock = policy.clock()
         self.timeline = policy.timeline_clock()  # the step, its waits and pipeline stages (runner.observe.waits)
+        self.faults = Faults(cfg.inject, rank, self.clock)  # TEST-ONLY: what monitor.inject plants in this rank
         from runner.observe import waits  # torch: the config side imports this module torch-free
 
         self.waits = waits.Waits(self.timeline, functional=not compiled)
@@ -144,7 +142,6 @@ class StepMonitor:
         self._spans: list[Any] = []  # this step's pipeline schedules (two at a replay check) on the timeline clock
         self._stages: Any = None  # their stage timer (plan_check.StageTimer)
         self.idle: list[float] = []  # per step: this rank's idle fraction inside the pipeline schedule
-        self._hung = False
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -154,17 +151,8 @@ class StepMonitor:
             self._span = self.timeline.start()
             self.waits.start()
         self._stamps: list[tuple[float, float]] = []  # (arrival, departure) at this step's host collectives
-        self._fault = "done" if self._fault == "fired" else self._fault
-        self._maybe_kill()
+        self.faults.begin_step(step)
         self.mark("data")
-
-    def _maybe_kill(self) -> None:
-        """TEST-ONLY: die at the start of a step as a lost node does (SIGKILL: no handler, no cleanup), first attempt only;
-        the rank's log says when (the time the goodput's lost work is checked against)."""
-        i = self.inject
-        if self.rank == i.kill_rank and self.step == i.kill_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            print(f"inject: SIGKILL rank {self.rank} at step {self.step}, time {time.time():.6f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def finished_step(self) -> None:
         """Every rank, once its step and its save are done: its record on disk (runner.observe.forensics)."""
@@ -179,9 +167,7 @@ class StepMonitor:
     def phase(self, name: str):
         self.mark(name)
         if name == "forward":
-            self._maybe_hang()
-            if self.inject.delay_frac > 0:  # the test-only delay (after_forward) scales the forward's compute so far
-                self._t0 = self.clock.now()
+            self.faults.before_forward()
         started = self.clock.start()
         arrive = time.time()
         try:
@@ -213,33 +199,6 @@ class StepMonitor:
             self.waits.stop()
             waited = self.waits.take()
             self.now |= {"own": self.timeline.resolve(self.timeline.stop(self._span)) - waited, "waits": waited}
-
-    def after_forward(self) -> None:
-        """TEST-ONLY: make this rank's forward compute delay_frac longer, as a slower device would (busy, not sleeping)."""
-        if self.rank == self.inject.delay_rank and self.inject.delay_frac > 0:
-            end = self.clock.now() + self.inject.delay_frac * (self.clock.now() - self._t0)
-            while self.clock.now() < end:
-                pass
-
-    def _maybe_hang(self) -> None:
-        """TEST-ONLY: sleep at the start of a forward, before its first collective, so peers wait."""
-        i = self.inject
-        if self.rank == i.hang_rank and self.step == i.hang_at_step and not self._hung:
-            self._hung = True
-            time.sleep(i.hang_s)
-
-    def corrupt(self, loss):
-        """TEST-ONLY: a corrupted batch's loss is multiplied by corrupt_scale on every rank; replay_rank's replayed
-        forward is off by a relative 1e-6, as a device that does not compute reproducibly would be; fault_rank's loss at
-        fault_at_step is multiplied by corrupt_scale on the first pass only (not in its attribution replay, nor when the
-        step runs again after a rewind), as a transient arithmetic fault of one device would be."""
-        i = self.inject
-        if self.replaying and self.rank == i.replay_rank:
-            loss = loss * (1 + 1e-6)
-        if self.rank == i.fault_rank and self.step == i.fault_at_step and not self.attributing and self._fault != "done":
-            self._fault = "fired"
-            loss = loss * i.corrupt_scale
-        return loss * i.corrupt_scale if self.step in i.corrupt_steps else loss
 
     def end_step(self) -> list[dict[str, Any]]:
         """Close the step; at the end of a window gather and judge. Returns the stragglers flagged now (every rank)."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from runner.formats import checkpoint, local_checkpoint, runfiles
+from runner.observe import fault_injection
 from runner.run import titan
 from runner.schema import CheckpointConfig, ModelConfig
 
@@ -41,7 +42,7 @@ class Checkpointer:
         saved); `origin`: what the state is saved from (runner.formats.checkpoint.origin), its model checked on resume;
         `policy`: the device policy, whose host group carries the choice of checkpoint and the export barrier; `shared`:
         other jobs write the folder too (torchft's replica groups), so a save in flight may be theirs; `inject`: the
-        test-only fault injection (monitor.inject.lose_local)."""
+        test-only fault injection (runner.observe.fault_injection.lose_local)."""
         self.inject = inject
         self.cfg, self.folder, self.num_steps, self.origin, self.policy = c, folder, num_steps, origin, policy
         self.shared = shared
@@ -290,12 +291,11 @@ class Checkpointer:
     def _restore_local(self, built: titan.Built, opt, sched, data, guard, before: int | None, shared_step: int | None) -> int | None:
         """The local tier's newest whole step, when it is newer than the shared tier's `shared_step` (runner.run.local_tier);
         None: the shared tier is used. Either way one console line says which and why."""
-        if self.inject is not None and self.inject.lose_local and restarted() and before is None:
+        if self.inject is not None and fault_injection.loses_local(self.inject) and restarted() and before is None:
             if self.rank == 0:
-                from runner.run.local_tier import inject_loss
-
                 shared = self.folder
-                print(f"inject: {inject_loss(self.inject, lambda node: local_checkpoint.root(self.cfg.local, node, shared))}", flush=True)
+                done = fault_injection.lose_local(self.inject, lambda node: local_checkpoint.root(self.cfg.local, node, shared))
+                print(f"inject: {done}", flush=True)
             self.policy.barrier()
         template = self._extra(0, sched, data, guard)
         step, got, why = self.local.restore(shared_step, before, lambda p: titan.load_state(built.parts, opt, template, p, no_dist=True))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from runner.config import fault_tolerance as ftc
 from runner.formats import runfiles
+from runner.formats.metrics_row import StepRow
 from runner.observe import integrity
 from runner.run import titan
 from runner.run.checkpointer import restarted
@@ -72,7 +73,7 @@ class Off:
     def saves(self) -> bool:
         return True
 
-    def row(self, step: int, r: dict[str, Any], parts: list[torch.nn.Module]) -> dict[str, Any]:
+    def row(self, step: int, r: StepRow, parts: list[torch.nn.Module]) -> dict[str, Any]:
         return {}
 
     def next_step(self, step: int) -> int:
@@ -158,7 +159,7 @@ class Replica:
         """Only the group at participating rank 0 writes the shared checkpoint (TorchTitan's torchft checkpoint rule)."""
         return self.committed and self.manager.participating_rank() == 0
 
-    def row(self, step: int, r: dict[str, Any], parts: list[torch.nn.Module]) -> dict[str, Any]:
+    def row(self, step: int, r: StepRow, parts: list[torch.nn.Module]) -> dict[str, Any]:
         """Per step: live groups, what was trained, what was skipped; tokens/s and MFU count only trained tokens; at
         monitor.integrity.interval the replica groups' checksums compared."""
         out: dict[str, Any] = {
@@ -172,7 +173,7 @@ class Replica:
             "samples_skipped": self.samples_skipped,
         }
         share = 1.0 if out["ft_trained"] else 0.0
-        out |= {k: r[k] * share for k in ("tokens_per_s", "mfu", "mfu_6n", "hfu") if k in r}
+        out |= {k: v * share for k in ("tokens_per_s", "mfu", "mfu_6n", "hfu") if (v := getattr(r, k)) is not None}
         if self.check_every and step % self.check_every == 0 and out["ft_trained"]:
             out |= self.compare_replicas(parts)
         return out

@@ -15,7 +15,6 @@ or damaged gets it from a rank that holds a copy, then every rank loads its own 
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import shutil
 import time
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 from runner.formats import checkpoint, local_checkpoint
 from runner.run import mesh, titan
-from runner.schema import CheckpointConfig, InjectConfig
+from runner.schema import CheckpointConfig
 
 
 class LocalTier:
@@ -170,29 +169,3 @@ def _recv(frm: int, group) -> bytes:
     buf = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(buf, frm, group=group)
     return buf.numpy().tobytes()
-
-
-def inject_loss(c: InjectConfig, root_of: Callable[[str], Path]) -> str:
-    """TEST-ONLY (monitor.inject.lose_local): destroy part of the local tier before a restart reads it, as a lost node,
-    a lost shard or a flipped byte would. `root_of(node)`: that node's local root (nodes: monitor.inject.node_names).
-    Returns what was done, in words."""
-    what, _, arg = c.lose_local.partition(":")
-    if what == "node":
-        shutil.rmtree(root_of(arg), ignore_errors=True)
-        return f"deleted node {arg}'s local folder {root_of(arg)}"
-    rank = int(arg)
-    own_root = root_of(c.node_names[rank])
-    step = local_checkpoint.newest_step(own_root)
-    copies = [p for n in sorted(set(c.node_names)) if (p := local_checkpoint.shard_path(root_of(n), step, rank)).is_dir()]
-    if what == "shard":
-        for p in copies:
-            shutil.rmtree(p)
-        return f"deleted {len(copies)} copies of rank {rank}'s step-{step} local shard"
-    own = local_checkpoint.shard_path(own_root, step, rank)
-    target = own / next(n for n in sorted(os.listdir(own)) if n.endswith(".distcp"))
-    with open(target, "r+b") as f:
-        f.seek(target.stat().st_size // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
-    return f"flipped a byte of {target}"

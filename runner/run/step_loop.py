@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint
+from runner.formats.metrics_row import StepRow
 from runner.observe import attribution, integrity, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown
@@ -37,9 +38,9 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
         inputs, labels, extra = titan.model_inputs(built, mb.inputs, mb.labels, positions=mb.positions)
         with mon.phase("forward"):
             pred = built.parts[0](inputs, **extra)
-            mon.after_forward()
+            mon.faults.after_forward()  # TEST-ONLY injection (runner.observe.fault_injection); nothing otherwise
             loss, _ = loss_fn(pred, labels, global_tokens)
-            loss = mon.corrupt(loss)
+            loss = mon.faults.corrupt(loss)
         del pred
         with mon.phase("backward"):
             loss.backward()
@@ -118,33 +119,32 @@ class StepLoop:
             return step + 1
         syncs = policy.host_syncs
         r, verdict, stop = self.measure(step)
-        spent = {"overhead_s": time.monotonic() - p0 - r["step_time_s"]}  # outside dt: the batch check, the monitors, the row
+        spent = {"overhead_s": time.monotonic() - p0 - r.step_time_s}  # outside dt: the batch check, the monitors, the row
         if preempt.requeued():
-            r["slurm_restart"] = preempt.restart_count()
+            r.slurm_restart = preempt.restart_count()
         if verdict.spike:
-            r |= {"spike": verdict.spike, "action": verdict.action}
+            r.spike, r.action = verdict.spike, verdict.action
         if verdict.action == "accept" and dist.get_rank() == 0:
             print(guard.describe(step, verdict), flush=True)
         found = self.integrity.take()
-        if found:
-            r["integrity"] = found
-        if "rewound_to" not in r:  # else the replicas disagreed and the run rewound already
+        r.integrity = found or None
+        if r.rewound_to is None:  # else the replicas disagreed and the run rewound already
             if verdict.action == "rewind":
-                r |= {"rewound_to": self.rewind(), "bad_steps": sorted(guard.bad_steps)}
+                r.rewound_to, r.bad_steps = self.rewind(), sorted(guard.bad_steps)
             elif self.eval_data is not None and evaluate.due(self.cfg.eval.interval, step, self.cfg.training.steps):
-                r |= self.evaluate()
-        if "rewound_to" not in r and not self.stop_for_slurm(step, r, stop) and self.ckpt.due(step) and self.ft.saves():
-            r["checkpoint_s"] = self.ckpt.save(step, self.built, self.opt, self.sched, self.data, guard)
-            r["checkpoint_tier"] = self.ckpt.last_tier
+                r.add(self.evaluate())
+        if r.rewound_to is None and not self.stop_for_slurm(step, r, stop) and self.ckpt.due(step) and self.ft.saves():
+            r.checkpoint_s = self.ckpt.save(step, self.built, self.opt, self.sched, self.data, guard)
+            r.checkpoint_tier = self.ckpt.last_tier
         if self.collector is not None:
             g0 = time.monotonic()
             if self.collector.run(step):  # at multiples of training.gc_every, on every rank alike
-                r["gc_s"] = time.monotonic() - g0
-        r["host_syncs"] = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
-        self.publish(step, r, bool(verdict.spike or "stragglers" in r or found or "profiled" in r), started, spent)
-        return r["rewound_to"] + 1 if "rewound_to" in r else self.ft.next_step(step)
+                r.gc_s = time.monotonic() - g0
+        r.host_syncs = policy.host_syncs - syncs  # the step's host synchronizations with the device (DevicePolicy.host_syncs)
+        self.publish(step, r, bool(verdict.spike or r.stragglers or found or r.profiled), started, spent)
+        return r.rewound_to + 1 if r.rewound_to is not None else self.ft.next_step(step)
 
-    def measure(self, step: int) -> tuple[dict[str, Any], loss_guard.Verdict, bool]:
+    def measure(self, step: int) -> tuple[StepRow, loss_guard.Verdict, bool]:
         """Train the step and judge it: its metrics row, the guard's verdict, whether the ranks stop for SLURM. Outside
         logging and check steps this is the step's one host synchronization and its one host collective."""
         mon, policy = self.mon, self.policy
@@ -157,7 +157,7 @@ class StepLoop:
             self.compiling.take()  # compiled outside a step (an evaluation pass): its own part's time, not this step's
         t0 = time.perf_counter()
         self.apply_update()  # the last step's accepted update, timed with this step
-        self.integrity.begin_step(step, self.built.parts)
+        mon.faults.flip(step, self.built.parts)  # TEST-ONLY injection, as faults.shifted below
         local, norm = self.train_step(step)
         share, grad_norm, *counts = policy.read(local, norm, *self.experts.collect(step))  # waits for the step's kernels (the update's too)
         extra = self.experts.summands(step, counts)  # at logged steps of an MoE model: its experts' token counts
@@ -168,7 +168,7 @@ class StepLoop:
         if self.prof is not None:
             self.prof.end(step, dt)
         loss = self.ft.global_loss(shared.loss)
-        grad_norm = self.guard.shifted(step, grad_norm, self.cfg.monitor.inject)  # TEST-ONLY injection; as read otherwise
+        grad_norm = mon.faults.shifted(step, grad_norm)  # as read, unless a test shifts it
         verdict = self.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
         found = self.attribute(step, verdict, first)  # a flagged step: the data or the hardware, before the optimizer acts
         lr = titan.current_lr(self.opt)  # the rate this step's update uses
@@ -177,21 +177,24 @@ class StepLoop:
         if found is not None and found["verdict"] == attribution.HARDWARE and "rewound_to" not in replicas:
             replicas = self.mismatch(step, found["mismatches"], self.attributor.path)
         flagged = mon.end_step()
-        r = row(step, loss, grad_norm, dt, lr, self.cfg, self.acc, policy.max_memory_gb())
-        r |= {"skipped_steps": self.guard.skipped, "straggler_windows": mon.windows_judged}
-        r |= {"integrity_checks": self.integrity.checks, "replay_checks": self.integrity.replays}
-        r["data_hash"] = shared.data_hash
-        r["data_s"] = self.feed.waited_s  # how long the step waited for its batch (read ahead in a background thread)
+        r = StepRow(
+            **row(step, loss, grad_norm, dt, lr, self.cfg, self.acc, policy.max_memory_gb()),
+            skipped_steps=self.guard.skipped,
+            straggler_windows=mon.windows_judged,
+            integrity_checks=self.integrity.checks,
+            replay_checks=self.integrity.replays,
+            data_hash=shared.data_hash,
+            data_s=self.feed.waited_s,  # how long the step waited for its batch (read ahead in a background thread)
+            stragglers=flagged or None,
+        )
         if self.compiling is not None:
-            r["compile_s"] = self.compiling.take()  # inside dt: counted apart from productive time (runner.outputs.goodput)
-        if flagged:
-            r["stragglers"] = flagged
+            r.compile_s = self.compiling.take()  # inside dt: counted apart from productive time (runner.outputs.goodput)
         if found is not None:
-            r |= {"verdict": found["verdict"], "verdict_ranks": found["ranks"]}
+            r.verdict, r.verdict_ranks = found["verdict"], found["ranks"]
         if self.prof is not None and profiling.profiled(self.cfg.profile, step):
-            r["profiled"] = True  # the profiler ran: left out of the medians
-        r |= self.ft.row(step, r, self.built.parts) | self.experts.row(step, shared.extra)
-        return r | replicas, verdict, shared.stop
+            r.profiled = True  # the profiler ran: left out of the medians
+        r.add(self.ft.row(step, r, self.built.parts)).add(self.experts.row(step, shared.extra))
+        return r.add(replicas), verdict, shared.stop
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward (twice at a replay check) and the clip; returns this rank's loss share and the global grad norm,
@@ -318,7 +321,7 @@ class StepLoop:
         local = evaluate.local_loss(self.built, self.loss_fn, batches, self.global_tokens)  # the eval batch is the training batch
         return evaluate.row(evaluate.global_loss(local, self.lay, self.policy) / self.cfg.eval.steps, time.perf_counter() - t0)
 
-    def stop_for_slurm(self, step: int, r: dict[str, Any], agreed: bool) -> bool:
+    def stop_for_slurm(self, step: int, r: StepRow, agreed: bool) -> bool:
         """SLURM's warning signal reached some rank: every rank stops after this step with a synchronous,
         published checkpoint (runner.run.preempt). Without checkpoints there is nothing to resume from: the
         job trains on until SLURM ends it."""
@@ -333,7 +336,7 @@ class StepLoop:
         self.ckpt.save(step, self.built, self.opt, self.sched, self.data, self.guard, shared=True)
         self.ckpt.wait()  # written and published before the ranks exit
         saved = time.perf_counter() - t0
-        r |= {"checkpoint_s": saved, "preempted": preempt.SIGNAL.name}
+        r.checkpoint_s, r.preempted = saved, preempt.SIGNAL.name
         if dist.get_rank() == 0:
             path = checkpoint.final_path(self.ckpt.folder, step)
             entry = preempt.record(self.run_dir, step, path, saved, self.watch.signalled_at)
@@ -343,20 +346,21 @@ class StepLoop:
         self.stopped = True
         return True
 
-    def publish(self, step: int, r: dict[str, Any], notable: bool, started: float, spent: dict[str, float]) -> None:
+    def publish(self, step: int, r: StepRow, notable: bool, started: float, spent: dict[str, float]) -> None:
         """After the step's save: publish a finished async save, log the row when due, record the step on the timeline."""
         p2 = time.monotonic()
         self.ckpt.poll()
         p3 = time.monotonic()
         spent["publish_s"] = p3 - p2
-        self.rows.append(r)
-        if step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps or notable or "eval_loss" in r or self.stopped:
+        logged = r.as_json()
+        self.rows.append(logged)
+        if step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps or notable or r.eval_loss is not None or self.stopped:
             for s in self.sinks:
-                s.log(r)
+                s.log(logged)
         self.mon.finished_step()
         spent["overhead_s"] += time.monotonic() - p3
         if self.timeline is not None:
-            self.timeline.step(r, started, **spent)
+            self.timeline.step(logged, started, **spent)
 
     def log_terms(self, found: dict[str, Any] | None) -> None:
         """A traced step's terms (the busiest traced rank's) to the sinks that chart them per step (W&B)."""

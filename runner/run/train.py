@@ -109,7 +109,7 @@ def build(
         feed=loader.Prefetch(data, pin=policy.pins_host_batches),
         watch=preempt.rank_watch(),
         run_dir=run_dir,
-        integrity=integrity.Checker(cfg.monitor.integrity, cfg.monitor.inject, lay, dist.get_rank(), policy, run_dir, mon.who),
+        integrity=integrity.Checker(cfg.monitor.integrity, lay, dist.get_rank(), policy, run_dir, mon.who),
         attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch, tp_groups(lay)),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
         experts=expert_load.of(cfg, lay, dist.get_rank(), policy, built.parts, run_dir),

@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from runner.config import freeze
 from runner.estimate import dryrun_report
+from runner.observe.fault_injection import Faults
 from runner.run import step_loop, titan
 from runner.run.device import DevicePolicy
 from runner.run.dryrun import ledger
 from runner.run.titan import cpu as titan_cpu
-from runner.schema import DeviceType, Fp8Recipe, RunConfig, layout
+from runner.schema import DeviceType, Fp8Recipe, InjectConfig, RunConfig, layout
 from runner.schema.layout import Layout
 
 
@@ -75,17 +76,13 @@ def rank_config(cfg: RunConfig, lay: Layout, device: DeviceType = DeviceType.cpu
 
 
 class _Silent:
-    """The step monitor's interface (step_loop.forward_backward), observing nothing."""
+    """The step monitor's interface (step_loop.forward_backward), observing nothing and planting no fault."""
+
+    faults = Faults(InjectConfig(), rank=0)
 
     @contextmanager
     def phase(self, name: str):
         yield
-
-    def after_forward(self) -> None:
-        pass
-
-    def corrupt(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
 
 
 @contextmanager
