@@ -19,6 +19,7 @@ HYDRA = "hydra-core 1.3.8"
 OMEGACONF = "omegaconf 2.3.1"
 SUBMITIT = "submitit 1.5.4"
 TORCHFT = "torchft 0.2.0"
+TORCHAO = "torchao 0.18.0"
 PYTHON = "python 3.11"
 
 
@@ -43,6 +44,13 @@ class Private:
 
 
 P = Private
+
+
+def _cuda(name: str, module: str, attr: str, why: str) -> Private:
+    """A patch of the CUDA rehearsal's fake device (a CUDA build of torch, no GPU, no driver), for its process only."""
+    return Private(name, module, attr, TORCH, (FAKE_DEVICE,), f"patched for a CUDA rehearsal: {why}")
+
+
 CLI, SWEEPER = "runner/cli.py", "hydra_plugins/runner_sweeper/__init__.py"
 RECORDER, WAITS, PROCS = "runner/observe/rank_recorder.py", "runner/observe/waits.py", "runner/run/procs.py"
 LEDGER, REHEARSE = "runner/run/dryrun/ledger.py", "runner/run/dryrun/rehearse.py"
@@ -56,6 +64,9 @@ PIPE_UTILS, SCHEDULES, STAGE = (
 AGENT, LOCAL_AGENT = "torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.agent.server.local_elastic_agent"
 DISPATCHER = "torchtitan.models.common.token_dispatcher"
 CUDA_REHEARSE, FAKE_CUDA = "runner/run/dryrun/cuda_rehearse.py", "runner/run/dryrun/fake_cuda.py"
+FAKE_DEVICE = f"{FAKE_CUDA}:_replacements"
+"""The use site of every patch the CUDA rehearsal's fake device installs (runner.run.dryrun.fake_cuda.install walks them)."""
+CUDA = "torch.cuda"
 STEP_PROBE, CUDA_CHECKS = "runner/run/dryrun/step_probe.py", "runner/run/dryrun/cuda_checks.py"
 SCHEDULE_READERS = (
     "runner/observe/plan_check.py:StageTimer.__init__",
@@ -228,7 +239,7 @@ PRIVATE = (
     P("torch_fake_store", "torch.testing._internal.distributed.fake_pg", "FakeStore", TORCH,
       (f"{REHEARSE}:rehearse_rank", f"{CUDA_REHEARSE}:rehearse_rank"),
       "the fake process group's store: one process plays a rank of any world size"),
-    # ---- the CUDA rehearsal (mode=dryrun dryrun.device=cuda): runner/run/dryrun/fake_cuda.py's PATCHES, each with its reason there ----
+    # ---- the CUDA rehearsal (mode=dryrun dryrun.device=cuda) ----
     P("torch_higher_order_operator", "torch._ops", "HigherOrderOperator", TORCH, (f"{LEDGER}:Ledger.__torch_dispatch__",),
       "FlexAttention's ops are higher-order ops: the ledger passes them through and counts their outputs"),
     P("torch_fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor", TORCH,
@@ -246,22 +257,80 @@ PRIVATE = (
     P("torch_aten_scaled_grouped_mm", "torch", "ops.aten._scaled_grouped_mm", TORCH, (f"{STEP_PROBE}:MATMULS",), "its FP8 form"),
     P("torch_ensure_cuda_device_guard", "torch._C", "_ensureCUDADeviceGuardSet", TORCH, (f"{FAKE_CUDA}:devices_on",),
       "installs FakeTensorMode's no-op CUDA guard while the shim still reports no device"),
-    P("torch_pin_memory_utils_pin", "torch.cuda._pin_memory_utils", "pin_memory", TORCH,
-      (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"),
-      "patched for a CUDA rehearsal: DCP's stager registers host buffers (cudaHostRegister); counted"),
-    P("torch_pin_memory_utils_unpin", "torch.cuda._pin_memory_utils", "unpin_memory", TORCH,
-      (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: their finalizer"),
-    P("torch_fake_avoid_device_init", "torch._subclasses.fake_tensor", "FakeTensorMode.avoid_device_init", TORCH,
-      (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: the no-op CUDA guard stays in place"),
-    P("torch_device_mesh_concatenate", "torch.distributed.device_mesh", "DeviceMesh._concatenate", TORCH,
-      (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: run outside the fake mode"),
-    P("torch_dtensor_first_shard_size", "torch.distributed.tensor._random", "_calc_first_shard_size", TORCH,
-      (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: run outside the fake mode"),
-    P("torch_cp_compiled_create_block_mask", "torch.distributed.tensor.experimental._context_parallel._attention",
-      "_compiled_create_block_mask", TORCH, (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"),
-      "patched for a CUDA rehearsal: context parallelism's mask sharding with the eager create_block_mask"),
-    P("torch_flex_disable_compile_debug", "torch.nn.attention.flex_attention", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", TORCH,
-      (f"{FAKE_CUDA}:PATCHES", f"{FAKE_CUDA}:_replacements"), "patched for a CUDA rehearsal: the flex_attention op without dynamo"),
+    # ---- the CUDA rehearsal's fake device: every patch runner/run/dryrun/fake_cuda.py installs (FAKE_DEVICE) ----
+    _cuda("torch_cuda_is_available", CUDA, "is_available",
+          "the runner's and torch's CUDA-only Python branches (FSDP2, autocast) need True"),
+    _cuda("torch_cuda_device_count", CUDA, "device_count",
+          "devices per node of the rehearsed cluster"),
+    _cuda("torch_cuda_current_device", CUDA, "current_device",
+          "FSDP2's lazy init asks it; the driver would say 'Found no NVIDIA driver'"),
+    _cuda("torch_cuda_set_device", CUDA, "set_device",
+          "DevicePolicy.start_group's set_device: recorded, nothing to select"),
+    _cuda("torch_cuda_get_device_capability", CUDA, "get_device_capability",
+          "FP8 checks (torchao, the runner) read the cluster's compute capability"),
+    _cuda("torch_cuda_get_device_properties", CUDA, "get_device_properties",
+          "the rehearsed GPU's name, capability and memory"),
+    _cuda("torch_cuda_get_device_name", CUDA, "get_device_name",
+          "as get_device_properties"),
+    _cuda("torch_cuda_is_bf16_supported", CUDA, "is_bf16_supported",
+          "True on the GPUs the runner targets; False without a driver"),
+    _cuda("torch_cuda_mem_get_info", CUDA, "mem_get_info",
+          "free and total memory of the rehearsed GPU"),
+    _cuda("torch_cuda_max_memory_allocated", CUDA, "max_memory_allocated",
+          "no allocator here: the ledger measures memory (DevicePolicy.max_memory_gb)"),
+    _cuda("torch_cuda_Stream", CUDA, "Stream",
+          "FSDP2 and the DCP stager make side streams: Python stand-ins"),
+    _cuda("torch_Stream", "torch", "Stream",
+          "DCP's DefaultStager makes its staging stream with torch.Stream(): the stand-in stream"),
+    _cuda("torch_cuda_Event", CUDA, "Event",
+          "CUDA events (DevicePolicy's clocks, FSDP2): stand-ins whose synchronize counts a host sync"),
+    _cuda("torch_cuda_current_stream", CUDA, "current_stream",
+          "the stand-in stream"),
+    _cuda("torch_cuda_default_stream", CUDA, "default_stream",
+          "the stand-in stream"),
+    _cuda("torch_cuda_stream", CUDA, "stream",
+          "a no-op stream context"),
+    _cuda("torch_cuda_synchronize", CUDA, "synchronize",
+          "counted as a host synchronization (DevicePolicy.sync)"),
+    _cuda("torch_cuda_set_sync_debug_mode", CUDA, "set_sync_debug_mode",
+          "DevicePolicy.count_syncs turns it on; the rehearsal counts syncs itself"),
+    _cuda("torch_cuda_get_rng_state", CUDA, "get_rng_state",
+          "the device generator's state, 16 bytes as a GPU's (DevicePolicy.rng_state)"),
+    _cuda("torch_cuda_set_rng_state", CUDA, "set_rng_state",
+          "recorded; no generator to set"),
+    _cuda("torch_cuda_get_rng_state_all", CUDA, "get_rng_state_all",
+          "dynamo and checkpointing save every device's generator"),
+    _cuda("torch_cuda_set_rng_state_all", CUDA, "set_rng_state_all",
+          "as set_rng_state"),
+    _cuda("torch_cuda_manual_seed", CUDA, "manual_seed",
+          "torch.manual_seed seeds CUDA too, which needs the driver"),
+    _cuda("torch_cuda_manual_seed_all", CUDA, "manual_seed_all",
+          "as manual_seed"),
+    _cuda("torch_pin_memory_utils_pin", "torch.cuda._pin_memory_utils", "pin_memory",
+          "DCP's stager registers its host buffers (cudaHostRegister): recorded in PINNED_BYTES"),
+    _cuda("torch_pin_memory_utils_unpin", "torch.cuda._pin_memory_utils", "unpin_memory",
+          "its finalizer unregisters them: nothing to do"),
+    _cuda("torch_tensor_pin_memory", "torch", "Tensor.pin_memory",
+          "pinned host memory needs the driver: the tensor is kept and remembered as pinned"),
+    _cuda("torch_tensor_is_pinned", "torch", "Tensor.is_pinned",
+          "True for what pin_memory remembered"),
+    _cuda("torch_fake_avoid_device_init", "torch._subclasses.fake_tensor", "FakeTensorMode.avoid_device_init",
+          "FakeTensorMode decides from CUDA being available whether to install its no-op CUDA guard; it must stay True"),
+    _cuda("torch_device_mesh_concatenate", "torch.distributed.device_mesh", "DeviceMesh._concatenate",
+          "FSDP2 over a TP mesh concatenates meshes with nonzero/tolist, which fake tensors refuse "
+          "(DynamicOutputShapeException); run outside the fake mode, as torch already does for _create_sub_mesh"),
+    _cuda("torch_dtensor_first_shard_size", "torch.distributed.tensor._random", "_calc_first_shard_size",
+          "DTensor's random init on a _StridedShard (FSDP + TP) computes a shard size from tensor values "
+          "(DataDependentOutputException under fake tensors): run outside the fake mode"),
+    _cuda("torch_nn_init_trunc_normal", "torch.nn.init", "trunc_normal_",
+          "rejection sampling with .item() in a loop (data-dependent under fake tensors): normal_ then clamp_; values do not matter here"),
+    _cuda("torch_cp_compiled_create_block_mask", RING, "_compiled_create_block_mask",
+          "context parallelism shards FlexAttention's block masks with a torch.compile'd create_block_mask (fullgraph), "
+          "which cannot compile here: the eager one, set before its first use"),
+    _cuda("torch_flex_disable_compile_debug", "torch.nn.attention.flex_attention", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG",
+          "eager flex_attention still goes through torch.compile(backend='eager'), and dynamo asks the real CUDA stream: "
+          "call the higher-order op directly (TorchTitan's compiled flex is swapped for eager by "
+          "runner.run.titan.cpu.eager_flex_attention)"),
     # ---- torch under the TorchTitan adapter ----
     P("torch_checkpoint_prefix", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_PREFIX", TORCH,
       (f"{CPU}:init_like_one_rank",), "the name part activation checkpointing adds, dropped to match the unwrapped model's names"),
@@ -275,6 +344,10 @@ PRIVATE = (
       (f"{CPU}:enable_ring_attention",), "CPU's attention op, given a sharding rule for ring attention"),
     P("torch_sdpa_flash_cpu_backward", "torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default", TORCH,
       (f"{CPU}:enable_ring_attention",), "its backward"),
+    # ---- torchao ----
+    P("torchao_blockwise_fp8_linear", "torchao.prototype.blockwise_fp8_training.linear", "Float8BlockwiseLinear", TORCHAO,
+      ("runner/run/titan/fp8_conversion.py:blockwise_linear_config",),
+      "subclassed: blockwise FP8 training is a torchao prototype (no compatibility promise), as a TorchTitan module"),
     # ---- TorchTitan ----
     P("titan_compiled_flex_attn", "torchtitan.models.common.attention", "FlexAttention._compiled_flex_attn", TITAN,
       (f"{CPU}:eager_flex_attention",), "patched (test-only): eager flex_attention instead of minutes of CPU compiles"),
@@ -314,3 +387,8 @@ PRIVATE = (
 # fmt: on
 
 BY_NAME = {p.name: p for p in PRIVATE}
+
+
+def at(site: str) -> tuple[Private, ...]:
+    """The entries used at `site` (`path:function`), in the table's order."""
+    return tuple(p for p in PRIVATE if site in p.where)

@@ -1,9 +1,10 @@
 """Fake CUDA for the CUDA rehearsal (mode=dryrun dryrun.device=cuda): a CUDA build of torch, no GPU, no driver.
 
-Every patch of torch internals the rehearsal needs is here, in PATCHES, each with the version it was written for and
-why; tests/test_cuda_rehearsal.py::test_patched_names_exist fails in one place, naming the patch, when an upgrade
-moves a name. The C side (c10::cuda::device_count, the device properties, a libcuda.so.1 with the one driver call the
-autograd engine makes) is runner/run/dryrun/shim/, built by `scripts/setup.sh --cuda-rehearsal` into
+Every patch of torch the rehearsal needs is an entry of runner.run.private_api's register (FAKE_DEVICE: the version
+it was written for and why); tests/test_private_api.py resolves each against the installed torch in the main suite and
+fails, naming the entry, when an upgrade moves a name. What each becomes is `_replacements`, by entry name. The C
+side (c10::cuda::device_count, the device properties, a libcuda.so.1 with the one driver call the autograd engine
+makes) is runner/run/dryrun/shim/, built by `scripts/setup.sh --cuda-rehearsal` into
 .venv-cuda/fake_cuda/ and loaded with LD_PRELOAD when the process starts (runner.run.dryrun.cuda_env).
 
 What it fakes is the device, never the runner: the runner's CUDA branches (runner.run.device.DevicePolicy with
@@ -16,103 +17,13 @@ import contextlib
 import ctypes
 import os
 from collections import namedtuple
-from dataclasses import dataclass
 from typing import Any
 
+from runner.run import private_api
 from runner.run.dryrun import cuda_env
 
-TORCH = "torch 2.13.0"
 STATE_BYTES = 16
 """Size of a CUDA generator's state (Philox seed and offset), what torch.cuda.get_rng_state returns."""
-
-
-@dataclass(frozen=True)
-class Patch:
-    module: str
-    attr: str
-    """Attribute path inside the module (Class.attr for a class attribute)."""
-    version: str
-    why: str
-
-
-# private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_fake_avoid_device_init, torch_device_mesh_concatenate
-# private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug, torch_cp_compiled_create_block_mask
-PATCHES: tuple[Patch, ...] = (
-    Patch("torch.cuda", "is_available", TORCH, "the runner's and torch's CUDA-only Python branches (FSDP2, autocast) need True"),
-    Patch("torch.cuda", "device_count", TORCH, "devices per node of the rehearsed cluster"),
-    Patch("torch.cuda", "current_device", TORCH, "FSDP2's lazy init asks it; the driver would say 'Found no NVIDIA driver'"),
-    Patch("torch.cuda", "set_device", TORCH, "DevicePolicy.start_group's set_device: recorded, nothing to select"),
-    Patch("torch.cuda", "get_device_capability", TORCH, "FP8 checks (torchao, the runner) read the cluster's compute capability"),
-    Patch("torch.cuda", "get_device_properties", TORCH, "the rehearsed GPU's name, capability and memory"),
-    Patch("torch.cuda", "get_device_name", TORCH, "as get_device_properties"),
-    Patch("torch.cuda", "is_bf16_supported", TORCH, "True on the GPUs the runner targets; False without a driver"),
-    Patch("torch.cuda", "mem_get_info", TORCH, "free and total memory of the rehearsed GPU"),
-    Patch("torch.cuda", "max_memory_allocated", TORCH, "no allocator here: the ledger measures memory (DevicePolicy.max_memory_gb)"),
-    Patch("torch.cuda", "Stream", TORCH, "FSDP2 and the DCP stager make side streams: Python stand-ins"),
-    Patch("torch", "Stream", TORCH, "DCP's DefaultStager makes its staging stream with torch.Stream(): the stand-in stream"),
-    Patch("torch.cuda", "Event", TORCH, "CUDA events (DevicePolicy's clocks, FSDP2): stand-ins whose synchronize counts a host sync"),
-    Patch("torch.cuda", "current_stream", TORCH, "the stand-in stream"),
-    Patch("torch.cuda", "default_stream", TORCH, "the stand-in stream"),
-    Patch("torch.cuda", "stream", TORCH, "a no-op stream context"),
-    Patch("torch.cuda", "synchronize", TORCH, "counted as a host synchronization (DevicePolicy.sync)"),
-    Patch("torch.cuda", "set_sync_debug_mode", TORCH, "DevicePolicy.count_syncs turns it on; the rehearsal counts syncs itself"),
-    Patch("torch.cuda", "get_rng_state", TORCH, f"the device generator's state, {STATE_BYTES} bytes as a GPU's (DevicePolicy.rng_state)"),
-    Patch("torch.cuda", "set_rng_state", TORCH, "recorded; no generator to set"),
-    Patch("torch.cuda", "get_rng_state_all", TORCH, "dynamo and checkpointing save every device's generator"),
-    Patch("torch.cuda", "set_rng_state_all", TORCH, "as set_rng_state"),
-    Patch("torch.cuda", "manual_seed", TORCH, "torch.manual_seed seeds CUDA too, which needs the driver"),
-    Patch("torch.cuda", "manual_seed_all", TORCH, "as manual_seed"),
-    Patch(
-        "torch.cuda._pin_memory_utils",
-        "pin_memory",
-        TORCH,
-        "DCP's stager registers its host buffers (cudaHostRegister): recorded in PINNED_BYTES",
-    ),
-    Patch("torch.cuda._pin_memory_utils", "unpin_memory", TORCH, "its finalizer unregisters them: nothing to do"),
-    Patch("torch.Tensor", "pin_memory", TORCH, "pinned host memory needs the driver: the tensor is kept and remembered as pinned"),
-    Patch("torch.Tensor", "is_pinned", TORCH, "True for what pin_memory remembered"),
-    Patch(
-        "torch._subclasses.fake_tensor",
-        "FakeTensorMode.avoid_device_init",
-        TORCH,
-        "FakeTensorMode decides from CUDA being available whether to install its no-op CUDA guard; it must stay True",
-    ),
-    Patch(
-        "torch.distributed.device_mesh",
-        "DeviceMesh._concatenate",
-        TORCH,
-        "FSDP2 over a TP mesh concatenates meshes with nonzero/tolist, which fake tensors refuse (DynamicOutputShapeException); "
-        "run outside the fake mode, as torch already does for _create_sub_mesh",
-    ),
-    Patch(
-        "torch.distributed.tensor._random",
-        "_calc_first_shard_size",
-        TORCH,
-        "DTensor's random init on a _StridedShard (FSDP + TP) computes a shard size from tensor values "
-        "(DataDependentOutputException under fake tensors): run outside the fake mode",
-    ),
-    Patch(
-        "torch.nn.init",
-        "trunc_normal_",
-        TORCH,
-        "rejection sampling with .item() in a loop (data-dependent under fake tensors): normal_ then clamp_; values do not matter here",
-    ),
-    Patch(
-        "torch.distributed.tensor.experimental._context_parallel._attention",
-        "_compiled_create_block_mask",
-        TORCH,
-        "context parallelism shards FlexAttention's block masks with a torch.compile'd create_block_mask (fullgraph), which "
-        "cannot compile here: the eager one, set before its first use",
-    ),
-    Patch(
-        "torch.nn.attention.flex_attention",
-        "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG",
-        TORCH,
-        "eager flex_attention still goes through torch.compile(backend='eager'), and dynamo asks the real CUDA stream: "
-        "call the higher-order op directly (TorchTitan's compiled flex is swapped for eager by runner.run.titan.cpu.eager_flex_attention)",
-    ),
-)
-"""Every patch, applied by `install` (for the process: the rehearsal process does nothing else)."""
 
 
 Props = namedtuple("Props", "name major minor total_memory multi_processor_count L2_cache_size warp_size is_integrated uuid gcnArchName")
@@ -191,7 +102,9 @@ RECORDED: dict[str, Any] = {}
 """What the patched setters were asked (set_device, set_sync_debug_mode, set_rng_state)."""
 
 
-def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devices: int) -> dict[tuple[str, str], Any]:
+def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devices: int) -> dict[str, Any]:
+    """What each patch of the register's FAKE_DEVICE entries (runner.run.private_api) becomes, by entry name; None: the
+    original, run outside the fake mode (install)."""
     import torch
 
     props = Props(name, capability[0], capability[1], int(memory_gb * 1e9), 132, 50 << 20, 32, 0, "fake", "")
@@ -217,68 +130,62 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
 
     from torch.nn.attention.flex_attention import create_block_mask
 
-    # private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_fake_avoid_device_init, torch_device_mesh_concatenate
-    # private_api: torch_dtensor_first_shard_size, torch_flex_disable_compile_debug, torch_cp_compiled_create_block_mask
+    # private_api: torch_cuda_is_available, torch_cuda_device_count, torch_cuda_current_device, torch_cuda_set_device
+    # private_api: torch_cuda_get_device_capability, torch_cuda_get_device_properties, torch_cuda_get_device_name
+    # private_api: torch_cuda_is_bf16_supported, torch_cuda_mem_get_info, torch_cuda_max_memory_allocated, torch_cuda_Stream
+    # private_api: torch_Stream, torch_cuda_Event, torch_cuda_current_stream, torch_cuda_default_stream, torch_cuda_stream
+    # private_api: torch_cuda_synchronize, torch_cuda_set_sync_debug_mode, torch_cuda_get_rng_state, torch_cuda_set_rng_state
+    # private_api: torch_cuda_get_rng_state_all, torch_cuda_set_rng_state_all, torch_cuda_manual_seed, torch_cuda_manual_seed_all
+    # private_api: torch_pin_memory_utils_pin, torch_pin_memory_utils_unpin, torch_tensor_pin_memory, torch_tensor_is_pinned
+    # private_api: torch_fake_avoid_device_init, torch_device_mesh_concatenate, torch_dtensor_first_shard_size
+    # private_api: torch_nn_init_trunc_normal, torch_cp_compiled_create_block_mask, torch_flex_disable_compile_debug
     return {
-        ("torch.cuda", "is_available"): lambda: True,
-        ("torch.cuda", "device_count"): lambda: devices,
-        ("torch.cuda", "current_device"): lambda: int(os.environ.get("LOCAL_RANK", 0)),
-        ("torch.cuda", "set_device"): lambda device: RECORDED.__setitem__("set_device", str(device)),
-        ("torch.cuda", "get_device_capability"): lambda device=None: capability,
-        ("torch.cuda", "get_device_properties"): lambda device=None: props,
-        ("torch.cuda", "get_device_name"): lambda device=None: name,
-        ("torch.cuda", "is_bf16_supported"): lambda including_emulation=True: True,
-        ("torch.cuda", "mem_get_info"): lambda device=None: (props.total_memory, props.total_memory),
-        ("torch.cuda", "max_memory_allocated"): lambda device=None: 0,
-        ("torch.cuda", "Stream"): FakeStream,
-        ("torch", "Stream"): FakeStream,
-        ("torch.cuda", "Event"): FakeEvent,
-        ("torch.cuda", "current_stream"): lambda device=None: stream,
-        ("torch.cuda", "default_stream"): lambda device=None: stream,
-        ("torch.cuda", "stream"): lambda s=None: contextlib.nullcontext(s),
-        ("torch.cuda", "synchronize"): synchronize,
-        ("torch.cuda", "set_sync_debug_mode"): lambda mode: RECORDED.__setitem__("sync_debug_mode", mode),
-        ("torch.cuda", "get_rng_state"): state,
-        ("torch.cuda", "set_rng_state"): lambda new_state, device="cuda": RECORDED.__setitem__("set_rng_state", tuple(new_state.shape)),
-        ("torch.cuda", "get_rng_state_all"): lambda: [state() for _ in range(devices)],
-        ("torch.cuda", "set_rng_state_all"): lambda states: None,
-        ("torch.cuda", "manual_seed"): lambda seed: None,
-        ("torch.cuda", "manual_seed_all"): lambda seed: None,
-        ("torch.cuda._pin_memory_utils", "pin_memory"): lambda data_ptr, size: PINNED_BYTES.append(size),
-        ("torch.cuda._pin_memory_utils", "unpin_memory"): lambda data_ptr: None,
-        ("torch.Tensor", "pin_memory"): pin_memory,
-        ("torch.Tensor", "is_pinned"): pinned,
-        ("torch._subclasses.fake_tensor", "FakeTensorMode.avoid_device_init"): property(lambda self: True),
-        ("torch.distributed.device_mesh", "DeviceMesh._concatenate"): None,  # wrapped in install
-        ("torch.distributed.tensor._random", "_calc_first_shard_size"): None,  # wrapped in install
-        ("torch.nn.init", "trunc_normal_"): trunc_normal_,
-        ("torch.distributed.tensor.experimental._context_parallel._attention", "_compiled_create_block_mask"): create_block_mask,
-        ("torch.nn.attention.flex_attention", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"): True,
+        "torch_cuda_is_available": lambda: True,
+        "torch_cuda_device_count": lambda: devices,
+        "torch_cuda_current_device": lambda: int(os.environ.get("LOCAL_RANK", 0)),
+        "torch_cuda_set_device": lambda device: RECORDED.__setitem__("set_device", str(device)),
+        "torch_cuda_get_device_capability": lambda device=None: capability,
+        "torch_cuda_get_device_properties": lambda device=None: props,
+        "torch_cuda_get_device_name": lambda device=None: name,
+        "torch_cuda_is_bf16_supported": lambda including_emulation=True: True,
+        "torch_cuda_mem_get_info": lambda device=None: (props.total_memory, props.total_memory),
+        "torch_cuda_max_memory_allocated": lambda device=None: 0,
+        "torch_cuda_Stream": FakeStream,
+        "torch_Stream": FakeStream,
+        "torch_cuda_Event": FakeEvent,
+        "torch_cuda_current_stream": lambda device=None: stream,
+        "torch_cuda_default_stream": lambda device=None: stream,
+        "torch_cuda_stream": lambda s=None: contextlib.nullcontext(s),
+        "torch_cuda_synchronize": synchronize,
+        "torch_cuda_set_sync_debug_mode": lambda mode: RECORDED.__setitem__("sync_debug_mode", mode),
+        "torch_cuda_get_rng_state": state,
+        "torch_cuda_set_rng_state": lambda new_state, device="cuda": RECORDED.__setitem__("set_rng_state", tuple(new_state.shape)),
+        "torch_cuda_get_rng_state_all": lambda: [state() for _ in range(devices)],
+        "torch_cuda_set_rng_state_all": lambda states: None,
+        "torch_cuda_manual_seed": lambda seed: None,
+        "torch_cuda_manual_seed_all": lambda seed: None,
+        "torch_pin_memory_utils_pin": lambda data_ptr, size: PINNED_BYTES.append(size),
+        "torch_pin_memory_utils_unpin": lambda data_ptr: None,
+        "torch_tensor_pin_memory": pin_memory,
+        "torch_tensor_is_pinned": pinned,
+        "torch_fake_avoid_device_init": property(lambda self: True),
+        "torch_device_mesh_concatenate": None,  # wrapped in install
+        "torch_dtensor_first_shard_size": None,  # wrapped in install
+        "torch_nn_init_trunc_normal": trunc_normal_,
+        "torch_cp_compiled_create_block_mask": create_block_mask,
+        "torch_flex_disable_compile_debug": True,
     }
 
 
-def _owner(patch: Patch):
+def _owner(p: private_api.Private):
+    """The object that holds the patched name, and the name."""
     import importlib
 
-    obj = importlib.import_module(patch.module) if patch.module != "torch.Tensor" else __import__("torch").Tensor
-    *path, last = patch.attr.split(".")
-    for p in path:
-        obj = getattr(obj, p)
+    obj = importlib.import_module(p.module)
+    *path, last = p.attr.split(".")
+    for part in path:
+        obj = getattr(obj, part)
     return obj, last
-
-
-def missing() -> list[str]:
-    """The patches whose name no longer exists (written for TORCH), one line each: what the upgrade broke."""
-    out = []
-    for p in PATCHES:
-        try:
-            obj, last = _owner(p)
-        except (ImportError, AttributeError) as e:
-            out.append(f"{p.module}.{p.attr} ({p.version}): {e}; it was patched because {p.why}")
-            continue
-        if not hasattr(obj, last):
-            out.append(f"{p.module}.{p.attr} ({p.version}): gone; it was patched because {p.why}")
-    return out
 
 
 def _outside_fake(fn):
@@ -296,20 +203,18 @@ _INSTALLED: dict[str, Any] = {}
 
 
 def install(capability: str, memory_gb: float, name: str, devices: int) -> None:
-    """Apply every patch of PATCHES, for this process (a rehearsal process only). Before TorchTitan is imported:
-    it binds nn.init.trunc_normal_ in partials at import."""
+    """Apply every patch of the fake device (runner.run.private_api's FAKE_DEVICE entries; tests/test_private_api.py
+    resolves each against the installed torch), for this process (a rehearsal process only). Before TorchTitan is
+    imported: it binds nn.init.trunc_normal_ in partials at import."""
     if _INSTALLED:
         return
     if not cuda_env.shim_loaded():
         raise RuntimeError("the fake-CUDA shim is not preloaded (LD_PRELOAD): start this process through runner.run.dryrun.cuda_env.launch")
-    gone = missing()
-    if gone:
-        raise RuntimeError("the CUDA rehearsal's patches do not apply to this torch:\n" + "\n".join(gone))
     major, _, minor = capability.partition(".")
     new = _replacements((int(major), int(minor or 0)), memory_gb, name, devices)
-    for p in PATCHES:
+    for p in private_api.at(private_api.FAKE_DEVICE):
         obj, last = _owner(p)
-        value = new[(p.module, p.attr)]
+        value = new[p.name]
         if value is None:
             orig = getattr(obj, last)
             value = staticmethod(_outside_fake(orig)) if isinstance(obj, type) else _outside_fake(orig)

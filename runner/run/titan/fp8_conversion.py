@@ -103,7 +103,7 @@ def blockwise_linear_config():
     module, wrapped the way TorchTitan wraps torchao's Float8Linear; it adds the bias torchao's forward drops."""
     global _BLOCKWISE_LINEAR
     if _BLOCKWISE_LINEAR is None:
-        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear  # private_api: torchao_blockwise_fp8_linear
         from torchtitan.models.common.linear import Linear
         from torchtitan.protocols.module import Module
 
