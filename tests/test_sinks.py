@@ -205,8 +205,10 @@ def test_the_documented_metrics_keys_are_the_step_rows_fields():
     from runner.formats import metrics_row
 
     documented = _documented_keys()
-    assert sorted(documented) == sorted(metrics_row.FIELDS)
-    assert sorted(k for k, when in documented.items() if when == "every row") == sorted(metrics_row.ALWAYS)
+    assert sorted(documented) == sorted(metrics_row.FIELDS | set(metrics.JsonlSink.KEYS))
+    every = {k for k, when in metrics.JsonlSink.KEYS.items() if when == "every row"}
+    assert sorted(k for k, when in documented.items() if when == "every row") == sorted(metrics_row.ALWAYS | every)
+    assert {k: documented[k] for k in metrics.JsonlSink.KEYS} == metrics.JsonlSink.KEYS
 
 
 def test_a_step_row_leaves_out_what_did_not_happen_and_refuses_an_unknown_key():
@@ -218,6 +220,6 @@ def test_a_step_row_leaves_out_what_did_not_happen_and_refuses_an_unknown_key():
 
     every = {f.name: 1 for f in dataclasses.fields(StepRow) if f.default is dataclasses.MISSING}
     row = StepRow(**every).add({"eval_loss": 2.0, "eval_ppl": 7.4, "eval_s": 0.5})
-    assert row.as_json() == every | {"host_syncs": 0, "attempt": 0, "eval_loss": 2.0, "eval_ppl": 7.4, "eval_s": 0.5}
+    assert row.as_json() == every | {"host_syncs": 0, "eval_loss": 2.0, "eval_ppl": 7.4, "eval_s": 0.5}
     with pytest.raises(KeyError, match=r"no field \['eval_perplexity'\]; add it to runner.formats.metrics_row.StepRow"):
         row.add({"eval_perplexity": 7.4})

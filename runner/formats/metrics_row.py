@@ -1,6 +1,7 @@
 """One row of `metrics.jsonl`: what the step loop logs per step, as a dataclass whose fields are the file's keys.
 
-docs/outputs.md lists the same keys (a test keeps the two equal): the fields without a default of None are in every
+docs/outputs.md lists the same keys (a test keeps the two equal), and the two the metrics.jsonl sink adds to each row it
+writes (`attempt`, `repeat`: runner.run.metrics.JsonlSink.KEYS): the fields without a default of None are in every
 row; a field that is None is left out of the row as written (its key appears only when what it reports happened, or
 the feature that reports it is on). To add a key, add a field here (optional ones `X | None = None`) and its line to
 docs/outputs.md; a collaborator of the step loop that returns a mapping of entries (`StepRow.add`) may only name
@@ -39,8 +40,6 @@ class StepRow:
     """How long the step waited for its batch."""
     host_syncs: int = 0
     """The step's host synchronizations with the device (set once the step is over)."""
-    attempt: int = 0
-    """The elastic agent's restart count (the metrics.jsonl sink sets it)."""
     # --- only when it applies ------------------------------------------------------------------------------------
     hfu: float | None = None
     compile_s: float | None = None
@@ -72,8 +71,6 @@ class StepRow:
     samples_skipped: int | None = None
     ft_checksum: int | None = None
     ft_replicas_agree: bool | None = None
-    repeat: bool | None = None
-    """The step was logged before (an elastic restart, a rewind): keep the last row of each step."""
 
     def add(self, entries: dict[str, Any]) -> StepRow:
         """Set the entries a collaborator reports (evaluation, torchft, the experts' load); a key that is no field is a

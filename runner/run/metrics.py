@@ -147,6 +147,9 @@ class JsonlSink:
     logged before (by an earlier attempt, or before a loss-guard rewind) is logged again with
     `"repeat": true`, so a reader that wants one row per step keeps the last."""
 
+    KEYS = {"attempt": "every row", "repeat": "a step logged again"}
+    """The keys this sink adds to a step's row (runner.formats.metrics_row.StepRow), and when."""
+
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         path = run_dir / runfiles.METRICS
