@@ -273,7 +273,11 @@ def test_a_wrong_field_of_a_param_group_is_named_by_index_with_a_fix_that_works(
     [
         (["parallelism=dp2_pp2"], "parallelism.pp", "with pipeline parallelism"),
         # a GPU cluster: CPU ranks refuse MLA under CP for a reason of their own (runner.config.family_support)
-        (["parallelism=cp2", "parallelism.dp_shard=-1", "cluster=h100_node", "precision=bf16"], "parallelism.cp", "with context parallelism"),
+        (
+            ["parallelism=cp2", "parallelism.dp_shard=-1", "cluster=h100_node", "precision=bf16"],
+            "parallelism.cp",
+            "with context parallelism",
+        ),
     ],
 )
 def test_mtp_under_pp_or_cp_is_refused_as_titan_refuses_it(compose, overrides, field, words):
