@@ -28,6 +28,9 @@ The default figures follow what TorchTitan allocates, category by category as th
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
   the input of every stage after the first, kept across steps (and one for the gradient of every stage before
   the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
+- multi-token prediction (model.num_mtp_layers, no PP): the MTP blocks' parameters on the one stage, what each
+  block, its input norms and projection and its head's loss save for backward (activation checkpointing leaves them
+  whole), and a RoPE table each.
 - buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
   Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
   runner keeps whatever training.seq_len.
