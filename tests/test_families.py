@@ -14,6 +14,7 @@ import pytest
 from runner.config import families, validate
 from runner.estimate import flops, memory
 from runner.schema import ModelConfig
+from runner.schema.problems import ConfigError
 from tests.conftest import ROOT
 from tests.gen_models import gen
 
@@ -170,6 +171,11 @@ def test_deepseek_v3_recipe_is_the_reports_layout(compose, budget):
     head = m.dim + m.vocab_size * m.dim
     dense_block = flops.attention_params(m) + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     assert memory.stage(cfg, lay, 120, 0)["params"] == flops.embedding_params(m) + dense_block + head
+    # the report's MTP depth 1 cannot join this PP 16 layout: TorchTitan 0.3.0 refuses MTP under PP (the file says so)
+    with pytest.raises(ConfigError) as refused:
+        validate.check(compose(["recipe=deepseek_v3_671b_h800x2048", "model.num_mtp_layers=1"]))
+    assert [p.field for p in refused.value.problems] == ["parallelism.pp"]
+    assert "TorchTitan 0.3.0 refuses MTP under pipeline parallelism" in (ROOT / "recipes/deepseek_v3_671b_h800x2048.yaml").read_text()
 
 
 @pytest.mark.parametrize(

@@ -52,3 +52,42 @@ def test_the_step_row_takes_its_utilisation_from_flops(compose):
     assert r["mfu_of_gemm_peak"] == pytest.approx(tokens * 1e6 / (0.5 * 2e12))
     assert r["mfu_6n"] == pytest.approx(tokens * 9e5 / (0.5 * 1e12))
     assert r["hfu"] == pytest.approx(r["mfu"] * 4 / 3)  # full recomputation: one more forward of the 6 units
+
+
+MTP = ["model=deepseek_v3_debugmodel", "model.num_mtp_layers=1", "parallelism=single", "training.seq_len=16"]
+
+
+def test_mtp_counts_are_titans_and_the_built_modules(compose):
+    """model.num_mtp_layers=1 on the debug DeepSeek-V3: the parameters and FLOPs per token are TorchTitan's own count of
+    its model_registry("debugmodel", num_mtp_layers=1) (what check_size holds the built model to), the MTP block is the
+    built one, and its GEMMs are measured: torch's FLOP counter over a forward of the runner's built model, x 3, is that
+    count less the norms' weights (no GEMM) plus what TorchTitan's formula leaves out of MTP (the second pass through the
+    head, the MTP block's attention scores: flops.mtp_uncounted_flops_per_token)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from torchtitan.models import deepseek_v3
+
+    from runner.run import titan
+    from runner.run.titan.initial_weights import init_weights
+    from runner.schema import layout
+
+    cfg = compose(MTP)
+    m, seq = cfg.model, cfg.training.seq_len
+    with torch.device("meta"):
+        reference = deepseek_v3.model_registry("debugmodel", num_mtp_layers=1).model
+        ref_model = reference.build()
+    assert (flops.num_params(m), flops.flops_per_token(m, seq, "titan")) == reference.get_nparams_and_flops(ref_model, seq)
+    # MLA 3,555,840 (q 786,432, kv_a 147,456 + its norm 512, kv_b 2,097,152, wo 524,288) + MoE 1,968,128 (8 experts
+    # 1,572,864, router 2,048, 2 shared 393,216) + 2 norms 512; eh_proj 2 x 256 x 256 = 131,072; enorm, hnorm, mtp_norm 768
+    assert sum(p.numel() for p in ref_model.mtp_layers.parameters()) == flops.mtp_block_params(m) == 5_656_320
+
+    spec, _ = titan.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))  # the CPU's SDPA and fp32 experts
+    model = spec.model.build()
+    init_weights(model, 0)
+    tokens = torch.randint(0, m.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = model(tokens)
+    assert len(out) == 2 and out[1].shape == (1, seq, m.vocab_size)  # the main head's logits and depth 1's
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    expected = flops.flops_per_token(m, seq, "titan") + flops.mtp_uncounted_flops_per_token(m, seq) - 6 * norms
+    assert 3 * counter.get_total_flops() / seq == expected

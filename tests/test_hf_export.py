@@ -109,6 +109,39 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, name, tmp_path
     assert "WARNING" not in err
 
 
+def test_mtp_blocks_export_and_import_as_hf_layers_after_the_last(compose, tmp_path, capsys):
+    """model.num_mtp_layers=1: the MTP block is exported where DeepSeek-V3's checkpoints keep it, as block num_layers
+    (model.layers.2.*: its attention and experts named as a block's, eh_proj, enorm, hnorm, shared_head.norm), with
+    num_nextn_predict_layers = 1; transformers' DeepseekV3 leaves it out (it has no MTP) and gives the main head's
+    logits; the runner's import (hf_adapter.load, TorchTitan's adapter over DCP) reads every weight back bitwise."""
+    from runner.run.titan import hf_adapter
+    from runner.run.titan.model import model_spec
+
+    cfg = compose([*TINY_MLA, "model.num_mtp_layers=1"])
+    model = _titan_model(cfg, expert_bias=True)
+    ckpt = _save(model, cfg, tmp_path / "ckpt")
+    code, _, err = _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    folder = tmp_path / "hf"
+    assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    mtp = {k for k in exported(folder) if k.startswith("model.layers.2.")}
+    assert {f"model.layers.2.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head.norm", "mlp.gate")} < mtp
+    assert "model.layers.2.self_attn.kv_b_proj.weight" in mtp and "model.layers.2.mlp.experts.15.down_proj.weight" in mtp
+    assert_round_trip(model, cfg, folder)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1))
+    main, _ = model(tokens)
+    hf = load_hf(folder)
+    with torch.no_grad():
+        assert (hf(tokens).logits - main).abs().max().item() <= LOGITS_RTOL * main.abs().max().item()
+    fresh = _titan_model(cfg, expert_bias=False)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    hf_adapter.load([fresh], model_spec(cfg.model), folder)
+    want, got = model.state_dict(), fresh.state_dict()
+    assert [k for k in want if not k.endswith("tokens_per_expert_E") and not torch.equal(got[k], want[k])] == []
+
+
 def test_qwen3_moe_expert_bias_is_named_when_left_out(compose, tmp_path, capsys):
     """transformers' Qwen3 MoE routes without TorchTitan's load-balancing bias: a trained (nonzero) one is reported."""
     cfg = compose(FAMILIES["qwen3_moe"][0])

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import runner.config.validate.hf_rules as hf_rules
 from runner.config import freeze, validate
 from runner.formats import hf_folder
 from runner.schema.problems import ConfigError
@@ -154,6 +155,21 @@ def test_moe_and_latent_numbers_are_compared(monkeypatch, capsys, tmp_path):
     err = _refused(monkeypatch, capsys, tmp_path, *hf_models.overrides("deepseek_v3", folder), "mode=validate")
     for line in ("model.num_experts = 16:", "n_routed_experts = 32", "model.kv_lora_rank = 512:", "model.num_shared_experts = 2:"):
         assert line in err
+
+
+def test_mtp_depths_the_folder_lacks_are_refused(monkeypatch, capsys, tmp_path, compose):
+    """The MTP blocks are read from model.layers.{num_layers + k} where config.json's num_nextn_predict_layers says the
+    checkpoint has them (DeepSeek-V3's has 1); a run may leave them out (model.num_mtp_layers=0), not ask for more."""
+    folder = _config_only(tmp_path, "deepseek_v3")  # num_nextn_predict_layers = 0
+    err = _refused(monkeypatch, capsys, tmp_path, *hf_models.overrides("deepseek_v3", folder), "model.num_mtp_layers=1", "mode=validate")
+    assert f"model.num_mtp_layers = 1: {folder}/config.json has num_nextn_predict_layers = 0" in err
+    assert "Fix: set model.num_mtp_layers=0" in err
+    (tmp_path / "mtp").mkdir()
+    with_mtp = _config_only(tmp_path / "mtp", "deepseek_v3", num_nextn_predict_layers=1)
+    for depth in (0, 1):
+        problems = []
+        hf_rules.folder(compose([*hf_models.overrides("deepseek_v3", with_mtp), f"model.num_mtp_layers={depth}"]).model, problems)
+        assert [p.field for p in problems if p.field == "model.num_mtp_layers"] == []
 
 
 def test_deepseek_v3_needs_the_sigmoid_router(monkeypatch, capsys, tmp_path):

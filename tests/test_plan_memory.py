@@ -199,3 +199,27 @@ def test_fp8_casts_in_a_blocks_backward_match_the_dry_run(compose):
         assert last["temporaries"] * 1e9 == pytest.approx(8_388_608)
         activations[precision[-1]] = first["activations"]
     assert activations["precision.param_dtype=bfloat16"] == dryrun_report.rehearsal_budget(compose(FP8_PP), lay, 0)["activations"]
+
+
+MTP_DRYRUN = ["model=debug_moe", "parallelism=single", "training.seq_len=512", "training.global_batch_size=2", "training.microbatch_size=1"]
+
+
+def test_mtp_block_memory_matches_the_dry_run(compose):
+    """model.num_mtp_layers=1 on debug_moe, one CPU rank, seq 512 (`python -m runner <MTP_DRYRUN> model.num_mtp_layers=1
+    mode=dryrun`): the dry run measured 0.464044 GB of master + moments (0.396169 without MTP), 0.405510 GB of
+    activations (0.339241) and 0.029361 GB of buffers (0.025166): the MTP block's 5,656,320 parameters, what it and its
+    second head save for backward, its RoPE table. (Its weights + gradients row is the MoE model's, 1.22 x the plan with
+    or without MTP: issue 56 item 4.)"""
+    from runner.estimate import memory
+    from runner.schema import layout
+
+    def stage(depth: int) -> dict[str, float]:
+        cfg = compose([*MTP_DRYRUN, f"model.num_mtp_layers={depth}"])
+        return memory.stage_gb(cfg, layout.resolve(cfg.parallelism, cfg.cluster), 2, 0)
+
+    with_mtp, without = stage(1), stage(0)
+    assert with_mtp["params"] - without["params"] == 5_656_320
+    assert with_mtp["optimizer"] == pytest.approx(0.464044, rel=0.02)
+    assert with_mtp["activations"] == pytest.approx(0.405510, rel=0.15)
+    assert with_mtp["activations"] - without["activations"] == pytest.approx(0.405510 - 0.339241, rel=0.05)
+    assert with_mtp["buffers"] == pytest.approx(0.029361, rel=0.001)

@@ -111,6 +111,19 @@ def test_layer_rule_equals_titans_traverse(compose, option):
     assert traversed == [(la.fqn, la.in_dim, la.out_dim, la.fp8_twin) for la in precision.linear_layers(m)]
 
 
+def test_layer_rule_lists_the_mtp_blocks_linears(compose):
+    """model.num_mtp_layers=2: the rule lists the MTP blocks' Linear layers (each the last block's, then eh_proj) as
+    TorchTitan's model_registry(..., num_mtp_layers=2) traverses them, so an FP8 recipe converts what was validated."""
+    from torchtitan.models import deepseek_v3
+    from torchtitan.models.common.linear import Linear
+
+    m = compose(["model=deepseek_v3_debugmodel", "model.num_mtp_layers=2", "parallelism=single"]).model
+    registry = deepseek_v3.model_registry("debugmodel", num_mtp_layers=2).model
+    traversed = [(f, c.in_features, c.out_features, type(c) is Linear.Config) for f, c, _, _ in registry.traverse(Linear.Config)]
+    assert traversed == [(la.fqn, la.in_dim, la.out_dim, la.fp8_twin) for la in precision.linear_layers(m)]
+    assert traversed[-1] == ("mtp_layers.1.eh_proj", 512, 256, True)
+
+
 # converted Linear layers of each debug flavor cut to 2 blocks under fp8_tensorwise with the preset's patterns
 CONVERTED_2_BLOCKS = {
     "qwen3_debugmodel": ["attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"] * 2,

@@ -11,7 +11,7 @@ from runner.calibrate import refs as steptime_refs
 from runner.config import validate
 from runner.estimate import plan
 from runner.estimate.predict import machine_profile as steptime_profile
-from runner.estimate.predict import steptime
+from runner.estimate.predict import steptime, work
 from runner.estimate.predict.machine import DATASHEET
 from tests.machine_profiles import round_profile
 
@@ -103,6 +103,21 @@ def test_datasheet_prediction_is_labelled(compose):
     b = plan.compute(cfg, validate.check(cfg))
     assert b["estimated_step_time_s"] == pred.step_s and b["predicted_source"] == DATASHEET
     assert DATASHEET in plan.one_line(b)
+
+
+def test_each_mtp_depth_adds_a_block_and_a_head_pass(compose):
+    """model.num_mtp_layers=D: the last stage runs D more blocks and D more passes through the head, per microbatch
+    (DeepSeek-V3 16B on an H100 node, FSDP, datasheet figures)."""
+    base = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "model=deepseek_v3_16b", "training.global_batch_size=16"]
+    cfgs = [compose([*base, f"model.num_mtp_layers={d}"]) for d in (0, 2)]
+    lay = validate.check(cfgs[0])
+    without, with_mtp = (steptime.predict(c, lay) for c in cfgs)
+    mach = steptime.resolve_machine(cfgs[0], lay, peak_tflops=None, link_gbs=None, efficiency=None)
+    c, t = cfgs[0], cfgs[0].training
+    shares = work.recomputed_share(t.activation_checkpoint.value, steptime._layer_frequency(c))
+    blk, head = steptime._block(c, lay, mach, steptime._kinds(c, lay), shares), steptime._head(c, lay, mach)
+    micro = t.global_batch_size // (lay.dp * t.microbatch_size)
+    assert with_mtp.terms["compute"] - without.terms["compute"] == pytest.approx(2 * micro * (blk.compute + head.compute))
 
 
 def test_profile_round_trip_and_its_named_constants(compose, tmp_path):

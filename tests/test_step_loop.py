@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from runner.observe import fault_injection, loss_guard, monitor
@@ -348,3 +349,57 @@ def test_the_loop_state_and_its_builder_are_typed():
     params = inspect.signature(train.build).parameters.values()
     assert [p.name for p in params if p.annotation is inspect.Parameter.empty] == []
     assert inspect.signature(train.build).return_annotation == "StepLoop"
+
+
+MTP = ["model=deepseek_v3_debugmodel", "model.num_mtp_layers=1", "parallelism=single", "training.seq_len=16"]
+MTP += ["training.global_batch_size=2", "training.microbatch_size=2"]
+
+
+class _Unobserved:
+    """The step monitor's interface that forward_backward calls, observing nothing."""
+
+    def phase(self, name: str):
+        return nullcontext()
+
+    def after_forward(self) -> None:
+        pass
+
+    def corrupt(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+def test_a_step_trains_titans_mtp_loss_and_evaluation_keeps_the_main_heads(compose, tmp_path):
+    """model.num_mtp_layers=1 on the debug DeepSeek-V3, built and stepped by the runner on one gloo rank: the step's loss
+    is TorchTitan's MTPLoss (called directly on the model's two heads and the batch's labels) and, by hand, the main
+    head's summed next-token cross-entropy plus mtp_loss_scale x depth 1's of the token after next (the 15 positions
+    that have one), over the batch's 32 tokens; its backward reaches the MTP block; the held-out loss is the main head's."""
+    import torch.nn.functional as F
+    from torchtitan.models.deepseek_v3 import MTPLoss
+
+    from runner.run import titan
+    from runner.schema import layout
+    from tests.one_rank import gloo_rank
+
+    cfg = compose(MTP)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    tokens = torch.tensor(32.0)
+    with gloo_rank(cfg, tmp_path):
+        built = titan.build(cfg, lay, titan.build_mesh(cfg, lay), tmp_path / "run", torch.device("cpu"))
+        data = SyntheticData(seed=cfg.training.seed, seq_len=16, vocab=cfg.model.vocab_size, global_batch=2, microbatch=2, dp_rank=0, dp=1)
+        (mb,) = data.microbatches(0)
+        loss_fn = titan.loss_fn(cfg)
+        stepped = step_loop.forward_backward(built, loss_fn, [mb], tokens, _Unobserved()).item()
+        model = built.parts[0]
+        grads = [model.mtp_layers[0].get_parameter(n).grad for n in ("eh_proj.weight", "enorm.weight", "attention.wkv_b.weight")]
+        with torch.no_grad():
+            main, depth1 = (titan.local_value(p) for p in model(mb.inputs))
+            held_out = titan.next_token_loss(loss_fn, [main, depth1], mb.labels, tokens).item()
+    positions = torch.arange(16).expand(2, 16)
+    titans, _ = MTPLoss(MTPLoss.Config(mtp_scale=0.3, global_vocab_size=2048))([main, depth1], mb.labels, tokens, positions=positions)
+    main_sum = F.cross_entropy(main.double().flatten(0, 1), mb.labels.flatten(), reduction="sum")
+    depth1_sum = F.cross_entropy(depth1[:, :-1].double().flatten(0, 1), mb.labels[:, 1:].flatten(), reduction="sum")
+    assert stepped == titans.item()
+    assert stepped == pytest.approx(((main_sum + 0.3 * depth1_sum) / 32).item(), rel=1e-6)
+    assert depth1_sum / 30 > 1  # a real term (about log 2048 per position at initialization), not a rounding
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert held_out == pytest.approx((main_sum / 32).item(), rel=1e-6)

@@ -266,3 +266,25 @@ def test_a_wrong_field_of_a_param_group_is_named_by_index_with_a_fix_that_works(
     assert p.field == f"optimizer.param_groups{field}", str(p)
     fix = re.search(r"(optimizer\.param_groups=\[.*\])", p.fix)[1]
     validate.check(compose([fix]))
+
+
+@pytest.mark.parametrize(
+    "overrides,field,words",
+    [
+        (["parallelism=dp2_pp2"], "parallelism.pp", "with pipeline parallelism"),
+        # a GPU cluster: CPU ranks refuse MLA under CP for a reason of their own (runner.config.family_support)
+        (
+            ["parallelism=cp2", "parallelism.dp_shard=-1", "cluster=h100_node", "precision=bf16"],
+            "parallelism.cp",
+            "with context parallelism",
+        ),
+    ],
+)
+def test_mtp_under_pp_or_cp_is_refused_as_titan_refuses_it(compose, overrides, field, words):
+    """TorchTitan 0.3.0's MTPDecoder.Config.update_from_config raises NotImplementedError for MTP with PP or CP: the
+    config is refused before any rank starts, with the way out; without MTP the same layout validates."""
+    mtp = ["model=debug_moe", "model.num_mtp_layers=1", "training.global_batch_size=8", *overrides]
+    problems = [p for p in _problems(compose, mtp) if p.field == field]
+    assert len(problems) == 1 and words in problems[0].why and "model.num_mtp_layers = 1" in problems[0].why
+    assert problems[0].fix == f"use {field}=1 (FSDP, TP or EP instead), or model.num_mtp_layers=0"
+    validate.check(compose([*mtp[:1], *mtp[2:]]))

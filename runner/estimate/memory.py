@@ -28,6 +28,9 @@ The default figures follow what TorchTitan allocates, category by category as th
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
   the input of every stage after the first, kept across steps (and one for the gradient of every stage before
   the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
+- multi-token prediction (model.num_mtp_layers, no PP): the MTP blocks' parameters on the one stage, what each
+  block, its input norms and projection and its head's loss save for backward (activation checkpointing leaves them
+  whole), and a RoPE table each.
 - buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
   Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
   runner keeps whatever training.seq_len.
@@ -147,7 +150,8 @@ def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bo
     moe_block = mixer + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
     head = (m.dim + flops.embedding_params(m)) if last else 0
     emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
-    return layers[0] * dense_block + layers[1] * moe_block + emb + head, head
+    mtp = m.num_mtp_layers * flops.mtp_block_params(m) if last else 0  # MTP is refused under PP: its stage is the model
+    return layers[0] * dense_block + layers[1] * moe_block + emb + head + mtp, head
 
 
 def rope_bytes_per_position(m) -> float:
@@ -196,8 +200,9 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     blocks = pipeline_ranks.stage_blocks(cfg, lay)[st]
     params, head = _stage_params(cfg, blocks, first, last)
     ep_share = 0.0
+    mtp = m.num_mtp_layers if last else 0  # the MTP blocks: copies of the last block, with the head
     if flops.is_moe(m) and lay.ep > 1:  # routed experts are split over ep before FSDP shards the rest
-        ep_share = blocks[1] * flops.routed_expert_params(m) * (1 - 1 / lay.ep)
+        ep_share = (blocks[1] + mtp) * flops.routed_expert_params(m) * (1 - 1 / lay.ep)
     local = (params - ep_share) / lay.tp  # embedding and head are split over tp as well (vocab- and column-wise)
     shard = lay.dp_shard * lay.cp
     # routed experts are split over ep, then FSDP-sharded over dp_shard x cp / ep: every parameter's shard is / shard
@@ -236,7 +241,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
             activations += k * (saved + _extras(cfg, lay, cf, cl, tokens, hidden))
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
-    buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
+    buffers = (blocks[0] + blocks[1] + mtp) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
     # FP8: the block's backward peaks at w2's last cast, before the FFN has gradients, or at a later Linear's beside them
     first, later = fp8.backward_transient_bytes(cfg, lay.tp, t.microbatch_size * t.seq_len // lay.cp)
@@ -267,8 +272,23 @@ def _extras(cfg: RunConfig, lay: Layout, first: bool, last: bool, tokens: float,
     if last:  # final norm, the head's input and output (the stage's output, kept for backward), the loss's fp32 log-softmax, labels
         head_in = _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim
         logits = bw * m.vocab_size / lay.tp if lay.pp > 1 else 0  # without PP the loss's backward frees them (a temporary)
-        return extras + (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens
+        return extras + (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens + _mtp_bytes(cfg, lay, tokens)
     return extras + hidden  # the stage's output, kept for backward
+
+
+def _mtp_bytes(cfg: RunConfig, lay: Layout, tokens: float) -> float:
+    """What the model.num_mtp_layers MTP depths save for backward per microbatch (TorchTitan's MTPTransformerBlock, which
+    activation checkpointing leaves whole: it wraps `layers` only): each its block (a copy of the last) and, per token,
+    the RMSNorms of the shifted tokens' embedding and of the previous depth's hidden state, their concatenation
+    (eh_proj's input, 2 x dim), its output norm and the head's input, the loss's fp32 log-softmax and shifted labels.
+    Dry run (debug_moe, D = 1, seq 512, CPU): 66.3 MB measured beside the block's 57.7 MB and 8.9 MB per token here."""
+    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
+    if not m.num_mtp_layers:
+        return 0.0
+    sp = cfg.parallelism.sequence_parallel and lay.tp > 1
+    norms = 3 * _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1)
+    per_token = layer_bytes_per_token(cfg, lay, moe=flops.is_moe(m)) + norms + 3 * bw * m.dim + 4 * m.vocab_size / lay.tp + 8
+    return m.num_mtp_layers * per_token * tokens
 
 
 def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 
 from runner.estimate import flops
@@ -75,6 +75,11 @@ def linear_layers(m: ModelConfig) -> list[LinearLayer]:
     out = [LinearLayer("lm_head", m.dim, m.vocab_size, "colwise")]
     for i in range(m.num_layers):
         out += _attention_linears(m, f"layers.{i}.attention") + _ffn_linears(m, i)
+    last = f"layers.{m.num_layers - 1}."
+    for k in range(m.num_mtp_layers):  # the MTP blocks: the last block's layers, then the projection of [embedding; hidden]
+        ffn = [replace(la, fqn=la.fqn.replace(last, f"mtp_layers.{k}.", 1)) for la in _ffn_linears(m, m.num_layers - 1)]
+        eh_proj = LinearLayer(f"mtp_layers.{k}.eh_proj", 2 * m.dim, m.dim, "replicate")
+        out += [*_attention_linears(m, f"mtp_layers.{k}.attention"), *ffn, eh_proj]
     return out
 
 

@@ -87,6 +87,7 @@ FIELDS = (
     Field("qk_rope_head_dim", ("qk_rope_head_dim",), ("deepseek_v3", "kimi_k2_7")),
     Field("v_head_dim", ("v_head_dim",), ("deepseek_v3", "kimi_k2_7")),
     Field("rope_theta", ("rope_theta",)),
+    Field("num_mtp_layers", ("num_nextn_predict_layers",), ("deepseek_v3",)),
 )
 """The architecture numbers compared between config.json and model.* (rope_theta also inside rope_parameters)."""
 
@@ -119,6 +120,8 @@ def hf_value(config: dict[str, Any], f: Field, m: ModelConfig) -> Any:
         return 0  # null: a direct query projection
     if f.name == "num_kv_heads" and v is None:
         return c.get("num_attention_heads")
+    if f.name == "num_mtp_layers" and v is not None and m.num_mtp_layers <= v:
+        return m.num_mtp_layers  # the folder's first MTP depths are read, the others left out (model.layers.{num_layers + k})
     if f.name == "head_dim" and v is not None and m.head_dim == 0:
         return v if v != m.dim // max(m.num_heads, 1) else 0  # the runner's 0 means dim // heads
     return v

@@ -59,8 +59,7 @@ def _forward(built, loss_fn, microbatches, global_tokens: torch.Tensor) -> torch
     losses = []
     for mb in microbatches:
         inputs, labels, extra = titan.model_inputs(built, mb.inputs, mb.labels, positions=mb.positions)
-        loss, _ = loss_fn(built.parts[0](inputs, **extra), labels, global_tokens)
-        losses.append(loss)
+        losses.append(titan.next_token_loss(loss_fn, built.parts[0](inputs, **extra), labels, global_tokens))
     return titan.local_value(sum(losses)).cpu()
 
 

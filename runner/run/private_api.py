@@ -374,7 +374,7 @@ PRIVATE = (
     P("titan_build_kimi_layers", "torchtitan.models.kimi_k2_7", "_build_kimi_layers", TITAN, (f"{MODEL}:_mla_moe",),
       "a kimi_k2_7 flavor's blocks at model.*'s shape"),
     P("titan_build_mtp_layers", "torchtitan.models.deepseek_v3", "_build_mtp_layers", TITAN, (f"{MODEL}:_mla_moe",),
-      "the multi-token-prediction blocks of a flavor that has them"),
+      "model.num_mtp_layers multi-token-prediction blocks, as model_registry(num_mtp_layers=D) builds them"),
     P("titan_build_gptoss_layers", "torchtitan.models.gpt_oss", "_build_gptoss_layers", TITAN, (f"{MODEL}:_gpt_oss",),
       "a gpt_oss flavor's blocks at model.*'s shape"),
     P("titan_make_gptoss_attn_config", "torchtitan.models.gpt_oss", "_make_gptoss_attn_config", TITAN, (f"{MODEL}:_gpt_oss",),

@@ -39,7 +39,7 @@ def forward_backward(built: titan.Built, loss_fn, microbatches, global_tokens: t
         with mon.phase("forward"):
             pred = built.parts[0](inputs, **extra)
             mon.faults.after_forward()  # TEST-ONLY injection (runner.observe.fault_injection); nothing otherwise
-            loss, _ = loss_fn(pred, labels, global_tokens)
+            loss, _ = loss_fn(pred, labels, global_tokens, **titan.loss_inputs(extra, labels))
             loss = mon.faults.corrupt(loss)
         del pred
         with mon.phase("backward"):
@@ -79,7 +79,7 @@ class StepLoop:
     policy: DevicePolicy
     opt: titan.Optimizers  # one optimizer per model part (runner.run.titan.build_optimizer)
     sched: titan.LRSchedulers  # its learning-rate schedule
-    loss_fn: titan.CrossEntropyLoss
+    loss_fn: titan.BaseLoss
     global_tokens: torch.Tensor
     timer: plan_check.StageTimer | None  # a pipeline's stage timer (None without one)
     mon: StepMonitor

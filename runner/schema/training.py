@@ -51,6 +51,12 @@ class ModelConfig:
     """SwiGLU hidden size of one expert."""
     num_dense_layers: int = 0
     """Leading blocks of an MoE model with a dense SwiGLU MLP of ffn_hidden_dim instead of experts."""
+    num_mtp_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3 only): MTP blocks after the last block, the k-th predicting the
+    token k + 1 ahead through the shared embedding and head (TorchTitan's MTPDecoder and MTPLoss); 0 = none."""
+    mtp_loss_scale: float = 0.3
+    """Weight of the MTP loss (the mean over the D depths) added to the main cross-entropy (TorchTitan's
+    MTPLoss.Config.mtp_scale; the DeepSeek-V3 report's lambda: 0.3 for the first 10T tokens, then 0.1)."""
     kv_lora_rank: int = 0
     """Multi-head latent attention (DeepSeek-V3): rank of the compressed key/value projection; 0 = standard attention."""
     q_lora_rank: int = 0

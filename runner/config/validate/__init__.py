@@ -189,6 +189,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("expert parallel", layout_rules.experts, Needs.LAYOUT, reads=_LAY),
     Rule("tied embedding under pipeline parallel", layout_rules.tied_pipeline, Needs.LAYOUT),
+    Rule("multi-token prediction under pipeline or context parallel", layout_rules.mtp_layout, Needs.LAYOUT),
     Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT, reads=_CTX),
     Rule("sequence against CP and TP", layout_rules.sequence, Needs.LAYOUT),
     Rule("async TP", layout_rules.async_tp, Needs.LAYOUT),

@@ -242,3 +242,22 @@ def tied_pipeline(cfg: RunConfig, out: list[Problem]) -> None:
                 "use pp=1 (FSDP, TP or CP instead), or model.weight_tying=false",
             )
         )
+
+
+def mtp_layout(cfg: RunConfig, out: list[Problem]) -> None:
+    """TorchTitan 0.3.0's MTPDecoder.Config.update_from_config raises NotImplementedError for MTP under pipeline or
+    context parallelism (its MTP blocks need the tokens and the embedding beside the last block, and unsplit sequences)."""
+    if cfg.model.num_mtp_layers <= 0:
+        return
+    for axis, what in (("pp", "pipeline"), ("cp", "context")):
+        degree = getattr(cfg.parallelism, axis)
+        if degree > 1:
+            out.append(
+                Problem(
+                    f"parallelism.{axis}",
+                    degree,
+                    f"model.num_mtp_layers = {cfg.model.num_mtp_layers}: TorchTitan 0.3.0 does not support multi-token "
+                    f"prediction with {what} parallelism",
+                    f"use parallelism.{axis}=1 (FSDP, TP or EP instead), or model.num_mtp_layers=0",
+                )
+            )

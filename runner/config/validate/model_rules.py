@@ -43,6 +43,7 @@ def check(cfg: RunConfig, out: list[Problem]) -> None:
         why = "the dense blocks need a hidden size" if flops.is_moe(m) else "every block of a dense model is a SwiGLU MLP of this size"
         out.append(Problem("model.ffn_hidden_dim", m.ffn_hidden_dim, why, "copy it from TorchTitan's registry for the flavor (>= 1)"))
     _moe(m, out)
+    _mtp(m, out)
     _heads(m, out)
     _linear_attention(m, out)
     family_support.check(cfg, out)  # what the family's runtime supports on the cluster's device (CPU training, CP)
@@ -135,6 +136,30 @@ def _moe(m: ModelConfig, out: list[Problem]) -> None:
                 f"must be in [0, model.num_layers = {m.num_layers}) so that some blocks hold experts",
                 "copy n_dense_layers from TorchTitan's registry",
             )
+        )
+
+
+MTP_FAMILIES = ("deepseek_v3",)
+"""Families whose TorchTitan model owns multi-token-prediction blocks (MTPDecoder: deepseek_v3's model_registry takes
+num_mtp_layers; Kimi's, Qwen3's, Llama 3's and gpt-oss's do not)."""
+
+
+def _mtp(m: ModelConfig, out: list[Problem]) -> None:
+    """Multi-token prediction: a depth >= 0, on a family TorchTitan builds it for, with a loss weight >= 0."""
+    if m.num_mtp_layers < 0:
+        out.append(Problem("model.num_mtp_layers", m.num_mtp_layers, "must be >= 0", "use 0 (no MTP) or the depth D (DeepSeek-V3: 1)"))
+    elif m.num_mtp_layers > 0 and m.name not in MTP_FAMILIES:
+        out.append(
+            Problem(
+                "model.num_mtp_layers",
+                m.num_mtp_layers,
+                f"TorchTitan builds multi-token-prediction blocks for {', '.join(MTP_FAMILIES)} only, not {m.name}",
+                "use model.num_mtp_layers=0, or a deepseek_v3 model (conf/model/deepseek_v3_*)",
+            )
+        )
+    if not m.mtp_loss_scale >= 0:
+        out.append(
+            Problem("model.mtp_loss_scale", m.mtp_loss_scale, "must be >= 0", "use the DeepSeek-V3 report's 0.3 (or 0.1 late in training)")
         )
 
 

@@ -267,6 +267,8 @@ def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, flo
     kinds = _kinds(cfg, lay)
     shares = work.recomputed_share(ac, _layer_frequency(cfg))
     blk, head, stages = _block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach), _stages(cfg, lay, v)
+    mtp = cfg.model.num_mtp_layers  # each MTP depth: one block and one pass through the head more, on the last stage
+    head = _add(_scaled(head, 1 + mtp), _scaled(blk, mtp))
     rank, bubble, blocks = _pipeline(lay, blk, head, stages, micro, mach.cpu_share)
     dp_block = _dp_per_block(cfg, lay, mach, kinds, micro) + _fsdp_copies_s(cfg, lay, mach, micro)
     hidden = mach.comm_overlap * min(dp_block, micro * (blk.compute + blk.non_matmul + blk.recompute))

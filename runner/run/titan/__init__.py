@@ -32,13 +32,22 @@ from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.moe import clear_counts, moe_blocks, take_counts
 from runner.run.titan.optim import build_optimizer, current_lr, garbage_collection, optimizers
 from runner.run.titan.state import load_model, load_state, save_model, save_state, training_state
-from runner.run.titan.step import clip_grad_norm_tensor, local_value, loss_fn, model_inputs, pipeline_eval, pipeline_step
+from runner.run.titan.step import (
+    clip_grad_norm_tensor,
+    local_value,
+    loss_fn,
+    loss_inputs,
+    model_inputs,
+    next_token_loss,
+    pipeline_eval,
+    pipeline_step,
+)
 
 if TYPE_CHECKING:  # TorchTitan's types the step loop holds (runner.run.step_loop.StepLoop)
     from runner.run.titan.optim import GarbageCollection as GarbageCollection
     from runner.run.titan.optim import LRSchedulers as LRSchedulers
     from runner.run.titan.optim import Optimizers as Optimizers
-    from runner.run.titan.step import CrossEntropyLoss as CrossEntropyLoss
+    from runner.run.titan.step import BaseLoss as BaseLoss
 
 __all__ = [
     "PRELOAD",
@@ -62,11 +71,13 @@ __all__ = [
     "load_state",
     "local_value",
     "loss_fn",
+    "loss_inputs",
     "mesh_coords",
     "model_config",
     "model_inputs",
     "model_spec",
     "moe_blocks",
+    "next_token_loss",
     "optimizers",
     "pipeline_eval",
     "pipeline_step",

@@ -37,7 +37,7 @@ def use_sdpa(model_config) -> None:
     CPU: runner.config.family_support)."""
     if any(hasattr(layer.attention, "sliding_window_size") for layer in model_config.layers):
         raise RuntimeError("attention with sinks or a sliding window (gpt-oss) has no CPU path: SDPA would compute another model")
-    for layer in model_config.layers:
+    for layer in [*model_config.layers, *getattr(model_config, "mtp_layers", [])]:  # and the MTP blocks' (DeepSeek-V3)
         layer.attention.inner_attention = _masked_sdpa().Config()
 
 

@@ -152,8 +152,9 @@ def _mla_moe(m: ModelConfig, flavor, family):
     out = _decoder(m, flavor, layers, family)
     if hasattr(out, "vision_encoder"):
         out.vision_encoder = None
-    # private_api: titan_build_mtp_layers
-    out.mtp_layers = family._build_mtp_layers(layers[-1], dim=m.dim, num_mtp_layers=len(flavor.mtp_layers)) if flavor.mtp_layers else []
+    if m.num_mtp_layers:  # as model_registry(..., num_mtp_layers=D) builds them (deepseek_v3 only: model_rules.mtp)
+        # private_api: titan_build_mtp_layers
+        out.mtp_layers = family._build_mtp_layers(layers[-1], dim=m.dim, num_mtp_layers=m.num_mtp_layers)
     return out
 
 

@@ -10,15 +10,42 @@ import torch
 from runner.schema import RunConfig
 
 if TYPE_CHECKING:
-    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.loss import BaseLoss
 
 
-def loss_fn(cfg: RunConfig) -> CrossEntropyLoss:
+def loss_fn(cfg: RunConfig) -> BaseLoss:
     """TorchTitan's cross-entropy: sum over tokens divided by the global token count, because
-    TorchTitan's FSDP sums (does not average) gradients over data-parallel ranks."""
+    TorchTitan's FSDP sums (does not average) gradients over data-parallel ranks. With model.num_mtp_layers, TorchTitan's
+    MTPLoss as deepseek_v3_debugmodel_mtp() configures it: that cross-entropy of the main head plus mtp_loss_scale x
+    the mean over the MTP depths of theirs, the depth-k labels shifted k tokens further within each document."""
     from torchtitan.components.loss import CrossEntropyLoss
 
+    if cfg.model.num_mtp_layers:
+        from torchtitan.models.deepseek_v3 import MTPLoss
+
+        return MTPLoss(MTPLoss.Config(mtp_scale=cfg.model.mtp_loss_scale, global_vocab_size=cfg.model.vocab_size))
     return CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=cfg.model.vocab_size))
+
+
+def loss_inputs(extra: dict, labels: torch.Tensor) -> dict:
+    """The loss's keyword inputs as TorchTitan's trainer passes them (the batch's positions; MTPLoss shifts its labels
+    within documents by them, the cross-entropy ignores them). Without packed documents, 0..seq-1 in every sample:
+    what TorchTitan's text loader gives a sample of one document."""
+    positions = extra.get("positions")
+    if positions is None:
+        positions = torch.arange(labels.shape[1], device=labels.device).expand(labels.shape)
+    return {"positions": positions}
+
+
+def next_token_loss(loss, pred, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+    """The held-out loss share: `loss`'s cross-entropy of the next token; under MTP that of the main head alone (MTPLoss's
+    main term), so eval_loss and eval_ppl mean what they mean without MTP (TorchTitan's Validator calls the training
+    loss without positions, which MTPLoss refuses)."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    if isinstance(pred, list):
+        return cross_entropy_loss(pred[0], labels, global_vocab_size=loss.global_vocab_size) / global_tokens
+    return loss(pred, labels, global_tokens)[0]
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
