@@ -232,8 +232,8 @@ class _Search:
 
     @staticmethod
     def _stage_gb(cfg: RunConfig, lay: Layout):
-        """The stages' totals, GB, one at a time. Outside the V schedules a middle
-        stage never exceeds stage 1 (fewer microbatches in flight, no more layers), so stages 0, 1 and the last suffice."""
+        """The stages' totals, GB, one at a time. Outside the V schedules a middle stage never exceeds stage 1 (fewer
+        microbatches in flight, no more layers), so stages 0, 1 and the last suffice."""
         micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
         v_shape = pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
         stages = range(lay.pp) if v_shape or lay.pp <= 3 else (0, 1, lay.pp - 1)
@@ -249,7 +249,7 @@ class _Search:
             return self._peak[key] <= self.cap
         if key in self._over:
             return False
-        peak = 0.0
+        peak = float("-inf")
         for gb in self._stage_gb(cfg, lay):
             if gb > self.cap:
                 self._over.add(key)
