@@ -40,6 +40,7 @@ def main(dcfg: DictConfig) -> float | None:
     invalid or failed point) where the mode has one."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep.STATE.begin_task(run_dir)
+    cfg = None
     try:
         cfg = compose.to_object(dcfg)
         lay = None if cfg.mode == Mode.search else validate.check(cfg)  # search: the configured layout need not fit
@@ -55,7 +56,17 @@ def main(dcfg: DictConfig) -> float | None:
         if sweep.multirun():
             return sweep.invalid_point(e, run_dir)
         sweep.fail(str(e) if isinstance(e, validate.ConfigError) else f"Invalid config: {e}", run_dir)
+    except KeyboardInterrupt:  # Ctrl-C before a launch (composing, validating, a mode that trains nothing)
+        sweep.discard(run_dir)  # as a refusal: nothing half-written left behind
+        mode = f"mode={cfg.mode.value} " if cfg is not None else ""
+        _interrupted(f"interrupted: {mode}stopped before it finished; nothing was started")
     return sweep.train(cfg, lay, run_dir)
+
+
+def _interrupted(line: str) -> None:
+    """Ctrl-C: one line and exit 130 (as `python -m runner.data prepare` and a training run, runner.run.node_launch)."""
+    print(line, file=sys.stderr)
+    sys.exit(130)
 
 
 def _param_groups(cfg) -> None:
@@ -139,6 +150,11 @@ def cli() -> None:
     _word_config_errors()
     try:
         main()
+    except KeyboardInterrupt:  # outside what main() words: Hydra reading the command line or composing, a launch's edges
+        print("interrupted", file=sys.stderr)
+        if "torch" in sys.modules:
+            _fast_exit(130)
+        sys.exit(130)
     except SystemExit as e:
         if e.code == 1 and not sweep.STATE.entered:  # Hydra rejected the command line or a config file
             print(FIX_OVERRIDE, file=sys.stderr)

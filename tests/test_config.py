@@ -339,6 +339,23 @@ def test_a_refused_config_leaves_nothing_in_outputs(monkeypatch, capsys, tmp_pat
     assert code == 2 and "already holds a run" in err and (held / "frozen.yaml").read_text() == "a run\n"
 
 
+def test_ctrl_c_before_a_launch_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    """Ctrl-C while a check runs (here in mode=validate's preflight, which opens the files a run reads; any mode that
+    trains nothing ends the same way) or while Hydra composes: one line, exit 130, and no run folder left behind."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "preflight", ctrl_c)
+    code, err = in_process.cli(monkeypatch, capsys, "mode=validate", f"hydra.run.dir={tmp_path / 'out' / 'run'}")
+    assert (code, err) == (130, "interrupted: mode=validate stopped before it finished; nothing was started\n")
+    assert list(tmp_path.iterdir()) == []  # out/ and out/run/, made by Hydra, removed
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", ctrl_c)
+    code, err = in_process.cli(monkeypatch, capsys, "mode=validate", f"hydra.run.dir={tmp_path / 'out' / 'run'}")
+    assert (code, err, list(tmp_path.iterdir())) == (130, "interrupted\n", [])
+
+
 @pytest.fixture
 def frozen(compose, tmp_path):
     """A run folder holding the frozen file of the default config."""

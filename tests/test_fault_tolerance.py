@@ -376,3 +376,54 @@ def test_goodput_counts_the_outage_as_lost_capacity_not_lost_work(outage):
     run = json.loads((outage["resumed"] / runfiles.GOODPUT).read_text())
     assert len(run["groups"]) == 2 and run["total_s"] == pytest.approx(sum(g["total_s"] for g in run["groups"]))
     assert f"goodput of the 2 replica groups (group-seconds): {100 * run['goodput']:.1f} %" in outage["again_out"]
+
+
+class _Group:
+    """A replica group's `python -m runner.launch` as Ctrl-C finds it: it stops its ranks and exits 130 a moment after
+    the terminal's SIGINT reaches it (ctrl_c)."""
+
+    def __init__(self, argv, env):
+        self.argv, self.env, self.returncode, self.pid = argv, env, None, 0
+
+    def poll(self):
+        return self.returncode
+
+
+def test_ctrl_c_under_torchft_is_one_line_and_exit_130(compose, tmp_path, monkeypatch):
+    """Ctrl-C reaches the runner and every replica group's launcher (one process group): the runner waits for the
+    groups to stop their ranks (it sends them nothing), each told that the runner reports, and raises Interrupted, one
+    line: the last step any group finished and the command that resumes the whole run (its frozen file, not a
+    group's); runner.sweep prints it and exits 130, no traceback."""
+    import threading
+    import types
+
+    from runner.outputs.timeline import Timeline
+    from runner.run import ft_launch, node_launch
+
+    cfg = compose([*FT, "fault_tolerance.lighthouse=http://127.0.0.1:1"])  # a given lighthouse: none started here
+    lay, run_dir = validate.check(cfg), tmp_path / "run"
+    for r, last in ((0, 3), (1, 2)):  # the steps each group's rank 0 finished
+        timeline = Timeline(run_dir / ft.replica_dir_name(r))
+        timeline.path.parent.mkdir(parents=True)
+        for step in range(1, last + 1):
+            timeline.step({"step": step, "step_time_s": 1.0, "data_s": 0.0}, time.time(), overhead_s=0.0, publish_s=0.0)
+    groups, stopped = [], []
+
+    def ctrl_c():  # as a terminal sends it: to the runner and to the groups, which take a moment to stop
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        for g in groups:
+            g.returncode = 130
+
+    popen = lambda argv, env: groups.append(_Group(argv, env)) or groups[-1]  # noqa: E731
+    monkeypatch.setattr(ft_launch, "subprocess", types.SimpleNamespace(Popen=popen))
+    monkeypatch.setattr(ft_launch, "stop_pid", lambda g: stopped.append(g.poll()))
+    monkeypatch.setattr(ft_launch, "watch", lambda *a: (threading.Thread(target=ctrl_c).start(), time.sleep(60)))
+    with pytest.raises(node_launch.Interrupted) as e:
+        ft_launch.run(cfg, lay, run_dir / runfiles.FROZEN)
+    assert str(e.value) == (
+        f"interrupted at step 3; checkpoints are off, so a rerun starts at step 1: python -m runner --config-dir {run_dir} "
+        "--config-name frozen"
+    )
+    assert [g.argv[1:3] for g in groups] == [["-m", "runner.launch"]] * 2 and stopped == [130, 130]  # ended, not stopped
+    assert all(g.env[node_launch.PARENT_REPORTS_INTERRUPT] for g in groups)  # each exits 130 without a line of its own

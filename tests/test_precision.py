@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runner.config import validate
+from runner.config.validate import model_rules
 from runner.estimate import precision
 from runner.run import titan
 from runner.run.titan import fp8_emulation as fe
@@ -387,3 +388,28 @@ def test_the_kept_layers_are_summarised_by_pattern(compose):
         "  precision fp8_blockwise: 427 of 547 Linear layers in FP8 blockwise "
         "(kept in bfloat16: lm_head, layers.*.attention.wkv_a x61, layers.*.moe.router.gate x58)"
     )
+
+
+def test_fp8_shape_rule_walks_a_model_once_and_answers_as_a_fresh_walk(compose):
+    """The FP8 shape rule's walk of the Linear layers is kept by what it reads (the model's and the precision group's
+    fields; mode=search applies the rule to every layout of one model): interleaved configs that differ in
+    keep_high_precision or TP get what a fresh walk gives each."""
+    tp4 = ["precision=fp8_blockwise", "parallelism.tp=4", "parallelism.dp_shard=1"]  # composed for the tests above too
+    configs = []
+    for tp in (1, 2, 4):
+        for keep in ([], ["precision.keep_high_precision=[lm_head,'*.wqkv','*.wo','*.w1','*.w3']"]):
+            configs.append(compose([*tp4, *keep]))
+            configs[-1].parallelism.tp = tp
+
+    def problems(cfg):
+        out = []
+        model_rules.fp8_shapes(cfg, out)
+        return out
+
+    kept = [problems(c) for c in configs]
+    fresh = []
+    for c in configs:
+        model_rules._FP8_LAYERS.clear()
+        fresh.append(problems(c))
+    assert kept == fresh
+    assert not kept[0] and len(kept[4]) > len(kept[5]) == 1  # tp=4: every kind of layer misfits; only w2 is converted

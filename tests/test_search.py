@@ -4,6 +4,7 @@ is with mode=plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from runner.config import search, validate
 from runner.config.search import render as search_render
 from runner.config.search import verify as search_verify
+from runner.config.validate import model_rules
 from runner.estimate import flops, memory, plan, precision
 from runner.estimate.predict import accuracy, steptime
 from runner.estimate.predict import fp8_cost as fp8_model
@@ -444,9 +446,10 @@ def test_fp8_search_prints_each_candidates_speed_up_over_the_same_candidate_in_b
     walks = []  # the FP8 model walks the model's layers once per TP degree, not per candidate (a 30x slower search)
     monkeypatch.setattr(precision, "conversion", lambda c, real=precision.conversion: walks.append(1) or real(c))
     fp8_model._LAYERS.clear()
+    model_rules._FP8_LAYERS.clear()
     res = search.run(cfg)
-    layouts = len(list(search.layouts(cfg, search.world_size(cfg))))
-    assert len(walks) <= layouts + 4 < res.predictions  # validation's FP8 shape rule once per layout; the FP8 model once per TP
+    tps = {d[0] for d in search.layouts(cfg, search.world_size(cfg))}
+    assert len(walks) == len(tps) + 1  # validation's FP8 shape rule once a search, the FP8 model once per TP
     monkeypatch.undo()
     text = search_render.lines(cfg, res)
     head = next(i for i, t in enumerate(text) if t.startswith("  #  layout"))
@@ -466,3 +469,43 @@ def test_fp8_search_prints_each_candidates_speed_up_over_the_same_candidate_in_b
     assert budget["fp8_speed_up"] == pytest.approx(gain_8b) and gain_8b < 1.0 < gain_70b
     assert plan.one_line(budget).endswith(f", FP8 {search_render.speed_up(gain_8b)} vs bfloat16")
     assert budget["predicted_terms_s"]["fp8_amax"] > 0.05 * budget["estimated_step_time_s"]  # TP 8's amax all-reduces: 9 %
+
+
+class _Direct(search._Search):
+    """The search with nothing cached: each price steptime.predict's and memory.memory's own, computed at each call."""
+
+    def predict(self, cand):
+        return steptime.predict(cand.config(self.cfg), cand.layout())
+
+    def peak_gb(self, cfg, lay):
+        micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+        return memory.memory(cfg, lay, micro, self.cap)["total_gb_per_gpu"]
+
+    def fits(self, cfg, lay):
+        return self.cap is None or self.peak_gb(cfg, lay) <= self.cap
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_tensorwise"])
+def test_the_search_prices_less_and_reports_what_direct_pricing_reports(compose, monkeypatch, precision):
+    """The search's shortcuts (one prediction per candidate without its schedule, which the predictor reads only as v;
+    a block's work once per layout, microbatch and AC; a memory check that stops at the first stage over the device)
+    change nothing it reports: the same search pricing every candidate directly, with steptime.predict and
+    memory.memory (every stage), ranks the same candidates with the same times, terms, memory and MFU, and rejects as
+    many for each reason, while the search prices a third of the blocks and fewer stages."""
+    cfg = compose([*SMALL, f"precision={precision}"])
+    calls = {"_block": 0, "stage": 0}
+
+    def count(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or real(*a, **k))
+
+    count(steptime, "_block")
+    count(memory, "stage")
+    cached, used = search.run(cfg), dict(calls)
+    monkeypatch.setattr(search, "_Search", _Direct)
+    calls.update(_block=0, stage=0)
+    direct = search.run(cfg)
+    assert cached.rejected[search.MEMORY] > 0 and len(cached.ranked) == 10
+    assert [dataclasses.astuple(r) for r in cached.ranked] == [dataclasses.astuple(r) for r in direct.ranked]
+    assert (cached.rejected, cached.examples, cached.predictions) == (direct.rejected, direct.examples, direct.predictions)
+    assert 3 * used["_block"] < calls["_block"] and used["stage"] < calls["stage"]

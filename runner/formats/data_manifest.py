@@ -21,8 +21,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from runner.formats.user_files import UnreadableFile, read_json, schema_problem
 
 if TYPE_CHECKING:
@@ -151,6 +149,8 @@ def load(folder: str | Path) -> dict:
         raise ManifestError(f"{path} {why} (edited, or not written by `python -m runner.data prepare`)")
     if m["dtype"] not in DTYPES:
         raise ManifestError(f"{path} has dtype {m['dtype']!r}, not one of {', '.join(DTYPES)}")
+    import numpy as np  # here: mode=search and validation import this module, and need no numpy otherwise
+
     itemsize = np.dtype(m["dtype"]).itemsize
     for split in SPLITS:
         for p in m["splits"][split]["parts"]:

@@ -82,14 +82,31 @@ def started(cfg: RunConfig, lighthouse: subprocess.Popen | None) -> str:
 
 
 def start_group(cfg: RunConfig, lay: Layout, frozen: Path, lighthouse: str, replica_id: int) -> subprocess.Popen:
-    """`python -m runner.launch` for one replica group: its own torchrun rendezvous on this machine."""
+    """`python -m runner.launch` for one replica group: its own torchrun rendezvous on this machine. On Ctrl-C it exits
+    130 without a line of its own: this process says where the run stopped (interrupted)."""
     from runner.run import node_launch
 
     flags = node_launch.torchrun_flags(
         cfg, ft.group_layout(lay), frozen.parent, rdzv_endpoint="127.0.0.1:0", rdzv_id=f"runner-ft{replica_id}-{uuid.uuid4().hex[:6]}"
     )
-    env = os.environ | ft.env(cfg, lighthouse)
+    env = os.environ | ft.env(cfg, lighthouse) | {node_launch.PARENT_REPORTS_INTERRUPT: "1"}
     return subprocess.Popen([sys.executable, "-m", "runner.launch", *flags, str(frozen)], env=env)
+
+
+def interrupted(cfg: RunConfig, run_dir: Path, groups: list[subprocess.Popen]) -> Exception:
+    """Ctrl-C: the groups, which had it too, stop their ranks (each within distributed.shutdown_timeout_s, then the
+    stop_pid of run's end); then the run's one line: the last step any group finished and the command that resumes
+    the whole run (runner.run.node_launch.interrupted)."""
+    from runner.run import node_launch
+
+    deadline = time.monotonic() + cfg.distributed.shutdown_timeout_s + 10
+    try:
+        while any(g.poll() is None for g in groups) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:  # Ctrl-C again: wait no longer
+        pass
+    timelines = [run_dir / ft.replica_dir_name(r) for r in range(len(groups))]
+    return node_launch.Interrupted(node_launch.interrupted(cfg, run_dir, timelines))
 
 
 def stop_pid(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -120,6 +137,8 @@ def run(cfg: RunConfig, lay: Layout, frozen: Path) -> None:
         if first.is_file():  # the run's summary (and a sweep's objective) is replica group 0's
             shutil.copyfile(first, run_dir / runfiles.SUMMARY)
         print(run_goodput(run_dir, len(frozen_files)), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the terminal sent it to every group too; each stops its ranks and exits 130
+        raise interrupted(cfg, run_dir, groups) from None
     finally:
         for g in groups:
             stop_pid(g)

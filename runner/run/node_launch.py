@@ -41,6 +41,11 @@ class Interrupted(Exception):
     Its message is `interrupted`'s line."""
 
 
+PARENT_REPORTS_INTERRUPT = "RUNNER_PARENT_REPORTS_INTERRUPT"
+"""Set in the environment of a launcher whose parent says where the run stopped (runner.run.ft_launch's replica
+groups): on Ctrl-C it exits 130 without its own line, which would name its replica group's frozen file, not the run's."""
+
+
 def torchrun_flags(cfg: RunConfig, lay: Layout, run_dir: Path, *, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
     """torchrun flags for one node of this run. Local rank 0 of each node keeps the console
     (global rank 0 draws the progress bar); the other ranks write
@@ -152,14 +157,16 @@ def start(flags: list[str], frozen: Path, cfg: RunConfig, *, checked: bool = Fal
         raise
 
 
-def interrupted(cfg: RunConfig, run_dir: Path) -> str:
-    """What Ctrl-C's exit (130, as `python -m runner.data prepare`) says: the last step the run finished and the command
-    that resumes it. A shared save the interrupt cut off (`step-<n>.partial`) is removed on one node; a local tier's is
-    ignored by every restore."""
-    try:
-        steps = [e["step"] for e in goodput.read(run_dir) if e.get("event") == "step"]
-    except ValueError:  # a line cut off as rank 0 stopped
-        steps = []
+def interrupted(cfg: RunConfig, run_dir: Path, timelines: list[Path] | None = None) -> str:
+    """What Ctrl-C's exit (130, as `python -m runner.data prepare`) says: the last step the run finished (in the
+    timelines of `timelines`, the run folder's by default) and the command that resumes it. A shared save the
+    interrupt cut off (`step-<n>.partial`) is removed on one node; a local tier's is ignored by every restore."""
+    steps = []
+    for folder in timelines or [run_dir]:
+        try:
+            steps += [e["step"] for e in goodput.read(folder) if e.get("event") == "step"]
+        except ValueError:  # a line cut off as rank 0 stopped
+            pass
     at = f"step {max(steps)}" if steps else "start-up (no step finished)"
     replay = f"python -m runner --config-dir {run_dir} --config-name {runfiles.FROZEN.removesuffix('.yaml')}"
     c = cfg.checkpoint
@@ -211,6 +218,7 @@ def cli() -> None:
     try:
         start(sys.argv[1:-1], frozen, cfg)
     except Interrupted as e:
-        print(e, file=sys.stderr)
+        if not os.environ.get(PARENT_REPORTS_INTERRUPT):
+            print(e, file=sys.stderr)
         procs.exit_now(130)
     procs.exit_now(0)

@@ -24,7 +24,6 @@ kept (never), fits: it cannot be faster (recomputation and re-gathering only add
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections import Counter
@@ -67,7 +66,7 @@ class Candidate(NamedTuple):
     def config(self, base: RunConfig) -> RunConfig:
         """The composed config with this candidate's fields: shallow copies of the typed config (the fast form of
         dataclasses.replace, which would re-run every __init__), never a Hydra composition."""
-        p, t, cfg = copy.copy(base.parallelism), copy.copy(base.training), copy.copy(base)
+        p, t, cfg = _copy(base.parallelism), _copy(base.training), _copy(base)
         p.__dict__.update(
             name="search",
             tp=self.tp,
@@ -99,6 +98,14 @@ class Candidate(NamedTuple):
             "training.microbatch_size": self.microbatch_size,
             "training.activation_checkpoint": self.ac.value,
         }
+
+
+def _copy(obj):
+    """A shallow copy of a schema dataclass: copy.copy's result, without its trip through __reduce_ex__ (a search
+    copies three objects per candidate priced)."""
+    out = object.__new__(type(obj))
+    out.__dict__.update(obj.__dict__)
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,10 @@ class _Search:
         self.best: list[Ranked] = []
         self._batch: dict[tuple, list[Problem]] = {}
         self._peak: dict[tuple, float] = {}
+        self._over: set[tuple] = set()
+        """Keys of peak_gb whose memory is known to exceed the capacity (a stage over it was found; the rest not priced)."""
+        self._pred: dict[Candidate, steptime.StepPrediction] = {}
+        self._pricer = steptime.Pricer(cfg, self.ws)
 
     def reject(self, reason: str, n: int, example: Problem | None = None) -> None:
         self.res.rejected[reason] += n
@@ -207,24 +218,55 @@ class _Search:
             self._batch[key] = bad
         return bad
 
-    def peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
-        """The memory model's largest stage (memory.memory's verdict), once per candidate. Outside the V schedules a
-        middle stage never exceeds stage 1 (fewer microbatches in flight, no more layers), so stages 0, 1 and the
-        last suffice."""
+    @staticmethod
+    def _peak_key(cfg: RunConfig, lay: Layout) -> tuple:
         p, t = cfg.parallelism, cfg.training
-        key = (lay, p.pp_schedule, p.pp_virtual_stages, p.fsdp_reshard_after_forward, t.microbatch_size, t.activation_checkpoint)
+        return (lay, p.pp_schedule, p.pp_virtual_stages, p.fsdp_reshard_after_forward, t.microbatch_size, t.activation_checkpoint)
+
+    def peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
+        """The memory model's largest stage (memory.memory's verdict), once per candidate."""
+        key = self._peak_key(cfg, lay)
         if key not in self._peak:
-            self._peak[key] = self._peak_gb(cfg, lay)
+            self._peak[key] = max(self._stage_gb(cfg, lay))
         return self._peak[key]
 
-    def _peak_gb(self, cfg: RunConfig, lay: Layout) -> float:
+    @staticmethod
+    def _stage_gb(cfg: RunConfig, lay: Layout):
+        """The stages' totals, GB, one at a time. Outside the V schedules a middle stage never exceeds stage 1 (fewer
+        microbatches in flight, no more layers), so stages 0, 1 and the last suffice."""
         micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
         v_shape = pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
         stages = range(lay.pp) if v_shape or lay.pp <= 3 else (0, 1, lay.pp - 1)
-        return max(memory.stage(cfg, lay, micro, s)["total"] for s in stages) / 1e9
+        return (memory.stage(cfg, lay, micro, s)["total"] / 1e9 for s in stages)
 
     def fits(self, cfg: RunConfig, lay: Layout) -> bool:
-        return self.cap is None or self.peak_gb(cfg, lay) <= self.cap
+        """peak_gb <= the capacity; most candidates that do not fit exceed it on their first stage, so the stages after
+        the first one over it are not priced (the verdict is the same; the peak of a candidate that fits is kept)."""
+        if self.cap is None:
+            return True
+        key = self._peak_key(cfg, lay)
+        if key in self._peak:
+            return self._peak[key] <= self.cap
+        if key in self._over:
+            return False
+        peak = float("-inf")
+        for gb in self._stage_gb(cfg, lay):
+            if gb > self.cap:
+                self._over.add(key)
+                return False
+            peak = max(peak, gb)
+        self._peak[key] = peak
+        return True
+
+    def predict(self, cand: Candidate) -> steptime.StepPrediction:
+        """steptime.predict of a candidate, once per what it reads: the predictor prices a schedule only by its stages
+        per rank (v; a zero-bubble schedule's bubble as its plain twin's), so the schedules of one v share it (and tie:
+        Ranked.also)."""
+        key = cand._replace(schedule="")
+        pred = self._pred.get(key)
+        if pred is None:
+            pred = self._pred[key] = self._pricer.predict(cand.config(self.cfg), cand.layout())
+        return pred
 
     def bar(self) -> tuple[float, float, float]:
         """The (step time, recompute, memory) a candidate must beat to enter the kept list."""
@@ -276,7 +318,7 @@ class _Search:
         lay, cfg, reshards = cand.layout(), self.cfg, reshard_policies(cand.dp_shard)
         n = len(AC) * len(reshards)
         fastest = cand._replace(ac=AC.none, reshard=reshards[0])  # no recompute, no re-gathers
-        bound = steptime.predict(fastest.config(cfg), lay)
+        bound = self.predict(fastest)
         if bound.step_s is None:
             self.reject(UNPRICED, n)
             return
@@ -290,7 +332,7 @@ class _Search:
             kept = [c for c in (self._fitting(cand._replace(ac=ac), reshards) for ac in tier) if c is not None]
             for c in kept:
                 c_cfg = c.config(cfg)
-                pred = bound if c == fastest else steptime.predict(c_cfg, lay)
+                pred = self.predict(c)
                 if pred.step_s is None:
                     self.reject("slower", 1)
                 else:

@@ -201,25 +201,51 @@ def fp8_device(cfg: RunConfig, out: list[Problem]) -> None:
         )
 
 
+_FP8_LAYERS: dict[tuple, tuple[list[precision.LinearLayer], list[int], dict[int, list]]] = {}
+"""fp8_shapes' work by what it depends on (the model's shape, the precision group): the converted layers, the
+TP degrees all of them fit, and per TP degree the first misfit of each kind. mode=search applies the rule to every
+layout of one model, and walking DeepSeek-V3's 547 Linear layers and their patterns each time was half of its search
+(as fp8_cost._LAYERS for the cost model); the lists are shared, read them only."""
+
+
+def _fp8_fits(la: precision.LinearLayer, tp: int, div: int) -> bool:
+    k, n = precision.local_gemm_dims(la, tp)
+    return k % div == 0 and n % div == 0
+
+
+def _fp8_misfits(cfg: RunConfig, tp: int) -> tuple[list[tuple[precision.LinearLayer, str]], list[int]]:
+    """(the first converted layer of each kind whose TP shard does not fit the recipe's tiles, with its kind; the TP
+    degrees every converted layer fits)."""
+    model = tuple(v for v in vars(cfg.model).values() if not isinstance(v, dict))  # init_record: provenance, not shape
+    key = (model, tuple(tuple(v) if isinstance(v, list) else v for v in vars(cfg.precision).values()))
+    div = precision.RECIPES[cfg.precision.fp8].divisor
+    if key not in _FP8_LAYERS:
+        if len(_FP8_LAYERS) >= 64:
+            _FP8_LAYERS.clear()
+        converted = set(precision.conversion(cfg)[0])
+        layers = [la for la in precision.linear_layers(cfg.model) if la.fqn in converted]
+        m = cfg.model
+        good_tp = [d for d in divisors(m.num_kv_heads) if m.num_heads % d == 0 and all(_fp8_fits(la, d, div) for la in layers)]
+        _FP8_LAYERS[key] = (layers, good_tp, {})
+    layers, good_tp, by_tp = _FP8_LAYERS[key]
+    if tp not in by_tp:
+        seen, bad = set(), []
+        for layer in layers:
+            kind = ".".join("*" if part.isdigit() else part for part in layer.fqn.split("."))
+            if kind not in seen and not _fp8_fits(layer, tp, div):
+                seen.add(kind)
+                bad.append((layer, kind))
+        by_tp[tp] = bad
+    return by_tp[tp], good_tp
+
+
 def fp8_shapes(cfg: RunConfig, out: list[Problem]) -> None:
     """Converted layers' GEMM dims, per TP shard, and the tokens per GEMM must fit the recipe's tiles.
     Needs only tp and cp, which the layout takes from the config as they are."""
     r, t, tp, cp = cfg.precision.fp8, cfg.training, cfg.parallelism.tp, cfg.parallelism.cp
     div = precision.RECIPES[r].divisor
-    converted = set(precision.conversion(cfg)[0])
-    layers = [la for la in precision.linear_layers(cfg.model) if la.fqn in converted]
-
-    def fits(la: precision.LinearLayer, d: int) -> bool:
-        k, n = precision.local_gemm_dims(la, d)
-        return k % div == 0 and n % div == 0
-
-    good_tp = [d for d in divisors(cfg.model.num_kv_heads) if cfg.model.num_heads % d == 0 and all(fits(la, d) for la in layers)]
-    seen = set()
-    for layer in layers:
-        kind = ".".join("*" if part.isdigit() else part for part in layer.fqn.split("."))
-        if kind in seen or fits(layer, tp):
-            continue
-        seen.add(kind)
+    bad, good_tp = _fp8_misfits(cfg, tp)
+    for layer, kind in bad:
         k, n = precision.local_gemm_dims(layer, tp)
         shard = f", {layer.tp_style} over tp={tp}" if tp > 1 else ""
         out.append(

@@ -20,6 +20,7 @@ seconds per step on the busiest rank:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from runner.estimate import comm as plan_comm
@@ -32,6 +33,7 @@ from runner.schema import RunConfig, layout
 from runner.schema.layout import MESH_ORDER, Layout
 
 CPU_TERMS = ("compute", "non_matmul", "recompute", "overhead")
+Stages = tuple[tuple[int, ...], ...]  # blocks of each virtual stage, by pipeline rank
 TERMS = ("compute", "non_matmul", "recompute", "overhead", "bubble", "tp", "pp", "cp", "ep", "dp", "fp8_cast", "fp8_amax")
 
 
@@ -182,11 +184,17 @@ def _add(a: _Chunk, b: _Chunk) -> _Chunk:
     return _Chunk(*(getattr(a, f) + getattr(b, f) for f in _Chunk.__dataclass_fields__))
 
 
-def _stages(cfg: RunConfig, lay: Layout, v: int) -> list[list[int]]:
+def _stages(cfg: RunConfig, lay: Layout, v: int) -> Stages:
     """Blocks of each virtual stage, grouped by pipeline rank (stage s sits on rank s % pp)."""
     p = cfg.parallelism
-    split = pipeline.stage_layers(cfg.model.num_layers, lay.pp * v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    return [[split[r + lay.pp * j] for j in range(v)] for r in range(lay.pp)]
+    return _rank_stages(cfg.model.num_layers, lay.pp, v, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_stages(num_layers: int, pp: int, v: int, first_less: int, last_less: int) -> Stages:
+    """Cached: mode=search prices thousands of candidates on a few dozen (pp, v) splits."""
+    split = pipeline.stage_layers(num_layers, pp * v, first_less, last_less)
+    return tuple(tuple(split[r + pp * j] for j in range(v)) for r in range(pp))
 
 
 def _dp_per_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], micro: int) -> float:
@@ -239,7 +247,7 @@ def _work(c: _Chunk) -> float:
     return c.compute + c.non_matmul + c.recompute + c.overhead + c.fp8_cast
 
 
-def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: list[list[int]], micro: int, share: float) -> tuple[_Chunk, float, int]:
+def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: Stages, micro: int, share: float) -> tuple[_Chunk, float, int]:
     """The busiest pipeline rank's terms per step (its blocks, and the head on the rank of the last stage)
     and its bubble: the fill and drain around it, one microbatch's forward and backward through every
     other rank's first stage ((p - 1) stage chunks when the stages are even; the classical
@@ -261,15 +269,20 @@ def _pipeline(lay: Layout, blk: _Chunk, head: _Chunk, stages: list[list[int]], m
     return stretched, max(0.0, bubble - (k - 1) * work[busiest]), blocks[busiest]
 
 
-def _terms(cfg: RunConfig, lay: Layout, mach: Machine, ac: str) -> dict[str, float]:
+def _terms(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], ac: str, memo: dict | None) -> dict[str, float]:
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
     v = cfg.parallelism.pp_virtual_stages if lay.pp > 1 else 1
-    kinds = _kinds(cfg, lay)
-    shares = work.recomputed_share(ac, _layer_frequency(cfg))
-    blk, head, stages = _block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach), _stages(cfg, lay, v)
+    key = (lay, cfg.training.microbatch_size, ac)  # what _block and _head read that a Pricer's configs vary
+    got = memo.get(key) if memo is not None else None
+    if got is None:
+        shares = work.recomputed_share(ac, _layer_frequency(cfg))
+        got = (_block(cfg, lay, mach, kinds, shares), _head(cfg, lay, mach))
+        if memo is not None:
+            memo[key] = got
+    blk, head = got
     mtp = cfg.model.num_mtp_layers  # each MTP depth: one block and one pass through the head more, on the last stage
     head = _add(_scaled(head, 1 + mtp), _scaled(blk, mtp))
-    rank, bubble, blocks = _pipeline(lay, blk, head, stages, micro, mach.cpu_share)
+    rank, bubble, blocks = _pipeline(lay, blk, head, _stages(cfg, lay, v), micro, mach.cpu_share)
     dp_block = _dp_per_block(cfg, lay, mach, kinds, micro) + _fsdp_copies_s(cfg, lay, mach, micro)
     hidden = mach.comm_overlap * min(dp_block, micro * (blk.compute + blk.non_matmul + blk.recompute))
     dp = blocks * (dp_block - hidden) + (hidden if blocks else 0.0)  # the first gather and the last reduce-scatter stay exposed
@@ -284,9 +297,8 @@ def _kinds(cfg: RunConfig, lay: Layout) -> dict[str, str]:
     return {**plan_comm.links(lay, dpn), "ep": "intra-node" if lay.ep <= dpn and dpn % lay.ep == 0 else "scale-out"}
 
 
-def _links_known(cfg: RunConfig, mach: Machine, lay: Layout) -> bool:
+def _links_known(mach: Machine, lay: Layout, kinds: dict[str, str]) -> bool:
     """Every link a parallel axis of `lay` uses has a bandwidth (a cluster may leave one unknown)."""
-    kinds = _kinds(cfg, lay)
     return all(mach.links.get(kinds[a]) for a in (*MESH_ORDER, "ep") if getattr(lay, a) > 1)
 
 
@@ -314,11 +326,30 @@ def predict(
     datasheet's (a profile's measured figures take precedence over all three); `ac` prices another
     activation-checkpointing mode than training.activation_checkpoint's (its value, e.g. "selective_op")."""
     mach = resolve_machine(cfg, lay, profile, peak_tflops=peak_tflops, link_gbs=link_gbs, efficiency=matmul_efficiency)
-    if mach is None or not _links_known(cfg, mach, lay):
+    return _predict(cfg, lay, mach, ac or cfg.training.activation_checkpoint.value, None)
+
+
+def _predict(cfg: RunConfig, lay: Layout, mach: Machine | None, ac: str, memo: dict | None) -> StepPrediction:
+    kinds = _kinds(cfg, lay)
+    if mach is None or not _links_known(mach, lay, kinds):
         return StepPrediction(None)
-    found = _terms(cfg, lay, mach, ac or cfg.training.activation_checkpoint.value)
+    found = _terms(cfg, lay, mach, kinds, ac, memo)
     terms = {k: found[k] for k in TERMS}
     return StepPrediction(sum(terms.values()), terms, max(terms, key=terms.get), mach.calibrated, mach.source)
+
+
+class Pricer:
+    """predict() for many configs that differ from one only in the layout, the schedule, the microbatch size, AC and
+    resharding (mode=search's candidates of a config): the machine's figures resolved once (they read the cluster, the
+    precision and the world size), and a block's and the head's work once per layout, microbatch size and AC mode
+    (not per schedule and resharding policy). The predictions are predict()'s, to the bit."""
+
+    def __init__(self, cfg: RunConfig, world_size: int):
+        self.mach = resolve_machine(cfg, Layout(1, 1, world_size, 1, 1), peak_tflops=None, link_gbs=None, efficiency=None)
+        self._memo: dict[tuple, tuple[_Chunk, _Chunk]] = {}
+
+    def predict(self, cfg: RunConfig, lay: Layout) -> StepPrediction:
+        return _predict(cfg, lay, self.mach, cfg.training.activation_checkpoint.value, self._memo)
 
 
 def fp8_speed_up(
