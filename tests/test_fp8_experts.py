@@ -160,12 +160,12 @@ def test_plan_prices_the_experts_gemms_and_casts(compose):
 
 
 def test_moe_with_fp8_experts_tracks_the_fp32_loss(compose):
-    """The proof on CPU: debug_moe (2 blocks, the second MoE) trained 10 AdamW steps with its experts in emulated float8
+    """The proof on CPU: debug_moe (2 blocks, the second MoE, 4 experts) trained 10 AdamW steps with its experts in emulated float8
     rowwise stays within 5 % of the float32 run's loss at every step, and is not the float32 run."""
     from runner.run.titan import cpu
 
     def losses(extra: list[str]) -> list[float]:
-        cfg = compose([*MOE, "model.num_layers=2", "model.vocab_size=256", *extra])
+        cfg = compose([*MOE, "model.num_layers=2", "model.vocab_size=256", "model.num_experts=4", "model.num_experts_per_token=2", *extra])
         mcfg = _moe_config(cfg)
         assert titan.convert_experts(mcfg, cfg) == precision.converted_experts(cfg)
         cpu.use_sdpa(mcfg)
