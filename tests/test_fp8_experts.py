@@ -114,7 +114,9 @@ def test_validation_rejects_experts_precision(compose, overrides, message):
 
 def test_tp_shards_the_experts_hidden_dim_only_without_ep(compose):
     tp = ["model=debug_moe", FP8_EXPERTS, "model.moe_hidden_dim=160", "parallelism.dp_shard=1", "parallelism.tp=4"]
-    with pytest.raises(validate.ConfigError, match=r"model.moe_hidden_dim 160 / tp 4; fp8_rowwise needs every dim divisible by 16, not \[40\]"):
+    with pytest.raises(
+        validate.ConfigError, match=r"model.moe_hidden_dim 160 / tp 4; fp8_rowwise needs every dim divisible by 16, not \[40\]"
+    ):
         validate.check(compose(tp))
     assert validate.check(compose([*MOE, FP8_EXPERTS, "model.moe_hidden_dim=160"])).tp == 1
 
@@ -152,9 +154,13 @@ def test_plan_prices_the_experts_gemms_and_casts(compose):
     assert mach.expert_fp8_tflops == pytest.approx(mach.fp8_tflops / 0.60 * 0.75)  # rowwise's efficiency, not blockwise's
     p = plan.compute(fp8, lay)
     assert p["experts_precision"] == "fp8_rowwise"
-    assert p["routed_experts"] == precision.grouped_experts(fp8) == (
-        "fp8_rowwise in 58 MoE blocks: TorchTitan Float8GroupedExpertsConverter (torchao float8 rowwise scaled grouped GEMMs), "
-        "token groups padded to 16"
+    assert (
+        p["routed_experts"]
+        == precision.grouped_experts(fp8)
+        == (
+            "fp8_rowwise in 58 MoE blocks: TorchTitan Float8GroupedExpertsConverter (torchao float8 rowwise scaled grouped GEMMs), "
+            "token groups padded to 16"
+        )
     )
     assert precision.without_fp8(fp8).precision.experts.value == "high"  # the FP8 speed-up's twin
 

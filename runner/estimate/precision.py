@@ -259,7 +259,8 @@ def mfu_peak(cfg: RunConfig, measured: bool = False) -> str:
 
 def without_fp8(cfg: RunConfig) -> RunConfig:
     """The same run with the FP8 recipe off and the routed experts in high precision: every layer in param_dtype (bf16
-    on GPUs), what an FP8 plan's speed-up is measured against. A shallow copy (mode=search asks once per kept candidate), named after param_dtype."""
+    on GPUs), what an FP8 plan's speed-up is measured against. A shallow copy (mode=search asks once per kept
+    candidate), named after param_dtype."""
     p, out = copy.copy(cfg.precision), copy.copy(cfg)
     p.__dict__.update(name=p.param_dtype.value, fp8=Fp8Recipe.none, keep_high_precision=[], experts=ExpertsPrecision.high)
     out.precision = p

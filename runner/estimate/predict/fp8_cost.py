@@ -8,8 +8,9 @@ y = x W, input gradient dx = dy W^T, weight gradient dW = x^T dy) at the FP8 rat
 - fp8_amax: tensorwise scaling's absolute-maximum reductions, one small all-reduce per operand over the TP group
   that shards it (rowwise, blockwise and MXFP8 scale tiles a rank holds whole: no collective).
 Layers precision.keep_high_precision keeps (the output head by default) run at the bf16 rate as before. The routed
-experts' grouped GEMMs follow precision.experts (EXPERT_COSTS: their own recipe, apart from the Linear layers'). FSDP's float8 all-gather is not priced: TorchTitan 0.3.0's Float8LinearConverter, which the runner
-uses, has no option for it, so a converted weight is gathered in param_dtype and cast after the gather.
+experts' grouped GEMMs follow precision.experts (EXPERT_COSTS: their own recipe, apart from the Linear layers').
+FSDP's float8 all-gather is not priced: TorchTitan 0.3.0's Float8LinearConverter, which the runner uses, has no
+option for it, so a converted weight is gathered in param_dtype and cast after the gather.
 """
 
 from __future__ import annotations
