@@ -196,3 +196,22 @@ def test_moe_with_fp8_experts_tracks_the_fp32_loss(compose):
     rel = [abs(a - b) / a for a, b in zip(ref, fp8, strict=True)]
     assert max(rel) < 0.05, (ref, fp8)
     assert max(rel) > 0 and ref[-1] < ref[0] - 0.5  # the emulation ran, and the model learned
+
+
+def test_precision_json_lists_the_experts_of_a_run_without_a_linear_recipe(compose, tmp_path):
+    """fp32 Linear layers, float8 rowwise experts: precision.json is written (precision.any_fp8), with no Linear recipe
+    path and the converted experts; the start-up line names them."""
+    import json
+    from types import SimpleNamespace
+
+    from runner.run import per_rank
+    from runner.run.device import DevicePolicy
+
+    cfg = compose([*MOE, FP8_EXPERTS])
+    assert precision.any_fp8(cfg) and not precision.any_fp8(compose(MOE))
+    built = SimpleNamespace(fp8_converted=[], experts_converted=precision.converted_experts(cfg))
+    line = per_rank.record_fp8(cfg, built, {"emulated": False}, tmp_path, DevicePolicy.of(cfg.cluster, cfg.distributed))
+    rec = json.loads((tmp_path / "precision.json").read_text())
+    assert (rec["fp8"], rec["path"], rec["converted"], rec["kept_high_precision"]) == ("none", None, [], {})
+    assert rec["experts"] == {"precision": "fp8_rowwise", "path": "CPU: emulated", "converted": built.experts_converted}
+    assert line == f"routed experts fp8_rowwise: 5 MoE blocks ({precision.grouped_experts(cfg)})"
