@@ -151,8 +151,10 @@ def _precision_lines(cfg: RunConfig) -> list[str]:
     dtype = precision.mfu_peak(cfg, measured=gemm not in cfg.cluster.peak_tflops)
     peak = cfg.cluster.peak_tflops.get(dtype)
     mfu = f"  MFU against the {dtype} dense peak" + (f", {peak:g} TFLOP/s per device" if peak else " (measured at start-up)")
+    experts = [f"  routed experts: {precision.grouped_experts(cfg)}"] if precision.grouped_experts(cfg) else []
     if pr.fp8 == Fp8Recipe.none:
-        return [f"  precision {pr.name}: {pr.param_dtype.value} compute, {pr.reduce_dtype.value} reduce", mfu]
+        cast = [FP8_TERMS] if fp8_model.expert_cost(cfg) else []
+        return [f"  precision {pr.name}: {pr.param_dtype.value} compute, {pr.reduce_dtype.value} reduce", mfu, *cast, *experts]
     converted, kept = precision.conversion(cfg)
     gemm_peak = cfg.cluster.peak_tflops.get(gemm)
     if gemm != dtype:
@@ -161,8 +163,8 @@ def _precision_lines(cfg: RunConfig) -> list[str]:
         f"  precision {pr.name}: {len(converted)} of {len(converted) + len(kept)} Linear layers in FP8 {pr.fp8.value} "
         f"(kept in {pr.param_dtype.value}: {precision.by_pattern(kept) or 'none'})",
         mfu + (" (FP8 emulated on CPU)" if emulated else ""),
-        *([FP8_TERMS] if fp8_model.cost(cfg) else []),
-        *([f"  routed experts: {precision.grouped_experts(cfg)}"] if precision.grouped_experts(cfg) else []),
+        *([FP8_TERMS] if fp8_model.cost(cfg) or fp8_model.expert_cost(cfg) else []),
+        *experts,
     ]
 
 

@@ -88,7 +88,7 @@ FAMILY_LAUNCHES = {
 # ---- tests/test_titan.py: a widened debug model and the MoE model in FP8 (parity_runs) ----------------------------
 
 TITAN_WIDE = ["model.dim=512", "model.ffn_hidden_dim=1536"]
-TITAN_MOE_FP8 = ["model=debug_moe", "precision=fp8_tensorwise"]
+TITAN_MOE_FP8 = ["model=debug_moe", "precision=fp8_tensorwise", "precision.experts=fp8_rowwise"]  # experts: the CPU emulation
 TITAN_SHORT = ["parallelism=single", "training.steps=2", "training.seq_len=32", "training.global_batch_size=2", "logging.progress=false"]
 # The MoE point trains one step of 16 tokens (the smallest GEMM side _scaled_mm takes): CPU FP8 GEMMs are a reference
 # loop on some machines (measured: 130 s for 2 steps at 64 tokens, 18 s a step at 16).

@@ -4,7 +4,8 @@ what a GPU run must do. The five cases run in one process (one import of torch),
 
 - dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
   save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention
-  gathers K/V over cp (a custom op the ledger counts as the collective it runs).
+  gathers K/V over cp (a custom op the ledger counts as the collective it runs). In the same process, DeepSeek-V3's
+  671B recipe (MOE_CASES, rank 0 and the rank of the last MoE blocks) and debug_moe over ep2, experts in float8 rowwise.
 
 Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
 the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
@@ -42,7 +43,20 @@ CASES = {
         "dryrun.ranks=[0,1023]",
     ],
 }
-NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise"}
+MOE_CASES = {
+    # DualPipeV puts stages 0 and 31 on rank 0 (block 0, dense, and the head) and stages 1 and 30 on rank 128 (dense
+    # blocks 1-2 and the last MoE blocks, 59-60): the model's first and last stages
+    "deepseek_v3_671b_fp8_experts": ["recipe=deepseek_v3_671b_h800x2048", "dryrun.ranks=[0,128]"],
+    "debug_moe_ep2_fp8_experts": ["model=debug_moe", "parallelism=ep2", *GPU4[:1], "cluster.devices_per_node=2", "precision=bf16",
+                                  "precision.experts=fp8_rowwise", "training.global_batch_size=4"],
+}  # fmt: skip
+EXPERTS_HELD = {
+    "deepseek_v3_671b_fp8_experts": {0: {}, 128: {"Float8GroupedExperts": 2}},  # blocks 59 and 60; rank 0's block 0 is dense
+    "debug_moe_ep2_fp8_experts": {0: {"Float8GroupedExperts": 5}},  # blocks 1-5 (block 0 is dense)
+}
+"""Rehearsed in the same process, asserted by test_experts_run_float8_grouped_gemms only: under EP TorchTitan's token
+exchange reads the splits to the host (many syncs a step) and the plan's MoE memory is issue 56's item 4."""
+NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise", *MOE_CASES}
 """Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes."""
 TOLERANCE = 0.15
 FP8_MODULE = {"fp8_rowwise": "Float8Linear", "fp8_tensorwise": "Float8Linear", "fp8_blockwise": "BlockwiseFp8Linear"}
@@ -67,7 +81,7 @@ def rehearsed(compose, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("cuda")
     cases, jobs = {}, []
-    for name, overrides in CASES.items():
+    for name, overrides in (CASES | MOE_CASES).items():
         cfg = compose([*overrides, "mode=dryrun", "dryrun.device=cuda"])
         lay = validate.check(cfg)
         run_dir = base / name
@@ -196,3 +210,22 @@ def test_cpu_dry_run_agrees_and_names_its_difference(rehearsed, tmp_path):
         assert cpu["max_each"][label] == gpu["max_each"][label], label
     assert any("SDPA in place of FlexAttention" in s for s in json.loads((tmp_path / "cpu" / "dryrun.json").read_text())["substitutions"])
     assert gpu["peak_bytes"] == pytest.approx(cpu["peak_bytes"], rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_experts_run_float8_grouped_gemms(rehearsed, case):
+    """precision.experts=fp8_rowwise on the CUDA path: every MoE block a rank holds has TorchTitan's Float8GroupedExperts,
+    and its step runs torchao's scaled grouped GEMMs on float8 operands, forward and backward, no bf16 grouped GEMM."""
+    cfg, lay, rep = rehearsed[case]
+    assert cfg.precision.experts.value == "fp8_rowwise"
+    held = {}
+    for r in rep["ranks"]:
+        experts, ops = r["checks"]["expert_modules"], r["steps"][-1]["matmul_ops"]
+        held[r["rank"]] = experts
+        grouped = [op for op in ops if op.startswith(("_grouped_mm:", "_scaled_grouped_mm:"))]
+        if not experts:
+            assert grouped == [], (r["rank"], grouped)
+            continue
+        assert set(experts) == {"Float8GroupedExperts"}, experts
+        assert grouped and all(op.startswith("_scaled_grouped_mm:float8_e4m3fn:") for op in grouped), grouped
+    assert held == EXPERTS_HELD[case], held

@@ -79,6 +79,7 @@ BAD = [
     (["precision.param_dtype=float16"], "precision.param_dtype"),
     (["precision.reduce_dtype=float64"], "precision.reduce_dtype"),
     (["precision=mxfp8"], "precision.fp8"),  # no CPU path
+    (["precision.experts=fp8_rowwise"], "precision.experts"),  # the default model is dense
     (["checkpoint.interval=0"], "checkpoint.interval"),
     (["checkpoint.keep=-1"], "checkpoint.keep"),
     (["checkpoint.resume=true"], "checkpoint.resume"),  # with checkpoints off

@@ -92,7 +92,7 @@ def test_moe_fp8_validates_with_its_layer_count(tmp_path):
     proc = run_cli(*MOE_FP8, "parallelism=ep2", "mode=validate", run_dir=tmp_path / "v")
     assert proc.returncode == 0, proc.stderr
     assert f"precision fp8_tensorwise: {MOE_LINEARS - 6} of {MOE_LINEARS} Linear layers in FP8 tensorwise" in proc.stdout
-    assert "routed experts: high precision: the recipes convert Linear layers only" in proc.stdout
+    assert "routed experts: fp8_rowwise in 5 MoE blocks: EMULATED on CPU (float8 e4m3 casts with torchao's scales" in proc.stdout
 
 
 # A widened debug model and the MoE model in FP8 on one rank each (TITAN_LAUNCHES in tests/points.py): points of the
@@ -118,6 +118,8 @@ def test_moe_model_trains_in_fp8(runs, compose):
     rec = json.loads((runs["moe_fp8"]["run_dir"] / "precision.json").read_text())
     assert len(rec["converted"]) == MOE_LINEARS - 6 == 42
     assert (rec["converted"], rec["kept_high_precision"]) == (precision.conversion(cfg)[0], MOE_KEPT)
-    assert rec["grouped_experts"] == precision.GROUPED_EXPERTS  # the routed experts' grouped GEMMs stay in fp32
+    assert rec["grouped_experts"] == precision.grouped_experts(cfg)
+    moe = [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(1, 6)]  # block 0 is dense
+    assert rec["experts"] == {"precision": "fp8_rowwise", "path": "CPU: emulated", "converted": moe}
     s = runs["moe_fp8"]["summary"]
     assert (s["num_params"], s["steps"], s["fp8"]) == (flops.num_params(cfg.model), 1, "tensorwise")

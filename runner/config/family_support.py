@@ -34,7 +34,7 @@ class Support:
     """Why `mode=dryrun dryrun.device=cpu` cannot play the family (it runs the CPU ranks' attention path on fake
     tensors); "" = it can. The CUDA rehearsal (dryrun.device=cuda) plays the GPU path."""
     fp8: str = "every recipe converts every plain Linear layer (attention, dense and shared-expert FFN, head)"
-    """What the FP8 recipes convert (routed experts stay in high precision: runner.estimate.precision.GROUPED_EXPERTS)."""
+    """What the FP8 recipes convert (the routed experts follow precision.experts: runner.estimate.precision.EXPERT_RECIPES)."""
 
 
 _MLA_CP_CPU = (

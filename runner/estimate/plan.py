@@ -166,6 +166,8 @@ def compute(
         "degrees": lay.describe(),
         "world_size": lay.world_size,
         "precision": cfg.precision.name,
+        "experts_precision": cfg.precision.experts.value,
+        "routed_experts": precision.grouped_experts(cfg),  # the routed experts' precision in words; None for a dense model
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "microbatches": micro,
         "virtual_stages_per_rank": v,

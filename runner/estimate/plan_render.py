@@ -108,10 +108,11 @@ def _fp8(plan: dict[str, Any]) -> bool:
 
 
 def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """FP8 recipes: the predictor's own FP8 terms (runner/estimate/predict/fp8_cost.py)."""
+    """FP8 recipes: the predictor's own FP8 terms (runner/estimate/predict/fp8_cost.py), and the routed experts' precision."""
     terms = plan["predicted_terms_s"]
-    if not _fp8(plan) or not terms:
-        return []
+    experts = [("routed experts", plan["experts_precision"], plan["routed_experts"])] if plan.get("routed_experts") else []
+    if not (_fp8(plan) or plan.get("experts_precision", "high") != "high") or not terms:
+        return experts
     cast, amax = terms.get("fp8_cast", 0.0), terms.get("fp8_amax", 0.0)
     out = [
         (
@@ -119,7 +120,8 @@ def _fp8_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             _f(cast + amax, ".3f", " s"),
             f"fp8_cast {cast:.3f} s (cast kernels, memory-bound), fp8_amax {amax:.3f} s (tensorwise amax all-reduces); "
             "converted GEMMs in compute at the FP8 rate, kept layers (lm_head) at bf16's",
-        )
+        ),
+        *experts,
     ]
     if plan.get("fp8_speed_up") is not None:
         over = plan["fp8_speed_up_over"]

@@ -1,5 +1,5 @@
 """FP8 recipes as plain data: what each needs from the device and the GEMM shapes, which
-Linear layers it converts, and which dense peak MFU is measured against.
+Linear layers it converts, which routed experts precision.experts converts, and which dense peak MFU is measured against.
 
 Torch-free: validation reads it before launch; the adapter (runner/run/titan/fp8_conversion.py) picks the layers
 to convert by walking TorchTitan's model config (its `traverse` over Linear configs) with the same
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 
 from runner.estimate import flops
-from runner.schema import DeviceType, Fp8Recipe, ModelConfig, RunConfig
+from runner.schema import DeviceType, ExpertsPrecision, Fp8Recipe, ModelConfig, RunConfig
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class Requirement:
     """"real" (torch._scaled_mm has a CPU kernel), "emulated" (runner/run/titan/fp8_emulation.py) or "rejected"."""
     gpu_path: str
     """What runs on GPU."""
+    token_pad: int = 0
+    """Routed experts only: TorchTitan's converter swaps the MoE's token dispatcher for TorchAOTokenDispatcher, which
+    pads each expert's token group to a multiple of this (the scaled grouped GEMM's alignment); 0 for Linear layers."""
 
 
 RECIPES = {
@@ -126,19 +129,74 @@ def _swiglu(p: str, dim: int, hidden: int) -> list[LinearLayer]:
     ]
 
 
+EXPERT_RECIPES = {
+    ExpertsPrecision.fp8_rowwise: Requirement(
+        (8, 9),
+        "NVIDIA SM 8.9+ (Ada L4/L40S, Hopper H100/H200)",
+        16,
+        "emulated",
+        "TorchTitan Float8GroupedExpertsConverter (torchao float8 rowwise scaled grouped GEMMs)",
+        16,
+    ),
+    ExpertsPrecision.mxfp8: Requirement(
+        (10, 0),
+        "NVIDIA SM 10.0+ (Blackwell B200/GB200)",
+        32,
+        "rejected",
+        "TorchTitan MXFP8GroupedExpertsConverter (torchao MXFP8 scaled grouped GEMMs)",
+        128,
+    ),
+}
+"""The routed experts' FP8 recipes (precision.experts), as RECIPES for the Linear layers. The divisor is the GEMM
+dims' (torchao's _Float8GroupedMM asserts K and N divisible by 16; MX scales 32-element blocks); token_pad is
+TorchTitan's: Float8GroupedExpertsConverter.PAD_MULTIPLE (16), and 128 for MXFP8 as its deepseek_v3_debugmodel_mxfp8()
+sets it (the CuTeDSL quantization kernel on SM 10.0 needs multiples of 128; its config's default, 32, does not)."""
+
 GROUPED_EXPERTS = (
-    "high precision: the recipes convert Linear layers only; the routed experts' grouped GEMMs stay in param_dtype on "
-    "every device (TorchTitan's float8/MXFP8 grouped-experts converters, torchao MoE training on SM 9.0+/10.0+ with "
-    "training.compile, are not enabled by the runner)"
+    "high precision: the FP8 recipe converts Linear layers only; the routed experts' grouped GEMMs stay in param_dtype "
+    "(precision.experts=high; fp8_rowwise or mxfp8 convert them through TorchTitan's grouped-experts converters)"
 )
-"""What happens to an MoE model's routed experts under an FP8 recipe (precision.json and the plan say it)."""
+"""What happens to an MoE model's routed experts under a Linear FP8 recipe with precision.experts=high."""
+
+
+def expert_modules(m: ModelConfig) -> list[str]:
+    """The routed experts' modules (TorchTitan's GroupedExperts FQNs), one per MoE block, in model order."""
+    if not flops.is_moe(m):
+        return []
+    return [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(m.num_dense_layers, m.num_layers)]
+
+
+def converted_experts(cfg: RunConfig) -> list[str]:
+    """The routed experts precision.experts converts to FP8 (precision.json's `experts.converted`)."""
+    return [] if cfg.precision.experts == ExpertsPrecision.high else expert_modules(cfg.model)
+
+
+def expert_gemm_dims(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int]]:
+    """(K, N) of the experts' grouped GEMMs on one rank: w1 and w3 (dim -> hidden), w2 (hidden -> dim). Without EP,
+    TP shards each expert's hidden dim; with EP the TP ranks split the tokens instead (runner/estimate/predict/work.py)."""
+    h = m.moe_hidden_dim // (tp if ep == 1 else 1)
+    return [(m.dim, h), (m.dim, h), (h, m.dim)]
 
 
 def grouped_experts(cfg: RunConfig) -> str | None:
-    """The routed experts' precision under the config's FP8 recipe; None for a dense model or without FP8."""
-    if cfg.precision.fp8 == Fp8Recipe.none or not flops.is_moe(cfg.model):
+    """The routed experts' precision, in words; None for a dense model, or high precision with no FP8 anywhere."""
+    e = cfg.precision.experts
+    if not flops.is_moe(cfg.model) or (e == ExpertsPrecision.high and cfg.precision.fp8 == Fp8Recipe.none):
         return None
-    return GROUPED_EXPERTS
+    if e == ExpertsPrecision.high:
+        return GROUPED_EXPERTS
+    req, n = EXPERT_RECIPES[e], len(expert_modules(cfg.model))
+    where = (
+        "EMULATED on CPU (float8 e4m3 casts with torchao's scales, grouped GEMM on the dequantized values in float32)"
+        if cfg.cluster.device == DeviceType.cpu
+        else f"{req.gpu_path}, token groups padded to {req.token_pad}"
+    )
+    return f"{e.value} in {n} MoE blocks: {where}"
+
+
+def any_fp8(cfg: RunConfig) -> bool:
+    """Whether anything runs in FP8: a Linear recipe, or routed experts converted (precision.json is then written)."""
+    return cfg.precision.fp8 != Fp8Recipe.none or bool(converted_experts(cfg))
 
 
 def kept_by(fqn: str, patterns: list[str]) -> str | None:
@@ -205,10 +263,11 @@ def mfu_peak(cfg: RunConfig, measured: bool = False) -> str:
 
 
 def without_fp8(cfg: RunConfig) -> RunConfig:
-    """The same run with the FP8 recipe off: every layer in param_dtype (bf16 on GPUs), what an FP8 plan's speed-up is
-    measured against. A shallow copy (mode=search asks once per kept candidate), named after param_dtype."""
+    """The same run with the FP8 recipe off and the routed experts in high precision: every layer in param_dtype (bf16
+    on GPUs), what an FP8 plan's speed-up is measured against. A shallow copy (mode=search asks once per kept
+    candidate), named after param_dtype."""
     p, out = copy.copy(cfg.precision), copy.copy(cfg)
-    p.__dict__.update(name=p.param_dtype.value, fp8=Fp8Recipe.none, keep_high_precision=[])
+    p.__dict__.update(name=p.param_dtype.value, fp8=Fp8Recipe.none, keep_high_precision=[], experts=ExpertsPrecision.high)
     out.precision = p
     return out
 

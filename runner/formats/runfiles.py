@@ -7,7 +7,7 @@
   invalid.json         a sweep point that failed validation: its overrides and problems
   failed.json          a run whose ranks failed: overrides, exit code, error, rank log folder, report
   peak.json            the dense peak FLOP/s the run's MFU uses (measured on CPU, from the cluster otherwise)
-  precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept
+  precision.json       the FP8 recipe, its path on this device, the Linear layers converted and kept, the FP8 experts
   metrics.jsonl        one row per step (rank 0)
   summary.json         the run's medians (rank 0); runner.compare reads it
   timeline.jsonl       launch, start-up marks, steps, failures and ends of every attempt, timestamped (runner.outputs.goodput)

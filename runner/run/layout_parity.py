@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from runner.config import freeze
+from runner.estimate import precision
 from runner.formats import runfiles
 from runner.run import accounting, evaluate, peak, per_rank, procs, step_loop, titan, train
-from runner.schema import Fp8Recipe, RunConfig, WorkerStart, layout
+from runner.schema import RunConfig, WorkerStart, layout
 
 
 class Collect:
@@ -97,7 +98,7 @@ def run_one(cfg: RunConfig, run_dir: Path, policy) -> dict[str, Any]:
     pd, _ = per_rank.build_mesh(cfg, lay, policy)
     rank = dist.get_rank()
     built = titan.build(cfg, lay, pd, run_dir, policy.compute_device())
-    if rank == 0 and cfg.precision.fp8 != Fp8Recipe.none:
+    if rank == 0 and precision.any_fp8(cfg):
         per_rank.record_fp8(cfg, built, peak.read(run_dir), run_dir, policy)  # precision.json, as a run writes it
     eval_data = per_rank.eval_data_for(cfg, lay, rank, run_dir, policy)
     result = {

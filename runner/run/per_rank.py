@@ -64,21 +64,35 @@ def build_mesh(cfg, lay: layout.Layout, policy: DevicePolicy):
 
 
 def record_fp8(cfg, built: titan.Built, pk: dict, run_dir: Path, policy: DevicePolicy) -> str:
-    """precision.json: the recipe, its path here, and which Linear layers it converted or kept."""
-    kept = precision.conversion(cfg)[1]
-    req = precision.RECIPES[cfg.precision.fp8]
-    path = f"CPU: {req.on_cpu}" if policy.cpu else req.gpu_path
+    """precision.json: the recipe, its path here, which Linear layers it converted or kept, and which routed experts
+    precision.experts converted; the start-up lines that say it."""
+    kept = precision.conversion(cfg)[1] if cfg.precision.fp8 != Fp8Recipe.none else {}
+    req = precision.RECIPES.get(cfg.precision.fp8)
+    experts = built.experts_converted or []
+    ereq = precision.EXPERT_RECIPES.get(cfg.precision.experts)
     rec = {
         "name": cfg.precision.name,
         "fp8": cfg.precision.fp8.value,
-        "path": path,
+        "path": None if req is None else f"CPU: {req.on_cpu}" if policy.cpu else req.gpu_path,
         "emulated": pk["emulated"],
         "high_precision_dtype": cfg.precision.param_dtype.value,
         "converted": built.fp8_converted,
         "kept_high_precision": kept,
         "grouped_experts": precision.grouped_experts(cfg),
+        "experts": {
+            "precision": cfg.precision.experts.value,
+            "path": None if ereq is None else f"CPU: {ereq.on_cpu}" if policy.cpu else ereq.gpu_path,
+            "converted": experts,
+        },
     }
     (run_dir / runfiles.PRECISION).write_text(json.dumps(rec, indent=2) + "\n")
+    lines = [_linear_line(cfg, built, pk, kept)] if req is not None else []
+    if experts:
+        lines.append(f"routed experts {cfg.precision.experts.value}: {len(experts)} MoE blocks ({precision.grouped_experts(cfg)})")
+    return "\n".join(lines)
+
+
+def _linear_line(cfg, built: titan.Built, pk: dict, kept: dict[str, str]) -> str:
     emulated = " EMULATED in PyTorch ops (torchao's blockwise kernels are Triton-only)" if pk["emulated"] else ""
     why: dict[str, list[str]] = {}  # the pattern (or reason) that kept them -> the layers it kept
     for fqn, pattern in kept.items():
@@ -197,7 +211,7 @@ def _train(cfg, lay: layout.Layout, pd, rank: int, run_dir: Path, recorder, plac
             f"{pk['dtype']} ({source}{peak.spread_text(pk)}{', FP8 EMULATED' if pk['emulated'] else ''}), run folder {run_dir}\n"
             f"nodes: {mesh.describe_nodes(places)}"
         )
-        if cfg.precision.fp8 != Fp8Recipe.none:
+        if precision.any_fp8(cfg):
             header += "\n" + record_fp8(cfg, built, pk, run_dir, policy)
         frozen, fr = run_dir / runfiles.FROZEN, rank_recorder.dump_folder(cfg, run_dir)
         print(startup.report(cfg, lay, frozen, fr, built.fp8_converted, pk["peak_flops_total"] / lay.world_size / 1e12), flush=True)

@@ -62,6 +62,17 @@ class Fp8Recipe(Enum):
     """OCP MX: one power-of-two (E8M0) scale per 32 consecutive elements (Blackwell hardware)."""
 
 
+class ExpertsPrecision(Enum):
+    high = "high"
+    """The routed experts' grouped GEMMs in high precision: bf16 on GPUs (TorchTitan's GroupedExperts casts to it),
+    float32 on CPU ranks (runner.run.titan.cpu)."""
+    fp8_rowwise = "fp8_rowwise"
+    """float8 e4m3 with one power-of-two scale per row of each operand (per expert): TorchTitan's
+    Float8GroupedExpertsConverter, torchao's scaled grouped GEMMs (SM 8.9+); emulated on CPU."""
+    mxfp8 = "mxfp8"
+    """OCP MX: one E8M0 scale per 32 elements: TorchTitan's MXFP8GroupedExpertsConverter (SM 10.0, Blackwell)."""
+
+
 class ActivationCheckpoint(Enum):
     none = "none"
     """Keep every activation."""

@@ -10,6 +10,7 @@ from runner.schema.choices import (
     DataSource,
     DeviceType,
     DType,
+    ExpertsPrecision,
     Fp8Recipe,
     InitFormat,
     LRDecay,
@@ -171,6 +172,9 @@ class PrecisionConfig:
     """Dtype of gradient reduce-scatter/all-reduce. Master weights and optimizer state stay fp32."""
     fp8: Fp8Recipe = Fp8Recipe.none
     """FP8 recipe for the Linear layers that keep_high_precision does not exclude."""
+    experts: ExpertsPrecision = ExpertsPrecision.high
+    """Precision of an MoE model's routed experts (their grouped GEMMs, not Linear layers, so apart from fp8): high
+    (param_dtype; bf16 on GPUs), fp8_rowwise or mxfp8 through TorchTitan's grouped-experts converters."""
     keep_high_precision: list[str] = field(default_factory=list)
     """Module name patterns (fnmatch, on TorchTitan's module FQNs such as `lm_head` or
     `layers.*.attention.wo`) kept in param_dtype when fp8 is on; matching Linear layers are not converted."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import runner.config.validate.checkpoint_rules as checkpoint_rules
 import runner.config.validate.data_rules as data_rules
 import runner.config.validate.eval_rules as eval_rules
+import runner.config.validate.expert_rules as expert_rules
 import runner.config.validate.fault_tolerance_rules as ft_rules
 import runner.config.validate.fields as fields
 import runner.config.validate.folder_rules as folder_rules
@@ -105,6 +106,11 @@ def _fp8_shapes(ctx: Context, out: list[Problem]) -> None:
 def _fp8_device(cfg: RunConfig, out: list[Problem]) -> None:
     if cfg.precision.fp8 != Fp8Recipe.none:
         model_rules.fp8_device(cfg, out)
+
+
+def _expert_shapes(ctx: Context, out: list[Problem]) -> None:
+    if ctx.model_ok and layout_rules.degrees_ok(ctx.cfg.parallelism):
+        expert_rules.shapes(ctx.cfg, out)
 
 
 def _dryrun_ranks(ctx: Context, out: list[Problem]) -> None:
@@ -191,11 +197,13 @@ RULES: tuple[Rule, ...] = (
     Rule("tied embedding under pipeline parallel", layout_rules.tied_pipeline, Needs.LAYOUT),
     Rule("multi-token prediction under pipeline or context parallel", layout_rules.mtp_layout, Needs.LAYOUT),
     Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT, reads=_CTX),
+    Rule("FP8 expert shapes", _expert_shapes, Needs.LAYOUT, reads=_CTX),
     Rule("sequence against CP and TP", layout_rules.sequence, Needs.LAYOUT),
     Rule("async TP", layout_rules.async_tp, Needs.LAYOUT),
     Rule("device", fields.device, Needs.CONFIG),
     Rule("cluster", fields.cluster, Needs.CONFIG),
     Rule("FP8 recipe on the device", _fp8_device, Needs.CONFIG),
+    Rule("routed experts' precision on the model and device", expert_rules.device, Needs.CONFIG),
     Rule("monitor and distributed", monitor_rules.check, Needs.CONFIG, reads=_WS),
     Rule("checkpoint", checkpoint_rules.check, Needs.CONFIG),
     Rule("checkpoint weights to start from", checkpoint_rules.init_check, Needs.CONFIG),

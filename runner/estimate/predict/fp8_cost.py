@@ -7,9 +7,10 @@ y = x W, input gradient dx = dy W^T, weight gradient dW = x^T dy) at the FP8 rat
   scales, with the transposed (or other-axis) copy the backward GEMMs need: memory traffic at the memory bandwidth;
 - fp8_amax: tensorwise scaling's absolute-maximum reductions, one small all-reduce per operand over the TP group
   that shards it (rowwise, blockwise and MXFP8 scale tiles a rank holds whole: no collective).
-Layers precision.keep_high_precision keeps (the output head by default) and the routed experts run at the bf16
-rate as before. FSDP's float8 all-gather is not priced: TorchTitan 0.3.0's Float8LinearConverter, which the runner
-uses, has no option for it, so a converted weight is gathered in param_dtype and cast after the gather.
+Layers precision.keep_high_precision keeps (the output head by default) run at the bf16 rate as before. The routed
+experts' grouped GEMMs follow precision.experts (EXPERT_COSTS: their own recipe, apart from the Linear layers').
+FSDP's float8 all-gather is not priced: TorchTitan 0.3.0's Float8LinearConverter, which the runner uses, has no
+option for it, so a converted weight is gathered in param_dtype and cast after the gather.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from runner.estimate import precision
 from runner.estimate.predict.work import Gemm
-from runner.schema import DeviceType, Fp8Recipe, RunConfig
+from runner.schema import DeviceType, ExpertsPrecision, Fp8Recipe, RunConfig
 
 GEMMS = ("forward", "input_grad", "weight_grad")
 
@@ -75,6 +76,32 @@ COSTS = {
 left the 8B FSDP 8 speed-up at 1.18 against the published 1.28): cuBLAS's tensorwise FP8 GEMMs reach nearly the
 share of their peak that bf16 GEMMs reach of theirs. The others are assumed, with no published run here to fit:
 rowwise 0.75 (the per-row scaling epilogue), blockwise 0.60 (torchao's prototype Triton GEMMs), MXFP8 0.80 (B200)."""
+
+
+EXPERT_COSTS = {
+    ExpertsPrecision.fp8_rowwise: RecipeCost(0.75, (), (8.0, 8.0), False, "float8", (0.0, 0.0), 0, 4),
+    ExpertsPrecision.mxfp8: RecipeCost(0.80, (), (6.1, 6.1), False, "mxfp8", (0.0, 0.0), 32, 1),
+}
+"""The routed experts' recipes (precision.experts), torchao's scaled grouped GEMMs. fp8_rowwise: torchao's
+_Float8GroupedMM casts with fused Triton kernels whatever training.compile says (eager = compiled): x is cast rowwise
+for the forward (read 2 B, write 1 B) and per group along the tokens for the weight gradient (two passes and a write:
+5 B), W along each of two axes (5 + 5 B), dy like x (3 + 5 B): about 8 B per element; no staging beside the float8
+output. gemm_efficiency as the Linear rowwise recipe (assumed: the grouped GEMM's per-expert tiles are the same
+kernel family, no published grouped run to fit). mxfp8: as the Linear MXFP8 recipe compiled (torchao's grouped MX
+casts are CUDA/CuTeDSL kernels in eager too)."""
+
+
+def expert_cost(cfg: RunConfig) -> RecipeCost | None:
+    """The experts' recipe on a CUDA cluster; None in high precision, and on CPU (the emulation runs float32 GEMMs)."""
+    if cfg.cluster.device != DeviceType.cuda:
+        return None
+    return EXPERT_COSTS.get(cfg.precision.experts)
+
+
+def expert_peak(cfg: RunConfig) -> float | None:
+    """Dense peak TFLOP/s of the experts' FP8 GEMMs (cluster.peak_tflops[mxfp8] for MXFP8 where given, else [float8])."""
+    c, r = cfg.cluster, EXPERT_COSTS[cfg.precision.experts]
+    return c.peak_tflops.get(r.peak) or c.peak_tflops.get("float8")
 
 
 def cost(cfg: RunConfig) -> RecipeCost | None:

@@ -95,10 +95,14 @@ class Machine:
     """Rate of large GEMMs of the FP8 recipe's kernel, per rank; None: no FP8 model (no FP8 recipe, or a machine profile,
     whose GEMMs are timed in the run's own dtype)."""
     fp8_half_dim: float = FP8_GEMM_HALF_DIM
+    expert_fp8_tflops: float | None = None
+    """Rate of large grouped GEMMs of the routed experts' FP8 recipe (precision.experts), per rank; None: not in FP8,
+    or no FP8 model (a machine profile)."""
 
-    def fp8_gemm_s(self, g: tuple[int, int, int]) -> float:
+    def fp8_gemm_s(self, g: tuple[int, int, int], rate: float | None = None) -> float:
+        """Seconds of one FP8 GEMM at the Linear recipe's rate, or at `rate` (the experts')."""
         d = min(g)
-        return 2.0 * g[0] * g[1] * g[2] / (self.fp8_tflops * d / (d + self.fp8_half_dim) * 1e12)
+        return 2.0 * g[0] * g[1] * g[2] / ((rate or self.fp8_tflops) * d / (d + self.fp8_half_dim) * 1e12)
 
     def gemm_s(self, g: tuple[int, int, int]) -> float:
         rate = self.gemm_table.get(g)
@@ -139,10 +143,13 @@ def datasheet(cfg: RunConfig, peak_tflops: float | None, link_gbs: dict[str, flo
         if not low:
             return None
         fp8_rate = low * eff * recipe.gemm_efficiency
+    experts = fp8.expert_cost(cfg)
+    expert_low = fp8.expert_peak(cfg) if experts else None
+    expert_rate = expert_low * eff * experts.gemm_efficiency if experts and expert_low else None
     rate = high * eff
     bpe = COMPILED_BYTES_PER_ELEMENT if cfg.training.compile else EAGER_BYTES_PER_ELEMENT
     memory = c.memory_bandwidth_gbs if c.memory_bandwidth_gbs > 0 else math.inf
-    return Machine(rate, memory, bpe, rate * ATTENTION_VS_MATMUL, links, fp8_tflops=fp8_rate)
+    return Machine(rate, memory, bpe, rate * ATTENTION_VS_MATMUL, links, fp8_tflops=fp8_rate, expert_fp8_tflops=expert_rate)
 
 
 def load(path: str | Path) -> dict:

@@ -12,7 +12,8 @@ seconds per step on the busiest rank:
 - dp: FSDP gathers and reduce-scatters (and replica all-reduces) per block, and FSDP's own copies into
   and out of their buffers (also with dp_shard = 1), less what runs under the block's compute;
 - fp8_cast, fp8_amax: an FP8 recipe's cast and scale kernels (memory traffic) and tensorwise scaling's amax
-  all-reduces over TP (runner/estimate/predict/fp8_cost.py); its converted GEMMs are in compute, at the FP8 rate.
+  all-reduces over TP (runner/estimate/predict/fp8_cost.py); its converted GEMMs are in compute, at the FP8 rate;
+  so are the routed experts precision.experts converts (their own recipe and rate, Machine.expert_fp8_tflops).
 `binding` names the largest. The machine's figures come from a profile (`cluster.profile`, written by
 `python -m runner.calibrate`) or else from the datasheet ("datasheet, not calibrated").
 """
@@ -138,7 +139,7 @@ def _block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], sh
         cp=cp,
         ep=ep,
     )
-    return _add(plain, _fp8_block(cfg, lay, mach, kinds, shares[0]))
+    return _add(_add(plain, _fp8_block(cfg, lay, mach, kinds, shares[0])), _fp8_experts(cfg, lay, mach, shares[0]))
 
 
 def _fp8_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str], recomputed: float) -> _Chunk:
@@ -167,6 +168,30 @@ def _fp8_block(cfg: RunConfig, lay: Layout, mach: Machine, kinds: dict[str, str]
         recompute=recomputed * gain / blocks if fwd_fp8 else 0.0,
         fp8_cast=moved / (mach.memory_gbs * 1e9) * mach.cpu_share / blocks,
         fp8_amax=amax / blocks,
+    )
+
+
+def _fp8_experts(cfg: RunConfig, lay: Layout, mach: Machine, recomputed: float) -> _Chunk:
+    """What precision.experts changes in the mean block, one microbatch: the routed experts' grouped GEMMs (of the MoE
+    blocks, a share of all) move from the bf16 rate to the experts' FP8 rate, all three (forward, input and weight
+    gradients), plus their casts (fp8_cost.EXPERT_COSTS); a recomputed forward casts x and W again. No amax
+    all-reduce: rowwise and MX scales are per row or block of what a rank holds."""
+    recipe = fp8.expert_cost(cfg)
+    if recipe is None or mach.expert_fp8_tflops is None:
+        return _Chunk()
+    m = cfg.model
+    share = (m.num_layers - m.num_dense_layers) / m.num_layers
+    gemms = work.routed_gemms(cfg, lay, work.tokens(cfg, lay))
+    gain = share * sum(mach.fp8_gemm_s(g, mach.expert_fp8_tflops) - mach.gemm_s(g) for g in gemms)  # negative: faster
+    per_elem = recipe.cast_bytes[1 if cfg.training.compile else 0]
+    moved = 0.0
+    for g in gemms:
+        x, w, dy = fp8.cast_elements(g)
+        moved += per_elem * (x + w + dy + recomputed * (x + w) / 2)
+    return _Chunk(
+        compute=3 * gain,
+        recompute=recomputed * gain,
+        fp8_cast=share * moved / (mach.memory_gbs * 1e9) * mach.cpu_share,
     )
 
 

@@ -48,6 +48,18 @@ def fp8_modules(built) -> list[str]:
     )
 
 
+def expert_modules(built) -> dict[str, int]:
+    """The routed experts' module classes on this rank, counted: TorchTitan's GroupedExperts, or the class its
+    grouped-experts converter made of it (Float8GroupedExperts, MXFP8GroupedExperts). Matched by the class's ancestry's
+    names: only runner.run.titan imports TorchTitan."""
+    out: dict[str, int] = {}
+    for part in built.parts:
+        for m in part.modules():
+            if any(c.__name__ == "GroupedExperts" for c in type(m).__mro__):
+                out[type(m).__name__] = out.get(type(m).__name__, 0) + 1
+    return out
+
+
 def staging(policy) -> dict[str, Any]:
     opts = policy.staging_options()
     return {

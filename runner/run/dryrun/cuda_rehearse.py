@@ -138,6 +138,7 @@ def measure(cfg, lay, run_dir: Path, loop: bool = True) -> dict[str, Any]:
         result = led.sweep()
         checks = cuda_checks.devices_and_dtypes(built, opt) | cuda_checks.staging(policy)
         checks |= {"rng": cuda_checks.rng(policy), "fp8_modules": cuda_checks.fp8_modules(built)}
+        checks["expert_modules"] = cuda_checks.expert_modules(built)
         checks["masks"] = cuda_checks.masks_per_stage(built, masks) | {"attention_masks": built.attention_masks}
         if cfg.checkpoint.enable and cfg.checkpoint.async_save:
             checks["checkpoint"] = cuda_checks.staged(cfg, built, opt, policy)

@@ -122,7 +122,18 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
         return self.device.type == "cpu" and id(self.untyped_storage()) in PINNED or is_pinned(self, *args, **kwargs)
 
     def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        # private_api: torch_fake_tensor
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else None
+            if local is not None and type(local) not in (torch.Tensor, FakeTensor):
+                # a DTensor over a wrapper subclass (torchao's float8 MoE expert weights): under fake mode DTensor's random
+                # ops take the RNG HOP run_dtensor_rng_op (_are_we_tracing: a fake mode is tracing), which has no rule
+                # for the subclass; a GPU's eager run takes the subclass branch (_distribute_region). Fill the shard.
+                local.normal_(mean, std, generator=generator).clamp_(min=a, max=b)
+                return tensor
             return tensor.normal_(mean, std, generator=generator).clamp_(min=a, max=b)
 
     def synchronize(device: Any = None) -> None:

@@ -35,7 +35,7 @@ from runner.run import step_loop, titan
 from runner.run.device import DevicePolicy
 from runner.run.dryrun import ledger
 from runner.run.titan import cpu as titan_cpu
-from runner.schema import DeviceType, Fp8Recipe, InjectConfig, RunConfig, layout
+from runner.schema import DeviceType, ExpertsPrecision, Fp8Recipe, InjectConfig, RunConfig, layout
 from runner.schema.layout import Layout
 
 
@@ -59,6 +59,11 @@ def substitutions(cfg: RunConfig) -> list[str]:
         )
     if cfg.precision.fp8 == Fp8Recipe.blockwise:
         out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.titan.fp8_emulation) in place of torchao's Triton kernels")
+    if cfg.precision.experts != ExpertsPrecision.high and cfg.model.num_experts:
+        out.append(
+            f"routed experts {cfg.precision.experts.value}: on the CPU dry run TorchTitan's bf16 grouped GEMM (the CPU emulation "
+            "splits tokens by expert counts, which fake tensors do not have); the CUDA rehearsal runs torchao's"
+        )
     return out
 
 

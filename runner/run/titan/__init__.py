@@ -26,7 +26,7 @@ from runner.run.titan.distributed import (
     stage_modules,
     titan_configs,
 )
-from runner.run.titan.fp8_conversion import blockwise_linear_config, check_layer_table, convert_precision, fp8_layers
+from runner.run.titan.fp8_conversion import blockwise_linear_config, check_layer_table, convert_experts, convert_precision, fp8_layers
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.moe import clear_counts, moe_blocks, take_counts
@@ -61,6 +61,7 @@ __all__ = [
     "check_size",
     "clear_counts",
     "clip_grad_norm_tensor",
+    "convert_experts",
     "convert_precision",
     "current_lr",
     "fp8_layers",

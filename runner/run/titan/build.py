@@ -12,7 +12,7 @@ import torch
 
 from runner.run.device import DevicePolicy
 from runner.run.titan.distributed import titan_configs
-from runner.run.titan.fp8_conversion import convert_precision
+from runner.run.titan.fp8_conversion import convert_experts, convert_precision
 from runner.run.titan.initial_weights import init_weights
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.step import loss_fn
@@ -38,6 +38,8 @@ class Built:
     """This rank holds the last pipeline stage (it computes the loss)."""
     fp8_converted: list[str] | None = None
     """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
+    experts_converted: list[str] | None = None
+    """Routed experts (GroupedExperts FQNs) converted to precision.experts' FP8, as found in the model config."""
     cp_load_balancer: str | None = None
     """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
     post_optimizer_build_fn: object = None
@@ -49,11 +51,13 @@ class Built:
 
 
 def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
-    """(TorchTitan's ModelSpec, the FP8 layers converted): the config's architecture, its FP8 recipe, the CPU
-    adaptations and TorchTitan's own sharding settings for the layout, ready to build."""
+    """(TorchTitan's ModelSpec, the FP8 Linear layers converted, the FP8 routed experts): the config's architecture, its
+    FP8 recipe and experts' precision, the CPU adaptations and TorchTitan's own sharding settings for the layout, ready
+    to build."""
     spec = model_spec(cfg.model)
     mcfg = spec.model
     converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
+    experts = convert_experts(mcfg, cfg, materialize)  # before use_float32_experts, which leaves converted experts
     if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:  # the CPU adaptations (runner.run.titan.cpu)
         import runner.run.titan.cpu as cpu
 
@@ -67,14 +71,14 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
             cpu.enable_ring_attention()
     training, parallelism = titan_configs(cfg, lay)
     mcfg.update_from_config(config=SimpleNamespace(training=training, parallelism=parallelism))
-    return spec, converted
+    return spec, converted, experts
 
 
 def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, materialize: bool = True) -> Built:
     """The model of cfg.model on meta, checked against runner.estimate.flops, parallelized, materialized on `device`
     (the device policy's compute device) and initialized; materialize=False leaves it on meta (the dry run
     materializes it on fake tensors)."""
-    spec, converted = model_config(cfg, lay, materialize)
+    spec, converted, experts = model_config(cfg, lay, materialize)
     mcfg = spec.model
     with torch.device("meta"):
         model = mcfg.build()
@@ -88,6 +92,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
     built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
     built.post_optimizer_build_fn, built.spec = spec.post_optimizer_build_fn, spec
+    built.experts_converted = experts
     built.attention_masks = masks
     return built
 

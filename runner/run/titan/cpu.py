@@ -223,21 +223,15 @@ def enable_ring_attention() -> None:
     cpa.custom_ops[bwd_op] = backward
 
 
-_CpuGroupedExperts = None
-
-
-def use_float32_experts(model_config) -> None:
-    """TorchTitan's experts cast to bfloat16 for torch._grouped_mm; CPU _grouped_mm is slow in any dtype, and
-    on AVX2-only CPUs bf16 GEMMs are ~200x slower than fp32 (docs/CPU.md): swap in experts with the same
-    parameters that run one float32 matmul per expert, as every other CPU matmul here does."""
+def _cpu_grouped_experts():
+    """TorchTitan's GroupedExperts with one float32 matmul per expert (use_float32_experts says why)."""
     global _CpuGroupedExperts
-    from torchtitan.models.common.moe import GroupedExperts
-
     if _CpuGroupedExperts is None:
         from dataclasses import dataclass
 
         import torch.nn.functional as F
         from torch.distributed.tensor import DTensor
+        from torchtitan.models.common.moe import GroupedExperts
 
         class CpuGroupedExperts(GroupedExperts):
             @dataclass(kw_only=True, slots=True)
@@ -248,17 +242,72 @@ def use_float32_experts(model_config) -> None:
                 w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
                 counts = num_tokens_per_expert_E.tolist()
                 rest = x_RD.shape[0] - sum(counts)  # rows past the last group (padding): zero, as no expert reads them
-                outs = []
+                outs, mm = [], self._expert_mm
                 for e, x in enumerate(torch.split(x_RD, [*counts, rest])[: len(counts)]):
-                    outs.append((F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T)
+                    outs.append(mm(F.silu(mm(x, w1[e])) * mm(x, w3[e]), w2[e]))
                 return torch.cat([*outs, x_RD.new_zeros(rest, x_RD.shape[1])])
 
+            def _expert_mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                """x @ w.T for one expert's tokens (w as TorchTitan stores it: out x in)."""
+                return x @ w.T
+
         _CpuGroupedExperts = CpuGroupedExperts
-    for _, old, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-        if type(old) is not GroupedExperts.Config:  # gpt-oss's biased experts (not trained on CPU: family_support)
+    return _CpuGroupedExperts
+
+
+_CpuGroupedExperts = None
+_CpuFp8GroupedExperts = None
+
+
+def _cpu_fp8_grouped_experts():
+    """The float32 CPU experts whose matmuls run the float8 rowwise emulation (runner/run/titan/fp8_emulation.py)."""
+    global _CpuFp8GroupedExperts
+    if _CpuFp8GroupedExperts is None:
+        from dataclasses import dataclass
+
+        from runner.run.titan.fp8_emulation import RowwiseFp8ExpertMatmul
+
+        base = _cpu_grouped_experts()
+
+        class EmulatedFp8RowwiseGroupedExperts(base):
+            @dataclass(kw_only=True, slots=True)
+            class Config(base.Config):
+                pass
+
+            def _expert_mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return RowwiseFp8ExpertMatmul.apply(x, w)
+
+        _CpuFp8GroupedExperts = EmulatedFp8RowwiseGroupedExperts
+    return _CpuFp8GroupedExperts
+
+
+def _swap_experts(model_config, cls) -> list[str]:
+    """Swap TorchTitan's plain GroupedExperts configs for `cls`'s, same parameters; return the swapped FQNs. gpt-oss's
+    biased experts (a GroupedExperts subclass) are not trained on CPU (family_support) and stay."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    swapped = []
+    for fqn, old, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        if type(old) is not GroupedExperts.Config:
             continue
-        new = _CpuGroupedExperts.Config(dim=old.dim, hidden_dim=old.hidden_dim, num_experts=old.num_experts, param_init=old.param_init)
+        new = cls.Config(dim=old.dim, hidden_dim=old.hidden_dim, num_experts=old.num_experts, param_init=old.param_init)
         if isinstance(parent, list):
             parent[attr] = new
         else:
             setattr(parent, attr, new)
+        swapped.append(fqn)
+    return swapped
+
+
+def use_float32_experts(model_config) -> None:
+    """TorchTitan's experts cast to bfloat16 for torch._grouped_mm; CPU _grouped_mm is slow in any dtype, and
+    on AVX2-only CPUs bf16 GEMMs are ~200x slower than fp32 (docs/CPU.md): swap in experts with the same
+    parameters that run one float32 matmul per expert, as every other CPU matmul here does."""
+    _swap_experts(model_config, _cpu_grouped_experts())
+
+
+def emulated_fp8_experts(model_config) -> list[str]:
+    """precision.experts=fp8_rowwise on CPU: torchao's scaled grouped GEMM is CUDA-only (Triton scaling kernels,
+    torch._scaled_grouped_mm), so the float32 CPU experts run each expert's GEMMs through the float8 rowwise emulation
+    (runner/run/titan/fp8_emulation.py: torchao's scales, real e4m3 casts); return the converted experts' FQNs."""
+    return _swap_experts(model_config, _cpu_fp8_grouped_experts())

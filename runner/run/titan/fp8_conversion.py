@@ -1,5 +1,6 @@
 """FP8 Linear layers: which ones (TorchTitan's model config, walked with keep_high_precision) and the
-recipe's module for each path (TorchTitan's converters and torchao on GPU, runner.run.titan.cpu on CPU)."""
+recipe's module for each path (TorchTitan's converters and torchao on GPU, runner.run.titan.cpu on CPU); and the
+routed experts precision.experts converts (TorchTitan's grouped-experts converters on GPU, the emulation on CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 from runner.estimate import precision
 from runner.run.device import DevicePolicy
-from runner.schema import Fp8Recipe, ModelConfig, RunConfig
+from runner.schema import ExpertsPrecision, Fp8Recipe, ModelConfig, RunConfig
 
 
 def check_layer_table(model_config, m: ModelConfig) -> None:
@@ -65,6 +66,44 @@ def convert_precision(model_config, cfg: RunConfig) -> list[str]:
     if got != chosen:
         raise RuntimeError(f"FP8 conversion converted {got}, keep_high_precision leaves {chosen}")
     return got
+
+
+def convert_experts(model_config, cfg: RunConfig, materialize: bool = True) -> list[str]:
+    """Swap the routed experts for precision.experts' FP8 ones (in the model config, before any module exists, next to
+    the Linear converters, as TorchTitan's deepseek_v3_671b_float8() lists both); return their FQNs. GPU: TorchTitan's
+    Float8GroupedExpertsConverter or MXFP8GroupedExpertsConverter, which also swap each MoE's token dispatcher for
+    TorchAOTokenDispatcher (token groups padded to the kernels' multiple). CPU: the float8 rowwise emulation, except on
+    the dry run's fake tensors (materialize=False), whose token counts have no values for its per-expert split."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    e = cfg.precision.experts
+    if e == ExpertsPrecision.high:
+        return []
+    want = precision.converted_experts(cfg)
+    if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:
+        if not materialize:
+            return []
+        import runner.run.titan.cpu as cpu
+
+        got = cpu.emulated_fp8_experts(model_config)  # validation rejects mxfp8 on CPU
+    else:
+        before = {fqn: type(c) for fqn, c, _, _ in model_config.traverse(GroupedExperts.Config)}
+        _experts_converter(cfg).build().convert(model_config)
+        got = [fqn for fqn, c, _, _ in model_config.traverse(GroupedExperts.Config) if type(c) is not before.get(fqn)]
+    if got != want:
+        raise RuntimeError(f"precision.experts={e.value} converted {got}, runner.estimate.precision.converted_experts lists {want}")
+    return got
+
+
+def _experts_converter(cfg: RunConfig):
+    """TorchTitan's converter config for precision.experts, its token padding from runner.estimate.precision."""
+    from torchtitan.components.quantization import Float8GroupedExpertsConverter, MXFP8GroupedExpertsConverter
+
+    compiled = cfg.training.compile
+    if cfg.precision.experts == ExpertsPrecision.fp8_rowwise:
+        return Float8GroupedExpertsConverter.Config(model_compile_enabled=compiled)  # pads to its PAD_MULTIPLE, 16
+    pad = precision.EXPERT_RECIPES[ExpertsPrecision.mxfp8].token_pad
+    return MXFP8GroupedExpertsConverter.Config(model_compile_enabled=compiled, pad_multiple=pad)
 
 
 def _float8(model_config, recipe: Fp8Recipe, chosen: set[str], on_cpu: bool) -> None:

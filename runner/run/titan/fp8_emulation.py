@@ -111,3 +111,45 @@ def blockwise_fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x_in, out = Replicate(), Replicate()
     fn = local_map(BlockwiseFp8Matmul.apply, out_placements=[out], in_placements=([x_in], [p]), redistribute_inputs=True)
     return fn(x, w)
+
+
+# The routed experts in float8 rowwise (precision.experts=fp8_rowwise), emulated per expert. torchao's _Float8GroupedMM
+# (prototype/moe_training/fp8_grouped_mm.py) scales with Triton kernels, which do not run on CPU; the scales here are
+# torchao's own CPU-capable ones (float8_utils.tensor_to_scale: amax along the GEMM's reduction axis, FP8_MAX / amax
+# in float64, rounded down to a power of two as its kernels are called; to_fp8_saturated: clamp, cast to e4m3). A
+# group's padding rows (TorchTitan's TorchAOTokenDispatcher pads each group to 16 on GPU) are zero, so they change no
+# amax: the emulation needs no padding. Per expert, with w its (out, in) weight as TorchTitan stores it:
+#
+#     forward  out    = x[scale per token row] @ w[scale per output row].T          (A rowwise, B_t colwise)
+#     backward grad_x = dy[scale per token row] @ w[scale per input column]         (B rowwise over N)
+#              grad_w = dy[scale per column over the group's tokens].T @ x[the same] (per-group colwise)
+
+
+def fake_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x as torchao's float8 rowwise grouped GEMM sees it, scaled along `dim` (the GEMM's reduction axis), in float32."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(x, FP8, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim, round_scales_to_power_of_2=True)
+    return to_fp8_saturated(x.to(torch.float32) * scale, FP8).to(torch.float32) / scale
+
+
+class RowwiseFp8ExpertMatmul(torch.autograd.Function):
+    """x @ w.T for one expert's token group, every operand of forward and backward quantized as torchao's
+    _Float8GroupedMM quantizes it; the GEMM runs on the dequantized values in float32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        if x.shape[0] == 0:  # an expert no token reached: no amax to take
+            return x.new_zeros(0, w.shape[0])
+        return (fake_rowwise(x, -1) @ fake_rowwise(w, -1).t()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        if x.shape[0] == 0:
+            return torch.zeros_like(x), torch.zeros_like(w)
+        grad_x = fake_rowwise(dy, -1) @ fake_rowwise(w, 0)
+        grad_w = fake_rowwise(dy, 0).t() @ fake_rowwise(x, 0)
+        return grad_x.to(x.dtype), grad_w.to(w.dtype)
