@@ -243,7 +243,7 @@ PRIVATE = (
     P("torch_higher_order_operator", "torch._ops", "HigherOrderOperator", TORCH, (f"{LEDGER}:Ledger.__torch_dispatch__",),
       "FlexAttention's ops are higher-order ops: the ledger passes them through and counts their outputs"),
     P("torch_fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor", TORCH,
-      (f"{STEP_PROBE}:StepProbe.__torch_dispatch__", f"{FAKE_CUDA}:_replacements"),
+      (f"{STEP_PROBE}:StepProbe.__torch_dispatch__", f"{FAKE_CUDA}:_fill_normal"),
       "the probe lets other tensor subclasses (DTensor, float8) desugar first; the fake init tells them from fake tensors"),
     P("torch_unset_fake_temporarily", "torch._subclasses.fake_tensor", "unset_fake_temporarily", TORCH,
       (f"{STEP_PROBE}:StepProbe.__torch_dispatch__", f"{FAKE_CUDA}:_outside_fake"),

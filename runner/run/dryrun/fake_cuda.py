@@ -122,19 +122,8 @@ def _replacements(capability: tuple[int, int], memory_gb: float, name: str, devi
         return self.device.type == "cpu" and id(self.untyped_storage()) in PINNED or is_pinned(self, *args, **kwargs)
 
     def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
-        # private_api: torch_fake_tensor
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.distributed.tensor import DTensor
-
         with torch.no_grad():
-            local = tensor.to_local() if isinstance(tensor, DTensor) else None
-            if local is not None and type(local) not in (torch.Tensor, FakeTensor):
-                # a DTensor over a wrapper subclass (torchao's float8 MoE expert weights): under fake mode DTensor's random
-                # ops take the RNG HOP run_dtensor_rng_op (_are_we_tracing: a fake mode is tracing), which has no rule
-                # for the subclass; a GPU's eager run takes the subclass branch (_distribute_region). Fill the shard.
-                local.normal_(mean, std, generator=generator).clamp_(min=a, max=b)
-                return tensor
-            return tensor.normal_(mean, std, generator=generator).clamp_(min=a, max=b)
+            return _fill_normal(tensor, mean, std, a, b, generator)
 
     def synchronize(device: Any = None) -> None:
         SYNCS.note("torch.cuda.synchronize")
@@ -242,3 +231,21 @@ def devices_on(n: int = 127) -> None:
     torch._C._ensureCUDADeviceGuardSet()
     lib = ctypes.CDLL(None)
     lib.fake_cuda_set_device_count(n)
+
+
+def _fill_normal(tensor: Any, mean: float, std: float, a: float, b: float, generator: Any) -> Any:
+    """trunc_normal_'s stand-in: normal_ then clamp_ (values do not matter in a rehearsal)."""
+    import torch
+
+    # private_api: torch_fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else None
+    if local is not None and type(local) not in (torch.Tensor, FakeTensor):
+        # a DTensor over a wrapper subclass (torchao's float8 MoE expert weights): under fake mode DTensor's random
+        # ops take the RNG HOP run_dtensor_rng_op (_are_we_tracing: a fake mode is tracing), which has no rule
+        # for the subclass; a GPU's eager run takes the subclass branch (_distribute_region). Fill the shard.
+        local.normal_(mean, std, generator=generator).clamp_(min=a, max=b)
+        return tensor
+    return tensor.normal_(mean, std, generator=generator).clamp_(min=a, max=b)
