@@ -100,7 +100,7 @@ def v_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[tuple[int, 
     forward, in torch's order of the rank's actions (torch.distributed.pipelining.schedules, the schedule's
     _calculate_single_rank_operations); a backward (full, or its input half) frees its microbatch. The memory model
     weighs each pair by its stages' bytes and keeps the largest: on DeepSeek-V3's rank 0 the last stage's logits
-    (3.2 GB a microbatch) are held for 1 or 2 microbatches while the first stage holds 31. None for other schedules."""
+    (3.2 GB a microbatch) are held for at most 1 microbatch while the first stage holds up to 32. None for other schedules."""
     p = cfg.parallelism
     if lay.pp == 1 or pipeline.SCHEDULES[p.pp_schedule].style != "v":
         return None
