@@ -7,8 +7,8 @@ copies; the busiest EP rank receives R = N x moe_imbalance of them):
 
 - routed_experts: GroupedExperts casts the routed tokens and the expert weights to bf16 whatever param_dtype
   (`x.bfloat16()`, `w.bfloat16()`), so its grouped GEMMs save a bf16 copy of each received token (R x dim) and
-  SwiGLU's w1, w3, silu and product outputs (4 x R x moe_hidden_dim); with param_dtype float32 the bf16 copies of
-  the rank's experts' three weights too (`.bfloat16()` of a bf16 weight is the weight itself).
+  SwiGLU's w1, w3, silu and product outputs (4 x R x moe_hidden_dim; gpt-oss's clamped SwiGLU 7); with param_dtype
+  float32 the bf16 copies of the rank's experts' weights too (`.bfloat16()` of a bf16 weight is the weight itself).
 - combine: the scores weight each returned expert output in fp32 (`routed.to(float32) * scores`), which saves the
   fp32 output (N x dim) and the scores sorted by expert (N, in the router's dtype).
 - routing: the router's scores over every expert (sigmoid or softmax output, E per token, param_dtype: TorchTitan's
@@ -51,10 +51,17 @@ def pad_multiple(cfg: RunConfig) -> int:
     return 1
 
 
+SWIGLU_SAVED = 4  # w1, w3, silu and product outputs, each moe_hidden_dim wide
+CLAMPED_SWIGLU_SAVED = 7  # gpt-oss: the fused gate/up output (2 wide), sigmoid, both clamped halves, the gate and the product
+
+
 def _expert_row_bytes(cfg: RunConfig) -> float:
-    """Bytes the grouped GEMMs save per received row: its bf16 copy and SwiGLU's four bf16 intermediates."""
+    """Bytes the grouped GEMMs save per received row: its bf16 copy and the activation's bf16 intermediates. gpt-oss's
+    experts (biases, torchtitan/models/gpt_oss/moe.py) run one fused gate/up GEMM and a clamped SwiGLU: the clamps keep
+    the fused output alive through their views, the sigmoid its output, the two products their clamped operands."""
     m = cfg.model
-    return GEMM_BYTES * m.dim + 4 * GEMM_BYTES * m.moe_hidden_dim
+    saved = CLAMPED_SWIGLU_SAVED if m.moe_bias else SWIGLU_SAVED
+    return GEMM_BYTES * m.dim + saved * GEMM_BYTES * m.moe_hidden_dim
 
 
 def saved_terms(cfg: RunConfig, lay: Layout, tokens: float) -> dict[str, float]:
