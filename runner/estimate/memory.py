@@ -229,8 +229,8 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     if chunks is not None:  # each virtual stage's blocks and extras times the microbatches it holds at the peak
         activations = receive + chunks
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
-    if blocks[1]:  # an MoE block's backward starts with the combine's fp32 gradients (runner.estimate.moe_memory)
-        recompute = max(recompute, (moe_layer if ac else 0) + moe_memory.transient_bytes(cfg, lay, tokens))
+    # an MoE block's backward starts with the combine's fp32 gradients (runner.estimate.moe_memory), before its Linears'
+    in_moe = (moe_layer if ac else 0) + moe_memory.transient_bytes(cfg, lay, tokens) if blocks[1] else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     buffers = (blocks[0] + blocks[1]) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
@@ -238,7 +238,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     first, later = fp8.backward_transient_bytes(cfg, lay.tp, t.microbatch_size * t.seq_len // lay.cp)
     if first - ffn_grads > later and first > loss_backward:
         weights_grads -= ffn_grads
-    in_linear = recompute + (first if first - ffn_grads > later else later)
+    in_linear = max(recompute + (first if first - ffn_grads > later else later), in_moe)
     temporaries = max(in_linear, loss_backward)
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
