@@ -227,7 +227,13 @@ def deepseek_rehearsed(compose, tmp_path_factory):
     cfg = compose([*DEEPSEEK_V3, "mode=dryrun", "dryrun.device=cuda"])
     lay = validate.check(cfg)
     frozen = freeze.write(cfg, lay, base)
-    job = {"frozen": str(frozen), "ranks": dryrun_report.ranks(cfg, lay), "run_dir": str(base), "gpu": cuda_env.gpu(cfg.cluster), "loop": False}
+    job = {
+        "frozen": str(frozen),
+        "ranks": dryrun_report.ranks(cfg, lay),
+        "run_dir": str(base),
+        "gpu": cuda_env.gpu(cfg.cluster),
+        "loop": False,
+    }
     (res,) = cuda_env.launch([job], ROOT, base)
     assert "error" not in res, res["error"][-3000:]
     return cfg, lay, dryrun_report.report(cfg, lay, plan.compute(cfg, lay), res["result"])
