@@ -87,12 +87,14 @@ def chunk_blocks(cfg: RunConfig, lay: Layout, st: int) -> list[tuple[int, int]]:
 def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: bool) -> int:
     """Receive buffers per microbatch of rank `st`: torch's PipelineStage makes, per virtual stage, one for its input
     (all but the model's first stage) and one for its output's gradient (all but the last), kept across steps. A looped
-    schedule's rank holds stages st, st + pp, ...; a V schedule's st and 2 pp - 1 - st (rank 0: the first stage's
-    gradient and the last stage's input, 2; every other rank 4: DeepSeek-V3 pp16 rank 0's 14.1 GB of the dry run's 21.1)."""
+    schedule's rank holds stages st, st + pp, ...; a V schedule's st and 2 pp - 1 - st, and the V's bottom rank passes
+    the tensors between its two stages directly (torch's set_local_fwd_input / set_local_bwd_input), so only links to
+    another rank count: rank 0 2 (the first stage's gradient, the last stage's input: DeepSeek-V3 pp16 rank 0's 14.1 GB
+    of the dry run's 21.3), the bottom rank 2, the others 4."""
     if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "single":
         return (not first) + (not last)
-    n = lay.pp * cfg.parallelism.pp_virtual_stages
-    return sum((s != 0) + (s != n - 1) for s in chunk_stages(cfg, lay, st))
+    n, mine = lay.pp * cfg.parallelism.pp_virtual_stages, chunk_stages(cfg, lay, st)
+    return sum((s != 0 and s - 1 not in mine) + (s != n - 1 and s + 1 not in mine) for s in mine)
 
 
 def v_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[tuple[int, int]] | None:
