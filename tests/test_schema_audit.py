@@ -211,6 +211,7 @@ BAD = [
     ([*TORCHFT, "fault_tolerance.replica_id=2"], "fault_tolerance.replica_id"),
     (["distributed.flight_recorder.buffer_size=0"], "distributed.flight_recorder.buffer_size"),
     (["plan.flops_convention=8N"], "plan.flops_convention"),
+    (["plan.moe_imbalance=0.5"], "plan.moe_imbalance"),
     (["eval.interval=-1"], "eval.interval"),
     (["eval.steps=0"], "eval.steps"),
     (["data.eval_fraction=1.0"], "data.eval_fraction"),

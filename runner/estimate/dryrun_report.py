@@ -72,9 +72,11 @@ TOLERANCE = {"weights + gradients": 0.02, "optimizer (master + moments)": 0.02, 
 def rehearsal_budget(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     """The plan's figures (GB) for a rank of pipeline stage `stage` as the rehearsal runs it: on the rehearsal's
     device's kernels (the CPU's RMSNorm saves more than CUDA's fused one; dryrun.device=cuda keeps the cluster's), and
-    its microbatches (a pipeline stage keeps a receive buffer for each; runner.estimate.memory)."""
+    its microbatches (a pipeline stage keeps a receive buffer for each; runner.estimate.memory), and its MoE routing,
+    perfectly balanced (no imbalance headroom: runner.estimate.moe_memory)."""
     dry = copy.deepcopy(cfg)
     dry.cluster.device = cfg.dryrun.device
+    dry.plan.moe_imbalance = 1.0
     return memory.stage_gb(dry, lay, microbatches(cfg, lay)[1], stage)
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.estimate import flops, pipeline, pipeline_ranks
+from runner.estimate import flops, moe_memory, pipeline, pipeline_ranks
 from runner.estimate.predict import fp8_cost as fp8
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
@@ -107,16 +107,9 @@ def _mla_cpu_math_bytes_per_token(cfg: RunConfig, a: float, qk: int) -> float:
     return _norm_bytes(cfg, m.kv_lora_rank) + bw * m.kv_lora_rank + 4 * a * (2 * qk + m.v_head_dim + seq) + bw * a * m.v_head_dim
 
 
-def _ffn_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool) -> float:
-    """SwiGLU's w1, w3, silu and product outputs; an MoE block's top-k routed copies of each token and its shared experts."""
-    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
-    if not moe:
-        return 4 * bw * m.ffn_hidden_dim / lay.tp
-    k, shared = m.num_experts_per_token, m.num_shared_experts
-    # each routed copy: its gathered input, the fp32 expert output the scores weight, the experts' SwiGLU; the router's
-    # scores (param_dtype) and, per routed copy, four int64 index tensors (top-k, sort, expert and offset) and its score
-    routed = (bw + 4) * m.dim + 4 * bw * m.moe_hidden_dim
-    return k * routed + 4 * bw * shared * m.moe_hidden_dim + bw * m.num_experts + k * (4 * 8 + bw)
+def _ffn_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
+    """SwiGLU's w1, w3, silu and product outputs (an MoE block's FFN: runner.estimate.moe_memory, by term)."""
+    return 4 * BYTES[cfg.precision.param_dtype.value] * cfg.model.ffn_hidden_dim / lay.tp
 
 
 def _norm_bytes(cfg: RunConfig, width: int) -> float:
@@ -127,10 +120,16 @@ def _norm_bytes(cfg: RunConfig, width: int) -> float:
 
 
 def layer_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool = False) -> float:
-    """Bytes one transformer block saves for backward per token of the local sequence (seq_len / cp)."""
+    """Bytes one transformer block saves for backward per token of the local sequence (seq_len / cp); an MoE block's
+    without its FFN (moe_layer_bytes adds it)."""
     h, bw, tp = cfg.model.dim, BYTES[cfg.precision.param_dtype.value], lay.tp
     norms = 2 * _norm_bytes(cfg, h) / (tp if cfg.parallelism.sequence_parallel else 1)
-    return norms + 2 * bw * h + _attention_bytes_per_token(cfg, tp) + _ffn_bytes_per_token(cfg, lay, moe)
+    return norms + 2 * bw * h + _attention_bytes_per_token(cfg, tp) + (0 if moe else _ffn_bytes_per_token(cfg, lay))
+
+
+def moe_layer_bytes(cfg: RunConfig, lay: Layout, tokens: float) -> float:
+    """Bytes an MoE block saves for backward per microbatch of `tokens`: norms, attention and the MoE's named terms."""
+    return layer_bytes_per_token(cfg, lay, moe=True) * tokens + sum(moe_memory.saved_terms(cfg, lay, tokens).values())
 
 
 def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
@@ -223,7 +222,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     tokens = t.microbatch_size * t.seq_len / lay.cp
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
-    moe_layer = layer_bytes_per_token(cfg, lay, moe=True) * tokens
+    moe_layer = moe_layer_bytes(cfg, lay, tokens) if flops.is_moe(m) else 0.0
     hidden = bw * m.dim * tokens / (lay.tp if sp else 1)  # one hidden state: a block's input, a stage's output
     layers = _saved_by_blocks(cfg, lay, blocks, first, (full_layer, moe_layer, hidden), tokens)
     extras = _extras(cfg, lay, first, last, tokens, hidden)
@@ -231,15 +230,12 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
     receive = micro * hidden * pipeline_ranks.receive_buffers(cfg, lay, st, first, last)
     activations = pipeline_ranks.in_flight(cfg, lay, micro, st) * (layers + extras) + receive
-    held = pipeline_ranks.looped_held(cfg, lay, micro, st)
-    if held is not None:  # each virtual stage's blocks and extras times the microbatches it holds
-        n = lay.pp * cfg.parallelism.pp_virtual_stages
-        activations = receive
-        for c, (blk, k) in enumerate(zip(pipeline_ranks.chunk_blocks(cfg, lay, st), held, strict=True)):
-            cf, cl = st + c * lay.pp == 0, st + c * lay.pp == n - 1
-            saved = _saved_by_blocks(cfg, lay, blk, cf, (full_layer, moe_layer, hidden), tokens)
-            activations += k * (saved + _extras(cfg, lay, cf, cl, tokens, hidden))
+    chunks = _held_by_virtual_stage(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
+    if chunks is not None:  # each virtual stage's blocks and extras times the microbatches it holds at the peak
+        activations = receive + chunks
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
+    # an MoE block's backward starts with the combine's fp32 gradients (runner.estimate.moe_memory), before its Linears'
+    in_moe = (moe_layer if ac else 0) + moe_memory.transient_bytes(cfg, lay, tokens) if blocks[1] else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
     buffers = (blocks[0] + blocks[1] + mtp) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
@@ -247,7 +243,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     first, later = fp8.backward_transient_bytes(cfg, lay.tp, t.microbatch_size * t.seq_len // lay.cp)
     if first - ffn_grads > later and first > loss_backward:
         weights_grads -= ffn_grads
-    in_linear = recompute + (first if first - ffn_grads > later else later)
+    in_linear = max(recompute + (first if first - ffn_grads > later else later), in_moe)
     temporaries = max(in_linear, loss_backward)
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
@@ -261,6 +257,24 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "buffers": buffers,
         "total": weights_grads + optimizer + activations + temporaries + buffers,
     }
+
+
+def _held_by_virtual_stage(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
+    """Bytes rank `st`'s virtual stages save at its peak, each its blocks and extras times the microbatches it holds:
+    torch's warm-up under Interleaved1F1B; under a V schedule the most of every point of its action order (None for a
+    schedule with one stage per rank)."""
+    n = lay.pp * cfg.parallelism.pp_virtual_stages
+    per_mb = []
+    for s, blk in zip(pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
+        saved = _saved_by_blocks(cfg, lay, blk, s == 0, sizes, tokens)
+        per_mb.append(saved + _extras(cfg, lay, s == 0, s == n - 1, tokens, sizes[2]))
+    looped = pipeline_ranks.looped_held(cfg, lay, micro, st)
+    if looped is not None:
+        return sum(k * b for k, b in zip(looped, per_mb, strict=True))
+    v = pipeline_ranks.v_held(cfg, lay, micro, st)
+    if v is not None:
+        return max(sum(k * b for k, b in zip(held, per_mb, strict=True)) for held in v)
+    return None
 
 
 def _extras(cfg: RunConfig, lay: Layout, first: bool, last: bool, tokens: float, hidden: float) -> float:
@@ -362,6 +376,7 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         "activations_gb_per_gpu": w["activations"],
         "temporaries_gb_per_gpu": w["temporaries"],
         "buffers_gb_per_gpu": w["buffers"],
+        "moe_memory_gb": moe_memory.terms_gb(cfg, lay),
         "total_gb_per_gpu": w["total"],
         "total_gb_per_stage": [s["total"] for s in stages],
         "device_memory_gb": capacity,

@@ -63,24 +63,87 @@ def looped_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[int] |
     return held
 
 
+def chunk_stages(cfg: RunConfig, lay: Layout, st: int) -> list[int]:
+    """The stage indices of rank `st`'s virtual stages: st, st + pp, ... in a looped schedule; st and 2 pp - 1 - st in a
+    V schedule (DualPipeV, ZBVZeroBubble: the rank holds the V's two arms)."""
+    n = lay.pp * cfg.parallelism.pp_virtual_stages
+    if pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v":
+        return [st, n - 1 - st]
+    return list(range(st, n, lay.pp))
+
+
 def chunk_blocks(cfg: RunConfig, lay: Layout, st: int) -> list[tuple[int, int]]:
-    """(dense, moe) blocks of each of rank `st`'s virtual stages in a looped schedule (stage st + c x pp)."""
+    """(dense, moe) blocks of each of rank `st`'s virtual stages (chunk_stages' order)."""
     m, p = cfg.model, cfg.parallelism
     split = pipeline.stage_layers(m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    dense_left, out = m.num_dense_layers if flops.is_moe(m) else m.num_layers, []
-    for i, n in enumerate(split):
+    dense_left, per_stage = m.num_dense_layers if flops.is_moe(m) else m.num_layers, []
+    for n in split:
         d = min(n, dense_left)
         dense_left -= d
-        if i % lay.pp == st:
-            out.append((d, n - d))
-    return out
+        per_stage.append((d, n - d))
+    return [per_stage[s] for s in chunk_stages(cfg, lay, st)]
 
 
 def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: bool) -> int:
     """Receive buffers per microbatch of rank `st`: torch's PipelineStage makes, per virtual stage, one for its input
     (all but the model's first stage) and one for its output's gradient (all but the last), kept across steps. A looped
-    schedule's rank holds stages st, st + pp, ...; a V schedule's (single-stage count kept) is not checked yet."""
-    if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style != "loop":
+    schedule's rank holds stages st, st + pp, ...; a V schedule's st and 2 pp - 1 - st, and the V's bottom rank passes
+    the tensors between its two stages directly (torch's set_local_fwd_input / set_local_bwd_input), so only links to
+    another rank count: rank 0 2 (the first stage's gradient, the last stage's input: DeepSeek-V3 pp16 rank 0's 14.1 GB
+    of the dry run's 21.3), the bottom rank 2, the others 4."""
+    if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "single":
         return (not first) + (not last)
-    n = lay.pp * cfg.parallelism.pp_virtual_stages
-    return sum((s != 0) + (s != n - 1) for s in range(st, n, lay.pp))
+    n, mine = lay.pp * cfg.parallelism.pp_virtual_stages, chunk_stages(cfg, lay, st)
+    return sum((s != 0 and s - 1 not in mine) + (s != n - 1 and s + 1 not in mine) for s in mine)
+
+
+def v_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[tuple[int, int]] | None:
+    """V schedules (DualPipeV, ZBVZeroBubble): the microbatches rank `st`'s two stages (st, 2 pp - 1 - st) hold after each
+    forward, in torch's order of the rank's actions (torch.distributed.pipelining.schedules, the schedule's
+    _calculate_single_rank_operations); a backward (full, or its input half) frees its microbatch. The memory model
+    weighs each pair by its stages' bytes and keeps the largest: on DeepSeek-V3's rank 0 the last stage's logits
+    (3.2 GB a microbatch) are held for at most 1 microbatch while the first stage holds up to 32. None for other schedules."""
+    p = cfg.parallelism
+    if lay.pp == 1 or pipeline.SCHEDULES[p.pp_schedule].style != "v":
+        return None
+    return _v_held(p.pp_schedule, lay.pp, micro, st)
+
+
+@functools.lru_cache(maxsize=1024)
+def _v_held(schedule: str, pp: int, micro: int, rank: int) -> list[tuple[int, int]]:
+    ops = _dualpipev_ops(pp, micro, rank) if schedule == "DualPipeV" else _zbv_ops(pp, micro, rank)
+    held, out = [0, 0], []
+    for chunk, forward in ops:
+        held[chunk] += 1 if forward else -1
+        if forward:
+            out.append(tuple(held))
+    return out
+
+
+def _dualpipev_ops(pp: int, m: int, r: int) -> list[tuple[int, bool]]:
+    """(chunk, is forward) in ScheduleDualPipeV's order; a forward/backward overlap runs its forward first."""
+    f0, f1, b0, b1 = (0, True), (1, True), (0, False), (1, False)
+    ops = [f0] * (2 * (pp - r - 1)) + [f0, f1] * (r + 1) + [b1, f1] * (pp - r - 1)
+    ops += [f0, b1, f1, b0] * (m - 2 * pp + r + 1) + [b1, f1, b0] * (pp - r - 1)
+    return ops + [b1, b0] * (r + 1) + [b0] * (pp - r - 1)
+
+
+def _zbv_ops(pp: int, m: int, r: int) -> list[tuple[int, bool]]:
+    """(chunk, is forward) in ScheduleZBVZeroBubble's order (its padding to 2 pp - 1 microbatches dropped)."""
+    n = max(2 * pp - 1, m)
+    f0, f1, b0, b1 = (0, True), (1, True), (0, False), (1, False)
+    ops = [f0] * (2 * (pp - r) - 1) + [f1, f0] * r + [f1, b1] * (pp - r)
+    counts = {"f0": 2 * (pp - r) - 1 + r, "f1": pp}
+    while counts["f1"] < counts["f0"] or counts["f0"] < n:
+        if counts["f0"] < n:
+            ops.append(f0)
+            counts["f0"] += 1
+        ops += [b0, f1, b1]
+        counts["f1"] += 1
+    ops += [b0, b1] * r + [b0] * (pp - r)
+    kept, seen = [], {op: 0 for op in (f0, f1, b0, b1)}  # torch drops the actions of microbatches m and above
+    for op in ops:
+        if seen[op] < m:
+            kept.append(op)
+        seen[op] += 1
+    return kept

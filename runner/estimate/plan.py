@@ -20,7 +20,8 @@ Conventions, stated once and used throughout:
   the worked example (training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti et al. 2022
   activations) stays beside it under keys ending in `_worked_example`. With 1F1B-type schedules stage s holds
   min(m, p - s) microbatches in flight, with GPipe all m; under Interleaved1F1B each virtual stage holds its share of
-  torch's warm-up (runner.estimate.pipeline_ranks.looped_held).
+  torch's warm-up (runner.estimate.pipeline_ranks.looped_held), under a V schedule what torch's action order leaves
+  in flight (pipeline_ranks.v_held); an MoE block's memory by named term (runner.estimate.moe_memory).
 - plan.json also carries those keys under their names before the rename (ending in `_seed`), read-only
   aliases for one release, listed in its `renamed_keys`.
 """

@@ -64,6 +64,7 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"Korthikanti 2022; {plan['activations_gb_per_microbatch_recompute_worked_example']:.3g} GB with full recomputation",
         ),
         ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), count(plan["microbatches_in_flight"], "microbatch")),
+        *_moe_rows(plan),
         (
             "temporaries + buffers",
             _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"], ".3g", " GB"),
@@ -79,6 +80,24 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             + "; checked by mode=dryrun",
         ),
         (EXAMPLE, _f(plan["total_gb_per_gpu_worked_example"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
+    ]
+
+
+def _moe_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """MoE models: one MoE block's memory per microbatch by named term (runner.estimate.moe_memory)."""
+    terms = plan["moe_memory_gb"]
+    if not terms:
+        return []
+    saved = {k: v for k, v in terms.items() if k not in ("dispatch_combine", "combine_backward")}
+    parts = ", ".join(f"{k} {1e3 * v:.4g}" for k, v in saved.items())
+    return [
+        ("  MoE block, saved", _f(sum(saved.values()), ".3g", " GB"), f"per microbatch, MB: {parts}"),
+        (
+            "  MoE block, transient",
+            _f(max(terms["dispatch_combine"], terms["combine_backward"]), ".3g", " GB"),
+            f"with the temporaries: combine_backward {1e3 * terms['combine_backward']:.4g} MB (its fp32 gradients), "
+            f"dispatch_combine {1e3 * terms['dispatch_combine']:.4g} MB (the all-to-all's buffers)",
+        ),
     ]
 
 

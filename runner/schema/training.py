@@ -317,6 +317,10 @@ class PlanConfig:
     """FLOP convention of the plan's compute and step-time rows (both are shown): 6N (6 x
     parameters per token, the Llama 3 paper's MFU) or titan (TorchTitan's: 6 x non-embedding
     parameters plus the attention term)."""
+    moe_imbalance: float = 1.0
+    """MoE models: the routed tokens the busiest EP rank receives over the mean (>= 1), which sizes the plan's
+    imbalance headroom (runner.estimate.moe_memory). 1.0 is perfect balance, what mode=dryrun rehearses; a run's
+    metrics.jsonl `moe` rows measure the real share."""
 
 
 @dataclass

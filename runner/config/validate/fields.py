@@ -51,6 +51,11 @@ def training(cfg: RunConfig, out: list[Problem]) -> None:
     if cfg.checkpoint.interval < 1:
         out.append(Problem("checkpoint.interval", cfg.checkpoint.interval, "must be >= 1", "save every N >= 1 steps"))
     _choice("plan.flops_convention", cfg.plan.flops_convention, flops.CONVENTIONS, "a FLOP convention", out)
+    if not cfg.plan.moe_imbalance >= 1:
+        why = "the busiest EP rank receives at least the mean of the routed tokens"
+        out.append(
+            Problem("plan.moe_imbalance", cfg.plan.moe_imbalance, why, "use 1.0 for perfect balance, e.g. 1.3 for a 30 % hotter rank")
+        )
     _optimizer(cfg, out)
     _schedule(cfg, out)
     _search(cfg, out)
