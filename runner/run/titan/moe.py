@@ -48,3 +48,15 @@ def clear_counts(parts: list[torch.nn.Module]) -> None:
     with torch.no_grad():
         for _, block in moe_blocks(parts):
             block.moe.tokens_per_expert_E.zero_()
+
+
+def expert_biases(parts: list[torch.nn.Module]) -> dict[str, list[float]]:
+    """Each of this rank's MoE blocks' load-balancing bias (TorchTitan's `expert_bias_E`, moved by the optimizer's
+    pre-hook from the token counts summed over the batch ranks: the same on every rank) by block index; none without
+    balancing. A host read: for parity checks after training, never in the step."""
+    out = {}
+    for key, block in moe_blocks(parts):
+        bias = block.moe.expert_bias_E
+        if bias is not None:
+            out[str(key)] = (bias.to_local() if hasattr(bias, "to_local") else bias).detach().cpu().tolist()
+    return out
