@@ -54,6 +54,7 @@ def unsupported(cfg) -> list[str]:
         "training.compile=false": not cfg.training.compile,
         "precision.fp8=none": cfg.precision.fp8 == Fp8Recipe.none,
         "parallelism.cp=1 and pp_virtual_stages=1": (cfg.parallelism.cp, cfg.parallelism.pp_virtual_stages) == (1, 1),
+        "parallelism.moe_comm_backend=standard (the registry's)": cfg.parallelism.moe_comm_backend.value == "standard",
     }
     return [what for what, ok in checks.items() if not ok]
 
@@ -429,9 +430,14 @@ def launch_env(nproc: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_rank(nproc))}
 
 
+def output(spec: Path) -> dict[str, Any]:
+    """What a finished launch of `spec` wrote: its rows and the expert biases after the last step."""
+    return json.loads(Path(json.loads(spec.read_text())["out"]).read_text())
+
+
 def result(spec: Path) -> list[dict[str, Any]]:
     """The rows a finished launch of `spec` wrote."""
-    return json.loads(Path(json.loads(spec.read_text())["out"]).read_text())["rows"]
+    return output(spec)["rows"]
 
 
 def main(spec_path: str) -> None:

@@ -15,6 +15,7 @@ from runner.schema.choices import (
     LRDecay,
     OptimizerImpl,
     OptimizerName,
+    MoeCommBackend,
     ReshardPolicy,
     TextFormat,
 )
@@ -152,6 +153,9 @@ class ParallelismConfig:
     """TorchTitan's FSDP2 policy: always (free gathered weights after each forward), never
     (keep them until backward ends), default (never with PP, which would otherwise gather
     once per microbatch; always without)."""
+    moe_comm_backend: MoeCommBackend = MoeCommBackend.standard
+    """How routed tokens travel to their experts' EP ranks and back (TorchTitan's moe_comm_backend): standard (torch
+    all-to-all), minimal_async_ep (CUDA symmetric memory), deepep or hybridep (the DeepEP library); docs/models.md."""
 
 
 @dataclass

@@ -60,3 +60,26 @@ def expert_biases(parts: list[torch.nn.Module]) -> dict[str, list[float]]:
         if bias is not None:
             out[str(key)] = (bias.to_local() if hasattr(bias, "to_local") else bias).detach().cpu().tolist()
     return out
+
+
+def use_comm_backend(model_config, backend: str) -> None:
+    """parallelism.moe_comm_backend in every MoE block's token dispatcher, through TorchTitan's own builder
+    (make_token_dispatcher_config, as its layer builders call it); hybridep non-blocking with capacity factor 1.0, as
+    TorchTitan's *_hybridep configs run it (no host read, no token dropped). The layer builders in model.py build
+    `standard`; update_from_config then fills the buffers' sizes from the training shape."""
+    if backend == "standard":
+        return
+    from torchtitan.models.common.config_utils import make_token_dispatcher_config
+
+    for layer in model_config.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        old = moe.routed_experts.token_dispatcher
+        moe.routed_experts.token_dispatcher = make_token_dispatcher_config(
+            num_experts=old.num_experts,
+            top_k=old.top_k,
+            comm_backend=backend,
+            non_blocking_capacity_factor=1.0 if backend == "hybridep" else None,
+            hidden_dim=model_config.dim,
+        )
