@@ -78,8 +78,13 @@ def last_checkpoint_biases(run_dir: Path) -> dict[str, list[float]]:
 
     folder = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     keys = {k for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata if k.endswith(".moe.expert_bias_E")}
-    found = _load_state_dict_from_keys(keys, checkpoint_id=str(folder))
-    return {k.split(".")[2]: v.tolist() for k, v in found.items()}
+    found = _load_state_dict_from_keys(keys, checkpoint_id=str(folder))  # nested by the keys' dots
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+    return {k.split(".")[2]: v.tolist() for k, v in leaves(found)}
 
 
 def text_assets(folder: Path, hf: Path, num_docs: int = 400, seed: int = 0) -> Path:
