@@ -1,10 +1,11 @@
 """The CUDA test tier (`pytest -m cuda_rehearsal`, in .venv-cuda; .ci/run runs it after the main suite): the runner's own
 CUDA path, rehearsed on fake CUDA tensors (mode=dryrun dryrun.device=cuda, runner.run.dryrun.cuda_rehearse), holds to
-what a GPU run must do. The five cases run in one process (one import of torch), about a minute in all:
+what a GPU run must do. The cases run in one process (one import of torch), about a minute in all:
 
 - dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
   save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention
-  gathers K/V over cp (a custom op the ledger counts as the collective it runs).
+  gathers K/V over cp (a custom op the ledger counts as the collective it runs); debug_moe on ep2 (MOE_CASES), whose
+  token exchange reads its routing splits on the host as many times a step as the plan counts.
 
 Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
 the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
@@ -22,7 +23,7 @@ import re
 import pytest
 
 from runner.config import freeze, validate
-from runner.estimate import comm, dryrun_report
+from runner.estimate import comm, dryrun_report, plan
 from tests.conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.cuda_rehearsal, pytest.mark.e2e]
@@ -42,7 +43,10 @@ CASES = {
         "dryrun.ranks=[0,1023]",
     ],
 }
-NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise"}
+MOE_CASES = {"debug_moe_ep2": ["model=debug_moe", "parallelism=ep2", "cluster=h100_node", "cluster.devices_per_node=2", "precision=bf16"]}
+"""Rehearsed beside CASES, checked by their own test: EP's token exchange reads the routing splits on the host (the
+one-sync rule does not hold), and its all-to-all runs on the 2-rank default group (no axis of its own to check)."""
+NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise", "debug_moe_ep2"}
 """Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes."""
 TOLERANCE = 0.15
 FP8_MODULE = {"fp8_rowwise": "Float8Linear", "fp8_tensorwise": "Float8Linear", "fp8_blockwise": "BlockwiseFp8Linear"}
@@ -62,12 +66,11 @@ def rehearsed(compose, tmp_path_factory):
             "the CUDA tier runs in .venv-cuda: bash scripts/setup.sh --cuda-rehearsal, "
             "then .venv-cuda/bin/python -m pytest -m cuda_rehearsal"
         )
-    from runner.estimate import plan
     from runner.run.dryrun import cuda_env
 
     base = tmp_path_factory.mktemp("cuda")
     cases, jobs = {}, []
-    for name, overrides in CASES.items():
+    for name, overrides in (CASES | MOE_CASES).items():
         cfg = compose([*overrides, "mode=dryrun", "dryrun.device=cuda"])
         lay = validate.check(cfg)
         run_dir = base / name
@@ -205,3 +208,16 @@ def test_cpu_dry_run_agrees_and_names_its_difference(rehearsed, tmp_path):
         assert cpu["max_each"][label] == gpu["max_each"][label], label
     assert any("SDPA in place of FlexAttention" in s for s in json.loads((tmp_path / "cpu" / "dryrun.json").read_text())["substitutions"])
     assert gpu["peak_bytes"] == pytest.approx(cpu["peak_bytes"], rel=TOLERANCE)
+
+
+def test_moe_token_exchange_costs_the_host_syncs_the_plan_counts(rehearsed):
+    """parallelism.moe_comm_backend=standard (TorchTitan's default): each MoE block's forward copies its all-to-all splits
+    to the host, 5 blocks x 2 microbatches = 10 a step beside the step's own read, as plan.json's moe_host_syncs says
+    (minimal_async_ep and hybridep keep them on the device: 0; docs/models.md, Communication backends)."""
+    cfg, lay, rep = rehearsed["debug_moe_ep2"]
+    planned = plan.compute(cfg, lay)["moe_host_syncs"]
+    assert planned == 10
+    for r in rep["ranks"]:
+        for st in r["steps"]:
+            assert st["syncs"].count("MoE token-count exchange (device-to-host)") == planned, (r["rank"], st["syncs"])
+            assert len(st["syncs"]) == planned + 1, (r["rank"], st["syncs"])

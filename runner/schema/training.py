@@ -96,6 +96,10 @@ class ModelConfig:
     """A sigmoid gate (one Linear of dim -> 1) scales the shared experts' output (Qwen3.5)."""
     moe_bias: bool = False
     """The router gate and every routed expert's projections carry biases (gpt-oss)."""
+    load_balance_coeff: float = 0.001
+    """Step of TorchTitan's auxiliary-loss-free load balancing (MoE models): before each optimizer step every expert's
+    routing bias moves by this toward the mean load (minus for experts above it, plus below); 0 = off, the bias stays 0.
+    TorchTitan's default for every MoE flavor (DeepSeek-V3's report: 0.001)."""
     rope_max_seq_len: int = 131072
     """Positions of the RoPE table TorchTitan's flavor precomputes (a buffer in every block; the longest seq_len)."""
     rope_cos_sin: bool = False

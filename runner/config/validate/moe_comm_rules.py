@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from runner.estimate import moe_comm, precision
-from runner.schema import ActivationCheckpoint, DeviceType, DType, MoeCommBackend, RunConfig
+from runner.schema import ActivationCheckpoint, DeviceType, DType, Mode, MoeCommBackend, RunConfig
 from runner.schema.layout import Layout
 from runner.schema.problems import Problem
 
@@ -27,6 +27,9 @@ def check(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
     if b == MoeCommBackend.standard:
         return
     need, c, v = moe_comm.BACKENDS[b], cfg.cluster, b.value
+    if cfg.mode == Mode.dryrun:
+        why = f"the dry run plays a rank on fake tensors, on which {v}'s kernels do not run; mode=plan counts its host reads"
+        out.append(Problem(FIELD, v, why, f"rehearse the layout with {STANDARD} (the token exchange TorchTitan builds by default)"))
     if cfg.parallelism.ep < 2:
         out.append(Problem(FIELD, v, f"{v} exchanges tokens between expert-parallel ranks, and parallelism.ep = {cfg.parallelism.ep}", f"set parallelism.ep >= 2, or {STANDARD}"))
     if c.device != DeviceType.cuda:

@@ -15,7 +15,7 @@ from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8_conversion import convert_precision
 from runner.run.titan.initial_weights import init_weights
 from runner.run.titan.model import check_size, model_spec
-from runner.run.titan.moe import use_comm_backend
+from runner.run.titan.moe import use_comm_backend, use_load_balance
 from runner.run.titan.step import loss_fn
 from runner.schema import ActivationCheckpoint, RunConfig
 from runner.schema.layout import Layout
@@ -67,6 +67,7 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
         if lay.cp > 1:
             cpu.enable_ring_attention()
     use_comm_backend(mcfg, cfg.parallelism.moe_comm_backend.value)
+    use_load_balance(mcfg, cfg.model.load_balance_coeff)
     training, parallelism = titan_configs(cfg, lay)
     # activation_checkpoint and compile: minimal_async_ep's check reads them (it needs full recompute)
     ns = SimpleNamespace(training=training, parallelism=parallelism, activation_checkpoint=ac_config(cfg), compile=_compile_config(cfg))

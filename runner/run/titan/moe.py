@@ -83,3 +83,11 @@ def use_comm_backend(model_config, backend: str) -> None:
             non_blocking_capacity_factor=1.0 if backend == "hybridep" else None,
             hidden_dim=model_config.dim,
         )
+
+
+def use_load_balance(model_config, coeff: float) -> None:
+    """model.load_balance_coeff in every MoE block (TorchTitan's MoE.Config.load_balance_coeff; None turns the bias and
+    its optimizer pre-hook off, as TorchTitan takes it)."""
+    for layer in model_config.layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.load_balance_coeff = coeff if coeff > 0 else None
