@@ -73,6 +73,7 @@ def ranks(point: list[str]) -> int:
 def last_checkpoint_biases(run_dir: Path) -> dict[str, list[float]]:
     """The expert biases (model.layers.<i>.moe.expert_bias_E) in the run's last checkpoint, read with DCP on the host."""
     from torch.distributed.checkpoint import FileSystemReader
+
     # torch's helper for a read without a process group (private; the bench only, not the runner)
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -176,9 +177,15 @@ def report_losses(layout: str, runner: list[dict], titan: list[dict]) -> list[st
     lines.append(f"  largest relative loss difference over all reps {worst:.1e} (target <= {LOSS_RTOL:.0e}): {verdict}")
     lines.append(f"  largest relative grad-norm difference {norms:.1e}; reps of one side differ by up to {drift:.1e}")
     if runner[0].get("expert_bias"):
-        bias = max(abs(a - b) for x, y in zip(runner, titan, strict=True) for k in x["expert_bias"] for a, b in zip(x["expert_bias"][k], y["expert_bias"][k], strict=True))
+        bias = max(
+            abs(a - b)
+            for x, y in zip(runner, titan, strict=True)
+            for k in x["expert_bias"]
+            for a, b in zip(x["expert_bias"][k], y["expert_bias"][k], strict=True)
+        )
         same = all(x["expert_bias"] == y["expert_bias"] for x, y in zip(runner, titan, strict=True))
-        lines.append(f"  expert biases after the last step ({len(runner[0]['expert_bias'])} MoE blocks): largest difference {bias:.1e}{', equal' if same else ''}")
+        blocks = len(runner[0]["expert_bias"])
+        lines.append(f"  expert biases after the last step ({blocks} MoE blocks): largest difference {bias:.1e}{', equal' if same else ''}")
     return lines
 
 
@@ -198,7 +205,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--layouts", nargs="+", default=None, help="default dp2_tp2 tp2_pp2 (synthetic), tp2_pp2 (text), ep2 dp2_ep2 (debug_moe)")
+    p.add_argument(
+        "--layouts", nargs="+", default=None, help="default dp2_tp2 tp2_pp2 (synthetic), tp2_pp2 (text), ep2 dp2_ep2 (debug_moe)"
+    )
     p.add_argument("--model", choices=["llama3", "debug_moe"], default="llama3", help="debug_moe: MoE under expert parallelism")
     p.add_argument("--data", choices=["synthetic", "text"], default="synthetic")
     p.add_argument("--seq-len", type=int, default=256)

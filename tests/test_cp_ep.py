@@ -204,7 +204,8 @@ def test_deepep_validates_for_a_cuda_cluster_and_its_library_is_checked_at_launc
     moe_comm_rules.installed(cfg, out)
     assert [str(p) for p in out] == [
         "parallelism.moe_comm_backend = deepep: deepep needs the deep_ep library, which this node's Python cannot import. "
-        "Fix: install DeepEP (github.com/deepseek-ai/DeepEP, built against NVSHMEM) on every node, or use parallelism.moe_comm_backend=standard."
+        "Fix: install DeepEP (github.com/deepseek-ai/DeepEP, built against NVSHMEM) on every node, "
+        "or use parallelism.moe_comm_backend=standard."
     ]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     out.clear()

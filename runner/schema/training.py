@@ -13,9 +13,9 @@ from runner.schema.choices import (
     Fp8Recipe,
     InitFormat,
     LRDecay,
+    MoeCommBackend,
     OptimizerImpl,
     OptimizerName,
-    MoeCommBackend,
     ReshardPolicy,
     TextFormat,
 )
