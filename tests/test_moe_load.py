@@ -170,7 +170,8 @@ def _debug_moe_block(compose, coeff: float):
     part.layers = torch.nn.ModuleDict({str(cfg.model.num_dense_layers): block})
     opt = torch.optim.SGD(block.moe.parameters(), lr=0.0)
     one_rank = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda name: None)
-    titan.register_optimizer_hooks(SimpleNamespace(post_optimizer_build_fn=spec.post_optimizer_build_fn, parts=[part], parallel_dims=one_rank), opt)
+    built = SimpleNamespace(post_optimizer_build_fn=spec.post_optimizer_build_fn, parts=[part], parallel_dims=one_rank)
+    titan.register_optimizer_hooks(built, opt)
     return part, opt
 
 
