@@ -1,4 +1,5 @@
-"""The experts' load (runner.observe.moe_load, runner.run.expert_load), in-process with hand-made token counts."""
+"""The experts' load (runner.observe.moe_load, runner.run.expert_load), in-process with hand-made token counts; and
+TorchTitan's expert-bias update evening the load it measures, on debug_moe's MoE block (issue 56 item 3)."""
 
 from __future__ import annotations
 
