@@ -176,6 +176,10 @@ BAD_BACKEND = [
     ),
     ([*EP2_GPU, "parallelism.moe_comm_backend=hybridep", "cluster.compute_capability=8.0"], "hybridep's kernels need SM 9.0 or newer"),
     (
+        [*EP2_GPU, "parallelism.moe_comm_backend=hybridep", "mode=dryrun", "dryrun.device=cuda"],
+        "the dry run plays a rank on fake tensors, on which hybridep's kernels do not run; mode=plan counts its host reads",
+    ),
+    (
         [*EP2_GPU, "parallelism.moe_comm_backend=deepep", "parallelism.ep=1"],
         "deepep exchanges tokens between expert-parallel ranks, and parallelism.ep = 1",
     ),
