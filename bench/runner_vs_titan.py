@@ -39,15 +39,53 @@ from bench import titan_trainer  # noqa: E402
 LOSS_RTOL, SPEED_TARGET = 1e-5, 0.98
 
 
-def overrides(layout: str, hf: Path, a, corpus: Path | None = None) -> list[str]:
-    """The runner's overrides of one point: the layout, the shape (the runner's defaults unless given), the weights; with a
-    corpus, data=text in file order with the tokenizer of the Hugging Face folder."""
+MOE_LAYOUTS = {
+    "ep2": ["parallelism=ep2"],
+    "dp2_ep2": ["parallelism=ep2", "parallelism.name=dp2_ep2", "parallelism.dp_shard=4"],  # EP 2 inside FSDP 4
+}
+"""--model debug_moe's layouts: expert parallelism on 2 ranks, and on 4 (two EP groups, the experts sharded over both)."""
+
+
+def overrides(layout: str, hf: Path | None, a, corpus: Path | None = None) -> list[str]:
+    """The runner's overrides of one point: the layout, the shape (the runner's defaults unless given), the weights (the
+    Hugging Face folder; debug_moe: the runner's initial weights on both sides); with a corpus, data=text in file order
+    with the tokenizer of the Hugging Face folder."""
     from tests import hf_models
 
     shape = [f"training.steps={a.steps}", f"training.seq_len={a.seq_len}", f"training.global_batch_size={a.global_batch}"]
+    shape.append(f"training.microbatch_size={a.microbatch}")
+    if hf is None:
+        return ["model=debug_moe", *MOE_LAYOUTS[layout], *shape]
     tok = hf / "tokenizer.json"
     text = [] if corpus is None else ["data=text", f"data.files=[{corpus}]", f"data.tokenizer={tok}", "data.shuffle=false"]
-    return [f"parallelism={layout}", *shape, f"training.microbatch_size={a.microbatch}", *hf_models.overrides("llama3", hf), *text]
+    return [f"parallelism={layout}", *shape, *hf_models.overrides("llama3", hf), *text]
+
+
+def ranks(point: list[str]) -> int:
+    """The world size of the point's layout."""
+    from runner.config.compose import compose
+    from runner.schema import layout
+
+    cfg = compose(point)
+    return layout.resolve(cfg.parallelism, cfg.cluster).world_size
+
+
+def last_checkpoint_biases(run_dir: Path) -> dict[str, list[float]]:
+    """The expert biases (model.layers.<i>.moe.expert_bias_E) in the run's last checkpoint, read with DCP on the host."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    # torch's helper for a read without a process group (private; the bench only, not the runner)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    folder = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    keys = {k for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata if k.endswith(".moe.expert_bias_E")}
+    found = _load_state_dict_from_keys(keys, checkpoint_id=str(folder))  # nested by the keys' dots
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+    return {k.split(".")[2]: v.tolist() for k, v in leaves(found)}
 
 
 def text_assets(folder: Path, hf: Path, num_docs: int = 400, seed: int = 0) -> Path:
@@ -84,30 +122,36 @@ def _run(argv: list[str], env=None) -> None:
         raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def runner_run(run_dir: Path, point: list[str]) -> dict:
-    """Train `point` with `python -m runner`: its losses, grad norms, step ends (rank 0's timeline) and own tokens/s."""
+def runner_run(run_dir: Path, point: list[str], moe: bool = False) -> dict:
+    """Train `point` with `python -m runner`: its losses, grad norms, step ends (rank 0's timeline) and own tokens/s; an
+    MoE point also saves its last step (synchronously, after the last step's end) for its expert biases."""
     from runner.formats import runfiles
 
-    _run(["runner", *point, "logging.progress=false", f"hydra.run.dir={run_dir}"])
+    save = ["checkpoint.enable=true", "checkpoint.interval=1000000", "checkpoint.async_save=false"] if moe else []
+    _run(["runner", *point, *save, "logging.progress=false", f"hydra.run.dir={run_dir}"])
     rows = [json.loads(line) for line in (run_dir / runfiles.METRICS).read_text().splitlines()]
     events = [json.loads(line) for line in (run_dir / runfiles.TIMELINE).read_text().splitlines()]
     ends = [e["end"] for e in events if e["event"] == "step"]
     own = json.loads((run_dir / runfiles.SUMMARY).read_text())["tokens_per_s_median"]
-    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows], "ends": ends, "own_tokens_per_s": own}
+    out = {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows], "ends": ends, "own_tokens_per_s": own}
+    return out | ({"expert_bias": last_checkpoint_biases(run_dir)} if moe else {})
 
 
 def titan_run(folder: Path, point: list[str], fork: bool) -> dict:
-    """Train `point` with TorchTitan's Trainer on 4 ranks (torchrun of the script, or forked: titan_trainer.fork_launch):
-    its losses, grad norms and step ends."""
+    """Train `point` with TorchTitan's Trainer on its ranks (torchrun of the script, or forked: titan_trainer.fork_launch):
+    its losses, grad norms, step ends and expert biases."""
     spec = titan_trainer.write_spec(folder, point)
-    _run(titan_trainer.launch_args(spec, 4, fork=fork), env=titan_trainer.launch_env(4))
-    rows = titan_trainer.result(spec)
+    n = ranks(point)
+    _run(titan_trainer.launch_args(spec, n, fork=fork), env=titan_trainer.launch_env(n))
+    result = titan_trainer.output(spec)
+    rows = result["rows"]
     own = statistics.median(r["tokens_per_s"] for r in rows[1:])
     return {
         "loss": [r["loss"] for r in rows],
         "grad_norm": [r["grad_norm"] for r in rows],
         "ends": [r["end"] for r in rows],
         "own_tokens_per_s": own,
+        "expert_bias": result["expert_bias"],
     }
 
 
@@ -132,6 +176,16 @@ def report_losses(layout: str, runner: list[dict], titan: list[dict]) -> list[st
     verdict = "met" if first is None else f"MISSED, first at step {first}"
     lines.append(f"  largest relative loss difference over all reps {worst:.1e} (target <= {LOSS_RTOL:.0e}): {verdict}")
     lines.append(f"  largest relative grad-norm difference {norms:.1e}; reps of one side differ by up to {drift:.1e}")
+    if runner[0].get("expert_bias"):
+        bias = max(
+            abs(a - b)
+            for x, y in zip(runner, titan, strict=True)
+            for k in x["expert_bias"]
+            for a, b in zip(x["expert_bias"][k], y["expert_bias"][k], strict=True)
+        )
+        same = all(x["expert_bias"] == y["expert_bias"] for x, y in zip(runner, titan, strict=True))
+        blocks = len(runner[0]["expert_bias"])
+        lines.append(f"  expert biases after the last step ({blocks} MoE blocks): largest difference {bias:.1e}{', equal' if same else ''}")
     return lines
 
 
@@ -151,7 +205,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--layouts", nargs="+", default=None, help="default dp2_tp2 tp2_pp2 (synthetic), tp2_pp2 (text)")
+    p.add_argument(
+        "--layouts", nargs="+", default=None, help="default dp2_tp2 tp2_pp2 (synthetic), tp2_pp2 (text), ep2 dp2_ep2 (debug_moe)"
+    )
+    p.add_argument("--model", choices=["llama3", "debug_moe"], default="llama3", help="debug_moe: MoE under expert parallelism")
     p.add_argument("--data", choices=["synthetic", "text"], default="synthetic")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=8)
@@ -160,24 +217,27 @@ def main() -> None:
     p.add_argument("--titan-start", choices=["exec", "fork"], default="exec", help="TorchTitan's: torchrun of the script, or forked")
     p.add_argument("--out", type=Path, default=None, help="keep the runs in <out>/runs and every figure in <out>/runner_vs_titan.json")
     a = p.parse_args()
-    a.layouts = a.layouts or (["dp2_tp2", "tp2_pp2"] if a.data == "synthetic" else ["tp2_pp2"])
+    moe = a.model == "debug_moe"
+    a.layouts = a.layouts or (list(MOE_LAYOUTS) if moe else ["dp2_tp2", "tp2_pp2"] if a.data == "synthetic" else ["tp2_pp2"])
     from tests import hf_models
 
     runs: dict[str, dict[str, list[dict]]] = {layout: {"runner": [], "titan": []} for layout in a.layouts}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d) if a.out is None else a.out / "runs"
-        hf = hf_models.save("llama3", tmp / "hf_llama3")
+        hf = None if moe else hf_models.save("llama3", tmp / "hf_llama3")
         corpus = text_assets(tmp, hf) if a.data == "text" else None
         for i in range(a.reps):
             for layout in a.layouts:
                 point = overrides(layout, hf, a, corpus)
-                runs[layout]["runner"].append(runner_run(tmp / f"runner-{layout}-{i}", [*point, f"cluster.worker_start={a.runner_start}"]))
+                runner_point = [*point, f"cluster.worker_start={a.runner_start}"]
+                runs[layout]["runner"].append(runner_run(tmp / f"runner-{layout}-{i}", runner_point, moe))
                 runs[layout]["titan"].append(titan_run(tmp / f"titan-{layout}-{i}", point, a.titan_start == "fork"))
                 print(f"rep {i} {layout}: done", flush=True)
     tokens = a.global_batch * a.seq_len
     shape = f"seq {a.seq_len}, batch {a.global_batch} in microbatches of {a.microbatch}, {a.steps} steps, {a.reps} alternating reps"
-    starts = f"4 CPU ranks each (started: runner {a.runner_start}, TorchTitan {a.titan_start})"
-    print(f"debug Llama 3 from one Hugging Face folder, {a.data} data, {shape}, {starts}")
+    starts = f"CPU ranks (started: runner {a.runner_start}, TorchTitan {a.titan_start})"
+    what = "debug_moe (DeepSeek-V3 debugmodel) from the runner's initial weights" if moe else "debug Llama 3 from one Hugging Face folder"
+    print(f"{what}, {a.data} data, {shape}, {starts}")
     for layout in a.layouts:
         print("\n".join(report_losses(layout, runs[layout]["runner"], runs[layout]["titan"])))
         print("\n".join(report_speed(layout, runs[layout]["runner"], runs[layout]["titan"], tokens)))

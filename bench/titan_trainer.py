@@ -40,18 +40,21 @@ IMPLEMENTATION = {"fused": "fused", "foreach": "foreach", "for_loop": "for-loop"
 
 def unsupported(cfg) -> list[str]:
     """Runner settings this equivalent config does not carry over (the bench and the test keep to the rest)."""
-    from runner.schema import ActivationCheckpoint, DataSource, Fp8Recipe
+    from runner.schema import ActivationCheckpoint, DataSource, DeviceType, Fp8Recipe
 
     checks = {
         "data=synthetic, or data=text read as TorchTitan reads it": cfg.data.name == DataSource.synthetic or text_in_order(cfg),
-        "model.init_from set (a Hugging Face folder)": bool(cfg.model.init_from),
+        "model.init_from set (a Hugging Face folder), or CPU ranks (the runner's initial weights: runner_initial_weights)": bool(
+            cfg.model.init_from
+        )
+        or cfg.cluster.device == DeviceType.cpu,
         "optimizer.param_groups empty": not cfg.optimizer.param_groups,
         "optimizer.no_decay_1d_and_embeddings=false": not cfg.optimizer.no_decay_1d_and_embeddings,
         "training.activation_checkpoint=none": cfg.training.activation_checkpoint == ActivationCheckpoint.none,
         "training.compile=false": not cfg.training.compile,
         "precision.fp8=none": cfg.precision.fp8 == Fp8Recipe.none,
-        "parallelism.cp=1, ep=1 and pp_virtual_stages=1": (cfg.parallelism.cp, cfg.parallelism.ep, cfg.parallelism.pp_virtual_stages)
-        == (1, 1, 1),
+        "parallelism.cp=1 and pp_virtual_stages=1": (cfg.parallelism.cp, cfg.parallelism.pp_virtual_stages) == (1, 1),
+        "parallelism.moe_comm_backend=standard (the registry's)": cfg.parallelism.moe_comm_backend.value == "standard",
     }
     return [what for what, ok in checks.items() if not ok]
 
@@ -170,8 +173,9 @@ def _no_tokenizer_class():
 
 
 def model_spec(cfg, cpu: bool):
-    """TorchTitan's registry model of model.name/flavor; on CPU with the runner's adaptations: SDPA attention, and FSDP's
-    reductions as sums (wrapped around the spec's parallelize_fn, which pipelining_fn calls for every stage too)."""
+    """TorchTitan's registry model of model.name/flavor; on CPU with the runner's adaptations: SDPA attention, float32
+    experts, and FSDP's reductions as sums (wrapped around the spec's parallelize_fn, which pipelining_fn calls for every
+    stage too); without model.init_from, the runner's initial weights (runner_initial_weights)."""
     import importlib
 
     spec = importlib.import_module(f"torchtitan.models.{cfg.model.name}").model_registry(cfg.model.flavor)
@@ -179,15 +183,33 @@ def model_spec(cfg, cpu: bool):
         import runner.run.titan.cpu as cpu_adapt
 
         cpu_adapt.use_sdpa(spec.model)
+        cpu_adapt.use_float32_experts(spec.model)
         parallelize = spec.parallelize_fn
 
         def parallelize_with_sums(model, **kwargs):
             out = parallelize(model, **kwargs)
             cpu_adapt.force_sum_reduction(out)
+            if not cfg.model.init_from:
+                runner_initial_weights(out, spec.model, cfg.training.seed)
             return out
 
         spec.parallelize_fn = parallelize_with_sums
     return spec
+
+
+def runner_initial_weights(part, model_config, seed: int) -> None:
+    """Without model.init_from the two sides start from the runner's CPU initialization (runner.run.titan.cpu
+    init_like_one_rank: the unsharded model from training.seed, each rank keeping its shard): TorchTitan's Trainer calls
+    the part's init_weights after to_empty, which this instance's init_weights follows as the runner's _materialize does."""
+    import runner.run.titan.cpu as cpu_adapt
+
+    own = part.init_weights
+
+    def init_weights(*args, **kwargs):
+        own(*args, **kwargs)  # buffers (RoPE tables, the MoE counts and biases); parameters follow
+        cpu_adapt.init_like_one_rank(part, model_config, seed)
+
+    part.init_weights = init_weights
 
 
 def trainer_config(cfg, lay, dump_folder: str, cpu: bool = True):
@@ -252,11 +274,16 @@ def trainer_config(cfg, lay, dump_folder: str, cpu: bool = True):
             pipeline_parallel_microbatch_size=t.microbatch_size,
             pipeline_parallel_first_stage_less_layers=p.pp_first_stage_less_layers,
             pipeline_parallel_last_stage_less_layers=p.pp_last_stage_less_layers,
+            expert_parallel_degree=lay.ep,
             spmd_backend=SPMD_BACKEND,
         ),
         metrics=MetricsProcessor.Config(log_freq=1),
         checkpoint=CheckpointManager.Config(
-            enable=True, load_only=True, initial_load_path=cfg.model.init_from, initial_load_in_hf=True, initial_load_model_only=True
+            enable=bool(cfg.model.init_from),
+            load_only=True,
+            initial_load_path=cfg.model.init_from or None,
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
         ),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
@@ -403,9 +430,14 @@ def launch_env(nproc: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_rank(nproc))}
 
 
+def output(spec: Path) -> dict[str, Any]:
+    """What a finished launch of `spec` wrote: its rows and the expert biases after the last step."""
+    return json.loads(Path(json.loads(spec.read_text())["out"]).read_text())
+
+
 def result(spec: Path) -> list[dict[str, Any]]:
     """The rows a finished launch of `spec` wrote."""
-    return json.loads(Path(json.loads(spec.read_text())["out"]).read_text())["rows"]
+    return output(spec)["rows"]
 
 
 def main(spec_path: str) -> None:
@@ -413,6 +445,7 @@ def main(spec_path: str) -> None:
     from torchtitan.tools.logging import init_logger
 
     from runner.config.compose import compose
+    from runner.run import titan
     from runner.schema import layout
 
     spec = json.loads(Path(spec_path).read_text())
@@ -429,7 +462,8 @@ def main(spec_path: str) -> None:
     finally:
         trainer.close()
     if dist.get_rank() == dist.get_world_size() - 1:  # pp is TorchTitan's outermost mesh axis: this rank has the loss
-        Path(spec["out"]).write_text(json.dumps({"rows": recorder.rows}, indent=2) + "\n")
+        out = {"rows": recorder.rows, "expert_bias": titan.expert_biases(trainer.model_parts)}
+        Path(spec["out"]).write_text(json.dumps(out, indent=2) + "\n")
     dist.destroy_process_group()
 
 

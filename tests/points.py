@@ -183,6 +183,19 @@ def titan_trainer_text(hf: Path, corpus: Path) -> list[str]:
     return ["parallelism=tp2_pp2", *shape, "logging.progress=false", *hf_models.overrides("llama3", hf), *text]
 
 
+TITAN_TRAINER_MOE = "titan_trainer_moe-dp2_ep2"
+"""The 4-rank MoE parity point (expert parallelism inside FSDP) that test_runner_vs_titan trains again with TorchTitan's Trainer."""
+
+
+def titan_trainer_moe() -> list[str]:
+    """TITAN_TRAINER_MOE's overrides: debug_moe from the runner's initial weights (no Hugging Face folder: TorchTitan's
+    side initializes as the runner's CPU ranks do, bench/titan_trainer.runner_initial_weights), FSDP over 4 ranks with
+    EP 2 inside it, 3 steps of 2 microbatches of 1 sample per DP rank (the token counts accumulate over both before
+    each expert-bias update)."""
+    shape = ["training.steps=3", "training.seq_len=64", "training.global_batch_size=8", "training.microbatch_size=1"]
+    return ["model=debug_moe", "parallelism=ep2", "parallelism.name=dp2_ep2", "parallelism.dp_shard=4", *shape, "logging.progress=false"]
+
+
 def parity_launches(
     models: dict[str, Path], ckpt: Path, round_trip: dict[str, Path], text: tuple[Path, Path] | None = None
 ) -> dict[int, dict[str, list[str]]]:
@@ -195,6 +208,7 @@ def parity_launches(
     for nproc, points in hf_launches(models, ckpt, round_trip).items():  # their common overrides inside
         launches.setdefault(nproc, {}).update(points)
     launches[4][TITAN_TRAINER] = titan_trainer(models)
+    launches[4][TITAN_TRAINER_MOE] = titan_trainer_moe()
     if text is not None:
         launches[4][TITAN_TRAINER_TEXT] = titan_trainer_text(*text)
     return dict(sorted(launches.items()))

@@ -146,6 +146,117 @@ def test_plan_ep_traffic_of_the_moe_model(compose):
     # 5 MoE blocks x 2 microbatches x 4 all-to-alls x (2 x 64 tokens x 3 experts x 256 dims x 4 B) x (ep-1)/ep
     assert b["ep_comm_gb"] == pytest.approx(5 * 2 * 4 * (2 * 64 * 3 * 256 * 4) / 2 / 1e9)
     rows = {r[0]: r for r in plan.rows(b)}
-    assert "EP traffic" in rows and "token all-to-all, intra-node" in rows["EP traffic"][2]
+    assert rows["EP traffic"][2] == "0.01 GB token exchange (standard), intra-node; 10 host syncs a step"
     assert "CP traffic" not in rows
     assert b["flops_per_token"] == flops.flops_per_token(cfg.model, 64, cfg.plan.flops_convention)
+
+
+# ---- parallelism.moe_comm_backend (issue 56 item 6) -------------------------------------------------------------------
+
+EP2_GPU = ["model=debug_moe", "parallelism=ep2", "cluster=h100_node", "cluster.devices_per_node=2", "precision=bf16"]
+BAD_BACKEND = [
+    (
+        ["model=debug_moe", "parallelism=ep2", "parallelism.moe_comm_backend=deepep"],
+        "parallelism.moe_comm_backend = deepep: deepep runs DeepEP's CUDA kernels (the deep_ep library, built against NVSHMEM); "
+        "cluster local_cpu computes on cpu with gloo, which has none of them. Fix: use parallelism.moe_comm_backend=standard here",
+    ),
+    (
+        ["model=debug_moe", "parallelism=ep2", "parallelism.moe_comm_backend=minimal_async_ep"],
+        "minimal_async_ep copies tokens to peers through CUDA symmetric memory (torch.distributed._symmetric_memory's CUDA backend)",
+    ),
+    (
+        [*EP2_GPU, "parallelism.moe_comm_backend=minimal_async_ep"],
+        "TorchTitan runs minimal_async_ep only with every block recomputed; training.activation_checkpoint = none. "
+        "Fix: set training.activation_checkpoint=full",
+    ),
+    (
+        [*EP2_GPU, "parallelism.moe_comm_backend=minimal_async_ep", "training.activation_checkpoint=full", "parallelism.ep=8"]
+        + ["parallelism.dp_shard=8", "cluster.num_nodes=4"],
+        "minimal_async_ep maps its peers' buffers through CUDA IPC, inside one node; EP groups of 8 do not fit nodes of 2 devices",
+    ),
+    ([*EP2_GPU, "parallelism.moe_comm_backend=hybridep", "cluster.compute_capability=8.0"], "hybridep's kernels need SM 9.0 or newer"),
+    (
+        [*EP2_GPU, "parallelism.moe_comm_backend=hybridep", "mode=dryrun", "dryrun.device=cuda"],
+        "the dry run plays a rank on fake tensors, on which hybridep's kernels do not run; mode=plan counts its host reads",
+    ),
+    (
+        [*EP2_GPU, "parallelism.moe_comm_backend=deepep", "parallelism.ep=1"],
+        "deepep exchanges tokens between expert-parallel ranks, and parallelism.ep = 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_BACKEND, ids=[" ".join(o[-3:]) for o, _ in BAD_BACKEND])
+def test_a_moe_comm_backend_is_refused_where_it_cannot_run(compose, overrides, message):
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(compose(overrides))
+    assert message in str(e.value)
+
+
+def test_deepep_validates_for_a_cuda_cluster_and_its_library_is_checked_at_launch(compose, monkeypatch):
+    """On an H100 node deepep, hybridep and minimal_async_ep (with full AC) validate; the launch's MACHINE rule then asks
+    whether this node imports deep_ep (faked both ways: the test must not depend on what this machine has)."""
+    import importlib.util
+
+    from runner.config.validate import moe_comm_rules
+
+    for backend, extra in (("deepep", []), ("hybridep", []), ("minimal_async_ep", ["training.activation_checkpoint=full"])):
+        assert validate.check(compose([*EP2_GPU, f"parallelism.moe_comm_backend={backend}", *extra])).describe() == "dp_shard=2 x ep=2"
+    cfg = compose([*EP2_GPU, "parallelism.moe_comm_backend=deepep"])
+    out = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    moe_comm_rules.installed(cfg, out)
+    assert [str(p) for p in out] == [
+        "parallelism.moe_comm_backend = deepep: deepep needs the deep_ep library, which this node's Python cannot import. "
+        "Fix: install DeepEP (github.com/deepseek-ai/DeepEP, built against NVSHMEM) on every node, "
+        "or use parallelism.moe_comm_backend=standard."
+    ]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    out.clear()
+    moe_comm_rules.installed(cfg, out)
+    assert out == []
+
+
+@pytest.mark.parametrize(
+    "backend,ac,rows,syncs",
+    [
+        ("standard", "none", 3 / 2, 10),  # 3 experts, half of them on the other rank; one read per block per microbatch
+        ("standard", "full", 3 / 2, 20),  # the recomputed forward reads the splits again
+        ("minimal_async_ep", "full", 3 / 2, 0),
+        ("deepep", "none", 1 - 4 / 56, 10),  # the other rank holds one of the 3 experts unless all 3 are local: C(4,3)/C(8,3)
+        ("hybridep", "none", 1 - 4 / 56, 0),
+    ],
+)
+def test_plan_prices_each_backends_token_exchange_and_counts_its_host_reads(compose, backend, ac, rows, syncs):
+    """debug_moe ep2, seq 64: 5 MoE blocks x 2 microbatches x 4 exchanges (+2 recomputed) x 2 x 64 tokens x `rows` rows
+    to the other rank x 256 dims x 2 B (bf16); host reads per step as runner.estimate.moe_comm counts them."""
+    cfg = compose([*EP2_GPU, f"parallelism.moe_comm_backend={backend}", f"training.activation_checkpoint={ac}", "training.seq_len=64"])
+    b = plan.compute(cfg, validate.check(cfg))
+    exchanges = 4 + (2 if ac != "none" else 0)
+    assert b["ep_comm_gb"] == pytest.approx(5 * 2 * exchanges * 2 * 64 * rows * 256 * 2 / 1e9)
+    assert b["moe_host_syncs"] == syncs and b["moe_comm_backend"] == backend
+    want = f"{syncs} host syncs a step" if syncs else "no host sync"
+    assert {r[0]: r for r in plan.rows(b)}["EP traffic"][2].endswith(f"({backend}), intra-node; {want}")
+
+
+def test_each_backend_reaches_titans_token_dispatchers(compose):
+    """The run's model config (runner.run.titan.build.model_config) holds TorchTitan's dispatcher of the backend in every
+    MoE block, its buffers sized by TorchTitan's update_from_config (a DP rank's 4 samples of 256 tokens, dim 256)."""
+    import importlib
+
+    build = importlib.import_module("runner.run.titan.build")
+    from runner.schema import layout
+
+    want = {
+        "standard": ("AllToAllTokenDispatcher", None),
+        "minimal_async_ep": ("MinimalAsyncEPTokenDispatcher", 1024),
+        "deepep": ("DeepEPTokenDispatcher", 1024),
+        "hybridep": ("HybridEPTokenDispatcher", 1024),
+    }
+    for backend, (cls, tokens) in want.items():
+        cfg = compose([*EP2_GPU, f"parallelism.moe_comm_backend={backend}", "training.activation_checkpoint=full"])
+        spec, _ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster), materialize=False)
+        dispatchers = [layer.moe.routed_experts.token_dispatcher for layer in spec.model.layers if layer.moe is not None]
+        assert len(dispatchers) == 5 and {type(d).__qualname__ for d in dispatchers} == {f"{cls}.Config"}, backend
+        assert {getattr(d, "num_max_tokens_per_rank", None) for d in dispatchers} == {tokens}, backend
+    assert dispatchers[0].non_blocking_capacity_factor == 1.0  # hybridep without a host read, as TorchTitan's configs run it

@@ -1,11 +1,13 @@
 """The CUDA test tier (`pytest -m cuda_rehearsal`, in .venv-cuda; .ci/run runs it after the main suite): the runner's own
 CUDA path, rehearsed on fake CUDA tensors (mode=dryrun dryrun.device=cuda, runner.run.dryrun.cuda_rehearse), holds to
-what a GPU run must do. The five cases run in one process (one import of torch), about a minute in all:
+what a GPU run must do. The cases run in one process (one import of torch), about a minute in all:
 
 - dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
   save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention
-  gathers K/V over cp (a custom op the ledger counts as the collective it runs). In the same process, DeepSeek-V3's
-  671B recipe (MOE_CASES, rank 0 and the rank of the last MoE blocks) and debug_moe over ep2, experts in float8 rowwise.
+  gathers K/V over cp (a custom op the ledger counts as the collective it runs). In the same process, the MoE cases
+  (MOE_CASES): DeepSeek-V3's 671B recipe (rank 0 and the rank of the last MoE blocks) and debug_moe over ep2 with its
+  experts in float8 rowwise, and debug_moe on ep2 in bf16, whose token exchange reads its routing splits on the host
+  as many times a step as the plan counts.
 
 Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
 the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
@@ -26,7 +28,7 @@ import re
 import pytest
 
 from runner.config import freeze, validate
-from runner.estimate import comm, dryrun_report
+from runner.estimate import comm, dryrun_report, plan
 from tests.conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.cuda_rehearsal, pytest.mark.e2e]
@@ -52,14 +54,16 @@ MOE_CASES = {
     "deepseek_v3_671b_fp8_experts": ["recipe=deepseek_v3_671b_h800x2048", "dryrun.ranks=[0,128]"],
     "debug_moe_ep2_fp8_experts": ["model=debug_moe", "parallelism=ep2", *GPU4[:1], "cluster.devices_per_node=2", "precision=bf16",
                                   "precision.experts=fp8_rowwise", "training.global_batch_size=4"],
+    "debug_moe_ep2": ["model=debug_moe", "parallelism=ep2", "cluster=h100_node", "cluster.devices_per_node=2", "precision=bf16"],
 }  # fmt: skip
 EXPERTS_HELD = {
     "deepseek_v3_671b_fp8_experts": {0: {}, 128: {"Float8GroupedExperts": 2}},  # blocks 59 and 60; rank 0's block 0 is dense
     "debug_moe_ep2_fp8_experts": {0: {"Float8GroupedExperts": 5}},  # blocks 1-5 (block 0 is dense)
 }
-"""Rehearsed in the same process, asserted by test_experts_run_float8_grouped_gemms only: under EP TorchTitan's token
-exchange reads the splits to the host (many syncs a step) and the plan's MoE memory is issue 56's item 4."""
-NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise", *MOE_CASES}
+"""Rehearsed beside CASES, checked by their own tests: EP's token exchange reads the routing splits on the host (the
+one-sync rule does not hold), its all-to-all runs on the 2-rank default group (no axis of its own to check), and the
+experts' FP8 and the MoE memory have tests of their own."""
+NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise", "deepseek_v3_671b_fp8_experts", "debug_moe_ep2_fp8_experts", "debug_moe_ep2"}
 """Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes."""
 TOLERANCE = 0.15
 FP8_MODULE = {"fp8_rowwise": "Float8Linear", "fp8_tensorwise": "Float8Linear", "fp8_blockwise": "BlockwiseFp8Linear"}
@@ -79,7 +83,6 @@ def rehearsed(compose, tmp_path_factory):
             "the CUDA tier runs in .venv-cuda: bash scripts/setup.sh --cuda-rehearsal, "
             "then .venv-cuda/bin/python -m pytest -m cuda_rehearsal"
         )
-    from runner.estimate import plan
     from runner.run.dryrun import cuda_env
 
     base = tmp_path_factory.mktemp("cuda")
@@ -215,7 +218,7 @@ def test_cpu_dry_run_agrees_and_names_its_difference(rehearsed, tmp_path):
     assert gpu["peak_bytes"] == pytest.approx(cpu["peak_bytes"], rel=TOLERANCE)
 
 
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("case", EXPERTS_HELD)
 def test_experts_run_float8_grouped_gemms(rehearsed, case):
     """precision.experts=fp8_rowwise on the CUDA path: every MoE block a rank holds has TorchTitan's Float8GroupedExperts,
     and its step runs torchao's scaled grouped GEMMs on float8 operands, forward and backward, no bf16 grouped GEMM."""
@@ -234,44 +237,27 @@ def test_experts_run_float8_grouped_gemms(rehearsed, case):
     assert held == EXPERTS_HELD[case], held
 
 
-DEEPSEEK_V3 = ["recipe=deepseek_v3_671b_h800x2048", "dryrun.ranks=[0]"]
-"""The DeepSeek-V3 recipe (DualPipeV over pp 16, EP 64, 120 microbatches): rank 0 holds the V's first and last stage (the
-embedding, the head and the loss). The V's bottom rank (2047) is not held yet: the CPU dry run measures 22.56 GB of
-activations where the plan has 17.97 (docs/models.md)."""
+def test_deepseek_v3_memory_within_the_plan(rehearsed):
+    """The DeepSeek-V3 recipe (DualPipeV over pp 16, EP 64, 120 microbatches, experts in FP8): the plan (cluster kernels,
+    its MoE terms and each V stage's own microbatches in flight) against the rehearsal on rank 0, which holds the V's
+    first and last stage (the embedding, the head and the loss): activations and the peak within 15 %, weights +
+    gradients and optimizer state within 2 %. The V's bottom rank (2047) is not held yet (docs/models.md)."""
+    _, _, rep = rehearsed["deepseek_v3_671b_fp8_experts"]
+    (r,) = [r for r in rep["ranks"] if r["rank"] == 0]
+    rows = {row["row"]: row for row in r["rows"]}
+    for name in ("weights + gradients", "optimizer (master + moments)", "activations"):
+        assert rows[name]["within"] is True, (r["rank"], rows[name])
+    assert abs(rows["total (peak)"]["ratio"] - 1) <= TOLERANCE, (r["rank"], rows["total (peak)"])
 
 
-@pytest.fixture(scope="module")
-def deepseek_rehearsed(compose, tmp_path_factory):
-    """The DeepSeek-V3 recipe's rank 0 rehearsed on fake CUDA tensors (no StepLoop steps: its step is minutes here)."""
-    if not _torch_is_cuda_build():
-        pytest.skip("the CUDA tier runs in .venv-cuda")
-    from runner.estimate import plan
-    from runner.run.dryrun import cuda_env
-
-    base = tmp_path_factory.mktemp("deepseek")
-    cfg = compose([*DEEPSEEK_V3, "mode=dryrun", "dryrun.device=cuda"])
-    lay = validate.check(cfg)
-    frozen = freeze.write(cfg, lay, base)
-    job = {
-        "frozen": str(frozen),
-        "ranks": dryrun_report.ranks(cfg, lay),
-        "run_dir": str(base),
-        "gpu": cuda_env.gpu(cfg.cluster),
-        "loop": False,
-    }
-    (res,) = cuda_env.launch([job], ROOT, base)
-    assert "error" not in res, res["error"][-3000:]
-    return cfg, lay, dryrun_report.report(cfg, lay, plan.compute(cfg, lay), res["result"])
-
-
-def test_deepseek_v3_memory_within_the_plan(deepseek_rehearsed):
-    """The plan (cluster kernels, its MoE terms and each V stage's own microbatches in flight) against the rehearsal on
-    rank 0, the first and the last stage: activations and the peak within 15 %, weights + gradients and optimizer state
-    within 2 %."""
-    _, _, rep = deepseek_rehearsed
-    assert [r["rank"] for r in rep["ranks"]] == [0]
+def test_moe_token_exchange_costs_the_host_syncs_the_plan_counts(rehearsed):
+    """parallelism.moe_comm_backend=standard (TorchTitan's default): each MoE block's forward copies its all-to-all splits
+    to the host, 5 blocks x 2 microbatches = 10 a step beside the step's own read, as plan.json's moe_host_syncs says
+    (minimal_async_ep and hybridep keep them on the device: 0; docs/models.md, Communication backends)."""
+    cfg, lay, rep = rehearsed["debug_moe_ep2"]
+    planned = plan.compute(cfg, lay)["moe_host_syncs"]
+    assert planned == 10
     for r in rep["ranks"]:
-        rows = {row["row"]: row for row in r["rows"]}
-        for name in ("weights + gradients", "optimizer (master + moments)", "activations"):
-            assert rows[name]["within"] is True, (r["rank"], rows[name])
-        assert abs(rows["total (peak)"]["ratio"] - 1) <= TOLERANCE, (r["rank"], rows["total (peak)"])
+        for st in r["steps"]:
+            assert st["syncs"].count("MoE token-count exchange (device-to-host)") == planned, (r["rank"], st["syncs"])
+            assert len(st["syncs"]) == planned + 1, (r["rank"], st["syncs"])

@@ -1,4 +1,5 @@
-"""The experts' load (runner.observe.moe_load, runner.run.expert_load), in-process with hand-made token counts."""
+"""The experts' load (runner.observe.moe_load, runner.run.expert_load), in-process with hand-made token counts; and
+TorchTitan's expert-bias update evening the load it measures, on debug_moe's MoE block (issue 56 item 3)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,60 @@ def test_the_judges_findings_reach_moe_load_jsonl(tmp_path, capsys):
     moe_load.record(path, [f | {"since_step": 1, "windows": 3}])
     assert json.loads(path.read_text())["since_step"] == 1
     assert capsys.readouterr().out == "moe load: layer 1 expert 0 (EP rank 0) dead: no token since step 1 (3 windows)\n"
+
+
+def _debug_moe_block(compose, coeff: float):
+    """(this rank's model part holding debug_moe's first MoE block, alone, and its optimizer): the block as the runner
+    configures it (runner.run.titan.build.model_config: model.load_balance_coeff, the CPU's float32 experts), TorchTitan's
+    initialization, and the optimizer pre-hook the runner registers from TorchTitan's spec (the expert-bias update).
+    The optimizer's rate is 0: only the bias moves, so what changes the routing is the update under test."""
+    import importlib
+
+    from runner.schema import layout
+
+    build = importlib.import_module("runner.run.titan.build")
+    cfg = compose(["model=debug_moe", "parallelism=single", f"model.load_balance_coeff={coeff}"])
+    spec, _ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    block.moe_enabled, block.moe = True, spec.model.layers[cfg.model.num_dense_layers].moe.build()
+    with torch.no_grad():
+        block.moe.init_states(buffer_device=None)
+    part = torch.nn.Module()
+    part.layers = torch.nn.ModuleDict({str(cfg.model.num_dense_layers): block})
+    opt = torch.optim.SGD(block.moe.parameters(), lr=0.0)
+    one_rank = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda name: None)
+    built = SimpleNamespace(post_optimizer_build_fn=spec.post_optimizer_build_fn, parts=[part], parallel_dims=one_rank)
+    titan.register_optimizer_hooks(built, opt)
+    return part, opt
+
+
+def _measured_max_mean(part, opt, windows: list[int]) -> list[float]:
+    """Route a batch of 2 x 128 hidden states a step (random, around a common direction, as a trained model's are),
+    read the counts as the step loop does (titan.take_counts) before the optimizer step, and summarize each window of
+    `windows` steps as metrics.jsonl's `moe` does: its max/mean."""
+    blocks = titan.moe_blocks([part])
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randn(256, generator=g)
+    out = []
+    for size in windows:
+        window = torch.zeros(1, 8)
+        for _ in range(size):
+            with torch.no_grad():
+                blocks[0][1].moe(torch.randn(2, 128, 256, generator=g) + 3 * shared / shared.norm())
+            window += titan.take_counts(blocks)
+            opt.step()
+        out.append(moe_load.summarize([1], window.tolist(), ep=1, steps=size)["max_mean"][0])
+    return out
+
+
+def test_the_bias_update_evens_the_measured_expert_load(compose):
+    """debug_moe's MoE block (8 experts, top 3) routes the same batches twice from the same seed. Step 1 (no bias yet)
+    loads its busiest expert at ~1.4 x the mean either way. With TorchTitan's expert-bias update on
+    (model.load_balance_coeff, its 0.001) the measured max/mean falls window by window; off (0) it stays."""
+    windows = [1, 5, 5, 5, 5]
+    on = _measured_max_mean(*_debug_moe_block(compose, 0.001), windows)
+    off = _measured_max_mean(*_debug_moe_block(compose, 0.0), windows)
+    assert on[0] == off[0] > 1.25, (on, off)  # step 1: the same routing, no bias yet
+    assert on[-1] < on[0] - 0.2 and on[-1] < 1.15, on  # the bias pushes tokens off the busiest experts
+    assert min(off) > 1.25, off  # no update: the imbalance stays

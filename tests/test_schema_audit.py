@@ -42,6 +42,7 @@ BAD = [
     (["model.ffn_hidden_dim=0"], "model.ffn_hidden_dim"),
     (["model.num_experts=-1"], "model.num_experts"),
     ([*MOE, "model.num_experts_per_token=9"], "model.num_experts_per_token"),
+    ([*MOE, "model.load_balance_coeff=-0.001"], "model.load_balance_coeff"),
     ([*MOE, "model.num_shared_experts=-1"], "model.num_shared_experts"),
     ([*MOE, "model.moe_hidden_dim=0"], "model.moe_hidden_dim"),
     ([*MOE, "model.num_dense_layers=6"], "model.num_dense_layers"),
@@ -76,6 +77,7 @@ BAD = [
     ([*PP2, "parallelism.pp_last_stage_less_layers=-1"], "parallelism.pp_last_stage_less_layers"),
     (["parallelism.async_tp=true"], "parallelism.async_tp"),
     (["parallelism.fsdp_reshard_after_forward=sometimes"], "parallelism.fsdp_reshard_after_forward"),
+    (["model=debug_moe", "parallelism=ep2", "parallelism.moe_comm_backend=deepep"], "parallelism.moe_comm_backend"),  # CPU
     (["precision.param_dtype=float16"], "precision.param_dtype"),
     (["precision.reduce_dtype=float64"], "precision.reduce_dtype"),
     (["precision=mxfp8"], "precision.fp8"),  # no CPU path

@@ -194,6 +194,42 @@ def test_a_skipped_step_leaves_the_next_expert_bias_update_one_batch_of_token_co
     assert seen == [[8.0] * 4] * 4  # the updates of steps 1, 2, 4 and 5
 
 
+def test_a_rewound_step_leaves_the_next_expert_bias_update_one_batch_of_token_counts(monkeypatch):
+    """monitor.guard.action=rewind with max_consecutive=1: step 3 spikes and the run goes back to step 2's checkpoint,
+    then replays step 3 without its batch. The spike's counts are dropped before the restore (which brings back the
+    expert bias, a persistent buffer, but not the counts, which are not saved), so the update after the rewind
+    counts one batch."""
+    from runner.schema import GuardAction
+
+    events: list[str] = []
+    loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0})
+    loop.guard = loss_guard.LossGuard(LossGuardConfig(warmup_steps=1, action=GuardAction.rewind, max_consecutive=1))
+    block = torch.nn.Module()
+    block.moe_enabled, block.moe = True, torch.nn.Module()
+    block.moe.load_balance_coeff = 1e-3
+    block.moe.register_buffer("tokens_per_expert_E", torch.zeros(4))
+    part = torch.nn.Module()
+    part.layers = torch.nn.ModuleDict({"1": block})
+    loop.built = SimpleNamespace(parts=[part])
+    loop.ckpt.wait = lambda: None
+    loop.ckpt.restore = lambda *a, before: events.append(f"restore before {before}") or 2
+    counts = block.moe.tokens_per_expert_E
+    fwd = step_loop.StepLoop.train_step
+
+    def routed(loop, step):  # each forward routes one batch: 8 tokens per expert
+        counts.add_(8.0)
+        return fwd(loop, step)
+
+    monkeypatch.setattr(step_loop.StepLoop, "train_step", routed)
+    seen = []
+    loop.opt.step = lambda: seen.append(counts.tolist()) or counts.zero_()  # the pre-hook reads, then zeroes them
+    step = 1
+    while step <= 5:
+        step = loop.step(step)
+    assert "restore before 3" in events and loop.guard.bad_steps == {3}
+    assert seen == [[8.0] * 4] * 4  # the updates of steps 1, 2, 4 and 5 (step 3 replayed without a batch: none)
+
+
 def test_prefetch_pins_its_batches_when_the_compute_device_is_cuda(monkeypatch):
     """`non_blocking=True` copies from pageable memory are synchronous: on CUDA the read-ahead thread pins each batch
     (the step's copy to the GPU then overlaps), on CPU nothing is pinned (and pinning would fail without CUDA)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.estimate import flops
+from runner.estimate import flops, moe_comm
 from runner.estimate.memory import BYTES, keeps_weights_gathered
 from runner.schema import ActivationCheckpoint, RunConfig
 from runner.schema.layout import MESH_ORDER, Layout
@@ -76,16 +76,30 @@ def _cp(cfg: RunConfig, lay: Layout, micro: int, gbs: float) -> tuple[float, flo
 
 
 def _ep(cfg: RunConfig, lay: Layout, micro: int, gbs: float) -> tuple[float, float | None]:
-    """Each MoE block sends every token to num_experts_per_token experts and back (dispatch + combine
-    all-to-alls) forward and again backward (+ forward again under recomputation); (ep-1)/ep of it leaves
-    the rank."""
+    """Each MoE block sends its tokens to the EP ranks of their experts and back (dispatch + combine) forward and
+    again backward (+ forward again under recomputation): per token the rows moe_comm.copies_per_token counts for
+    parallelism.moe_comm_backend (standard and minimal_async_ep: one per routed expert on another rank; deepep and
+    hybridep: one per other rank holding any of them)."""
     if lay.ep == 1:
         return 0.0, 0.0
     m, t = cfg.model, cfg.training
     ac = t.activation_checkpoint != ActivationCheckpoint.none
-    routed = t.microbatch_size * (t.seq_len / lay.cp) * m.num_experts_per_token * m.dim * BYTES[cfg.precision.param_dtype.value]
-    vol = flops.num_moe_layers(m) / lay.pp * micro * (4 + (2 if ac else 0)) * routed * (lay.ep - 1) / lay.ep
+    dedup = moe_comm.BACKENDS[cfg.parallelism.moe_comm_backend].dedup
+    rows = moe_comm.copies_per_token(m.num_experts, m.num_experts_per_token, lay.ep, dedup)
+    routed = t.microbatch_size * (t.seq_len / lay.cp) * rows * m.dim * BYTES[cfg.precision.param_dtype.value]
+    vol = flops.num_moe_layers(m) / lay.pp * micro * (4 + (2 if ac else 0)) * routed
     return vol, _collective_s(vol, gbs)
+
+
+def moe_host_syncs(cfg: RunConfig, lay: Layout, micro: int) -> int:
+    """Host synchronizations the EP token exchange adds to a pipeline rank's step (moe_comm.host_syncs_per_step): its
+    MoE blocks times the forwards of each (its microbatches, twice under activation checkpointing, which runs the
+    forward again; per-layer AC recomputes only some blocks, so this is at most)."""
+    if lay.ep == 1:
+        return 0
+    recompute = cfg.training.activation_checkpoint != ActivationCheckpoint.none
+    blocks = -(-flops.num_moe_layers(cfg.model) // lay.pp)
+    return moe_comm.host_syncs_per_step(cfg.parallelism.moe_comm_backend, blocks, micro * (2 if recompute else 1))
 
 
 def communication(cfg: RunConfig, lay: Layout, micro: int, v: int, devices_per_node: int, gbs_of: dict[str, float]) -> dict[str, Any]:
@@ -105,4 +119,5 @@ def communication(cfg: RunConfig, lay: Layout, micro: int, v: int, devices_per_n
     }.items():
         out[f"{axis}_comm_gb"], out[f"{axis}_comm_s"] = vol / 1e9, secs
     out["ep_link"] = ep_link if lay.ep > 1 else None
+    out["moe_host_syncs"] = moe_host_syncs(cfg, lay, micro)
     return out

@@ -162,6 +162,7 @@ def compute(
         "active_params": flops.num_active_params(m),
         "layout": label(lay, p),
         "preset": p.name,
+        "moe_comm_backend": p.moe_comm_backend.value,
         "device": c.device.value,
         "rank_overhead_gb": c.rank_overhead_gb,
         "degrees": lay.describe(),

@@ -208,7 +208,9 @@ def rows(plan: dict[str, Any], configured_interval: int | None = None, configure
     if plan["cp_comm_gb"]:
         out.append(("CP traffic", _f(plan["cp_comm_s"], ".3f", " s"), f"{plan['cp_comm_gb']:.1f} GB ring attention K/V"))
     if plan["ep_comm_gb"]:
-        out.append(("EP traffic", _f(plan["ep_comm_s"], ".3f", " s"), f"{plan['ep_comm_gb']:.2f} GB token all-to-all, {plan['ep_link']}"))
+        syncs = f"; {plan['moe_host_syncs']} host syncs a step" if plan["moe_host_syncs"] else "; no host sync"
+        what = f"{plan['ep_comm_gb']:.2f} GB token exchange ({plan['moe_comm_backend']}), {plan['ep_link']}{syncs}"
+        out.append(("EP traffic", _f(plan["ep_comm_s"], ".3f", " s"), what))
     note = f"write {_f(plan['checkpoint_write_s'], '.1f', ' s')}, MTBF {_f(plan['mtbf_hours'], 'g', ' h')} (Young/Daly)"
     if configured_interval:
         note += f"; configured: {configured_interval}"

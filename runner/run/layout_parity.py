@@ -135,6 +135,7 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
         "weights": fingerprint(before, full_weights(built.parts), lay, policy),
         "summary": sink.summary,
         "hf_init": policy.all_gather_object(_hf_read(init)),
+        "expert_bias": {k: v for stage in policy.all_gather_object(titan.expert_biases(built.parts)) for k, v in stage.items()},
     }
 
 

@@ -86,6 +86,23 @@ class ActivationCheckpoint(Enum):
     on those blocks, its former selective_ac_option=N), keep every other block's activations."""
 
 
+class MoeCommBackend(StrEnum):
+    """TorchTitan 0.3.0's MoE token exchange under expert parallelism (models/common/token_dispatcher.py)."""
+
+    standard = "standard"
+    """torch all-to-all collectives (any backend, gloo too); the routing splits are read on the host once per MoE
+    block per microbatch forward."""
+    minimal_async_ep = "minimal_async_ep"
+    """Rows copied to peers through CUDA symmetric memory by Triton kernels, counts kept on the device (no host read);
+    EP inside one node, full activation checkpointing."""
+    deepep = "deepep"
+    """DeepEP's ElasticBuffer kernels (the deep_ep library, NVSHMEM; Hopper and later): a token goes once to each rank
+    holding one of its experts; its training dispatch reads counts on the host."""
+    hybridep = "hybridep"
+    """DeepEP's HybridEP kernels (deep_ep, TMA; built for GB200 NVL72), non-blocking (capacity factor 1.0, as TorchTitan's
+    *_hybridep configs): no host read, no token dropped."""
+
+
 class ReshardPolicy(StrEnum):
     """TorchTitan's FSDP2 reshard_after_forward policy (a str, as TorchTitan's config takes it)."""
 

@@ -14,6 +14,7 @@ from runner.schema.choices import (
     Fp8Recipe,
     InitFormat,
     LRDecay,
+    MoeCommBackend,
     OptimizerImpl,
     OptimizerName,
     ReshardPolicy,
@@ -102,6 +103,10 @@ class ModelConfig:
     """A sigmoid gate (one Linear of dim -> 1) scales the shared experts' output (Qwen3.5)."""
     moe_bias: bool = False
     """The router gate and every routed expert's projections carry biases (gpt-oss)."""
+    load_balance_coeff: float = 0.001
+    """Step of TorchTitan's auxiliary-loss-free load balancing (MoE models): before each optimizer step every expert's
+    routing bias moves by this toward the mean load (minus for experts above it, plus below); 0 = off, the bias stays 0.
+    TorchTitan's default for every MoE flavor (DeepSeek-V3's report: 0.001)."""
     rope_max_seq_len: int = 131072
     """Positions of the RoPE table TorchTitan's flavor precomputes (a buffer in every block; the longest seq_len)."""
     rope_cos_sin: bool = False
@@ -159,6 +164,9 @@ class ParallelismConfig:
     """TorchTitan's FSDP2 policy: always (free gathered weights after each forward), never
     (keep them until backward ends), default (never with PP, which would otherwise gather
     once per microbatch; always without)."""
+    moe_comm_backend: MoeCommBackend = MoeCommBackend.standard
+    """How routed tokens travel to their experts' EP ranks and back (TorchTitan's moe_comm_backend): standard (torch
+    all-to-all), minimal_async_ep (CUDA symmetric memory), deepep or hybridep (the DeepEP library); docs/models.md."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ import runner.config.validate.hf_rules as hf_rules
 import runner.config.validate.host_rules as launch_rules
 import runner.config.validate.layout_rules as layout_rules
 import runner.config.validate.model_rules as model_rules
+import runner.config.validate.moe_comm_rules as moe_comm_rules
 import runner.config.validate.monitor_rules as monitor_rules
 import runner.config.validate.pipeline_rules as pipeline_rules
 import runner.config.validate.profile_rules as profile_rules
@@ -194,6 +195,7 @@ RULES: tuple[Rule, ...] = (
         _LAY,
     ),
     Rule("expert parallel", layout_rules.experts, Needs.LAYOUT, reads=_LAY),
+    Rule("MoE communication backend", moe_comm_rules.check, Needs.LAYOUT, reads=_LAY),
     Rule("tied embedding under pipeline parallel", layout_rules.tied_pipeline, Needs.LAYOUT),
     Rule("multi-token prediction under pipeline or context parallel", layout_rules.mtp_layout, Needs.LAYOUT),
     Rule("FP8 layer shapes", _fp8_shapes, Needs.LAYOUT, reads=_CTX),
@@ -228,6 +230,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint storage and what to resume", checkpoint_rules.launch, Needs.FILES, _LAUNCH, ("cfg", "lay", "run_dir")),
     Rule("checkpoint to start from", checkpoint_rules.init_files, Needs.FILES, _LAUNCH, ("cfg", "run_dir")),
     Rule("torchft installed, lighthouse answering", ft_rules.launch, Needs.MACHINE, _LAUNCH),
+    Rule("MoE communication library installed", moe_comm_rules.installed, Needs.MACHINE, _LAUNCH),
 )
 
 

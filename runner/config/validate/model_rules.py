@@ -128,6 +128,9 @@ def _moe(m: ModelConfig, out: list[Problem]) -> None:
         )
     if m.moe_hidden_dim < 1:
         out.append(Problem("model.moe_hidden_dim", m.moe_hidden_dim, "an MoE model's experts need a hidden size", "set it >= 1"))
+    if m.load_balance_coeff < 0:
+        why = "the expert bias moves by this step toward balance; a negative step would push tokens onto the busiest experts"
+        out.append(Problem("model.load_balance_coeff", m.load_balance_coeff, why, "use 0 (off) or TorchTitan's 0.001"))
     if not 0 <= m.num_dense_layers < m.num_layers:
         out.append(
             Problem(

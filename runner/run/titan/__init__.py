@@ -29,7 +29,7 @@ from runner.run.titan.distributed import (
 from runner.run.titan.fp8_conversion import blockwise_linear_config, check_layer_table, convert_experts, convert_precision, fp8_layers
 from runner.run.titan.hf_adapter import load_hf
 from runner.run.titan.model import check_size, model_spec
-from runner.run.titan.moe import clear_counts, moe_blocks, take_counts
+from runner.run.titan.moe import clear_counts, expert_biases, moe_blocks, take_counts
 from runner.run.titan.optim import build_optimizer, current_lr, garbage_collection, optimizers
 from runner.run.titan.state import load_model, load_state, save_model, save_state, training_state
 from runner.run.titan.step import (
@@ -60,6 +60,7 @@ __all__ = [
     "check_layer_table",
     "check_size",
     "clear_counts",
+    "expert_biases",
     "clip_grad_norm_tensor",
     "convert_experts",
     "convert_precision",

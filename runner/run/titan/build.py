@@ -15,6 +15,7 @@ from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8_conversion import convert_experts, convert_precision
 from runner.run.titan.initial_weights import init_weights
 from runner.run.titan.model import check_size, model_spec
+from runner.run.titan.moe import use_comm_backend, use_load_balance
 from runner.run.titan.step import loss_fn
 from runner.schema import ActivationCheckpoint, RunConfig
 from runner.schema.layout import Layout
@@ -69,8 +70,12 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
             cpu.use_float32_experts(mcfg)
         if lay.cp > 1:
             cpu.enable_ring_attention()
+    use_comm_backend(mcfg, cfg.parallelism.moe_comm_backend.value)
+    use_load_balance(mcfg, cfg.model.load_balance_coeff)
     training, parallelism = titan_configs(cfg, lay)
-    mcfg.update_from_config(config=SimpleNamespace(training=training, parallelism=parallelism))
+    # activation_checkpoint and compile: minimal_async_ep's check reads them (it needs full recompute)
+    ns = SimpleNamespace(training=training, parallelism=parallelism, activation_checkpoint=ac_config(cfg), compile=_compile_config(cfg))
+    mcfg.update_from_config(config=ns)
     return spec, converted, experts
 
 
@@ -138,13 +143,17 @@ def _every_nth_block_ac():
     return EveryNthBlockAC
 
 
-def _parallelize(cfg: RunConfig, lay: Layout, pd, run_dir: Path, spec, model, device):
-    """(schedule, parts, has_first, has_last) from the spec's parallelize_fn, or its pipelining_fn when pp > 1."""
+def _compile_config(cfg: RunConfig):
     from torchtitan.config import CompileConfig
 
+    return CompileConfig(enable=cfg.training.compile, enable_async_tensor_parallel=cfg.parallelism.async_tp)
+
+
+def _parallelize(cfg: RunConfig, lay: Layout, pd, run_dir: Path, spec, model, device):
+    """(schedule, parts, has_first, has_last) from the spec's parallelize_fn, or its pipelining_fn when pp > 1."""
     training, parallelism = titan_configs(cfg, lay)
     ac = ac_config(cfg)
-    compile_config = CompileConfig(enable=cfg.training.compile, enable_async_tensor_parallel=cfg.parallelism.async_tp)
+    compile_config = _compile_config(cfg)
     common = dict(
         parallel_dims=pd, training=training, parallelism=parallelism, compile_config=compile_config, ac_config=ac, dump_folder=str(run_dir)
     )

@@ -48,3 +48,46 @@ def clear_counts(parts: list[torch.nn.Module]) -> None:
     with torch.no_grad():
         for _, block in moe_blocks(parts):
             block.moe.tokens_per_expert_E.zero_()
+
+
+def expert_biases(parts: list[torch.nn.Module]) -> dict[str, list[float]]:
+    """Each of this rank's MoE blocks' load-balancing bias (TorchTitan's `expert_bias_E`, moved by the optimizer's
+    pre-hook from the token counts summed over the batch ranks: the same on every rank) by block index; none without
+    balancing. A host read: for parity checks after training, never in the step."""
+    out = {}
+    for key, block in moe_blocks(parts):
+        bias = block.moe.expert_bias_E
+        if bias is not None:
+            out[str(key)] = (bias.to_local() if hasattr(bias, "to_local") else bias).detach().cpu().tolist()
+    return out
+
+
+def use_comm_backend(model_config, backend: str) -> None:
+    """parallelism.moe_comm_backend in every MoE block's token dispatcher, through TorchTitan's own builder
+    (make_token_dispatcher_config, as its layer builders call it); hybridep non-blocking with capacity factor 1.0, as
+    TorchTitan's *_hybridep configs run it (no host read, no token dropped). The layer builders in model.py build
+    `standard`; update_from_config then fills the buffers' sizes from the training shape."""
+    if backend == "standard":
+        return
+    from torchtitan.models.common.config_utils import make_token_dispatcher_config
+
+    for layer in model_config.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        old = moe.routed_experts.token_dispatcher
+        moe.routed_experts.token_dispatcher = make_token_dispatcher_config(
+            num_experts=old.num_experts,
+            top_k=old.top_k,
+            comm_backend=backend,
+            non_blocking_capacity_factor=1.0 if backend == "hybridep" else None,
+            hidden_dim=model_config.dim,
+        )
+
+
+def use_load_balance(model_config, coeff: float) -> None:
+    """model.load_balance_coeff in every MoE block (TorchTitan's MoE.Config.load_balance_coeff; None turns the bias and
+    its optimizer pre-hook off, as TorchTitan takes it)."""
+    for layer in model_config.layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.load_balance_coeff = coeff if coeff > 0 else None
