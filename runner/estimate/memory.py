@@ -301,8 +301,9 @@ def _mtp_bytes(cfg: RunConfig, lay: Layout, tokens: float) -> float:
         return 0.0
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     norms = 3 * _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1)
-    per_token = layer_bytes_per_token(cfg, lay, moe=flops.is_moe(m)) + norms + 3 * bw * m.dim + 4 * m.vocab_size / lay.tp + 8
-    return m.num_mtp_layers * per_token * tokens
+    per_token = norms + 3 * bw * m.dim + 4 * m.vocab_size / lay.tp + 8
+    block = moe_layer_bytes(cfg, lay, tokens) if flops.is_moe(m) else layer_bytes_per_token(cfg, lay) * tokens
+    return m.num_mtp_layers * (block + per_token * tokens)
 
 
 def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int) -> float:
