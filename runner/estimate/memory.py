@@ -28,6 +28,7 @@ The default figures follow what TorchTitan allocates, category by category as th
   in-flight microbatch's output. torch's PipelineStage allocates a receive buffer per microbatch of the step for
   the input of every stage after the first, kept across steps (and one for the gradient of every stage before
   the last, not counted yet: the dry run's ledger registers each only when its microbatch's backward uses it).
+- block masks: FlexAttention's BlockMask of the step on CUDA (runner/estimate/block_mask.py).
 - buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
   Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
   runner keeps whatever training.seq_len.
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.estimate import flops, pipeline, pipeline_ranks
+from runner.estimate import block_mask, flops, pipeline, pipeline_ranks
 from runner.estimate.predict import fp8_cost as fp8
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
@@ -254,7 +255,8 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "activations_per_microbatch": layers + extras + receive / micro,
         "temporaries": temporaries,
         "buffers": buffers,
-        "total": weights_grads + optimizer + activations + temporaries + buffers,
+        "block_masks": (masks := block_mask.held_bytes(cfg, lay, micro)),  # FlexAttention's (runner.estimate.block_mask)
+        "total": weights_grads + optimizer + activations + temporaries + buffers + masks,
     }
 
 
@@ -342,6 +344,7 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         "activations_gb_per_gpu": w["activations"],
         "temporaries_gb_per_gpu": w["temporaries"],
         "buffers_gb_per_gpu": w["buffers"],
+        "block_mask_gb_per_gpu": w["block_masks"],
         "total_gb_per_gpu": w["total"],
         "total_gb_per_stage": [s["total"] for s in stages],
         "device_memory_gb": capacity,

@@ -66,9 +66,9 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("activations in flight", _f(plan["activations_gb_per_gpu"], ".3g", " GB"), count(plan["microbatches_in_flight"], "microbatch")),
         (
             "temporaries + buffers",
-            _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"], ".3g", " GB"),
+            _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"] + plan["block_mask_gb_per_gpu"], ".3g", " GB"),
             f"recomputed block{_fp8_casts(plan)} or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; "
-            f"RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
+            f"RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB" + _block_masks(plan),
         ),
         (
             "total memory",
@@ -80,6 +80,15 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         (EXAMPLE, _f(plan["total_gb_per_gpu_worked_example"], ".3g", " GB"), "weights + optimizer + Korthikanti activations"),
     ]
+
+
+def _block_masks(plan: dict[str, Any]) -> str:
+    """FlexAttention's block masks (CUDA): their memory, and how many the step builds (runner.estimate.block_mask)."""
+    if not plan["block_mask_gb_per_gpu"]:
+        return ""
+    built = plan["block_mask_builds_per_step"]
+    when = f"{built} built per step, {plan['block_mask_evaluations_per_step']:.3g} mask evaluations" if built else "built once"
+    return f"; block masks {plan['block_mask_gb_per_gpu']:.3g} GB ({when})"
 
 
 def _fp8_casts(plan: dict[str, Any]) -> str:
