@@ -1,13 +1,15 @@
 """The CUDA test tier (`pytest -m cuda_rehearsal`, in .venv-cuda; .ci/run runs it after the main suite): the runner's own
 CUDA path, rehearsed on fake CUDA tensors (mode=dryrun dryrun.device=cuda, runner.run.dryrun.cuda_rehearse), holds to
-what a GPU run must do. The five cases run in one process (one import of torch), about a minute in all:
+what a GPU run must do. The cases run in one process (one import of torch), about a minute in all:
 
-- dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
-  save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention
-  gathers K/V over cp (a custom op the ledger counts as the collective it runs).
+- dp2_tp2 bf16, and on packed documents (data=text: a block mask per microbatch); fsdp fp8_rowwise (compute
+  capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint save; the 1,024-GPU recipe's tp8_pp4
+  with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention gathers K/V over cp (a custom op
+  the ledger counts as the collective it runs).
 
 Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
-the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
+the FP8 modules precision asks for; FlexAttention's masks in every stage's forward, built as often and as large as the
+plan counts them (runner.estimate.block_mask); at most one host synchronization
 per step; the plan's memory (cluster kernels) within 15 % and every mesh axis the plan says moves bytes with collectives
 (and no other); the checkpoint staging pinned and the device RNG state saved.
 
@@ -23,6 +25,7 @@ import pytest
 
 from runner.config import freeze, validate
 from runner.estimate import comm, dryrun_report
+from tests import text_assets
 from tests.conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.cuda_rehearsal, pytest.mark.e2e]
@@ -32,6 +35,7 @@ CASES = {
     "dp2_tp2_bf16": ["parallelism=dp2_tp2", *GPU4, "precision=bf16"],
     "fsdp_fp8_rowwise": ["parallelism=fsdp", *GPU4, "precision=fp8_rowwise"],
     "tp2_pp2_flex": ["parallelism=tp2_pp2", *GPU4, "precision=bf16"],
+    "dp2_tp2_documents": ["parallelism=dp2_tp2", *GPU4, "precision=bf16", "data=text"],  # a mask per microbatch (+ files below)
     "dp2_cp2_flex": ["parallelism=cp2", "parallelism.dp_shard=-1", *GPU4, "precision=bf16"],  # FlexAttention's K/V all-gather
     "hsdp2x2_async_ckpt": ["parallelism=hsdp2x2", *GPU4, "precision=bf16", "checkpoint.enable=true", "checkpoint.async_save=true"],
     "llama3_70b_tp8_pp4_fp8_blockwise": [
@@ -66,9 +70,11 @@ def rehearsed(compose, tmp_path_factory):
     from runner.run.dryrun import cuda_env
 
     base = tmp_path_factory.mktemp("cuda")
+    corpus, tok = text_assets.make(base / "text")
     cases, jobs = {}, []
     for name, overrides in CASES.items():
-        cfg = compose([*overrides, "mode=dryrun", "dryrun.device=cuda"])
+        files = [f"data.files=[{corpus}]", f"data.tokenizer={tok}"] if "data=text" in overrides else []
+        cfg = compose([*overrides, *files, "mode=dryrun", "dryrun.device=cuda"])
         lay = validate.check(cfg)
         run_dir = base / name
         run_dir.mkdir()
@@ -132,6 +138,24 @@ def test_flex_attention_masks_reach_every_stage(rehearsed, case):
         assert r["steps"][-1]["attention"].get("flex_attention", 0) > 0
         stages.add(lay.coords(r["rank"])["pp"])
     assert stages == ({0, lay.pp - 1} if lay.pp > 1 else {0})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_step_builds_the_block_masks_the_plan_counts(rehearsed, case):
+    """Packed documents: a mask per microbatch without a pipeline, one per batch with it (runner.estimate.block_mask), each
+    of the plan's bytes; synthetic data without a pipeline reuses the one built with the model. The mask built for real
+    with TorchTitan's mask function has the plan's bytes."""
+    from runner.estimate import block_mask
+
+    cfg, lay, rep = rehearsed[case]
+    _, micro = dryrun_report.microbatches(cfg, lay)
+    one = block_mask.mask_bytes(block_mask.mask_batch(cfg, lay, micro), cfg.training.seq_len)
+    want = [one] * block_mask.builds_per_step(cfg, lay, micro)
+    assert len(want) == (micro if case == "dp2_tp2_documents" else 1 if lay.pp > 1 else 0)
+    for r in rep["ranks"]:
+        assert r["steps"][-1]["block_masks_built"] == want, r["rank"]
+    b = rep["block_mask"]
+    assert b["sample_bytes"] * b["batch"] == block_mask.held_bytes(cfg, lay, dryrun_report.microbatches(cfg, lay)[0])
 
 
 @pytest.mark.parametrize("case", CASES)
