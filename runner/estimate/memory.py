@@ -247,6 +247,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     temporaries = max(in_linear, loss_backward)
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
+    masks = block_mask.held_bytes(cfg, lay, micro)  # FlexAttention's BlockMask on CUDA (runner.estimate.block_mask)
     return {
         "params": local,
         "weights_grads": weights_grads,
@@ -255,7 +256,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "activations_per_microbatch": layers + extras + receive / micro,
         "temporaries": temporaries,
         "buffers": buffers,
-        "block_masks": (masks := block_mask.held_bytes(cfg, lay, micro)),  # FlexAttention's (runner.estimate.block_mask)
+        "block_masks": masks,
         "total": weights_grads + optimizer + activations + temporaries + buffers + masks,
     }
 

@@ -183,7 +183,7 @@ def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> d
     for r in ranks:
         out.append(rehearse.in_fork(rehearse_rank, dry, lay, r, Path(run_dir), loop))
         print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
-    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": rehearse.block_mask_probe(cfg, lay)}
+    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": rehearse.in_fork(rehearse.block_mask_probe, cfg, lay)}
 
 
 def substitutions(cfg) -> list[str]:

@@ -207,7 +207,8 @@ def block_mask_probe(cfg: RunConfig, lay: Layout) -> dict[str, Any] | None:
     """The step's FlexAttention BlockMask (runner.estimate.block_mask) as TorchTitan's mask function builds it, for real on
     this CPU, for one sample of the run's seq_len (bytes and build time grow with the batch): its bytes beside the plan's,
     the seconds one build of a sample takes here (eager, not the GPU's compiled kernel). None: the cluster's attention
-    takes no block mask (CPU: SDPA)."""
+    takes no block mask (CPU: SDPA). Run it in a child (`in_fork`): its kernels start torch's intra-op threads, and a rank
+    forked after that from this process hangs on a lock one of them held."""
     if not block_mask.flex(cfg):
         return None
     s, micro = cfg.training.seq_len, cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
@@ -396,7 +397,7 @@ def rehearse(cfg: RunConfig, lay: Layout, ranks: list[int], run_dir: Path) -> di
     for r in ranks:
         out.append(in_fork(rehearse_rank, dry, lay, r, run_dir))
         print(f"rank {r}: simulated in {out[-1]['wall_s']:.1f} s", flush=True)
-    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": block_mask_probe(cfg, lay)}
+    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": in_fork(block_mask_probe, cfg, lay)}
 
 
 def main(out_dir: str, frozen: str) -> None:
