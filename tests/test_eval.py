@@ -179,18 +179,18 @@ def test_eval_on_documents_reads_each_document_alone(one_rank):
     tokens = torch.tensor(float(BATCH * SEQ))
     loop = SimpleNamespace(cfg=cfg, lay=lay, built=built, eval_data=held, policy=policy, loss_fn=titan.loss_fn(cfg), global_tokens=tokens)
     got = StepLoop.evaluate(loop)["eval_loss"]
-    model, losses, across = built.parts[0], [], []
+    model, losses = built.parts[0], []
+    inputs, labels, positions = (torch.from_numpy(np.stack(x)) for x in zip(*map(held.window, range(STEPS * BATCH)), strict=True))
     with torch.no_grad():
-        for index in range(STEPS * BATCH):
-            inputs, labels, positions = (torch.from_numpy(x) for x in held.window(index))
-            starts = [*torch.nonzero(positions == 0).flatten().tolist(), SEQ]
-            for a, b in zip(starts, starts[1:], strict=False):
-                logits = titan.local_value(model(inputs[None, a:b])).double()[0]
-                losses.append(torch.nn.functional.cross_entropy(logits, labels[a:b], reduction="none"))
-            logits = titan.local_value(model(inputs[None])).double()[0]
-            across.append(torch.nn.functional.cross_entropy(logits, labels, reduction="none"))
+        for row, (x, y, pos) in enumerate(zip(inputs, labels, positions, strict=True)):
+            starts = [*torch.nonzero(pos == 0).flatten().tolist(), SEQ]
+            for a, b in zip(starts, starts[1:], strict=False):  # each document piece alone, at positions 0..L-1
+                logits = titan.local_value(model(x[None, a:b])).double()[0]
+                losses.append(torch.nn.functional.cross_entropy(logits, y[a:b], reduction="none"))
+            assert row > 0 or len(starts) > 2  # a sample holds more than one document
+        across = titan.local_value(model(inputs)).double()  # the same tokens, attended across documents
     assert got == pytest.approx(torch.cat(losses).mean().item(), abs=2e-6)
-    assert abs(got - torch.cat(across).mean().item()) > 1e-3  # attending across documents gives another loss
+    assert abs(got - torch.nn.functional.cross_entropy(across.flatten(0, 1), labels.flatten()).item()) > 1e-3
 
 
 def test_eval_line_and_summary_reach_the_sinks(tmp_path):
