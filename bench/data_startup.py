@@ -1,6 +1,6 @@
 """Benchmark: data=tokens start-up does not grow with the corpus, preparation throughput, and prefetch.
 
-python bench/data_startup.py [--sizes-mb 20,400] [--reps 3] [--num-proc N] [--steps 12] [--no-step] [--dir DIR]
+python bench/data_startup.py [--sizes-mb 20,400] [--reps 3] [--num-proc N] [--steps 12] [--no-step] [--formats] [--dir DIR]
 
 1. Generates jsonl corpora of about the given sizes (generated text: documents of tests/text_assets.py made
    distinct by a serial number) and a 2,048-token BPE tokenizer, and prepares each with
@@ -11,6 +11,12 @@ python bench/data_startup.py [--sizes-mb 20,400] [--reps 3] [--num-proc N] [--st
    ratio large / small (the target is within 1.2x).
 3. Unless --no-step: a default-layout run of --steps steps on the small folder; prints the median data_s
    (time a step waited for its batch) against the median step time (target under 1 %).
+
+--formats (issue 55): instead of 2 and 3, on the first size only, the cost of reading documents: the same prepared
+folder (format 2) read as packed documents (data.document_mask: pairs within documents and their positions, through
+the document index), as tokens (data.document_mask=false: what a format 1 folder was read as, no index), and synthetic
+data; each in a fresh process, alternating, --reps times: the start-up (building the reader and its first batch) and
+the per-step cost (the median over --steps steps of reading one step's batch of 8 samples of 2,048), medians printed.
 """
 
 import argparse
@@ -41,6 +47,45 @@ mbs = d.microbatches(0)
 dt = time.perf_counter() - t0
 print(json.dumps({"first_batch_s": dt, "rss_mb": rss_mb(), "rss_added_mb": rss_mb() - before, "samples": d.num_samples[0]}))
 """
+
+FORMATS_PROBE = """
+import json, statistics, sys, time
+from runner.run.loader import SyntheticData
+from runner.run.token_data import TokenData
+folder, variant, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+shape = dict(seed=0, seq_len=2048, global_batch=8, microbatch=1, dp_rank=0, dp=1)
+t0 = time.perf_counter()
+if variant == "synthetic":
+    d = SyntheticData(vocab=2048, **shape)
+else:
+    d = TokenData([(folder, 1.0)], shuffle=True, documents=variant == "documents", **shape)
+d.microbatches(0)
+start = time.perf_counter() - t0
+per = []
+for s in range(1, steps + 1):
+    t = time.perf_counter()
+    d.microbatches(s)
+    per.append(time.perf_counter() - t)
+print(json.dumps({"startup_s": start, "step_s": statistics.median(per)}))
+"""
+VARIANTS = ("documents", "tokens", "synthetic")
+
+
+def formats(folder: Path, reps: int, steps: int) -> None:
+    """Start-up and per-step cost of reading packed documents, tokens and synthetic data (--formats), alternating."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = {v: [] for v in VARIANTS}
+    for _ in range(reps):
+        for v in VARIANTS:
+            argv = [sys.executable, "-c", FORMATS_PROBE, str(folder), v, str(steps)]
+            out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True, env=env)
+            got[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in ("startup_s", "step_s")} for v, rs in got.items()}
+    for v, m in med.items():
+        print(f"{v:10}: start-up {m['startup_s'] * 1e3:8.2f} ms, one step's batch {m['step_s'] * 1e3:7.3f} ms (medians of {reps})")
+    for k, label in (("startup_s", "start-up"), ("step_s", "per step")):
+        ratios = ", ".join(f"{med['documents'][k] / med[v][k]:.2f}x {v}" for v in VARIANTS[1:])
+        print(f"documents / others, {label}: {ratios}")
 
 
 def tokenizer(folder: Path, docs: list[str]) -> Path:
@@ -98,6 +143,7 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-step", action="store_true")
+    ap.add_argument("--formats", action="store_true", help="packed documents vs tokens vs synthetic, on the first size only")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -105,7 +151,8 @@ def main() -> None:
         docs = text_assets.documents(2000)
         tok = tokenizer(tmp, docs)
         folders = {}
-        for mb in (float(s) for s in a.sizes_mb.split(",")):
+        sizes = [float(s) for s in a.sizes_mb.split(",")]
+        for mb in sizes[:1] if a.formats else sizes:
             src = tmp / f"corpus_{mb:g}mb.jsonl"
             size = corpus(src, docs, mb)
             folders[mb] = tmp / f"prepared_{mb:g}mb"
@@ -114,6 +161,9 @@ def main() -> None:
             print(f"prepare {size:.1f} MB ({m['splits']['train']['tokens']:,} train tokens, {m['dtype']}) with --num-proc {a.num_proc}: "
                   f"{dt:.1f} s, {size / dt:.2f} MB/s")  # fmt: skip
             src.unlink()
+        if a.formats:
+            formats(folders[sizes[0]], a.reps, a.steps)
+            return
         got = {mb: [] for mb in folders}
         for _ in range(a.reps):
             for mb, folder in folders.items():

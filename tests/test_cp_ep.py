@@ -255,7 +255,7 @@ def test_each_backend_reaches_titans_token_dispatchers(compose):
     }
     for backend, (cls, tokens) in want.items():
         cfg = compose([*EP2_GPU, f"parallelism.moe_comm_backend={backend}", "training.activation_checkpoint=full"])
-        spec, _ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster), materialize=False)
+        spec, *_ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster), materialize=False)
         dispatchers = [layer.moe.routed_experts.token_dispatcher for layer in spec.model.layers if layer.moe is not None]
         assert len(dispatchers) == 5 and {type(d).__qualname__ for d in dispatchers} == {f"{cls}.Config"}, backend
         assert {getattr(d, "num_max_tokens_per_rank", None) for d in dispatchers} == {tokens}, backend

@@ -2,15 +2,17 @@
 CUDA path, rehearsed on fake CUDA tensors (mode=dryrun dryrun.device=cuda, runner.run.dryrun.cuda_rehearse), holds to
 what a GPU run must do. The cases run in one process (one import of torch), about a minute in all:
 
-- dp2_tp2 bf16; fsdp fp8_rowwise (compute capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint
-  save; the 1,024-GPU recipe's tp8_pp4 with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention
-  gathers K/V over cp (a custom op the ledger counts as the collective it runs). In the same process, the MoE cases
-  (MOE_CASES): DeepSeek-V3's 671B recipe (rank 0 and the rank of the last MoE blocks) and debug_moe over ep2 with its
-  experts in float8 rowwise, and debug_moe on ep2 in bf16, whose token exchange reads its routing splits on the host
-  as many times a step as the plan counts.
+- dp2_tp2 bf16, and on packed documents (data=text: a block mask per microbatch); fsdp fp8_rowwise (compute
+  capability 9.0); tp2_pp2 with FlexAttention; hsdp2x2 with an async checkpoint save; the 1,024-GPU recipe's tp8_pp4
+  with fp8_blockwise (rank 0 and the last rank); and dp2 x cp2, whose FlexAttention gathers K/V over cp (a custom op
+  the ledger counts as the collective it runs). In the same process, the MoE cases (MOE_CASES): DeepSeek-V3's 671B
+  recipe (rank 0 and the rank of the last MoE blocks) and debug_moe over ep2 with its experts in float8 rowwise, and
+  debug_moe on ep2 in bf16, whose token exchange reads its routing splits on the host as many times a step as the
+  plan counts.
 
 Each asserts: parameters, gradients, optimizer state and batches on cuda; the matmul and reduction dtypes precision sets;
-the FP8 modules precision asks for; FlexAttention's masks in every stage's forward; at most one host synchronization
+the FP8 modules precision asks for; FlexAttention's masks in every stage's forward, built as often and as large as the
+plan counts them (runner.estimate.block_mask); at most one host synchronization
 per step; the plan's memory (cluster kernels) within 15 % and every mesh axis the plan says moves bytes with collectives
 (and no other); the checkpoint staging pinned and the device RNG state saved.
 
@@ -29,6 +31,7 @@ import pytest
 
 from runner.config import freeze, validate
 from runner.estimate import comm, dryrun_report, plan
+from tests import text_assets
 from tests.conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.cuda_rehearsal, pytest.mark.e2e]
@@ -38,6 +41,7 @@ CASES = {
     "dp2_tp2_bf16": ["parallelism=dp2_tp2", *GPU4, "precision=bf16"],
     "fsdp_fp8_rowwise": ["parallelism=fsdp", *GPU4, "precision=fp8_rowwise"],
     "tp2_pp2_flex": ["parallelism=tp2_pp2", *GPU4, "precision=bf16"],
+    "dp2_tp2_documents": ["parallelism=dp2_tp2", *GPU4, "precision=bf16", "data=text"],  # a mask per microbatch (+ files below)
     "dp2_cp2_flex": ["parallelism=cp2", "parallelism.dp_shard=-1", *GPU4, "precision=bf16"],  # FlexAttention's K/V all-gather
     "hsdp2x2_async_ckpt": ["parallelism=hsdp2x2", *GPU4, "precision=bf16", "checkpoint.enable=true", "checkpoint.async_save=true"],
     "llama3_70b_tp8_pp4_fp8_blockwise": [
@@ -63,8 +67,16 @@ EXPERTS_HELD = {
 """Rehearsed beside CASES, checked by their own tests: EP's token exchange reads the routing splits on the host (the
 one-sync rule does not hold), its all-to-all runs on the 2-rank default group (no axis of its own to check), and the
 experts' FP8 and the MoE memory have tests of their own."""
-NO_LOOP = {"llama3_70b_tp8_pp4_fp8_blockwise", "deepseek_v3_671b_fp8_experts", "debug_moe_ep2_fp8_experts", "debug_moe_ep2"}
-"""Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes."""
+NO_LOOP = {
+    "llama3_70b_tp8_pp4_fp8_blockwise",
+    "dp2_tp2_documents",
+    "deepseek_v3_671b_fp8_experts",
+    "debug_moe_ep2_fp8_experts",
+    "debug_moe_ep2",
+}
+"""Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes;
+data=text's loader draws its shuffled order with torch.randperm, which under FakeTensorMode holds no values to index with
+(its measured steps read packed documents' positions, rehearse.synthetic_microbatches)."""
 TOLERANCE = 0.15
 FP8_MODULE = {"fp8_rowwise": "Float8Linear", "fp8_tensorwise": "Float8Linear", "fp8_blockwise": "BlockwiseFp8Linear"}
 
@@ -86,9 +98,11 @@ def rehearsed(compose, tmp_path_factory):
     from runner.run.dryrun import cuda_env
 
     base = tmp_path_factory.mktemp("cuda")
+    corpus, tok = text_assets.make(base / "text")
     cases, jobs = {}, []
     for name, overrides in (CASES | MOE_CASES).items():
-        cfg = compose([*overrides, "mode=dryrun", "dryrun.device=cuda"])
+        files = [f"data.files=[{corpus}]", f"data.tokenizer={tok}"] if "data=text" in overrides else []
+        cfg = compose([*overrides, *files, "mode=dryrun", "dryrun.device=cuda"])
         lay = validate.check(cfg)
         run_dir = base / name
         run_dir.mkdir()
@@ -143,6 +157,24 @@ def test_flex_attention_masks_reach_every_stage(rehearsed, case):
         assert r["steps"][-1]["attention"].get("flex_attention", 0) > 0
         stages.add(lay.coords(r["rank"])["pp"])
     assert stages == ({0, lay.pp - 1} if lay.pp > 1 else {0})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_step_builds_the_block_masks_the_plan_counts(rehearsed, case):
+    """Packed documents: a mask per microbatch without a pipeline, one per batch with it (runner.estimate.block_mask), each
+    of the plan's bytes; synthetic data without a pipeline reuses the one built with the model. The mask built for real
+    with TorchTitan's mask function has the plan's bytes."""
+    from runner.estimate import block_mask
+
+    cfg, lay, rep = rehearsed[case]
+    _, micro = dryrun_report.microbatches(cfg, lay)
+    one = block_mask.mask_bytes(block_mask.mask_batch(cfg, lay, micro), cfg.training.seq_len)
+    want = [one] * block_mask.builds_per_step(cfg, lay, micro)
+    assert len(want) == (micro if case == "dp2_tp2_documents" else 1 if lay.pp > 1 else 0)
+    for r in rep["ranks"]:
+        assert r["steps"][-1]["block_masks_built"] == want, r["rank"]
+    b = rep["block_mask"]
+    assert b["sample_bytes"] * b["batch"] == block_mask.held_bytes(cfg, lay, dryrun_report.microbatches(cfg, lay)[0])
 
 
 @pytest.mark.parametrize("case", CASES)

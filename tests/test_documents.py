@@ -322,3 +322,61 @@ def test_a_pipeline_batchs_block_mask_splits_into_each_microbatchs_own_documents
     for i, chunk in enumerate(chunks):
         got = create_mask(chunk["attention_masks"].mask_mod, 2, 1, 8, 8, device="cpu")
         assert torch.equal(got, document_mask(positions[2 * i : 2 * i + 2])), i
+
+
+@pytest.mark.parametrize(("parallelism", "seq_len", "microbatch_size", "micro"), [("single", 1000, 2, 3), ("tp2_pp2", 512, 1, 4)])
+def test_the_plans_block_mask_is_the_one_torchtitan_builds(compose, monkeypatch, parallelism, seq_len, microbatch_size, micro):
+    """The plan's FlexAttention term (runner.estimate.block_mask) against the BlockMask TorchTitan's own model builds for
+    the same batch (get_attention_masks: create_block_mask over its causal and packed-document mask mods, here eager):
+    its bytes to the byte, the masks the step builds, and none on a CPU cluster (SDPA) or for synthetic data without
+    a pipeline (the mask built with the model serves every step)."""
+    from torchtitan.models.common import attention
+
+    from runner.estimate import block_mask, memory
+    from runner.run import titan
+    from runner.schema import layout
+
+    overrides = [f"parallelism={parallelism}", "cluster=h100_node", f"training.seq_len={seq_len}"]
+    overrides += [f"training.microbatch_size={microbatch_size}", "data=text"]
+    cfg = compose(overrides)
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    cfg.training.global_batch_size = micro * microbatch_size * lay.dp
+    batch = micro * microbatch_size if lay.pp > 1 else microbatch_size
+    doc = torch.cat([torch.arange(n) for n in (5, 130, 1, 400, 77, 1000)])
+    positions = torch.stack([torch.cat([torch.arange(37 * i + 3), doc])[:seq_len] for i in range(batch)])  # each starts at 0
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", attention.create_block_mask)  # eager: no compile on CPU
+    with torch.device("meta"):
+        model = titan.model_spec(cfg.model).model.build()
+    mask = model.get_attention_masks(positions=positions)
+    tensors = [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
+    built = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    assert len(tensors) == 8 and built == block_mask.mask_bytes(batch, seq_len)
+    for st in range(lay.pp):
+        assert memory.stage(cfg, lay, micro, st)["block_masks"] == built
+    got = block_mask.plan(cfg, lay, micro)
+    assert got["block_mask_builds_per_step"] == (1 if lay.pp > 1 else micro)
+    assert got["block_mask_evaluations_per_step"] == micro * microbatch_size * seq_len**2
+    assert got["block_mask_gb_per_gpu"] == built / 1e9
+    synthetic = compose([*overrides[:-1], "data=synthetic"])
+    assert block_mask.builds_per_step(synthetic, lay, micro) == (1 if lay.pp > 1 else 0)
+    cpu = compose([*overrides[:-1], "cluster=local_cpu", "data=text"])
+    assert block_mask.held_bytes(cpu, lay, micro) == 0 and block_mask.builds_per_step(cpu, lay, micro) == 0
+
+
+def test_the_dry_run_builds_the_steps_block_mask_with_torchtitans_mask_function(compose):
+    """mode=dryrun's block-mask line: TorchTitan's packed-document BlockMask built for real on this CPU for one sample of
+    the run's seq_len, its bytes times the step's batch equal to the plan's, its build timed; none on a CPU cluster."""
+    from runner.estimate import dryrun_report
+    from runner.run.dryrun import rehearse
+    from runner.schema import layout
+
+    cfg = compose(["parallelism=tp2_pp2", "cluster=h100_node", "training.seq_len=700", "data=text"])
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    got = rehearse.block_mask_probe(cfg, lay)
+    micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+    assert got["batch"] == micro * cfg.training.microbatch_size and got["builds_per_step"] == 1
+    assert got["sample_bytes"] == 16 * 6 * 7 and got["sample_bytes"] * got["batch"] == got["plan_bytes"] and got["sample_build_s"] > 0
+    line = dryrun_report.block_mask_line(got)
+    assert line.startswith("block masks (FlexAttention, 8 x 700 tokens, 1 built per step): plan 5.38 kB, ")
+    assert "TorchTitan's mask function builds 5.38 kB (672 B per sample); one sample's build took " in line
+    assert rehearse.block_mask_probe(compose(["parallelism=tp2_pp2", "data=text"]), lay) is None  # CPU: SDPA, no BlockMask

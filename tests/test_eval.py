@@ -160,6 +160,39 @@ def test_eval_loss_equals_a_hand_computation_and_passes_are_comparable(one_rank)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_eval_on_documents_reads_each_document_alone(one_rank):
+    """Packed documents (data.document_mask): the held-out loss is computed as training computes it, with each sample's
+    positions and document mask, so it equals the mean token cross-entropy of every document piece run alone at
+    positions 0..L-1, and not the loss of the same tokens attended across documents."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from runner.run import titan
+    from runner.run.step_loop import StepLoop
+
+    cfg, lay, built, policy = one_rank
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 40, 2, 17, 70, 9, 33, 61, 12, 80]  # with BOS and EOS: shorter than a sample, and longer than two
+    docs = [torch.randint(0, cfg.model.vocab_size, (n,), generator=g) for n in lengths]
+    held = loader.TextData(torch.cat(docs), ends=np.cumsum(lengths), seed=0, shuffle=False, **_shape())
+    tokens = torch.tensor(float(BATCH * SEQ))
+    loop = SimpleNamespace(cfg=cfg, lay=lay, built=built, eval_data=held, policy=policy, loss_fn=titan.loss_fn(cfg), global_tokens=tokens)
+    got = StepLoop.evaluate(loop)["eval_loss"]
+    model, losses = built.parts[0], []
+    inputs, labels, positions = (torch.from_numpy(np.stack(x)) for x in zip(*map(held.window, range(STEPS * BATCH)), strict=True))
+    with torch.no_grad():
+        for row, (x, y, pos) in enumerate(zip(inputs, labels, positions, strict=True)):
+            starts = [*torch.nonzero(pos == 0).flatten().tolist(), SEQ]
+            for a, b in zip(starts, starts[1:], strict=False):  # each document piece alone, at positions 0..L-1
+                logits = titan.local_value(model(x[None, a:b])).double()[0]
+                losses.append(torch.nn.functional.cross_entropy(logits, y[a:b], reduction="none"))
+            assert row > 0 or len(starts) > 2  # a sample holds more than one document
+        across = titan.local_value(model(inputs)).double()  # the same tokens, attended across documents
+    assert got == pytest.approx(torch.cat(losses).mean().item(), abs=2e-6)
+    assert abs(got - torch.nn.functional.cross_entropy(across.flatten(0, 1), labels.flatten()).item()) > 1e-3
+
+
 def test_eval_line_and_summary_reach_the_sinks(tmp_path):
     from runner.run import metrics
 

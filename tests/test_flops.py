@@ -81,7 +81,7 @@ def test_mtp_counts_are_titans_and_the_built_modules(compose):
     # 1,572,864, router 2,048, 2 shared 393,216) + 2 norms 512; eh_proj 2 x 256 x 256 = 131,072; enorm, hnorm, mtp_norm 768
     assert sum(p.numel() for p in ref_model.mtp_layers.parameters()) == flops.mtp_block_params(m) == 5_656_320
 
-    spec, _ = titan.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))  # the CPU's SDPA and fp32 experts
+    spec, *_ = titan.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))  # the CPU's SDPA and fp32 experts
     model = spec.model.build()
     init_weights(model, 0)
     tokens = torch.randint(0, m.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))

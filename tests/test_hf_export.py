@@ -181,6 +181,31 @@ def test_run_folder_exports_its_newest_checkpoint_with_the_tokenizer(saved, comp
     assert not (tmp_path / "hf2").exists()
 
 
+def test_bos_and_eos_are_the_tokenizer_configs(saved, tmp_path, capsys):
+    """The exported BOS and EOS are the ones the run framed its documents with: the tokenizer_config.json beside the
+    tokenizer.json (runner.formats.documents.specials, TorchTitan's reading), not data.eos_token, which this tokenizer
+    lacks; without that file, no BOS and data.eos_token as the EOS."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, _, ckpt = saved["llama3_gqa_tied"]
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "<|end_of_text|>": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    code, _, err = _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "hf", "--tokenizer", tmp_path / "tokenizer.json")
+    assert code == 0, err
+    for name in ("generation_config.json", "config.json"):
+        got = json.loads((tmp_path / "hf" / name).read_text())
+        assert (got["bos_token_id"], got["eos_token_id"]) == (1, 2), name
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert (hf_tok.bos_token, hf_tok.eos_token) == ("<s>", "</s>")
+    (tmp_path / "tokenizer_config.json").unlink()  # a bare tokenizer.json: no BOS, data.eos_token (the default) as EOS
+    code, _, err = _export(capsys, ckpt, "--format", "hf", "--out", tmp_path / "bare", "--tokenizer", tmp_path / "tokenizer.json")
+    got = json.loads((tmp_path / "bare" / "generation_config.json").read_text())
+    assert code == 0 and (got.get("bos_token_id"), got["eos_token_id"]) == (None, 5), err
+
+
 # ---- HF -> runner -> HF in each layout (points of the HF launches, shared through conftest's parity_runs) ---------
 
 

@@ -33,7 +33,7 @@ def _gpu_parts(compose, overrides: list[str], monkeypatch) -> list[list[torch.nn
     cfg = compose([*overrides, "cluster.device=cuda", "training.seed=7"])
     assert not DevicePolicy.of(cfg.cluster, cfg.distributed).cpu
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
-    spec, _ = titan.model_config(cfg, lay)
+    spec, *_ = titan.model_config(cfg, lay)
     with torch.device("meta"):
         whole = spec.model.build()
     stages = titan.stage_modules(cfg, lay)
@@ -51,7 +51,7 @@ def _gpu_parts(compose, overrides: list[str], monkeypatch) -> list[list[torch.nn
 def _one_rank(compose) -> dict[str, torch.Tensor]:
     """The CPU path's initialization of the same model: the unsharded model from training.seed."""
     cfg = compose(["parallelism=single", "training.seed=7"])
-    spec, _ = titan.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))
+    spec, *_ = titan.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))
     with torch.device("cpu"):
         model = spec.model.build()
     cpu.init_like_one_rank(model, spec.model, cfg.training.seed)

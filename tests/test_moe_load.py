@@ -161,7 +161,7 @@ def _debug_moe_block(compose, coeff: float):
 
     build = importlib.import_module("runner.run.titan.build")
     cfg = compose(["model=debug_moe", "parallelism=single", f"model.load_balance_coeff={coeff}"])
-    spec, _ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))
+    spec, *_ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster))
     torch.manual_seed(0)
     block = torch.nn.Module()
     block.moe_enabled, block.moe = True, spec.model.layers[cfg.model.num_dense_layers].moe.build()

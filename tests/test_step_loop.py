@@ -392,16 +392,12 @@ MTP += ["training.global_batch_size=2", "training.microbatch_size=2"]
 
 
 class _Unobserved:
-    """The step monitor's interface that forward_backward calls, observing nothing."""
+    """The step monitor's interface that forward_backward calls, observing nothing (its test-only faults inject none)."""
+
+    faults = fault_injection.Faults(InjectConfig(), rank=0)
 
     def phase(self, name: str):
         return nullcontext()
-
-    def after_forward(self) -> None:
-        pass
-
-    def corrupt(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
 
 
 def test_a_step_trains_titans_mtp_loss_and_evaluation_keeps_the_main_heads(compose, tmp_path):

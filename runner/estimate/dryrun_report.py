@@ -136,6 +136,8 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
         syncs = ", ".join(f"{what} x{n}" for what, n in Counter(st["syncs"]).items()) or "none"
         attn = ", ".join(f"{k} x{v}" for k, v in st["attention"].items()) or "none"
         pageable = f"; {st['pageable_copies']} non-blocking copies from pageable memory" if st["pageable_copies"] else ""
+        masks = st.get("block_masks_built") or []
+        pageable += f"; {len(masks)} block masks built ({_size(sum(masks))})" if masks else ""
         out.append(
             f"  step {i}: host syncs {len(st['syncs'])} ({syncs}){pageable}; attention {attn}; "
             f"matmuls in {'/'.join(st['matmul_dtypes']) or '-'}, reductions in {'/'.join(st['reduce_dtypes']) or '-'}"
@@ -168,6 +170,26 @@ def cuda_lines(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def block_mask_line(b: dict[str, Any]) -> str:
+    """FlexAttention's block mask of the step (runner.estimate.block_mask): the plan's beside TorchTitan's, built for real."""
+    built = f"{b['builds_per_step']} built per step" if b["builds_per_step"] else "built once, kept for the run"
+    head = f"block masks (FlexAttention, {b['batch']} x {b['seq_len']} tokens, {built}): plan {_size(b['plan_bytes'])}"
+    if b["sample_bytes"] is None:
+        return f"{head}; not built here ({b['skipped']})"
+    got = b["sample_bytes"] * b["batch"] * b["masks_per_build"]
+    return (
+        f"{head}, TorchTitan's mask function builds {_size(got)} ({b['sample_bytes']:,} B per sample); "
+        f"one sample's build took {b['sample_build_s'] * 1e3:.1f} ms on this CPU (eager create_block_mask; the GPU's is compiled)"
+    )
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [f"dry run of {report['model']} on {report['world_size']} ranks [{report['degrees']}], precision {report['precision']}"]
     if report["batch_note"]:
@@ -175,6 +197,8 @@ def render(report: dict[str, Any]) -> str:
     for s in report["substitutions"]:
         lines.append(f"  substituted: {s}")
     lines += [render_rank(r, report["microbatches"]["rehearsed"]) for r in report["ranks"]]
+    if report.get("block_mask"):
+        lines.append(block_mask_line(report["block_mask"]))
     f = report["fits"]
     if f["device_memory_gb"]:
         verdict = {True: "fits", False: "does not fit"}
@@ -208,6 +232,7 @@ def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[s
             "largest_peak_gb": peak,
         },
         "ranks": ranks_out,
+        "block_mask": measured.get("block_mask"),
     }
 
 

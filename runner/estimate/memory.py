@@ -31,6 +31,7 @@ The default figures follow what TorchTitan allocates, category by category as th
 - multi-token prediction (model.num_mtp_layers, no PP): the MTP blocks' parameters on the one stage, what each
   block, its input norms and projection and its head's loss save for backward (activation checkpointing leaves them
   whole), and a RoPE table each.
+- block masks: FlexAttention's BlockMask of the step on CUDA (runner/estimate/block_mask.py).
 - buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
   Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
   runner keeps whatever training.seq_len.
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.estimate import flops, moe_memory, pipeline, pipeline_ranks
+from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ranks
 from runner.estimate.predict import fp8_cost as fp8
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
@@ -247,6 +248,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     temporaries = max(in_linear, loss_backward)
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
+    masks = block_mask.held_bytes(cfg, lay, micro)  # FlexAttention's BlockMask on CUDA (runner.estimate.block_mask)
     return {
         "params": local,
         "weights_grads": weights_grads,
@@ -255,7 +257,8 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "activations_per_microbatch": layers + extras + receive / micro,
         "temporaries": temporaries,
         "buffers": buffers,
-        "total": weights_grads + optimizer + activations + temporaries + buffers,
+        "block_masks": masks,
+        "total": weights_grads + optimizer + activations + temporaries + buffers + masks,
     }
 
 
@@ -378,6 +381,7 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         "temporaries_gb_per_gpu": w["temporaries"],
         "buffers_gb_per_gpu": w["buffers"],
         "moe_memory_gb": moe_memory.terms_gb(cfg, lay),
+        "block_mask_gb_per_gpu": w["block_masks"],
         "total_gb_per_gpu": w["total"],
         "total_gb_per_stage": [s["total"] for s in stages],
         "device_memory_gb": capacity,

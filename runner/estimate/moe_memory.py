@@ -32,7 +32,7 @@ this, beside the recomputed block's 1.49 GB).
 
 from __future__ import annotations
 
-from runner.estimate import flops
+from runner.estimate import flops, precision
 from runner.schema import RunConfig
 from runner.schema.layout import Layout
 
@@ -44,11 +44,11 @@ TERMS = ("routed_experts", "combine", "routing", "shared_experts", "padding", "i
 
 
 def pad_multiple(cfg: RunConfig) -> int:
-    """Rows each local expert's token group is padded to a multiple of: 1 while the routed experts run bf16 grouped GEMMs
-    (the precision of the experts is not configurable yet; TorchTitan's Float8GroupedExpertsConverter pads to 16,
-    MXFP8GroupedExpertsConverter to 32)."""
-    del cfg
-    return 1
+    """Rows each local expert's token group is padded to a multiple of: 1 while the routed experts run bf16 grouped GEMMs;
+    under precision.experts, the converters' TorchAOTokenDispatcher pads to the recipe's token_pad (FP8 rowwise 16,
+    MXFP8 128: runner.estimate.precision.EXPERT_RECIPES)."""
+    req = precision.EXPERT_RECIPES.get(cfg.precision.experts)
+    return req.token_pad if req is not None else 1
 
 
 SWIGLU_SAVED = 4  # w1, w3, silu and product outputs, each moe_hidden_dim wide

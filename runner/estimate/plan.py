@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runner.estimate import flops, pipeline, precision
+from runner.estimate import block_mask, flops, pipeline, precision
 from runner.estimate.comm import communication
 from runner.estimate.memory import memory
 from runner.estimate.plan_render import one_line, render, rows  # noqa: F401  (the plan's printed forms)
@@ -177,6 +177,7 @@ def compute(
         "bubble_fraction": bubble,
         "bubble_formula": bubble_text,
         **memory(cfg, lay, micro, device_memory_gb),
+        **block_mask.plan(cfg, lay, micro),
         **ct,
         **comm,
         **_estimate(ct, comm, bubble, pred, eff, _utilisation(cfg, lay, ct, pred.step_s)),

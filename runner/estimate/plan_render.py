@@ -67,9 +67,9 @@ def _memory_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
         *_moe_rows(plan),
         (
             "temporaries + buffers",
-            _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"], ".3g", " GB"),
+            _f(plan["temporaries_gb_per_gpu"] + plan["buffers_gb_per_gpu"] + plan["block_mask_gb_per_gpu"], ".3g", " GB"),
             f"recomputed block{_fp8_casts(plan)} or loss backward {plan['temporaries_gb_per_gpu']:.3g} GB; "
-            f"RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB",
+            f"RoPE tables {plan['buffers_gb_per_gpu']:.3g} GB" + _block_masks(plan),
         ),
         (
             "total memory",
@@ -99,6 +99,15 @@ def _moe_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"dispatch_combine {1e3 * terms['dispatch_combine']:.4g} MB (the all-to-all's buffers)",
         ),
     ]
+
+
+def _block_masks(plan: dict[str, Any]) -> str:
+    """FlexAttention's block masks (CUDA): their memory, and how many the step builds (runner.estimate.block_mask)."""
+    if not plan["block_mask_gb_per_gpu"]:
+        return ""
+    built = plan["block_mask_builds_per_step"]
+    when = f"{built} built per step, {plan['block_mask_evaluations_per_step']:.3g} mask evaluations" if built else "built once"
+    return f"; block masks {plan['block_mask_gb_per_gpu']:.3g} GB ({when})"
 
 
 def _fp8_casts(plan: dict[str, Any]) -> str:

@@ -286,14 +286,20 @@ def weights(path: Path, m: ModelConfig, folder: Path, max_shard_bytes: int) -> d
 
 
 def tokenizer(path: str, eos_token: str, folder: Path) -> dict[str, int | None]:
-    """The run's tokenizer as transformers' fast tokenizer files; returns the bos/eos ids the configs name."""
+    """The run's tokenizer as transformers' fast tokenizer files; returns the bos/eos ids the configs name. BOS and EOS
+    are the tokenizer's own definition, as the run framed its documents with them (runner.formats.documents.specials:
+    the tokenizer_config.json beside the tokenizer.json, TorchTitan's reading); a bare tokenizer.json has no BOS and
+    `eos_token` (the run's data.eos_token, or --eos-token) as its EOS."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    eos_id = Tokenizer.from_file(path).token_to_id(eos_token) if eos_token else None
-    tok = PreTrainedTokenizerFast(tokenizer_file=path, **({"eos_token": eos_token} if eos_id is not None else {}))
+    from runner.formats import documents
+
+    s = documents.specials(Tokenizer.from_file(path), path, eos_token)
+    named = {k: v for k, v, i in (("bos_token", s.bos_token, s.bos_id), ("eos_token", s.eos_token, s.eos_id)) if i is not None}
+    tok = PreTrainedTokenizerFast(tokenizer_file=path, **named)
     tok.save_pretrained(str(folder))
-    return {"bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None}
+    return {"bos_token_id": s.bos_id, "eos_token_id": s.eos_id, "pad_token_id": None}
 
 
 def configs(m: ModelConfig, token_ids: dict[str, int | None], folder: Path) -> None:

@@ -198,9 +198,10 @@ def load_tokens(
 def load_documents(
     files: list[str], fmt: str, text_field: str, tokenizer: str, eos_token: str, cache_dir: Path, split: str = "train",
     eval_fraction: float = 0.0,
-) -> tuple[torch.Tensor, np.ndarray]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """data.document_mask: the documents of `files` in `split`, each framed by the tokenizer's BOS and EOS (as TorchTitan's
-    tokenizer wrapper frames them: runner.formats.documents.specials), as one int64 stream and each document's end offset."""
+    tokenizer wrapper frames them: runner.formats.documents.specials), as one int64 stream and each document's end offset.
+    NumPy, as the document reader reads it (a torch tensor made under the CUDA rehearsal's FakeTensorMode holds no data)."""
     from tokenizers import Tokenizer
 
     from runner.formats import documents
@@ -209,13 +210,13 @@ def load_documents(
     frame = documents.specials(tok, tokenizer, eos_token).frame
     docs = [frame(enc.ids) for enc in tok.encode_batch(_documents(files, fmt, text_field, cache_dir, split, eval_fraction))]
     ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
-    return torch.tensor([t for d in docs for t in d], dtype=torch.int64), ends
+    return np.fromiter((t for d in docs for t in d), dtype=np.int64, count=int(ends[-1]) if len(ends) else 0), ends
 
 
 class TextData(Stream):
     def __init__(
-        self, tokens: torch.Tensor, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int, dp_rank: int, dp: int,
-        ends: np.ndarray | None = None,
+        self, tokens: torch.Tensor | np.ndarray, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int,
+        dp_rank: int, dp: int, ends: np.ndarray | None = None,
     ):  # fmt: skip
         """`ends`: each document's end offset in `tokens` (load_documents); None cuts the stream as one text."""
         super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
@@ -224,7 +225,8 @@ class TextData(Stream):
             from runner.formats.documents import PairStream, Piece
 
             self.documents = True
-            self.pairs = PairStream([Piece(lambda start, n: tokens[start : start + n].numpy(), ends)])
+            stream = tokens if isinstance(tokens, np.ndarray) else tokens.numpy()
+            self.pairs = PairStream([Piece(lambda start, n: stream[start : start + n], ends)])
             self.num_samples = self.pairs.num_pairs // seq_len
             what = f"{self.pairs.num_pairs} (input, label) pairs in {len(ends)} documents, fewer than one sample of seq_len = {seq_len}"
         else:

@@ -4,6 +4,7 @@ async save takes, the RNG state it saves."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from runner.run.dryrun import fake_cuda
@@ -137,3 +138,36 @@ def capture_masks(built) -> list[int]:
     for i, part in enumerate(built.parts):
         part.register_forward_pre_hook(hook(i), with_kwargs=True)
     return counts
+
+
+class MaskBuilds:
+    """The bytes of each block mask the model part builds (its get_attention_masks, wrapped on the instance), until `take`."""
+
+    def __init__(self, part):
+        self.sizes: list[int] = []
+        build = part.get_attention_masks
+
+        def counted(*args, **kwargs):
+            mask = build(*args, **kwargs)
+            masks = mask.values() if isinstance(mask, dict) else [mask]
+            for m in masks:
+                self.sizes.append(sum(t.numel() * t.element_size() for t in m.as_tuple() if hasattr(t, "numel")))
+            return mask
+
+        part.get_attention_masks = counted
+
+    def take(self) -> list[int]:
+        out, self.sizes = self.sizes, []
+        return out
+
+
+def mask_builds(built) -> MaskBuilds:
+    """Count the masks the step builds (runner.run.titan.step builds them through the first part's get_attention_masks)."""
+    part = built.parts[0]
+    if part not in _MASK_BUILDS:
+        _MASK_BUILDS[part] = MaskBuilds(part)
+    return _MASK_BUILDS[part]
+
+
+_MASK_BUILDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each model part's counter, installed once (a part outlives none of its steps)."""

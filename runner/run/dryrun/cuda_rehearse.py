@@ -31,14 +31,16 @@ from runner.run.dryrun.step_probe import StepProbe
 def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]:
     """One step as StepLoop runs it: the batch pinned and moved (step_loop.on_device), forward/backward or the pipeline
     schedule, the global-norm clip, the step's one host read (DevicePolicy.read), the optimizer update."""
+    from runner.estimate import block_mask
     from runner.run import step_loop, titan
     from runner.run.dryrun import rehearse
 
-    host = [  # what loader.Prefetch hands the step
-        type(mb)(mb.inputs.pin_memory(), mb.labels.pin_memory()) if policy.pins_host_batches else mb
-        for mb in rehearse.synthetic_microbatches(cfg, lay)
+    host = [  # what loader.Prefetch hands the step (packed documents' positions on real data: masks built per batch)
+        type(mb)(*(None if t is None else t.pin_memory() for t in mb)) if policy.pins_host_batches else mb
+        for mb in rehearse.synthetic_microbatches(cfg, lay, documents=block_mask.documents(cfg))
     ]
     grads: dict[str, Any] = {}
+    built_masks = cuda_checks.mask_builds(built)
 
     def read(local, norm) -> None:
         policy.read(local, titan.local_value(norm))
@@ -47,7 +49,8 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
     with probe:
         microbatches = step_loop.on_device(host, policy.compute_device())
         rehearse.one_step(cfg, built, opt, microbatches, led, read)
-    return probe.take() | grads | {"batch_devices": sorted({str(x.device.type) for mb in microbatches for x in mb if x is not None})}
+    devices = sorted({str(x.device.type) for mb in microbatches for x in mb if x is not None})
+    return probe.take() | grads | {"batch_devices": devices, "block_masks_built": built_masks.take()}
 
 
 LOOP_STEPS = 3
@@ -181,7 +184,7 @@ def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> d
     for r in ranks:
         out.append(rehearse.in_fork(rehearse_rank, dry, lay, r, Path(run_dir), loop))
         print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
-    return {"substitutions": substitutions(cfg), "ranks": out}
+    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": rehearse.in_fork(rehearse.block_mask_probe, cfg, lay)}
 
 
 def substitutions(cfg) -> list[str]:

@@ -53,6 +53,24 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return create_mask(mods, b, 1, s, s, device=positions.device)
 
 
+def document_block_mask(positions: torch.Tensor):
+    """The BlockMask TorchTitan's FlexAttention models build for packed documents (decoder.py's
+    _create_flex_attention_mask_for_document: create_block_mask over its causal AND packed-document mask mods, heads
+    broadcast, its FlexAttention block size, full blocks apart), with torch's eager create_block_mask in place of
+    TorchTitan's torch.compile'd one (a cold CPU compile costs minutes): the same tensors, for the dry run to measure."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+    from torchtitan.models.common.attention import (
+        FlexAttention,
+        get_causal_mask_mod,
+        get_efficient_causal_mask_mod_for_packed_document,
+    )
+
+    b, s = positions.shape
+    mods = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    block = FlexAttention.Config().block_size
+    return create_block_mask(mods, b, None, s, s, device=positions.device, BLOCK_SIZE=block, separate_full_blocks=True)
+
+
 @functools.cache
 def _masked_sdpa():
     """TorchTitan's ScaledDotProductAttention, which refuses attention_masks, taking `document_mask`'s boolean mask:
