@@ -510,11 +510,15 @@ def test_a_lasting_level_shift_rewinds_once_and_every_spike_is_attributed_to_the
     # the batch that spiked: step 8 reads global samples 14 and 15 (2 a step), step 11 (after the rewind) 20 and 21
     assert spikes[0]["samples"] == [{"index": i, "token_start": i * (SEQ + 1), "num_tokens": SEQ + 1} for i in (14, 15)]
     assert [e["index"] for e in spikes[3]["samples"]] == [20, 21]
+    # where it started: every block's gradient norm x5 (the loss x5), the verdict line names the one that rose most
+    assert spikes[0]["block"]["why"] == "rise" and 4 < spikes[0]["block"]["rise"] < 6
+    assert rows[7]["layers"]["grad_norm"][spikes[0]["block"]["block"]] == spikes[0]["block"]["grad_norm"]
     monitor = json.loads((tmp_path / runfiles.SUMMARY).read_text())["monitor"]
     assert (monitor["rewinds"], monitor["spike_verdicts"]) == (1, {"data": 6, "hardware": 0})
     out = " ".join(capsys.readouterr().out.split())
     assert "again right after the rewind at step 10: a lasting level shift, not a spike: accepted, no second rewind" in out
     assert "spike attribution: step 8 loss " in out and ": data (the replay reproduces it bitwise on all 1 ranks" in out
+    assert f"; block {spikes[0]['block']['block']}'s gradient norm rose most: " in out
 
 
 def test_a_fault_the_replay_does_not_reproduce_is_hardware_and_rewinds(one_rank, tmp_path, capsys):
@@ -538,6 +542,42 @@ def test_a_fault_the_replay_does_not_reproduce_is_hardware_and_rewinds(one_rank,
     out = " ".join(capsys.readouterr().out.split())
     assert f"spike attribution: step 6 loss {e['value']:.4g} > 3 x running median" in out
     assert f": hardware (the replay differs on rank 0, host {e['hosts'][0]}): step not applied" in out
+
+
+def test_per_block_statistics_at_logged_steps_match_a_hand_computation(one_rank, tmp_path):
+    """logging.log_every=2 over 4 steps: rows 2 and 4 carry `layers`, one value per block, equal (to the 4 digits the row
+    keeps) to each block's gradient norm, largest absolute weight (computed by hand where the clip starts) and largest
+    absolute output (a forward hook of the test's own), with no non-finite value."""
+    from runner.run.step_loop import Hooks
+
+    cfg, _, built, _ = one_rank
+    blocks = list(built.parts[0].layers.values())
+    seen: dict[int, dict] = {}
+
+    def by_hand(step, parts):
+        grads = [torch.sqrt(sum(p.grad.double().square().sum() for p in b.parameters())).item() for b in blocks]
+        weights = [max(p.detach().abs().max().item() for p in b.parameters()) for b in blocks]
+        seen[step] = {"grad_norm": grads, "weight_max": weights, "act_max": list(acts)}
+        acts[:] = [0.0] * len(blocks)  # the next step's forward starts afresh
+
+    acts = [0.0] * len(blocks)
+
+    def act(i):
+        return lambda m, a, out: acts.__setitem__(i, max(acts[i], out.detach().abs().max().item()))
+
+    handles = [b.register_forward_hook(act(i)) for i, b in enumerate(blocks)]
+    try:
+        rows = _train(one_rank, tmp_path, {"training.steps": 4, "logging.log_every": 2}, hooks=Hooks(before_clip=by_hand))
+    finally:
+        for h in handles:
+            h.remove()
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        got = r["layers"]
+        assert got["nonfinite"] == [0] * cfg.model.num_layers and "verdict" not in r
+        for field in ("grad_norm", "weight_max", "act_max"):
+            assert got[field] == pytest.approx(seen[r["step"]][field], rel=1e-3), field
+        assert sum(g * g for g in got["grad_norm"]) < r["grad_norm"] ** 2  # the embeddings and the output hold the rest
 
 
 def test_collections_run_at_the_same_steps_with_automatic_collection_off(one_rank, tmp_path):
