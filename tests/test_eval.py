@@ -16,6 +16,7 @@ import torch
 
 from runner import schema
 from runner.config import validate
+from runner.data import corpus as text_corpus
 from runner.run import evaluate, loader
 from runner.schema.problems import ConfigError
 from tests import text_assets
@@ -88,7 +89,7 @@ def test_text_held_out_split_is_by_document(tmp_path):
     def by_hand(keep) -> list[int]:
         return [t for d in docs if keep(d) for t in [*tok.encode(d).ids, eos]]
 
-    held = [d for d in docs if loader.held_out(d, 0.25)]
+    held = [d for d in docs if text_corpus.held_out(d, 0.25)]
     assert 5 <= len(held) <= 25  # about a quarter of 60
     for split, keep in (("eval", lambda d: d in held), ("train", lambda d: d not in held)):
         got = loader.load_tokens([str(corpus)], "json", "text", str(tok_path), text_assets.EOS, tmp_path / "cache", split, 0.25)

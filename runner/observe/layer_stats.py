@@ -93,12 +93,12 @@ class LayerStats:
         maxes[:, 0], sums[:, 1] = self.act[:, 0], self.act[:, 1]
         for i, params in self.params:
             grads = [(_local(p.grad), c) for p, c in params if p.grad is not None]
-            weights = [_local(p.detach()) for p, _ in params]
+            weights = [(_local(p.detach()), c) for p, c in params]
             if grads:
                 norms = torch.stack(torch._foreach_norm([g for g, _ in grads])).float()
                 sums[i, 0] = (norms.square() / torch.tensor([c for _, c in grads], device=norms.device)).sum()
-            peak = torch.stack(torch._foreach_norm(weights, math.inf)).float().amax()
-            sums[i, 1] += sum((~torch.isfinite(t)).sum() / c for t, c in [*grads, *zip(weights, (c for _, c in params))])
+            sums[i, 1] += sum((~torch.isfinite(t)).sum() / c for t, c in grads + weights)
+            peak = torch.stack(torch._foreach_norm([w for w, _ in weights], math.inf)).float().amax()
             maxes[i, 1] = torch.nan_to_num(peak, nan=math.inf)
         dist.all_reduce(sums)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)

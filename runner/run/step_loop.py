@@ -6,6 +6,7 @@ is a method of StepLoop so monitors can time and trace it. A run of steps (build
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.formats import checkpoint
+from runner.formats import checkpoint, runfiles
 from runner.observe import attribution, integrity, layer_stats, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown
@@ -115,6 +116,7 @@ class StepLoop:
         guard, policy = self.guard, self.policy
         started, p0 = time.time(), time.monotonic()  # the step's overhead: its own clock, apart from dt's
         if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
+            self.left_out(step)
             self.apply_update()
             self.sched.step()
             return step + 1
@@ -162,7 +164,8 @@ class StepLoop:
         self.integrity.begin_step(step, self.built.parts)
         local, norm = self.train_step(step)
         stats = self.layers.take()  # at logged steps: the per-block table, read with the rest
-        share, grad_norm, *counts = policy.read(local, norm, *stats, *self.experts.collect(step))  # waits for the step's kernels (the update's too)
+        # waits for the step's kernels (the update's too)
+        share, grad_norm, *counts = policy.read(local, norm, *stats, *self.experts.collect(step))
         blocks, counts = (self.layers.row(counts), counts[4 * self.layers.n :]) if stats else (None, counts)
         extra = self.experts.summands(step, counts)  # at logged steps of an MoE model: its experts' token counts
         first = (share, grad_norm)
@@ -302,6 +305,12 @@ class StepLoop:
         return due or self.ft is not ft.OFF
 
     # --- after the step: checks, evaluation, SLURM, the row ------------------------------------------------------
+
+    def left_out(self, step: int) -> None:
+        """Record the batch a rewind leaves out (left_out.jsonl, rank 0): its global samples and where each comes from."""
+        if dist.get_rank() == 0:
+            with open(self.run_dir / runfiles.LEFT_OUT, "a") as fh:
+                fh.write(json.dumps({"step": step, "samples": self.data.step_samples(step - 1)}) + "\n")
 
     def rewind(self) -> int:
         """Reload the whole state from the last checkpoint before the spike streak; the guard keeps its bad steps."""
