@@ -303,9 +303,10 @@ def test_a_non_logging_step_synchronizes_once_and_runs_one_host_collective(one_r
 # ---------------------------------------------------------------- what the step loop trains (the module's one-rank build)
 
 
-def _train(one_rank, tmp_path, overrides: dict, hooks=None) -> list[dict]:
-    """train.run of the module's one-rank debug model with `overrides` (dotted field -> value) and metrics.jsonl written;
-    returns its rows as metrics.jsonl holds them. The weights are put back afterwards."""
+def _train(one_rank, tmp_path, overrides: dict, hooks=None, data=None) -> list[dict]:
+    """train.run of the module's one-rank debug model with `overrides` (dotted field -> value) and metrics.jsonl written,
+    on `data` (default: synthetic, 2 samples a step); returns its rows as metrics.jsonl holds them. The weights are put
+    back afterwards."""
     import copy
     import functools
     import json
@@ -320,7 +321,7 @@ def _train(one_rank, tmp_path, overrides: dict, hooks=None) -> list[dict]:
         *path, name = key.split(".")
         setattr(functools.reduce(getattr, path, cfg), name, value)
     acc = accounting.Accounting(1.0, 1e12, "test", built.flops_per_token, built.flops_per_token, "float32", False, built.num_params, None)
-    data = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **(_shape() | {"global_batch": 2, "microbatch": 2}))
+    data = data or loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **(_shape() | {"global_batch": 2, "microbatch": 2}))
     before = {k: v.detach().clone() for k, v in built.parts[0].state_dict().items()}
     try:
         train.run(cfg, lay, built, data, acc, [metrics.JsonlSink(tmp_path)], tmp_path, policy, hooks=hooks)
@@ -579,6 +580,79 @@ def test_per_block_statistics_at_logged_steps_match_a_hand_computation(one_rank,
         for field in ("grad_norm", "weight_max", "act_max"):
             assert got[field] == pytest.approx(seen[r["step"]][field], rel=1e-3), field
         assert sum(g * g for g in got["grad_norm"]) < r["grad_norm"] ** 2  # the embeddings and the output hold the rest
+
+
+def test_a_poisoned_text_batch_is_the_datas_its_samples_are_named_and_shown(one_rank, tmp_path, capsys):
+    """data=text (framed documents, shuffled), step 6's batch x1e4 on every pass: a data verdict that records global samples
+    10 and 11 with the file, record and offset each starts at; the step is skipped; `python -m runner.data show` prints
+    them decoded with the run's tokenizer, and refuses a missing run folder or an unrecorded step with exit 2."""
+    import copy
+    import functools
+
+    from tokenizers import Tokenizer
+
+    from runner.config import freeze
+    from runner.data import cli
+    from runner.formats import documents, runfiles
+
+    path, tok = text_assets.make(tmp_path / "assets", n_docs=60, vocab_size=300)
+    c = text_corpus.build([str(path)], "json", "text", str(tok), text_assets.EOS, tmp_path / "cache")
+    data = loader.TextData(
+        torch.from_numpy(c.tokens), seed=0, shuffle=True, ends=c.ends, source=c, **(_shape() | {"global_batch": 2, "microbatch": 2})
+    )
+    text = {"data.name": schema.DataSource.text, "data.files": [str(path)], "data.tokenizer": str(tok), "data.eos_token": text_assets.EOS}
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = _train(one_rank, run, {"training.steps": 7, "monitor.inject.corrupt_steps": [6], **text}, data=data)
+    assert (rows[5]["action"], rows[5]["verdict"], rows[5]["skipped_steps"]) == ("skip", "data", 1)
+    (e,) = [json.loads(ln) for ln in (run / runfiles.SPIKES).read_text().splitlines()]
+    assert [s["index"] for s in e["samples"]] == [10, 11] and e["samples"][0] == {"index": 10, **data.origin(10)}
+    docs = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    tokenizer = Tokenizer.from_file(str(tok))
+    frame = documents.specials(tokenizer, str(tok), text_assets.EOS).frame
+    for s in e["samples"]:  # the record's framed document, from the offset on, is where the sample's inputs start
+        k = c.where.index((0, s["record"]))
+        framed = c.tokens[(c.ends[k - 1] if k else 0) : c.ends[k]].tolist()
+        assert s["file"] == str(path) and s["num_pairs"] == SEQ and framed == frame(tokenizer.encode(docs[s["record"]]).ids)
+        m = min(len(framed) - 1 - s["offset"], SEQ)
+        assert m > 0 and data.window(s["index"])[0].tolist()[:m] == framed[s["offset"] : s["offset"] + m]
+    frozen_cfg = copy.deepcopy(one_rank[0])
+    for key, value in text.items():
+        *where, name = key.split(".")
+        setattr(functools.reduce(getattr, where, frozen_cfg), name, value)
+    freeze.write(frozen_cfg, one_rank[1], run)
+    capsys.readouterr()
+    assert cli.main(["show", str(run), "--step", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    inputs, labels, _ = data.window(10)
+    assert out[0] == "step 6: 2 samples (text data)"
+    assert out[1] == f"sample 10: {path} record {e['samples'][0]['record']} at offset {e['samples'][0]['offset']}"
+    assert out[2] == "  " + repr(tokenizer.decode([*inputs.tolist(), int(labels[-1])], skip_special_tokens=False))
+    assert cli.main(["show", str(tmp_path / "nope"), "--step", "6"]) == 2
+    assert "run folder" in capsys.readouterr().err
+    assert cli.main(["show", str(run), "--step", "3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--step" in err and "no samples recorded for this step" in err and "pick a recorded step: 6" in err
+
+
+def test_a_rewind_records_the_batches_it_leaves_out_and_a_replay_leaves_out_the_same(one_rank, tmp_path):
+    """Steps 6 and 7 x1e4 with action=rewind, max_consecutive 2 and checkpoints every 4 steps: the run rewinds to step 4,
+    replays 5 and leaves out 6 and 7, recording their samples in left_out.jsonl; the same config run again (as a replay of
+    frozen.yaml runs it) leaves out the same samples and gives the same losses and gradient norms, bit for bit."""
+    from runner.formats import runfiles
+
+    poison = {"monitor.inject.corrupt_steps": [6, 7], "monitor.guard.max_consecutive": 2}
+    rewind = {"training.steps": 8, "monitor.guard.action": schema.GuardAction.rewind, **CHECKPOINTS, **poison}
+    runs = []
+    for name in ("first", "replay"):
+        (tmp_path / name).mkdir()
+        rows = _train(one_rank, tmp_path / name, rewind)
+        left = [json.loads(ln) for ln in (tmp_path / name / runfiles.LEFT_OUT).read_text().splitlines()]
+        runs.append(([(r["step"], r["loss"], r["grad_norm"]) for r in rows], left))
+    (rows, left), replay = runs
+    assert [s for s, _, _ in rows] == [1, 2, 3, 4, 5, 6, 7, 5, 8]
+    assert [(e["step"], [s["index"] for s in e["samples"]]) for e in left] == [(6, [10, 11]), (7, [12, 13])]
+    assert replay == (rows, left)
 
 
 def test_collections_run_at_the_same_steps_with_automatic_collection_off(one_rank, tmp_path):
