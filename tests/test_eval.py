@@ -8,6 +8,7 @@ the loss itself, and (sharing that rank's build) counts the step loop's host syn
 from __future__ import annotations
 
 import json
+import math
 import threading
 import weakref
 
@@ -580,6 +581,31 @@ def test_per_block_statistics_at_logged_steps_match_a_hand_computation(one_rank,
         for field in ("grad_norm", "weight_max", "act_max"):
             assert got[field] == pytest.approx(seen[r["step"]][field], rel=1e-3), field
         assert sum(g * g for g in got["grad_norm"]) < r["grad_norm"] ** 2  # the embeddings and the output hold the rest
+
+
+def test_the_block_a_spike_started_in_and_the_flat_keys():
+    """Against running medians of 1, 2 and 4: a step with norms 2, 10, 8 names block 1 (5x its median, block 2 only 2x);
+    a non-finite output names the first block holding one; before any median, the largest norm. A shard held by the 2
+    replicas of an HSDP group counts half on each; a norm on a TP-replicated weight under dp2_tp2 too; W&B keys are flat."""
+    from runner.observe import layer_stats
+
+    stats = layer_stats.LayerStats([], 3, 4, torch.device("cpu"))
+    fresh = {"grad_norm": [2.0, 10.0, 8.0], "act_max": [1.0, 2.0, 3.0], "weight_max": [0.1, 0.2, 0.3], "nonfinite": [0, 0, 0]}
+    assert stats.blame(fresh) == {"block": 1, "why": "largest", "grad_norm": 10.0}
+    for _ in range(3):
+        stats.accept(fresh | {"grad_norm": [1.0, 2.0, 4.0]})
+    assert stats.blame(fresh) == {"block": 1, "why": "rise", "grad_norm": 10.0, "rise": 5.0}
+    assert layer_stats.describe(stats.blame(fresh)) == "block 1's gradient norm rose most: 10, 5 x its running median"
+    bad = fresh | {"act_max": [1.0, math.inf, math.inf], "nonfinite": [0, 7, 9]}
+    assert layer_stats.describe(stats.blame(bad)) == "block 1's output is the first non-finite (7 non-finite values)"
+    assert (layer_stats.copies(4, 4, 2), layer_stats.copies(4, 4, 1), layer_stats.copies(4, 1, 1), layer_stats.copies(2, 2, 1)) == (
+        2,
+        1,
+        4,
+        1,
+    )
+    keys = layer_stats.wandb_keys(fresh)
+    assert len(keys) == 12 and keys["layers/block1_grad_norm"] == 10.0 and keys["layers/block2_nonfinite"] == 0
 
 
 def test_a_poisoned_text_batch_is_the_datas_its_samples_are_named_and_shown(one_rank, tmp_path, capsys):
