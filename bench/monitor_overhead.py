@@ -152,11 +152,11 @@ def layer_stats_cost(reps: int, seq_len: int, steps: int = 6) -> dict[str, float
     import runner.run.titan.cpu as cpu
     from runner.config.compose import compose
     from runner.observe import layer_stats
-    from runner.run import accounting, loader, procs, titan, train
+    from runner.run import accounting, loader, titan, train
     from runner.run.device import DevicePolicy
     from runner.schema import layout
 
-    torch.set_num_threads(procs.threads_per_rank(1))
+    torch.set_num_threads(1)  # one core's work: the machine's other ranks and jobs share the rest
     cfg = compose(["parallelism=single", f"training.seq_len={seq_len}", "logging.progress=false", "checkpoint.enable=false"])
     cfg.training.steps, cfg.logging.log_every, cfg.monitor.straggler.enable = steps, 1, False
     lay = layout.resolve(cfg.parallelism, cfg.cluster)

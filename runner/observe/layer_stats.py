@@ -1,8 +1,10 @@
 """Per-block statistics where a spike started: at logged steps and on every step the loss guard flags.
 
 Per transformer block (the model's `layers`, keyed by the block's index in every pipeline stage): the gradient norm
-(before the clip), the largest absolute value of the block's output activation and of its weights, and the count of
-non-finite values among them. Gathered on the device and read once, with the step's own host read (DevicePolicy.read):
+(before the clip), the largest absolute value of the block's output activation and of its weights, and a non-finite
+count: the output's non-finite elements plus the parameter tensors whose gradient or weight holds a non-finite value
+(read off their norms: per-element counts of gradients and weights would cost two more passes over them). Gathered on
+the device and read once, with the step's own host read (DevicePolicy.read):
 forward hooks keep a running max and count of each block's output while the step is armed; after the backward each
 rank reduces its shards into one (blocks x 2) table of sums and one of maxima, and two device all-reduces over the world
 make them the job's. No host synchronization per block, none at all outside armed steps.
@@ -54,7 +56,10 @@ class LayerStats:
     def __init__(self, parts: list[torch.nn.Module], num_blocks: int, ranks_per_stage: int, device: torch.device):
         self.n, self.device = num_blocks, device
         self.blocks = [(int(k), b) for part in parts for k, b in getattr(part, "layers", {}).items()]
-        self.params = [(i, [(p, _copies_of(p, ranks_per_stage)) for p in b.parameters()]) for i, b in self.blocks]
+        # every block's parameters, flat; a rank's empty shard (FSDP's uneven split) holds nothing to measure
+        self.params = [(p, i) for i, b in self.blocks for p in b.parameters() if _local(p).numel()]
+        self.block_of = torch.tensor([i for _, i in self.params], dtype=torch.int64, device=device)
+        self.inv = torch.tensor([1 / _copies_of(p, ranks_per_stage) for p, _ in self.params], device=device)
         self.armed = False
         self.act: torch.Tensor | None = None  # (blocks, 2): max |output|, non-finite outputs / copies
         self.pending: list[torch.Tensor] = []  # the reduced table, read with the step's host read
@@ -75,8 +80,11 @@ class LayerStats:
             if not self.armed or self.act is None or not isinstance(out, torch.Tensor):
                 return
             x = _local(out).detach()
-            bad = (~torch.isfinite(x)).sum()
-            self.act[i, 0] = torch.maximum(self.act[i, 0], torch.nan_to_num(x.abs().amax().float(), nan=math.inf))
+            if not x.numel():
+                return
+            bad = x.numel() - torch.isfinite(x).sum()
+            peak = torch.linalg.vector_norm(x, math.inf).float()  # max |x| in one pass, no copy of |x|
+            self.act[i, 0] = torch.maximum(self.act[i, 0], torch.nan_to_num(peak, nan=math.inf))
             spec = getattr(out, "_spec", None)  # an output replicated over TP is counted once
             self.act[i, 1] += bad / (math.prod(spec.mesh.size(d) for d, p in enumerate(spec.placements) if p.is_replicate()) if spec else 1)
 
@@ -91,15 +99,8 @@ class LayerStats:
         sums = torch.zeros(self.n, 2, dtype=torch.float32, device=self.act.device)
         maxes = torch.zeros(self.n, 2, dtype=torch.float32, device=self.act.device)
         maxes[:, 0], sums[:, 1] = self.act[:, 0], self.act[:, 1]
-        for i, params in self.params:
-            grads = [(_local(p.grad), c) for p, c in params if p.grad is not None]
-            weights = [(_local(p.detach()), c) for p, c in params]
-            if grads:
-                norms = torch.stack(torch._foreach_norm([g for g, _ in grads])).float()
-                sums[i, 0] = (norms.square() / torch.tensor([c for _, c in grads], device=norms.device)).sum()
-            sums[i, 1] += sum((~torch.isfinite(t)).sum() / c for t, c in grads + weights)
-            peak = torch.stack(torch._foreach_norm([w for w, _ in weights], math.inf)).float().amax()
-            maxes[i, 1] = torch.nan_to_num(peak, nan=math.inf)
+        if self.params:
+            self._shards(sums, maxes)
         dist.all_reduce(sums)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         self.pending = [torch.cat([sums[:, 0].sqrt(), maxes[:, 0], maxes[:, 1], sums[:, 1]])]
@@ -108,6 +109,22 @@ class LayerStats:
         """The run ends: its hooks leave the model (a model built once may train again, as the tests' do)."""
         for h in self.handles:
             h.remove()
+
+    def _shards(self, sums: torch.Tensor, maxes: torch.Tensor) -> None:
+        """This rank's shards into the tables: one pass over the gradients (their norms) and one over the weights (max |w|),
+        each a single foreach call over every block. A tensor holding a non-finite value has a non-finite norm, so such
+        tensors are counted from the norms without a pass of their own."""
+        peaks = torch.stack(torch._foreach_norm([_local(p.detach()) for p, _ in self.params], math.inf)).float()
+        sums[:, 1].index_add_(0, self.block_of, (~torch.isfinite(peaks)) * self.inv)
+        maxes[:, 1].scatter_reduce_(0, self.block_of, torch.nan_to_num(peaks, nan=math.inf), "amax")
+        held = [k for k, (p, _) in enumerate(self.params) if p.grad is not None]
+        if not held:
+            return
+        norms = torch.stack(torch._foreach_norm([_local(self.params[k][0].grad) for k in held])).float()
+        at = self.block_of if len(held) == len(self.params) else self.block_of[held]
+        inv = self.inv if len(held) == len(self.params) else self.inv[held]
+        sums[:, 0].index_add_(0, at, norms.square() * inv)
+        sums[:, 1].index_add_(0, at, (~torch.isfinite(norms)) * inv)
 
     def take(self) -> list[torch.Tensor]:
         """The table to read with the step's host read (empty when the step was not armed); disarms."""
