@@ -597,7 +597,7 @@ def test_the_block_a_spike_started_in_and_the_flat_keys():
     assert stats.blame(fresh) == {"block": 1, "why": "rise", "grad_norm": 10.0, "rise": 5.0}
     assert layer_stats.describe(stats.blame(fresh)) == "block 1's gradient norm rose most: 10, 5 x its running median"
     bad = fresh | {"act_max": [1.0, math.inf, math.inf], "nonfinite": [0, 7, 9]}
-    assert layer_stats.describe(stats.blame(bad)) == "block 1's output is the first non-finite (7 non-finite values)"
+    assert layer_stats.describe(stats.blame(bad)) == "block 1's output is the first non-finite (7 non-finite tensors)"
     # (ranks of the stage, ranks the tensor's mesh spans, sizes of the mesh dims it is replicated over)
     assert [layer_stats.copies(*c) for c in ((4, 4, 2), (4, 4, 1), (4, 1, 1), (2, 2, 1))] == [2, 1, 4, 1]
     keys = layer_stats.wandb_keys(fresh)

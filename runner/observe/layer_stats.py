@@ -2,8 +2,8 @@
 
 Per transformer block (the model's `layers`, keyed by the block's index in every pipeline stage): the gradient norm
 (before the clip), the largest absolute value of the block's output activation and of its weights, and a non-finite
-count: the output's non-finite elements plus the parameter tensors whose gradient or weight holds a non-finite value
-(read off their norms: per-element counts of gradients and weights would cost two more passes over them). Gathered on
+count: the block's tensors holding a non-finite value (its output, once per microbatch, and each parameter's gradient and
+weight), read off their norms and maxima: per-element counts would cost a pass of their own over each. Gathered on
 the device and read once, with the step's own host read (DevicePolicy.read):
 forward hooks keep a running max and count of each block's output while the step is armed; after the backward each
 rank reduces its shards into one (blocks x 2) table of sums and one of maxima, and two device all-reduces over the world
@@ -82,8 +82,8 @@ class LayerStats:
             x = _local(out).detach()
             if not x.numel():
                 return
-            bad = x.numel() - torch.isfinite(x).sum()
             peak = torch.linalg.vector_norm(x, math.inf).float()  # max |x| in one pass, no copy of |x|
+            bad = ~torch.isfinite(peak)  # the output holds a non-finite value: counted off its max, no pass of its own
             self.act[i, 0] = torch.maximum(self.act[i, 0], torch.nan_to_num(peak, nan=math.inf))
             spec = getattr(out, "_spec", None)  # an output replicated over TP is counted once
             self.act[i, 1] += bad / (math.prod(spec.mesh.size(d) for d, p in enumerate(spec.placements) if p.is_replicate()) if spec else 1)
@@ -166,7 +166,7 @@ class LayerStats:
 def describe(b: dict[str, Any]) -> str:
     """The verdict line's words for `LayerStats.blame`."""
     if b["why"] == "output":
-        return f"block {b['block']}'s output is the first non-finite ({b['nonfinite']} non-finite values)"
+        return f"block {b['block']}'s output is the first non-finite ({b['nonfinite']} non-finite tensors)"
     if b["why"] == "largest":
         return f"block {b['block']} has the largest gradient norm ({b['grad_norm']:.4g}; no running median yet)"
     if not math.isfinite(b["rise"]):
