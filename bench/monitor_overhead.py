@@ -15,6 +15,9 @@ python bench/monitor_overhead.py [--reps 3] [--steps 12] [--seq-len 256]
 4. The integrity checks on a model of the default's size (--params-m, flat fp32 tensors): one replica
    check (checksums + their all-gather) per monitor.integrity.interval steps; a replay repeats one step's
    forward/backward per replay_interval steps, i.e. at most 1 / replay_interval of the step time.
+5. (--layers-only) Per-block statistics (monitor.layer_stats) on one in-process gloo rank: alternating runs of the StepLoop
+   logging every step with them on and off (median step times), and their own work timed directly (a forward/backward
+   with the hooks armed plus the gather, against one without).
 """
 
 import argparse
@@ -136,6 +139,76 @@ def integrity_cost(params_m: float, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def layer_stats_cost(reps: int, seq_len: int, steps: int = 6) -> dict[str, float]:
+    """Per-block statistics (monitor.layer_stats) on the default debug model on one in-process gloo rank (the CPU rank
+    set-up of runner.run.titan.cpu), alternating `steps`-step runs of the runner's StepLoop that log every step with the
+    statistics on and off (which side goes first alternates): the median step time of each side, and the statistics'
+    own work timed directly: the forward hooks (a forward/backward with them armed against one without, alternating)
+    and LayerStats.gather (medians over reps)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import runner.run.titan.cpu as cpu
+    from runner.config.compose import compose
+    from runner.observe import layer_stats
+    from runner.run import accounting, loader, titan, train
+    from runner.run.device import DevicePolicy
+    from runner.schema import layout
+
+    torch.set_num_threads(1)  # one core's work: the machine's other ranks and jobs share the rest
+    cfg = compose(["parallelism=single", f"training.seq_len={seq_len}", "logging.progress=false", "checkpoint.enable=false"])
+    cfg.training.steps, cfg.logging.log_every, cfg.monitor.straggler.enable = steps, 1, False
+    lay = layout.resolve(cfg.parallelism, cfg.cluster)
+    titan.quiet_torchao(cfg)
+    cpu.patch_device_globals()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29584", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo")
+    policy = DevicePolicy.of(cfg.cluster, cfg.distributed)
+    t = cfg.training
+    out: dict[str, list[float]] = {"on": [], "off": [], "hooks": [], "gather": []}
+    with tempfile.TemporaryDirectory() as d:
+        built = titan.build(cfg, lay, titan.build_mesh(cfg, lay), Path(d), torch.device("cpu"))
+        acc = accounting.Accounting(
+            1.0, 1e12, "bench", built.flops_per_token, built.flops_per_token, "float32", False, built.num_params, None
+        )
+        shape = dict(seq_len=t.seq_len, global_batch=t.global_batch_size, microbatch=t.microbatch_size, dp_rank=0, dp=1)
+        for i in range(reps):
+            for side in ("on", "off") if i % 2 == 0 else ("off", "on"):  # alternating which goes first
+                c = copy.deepcopy(cfg)
+                c.monitor.layer_stats = side == "on"
+                data = loader.SyntheticData(seed=0, vocab=c.model.vocab_size, **shape)
+                run_dir = Path(d) / f"{side}{i}"
+                run_dir.mkdir()
+                rows = train.run(c, lay, built, data, acc, [], run_dir, policy)
+                out[side].append(statistics.median(r["step_time_s"] for r in rows[1:]))
+            stats = layer_stats.LayerStats(built.parts, cfg.model.num_layers, 1, torch.device("cpu"))
+            mbs = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **shape).microbatches(0)
+            loss_fn, tokens = titan.loss_fn(cfg), torch.tensor(float(t.global_batch_size * t.seq_len))
+            timed = {}
+            for armed in (True, False) if i % 2 == 0 else (False, True):
+                stats.arm(armed)
+                stats.begin()
+                t0 = time.perf_counter()
+                for mb in mbs:
+                    inputs, labels, extra = titan.model_inputs(built, mb.inputs, mb.labels, positions=mb.positions)
+                    loss, _ = loss_fn(built.parts[0](inputs, **extra), labels, tokens)
+                    loss.backward()
+                t1 = time.perf_counter()
+                stats.gather()
+                stats.take()
+                timed[armed] = (t1 - t0, time.perf_counter() - t1)
+                for p in built.parts[0].parameters():
+                    p.grad = None
+            stats.remove()
+            out["hooks"].append(timed[True][0] - timed[False][0])  # the forward hooks: armed against disarmed
+            out["gather"].append(timed[True][1])
+            print(f"rep {i}: layer stats on {out['on'][-1] * 1e3:.1f} ms/step, off {out['off'][-1] * 1e3:.1f} ms/step", flush=True)
+    dist.destroy_process_group()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
@@ -145,7 +218,17 @@ def main() -> None:
     p.add_argument("--integrity-interval", type=int, default=100, help="monitor.integrity.interval (default 100)")
     p.add_argument("--replay-interval", type=int, default=500, help="monitor.integrity.replay_interval (default 500)")
     p.add_argument("--params-m", type=float, default=6.2, help="parameters (millions) of the integrity check's model (debugmodel: 6.2)")
+    p.add_argument("--layers-only", action="store_true", help="only 5.: the per-block statistics, in this process")
     a = p.parse_args()
+    if a.layers_only:
+        lay = layer_stats_cost(a.reps, a.seq_len)
+        on, off = lay["on"], lay["off"]
+        print(
+            f"layer stats (debug model, 1 rank, seq_len {a.seq_len}, logged every step): median step {on * 1e3:.1f} ms on, "
+            f"{off * 1e3:.1f} ms off = {100 * (on / off - 1):+.2f} %; their own work: hooks {lay['hooks'] * 1e3:+.1f} ms, gather "
+            f"{lay['gather'] * 1e3:.1f} ms = {100 * (max(lay['hooks'], 0) + lay['gather']) / off:.2f} % of a step (budget 2 %)"
+        )
+        return
     on, off, step_s = [], [], []
     with tempfile.TemporaryDirectory() as d:
         for i in range(a.reps):

@@ -8,6 +8,7 @@ the loss itself, and (sharing that rank's build) counts the step loop's host syn
 from __future__ import annotations
 
 import json
+import math
 import threading
 import weakref
 
@@ -16,6 +17,7 @@ import torch
 
 from runner import schema
 from runner.config import validate
+from runner.data import corpus as text_corpus
 from runner.run import evaluate, loader
 from runner.schema.problems import ConfigError
 from tests import text_assets
@@ -88,7 +90,7 @@ def test_text_held_out_split_is_by_document(tmp_path):
     def by_hand(keep) -> list[int]:
         return [t for d in docs if keep(d) for t in [*tok.encode(d).ids, eos]]
 
-    held = [d for d in docs if loader.held_out(d, 0.25)]
+    held = [d for d in docs if text_corpus.held_out(d, 0.25)]
     assert 5 <= len(held) <= 25  # about a quarter of 60
     for split, keep in (("eval", lambda d: d in held), ("train", lambda d: d not in held)):
         got = loader.load_tokens([str(corpus)], "json", "text", str(tok_path), text_assets.EOS, tmp_path / "cache", split, 0.25)
@@ -335,9 +337,10 @@ def test_a_non_logging_step_synchronizes_once_and_runs_one_host_collective(one_r
 # ---------------------------------------------------------------- what the step loop trains (the module's one-rank build)
 
 
-def _train(one_rank, tmp_path, overrides: dict, hooks=None) -> list[dict]:
-    """train.run of the module's one-rank debug model with `overrides` (dotted field -> value) and metrics.jsonl written;
-    returns its rows as metrics.jsonl holds them. The weights are put back afterwards."""
+def _train(one_rank, tmp_path, overrides: dict, hooks=None, data=None) -> list[dict]:
+    """train.run of the module's one-rank debug model with `overrides` (dotted field -> value) and metrics.jsonl written,
+    on `data` (default: synthetic, 2 samples a step); returns its rows as metrics.jsonl holds them. The weights are put
+    back afterwards."""
     import copy
     import functools
     import json
@@ -352,7 +355,7 @@ def _train(one_rank, tmp_path, overrides: dict, hooks=None) -> list[dict]:
         *path, name = key.split(".")
         setattr(functools.reduce(getattr, path, cfg), name, value)
     acc = accounting.Accounting(1.0, 1e12, "test", built.flops_per_token, built.flops_per_token, "float32", False, built.num_params, None)
-    data = loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **(_shape() | {"global_batch": 2, "microbatch": 2}))
+    data = data or loader.SyntheticData(seed=0, vocab=cfg.model.vocab_size, **(_shape() | {"global_batch": 2, "microbatch": 2}))
     before = {k: v.detach().clone() for k, v in built.parts[0].state_dict().items()}
     try:
         train.run(cfg, lay, built, data, acc, [metrics.JsonlSink(tmp_path)], tmp_path, policy, hooks=hooks)
@@ -543,11 +546,15 @@ def test_a_lasting_level_shift_rewinds_once_and_every_spike_is_attributed_to_the
     # the batch that spiked: step 8 reads global samples 14 and 15 (2 a step), step 11 (after the rewind) 20 and 21
     assert spikes[0]["samples"] == [{"index": i, "token_start": i * (SEQ + 1), "num_tokens": SEQ + 1} for i in (14, 15)]
     assert [e["index"] for e in spikes[3]["samples"]] == [20, 21]
+    # where it started: every block's gradient norm x5 (the loss x5), the verdict line names the one that rose most
+    assert spikes[0]["block"]["why"] == "rise" and 4 < spikes[0]["block"]["rise"] < 6
+    assert rows[7]["layers"]["grad_norm"][spikes[0]["block"]["block"]] == spikes[0]["block"]["grad_norm"]
     monitor = json.loads((tmp_path / runfiles.SUMMARY).read_text())["monitor"]
     assert (monitor["rewinds"], monitor["spike_verdicts"]) == (1, {"data": 6, "hardware": 0})
     out = " ".join(capsys.readouterr().out.split())
     assert "again right after the rewind at step 10: a lasting level shift, not a spike: accepted, no second rewind" in out
     assert "spike attribution: step 8 loss " in out and ": data (the replay reproduces it bitwise on all 1 ranks" in out
+    assert f"; block {spikes[0]['block']['block']}'s gradient norm rose most: " in out
 
 
 def test_a_fault_the_replay_does_not_reproduce_is_hardware_and_rewinds(one_rank, tmp_path, capsys):
@@ -571,6 +578,136 @@ def test_a_fault_the_replay_does_not_reproduce_is_hardware_and_rewinds(one_rank,
     out = " ".join(capsys.readouterr().out.split())
     assert f"spike attribution: step 6 loss {e['value']:.4g} > 3 x running median" in out
     assert f": hardware (the replay differs on rank 0, host {e['hosts'][0]}): step not applied" in out
+
+
+def test_per_block_statistics_at_logged_steps_match_a_hand_computation(one_rank, tmp_path):
+    """logging.log_every=2 over 4 steps: rows 2 and 4 carry `layers`, one value per block, equal (to the 4 digits the row
+    keeps) to each block's gradient norm, largest absolute weight (computed by hand where the clip starts) and largest
+    absolute output (a forward hook of the test's own), with no non-finite value."""
+    from runner.run.step_loop import Hooks
+
+    cfg, _, built, _ = one_rank
+    blocks = list(built.parts[0].layers.values())
+    seen: dict[int, dict] = {}
+
+    def by_hand(step, parts):
+        grads = [torch.sqrt(sum(p.grad.double().square().sum() for p in b.parameters())).item() for b in blocks]
+        weights = [max(p.detach().abs().max().item() for p in b.parameters()) for b in blocks]
+        seen[step] = {"grad_norm": grads, "weight_max": weights, "act_max": list(acts)}
+        acts[:] = [0.0] * len(blocks)  # the next step's forward starts afresh
+
+    acts = [0.0] * len(blocks)
+
+    def act(i):
+        return lambda m, a, out: acts.__setitem__(i, max(acts[i], out.detach().abs().max().item()))
+
+    handles = [b.register_forward_hook(act(i)) for i, b in enumerate(blocks)]
+    try:
+        rows = _train(one_rank, tmp_path, {"training.steps": 4, "logging.log_every": 2}, hooks=Hooks(before_clip=by_hand))
+    finally:
+        for h in handles:
+            h.remove()
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        got = r["layers"]
+        assert got["nonfinite"] == [0] * cfg.model.num_layers and "verdict" not in r
+        for field in ("grad_norm", "weight_max", "act_max"):
+            assert got[field] == pytest.approx(seen[r["step"]][field], rel=1e-3), field
+        assert sum(g * g for g in got["grad_norm"]) < r["grad_norm"] ** 2  # the embeddings and the output hold the rest
+
+
+def test_the_block_a_spike_started_in_and_the_flat_keys():
+    """Against running medians of 1, 2 and 4: a step with norms 2, 10, 8 names block 1 (5x its median, block 2 only 2x);
+    a non-finite output names the first block holding one; before any median, the largest norm. A shard held by the 2
+    replicas of an HSDP group counts half on each; a norm on a TP-replicated weight under dp2_tp2 too; W&B keys are flat."""
+    from runner.observe import layer_stats
+
+    stats = layer_stats.LayerStats([], 3, 4, torch.device("cpu"))
+    fresh = {"grad_norm": [2.0, 10.0, 8.0], "act_max": [1.0, 2.0, 3.0], "weight_max": [0.1, 0.2, 0.3], "nonfinite": [0, 0, 0]}
+    assert stats.blame(fresh) == {"block": 1, "why": "largest", "grad_norm": 10.0}
+    for _ in range(3):
+        stats.accept(fresh | {"grad_norm": [1.0, 2.0, 4.0]})
+    assert stats.blame(fresh) == {"block": 1, "why": "rise", "grad_norm": 10.0, "rise": 5.0}
+    assert layer_stats.describe(stats.blame(fresh)) == "block 1's gradient norm rose most: 10, 5 x its running median"
+    bad = fresh | {"act_max": [1.0, math.inf, math.inf], "nonfinite": [0, 7, 9]}
+    assert layer_stats.describe(stats.blame(bad)) == "block 1's output is the first non-finite (7 non-finite tensors)"
+    # (ranks of the stage, ranks the tensor's mesh spans, sizes of the mesh dims it is replicated over)
+    assert [layer_stats.copies(*c) for c in ((4, 4, 2), (4, 4, 1), (4, 1, 1), (2, 2, 1))] == [2, 1, 4, 1]
+    keys = layer_stats.wandb_keys(fresh)
+    assert len(keys) == 12 and keys["layers/block1_grad_norm"] == 10.0 and keys["layers/block2_nonfinite"] == 0
+
+
+def test_a_poisoned_text_batch_is_the_datas_its_samples_are_named_and_shown(one_rank, tmp_path, capsys):
+    """data=text (framed documents, shuffled), step 6's batch x1e4 on every pass: a data verdict that records global samples
+    10 and 11 with the file, record and offset each starts at; the step is skipped; `python -m runner.data show` prints
+    them decoded with the run's tokenizer, and refuses a missing run folder or an unrecorded step with exit 2."""
+    import copy
+    import functools
+
+    from tokenizers import Tokenizer
+
+    from runner.config import freeze
+    from runner.data import cli
+    from runner.formats import documents, runfiles
+
+    path, tok = text_assets.make(tmp_path / "assets", n_docs=60, vocab_size=300)
+    c = text_corpus.build([str(path)], "json", "text", str(tok), text_assets.EOS, tmp_path / "cache")
+    data = loader.TextData(
+        torch.from_numpy(c.tokens), seed=0, shuffle=True, ends=c.ends, source=c, **(_shape() | {"global_batch": 2, "microbatch": 2})
+    )
+    text = {"data.name": schema.DataSource.text, "data.files": [str(path)], "data.tokenizer": str(tok), "data.eos_token": text_assets.EOS}
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = _train(one_rank, run, {"training.steps": 7, "monitor.inject.corrupt_steps": [6], **text}, data=data)
+    assert (rows[5]["action"], rows[5]["verdict"], rows[5]["skipped_steps"]) == ("skip", "data", 1)
+    (e,) = [json.loads(ln) for ln in (run / runfiles.SPIKES).read_text().splitlines()]
+    assert [s["index"] for s in e["samples"]] == [10, 11] and e["samples"][0] == {"index": 10, **data.origin(10)}
+    docs = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    tokenizer = Tokenizer.from_file(str(tok))
+    frame = documents.specials(tokenizer, str(tok), text_assets.EOS).frame
+    for s in e["samples"]:  # the record's framed document, from the offset on, is where the sample's inputs start
+        k = c.where.index((0, s["record"]))
+        framed = c.tokens[(c.ends[k - 1] if k else 0) : c.ends[k]].tolist()
+        assert s["file"] == str(path) and s["num_pairs"] == SEQ and framed == frame(tokenizer.encode(docs[s["record"]]).ids)
+        m = min(len(framed) - 1 - s["offset"], SEQ)
+        assert m > 0 and data.window(s["index"])[0].tolist()[:m] == framed[s["offset"] : s["offset"] + m]
+    frozen_cfg = copy.deepcopy(one_rank[0])
+    for key, value in text.items():
+        *where, name = key.split(".")
+        setattr(functools.reduce(getattr, where, frozen_cfg), name, value)
+    freeze.write(frozen_cfg, one_rank[1], run)
+    capsys.readouterr()
+    assert cli.main(["show", str(run), "--step", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    inputs, labels, _ = data.window(10)
+    assert out[0] == "step 6: 2 samples (text data)"
+    assert out[1] == f"sample 10: {path} record {e['samples'][0]['record']} at offset {e['samples'][0]['offset']}"
+    assert out[2] == "  " + repr(tokenizer.decode([*inputs.tolist(), int(labels[-1])], skip_special_tokens=False))
+    assert cli.main(["show", str(tmp_path / "nope"), "--step", "6"]) == 2
+    assert "run folder" in capsys.readouterr().err
+    assert cli.main(["show", str(run), "--step", "3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--step" in err and "no samples recorded for this step" in err and "pick a recorded step: 6" in err
+
+
+def test_a_rewind_records_the_batches_it_leaves_out_and_a_replay_leaves_out_the_same(one_rank, tmp_path):
+    """Steps 6 and 7 x1e4 with action=rewind, max_consecutive 2 and checkpoints every 4 steps: the run rewinds to step 4,
+    replays 5 and leaves out 6 and 7, recording their samples in left_out.jsonl; the same config run again (as a replay of
+    frozen.yaml runs it) leaves out the same samples and gives the same losses and gradient norms, bit for bit."""
+    from runner.formats import runfiles
+
+    poison = {"monitor.inject.corrupt_steps": [6, 7], "monitor.guard.max_consecutive": 2}
+    rewind = {"training.steps": 8, "monitor.guard.action": schema.GuardAction.rewind, **CHECKPOINTS, **poison}
+    runs = []
+    for name in ("first", "replay"):
+        (tmp_path / name).mkdir()
+        rows = _train(one_rank, tmp_path / name, rewind)
+        left = [json.loads(ln) for ln in (tmp_path / name / runfiles.LEFT_OUT).read_text().splitlines()]
+        runs.append(([(r["step"], r["loss"], r["grad_norm"]) for r in rows], left))
+    (rows, left), replay = runs
+    assert [s for s, _, _ in rows] == [1, 2, 3, 4, 5, 6, 7, 5, 8]
+    assert [(e["step"], [s["index"] for s in e["samples"]]) for e in left] == [(6, [10, 11]), (7, [12, 13])]
+    assert replay == (rows, left)
 
 
 def test_collections_run_at_the_same_steps_with_automatic_collection_off(one_rank, tmp_path):

@@ -186,6 +186,19 @@ def test_clean_run_flags_nobody_over_30_steps(clean):
 
 
 @pytest.mark.e2e
+def test_clean_run_logs_per_block_statistics(clean):
+    """Every logged step of the HSDP run (2 replicas x 2 shards: each shard held twice) carries its 6 blocks' statistics,
+    finite, with no non-finite value; counted once per element, the blocks' squared gradient norms add up to less than
+    the global one (the embeddings and the output hold the rest: a shard counted twice would overshoot)."""
+    rows = metrics(clean[0])
+    assert all(len(r["layers"]["grad_norm"]) == 6 for r in rows)
+    for r in rows:
+        got = r["layers"]
+        assert got["nonfinite"] == [0] * 6 and all(0 < v < math.inf for f in ("grad_norm", "act_max", "weight_max") for v in got[f])
+        assert sum(g * g for g in got["grad_norm"]) < r["grad_norm"] ** 2 * (1 + 1e-3)
+
+
+@pytest.mark.e2e
 def test_clean_run_replicas_agree_and_replays_reproduce(clean):
     """HSDP replicas (ranks 0|2 and 1|3) compared at steps 5, 10, 15, ..., 30 (across the rewind), replays at 9, 18, 27."""
     run_dir, proc = clean[0], clean[1]
@@ -244,6 +257,9 @@ def test_non_finite_batch_is_skipped_and_never_reaches_the_weights(slow):
     # replayed before the optimizer acted: the NaN reproduces bitwise on every rank, so it is the batch's
     (e,) = [json.loads(line) for line in (run_dir / runfiles.SPIKES).read_text().splitlines()]
     assert (e["step"], e["verdict"], e["ranks"], e["action"], e["metric"]) == (8, "data", [0, 1, 2, 3], "skip", "loss")
+    # where it started: the NaN loss makes every block's gradients NaN, counted per block; the backward starts at block 5
+    assert all(n > 0 for n in rows[8]["layers"]["nonfinite"]) and (e["block"]["block"], e["block"]["rise"]) == (5, math.inf)
+    assert "block 5's gradient norm is non-finite" in proc.stdout
     assert (
         "spike attribution: step 8 non-finite (loss nan, grad norm nan): data (the replay reproduces it bitwise on all 4 ranks"
         in " ".join(proc.stdout.split())

@@ -273,6 +273,7 @@ NO_BAD_VALUE = [
     ("monitor.straggler.enable", "either setting runs"),
     ("monitor.straggler.arrival", "either setting runs"),
     ("monitor.moe_load.enable", "either setting runs"),
+    ("monitor.layer_stats", "either setting runs"),
     ("monitor.guard.enable", "off is a documented choice; non-finite values are caught either way"),
     ("monitor.inject.corrupt_scale", "any float is a corruption, nan included"),
     ("distributed.flight_recorder.enable", "either setting runs"),

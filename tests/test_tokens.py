@@ -412,6 +412,36 @@ def test_mixture_reads_each_source_in_its_share(assets):
 
 
 @pytest.mark.e2e
+def test_runner_data_show_decodes_a_recorded_steps_samples_from_their_folders(assets, tmp_path, capsys):
+    """A run folder whose spikes.jsonl records step 3 of a two-folder mixture (tokens) and whose left_out.jsonl records step
+    4 of one folder read as documents (pairs): `python -m runner.data show` prints each sample's origin and its seq_len
+    inputs and last label decoded with the run's tokenizer, as the loader reads them."""
+    from tokenizers import Tokenizer
+
+    from runner.data import cli
+    from runner.formats import runfiles
+
+    decode = Tokenizer.from_file(str(assets.tok)).decode
+    mixed = _data(assets, sources=[(str(assets.a), 0.7), (str(assets.b), 0.3)])
+    docs = _data(assets, documents=True)
+    (tmp_path / runfiles.FROZEN).write_text(f"data:\n  name: tokens\n  tokenizer: {assets.tok}\ntraining:\n  seq_len: {SEQ}\n")
+    (tmp_path / runfiles.SPIKES).write_text(json.dumps({"step": 3, "verdict": "data", "samples": mixed.step_samples(2)}) + "\n")
+    (tmp_path / runfiles.LEFT_OUT).write_text(json.dumps({"step": 4, "samples": docs.step_samples(3)}) + "\n")
+    for step, data in ((3, mixed), (4, docs)):
+        assert cli.main(["show", str(tmp_path), "--step", str(step)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == f"step {step}: 8 samples (tokens data)" and len(out) == 17
+        for k, g in enumerate(data.indices(step - 1)):
+            if data.documents:
+                inputs, labels, _ = data.window(g)
+                ids = [*inputs.tolist(), int(labels[-1])]
+            else:
+                ids = data.sample(g).tolist()
+            assert out[1 + 2 * k].startswith(f"sample {g}: {data.origin(g)['source']} (train split) ")
+            assert out[2 + 2 * k] == "  " + repr(decode(ids, skip_special_tokens=False))
+
+
+@pytest.mark.e2e
 def test_prefetch_uses_a_read_ahead_only_for_the_same_position(assets):
     d = _data(assets)
     feed = Prefetch(d)

@@ -1,4 +1,5 @@
-"""`python -m runner.data prepare`: the command line of data preparation (argparse; no Hydra config to compose).
+"""`python -m runner.data prepare`: the command line of data preparation (argparse; no Hydra config to compose); and
+`python -m runner.data show <run folder> --step N`, the samples of a step the loss guard blamed on the data (show.py).
 
     python -m runner.data prepare --input a.jsonl b.parquet c.txt --tokenizer tokenizer.json --out prepared/web
         [--text-field text] [--eos-token '<|end_of_text|>'] [--eval-fraction 0.01] [--num-proc N]
@@ -39,7 +40,23 @@ def parser() -> argparse.ArgumentParser:
                    help="a bare tokenizer.json's end-of-document token (a tokenizer_config.json beside it names its own)")  # fmt: skip
     q.add_argument("--eval-fraction", type=float, default=0.01, help="share of each file's documents held out as the eval split")
     q.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizing processes (datasets.map num_proc)")
+    v = sub.add_parser("show", help="print the samples of a step a data verdict or a rewind left out, decoded (runner.data.show)")
+    v.add_argument("run", help="the run folder (holds frozen.yaml and spikes.jsonl)")
+    v.add_argument("--step", type=int, required=True, help="the step (1-based) whose samples to print")
+    v.add_argument("--tokenizer", default="", help="a tokenizer.json to decode with (default: the run's data.tokenizer)")
     return p
+
+
+def _show(a: argparse.Namespace) -> int:
+    from runner.data.show import show
+
+    try:
+        lines = show(Path(a.run), a.step, a.tokenizer)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
 
 
 def _inputs(files: list[str], text_field: str) -> list[Problem]:
@@ -109,6 +126,8 @@ def _interrupted(e: BaseException | None) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.command == "show":
+        return _show(a)
     try:
         check(a)
     except ConfigError as e:

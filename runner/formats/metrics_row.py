@@ -62,6 +62,8 @@ class StepRow:
     gc_s: float | None = None
     moe: dict[str, Any] | None = None
     moe_flags: list[dict[str, Any]] | None = None
+    layers: dict[str, list[Any]] | None = None
+    """Per-block statistics (runner.observe.layer_stats): one list per field, block b at index b."""
     ft_replica_id: int | None = None
     ft_live_groups: int | None = None
     ft_committed: bool | None = None

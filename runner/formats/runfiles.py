@@ -15,6 +15,7 @@
   preempted.json       each SLURM warning signal (time limit, preemption): the step checkpointed before the requeue
   stragglers.jsonl     the straggler monitor's per-window tables
   spikes.jsonl         every step the loss guard flagged, replayed: its verdict (data or hardware), ranks, action
+  left_out.jsonl       steps a rewind left out: each step's global samples and where each is read from
   moe_load.jsonl       MoE models: hot experts, hot EP ranks and dead experts the hot-expert judge named
   integrity_report.json  replicas that diverged, steps that did not replay bitwise (monitor.integrity)
   hang_report.json     a hang (collective timeout): which collective each rank was in when the job stopped
@@ -58,6 +59,7 @@ TIMELINE = "timeline.jsonl"  # every attempt's timestamped events, across restar
 GOODPUT = "goodput.json"  # the wall time since the first launch, part by part (runner.outputs.goodput)
 PREEMPTED = "preempted.json"  # SLURM interruptions: step, checkpoint, restart count (runner.run.preempt)
 STRAGGLERS = "stragglers.jsonl"
+LEFT_OUT = "left_out.jsonl"  # the batches a loss-guard rewind left out (runner.run.step_loop.StepLoop.step)
 SPIKES = "spikes.jsonl"  # the loss guard's flagged steps and their attribution (runner.observe.attribution)
 MOE_LOAD = "moe_load.jsonl"  # the hot-expert judge: hot and dead experts, hot EP ranks (runner.observe.moe_load)
 HANG_REPORT = "hang_report.json"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.formats import runfiles
-from runner.observe import integrity
+from runner.observe import integrity, layer_stats
 from runner.schema import MismatchAction
 
 DATA, HARDWARE = "data", "hardware"
@@ -40,11 +40,13 @@ class Attributor:
         self.counts = {DATA: 0, HARDWARE: 0}
 
     def judge(
-        self, step: int, verdict, first: tuple[float, float], again: Callable[[], tuple[float, float]], parts, zero_grad, rng, mon, samples
-    ):
+        self, step: int, verdict, first: tuple[float, float], again: Callable[[], tuple[float, float]], parts, zero_grad, rng, mon, samples,
+        blame: Callable[[], dict[str, Any] | None] = lambda: None,
+    ):  # fmt: skip
         """first: this rank's loss share and the global grad norm of the first pass, whose (clipped) gradients are still in
         place; again() recomputes the step and clips, from the RNG state `rng`; samples() lists the step's global samples
-        and their origin (recorded with a data verdict). Returns the verdict's record."""
+        and their origin (recorded with a data verdict); blame() the block where the replay's statistics say the spike
+        started (runner.observe.layer_stats; None without them). Returns the verdict's record."""
         a = {"loss": first[0], "grad_sq": integrity.grad_sq(parts), "grad_norm": first[1]}
         zero_grad()
         self.policy.set_rng_state(rng)
@@ -63,6 +65,8 @@ class Attributor:
         entry |= {"ranks": ranks, "hosts": sorted({self.who[r]["host"] for r in ranks}), "action": action, "spike": verdict.spike}
         if differ:
             entry["check"] = differ[0]["check"]  # replay: a pass that did not reproduce; peers: ranks that must agree did not
+        if where := blame():
+            entry["block"] = where
         if kind == DATA:
             entry["samples"] = samples()  # the batch that spiked: every global sample of the step, left out unless accepted
         self.counts[kind] += 1
@@ -96,9 +100,10 @@ def peer_mismatches(step: int, first: list[dict], tp_groups: list[list[int]], wh
 def line(e: dict[str, Any]) -> str:
     """The console's one line for a verdict."""
     head = f"spike attribution: step {e['step']} {e['spike']}: {e['verdict']}"
+    block = f"; {layer_stats.describe(e['block'])}" if "block" in e else ""
     if e["verdict"] == DATA:
         n = len(e["ranks"])
-        return f"{head} (the replay reproduces it bitwise on all {n} ranks: the batch, not the machine): {e['action']}"
+        return f"{head} (the replay reproduces it bitwise on all {n} ranks: the batch, not the machine): {e['action']}{block}"
     where = f"rank {', '.join(map(str, e['ranks']))}, host {', '.join(e['hosts'])}"
     why = f"the replay differs on {where}" if e["check"] == "replay" else f"{where} disagrees with peers that must agree"
-    return f"{head} ({why}): step not applied; monitor.integrity.on_mismatch={e['action']}"
+    return f"{head} ({why}): step not applied; monitor.integrity.on_mismatch={e['action']}{block}"

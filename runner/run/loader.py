@@ -24,7 +24,7 @@ tokens: folders prepared by `python -m runner.data prepare`, read by memory map,
 The held-out split (split="eval", read by runner.run.evaluate) is addressed the same way, from sample 0 at every
 evaluation pass, with no loader position: synthetic eval sample j is synthetic sample -(j + 1), a negative index
 training (which counts from 0 up) never reads; text reads data.eval_files, or the documents of data.files that
-`held_out` picks (which the training split then leaves out), packed in file order without shuffling.
+`runner.data.corpus.held_out` picks (which the training split then leaves out), packed in file order without shuffling.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from runner.data import corpus
 
 MAX_STRIDE = 16
 NOISE = 0.1
@@ -146,53 +148,14 @@ class SyntheticData(Stream):
         return self._source_index(index) * (self.seq_len + 1)
 
 
-def held_out(document: str, fraction: float) -> bool:
-    """Whether a document belongs to the held-out split of data.eval_fraction: by a hash of its text, so the split
-    does not move when files are added or reordered, or with training.seed, and repeated documents stay together."""
-    h = int.from_bytes(hashlib.sha1(document.encode("utf-8")).digest()[:8], "big")
-    return h < fraction * 2**64
-
-
-def _documents(files: list[str], fmt: str, text_field: str, cache_dir: Path, split: str, eval_fraction: float) -> list[str]:
-    """The non-empty documents of `files` in `split` (all of them when eval_fraction is 0; else those `held_out` picks
-    for "eval" and the others for "train"), in file order."""
-    import os
-
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: nothing is downloaded
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    from datasets import load_dataset
-
-    column = "text" if fmt == "text" else text_field
-    ds = load_dataset(fmt, data_files=[str(Path(f).resolve()) for f in files], split="train", cache_dir=str(cache_dir))
-    docs = [d for d in ds[column] if d]
-    if eval_fraction > 0:
-        docs = [d for d in docs if held_out(d, eval_fraction) == (split == "eval")]
-    return docs
-
-
 def load_tokens(
-    files: list[str],
-    fmt: str,
-    text_field: str,
-    tokenizer: str,
-    eos_token: str,
-    cache_dir: Path,
-    split: str = "train",
+    files: list[str], fmt: str, text_field: str, tokenizer: str, eos_token: str, cache_dir: Path, split: str = "train",
     eval_fraction: float = 0.0,
-) -> torch.Tensor:
-    """data.document_mask=false: the documents of `files` in `split` (`_documents`), tokenized and concatenated (EOS
+) -> torch.Tensor:  # fmt: skip
+    """data.document_mask=false: the documents of `files` in `split` (runner.data.corpus), tokenized and concatenated (EOS
     after each) into one int64 stream."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer)
-    eos = tok.token_to_id(eos_token)
-    stream: list[int] = []
-    for enc in tok.encode_batch(_documents(files, fmt, text_field, cache_dir, split, eval_fraction)):
-        stream.extend(enc.ids)
-        if eos is not None:
-            stream.append(eos)
-    return torch.tensor(stream, dtype=torch.int64)
+    c = corpus.build(files, fmt, text_field, tokenizer, eos_token, cache_dir, split, eval_fraction, framed=False)
+    return torch.from_numpy(c.tokens)
 
 
 def load_documents(
@@ -202,25 +165,19 @@ def load_documents(
     """data.document_mask: the documents of `files` in `split`, each framed by the tokenizer's BOS and EOS (as TorchTitan's
     tokenizer wrapper frames them: runner.formats.documents.specials), as one int64 stream and each document's end offset.
     NumPy, as the document reader reads it (a torch tensor made under the CUDA rehearsal's FakeTensorMode holds no data)."""
-    from tokenizers import Tokenizer
-
-    from runner.formats import documents
-
-    tok = Tokenizer.from_file(tokenizer)
-    frame = documents.specials(tok, tokenizer, eos_token).frame
-    docs = [frame(enc.ids) for enc in tok.encode_batch(_documents(files, fmt, text_field, cache_dir, split, eval_fraction))]
-    ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
-    return np.fromiter((t for d in docs for t in d), dtype=np.int64, count=int(ends[-1]) if len(ends) else 0), ends
+    c = corpus.build(files, fmt, text_field, tokenizer, eos_token, cache_dir, split, eval_fraction, framed=True)
+    return c.tokens, c.ends
 
 
 class TextData(Stream):
     def __init__(
         self, tokens: torch.Tensor | np.ndarray, *, seed: int, shuffle: bool, seq_len: int, global_batch: int, microbatch: int,
-        dp_rank: int, dp: int, ends: np.ndarray | None = None,
+        dp_rank: int, dp: int, ends: np.ndarray | None = None, source: corpus.Corpus | None = None,
     ):  # fmt: skip
-        """`ends`: each document's end offset in `tokens` (load_documents); None cuts the stream as one text."""
+        """`ends`: each document's end offset in `tokens` (load_documents); None cuts the stream as one text. `source`: the
+        corpus the tokens come from, which names each sample's file and record (origin)."""
         super().__init__(seq_len=seq_len, global_batch=global_batch, microbatch=microbatch, dp_rank=dp_rank, dp=dp)
-        self.tokens, self.seed, self.shuffle = tokens, seed, shuffle
+        self.tokens, self.seed, self.shuffle, self.source = tokens, seed, shuffle, source
         if ends is not None:
             from runner.formats.documents import PairStream, Piece
 
@@ -253,6 +210,15 @@ class TextData(Stream):
 
     def window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.pairs.window(self.token_start(index), self.seq_len)
+
+    def origin(self, index: int) -> dict[str, Any]:
+        """The file and record the sample starts in, its offset into that document, and its range in the stream: seq_len
+        (input, label) pairs (data.document_mask), else seq_len + 1 tokens."""
+        start = self.token_start(index)
+        where = self.source.origin(start) if self.source is not None else {}
+        if self.documents:
+            return where | {"pair_start": start, "num_pairs": self.seq_len}
+        return where | {"token_start": start, "num_tokens": self.seq_len + 1}
 
 
 def _digest(t: torch.Tensor) -> int:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from runner.formats import runfiles
-from runner.observe import moe_load
+from runner.observe import layer_stats, moe_load
 from runner.schema import RunConfig, layout
 
 
@@ -197,6 +197,8 @@ class WandbSink:
             scalars[f"straggler/rank{f['rank']}_{f['phase']}"] = f["slowdown"]
         if "moe" in row:  # the experts' load (runner.observe.moe_load): flat keys, not the per-expert table
             scalars |= moe_load.wandb_keys(row["moe"])
+        if "layers" in row:  # per-block statistics (runner.observe.layer_stats): layers/block<b>_<field>
+            scalars |= layer_stats.wandb_keys(row["layers"])
         self.run.log(scalars, step=row["step"])
 
     def log_breakdown(self, found: dict[str, Any]) -> None:

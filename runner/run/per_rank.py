@@ -13,10 +13,12 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.config import freeze
+from runner.data import corpus
 from runner.estimate import precision
 from runner.formats import data_manifest as manifest
 from runner.formats import runfiles
@@ -173,14 +175,11 @@ def data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePo
     if not first:
         policy.barrier()
     cache = run_dir / runfiles.DATA_CACHE
-    args = (files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache)
-    if d.document_mask:
-        tokens, ends = loader.load_documents(*args, split=split, eval_fraction=fraction)
-    else:
-        tokens, ends = loader.load_tokens(*args, split=split, eval_fraction=fraction), None
+    c = corpus.build(files, d.format.value, d.text_field, d.tokenizer, d.eos_token, cache, split, fraction, d.document_mask)
     if first:
         policy.barrier()
-    return loader.TextData(tokens, seed=t.seed, shuffle=d.shuffle and split == "train", ends=ends, **common)
+    ends = c.ends if d.document_mask else None
+    return loader.TextData(torch.from_numpy(c.tokens), seed=t.seed, shuffle=d.shuffle and split == "train", ends=ends, source=c, **common)
 
 
 def eval_data_for(cfg, lay: layout.Layout, rank: int, run_dir: Path, policy: DevicePolicy):

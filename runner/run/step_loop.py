@@ -6,6 +6,7 @@ is a method of StepLoop so monitors can time and trace it. A run of steps (build
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.formats import checkpoint
+from runner.formats import checkpoint, runfiles
 from runner.formats.metrics_row import StepRow
-from runner.observe import attribution, integrity, loss_guard, plan_check
+from runner.observe import attribution, integrity, layer_stats, loss_guard, plan_check
 from runner.observe.monitor import StepMonitor
 from runner.outputs import breakdown
 from runner.outputs.timeline import Timeline
@@ -94,6 +95,7 @@ class StepLoop:
     # fault_tolerance=torchft: this replica group's torchft Manager (runner.run.ft.Replica); no-ops when off
     ft: ft.Off | ft.Replica = ft.OFF
     experts: expert_load.ExpertLoad | expert_load.Off = expert_load.OFF  # MoE models: token counts at logged steps
+    layers: layer_stats.LayerStats | layer_stats.Off = layer_stats.OFF  # per-block statistics at logged and flagged steps
     stopped: bool = False  # SLURM's warning signal: checkpointed after the last step, the job is requeued
     pending: bool = False  # the last step was accepted and its optimizer step is still to run (apply_update)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -106,6 +108,7 @@ class StepLoop:
     attributor: attribution.Attributor | None = None  # replays the guard's flagged steps (None: not attributed)
     # this step's RNG state and batch on the device: what a flagged step is replayed from
     replay_from: tuple[tuple[torch.Tensor, torch.Tensor | None], list[loader.Microbatch]] | None = None
+    replayed: dict[str, list] | None = None  # the per-block statistics of the last attribution replay
 
     # --- one step, top to bottom ---------------------------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class StepLoop:
         guard, policy = self.guard, self.policy
         started, p0 = time.time(), time.monotonic()  # the step's overhead: its own clock, apart from dt's
         if step in guard.bad_steps:  # replaying after a rewind: this batch already spiked, leave it out
+            self.left_out(step)
             self.apply_update()
             self.sched.step()
             return step + 1
@@ -159,7 +163,10 @@ class StepLoop:
         self.apply_update()  # the last step's accepted update, timed with this step
         mon.faults.flip(step, self.built.parts)  # TEST-ONLY injection, as faults.shifted below
         local, norm = self.train_step(step)
-        share, grad_norm, *counts = policy.read(local, norm, *self.experts.collect(step))  # waits for the step's kernels (the update's too)
+        stats = self.layers.take()  # at logged steps: the per-block table, read with the rest
+        # waits for the step's kernels (the update's too)
+        share, grad_norm, *counts = policy.read(local, norm, *stats, *self.experts.collect(step))
+        blocks, counts = (self.layers.row(counts), counts[4 * self.layers.n :]) if stats else (None, counts)
         extra = self.experts.summands(step, counts)  # at logged steps of an MoE model: its experts' token counts
         first = (share, grad_norm)
         with mon.phase("loss"):
@@ -171,6 +178,9 @@ class StepLoop:
         grad_norm = mon.faults.shifted(step, grad_norm)  # as read, unless a test shifts it
         verdict = self.guard.check(step, loss, grad_norm)  # loss and norm are global: every rank decides alike
         found = self.attribute(step, verdict, first)  # a flagged step: the data or the hardware, before the optimizer acts
+        blocks = self.replayed or blocks  # a flagged step's blocks as its replay saw them
+        if blocks is not None and verdict.action in ("ok", "accept"):
+            self.layers.accept(blocks)
         lr = titan.current_lr(self.opt)  # the rate this step's update uses
         self.decide_update(step, verdict, shared.stop, self.ft.should_commit())  # torchft's vote (always True with it off)
         replicas = self.check_replicas(step) if self.integrity.check_due(step) else {}
@@ -191,6 +201,8 @@ class StepLoop:
             r.compile_s = self.compiling.take()  # inside dt: counted apart from productive time (runner.outputs.goodput)
         if found is not None:
             r.verdict, r.verdict_ranks = found["verdict"], found["ranks"]
+        if blocks is not None:
+            r.layers = blocks  # per-block statistics (runner.observe.layer_stats)
         if self.prof is not None and profiling.profiled(self.cfg.profile, step):
             r.profiled = True  # the profiler ran: left out of the medians
         r.add(self.ft.row(step, r, self.built.parts)).add(self.experts.row(step, shared.extra))
@@ -203,12 +215,14 @@ class StepLoop:
         with torch.profiler.record_function(breakdown.DATA_SPAN):
             microbatches = on_device(self.feed.get(step - 1), self.policy.compute_device())
         self.replay_from = (self.policy.rng_state(), microbatches) if self.attributor is not None else None
+        self.layers.arm(step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps)
         if self.integrity.replay_due(step):
             local = self.integrity.replay(
                 step, lambda: self.compute(microbatches), built.parts, lambda: self.opt.zero_grad(set_to_none=True), mon
             )
         else:
             local = self.compute(microbatches)
+        self.layers.gather()
         if self.hooks.before_clip is not None:
             self.hooks.before_clip(step, built.parts)
         with mon.phase("optimizer"):
@@ -218,28 +232,36 @@ class StepLoop:
     def attribute(self, step: int, verdict: loss_guard.Verdict, first: tuple[float, float]) -> dict[str, Any] | None:
         """A flagged step replayed from its batch and RNG state (runner.observe.attribution). A hardware verdict takes the
         step back from the guard (it says nothing of the data) and leaves it unapplied; `mismatch` then decides."""
+        self.replayed = None
         if not verdict.spike or self.attributor is None or self.ft is not ft.OFF:  # torchft: replica groups are separate jobs
             return None
         rng, microbatches = self.replay_from
         zero_grad = lambda: self.opt.zero_grad(set_to_none=True)  # noqa: E731
         again, samples = (lambda: self.recompute(microbatches)), (lambda: self.data.step_samples(step - 1))
-        found = self.attributor.judge(step, verdict, first, again, self.built.parts, zero_grad, rng, self.mon, samples)
+        blame = lambda: self.layers.blame(self.replayed) if self.replayed else None  # noqa: E731
+        found = self.attributor.judge(step, verdict, first, again, self.built.parts, zero_grad, rng, self.mon, samples, blame)
         if found["verdict"] == attribution.HARDWARE:
             self.guard.revert()
             verdict.action = attribution.HARDWARE
         return found
 
     def recompute(self, microbatches) -> tuple[float, float]:
-        """The step's forward/backward and clip again; this rank's loss share and the global grad norm on the host."""
+        """The step's forward/backward and clip again; this rank's loss share and the global grad norm on the host. The
+        replay's per-block statistics, read with them, are `replayed`."""
+        self.layers.arm(True)
         local = self.compute(microbatches)
+        self.layers.gather()
         with self.mon.phase("optimizer"):
             norm = titan.clip_grad_norm_tensor(self.built.parts, self.cfg.training.max_norm, self.built.parallel_dims)
-        share, grad_norm = self.policy.read(local, titan.local_value(norm))
+        stats = self.layers.take()
+        share, grad_norm, *values = self.policy.read(local, titan.local_value(norm), *stats)
+        self.replayed = self.layers.row(values) if stats else None
         return share, grad_norm
 
     def compute(self, microbatches) -> torch.Tensor:
         """Forward/backward (or the pipeline schedule); returns this rank's loss share."""
         built, mon = self.built, self.mon
+        self.layers.begin()
         if built.schedule is None:
             return forward_backward(built, self.loss_fn, microbatches, self.global_tokens, mon)
         span = mon.timeline.start()  # the schedule on the policy's timeline clock, beside its stages' busy time
@@ -286,6 +308,12 @@ class StepLoop:
         return due or self.ft is not ft.OFF
 
     # --- after the step: checks, evaluation, SLURM, the row ------------------------------------------------------
+
+    def left_out(self, step: int) -> None:
+        """Record the batch a rewind leaves out (left_out.jsonl, rank 0): its global samples and where each comes from."""
+        if dist.get_rank() == 0:
+            with open(self.run_dir / runfiles.LEFT_OUT, "a") as fh:
+                fh.write(json.dumps({"step": step, "samples": self.data.step_samples(step - 1)}) + "\n")
 
     def rewind(self) -> int:
         """Reload the whole state from the last checkpoint before the spike streak; the guard keeps its bad steps."""

@@ -7,59 +7,15 @@ on-the-fly permutation (`TokenData`), so nothing grows with the corpus.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from runner.formats.data_manifest import Split as _Split  # python -m runner.data show reads a split too (torch-free)
 from runner.run.loader import Stream
 
 SOURCE_SHIFT = 48  # token_start of a mixture: source index above the bits of a token offset (2^48 tokens per source)
-
-
-class _Split:
-    """One split of a prepared folder as a single token stream, read by memory map: the parts' token files are
-    opened when first read, so start-up costs O(parts) whatever their size."""
-
-    def __init__(self, folder: str, split: str):
-        from runner.formats import data_manifest as mf
-
-        self.folder, self.split, self.m = Path(folder), split, mf.load(folder)
-        parts = self.m["splits"][split]["parts"]
-        self.names = [p["name"] for p in parts]
-        self._docs = [p["documents"] for p in parts]
-        self.ends = np.cumsum([p["tokens"] for p in parts], dtype=np.int64)
-        self.num_tokens = int(self.ends[-1]) if len(parts) else 0
-        self._maps: dict[int, np.ndarray] = {}
-
-    def _map(self, i: int) -> np.ndarray:
-        if i not in self._maps:
-            from runner.formats import data_manifest as mf
-
-            self._maps[i] = np.memmap(mf.tokens_file(self.folder, self.names[i], self.split), dtype=self.m["dtype"], mode="r")
-        return self._maps[i]
-
-    def pieces(self) -> list:
-        """Each part as a runner.formats.documents.Piece: its tokens and its documents' end offsets (the .idx file)."""
-        from runner.formats import data_manifest as mf
-        from runner.formats.documents import Piece
-
-        def piece(i: int) -> Piece:
-            ends = np.memmap(mf.index_file(self.folder, self.names[i], self.split), dtype=np.uint64, mode="r") if self._docs[i] else []
-            return Piece(lambda start, n: self._map(i)[start : start + n].astype(np.int64), ends)
-
-        return [piece(i) for i in range(len(self.names))]
-
-    def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the split, across part boundaries, as int64."""
-        out, i = [], int(np.searchsorted(self.ends, start, side="right"))
-        while n > 0:
-            begin = start - (int(self.ends[i - 1]) if i else 0)
-            chunk = self._map(i)[begin : begin + n]
-            out.append(chunk)
-            start, n, i = start + len(chunk), n - len(chunk), i + 1
-        return np.concatenate(out).astype(np.int64)
 
 
 class TokenData(Stream):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.formats import checkpoint, hf_folder, runfiles
-from runner.observe import attribution, integrity, loss_guard, plan_check, rank_recorder
+from runner.observe import attribution, integrity, layer_stats, loss_guard, plan_check, rank_recorder
 from runner.observe.monitor import StepMonitor
 from runner.outputs import goodput
 from runner.outputs.timeline import Timeline
@@ -113,6 +113,7 @@ def build(
         attributor=attribution.Attributor(policy, mon.who, dist.get_rank(), run_dir, cfg.monitor.integrity.on_mismatch, tp_groups(lay)),
         ft=ft.replica(cfg, built.parts, opt, sched, policy, run_dir),
         experts=expert_load.of(cfg, lay, dist.get_rank(), policy, built.parts, run_dir),
+        layers=layer_stats.of(cfg, lay, built.parts, policy.compute_device()),
         timeline=timeline,
         compiling=CompileClock().install() if t.compile else None,
     )
@@ -187,6 +188,7 @@ def load_weights(loop: StepLoop) -> None:
 def stop(loop: StepLoop) -> list[dict[str, Any]]:
     """Requeued after SLURM's warning: the steps so far; the summary is the finished run's."""
     loop.feed.close()
+    loop.layers.remove()
     if loop.compiling is not None:
         loop.compiling.remove()
     if loop.timeline is not None:
@@ -205,6 +207,7 @@ def finish(loop: StepLoop, step: int) -> list[dict[str, Any]]:
     if loop.ckpt.local is not None and not loop.stopped:  # the run's local checkpoints are the job's: gone when it ends well
         loop.ckpt.local.remove()
     loop.feed.close()
+    loop.layers.remove()
     if loop.compiling is not None:
         loop.compiling.remove()
     if cfg.checkpoint.enable and cfg.checkpoint.export_final_model:

@@ -136,3 +136,6 @@ class MonitorConfig:
     inject: InjectConfig = field(default_factory=InjectConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     moe_load: MoeLoadConfig = field(default_factory=MoeLoadConfig)
+    layer_stats: bool = True
+    """Per transformer block, at logged steps and on every step the loss guard flags: the gradient norm, the largest
+    absolute output activation and weight, and non-finite counts (metrics.jsonl's `layers`; docs/monitoring.md)."""
