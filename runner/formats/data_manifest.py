@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from runner.formats.user_files import UnreadableFile, read_json, schema_problem
 
 if TYPE_CHECKING:
+    import numpy as np
     from tokenizers import Tokenizer
 
 VERSION = 2
@@ -184,6 +185,8 @@ class Split:
     opened when first read, so start-up costs O(parts) whatever their size."""
 
     def __init__(self, folder: str, split: str):
+        import numpy as np  # lazily: mode=search and validation import this module
+
         self.folder, self.split, self.m = Path(folder), split, load(folder)
         parts = self.m["splits"][split]["parts"]
         self.names = [p["name"] for p in parts]
@@ -193,12 +196,16 @@ class Split:
         self._maps: dict[int, np.ndarray] = {}
 
     def _map(self, i: int) -> np.ndarray:
+        import numpy as np  # lazily: mode=search and validation import this module
+
         if i not in self._maps:
             self._maps[i] = np.memmap(tokens_file(self.folder, self.names[i], self.split), dtype=self.m["dtype"], mode="r")
         return self._maps[i]
 
     def pieces(self) -> list:
         """Each part as a runner.formats.documents.Piece: its tokens and its documents' end offsets (the .idx file)."""
+        import numpy as np  # lazily: mode=search and validation import this module
+
         from runner.formats.documents import Piece
 
         def piece(i: int) -> Piece:
@@ -209,6 +216,8 @@ class Split:
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n) of the split, across part boundaries, as int64."""
+        import numpy as np  # lazily: mode=search and validation import this module
+
         out, i = [], int(np.searchsorted(self.ends, start, side="right"))
         while n > 0:
             begin = start - (int(self.ends[i - 1]) if i else 0)
