@@ -30,7 +30,7 @@ def test_microbatches_reach_the_model_on_the_policys_compute_device(monkeypatch)
         built=SimpleNamespace(schedule=None, parts=[], parallel_dims=None),
         mon=SimpleNamespace(phase=lambda name: nullcontext()),
         hooks=step_loop.Hooks(),
-        cfg=SimpleNamespace(training=SimpleNamespace(max_norm=1.0)),
+        cfg=SimpleNamespace(training=SimpleNamespace(max_norm=1.0, steps=10), logging=SimpleNamespace(log_every=10)),
         loss_fn=None,
         global_tokens=torch.tensor(32.0),
     )
@@ -213,6 +213,7 @@ def test_a_rewound_step_leaves_the_next_expert_bias_update_one_batch_of_token_co
     loop.built = SimpleNamespace(parts=[part])
     loop.ckpt.wait = lambda: None
     loop.ckpt.restore = lambda *a, before: events.append(f"restore before {before}") or 2
+    loop.left_out = lambda step: events.append(f"left out {step}")  # left_out.jsonl: its own test (test_eval)
     counts = block.moe.tokens_per_expert_E
     fwd = step_loop.StepLoop.train_step
 

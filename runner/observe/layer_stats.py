@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 FIELDS = ("grad_norm", "act_max", "weight_max", "nonfinite")
 """metrics.jsonl's `layers`: one list per field, one value per block (block b at index b)."""
@@ -37,13 +38,17 @@ def copies(ranks_per_stage: int, mesh_size: int, replicated: int) -> int:
     return ranks_per_stage // mesh_size * replicated
 
 
+def _replicated(t: torch.Tensor) -> int:
+    """How many ranks of a DTensor's mesh hold the same shard of it (1 for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(d) for d, pl in enumerate(t.placements) if pl.is_replicate())
+
+
 def _copies_of(p: torch.Tensor, ranks_per_stage: int) -> int:
-    spec = getattr(p, "_spec", None)
-    if spec is None:
+    if not isinstance(p, DTensor):
         return ranks_per_stage
-    mesh = spec.mesh
-    rep = math.prod(mesh.size(d) for d, pl in enumerate(spec.placements) if pl.is_replicate())
-    return copies(ranks_per_stage, mesh.size(), rep)
+    return copies(ranks_per_stage, p.device_mesh.size(), _replicated(p))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +90,7 @@ class LayerStats:
             peak = torch.linalg.vector_norm(x, math.inf).float()  # max |x| in one pass, no copy of |x|
             bad = ~torch.isfinite(peak)  # the output holds a non-finite value: counted off its max, no pass of its own
             self.act[i, 0] = torch.maximum(self.act[i, 0], torch.nan_to_num(peak, nan=math.inf))
-            spec = getattr(out, "_spec", None)  # an output replicated over TP is counted once
-            self.act[i, 1] += bad / (math.prod(spec.mesh.size(d) for d, p in enumerate(spec.placements) if p.is_replicate()) if spec else 1)
+            self.act[i, 1] += bad / _replicated(out)  # an output replicated over TP is counted once
 
         return hook
 
@@ -114,6 +118,7 @@ class LayerStats:
         """This rank's shards into the tables: one pass over the gradients (their norms) and one over the weights (max |w|),
         each a single foreach call over every block. A tensor holding a non-finite value has a non-finite norm, so such
         tensors are counted from the norms without a pass of their own."""
+        # private_api: torch_foreach_norm
         peaks = torch.stack(torch._foreach_norm([_local(p.detach()) for p, _ in self.params], math.inf)).float()
         sums[:, 1].index_add_(0, self.block_of, (~torch.isfinite(peaks)) * self.inv)
         maxes[:, 1].scatter_reduce_(0, self.block_of, torch.nan_to_num(peaks, nan=math.inf), "amax")

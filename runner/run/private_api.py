@@ -242,6 +242,9 @@ PRIVATE = (
     # ---- the CUDA rehearsal (mode=dryrun dryrun.device=cuda) ----
     P("torch_higher_order_operator", "torch._ops", "HigherOrderOperator", TORCH, (f"{LEDGER}:Ledger.__torch_dispatch__",),
       "FlexAttention's ops are higher-order ops: the ledger passes them through and counts their outputs"),
+    P("torch_foreach_norm", "torch", "_foreach_norm", TORCH, ("runner/observe/layer_stats.py:LayerStats._shards",),
+      "per-block statistics: every gradient's norm and every weight's max |w| in one foreach call, as torch's own "
+      "clip_grad_norm_ computes its norms (torch.nn.utils.get_total_norm)"),
     P("torch_fake_tensor", "torch._subclasses.fake_tensor", "FakeTensor", TORCH,
       (f"{STEP_PROBE}:StepProbe.__torch_dispatch__", f"{FAKE_CUDA}:_fill_normal"),
       "the probe lets other tensor subclasses (DTensor, float8) desugar first; the fake init tells them from fake tensors"),
