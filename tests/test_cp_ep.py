@@ -180,6 +180,11 @@ BAD_BACKEND = [
         "the dry run plays a rank on fake tensors, on which hybridep's kernels do not run; mode=plan counts its host reads",
     ),
     (
+        [*EP2_GPU, "parallelism.moe_comm_backend=deepep", "precision.experts=fp8_rowwise"],
+        "precision.experts = fp8_rowwise pads each expert's token group, which only TorchAO's all-to-all dispatcher and "
+        "HybridEP do (TorchTitan's swap_token_dispatcher raises for deepep's dispatcher)",
+    ),
+    (
         [*EP2_GPU, "parallelism.moe_comm_backend=deepep", "parallelism.ep=1"],
         "deepep exchanges tokens between expert-parallel ranks, and parallelism.ep = 1",
     ),
@@ -239,7 +244,7 @@ def test_plan_prices_each_backends_token_exchange_and_counts_its_host_reads(comp
     assert {r[0]: r for r in plan.rows(b)}["EP traffic"][2].endswith(f"({backend}), intra-node; {want}")
 
 
-def test_each_backend_reaches_titans_token_dispatchers(compose):
+def test_each_backend_reaches_titans_token_dispatchers(compose, monkeypatch):
     """The run's model config (runner.run.titan.build.model_config) holds TorchTitan's dispatcher of the backend in every
     MoE block, its buffers sized by TorchTitan's update_from_config (a DP rank's 4 samples of 256 tokens, dim 256)."""
     import importlib
@@ -260,3 +265,12 @@ def test_each_backend_reaches_titans_token_dispatchers(compose):
         assert len(dispatchers) == 5 and {type(d).__qualname__ for d in dispatchers} == {f"{cls}.Config"}, backend
         assert {getattr(d, "num_max_tokens_per_rank", None) for d in dispatchers} == {tokens}, backend
     assert dispatchers[0].non_blocking_capacity_factor == 1.0  # hybridep without a host read, as TorchTitan's configs run it
+    # FP8 experts: the converter swaps the backend's dispatcher for its padding twin (TorchAO's, HybridEP's with pad 16)
+    from torchtitan.components.quantization import float8
+
+    monkeypatch.setattr(float8, "has_cuda_capability", lambda *_: True)  # an H100's SM 9.0, which this CPU machine lacks
+    for backend, cls in (("standard", "TorchAOTokenDispatcher"), ("hybridep", "HybridEPTokenDispatcher")):
+        cfg = compose([*EP2_GPU, f"parallelism.moe_comm_backend={backend}", "precision.experts=fp8_rowwise"])
+        spec, *_ = build.model_config(cfg, layout.resolve(cfg.parallelism, cfg.cluster), materialize=False)
+        dispatchers = [layer.moe.routed_experts.token_dispatcher for layer in spec.model.layers if layer.moe is not None]
+        assert {type(d).__qualname__ for d in dispatchers} == {f"{cls}.Config"} and {d.pad_multiple for d in dispatchers} == {16}, backend

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from runner.estimate import moe_comm, precision
-from runner.schema import ActivationCheckpoint, DeviceType, DType, Mode, MoeCommBackend, RunConfig
+from runner.schema import ActivationCheckpoint, DeviceType, DType, ExpertsPrecision, Mode, MoeCommBackend, RunConfig
 from runner.schema.layout import Layout
 from runner.schema.problems import Problem
 
@@ -66,6 +66,12 @@ def check(cfg: RunConfig, lay: Layout | None, out: list[Problem]) -> None:
                 FIELD, v, f"its buffers hold bfloat16 or float32 rows; precision.param_dtype = {cfg.precision.param_dtype.value}", STANDARD
             )
         )
+    if b in (MoeCommBackend.deepep, MoeCommBackend.minimal_async_ep) and cfg.precision.experts != ExpertsPrecision.high:
+        why = (
+            f"precision.experts = {cfg.precision.experts.value} pads each expert's token group, which only TorchAO's all-to-all "
+            f"dispatcher and HybridEP do (TorchTitan's swap_token_dispatcher raises for {v}'s dispatcher)"
+        )
+        out.append(Problem(FIELD, v, why, "use parallelism.moe_comm_backend=hybridep or standard, or precision.experts=high"))
     if need.one_node and lay is not None:
         dpn = c.devices_per_node
         if dpn > 0 and (lay.ep > dpn or dpn % lay.ep):

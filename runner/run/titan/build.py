@@ -58,6 +58,8 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
     spec = model_spec(cfg.model)
     mcfg = spec.model
     converted = convert_precision(mcfg, cfg)  # before update_from_config sets the TP sharding, as TorchTitan does
+    # the token exchange first: the experts' converters swap its dispatcher for one that pads (TorchAO's, or HybridEP's)
+    use_comm_backend(mcfg, cfg.parallelism.moe_comm_backend.value)
     experts = convert_experts(mcfg, cfg, materialize)  # before use_float32_experts, which leaves converted experts
     if DevicePolicy.of(cfg.cluster, cfg.distributed).cpu:  # the CPU adaptations (runner.run.titan.cpu)
         import runner.run.titan.cpu as cpu
@@ -70,7 +72,6 @@ def model_config(cfg: RunConfig, lay: Layout, materialize: bool = True):
             cpu.use_float32_experts(mcfg)
         if lay.cp > 1:
             cpu.enable_ring_attention()
-    use_comm_backend(mcfg, cfg.parallelism.moe_comm_backend.value)
     use_load_balance(mcfg, cfg.model.load_balance_coeff)
     training, parallelism = titan_configs(cfg, lay)
     # activation_checkpoint and compile: minimal_async_ep's check reads them (it needs full recompute)
