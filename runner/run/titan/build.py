@@ -39,10 +39,10 @@ class Built:
     """This rank holds the last pipeline stage (it computes the loss)."""
     fp8_converted: list[str] | None = None
     """Linear layers (module FQNs) converted to the FP8 recipe, as found in the model config."""
-    experts_converted: list[str] | None = None
-    """Routed experts (GroupedExperts FQNs) converted to precision.experts' FP8, as found in the model config."""
     cp_load_balancer: str | None = None
     """TorchTitan's CP load balancer for this attention (headtail for SDPA, ptrr for FlexAttention); None without CP."""
+    experts_converted: list[str] | None = None
+    """Routed experts (GroupedExperts FQNs) converted to precision.experts' FP8, as found in the model config."""
     post_optimizer_build_fn: object = None
     """The model's optimizer hook from its TorchTitan spec (MoE: auxiliary-loss-free expert-bias updates)."""
     attention_masks: bool = False
@@ -96,7 +96,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     masks = _uses_flex(mcfg)
     extra = _extra_inputs(parts[0], cfg, device) if lay.pp == 1 and masks else {}
     balancer = _cp_load_balancer(mcfg) if lay.cp > 1 else None
-    built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, balancer)
+    built = Built(parts, pd, num_params, flops_per_token, extra, schedule, has_first, has_last, converted, cp_load_balancer=balancer)
     built.post_optimizer_build_fn, built.spec = spec.post_optimizer_build_fn, spec
     built.experts_converted = experts
     built.attention_masks = masks
