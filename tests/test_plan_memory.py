@@ -260,7 +260,11 @@ def test_v_schedules_hold_what_torchs_action_order_leaves_in_flight(compose):
     for cls, name in ((schedules.ScheduleDualPipeV, "DualPipeV"), (schedules.ScheduleZBVZeroBubble, "ZBVZeroBubble")):
         for pp, m in ((2, 4), (3, 7), (4, 8), (4, 13), (16, 120)):
             for rank in range(pp):
-                assert pipeline_ranks._v_held(name, pp, m, rank) == _torch_held(cls, pp, m, rank), (name, pp, m, rank)
+                held = pipeline_ranks._v_held(name, pp, m, rank)
+                assert held == _torch_held(cls, pp, m, rank), (name, pp, m, rank)
+                peaks = pipeline_ranks._v_peaks(name, pp, m, rank)  # what the memory model weighs: the same largest sums
+                for w in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (3.2, 0.1), (0.1, 3.2)):
+                    assert max(a * w[0] + b * w[1] for a, b in peaks) == max(a * w[0] + b * w[1] for a, b in held), (name, pp, m, w)
     cfg = compose(["recipe=deepseek_v3_671b_h800x2048"])
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     assert max(h for h, _ in pipeline_ranks.v_held(cfg, lay, 120, 0)) == 32

@@ -274,9 +274,9 @@ def _held_by_virtual_stage(cfg: RunConfig, lay: Layout, micro: int, st: int, siz
     looped = pipeline_ranks.looped_held(cfg, lay, micro, st)
     if looped is not None:
         return sum(k * b for k, b in zip(looped, per_mb, strict=True))
-    v = pipeline_ranks.v_held(cfg, lay, micro, st)
+    v = pipeline_ranks.v_peaks(cfg, lay, micro, st)
     if v is not None:
-        return max(sum(k * b for k, b in zip(held, per_mb, strict=True)) for held in v)
+        return max(held * per_mb[0] + last * per_mb[1] for held, last in v)
     return None
 
 

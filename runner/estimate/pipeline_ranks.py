@@ -54,13 +54,17 @@ def looped_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[int] |
     p = cfg.parallelism
     if lay.pp == 1 or p.pp_schedule != "Interleaved1F1B":
         return None
-    v = p.pp_virtual_stages
-    per_round = micro // max(1, micro // lay.pp)
-    warmup = min((v - 1) * per_round + 2 * (lay.pp - 1 - st), micro * v)
+    return list(_looped_held(lay.pp, p.pp_virtual_stages, micro, st))
+
+
+@functools.lru_cache(maxsize=4096)
+def _looped_held(pp: int, v: int, micro: int, st: int) -> tuple[int, ...]:
+    per_round = micro // max(1, micro // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - st), micro * v)
     held = [0] * v
     for k in range(min(warmup + 1, micro * v)):
         held[(k // per_round) % v] += 1
-    return held
+    return tuple(held)
 
 
 def chunk_stages(cfg: RunConfig, lay: Layout, st: int) -> list[int]:
@@ -75,13 +79,21 @@ def chunk_stages(cfg: RunConfig, lay: Layout, st: int) -> list[int]:
 def chunk_blocks(cfg: RunConfig, lay: Layout, st: int) -> list[tuple[int, int]]:
     """(dense, moe) blocks of each of rank `st`'s virtual stages (chunk_stages' order)."""
     m, p = cfg.model, cfg.parallelism
-    split = pipeline.stage_layers(m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    dense_left, per_stage = m.num_dense_layers if flops.is_moe(m) else m.num_layers, []
-    for n in split:
+    dense = m.num_dense_layers if flops.is_moe(m) else m.num_layers
+    split = (m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
+    per_stage = _blocks_per_stage(*split, dense)
+    return [per_stage[s] for s in chunk_stages(cfg, lay, st)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocks_per_stage(num_layers: int, stages: int, first_less: int, last_less: int, dense: int) -> tuple[tuple[int, int], ...]:
+    """(dense, moe) blocks of every stage (mode=search asks for the same split thousands of times)."""
+    dense_left, per_stage = dense, []
+    for n in pipeline.stage_layers(num_layers, stages, first_less, last_less):
         d = min(n, dense_left)
         dense_left -= d
         per_stage.append((d, n - d))
-    return [per_stage[s] for s in chunk_stages(cfg, lay, st)]
+    return tuple(per_stage)
 
 
 def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: bool) -> int:
@@ -107,6 +119,21 @@ def v_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[tuple[int, 
     if lay.pp == 1 or pipeline.SCHEDULES[p.pp_schedule].style != "v":
         return None
     return _v_held(p.pp_schedule, lay.pp, micro, st)
+
+
+def v_peaks(cfg: RunConfig, lay: Layout, micro: int, st: int) -> tuple[tuple[int, int], ...] | None:
+    """v_held's pairs that no other pair holds at least as many of in both stages (the memory model weighs the two
+    stages' bytes, which are never negative, so its largest sum is at one of these): a few pairs for 2 x micro."""
+    p = cfg.parallelism
+    if lay.pp == 1 or pipeline.SCHEDULES[p.pp_schedule].style != "v":
+        return None
+    return _v_peaks(p.pp_schedule, lay.pp, micro, st)
+
+
+@functools.lru_cache(maxsize=4096)
+def _v_peaks(schedule: str, pp: int, micro: int, rank: int) -> tuple[tuple[int, int], ...]:
+    pairs = set(_v_held(schedule, pp, micro, rank))
+    return tuple(sorted(a for a in pairs if not any(b != a and b[0] >= a[0] and b[1] >= a[1] for b in pairs)))
 
 
 @functools.lru_cache(maxsize=1024)
