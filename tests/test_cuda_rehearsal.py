@@ -76,7 +76,7 @@ NO_LOOP = {
 }
 """Cases without the StepLoop's three steps: a 70B rank's step takes about 11 s here, and the tier must stay under 3 minutes;
 data=text's loader draws its shuffled order with torch.randperm, which under FakeTensorMode holds no values to index with
-(its measured steps read packed documents' positions, rehearse.synthetic_microbatches)."""
+(its measured steps read packed documents' positions, batches.synthetic_microbatches)."""
 TOLERANCE = 0.15
 FP8_MODULE = {"fp8_rowwise": "Float8Linear", "fp8_tensorwise": "Float8Linear", "fp8_blockwise": "BlockwiseFp8Linear"}
 

@@ -367,16 +367,16 @@ def test_the_dry_run_builds_the_steps_block_mask_with_torchtitans_mask_function(
     """mode=dryrun's block-mask line: TorchTitan's packed-document BlockMask built for real on this CPU for one sample of
     the run's seq_len, its bytes times the step's batch equal to the plan's, its build timed; none on a CPU cluster."""
     from runner.estimate import dryrun_report
-    from runner.run.dryrun import rehearse
+    from runner.run.dryrun import batches
     from runner.schema import layout
 
     cfg = compose(["parallelism=tp2_pp2", "cluster=h100_node", "training.seq_len=700", "data=text"])
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
-    got = rehearse.block_mask_probe(cfg, lay)
+    got = batches.block_mask_probe(cfg, lay)
     micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
     assert got["batch"] == micro * cfg.training.microbatch_size and got["builds_per_step"] == 1
     assert got["sample_bytes"] == 16 * 6 * 7 and got["sample_bytes"] * got["batch"] == got["plan_bytes"] and got["sample_build_s"] > 0
     line = dryrun_report.block_mask_line(got)
     assert line.startswith("block masks (FlexAttention, 8 x 700 tokens, 1 built per step): plan 5.38 kB, ")
     assert "TorchTitan's mask function builds 5.38 kB (672 B per sample); one sample's build took " in line
-    assert rehearse.block_mask_probe(compose(["parallelism=tp2_pp2", "data=text"]), lay) is None  # CPU: SDPA, no BlockMask
+    assert batches.block_mask_probe(compose(["parallelism=tp2_pp2", "data=text"]), lay) is None  # CPU: SDPA, no BlockMask

@@ -2,19 +2,9 @@
 rejected by validation's own rules and the plan's memory model, ranked by predicted step time.
 
 Torch-free, and no Hydra composition per candidate: each candidate is the composed config with its
-parallelism and training fields replaced (dataclasses.replace). The space and its bounds:
-
-- tp: divisors of the world size up to the devices of a node (rules: divides the heads, KV heads and the node);
-- cp: divisors up to search.max_cp (rule: the sequence splits into 2 x cp chunks);
-- pp: divisors of what tp x cp leave, up to the layers plus the embedding and head (rule: TorchTitan's split);
-- dp_replicate x dp_shard: every factorization of the rest; ep (MoE only): divisors of the experts;
-- schedule and stages per rank: 1F1B and GPipe (v=1), each looped schedule with v in 2..search.max_virtual_stages,
-  ZBVZeroBubble and DualPipeV (v=2); with pp=1 just one entry;
-- microbatch size: 1..search.max_microbatch_size (rule: dp x microbatch divides the global batch, and the schedule's m);
-- activation checkpointing: none, selective_op, selective_layer (every training.ac_layer_frequency-th block), full;
-- fsdp_reshard_after_forward: always and never when dp_shard > 1 (default is one of the two), else default.
-
-The space is runner/config/search/space.py.
+parallelism and training fields replaced (dataclasses.replace). The space (tp, cp, pp, dp_replicate x dp_shard, ep,
+schedule and stages per rank, microbatch size, activation checkpointing, resharding) and its bounds are
+runner/config/search/space.py.
 
 Pruning, each counted under its reason: a rule that fails for a layout rejects every candidate under it; a layout
 and schedule whose lightest setting (full AC, resharding, that microbatch) does not fit rejects its settings by

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.run.dryrun import cuda_checks, fake_cuda
+from runner.run.dryrun import batches, cuda_checks, fake_cuda
 from runner.run.dryrun.step_probe import StepProbe
 
 
@@ -37,7 +37,7 @@ def _step(cfg, lay, built, opt, policy, probe: StepProbe, led) -> dict[str, Any]
 
     host = [  # what loader.Prefetch hands the step (packed documents' positions on real data: masks built per batch)
         type(mb)(*(None if t is None else t.pin_memory() for t in mb)) if policy.pins_host_batches else mb
-        for mb in rehearse.synthetic_microbatches(cfg, lay, documents=block_mask.documents(cfg))
+        for mb in batches.synthetic_microbatches(cfg, lay, documents=block_mask.documents(cfg))
     ]
     grads: dict[str, Any] = {}
     built_masks = cuda_checks.mask_builds(built)
@@ -184,7 +184,7 @@ def run_job(frozen: str, ranks: list[int], run_dir: str, loop: bool = True) -> d
     for r in ranks:
         out.append(rehearse.in_fork(rehearse_rank, dry, lay, r, Path(run_dir), loop))
         print(f"rank {r}: rehearsed on fake CUDA in {out[-1]['wall_s']:.1f} s", flush=True)
-    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": rehearse.in_fork(rehearse.block_mask_probe, cfg, lay)}
+    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": rehearse.in_fork(batches.block_mask_probe, cfg, lay)}
 
 
 def substitutions(cfg) -> list[str]:
