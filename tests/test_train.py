@@ -404,8 +404,10 @@ def test_a_tp2_pp2_step_traced_and_split_by_term(runs):
 def test_runner_collectives_follow_the_device_policy(runs):
     """With host collectives on a group of their own (how CUDA runs them: NCCL rejects CPU tensors), every
     collective the runner's own modules issue goes through the device policy onto that group with CPU tensors;
-    the only exception is the bandwidth probe, which measures the model's links on the default group."""
+    the exceptions are the bandwidth probe, which measures the model's links on the default group, and the per-block
+    statistics, which reduce device tensors on the default group (the step's one host read takes their result)."""
     probe = "runner/observe/plan_check.py:allreduce_gbs"
+    layers = "runner/observe/layer_stats.py:gather"
     want = {
         "runner/run/mesh.py:places",
         "runner/run/loader.py:check_inputs",
@@ -415,11 +417,13 @@ def test_runner_collectives_follow_the_device_policy(runs):
         "runner/observe/monitor.py:_judge",
         "runner/observe/plan_check.py:mean_over_ranks",
         probe,
+        layers,
     }
     for rank in range(4):
         calls = json.loads((runs["dp2_pp2"] / "logs" / "collectives" / f"rank_{rank}.json").read_text())
         direct = [c for c in calls if not c["via_policy"]]
-        assert direct and all(c["caller"] == probe and c["op"] == "all_reduce" and c["group"] == "default" for c in direct), direct
+        assert {c["caller"] for c in direct} == {probe, layers}, direct
+        assert all(c["op"] == "all_reduce" and c["group"] == "default" for c in direct), direct
         host = [c for c in calls if c["via_policy"]]
         assert [c for c in host if c["group"] != "host" or c["devices"] not in ([], ["cpu"])] == []
         assert {c["caller"] for c in calls} == want, rank
