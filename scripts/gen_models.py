@@ -200,8 +200,22 @@ def model_fields(family: str, flavor: str) -> dict:
     rope = attention.rope
     out |= {"ffn_hidden_dim": dense[0].feed_forward.w1.out_features if dense else 0, "weight_tying": cfg.enable_weight_tying}
     out |= _moe_fields(layers) | _sliding_window(layers) | _linear_attention(layers)
-    out |= {"rope_max_seq_len": rope.max_seq_len, "rope_cos_sin": type(rope).__name__ == "CosSinRoPE", "rope_theta": float(rope.theta)}
+    out |= _rope_fields(rope, ModelConfig(**out))
     return out
+
+
+def _rope_fields(rope, m: ModelConfig) -> dict:
+    """The RoPE table every softmax block builds: its positions, layout and width (Qwen3.5 rotates 64 of its 256-wide
+    heads). The registry holds the table's Config, a nested class: CosSinRoPE.Config, whose own name is 'Config'."""
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    head = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
+    return {
+        "rope_max_seq_len": rope.max_seq_len,
+        "rope_cos_sin": isinstance(rope, CosSinRoPE.Config),
+        "rope_dim": 0 if rope.dim == head else rope.dim,
+        "rope_theta": float(rope.theta),
+    }
 
 
 def _note(fields: dict, alias_of: str | None) -> list[str]:

@@ -102,6 +102,25 @@ def test_counts_equal_titans(family, flavor):
     assert tuple(flops.flops_per_token(m, s, "titan") for s in SEQ_LENS) == per_token
 
 
+ROPE_FLAVORS = [(f, "debugmodel") for f in families.FAMILIES] + [("qwen3_5", "35B-A3B"), ("gpt_oss", "120b")]
+
+
+@pytest.mark.parametrize("family,flavor", ROPE_FLAVORS, ids=[f"{a}-{b}" for a, b in ROPE_FLAVORS])
+def test_rope_tables_are_titans_buffers(family, flavor):
+    """The plan's RoPE tables of a whole model (runner.estimate.memory: a table per softmax block, complex64 or fp32
+    cos and sin, model.rope_dim wide) are the bytes of the `cache` buffers TorchTitan's model builds on the meta device.
+    The generator once wrote rope_cos_sin false for every flavor (it read the name of the registry's nested Config
+    class): gpt-oss's and Qwen3's tables were planned at half their size, Qwen3.5's at 8 times (all 40 blocks of the
+    35B-A3B, its whole 256-wide heads; TorchTitan: 10 softmax blocks rotating 64 dims)."""
+    import torch
+
+    with gen().kernel_placeholders(family), torch.device("meta"):
+        model = gen().registry(family)[0].model_registry(flavor).model.build()
+    built = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("rope.cache"))
+    m = ModelConfig(**registry_fields()[gen().option_name(family, flavor)])
+    assert memory.rope_tables(m, m.num_layers) * m.rope_max_seq_len * memory.rope_bytes_per_position(m) == built
+
+
 def test_published_totals(compose):
     """The model cards' figures come out of the torch-free counts."""
 

@@ -58,6 +58,7 @@ BAD = [
     (["model.full_attention_interval=0"], "model.full_attention_interval"),
     (["model.rope_max_seq_len=0"], "model.rope_max_seq_len"),
     (["model.rope_theta=0"], "model.rope_theta"),
+    (["model.rope_dim=-1"], "model.rope_dim"),
     (["model.init_from=/nonexistent/hf", "mode=validate"], "model.init_from"),
     (["+model.init_record.config_sha256=abc"], "model.init_record"),
     (["model=qwen3_5_debugmodel", "model.num_linear_key_heads=3"], "model.num_linear_value_heads"),  # 4 value heads

@@ -32,9 +32,10 @@ The default figures follow what TorchTitan allocates, category by category as th
   block, its input norms and projection and its head's loss save for backward (activation checkpointing leaves them
   whole), and a RoPE table each.
 - block masks: FlexAttention's BlockMask of the step on CUDA (runner/estimate/block_mask.py).
-- buffers: one RoPE table per layer (complex64, head_dim / 2 per position; fp32 cos and sin, 2 x head_dim, in
-  Qwen3 and gpt-oss) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3 16,384), which the
-  runner keeps whatever training.seq_len.
+- buffers: one RoPE table per softmax-attention block (complex64, head_dim / 2 per position; fp32 cos and sin,
+  2 x head_dim, in Qwen3, Qwen3.5 and gpt-oss: the CUDA rehearsal of the gpt-oss recipe measures 67 MB a block; Qwen3.5
+  rotates model.rope_dim of its head's dims) at the flavor's model.rope_max_seq_len (llama3 131,072, deepseek_v3
+  16,384), which the runner keeps whatever training.seq_len.
 
 The budget convention of the worked example (the 70B plan on 1,024 H100s the docs work through) is kept beside it,
 under keys ending in `_worked_example`: weights and gradients both in the training dtype, 12 B of optimizer state per
@@ -155,9 +156,16 @@ def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bo
 
 
 def rope_bytes_per_position(m) -> float:
-    """One block's RoPE table per position: complex64 rotations (head_dim / 2) or fp32 cos and sin (head_dim each)."""
-    head_dim = m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m)
-    return head_dim * ROPE_COS_SIN_BYTES if m.rope_cos_sin else head_dim / 2 * ROPE_ENTRY_BYTES
+    """One block's RoPE table per position: complex64 rotations (rotated dims / 2) or fp32 cos and sin (rotated dims
+    each); the rotated dims are the head's unless model.rope_dim says fewer (Qwen3.5's partial rotary)."""
+    rotated = m.rope_dim or (m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m))
+    return rotated * ROPE_COS_SIN_BYTES if m.rope_cos_sin else rotated / 2 * ROPE_ENTRY_BYTES
+
+
+def rope_tables(m, blocks: int) -> float:
+    """RoPE tables of `blocks` blocks: one per softmax-attention block; a hybrid model's Gated DeltaNet blocks have none
+    (with PP, a stage's share of the model's softmax blocks)."""
+    return blocks * flops.num_full_attention_layers(m) / m.num_layers
 
 
 def _selective_op_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
@@ -238,7 +246,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # an MoE block's backward starts with the combine's fp32 gradients (runner.estimate.moe_memory), before its Linears'
     in_moe = (moe_layer if ac else 0) + moe_memory.transient_bytes(cfg, lay, tokens) if blocks[1] else 0
     loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
-    buffers = (blocks[0] + blocks[1] + mtp) * m.rope_max_seq_len * rope_bytes_per_position(m)
+    buffers = (rope_tables(m, blocks[0] + blocks[1]) + mtp) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
     # FP8: the block's backward peaks at w2's last cast, before the FFN has gradients, or at a later Linear's beside them
     first, later = fp8.backward_transient_bytes(cfg, lay.tp, t.microbatch_size * t.seq_len // lay.cp)

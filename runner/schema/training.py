@@ -112,6 +112,9 @@ class ModelConfig:
     rope_cos_sin: bool = False
     """The RoPE table holds real cos and sin (fp32, 2 x head_dim per position; Qwen3, gpt-oss) rather than
     complex64 rotations (head_dim / 2 per position; Llama 3, DeepSeek-V3)."""
+    rope_dim: int = 0
+    """Dims of a head that RoPE rotates, the width of its table (Qwen3.5's partial rotary: 64 of 256); 0 = the whole
+    head (MLA: qk_rope_head_dim). The plan reads it; the model is built with its flavor's."""
     rope_theta: float = 500000.0
     """RoPE base frequency (Llama 3: 500000, Qwen3: 1e6, DeepSeek-V3: 10000)."""
     init_from: str = ""

@@ -24,6 +24,7 @@ OPTIONAL_SIZES = (  # >= 0
     "linear_key_head_dim",
     "linear_value_head_dim",
     "linear_conv_kernel",
+    "rope_dim",
 )
 LINEAR_SIZES = ("num_linear_key_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel")  # >= 1 with linear attention
 
