@@ -74,6 +74,15 @@ def keeps_weights_gathered(cfg: RunConfig, lay: Layout) -> bool:
     return policy == "never" or (policy == "default" and lay.pp > 1)
 
 
+def _regathers_blocks(cfg: RunConfig, lay: Layout) -> bool:
+    """Whether FSDP2 frees each block's gathered weights after its forward and gathers them again for its backward,
+    by TorchTitan's policy, also where nothing is sharded: TorchTitan applies FSDP whatever the degree, so on one rank
+    the blocks' weights are gathered copies too (qwen3_debugmodel's dry run on one rank: a block's and the head's at the
+    peak). keeps_weights_gathered, which prices the all-gathers, leaves dp_shard 1 out."""
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    return not (policy == "never" or (policy == "default" and lay.pp > 1))
+
+
 def activation_bytes_per_layer(cfg: RunConfig, lay: Layout, recompute: bool) -> float:
     """Korthikanti's bytes per layer per microbatch, scaled to the activation dtype (the worked example's convention)."""
     t = cfg.training
@@ -96,8 +105,15 @@ def _attention_bytes_per_token(cfg: RunConfig, tp: int) -> float:
         if cfg.cluster.device == DeviceType.cpu and qk != m.v_head_dim:
             return _mla_cpu_math_bytes_per_token(cfg, a, qk)
         return bw * (m.kv_lora_rank + m.qk_rope_head_dim) + 8 * m.kv_lora_rank + bw * a * (2 * qk + 2 * m.v_head_dim) + 4 * a
-    hd = flops.head_dim(m)
-    return bw * hd * (a + 2 * m.num_kv_heads / tp) + bw * hd * a + 4 * a
+    hd, kv = flops.head_dim(m), m.num_kv_heads / tp
+    return bw * hd * (a + 2 * kv) + bw * hd * a + 4 * a + _qk_norm_bytes_per_token(cfg, a, kv)
+
+
+def _qk_norm_bytes_per_token(cfg: RunConfig, a: float, kv: float) -> float:
+    """Qwen3's per-head RMSNorms of q and k before RoPE (model.qk_norm), on this TP rank's heads: each saves what a
+    block's RMSNorm saves, one head wide (on CPU the composite's fp32 upcast and result, 24.7 KB a token and block over
+    qwen3_debugmodel's 16 + 8 heads, as its dry run measures; CUDA's fused kernel its input and rstd)."""
+    return _norm_bytes(cfg, flops.head_dim(cfg.model)) * (a + kv) if cfg.model.qk_norm else 0.0
 
 
 def _mla_cpu_math_bytes_per_token(cfg: RunConfig, a: float, qk: int) -> float:
@@ -143,14 +159,35 @@ def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
     return (flops.moe_ffn_params(m) - flops.routed_expert_params(m) * (1 - 1 / lay.ep)) / lay.tp
 
 
-def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
+def _ffn_grads_at_peak(cfg: RunConfig, lay: Layout, moe: bool, pipelined: bool) -> float:
+    """Parameters of the FFN whose block's backward holds a stage's peak that have their gradient in param_dtype there,
+    before FSDP2's post-backward casts and reduces them. An MoE block's all: its experts' backward makes the three expert
+    weights' gradients before the block's attention (dry runs of qwen3_debugmodel_moe dp2_pp2 and debug_moe: every expert,
+    router and shared-expert gradient at the peak). A dense SwiGLU's w2 and w3 under PP (FFN_GRADS_AT_PEAK); without PP,
+    where FSDP2 regathers the block, w2's alone: the peak is at the SwiGLU product's backward, which holds three
+    gradients of the FFN's width (qwen3_debugmodel on one rank, fp32 and bf16, and dp2_tp2)."""
+    ffn = _ffn_weight_params(cfg, lay, moe)
+    if moe:
+        return ffn
+    return ffn * (FFN_GRADS_AT_PEAK if pipelined else 1) / 3
+
+
+def tie_lost_under_tp(cfg: RunConfig, lay: Layout) -> bool:
+    """A tied embedding (model.weight_tying, Qwen3's small models) under TP is two parameters: TorchTitan's TP
+    distributes tok_embeddings' and lm_head's weight apart, and the model FSDP2 wraps and the optimizer steps keeps both,
+    each with its gradients and optimizer state (the dry run of qwen3_debugmodel dp2_tp2 lists lm_head.weight beside
+    tok_embeddings.weight, 75 parameters where one rank has 74, and measures both; so do its gathered copies)."""
+    return cfg.model.weight_tying and lay.tp > 1
+
+
+def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool, split_tie: bool) -> tuple[float, float]:
     """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
     m = cfg.model
     mixer = flops.mixer_params(m) / m.num_layers  # the mean block's attention (Qwen3.5 mixes two kinds)
     dense_block = mixer + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     moe_block = mixer + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
     head = (m.dim + flops.embedding_params(m)) if last else 0
-    emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
+    emb = flops.embedding_params(m) if first and not (last and m.weight_tying and not split_tie) else 0
     mtp = m.num_mtp_layers * flops.mtp_block_params(m) if last else 0  # MTP is refused under PP: its stage is the model
     return layers[0] * dense_block + layers[1] * moe_block + emb + head + mtp, head
 
@@ -206,7 +243,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     v_shaped = lay.pp > 1 and pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
     first, last = st == 0, st == (0 if v_shaped else lay.pp - 1)
     blocks = pipeline_ranks.stage_blocks(cfg, lay)[st]
-    params, head = _stage_params(cfg, blocks, first, last)
+    params, head = _stage_params(cfg, blocks, first, last, tie_lost_under_tp(cfg, lay))
     ep_share = 0.0
     mtp = m.num_mtp_layers if last else 0  # the MTP blocks: copies of the last block, with the head
     if flops.is_moe(m) and lay.ep > 1:  # routed experts are split over ep before FSDP shards the rest
@@ -216,19 +253,18 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # routed experts are split over ep, then FSDP-sharded over dp_shard x cp / ep: every parameter's shard is / shard
     sharded = params / lay.tp / shard
     ac = t.activation_checkpoint != ActivationCheckpoint.none
+    tokens = t.microbatch_size * t.seq_len / lay.cp
     ffn_grads = 0.0
-    if keeps_weights_gathered(cfg, lay) and lay.pp > 1:
+    if not _regathers_blocks(cfg, lay) and lay.pp > 1:
         weights_grads = local * (bw + rw)
-        if not ac and not last:  # the peak is inside a block's backward: FFN gradients in param_dtype, not yet reduced
-            ffn_grads = FFN_GRADS_AT_PEAK / 3 * _ffn_weight_params(cfg, lay, moe=blocks[1] > 0) * bw
-            weights_grads += ffn_grads
+        ffn_grads = _pipelined_ffn_grads(cfg, lay, blocks, last, tokens)
+        weights_grads += ffn_grads
     else:
         weights_grads = head / lay.tp * bw + (sharded * MASTER_BYTES if micro > 1 else 0)
     # FSDP resharding after forward: the step peaks either in the loss's backward (its temporaries) or inside the
     # stage's last block's backward, beside that block's gathered weights, its FFN gradients in param_dtype and the
     # head's gradients (param_dtype and their reduce_dtype shard): the larger total is the peak (debug_moe ep8 dry run)
-    in_block = _last_block_backward(cfg, lay, blocks, head, shard) if not keeps_weights_gathered(cfg, lay) else None
-    tokens = t.microbatch_size * t.seq_len / lay.cp
+    in_block = _last_block_backward(cfg, lay, blocks, head, shard, micro) if _regathers_blocks(cfg, lay) else None
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     full_layer = layer_bytes_per_token(cfg, lay) * tokens
     moe_layer = moe_layer_bytes(cfg, lay, tokens) if flops.is_moe(m) else 0.0
@@ -242,10 +278,14 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     chunks = _held_by_virtual_stage(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
     if chunks is not None:  # each virtual stage's blocks and extras times the microbatches it holds at the peak
         activations = receive + chunks
+    if ffn_grads and blocks[1] and not ac:  # the stage peaks past an MoE block's experts' backward
+        activations -= _freed_by_experts_backward(cfg, lay, last, tokens, extras)
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     # an MoE block's backward starts with the combine's fp32 gradients (runner.estimate.moe_memory), before its Linears'
     in_moe = (moe_layer if ac else 0) + moe_memory.transient_bytes(cfg, lay, tokens) if blocks[1] else 0
-    loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last else 0
+    if ffn_grads and blocks[1] and ac:  # past the recomputed MoE block's experts: what remains of it
+        recompute = in_moe = max(full_layer if blocks[0] else 0, _recomputed_moe_past_experts(cfg, lay, tokens))
+    loss_backward = LOSS_BACKWARD_BYTES * m.vocab_size / lay.tp * tokens if last and not (ffn_grads and lay.pp > 1) else 0
     buffers = (rope_tables(m, blocks[0] + blocks[1]) + mtp) * m.rope_max_seq_len * rope_bytes_per_position(m)
     optimizer = sharded * (MASTER_BYTES + MOMENT_BYTES)
     # FP8: the block's backward peaks at w2's last cast, before the FFN has gradients, or at a later Linear's beside them
@@ -268,6 +308,37 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
         "block_masks": masks,
         "total": weights_grads + optimizer + activations + temporaries + buffers + masks,
     }
+
+
+def _pipelined_ffn_grads(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], last: bool, tokens: float) -> float:
+    """Bytes of FFN gradients in param_dtype at the peak of a pipeline stage that keeps its weights gathered, inside a
+    block's backward. A dense block's without AC on a stage other than the last (whose peak is in the loss's backward;
+    with full AC the peak is in the recompute, before them: the 405B's dry run). An MoE block's experts', where they
+    outweigh the loss's backward and, with AC, the recomputed block and its combine's backward that come before them
+    (_recomputed_moe_past_experts): qwen3_debugmodel_moe dp2_pp2, with and without full AC, holds all of them at both
+    stages' peaks (5 % of weights + gradients); the gpt-oss and Qwen3-235B recipes' recomputed blocks outweigh theirs."""
+    moe, ac = blocks[1] > 0, cfg.training.activation_checkpoint != ActivationCheckpoint.none
+    if not moe and (ac or last):
+        return 0.0
+    grads = _ffn_grads_at_peak(cfg, lay, moe, pipelined=True) * BYTES[cfg.precision.param_dtype.value]
+    before = moe_layer_bytes(cfg, lay, tokens) + moe_memory.transient_bytes(cfg, lay, tokens) if moe and ac else 0.0
+    if before and grads + _recomputed_moe_past_experts(cfg, lay, tokens) <= before:
+        return 0.0
+    return grads if not last or grads > LOSS_BACKWARD_BYTES * cfg.model.vocab_size / lay.tp * tokens else 0.0
+
+
+def _recomputed_moe_past_experts(cfg: RunConfig, lay: Layout, tokens: float) -> float:
+    """What a recomputed MoE block still holds once its experts' backward is done: its norms' and attention's saved
+    tensors (the MoE terms are freed)."""
+    return layer_bytes_per_token(cfg, lay, moe=True) * tokens
+
+
+def _freed_by_experts_backward(cfg: RunConfig, lay: Layout, last: bool, tokens: float, extras: float) -> float:
+    """What a stage without AC no longer holds at a peak past an MoE block's experts' backward (_pipelined_ffn_grads):
+    that block's MoE terms (moe_memory.saved_terms) and, on the last stage, what the head and the loss saved (their
+    backward came first). qwen3_debugmodel_moe dp2_pp2: 38 and 44 MB below the plan's activations on the first and last
+    stage."""
+    return sum(moe_memory.saved_terms(cfg, lay, tokens).values()) + (extras if last else 0.0)
 
 
 def _held_by_virtual_stage(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
@@ -317,15 +388,19 @@ def _mtp_bytes(cfg: RunConfig, lay: Layout, tokens: float) -> float:
     return m.num_mtp_layers * (block + per_token * tokens)
 
 
-def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int) -> float:
+def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], head: float, shard: int, micro: int) -> float:
     """Bytes beyond the loss-backward peak's weights and gradients that a rank holds inside its last block's backward:
-    the block's gathered weights and its FFN's gradients in param_dtype, and the head's gradient shard in reduce_dtype."""
+    the block's gathered weights, its FFN's gradients in param_dtype (_ffn_grads_at_peak), and the head's gradient shard
+    in reduce_dtype: new in the first microbatch (later ones add to the accumulated shards), and not yet made with a
+    tied embedding (the head's FSDP unit holds the embedding, whose backward is the step's last)."""
     m = cfg.model
     bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
     moe = blocks[1] > 0  # the stage's last block is an MoE block when it holds any (dense blocks come first)
-    ffn = _ffn_weight_params(cfg, lay, moe)
-    block = flops.attention_params(m) / lay.tp + ffn + 2 * m.dim
-    return block * bw + ffn * bw + head / lay.tp / shard * rw
+    block = flops.attention_params(m) / lay.tp + _ffn_weight_params(cfg, lay, moe) + 2 * m.dim
+    head_shard = head / lay.tp / shard * rw if micro == 1 and not m.weight_tying else 0.0
+    # a tie lost under TP: the embedding's gathered copy too (the unit is not resharded) and the head's own gradient
+    untied = 2 * flops.embedding_params(m) / lay.tp * bw if tie_lost_under_tp(cfg, lay) else 0.0
+    return block * bw + _ffn_grads_at_peak(cfg, lay, moe, pipelined=False) * bw + head_shard + untied
 
 
 def stage_gb(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
