@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from runner.config import freeze, validate
 from runner.estimate import dryrun_report, flops
@@ -141,3 +142,24 @@ def test_cuda_rehearsal_of_a_cpu_cluster_exits_2_without_a_traceback(tmp_path):
     proc = run_cli("mode=dryrun", "dryrun.device=cuda", run_dir=tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "dryrun.device = cuda" in proc.stderr and "Fix: pick a CUDA cluster" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_tied_embedding_is_one_parameter_under_tp(tmp_path, compose):
+    """Qwen3 ties tok_embeddings to lm_head; TP gives each module its own parameter and TorchTitan's Decoder.init_states
+    ties them again, which real ranks run (measured on dp2_tp2, the runner and TorchTitan's Trainer alike: 74 parameters,
+    74 in the optimizer, tok_embeddings.weight is lm_head.weight). The dry run skips init_states: its rank holds the
+    model's own parameters too (no lm_head.weight shard, optimizer state for 74 tensors), not 75."""
+    from runner.run import titan
+    from runner.run.dryrun import rehearse
+
+    cfg = compose(["model=qwen3_debugmodel", "parallelism=dp2_tp2", *SMALL[1:]])
+    lay = validate.check(cfg)
+    with torch.device("meta"):
+        model = titan.model_config(cfg, lay, materialize=False)[0].model.build()
+    own = [name for name, _ in model.named_parameters()]
+    assert len(own) == 74 and "lm_head.weight" not in own
+    rank = rehearse.in_fork(rehearse.rehearse_rank, rehearse.rank_config(cfg, lay), lay, 0, tmp_path)
+    assert [s["name"] for s in rank["param_shards"]] == own
+    local = rank["num_params_local"]
+    assert rank["max_each"]["optimizer_state"] == 2 * local * 4 + 4 * len(own)  # two fp32 moments + a step per tensor
