@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from runner.config import freeze, validate
 from runner.estimate import dryrun_report, flops
@@ -52,12 +53,12 @@ def test_ranks_outside_the_layout_exit_2_with_nothing_written(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def _real_ledger(cfg, tmp_path) -> dict:
-    """Rank 0 of 4 real gloo ranks running runner.run.dryrun.rehearse's two steps under the ledger (forked after the imports)."""
+def _real_ledger(cfg, tmp_path, nproc: int = 4) -> dict:
+    """Rank 0 of `nproc` (4) real gloo ranks running runner.run.dryrun.rehearse's two steps under the ledger (forked after the imports)."""
     tmp_path.mkdir()
     frozen = freeze.write(cfg, validate.check(cfg), tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = run_module("runner.run.dryrun.rehearse", "4", tmp_path, frozen, env=env, timeout=600)
+    proc = run_module("runner.run.dryrun.rehearse", str(nproc), tmp_path, frozen, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "ledger_rank0.json").read_text())
 
@@ -141,3 +142,27 @@ def test_cuda_rehearsal_of_a_cpu_cluster_exits_2_without_a_traceback(tmp_path):
     proc = run_cli("mode=dryrun", "dryrun.device=cuda", run_dir=tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "dryrun.device = cuda" in proc.stderr and "Fix: pick a CUDA cluster" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_tied_embedding_is_one_parameter_under_tp(tmp_path, compose):
+    """Qwen3 ties tok_embeddings to lm_head; TP gives each module its own parameter and TorchTitan's Decoder.init_states
+    ties them again, which real ranks run (measured with its 8 blocks on tp2 and dp2_tp2, the runner and TorchTitan's
+    Trainer alike: 74 parameters, 74 in the optimizer, tok_embeddings.weight is lm_head.weight, equal losses). The dry
+    run skips init_states; its rank holds the real ranks' parameters all the same (it held one more, an lm_head.weight
+    shard, and its optimizer state)."""
+    from runner.run import titan
+    from runner.run.dryrun import rehearse
+
+    cfg = compose(["model=qwen3_debugmodel", "model.num_layers=2", "parallelism=tp2", *SMALL[1:]])
+    lay = validate.check(cfg)
+    with torch.device("meta"):
+        model = titan.model_config(cfg, lay, materialize=False)[0].model.build()
+    own = [name for name, _ in model.named_parameters()]
+    assert len(own) == 2 + 2 * 9 and "lm_head.weight" not in own  # tok_embeddings, norm, 9 per block
+    fake = rehearse.in_fork(rehearse.rehearse_rank, rehearse.rank_config(cfg, lay), lay, 0, tmp_path / "fake")
+    real = _real_ledger(cfg, tmp_path / "real", nproc=2)
+    assert [s["name"] for s in fake["param_shards"]] == [s["name"] for s in real["param_shards"]] == own
+    assert fake["param_shards"] == real["param_shards"]
+    for label in ("param_shard", "grad_shard", "optimizer_state"):
+        assert fake["max_each"][label] == real["max_each"][label], label

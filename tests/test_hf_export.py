@@ -96,6 +96,7 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, name, tmp_path
         m.vocab_size,
     )
     assert conf["tie_word_embeddings"] is m.weight_tying
+    assert ("lm_head.weight" in exported(folder)) is not m.weight_tying  # a tied head is the embedding's: not written
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards == sorted(p.name for p in folder.glob("model-*.safetensors"))  # 50 kB shards

@@ -227,9 +227,10 @@ def param_shards(parts: list[torch.nn.Module]) -> list[dict[str, Any]]:
 
 def _materialize_fake(parts: list[torch.nn.Module]) -> None:
     """On fake tensors (inside FakeTensorMode). No init_weights: it draws data-dependently (trunc_normal_),
-    and values do not change memory."""
+    and values do not change memory; but the tie of a tied embedding that its init_states makes, which does."""
     for part in parts:
         part.to_empty(device="cpu")
+        titan.tie_weights(part)
         titan_cpu.force_sum_reduction(part)
         part.train()
 

@@ -14,7 +14,7 @@ the step loop needs:
 
 from typing import TYPE_CHECKING
 
-from runner.run.titan.build import Built, build, model_config, register_optimizer_hooks
+from runner.run.titan.build import Built, build, model_config, register_optimizer_hooks, tie_weights
 from runner.run.titan.distributed import (
     PRELOAD,
     SPMD_BACKEND,
@@ -90,6 +90,7 @@ __all__ = [
     "save_state",
     "stage_modules",
     "take_counts",
+    "tie_weights",
     "titan_configs",
     "training_state",
 ]

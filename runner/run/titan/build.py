@@ -191,6 +191,15 @@ def _materialize(part: torch.nn.Module, mcfg, cfg: RunConfig, device) -> None:
     part.train()
 
 
+def tie_weights(part: torch.nn.Module) -> None:
+    """The first thing TorchTitan's Decoder.init_states does for a model that ties its embedding to its output head
+    (Qwen3's, enable_weight_tying): point tok_embeddings.weight at lm_head.weight again, as to_empty (meta to a device)
+    and TP's distribution each give the two modules a parameter of their own. Real runs get it from init_states
+    (_materialize, initial_weights.init_weights); the dry run, which skips init_states on fake tensors, calls this."""
+    if getattr(part, "enable_weight_tying", False) and part.tok_embeddings is not None and part.lm_head is not None:
+        part.tok_embeddings.weight = part.lm_head.weight
+
+
 def _uses_flex(mcfg) -> bool:
     from torchtitan.models.common.attention import FlexAttention
 
