@@ -229,7 +229,7 @@ PLAN_MEMORY_CASES = {  # name: (overrides, dry-run ranks)
         ["parallelism=dp2_pp2", "training.global_batch_size=8", "precision=fp8_rowwise", "precision.param_dtype=bfloat16"],
         [0],
     ),
-    # Qwen3: per-head q/k RMSNorms; its tied embedding, which TP unties; the peak inside the last block's backward
+    # Qwen3: per-head q/k RMSNorms; its tied embedding, one parameter under TP too; the peak inside the last block's backward
     "qwen3_tp_sp": (["model=qwen3_debugmodel", "parallelism=dp2_tp2", "training.global_batch_size=4"], [0]),
     # Qwen3 MoE (64 experts of 768) without AC: both stages peak past an MoE block's experts' backward
     "qwen3_moe_pp": (["model=qwen3_debugmodel_moe", "parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),

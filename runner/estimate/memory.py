@@ -172,22 +172,14 @@ def _ffn_grads_at_peak(cfg: RunConfig, lay: Layout, moe: bool, pipelined: bool) 
     return ffn * (FFN_GRADS_AT_PEAK if pipelined else 1) / 3
 
 
-def tie_lost_under_tp(cfg: RunConfig, lay: Layout) -> bool:
-    """A tied embedding (model.weight_tying, Qwen3's small models) under TP is two parameters: TorchTitan's TP
-    distributes tok_embeddings' and lm_head's weight apart, and the model FSDP2 wraps and the optimizer steps keeps both,
-    each with its gradients and optimizer state (the dry run of qwen3_debugmodel dp2_tp2 lists lm_head.weight beside
-    tok_embeddings.weight, 75 parameters where one rank has 74, and measures both; so do its gathered copies)."""
-    return cfg.model.weight_tying and lay.tp > 1
-
-
-def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool, split_tie: bool) -> tuple[float, float]:
+def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bool) -> tuple[float, float]:
     """(parameters, of which the final norm + head) of a stage with (dense, moe) blocks."""
     m = cfg.model
     mixer = flops.mixer_params(m) / m.num_layers  # the mean block's attention (Qwen3.5 mixes two kinds)
     dense_block = mixer + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
     moe_block = mixer + flops.moe_ffn_params(m) + 2 * m.dim if flops.is_moe(m) else 0
     head = (m.dim + flops.embedding_params(m)) if last else 0
-    emb = flops.embedding_params(m) if first and not (last and m.weight_tying and not split_tie) else 0
+    emb = flops.embedding_params(m) if first and not (last and m.weight_tying) else 0
     mtp = m.num_mtp_layers * flops.mtp_block_params(m) if last else 0  # MTP is refused under PP: its stage is the model
     return layers[0] * dense_block + layers[1] * moe_block + emb + head + mtp, head
 
@@ -243,7 +235,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     v_shaped = lay.pp > 1 and pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style == "v"
     first, last = st == 0, st == (0 if v_shaped else lay.pp - 1)
     blocks = pipeline_ranks.stage_blocks(cfg, lay)[st]
-    params, head = _stage_params(cfg, blocks, first, last, tie_lost_under_tp(cfg, lay))
+    params, head = _stage_params(cfg, blocks, first, last)
     ep_share = 0.0
     mtp = m.num_mtp_layers if last else 0  # the MTP blocks: copies of the last block, with the head
     if flops.is_moe(m) and lay.ep > 1:  # routed experts are split over ep before FSDP shards the rest
@@ -398,9 +390,10 @@ def _last_block_backward(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], h
     moe = blocks[1] > 0  # the stage's last block is an MoE block when it holds any (dense blocks come first)
     block = flops.attention_params(m) / lay.tp + _ffn_weight_params(cfg, lay, moe) + 2 * m.dim
     head_shard = head / lay.tp / shard * rw if micro == 1 and not m.weight_tying else 0.0
-    # a tie lost under TP: the embedding's gathered copy too (the unit is not resharded) and the head's own gradient
-    untied = 2 * flops.embedding_params(m) / lay.tp * bw if tie_lost_under_tp(cfg, lay) else 0.0
-    return block * bw + _ffn_grads_at_peak(cfg, lay, moe, pipelined=False) * bw + head_shard + untied
+    # a tied embedding under TP: its gathered copy and the head's gradient of it are still held at this peak
+    # (measured: the dry run of qwen3_debugmodel dp2_tp2, 2 x embedding / tp bytes over the plan without them)
+    tied_tp = 2 * flops.embedding_params(m) / lay.tp * bw if m.weight_tying and lay.tp > 1 else 0.0
+    return block * bw + _ffn_grads_at_peak(cfg, lay, moe, pipelined=False) * bw + head_shard + tied_tp
 
 
 def stage_gb(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
