@@ -24,6 +24,10 @@ from tests import text_assets
 from tests.one_rank import gloo_rank
 
 SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
+# The debug Llama 3 cut to 2 blocks of width 64 (150k parameters, not 6.2M): what these tests pin (the eval loss against
+# a hand computation, the loop's syncs, schedule, guard and rewinds) does not depend on the model's size, and a step is
+# ~5x cheaper. The vocabulary still holds the 300 tokens of tests/text_assets' tokenizer.
+SMALL = ["model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_dim=128", "model.vocab_size=512"]
 
 
 def _problems(compose, overrides: list[str]) -> dict[str, tuple[object, str]]:
@@ -117,13 +121,13 @@ class Recorded:
 
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
-    """The debug model built by the runner on one in-process gloo rank, its weights moved off their initialization."""
+    """The small debug model (SMALL) built by the runner on one in-process gloo rank, its weights moved off their initialization."""
     from runner.run import titan
     from runner.run.device import DevicePolicy
     from runner.schema import layout
 
     cfg = compose(
-        ["parallelism=single", f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
+        ["parallelism=single", *SMALL, f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
     )
     cfg.eval.steps = STEPS
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
@@ -229,7 +233,7 @@ def test_compare_shows_the_final_eval_loss(tmp_path):
 
 
 # ---------------------------------------------------------------- the step loop's host synchronizations
-# (here, beside the evaluation, to share the module's one-rank build: ~1 min on a loaded machine)
+# (here, beside the evaluation, to share the module's one-rank build)
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast_object_list", "barrier", "all_gather_into_tensor", "broadcast")
 CONVERSIONS = ("item", "cpu", "__float__", "tolist")
