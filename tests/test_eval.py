@@ -27,7 +27,8 @@ SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
 # The debug Llama 3 cut to 2 blocks of width 64 (150k parameters, not 6.2M): what these tests pin (the eval loss against
 # a hand computation, the loop's syncs, schedule, guard and rewinds) does not depend on the model's size, and a step is
 # ~5x cheaper. The vocabulary still holds the 300 tokens of tests/text_assets' tokenizer.
-SMALL = ["model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_dim=128", "model.vocab_size=512"]
+SMALL = ["model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_dim=128"]
+SMALL += ["model.vocab_size=512"]
 
 
 def _problems(compose, overrides: list[str]) -> dict[str, tuple[object, str]]:
@@ -126,9 +127,8 @@ def one_rank(compose, tmp_path_factory):
     from runner.run.device import DevicePolicy
     from runner.schema import layout
 
-    cfg = compose(
-        ["parallelism=single", *SMALL, f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
-    )
+    shape = [f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
+    cfg = compose(["parallelism=single", *SMALL, *shape])
     cfg.eval.steps = STEPS
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     with gloo_rank(cfg, tmp_path_factory.mktemp("store")):
