@@ -181,6 +181,20 @@ def budget(compose):
     return _budget
 
 
+@pytest.fixture(scope="session")
+def refusal(compose):
+    """refusal(overrides) -> the message of the ConfigError that validation (runner.config.validate.check) raises on
+    the composed config; a config it passes fails the test."""
+    from runner.config import validate
+
+    def _refusal(overrides: list[str]) -> str:
+        with pytest.raises(validate.ConfigError) as e:
+            validate.check(compose(overrides))
+        return str(e.value)
+
+    return _refusal
+
+
 @dataclass
 class SlurmCluster:
     """The localhost SLURM cluster of scripts/slurm_local/ (two nodes, n1 and n2)."""
