@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import schema
 from runner.config import compose, validate
 from runner.schema.problems import Problem
+from tests import composing
 
 GPU = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]  # bf16: a GPU refuses fp32
 SLURM = [
@@ -312,42 +312,13 @@ def test_every_schema_field_is_audited():
 
 
 @functools.cache
-def _hydra(overrides: tuple[str, ...]) -> DictConfig | validate.ConfigError:
-    """Hydra's composition, once per list (it is most of these tests' time); a wrong type or enum name is refused at
-    composition, as a ConfigError."""
+def _composed(overrides: tuple[str, ...]) -> DictConfig | validate.ConfigError:
+    """Each case composed once for the tests below (tests/composing.py: its group selections once per set); a wrong
+    type or enum name is refused at composition, as a ConfigError."""
     try:
-        return compose.compose_dict(list(overrides))
+        return composing.compose_dict(list(overrides))
     except validate.ConfigError as e:
         return e
-
-
-def _composed(overrides: tuple[str, ...]) -> DictConfig | validate.ConfigError:
-    """The case as Hydra composes it: its group selections (and `+`/`~` overrides) composed once per set, then its plain
-    `field=value` overrides applied in order as Hydra applies them after the defaults (OmegaConf.update, merge=True,
-    the root in struct mode). A value the typed tree refuses is composed whole, so that the refusal is Hydra's own."""
-    parser = OverridesParser.create()
-    plain = [o for o in parser.parse_overrides(list(overrides)) if _plain(o)]
-    base = _hydra(tuple(o for o in overrides if o not in {p.input_line for p in plain}))
-    if not plain or isinstance(base, validate.ConfigError):
-        return _hydra(overrides) if plain else base
-    cfg = copy.deepcopy(base)
-    try:
-        for o in plain:
-            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
-    except OmegaConfBaseException:
-        return _hydra(overrides)
-    return cfg
-
-
-def _plain(o) -> bool:
-    """A `field=value` override (Hydra's config override): not a group selection, no prefix, package or sweep."""
-    return (
-        o.type == OverrideType.CHANGE
-        and o.package is None
-        and not o.is_sweep_override()
-        and "/" not in o.key_or_group
-        and o.key_or_group not in GROUPS
-    )
 
 
 def _problems(composed: DictConfig | validate.ConfigError) -> list[Problem]:
