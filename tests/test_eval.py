@@ -21,14 +21,9 @@ from runner.data import corpus as text_corpus
 from runner.run import evaluate, loader
 from runner.schema.problems import ConfigError
 from tests import text_assets
-from tests.one_rank import gloo_rank
+from tests.one_rank import SMALL, gloo_rank
 
 SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
-# The debug Llama 3 cut to 2 blocks of width 64 (150k parameters, not 6.2M): what these tests pin (the eval loss against
-# a hand computation, the loop's syncs, schedule, guard and rewinds) does not depend on the model's size, and a step is
-# ~5x cheaper. The vocabulary still holds the 300 tokens of tests/text_assets' tokenizer.
-SMALL = ["model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_dim=128"]
-SMALL += ["model.vocab_size=512"]
 
 
 def _problems(compose, overrides: list[str]) -> dict[str, tuple[object, str]]:
@@ -122,7 +117,8 @@ class Recorded:
 
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
-    """The small debug model (SMALL) built by the runner on one in-process gloo rank, its weights moved off their initialization."""
+    """The small debug model (SMALL: what these tests pin does not depend on its size) built by the runner on one
+    in-process gloo rank, its weights moved off their initialization."""
     from runner.run import titan
     from runner.run.device import DevicePolicy
     from runner.schema import layout
