@@ -153,16 +153,16 @@ def summary(run_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def compose():
     """compose(overrides) -> typed RunConfig, through the same Hydra search path as the CLI. Each list of overrides
-    is composed once per session (Hydra's composition is most of a config test's time; many tests compose the same
-    lists), and every call gets its own copy to change. A list that fails to compose raises every time."""
-    from runner.config.compose import compose as compose_config
+    is composed once per session, its group selections once per set (tests/composing.py: Hydra's composition is most of
+    a config test's time), and every call gets its own copy to change. A list that fails to compose raises every time."""
+    from tests import composing
 
     composed = {}
 
     def _compose(overrides: list[str]):
         key = tuple(overrides)
         if key not in composed:
-            composed[key] = compose_config(list(overrides))
+            composed[key] = composing.compose(list(overrides))
         return copy.deepcopy(composed[key])
 
     return _compose
@@ -179,6 +179,20 @@ def budget(compose):
         return plan.compute(cfg, validate.check(cfg))
 
     return _budget
+
+
+@pytest.fixture(scope="session")
+def refusal(compose):
+    """refusal(overrides) -> the message of the ConfigError that validation (runner.config.validate.check) raises on
+    the composed config; a config it passes fails the test."""
+    from runner.config import validate
+
+    def _refusal(overrides: list[str]) -> str:
+        with pytest.raises(validate.ConfigError) as e:
+            validate.check(compose(overrides))
+        return str(e.value)
+
+    return _refusal
 
 
 @dataclass

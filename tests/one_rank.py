@@ -6,6 +6,12 @@ import contextlib
 import importlib
 from pathlib import Path
 
+SMALL = ["model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_dim=128"]
+SMALL += ["model.vocab_size=512"]
+"""The debug Llama 3 cut to 2 blocks of width 64 (150k parameters, not 6.2M; a step ~5x cheaper), for the in-process
+tests whose assertions do not depend on the model's size. The vocabulary holds tests/text_assets' 300 tokens; 4 heads
+split under tp2."""
+
 
 @contextlib.contextmanager
 def gloo_rank(cfg, store_dir: Path):

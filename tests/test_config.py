@@ -218,10 +218,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_validation_rejects(compose, overrides, message):
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(compose(overrides))
-    assert message in str(e.value)
+def test_validation_rejects(refusal, overrides, message):
+    assert message in refusal(overrides)
 
 
 def test_all_problems_reported_at_once(compose):

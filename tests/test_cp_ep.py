@@ -84,10 +84,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_validation_rejects(compose, overrides, message):
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(compose(overrides))
-    assert message in str(e.value)
+def test_validation_rejects(refusal, overrides, message):
+    assert message in refusal(overrides)
 
 
 def test_cp_and_ep_layouts_validate_and_launch_here(compose, tmp_path):
@@ -192,10 +190,8 @@ BAD_BACKEND = [
 
 
 @pytest.mark.parametrize("overrides,message", BAD_BACKEND, ids=[" ".join(o[-3:]) for o, _ in BAD_BACKEND])
-def test_a_moe_comm_backend_is_refused_where_it_cannot_run(compose, overrides, message):
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(compose(overrides))
-    assert message in str(e.value)
+def test_a_moe_comm_backend_is_refused_where_it_cannot_run(refusal, overrides, message):
+    assert message in refusal(overrides)
 
 
 def test_deepep_validates_for_a_cuda_cluster_and_its_library_is_checked_at_launch(compose, monkeypatch):

@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from runner.config import freeze, search, validate
-from runner.config.compose import CONF, compose, register, to_object
+from runner.config.compose import CONF, register, to_object
 from runner.schema import Mode
-from tests import import_graph, text_assets
+from tests import composing, import_graph, text_assets
 from tests.conftest import ROOT
 
 COMMAND = re.compile(r"^python -m runner(\s|$)")  # not runner.compare, runner.calibrate, runner.data
@@ -182,7 +182,7 @@ def check(cmd: Command, overrides: list[str]) -> None:
     else:
         assert cmd.config_name == "config", f"no composition known for --config-name {cmd.config_name}"
         extra = [f"hydra.searchpath=[file://{cmd.config_dir}]"] if cmd.config_dir else []
-        cfg = compose([*extra, *overrides])
+        cfg = composing.compose([*extra, *overrides])  # as runner.config.compose.compose, its group selections once per set
     if cmd.print_only:
         return
     if cfg.mode == Mode.search:  # the CLI searches before validating a layout: only the rules that read none
@@ -242,11 +242,11 @@ def work(tmp_path_factory) -> Path:
 
     run = Path(RUN.format(work=work))
     run.mkdir()
-    stopped = compose(["checkpoint=local"])
+    stopped = composing.compose(["checkpoint=local"])
     frozen = freeze.write(stopped, validate.check(stopped), run)
     assert _replay(run, []) == freeze.load(frozen), "a replay composes what the frozen file holds"
     overrides = ["mode=search", "cluster=local_cpu", "cluster.devices_per_node=2", f"cluster.profile={profile}", "training.seq_len=128"]
-    base = compose(overrides)
+    base = composing.compose(overrides)
     search_render.write_sweep(base, search.run(base), run, overrides)
     return work
 

@@ -21,7 +21,7 @@ from runner.data import corpus as text_corpus
 from runner.run import evaluate, loader
 from runner.schema.problems import ConfigError
 from tests import text_assets
-from tests.one_rank import gloo_rank
+from tests.one_rank import SMALL, gloo_rank
 
 SEQ, BATCH, MICRO, STEPS = 32, 4, 2, 2
 
@@ -117,14 +117,14 @@ class Recorded:
 
 @pytest.fixture(scope="module")
 def one_rank(compose, tmp_path_factory):
-    """The debug model built by the runner on one in-process gloo rank, its weights moved off their initialization."""
+    """The small debug model (SMALL: what these tests pin does not depend on its size) built by the runner on one
+    in-process gloo rank, its weights moved off their initialization."""
     from runner.run import titan
     from runner.run.device import DevicePolicy
     from runner.schema import layout
 
-    cfg = compose(
-        ["parallelism=single", f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
-    )
+    shape = [f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.microbatch_size={MICRO}"]
+    cfg = compose(["parallelism=single", *SMALL, *shape])
     cfg.eval.steps = STEPS
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     with gloo_rank(cfg, tmp_path_factory.mktemp("store")):
@@ -229,7 +229,7 @@ def test_compare_shows_the_final_eval_loss(tmp_path):
 
 
 # ---------------------------------------------------------------- the step loop's host synchronizations
-# (here, beside the evaluation, to share the module's one-rank build: ~1 min on a loaded machine)
+# (here, beside the evaluation, to share the module's one-rank build)
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast_object_list", "barrier", "all_gather_into_tensor", "broadcast")
 CONVERSIONS = ("item", "cpu", "__float__", "tolist")

@@ -1,8 +1,8 @@
 """A new phase from a checkpoint's weights (checkpoint.init_from, issue 49 item 6): the model of the runner's own
 checkpoint, under any layout, with a fresh optimizer, learning-rate schedule and data position.
 
-One in-process gloo rank (over a file store) trains the source: 4 steps of the debug model, checkpointed at steps 2
-and 4. A new one-rank run from that run folder starts from step-4's weights: its optimizer holds no state after the
+One in-process gloo rank (over a file store) trains the source: 4 steps of the small debug model (SMALL), checkpointed
+at steps 2 and 4. A new one-rank run from that run folder starts from step-4's weights: its optimizer holds no state after the
 start, its first batch and learning rate are the source's first, and its first loss is the forward loss of step-4's
 weights on that batch (computed here from the checkpoint, read with DCP into an unsharded model). A 2-rank launch under
 TP (another layout: DCP reshards) does the same through the CLI: pinned and recorded in frozen.yaml, the step-0 line.
@@ -23,10 +23,11 @@ from runner.formats import checkpoint, runfiles
 from runner.schema import Mode, ModelConfig
 from runner.schema.problems import ConfigError
 from tests.conftest import dcp_metadata, metrics, run_cli
-from tests.one_rank import gloo_rank
+from tests.one_rank import SMALL, gloo_rank
 
 SHAPE = [
     "parallelism=single",
+    *SMALL,
     "training.seq_len=32",
     "training.global_batch_size=4",
     "training.microbatch_size=2",

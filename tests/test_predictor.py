@@ -13,6 +13,7 @@ from runner.estimate import plan
 from runner.estimate.predict import machine_profile as steptime_profile
 from runner.estimate.predict import steptime, work
 from runner.estimate.predict.machine import DATASHEET
+from tests import composing
 from tests.machine_profiles import round_profile
 
 CPU = ["model=debug", "parallelism=dp2_tp2"]
@@ -20,7 +21,11 @@ CPU = ["model=debug", "parallelism=dp2_tp2"]
 
 @pytest.fixture(scope="module")
 def references():
-    return {r.id: r for r in steptime_refs.checked()}
+    """Every reference run priced, each composed as runner.calibrate.refs composes it, through tests/composing.py (its
+    group selections once per set)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steptime_refs.compose, "compose", composing.compose)
+        return {r.id: r for r in steptime_refs.checked()}
 
 
 def test_published_runs_within_20_percent(references):

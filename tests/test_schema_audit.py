@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner import schema
 from runner.config import compose, validate
 from runner.schema.problems import Problem
+from tests import composing
 
 GPU = ["cluster=h100_node", "parallelism=fsdp", "precision=bf16", "training.global_batch_size=16"]  # bf16: a GPU refuses fp32
 SLURM = [
@@ -313,10 +314,10 @@ def test_every_schema_field_is_audited():
 
 @functools.cache
 def _composed(overrides: tuple[str, ...]) -> DictConfig | validate.ConfigError:
-    """Each case composed once for the tests below (Hydra's composition is most of their time); a wrong type or enum
-    name is refused at composition, as a ConfigError."""
+    """Each case composed once for the tests below (tests/composing.py: its group selections once per set); a wrong
+    type or enum name is refused at composition, as a ConfigError."""
     try:
-        return compose.compose_dict(list(overrides))
+        return composing.compose_dict(list(overrides))
     except validate.ConfigError as e:
         return e
 

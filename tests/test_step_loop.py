@@ -166,12 +166,10 @@ def test_a_spike_never_reaches_the_weights_and_updates_land_before_the_weights_a
     assert loop.guard.bad_steps == {3} and not loop.pending
 
 
-def test_a_skipped_step_leaves_the_next_expert_bias_update_one_batch_of_token_counts(monkeypatch):
-    """TorchTitan's MoE adds each forward's tokens per expert to `tokens_per_expert_E`, and the optimizer's step pre-hook
-    moves the expert bias from them and zeroes them. Step 3 spikes and runs no optimizer step: its counts are dropped
-    with its gradients, so the update of step 4 counts step 4's batch alone, as every other update counts its own."""
-    events: list[str] = []
-    loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0})
+def _route_one_batch_a_step(loop, monkeypatch) -> list[list[float]]:
+    """Give `loop` one MoE block whose `tokens_per_expert_E` (TorchTitan's per-expert token counts) each forward (each
+    train_step) adds one batch to, 8 tokens per expert, and an optimizer step that reads the counts, then zeroes them
+    (the expert-bias pre-hook): returns the list each update appends the counts it read to."""
     block = torch.nn.Module()
     block.moe_enabled, block.moe = True, torch.nn.Module()
     block.moe.load_balance_coeff = 1e-3
@@ -182,13 +180,23 @@ def test_a_skipped_step_leaves_the_next_expert_bias_update_one_batch_of_token_co
     counts = block.moe.tokens_per_expert_E
     fwd = step_loop.StepLoop.train_step
 
-    def routed(loop, step):  # each forward routes one batch: 8 tokens per expert
+    def routed(loop, step):
         counts.add_(8.0)
         return fwd(loop, step)
 
     monkeypatch.setattr(step_loop.StepLoop, "train_step", routed)
     seen = []
-    loop.opt.step = lambda: seen.append(counts.tolist()) or counts.zero_()  # the pre-hook reads, then zeroes them
+    loop.opt.step = lambda: seen.append(counts.tolist()) or counts.zero_()
+    return seen
+
+
+def test_a_skipped_step_leaves_the_next_expert_bias_update_one_batch_of_token_counts(monkeypatch):
+    """TorchTitan's MoE adds each forward's tokens per expert to `tokens_per_expert_E`, and the optimizer's step pre-hook
+    moves the expert bias from them and zeroes them. Step 3 spikes and runs no optimizer step: its counts are dropped
+    with its gradients, so the update of step 4 counts step 4's batch alone, as every other update counts its own."""
+    events: list[str] = []
+    loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0})
+    seen = _route_one_batch_a_step(loop, monkeypatch)
     for step in range(1, 6):
         loop.step(step)
     assert seen == [[8.0] * 4] * 4  # the updates of steps 1, 2, 4 and 5
@@ -204,26 +212,10 @@ def test_a_rewound_step_leaves_the_next_expert_bias_update_one_batch_of_token_co
     events: list[str] = []
     loop = _fake_loop(monkeypatch, events, {1: 1.0, 2: 1.0, 3: 100.0, 4: 1.0, 5: 1.0})
     loop.guard = loss_guard.LossGuard(LossGuardConfig(warmup_steps=1, action=GuardAction.rewind, max_consecutive=1))
-    block = torch.nn.Module()
-    block.moe_enabled, block.moe = True, torch.nn.Module()
-    block.moe.load_balance_coeff = 1e-3
-    block.moe.register_buffer("tokens_per_expert_E", torch.zeros(4))
-    part = torch.nn.Module()
-    part.layers = torch.nn.ModuleDict({"1": block})
-    loop.built = SimpleNamespace(parts=[part])
+    seen = _route_one_batch_a_step(loop, monkeypatch)
     loop.ckpt.wait = lambda: None
     loop.ckpt.restore = lambda *a, before: events.append(f"restore before {before}") or 2
     loop.left_out = lambda step: events.append(f"left out {step}")  # left_out.jsonl: its own test (test_eval)
-    counts = block.moe.tokens_per_expert_E
-    fwd = step_loop.StepLoop.train_step
-
-    def routed(loop, step):  # each forward routes one batch: 8 tokens per expert
-        counts.add_(8.0)
-        return fwd(loop, step)
-
-    monkeypatch.setattr(step_loop.StepLoop, "train_step", routed)
-    seen = []
-    loop.opt.step = lambda: seen.append(counts.tolist()) or counts.zero_()  # the pre-hook reads, then zeroes them
     step = 1
     while step <= 5:
         step = loop.step(step)
@@ -389,7 +381,7 @@ def test_the_loop_state_and_its_builder_are_typed():
 
 
 MTP = ["model=deepseek_v3_debugmodel", "model.num_mtp_layers=1", "parallelism=single", "training.seq_len=16"]
-MTP += ["training.global_batch_size=2", "training.microbatch_size=2"]
+MTP += ["training.global_batch_size=2", "training.microbatch_size=2", "model.num_layers=2"]  # a dense block, an MoE one
 
 
 class _Unobserved:
@@ -402,7 +394,7 @@ class _Unobserved:
 
 
 def test_a_step_trains_titans_mtp_loss_and_evaluation_keeps_the_main_heads(compose, tmp_path):
-    """model.num_mtp_layers=1 on the debug DeepSeek-V3, built and stepped by the runner on one gloo rank: the step's loss
+    """model.num_mtp_layers=1 on the debug DeepSeek-V3 (2 blocks), built and stepped by the runner on one gloo rank: the step's loss
     is TorchTitan's MTPLoss (called directly on the model's two heads and the batch's labels) and, by hand, the main
     head's summed next-token cross-entropy plus mtp_loss_scale x depth 1's of the token after next (the 15 positions
     that have one), over the batch's 32 tokens; its backward reaches the MTP block; the held-out loss is the main head's."""
