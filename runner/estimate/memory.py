@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ranks
+from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ranks, split_backward
 from runner.estimate.predict import fp8_cost as fp8
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
@@ -230,10 +230,13 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
     # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
     receive = micro * hidden * pipeline_ranks.receive_buffers(cfg, lay, st, first, last)
+    # the V's bottom rank keeps the tensors its two stages pass each other, a microbatch's in each receive slot: the
+    # first stage's output (an activation) and the second's input gradient (a backward temporary)
+    passed = micro * hidden * pipeline_ranks.local_links(cfg, lay, st)
     activations = pipeline_ranks.in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     chunks = _held_by_virtual_stage(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
     if chunks is not None:  # each virtual stage's blocks and extras times the microbatches it holds at the peak
-        activations = receive + chunks
+        activations = receive + passed + chunks
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
     # an MoE block's backward starts with the combine's fp32 gradients (runner.estimate.moe_memory), before its Linears'
     in_moe = (moe_layer if ac else 0) + moe_memory.transient_bytes(cfg, lay, tokens) if blocks[1] else 0
@@ -245,9 +248,14 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     if first - ffn_grads > later and first > loss_backward:
         weights_grads -= ffn_grads
     in_linear = max(recompute + (first if first - ffn_grads > later else later), in_moe)
-    temporaries = max(in_linear, loss_backward)
+    temporaries = max(in_linear, loss_backward) + passed
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
+    split = _split_backward_peak(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
+    if split is not None and receive + 2 * passed + sum(split) + local * bw > activations + temporaries + weights_grads:
+        # the peak is inside the weight half of a V schedule's split backward (runner.estimate.split_backward)
+        activations, temporaries = receive + passed + split[0], passed + split[1]
+        weights_grads = local * bw + split[2]
     masks = block_mask.held_bytes(cfg, lay, micro)  # FlexAttention's BlockMask on CUDA (runner.estimate.block_mask)
     return {
         "params": local,
@@ -262,15 +270,54 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     }
 
 
+def _chunk_per_mb(cfg: RunConfig, lay: Layout, st: int, sizes: tuple[float, float, float], tokens: float) -> list[float]:
+    """Bytes each of rank `st`'s virtual stages saves per microbatch: its blocks' and its extras (on the V's bottom rank
+    the first stage's output is the second's receive slot, counted by the caller)."""
+    n, passed = lay.pp * cfg.parallelism.pp_virtual_stages, pipeline_ranks.local_links(cfg, lay, st)
+    per_mb = []
+    for s, blk in zip(pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
+        saved = _saved_by_blocks(cfg, lay, blk, s == 0, sizes, tokens)
+        per_mb.append(saved + _extras(cfg, lay, s == 0, s == n - 1, tokens, sizes[2]) - (passed and not per_mb) * sizes[2])
+    return per_mb
+
+
+def _split_backward_peak(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
+    """(activations beside the receive slots, temporaries, gradients: reduce_dtype and unreduced param_dtype) at the heaviest W of
+    a V schedule's split backward on rank `st` (runner.estimate.split_backward); None without one."""
+    points = split_backward.w_points(cfg, lay, micro, st)
+    if not points:
+        return None
+    stages, per_mb = pipeline_ranks.chunk_stages(cfg, lay, st), _chunk_per_mb(cfg, lay, st, sizes, tokens)
+    kept = split_backward.RECOMPUTE_KEPT * (cfg.training.activation_checkpoint != ActivationCheckpoint.none)
+    bw, dw, recompute, grads = BYTES[cfg.precision.param_dtype.value], [], [], []
+    for s, (d, e) in zip(stages, pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
+        inputs = [split_backward.weight_grad_inputs(cfg, lay, moe, tokens) for moe in (False, True)]
+        dw.append(0.0 if s == 0 else d * inputs[0] + e * inputs[1])
+        groups = [split_backward.weights_per_block(cfg, moe) for moe in (False, True)]
+        recompute.append(0.0 if s == 0 else kept * (d * groups[0] * sizes[0] + e * groups[1] * sizes[1]))
+        grads.append(_chunk_params(cfg, lay, s, (d, e)) * bw)
+    best, rw = (0.0, 0.0, 0.0), BYTES[cfg.precision.reduce_dtype.value]
+    for chunk, h0, h1, q0, q1, other, reduced0, reduced1 in points:
+        if stages[chunk] != 0:  # the first stage's W is a full backward
+            held = h0 * per_mb[0] + h1 * per_mb[1]
+            reduced = (reduced0 * grads[0] + reduced1 * grads[1]) / bw * rw
+            cand = (held, q0 * dw[0] + q1 * dw[1] + recompute[chunk], reduced + grads[chunk] + other * grads[1 - chunk])
+            best = max(best, cand, key=sum)
+    return best
+
+
+def _chunk_params(cfg: RunConfig, lay: Layout, s: int, blocks: tuple[int, int]) -> float:
+    """Parameters of pipeline stage `s` on one of its ranks (routed experts / ep, all / tp)."""
+    n = lay.pp * cfg.parallelism.pp_virtual_stages
+    params, _ = _stage_params(cfg, blocks, s == 0, s == n - 1)
+    return (params - blocks[1] * flops.routed_expert_params(cfg.model) * (1 - 1 / lay.ep)) / lay.tp
+
+
 def _held_by_virtual_stage(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
     """Bytes rank `st`'s virtual stages save at its peak, each its blocks and extras times the microbatches it holds:
     torch's warm-up under Interleaved1F1B; under a V schedule the most of every point of its action order (None for a
     schedule with one stage per rank)."""
-    n = lay.pp * cfg.parallelism.pp_virtual_stages
-    per_mb = []
-    for s, blk in zip(pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
-        saved = _saved_by_blocks(cfg, lay, blk, s == 0, sizes, tokens)
-        per_mb.append(saved + _extras(cfg, lay, s == 0, s == n - 1, tokens, sizes[2]))
+    per_mb = _chunk_per_mb(cfg, lay, st, sizes, tokens)
     looped = pipeline_ranks.looped_held(cfg, lay, micro, st)
     if looped is not None:
         return sum(k * b for k, b in zip(looped, per_mb, strict=True))
@@ -357,7 +404,6 @@ def _worked_example(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
         "optimizer_gb_per_gpu_worked_example": optimizer / 1e9,
         "activations_gb_per_microbatch_worked_example": act_mb / 1e9,
         "activations_gb_per_microbatch_recompute_worked_example": act_mb_ac / 1e9,
-        "microbatches_in_flight": flight,
         "activations_gb_per_gpu_worked_example": activations / 1e9,
         "total_gb_per_gpu_worked_example": (weights_grads + optimizer + activations) / 1e9,
     }
@@ -374,6 +420,7 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         **example,
         "weights_gathered_during_step": keeps_weights_gathered(cfg, lay),
         "memory_stage": worst,
+        "microbatches_in_flight": pipeline_ranks.held_microbatches(cfg, lay, micro, worst),
         "weights_grads_gb_per_gpu": w["weights_grads"],
         "optimizer_gb_per_gpu": w["optimizer"],
         "activations_gb_per_microbatch": w["activations_per_microbatch"],
