@@ -282,28 +282,13 @@ def _chunk_per_mb(cfg: RunConfig, lay: Layout, st: int, sizes: tuple[float, floa
 
 
 def _split_backward_peak(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
-    """(activations beside the receive slots, temporaries, gradients: reduce_dtype and unreduced param_dtype) at the heaviest W of
-    a V schedule's split backward on rank `st` (runner.estimate.split_backward); None without one."""
-    points = split_backward.w_points(cfg, lay, micro, st)
-    if not points:
+    """(activations beside the receive slots, temporaries, gradients) at the heaviest W of a V schedule's split backward
+    on rank `st` (runner.estimate.split_backward.peak); None without one."""
+    if not split_backward.w_points(cfg, lay, micro, st):
         return None
-    stages, per_mb = pipeline_ranks.chunk_stages(cfg, lay, st), _chunk_per_mb(cfg, lay, st, sizes, tokens)
-    kept = split_backward.RECOMPUTE_KEPT * (cfg.training.activation_checkpoint != ActivationCheckpoint.none)
-    bw, dw, recompute, grads = BYTES[cfg.precision.param_dtype.value], [], [], []
-    for s, (d, e) in zip(stages, pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
-        inputs = [split_backward.weight_grad_inputs(cfg, lay, moe, tokens) for moe in (False, True)]
-        dw.append(0.0 if s == 0 else d * inputs[0] + e * inputs[1])
-        groups = [split_backward.weights_per_block(cfg, moe) for moe in (False, True)]
-        recompute.append(0.0 if s == 0 else kept * (d * groups[0] * sizes[0] + e * groups[1] * sizes[1]))
-        grads.append(_chunk_params(cfg, lay, s, (d, e)) * bw)
-    best, rw = (0.0, 0.0, 0.0), BYTES[cfg.precision.reduce_dtype.value]
-    for chunk, h0, h1, q0, q1, other, reduced0, reduced1 in points:
-        if stages[chunk] != 0:  # the first stage's W is a full backward
-            held = h0 * per_mb[0] + h1 * per_mb[1]
-            reduced = (reduced0 * grads[0] + reduced1 * grads[1]) / bw * rw
-            cand = (held, q0 * dw[0] + q1 * dw[1] + recompute[chunk], reduced + grads[chunk] + other * grads[1 - chunk])
-            best = max(best, cand, key=sum)
-    return best
+    stages, blocks = pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st)
+    params = [_chunk_params(cfg, lay, s, b) for s, b in zip(stages, blocks, strict=True)]
+    return split_backward.peak(cfg, lay, micro, st, _chunk_per_mb(cfg, lay, st, sizes, tokens), params, sizes[:2], tokens)
 
 
 def _chunk_params(cfg: RunConfig, lay: Layout, s: int, blocks: tuple[int, int]) -> float:

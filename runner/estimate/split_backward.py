@@ -2,8 +2,9 @@
 
 torch's ScheduleZBVZeroBubble, and ScheduleDualPipeV from the middle of its step 6 on, split a stage's backward into an
 input half (I: `stage_backward_input`) and a weight half (W: `stage_backward_weight`) that runs later
-(runner.estimate.pipeline_ranks.v_actions). Measured by the CPU dry run of the DeepSeek-V3 recipe's V bottom (rank 2047: stages 15 and 16, two MoE
-blocks each, full activation checkpointing), whose peak is inside the tail's first W, 15 I's deferred beside it:
+(runner.estimate.pipeline_ranks.v_actions). Measured by the CPU dry run of the DeepSeek-V3 recipe's V bottom
+(rank 2047: stages 15 and 16, two MoE blocks each, full activation checkpointing), whose peak is inside the
+tail's first W, 15 I's deferred beside it:
 
 - a deferred I keeps its microbatch's checkpointed block inputs and stage output (pipeline_ranks.FREES) and, per
   weight, the gradient of the weight's op output that W multiplies (torch's `param_group["grads"]`): 3.29 GB per
@@ -22,7 +23,7 @@ from __future__ import annotations
 import functools
 
 from runner.estimate import flops, pipeline, pipeline_ranks
-from runner.schema import DeviceType, RunConfig
+from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
 
 RECOMPUTE_KEPT = 0.85
@@ -86,3 +87,27 @@ def _w_points(schedule: str, pp: int, micro: int, rank: int) -> tuple[tuple, ...
         reduced[chunk] = reduced[chunk] or kind == "B" or (kind == "I" and unreduced[chunk])
         unreduced[chunk] = kind == "W" or (unreduced[chunk] and kind == "F")
     return tuple(dict.fromkeys(out))
+
+
+BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def peak(
+    cfg: RunConfig, lay: Layout, micro: int, st: int, per_mb: list[float], params: list[float], layer: tuple[float, float], tokens: float
+):
+    """(activations beside the receive slots, temporaries, gradients) at the W of rank `st` with the largest sum, given
+    each chunk's bytes saved per microbatch and parameters on the rank, and a (dense, moe) block's recomputed bytes."""
+    stages, blocks = pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st)
+    kept = RECOMPUTE_KEPT * (cfg.training.activation_checkpoint != ActivationCheckpoint.none)
+    bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
+    inputs = [weight_grad_inputs(cfg, lay, moe, tokens) for moe in (False, True)]
+    groups = [weights_per_block(cfg, moe) * size for moe, size in zip((False, True), layer, strict=True)]
+    dw = [(s != 0) * (d * inputs[0] + e * inputs[1]) for s, (d, e) in zip(stages, blocks, strict=True)]
+    recompute = [(s != 0) * kept * (d * groups[0] + e * groups[1]) for s, (d, e) in zip(stages, blocks, strict=True)]
+    best = (0.0, 0.0, 0.0)
+    for chunk, h0, h1, q0, q1, other, reduced0, reduced1 in w_points(cfg, lay, micro, st):
+        if stages[chunk] != 0:  # the first stage's W is a full backward
+            grads = (reduced0 * params[0] + reduced1 * params[1]) * rw + (params[chunk] + other * params[1 - chunk]) * bw
+            cand = (h0 * per_mb[0] + h1 * per_mb[1], q0 * dw[0] + q1 * dw[1] + recompute[chunk], grads)
+            best = max(best, cand, key=sum)
+    return best
