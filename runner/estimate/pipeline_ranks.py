@@ -133,9 +133,10 @@ def local_links(cfg: RunConfig, lay: Layout, st: int) -> int:
 def v_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[tuple[int, int]] | None:
     """V schedules (DualPipeV, ZBVZeroBubble): the microbatches rank `st`'s two stages (st, 2 pp - 1 - st) hold after each
     forward, in torch's order of the rank's actions (torch.distributed.pipelining.schedules, the schedule's
-    _calculate_single_rank_operations); a backward (full, or its input half) frees its microbatch. The memory model
-    weighs each pair by its stages' bytes and keeps the largest: on DeepSeek-V3's rank 0 the last stage's logits
-    (3.2 GB a microbatch) are held for at most 1 microbatch while the first stage holds up to 32. None for other schedules."""
+    _calculate_single_rank_operations); a full backward, or the weight half of a split one, frees its microbatch (FREES).
+    The memory model weighs each pair by its stages' bytes and keeps the largest: on DeepSeek-V3's rank 0 the last
+    stage's logits (3.2 GB a microbatch) are held for at most 1 microbatch while the first stage holds up to 32. None
+    for other schedules."""
     p = cfg.parallelism
     if lay.pp == 1 or pipeline.SCHEDULES[p.pp_schedule].style != "v":
         return None
