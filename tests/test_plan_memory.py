@@ -252,7 +252,8 @@ def test_mtp_block_memory_matches_the_dry_run(compose):
 
 def _torch_held(cls, pp: int, m: int, rank: int) -> list[tuple[int, int]]:
     """The microbatches rank `rank`'s two stages hold after each forward, from torch's own action list of the schedule
-    (a full backward or its input half frees its microbatch; an overlapped forward/backward runs its forward first)."""
+    (a full backward or the weight half of a split one frees its microbatch; an overlapped forward/backward runs its
+    forward first)."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules
@@ -264,7 +265,7 @@ def _torch_held(cls, pp: int, m: int, rank: int) -> list[tuple[int, int]]:
             if a.computation_type == schedules.FORWARD:
                 held[a.stage_index] += 1
                 out.append((held[stages[0]], held[stages[1]]))
-            elif a.computation_type in (schedules.FULL_BACKWARD, schedules.BACKWARD_INPUT):
+            elif a.computation_type in (schedules.FULL_BACKWARD, schedules.BACKWARD_WEIGHT):
                 held[a.stage_index] -= 1
     return out
 

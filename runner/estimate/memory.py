@@ -266,10 +266,13 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     # torch's PipelineStage keeps a receive buffer per microbatch of the step for the stage's input (all but the first
     # stage) and one for its output's gradient (all but the last), made in the first step and kept across steps
     receive = micro * hidden * pipeline_ranks.receive_buffers(cfg, lay, st, first, last)
+    # the V's bottom rank keeps the tensors its two stages pass each other, a microbatch's in each receive slot: the
+    # first stage's output (an activation) and the second's input gradient (a backward temporary)
+    passed = micro * hidden * pipeline_ranks.local_links(cfg, lay, st)
     activations = pipeline_ranks.in_flight(cfg, lay, micro, st) * (layers + extras) + receive
     chunks = _held_by_virtual_stage(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
     if chunks is not None:  # each virtual stage's blocks and extras times the microbatches it holds at the peak
-        activations = receive + chunks
+        activations = receive + passed + chunks
     if ffn_grads and blocks[1] and not ac:  # the stage peaks past an MoE block's experts' backward
         activations -= _freed_by_experts_backward(cfg, lay, last, tokens, extras)
     recompute = max(full_layer if blocks[0] else 0, moe_layer if blocks[1] else 0) if ac else 0
@@ -285,7 +288,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     if first - ffn_grads > later and first > loss_backward:
         weights_grads -= ffn_grads
     in_linear = max(recompute + (first if first - ffn_grads > later else later), in_moe)
-    temporaries = max(in_linear, loss_backward)
+    temporaries = max(in_linear, loss_backward) + passed
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
     masks = block_mask.held_bytes(cfg, lay, micro)  # FlexAttention's BlockMask on CUDA (runner.estimate.block_mask)
@@ -333,15 +336,22 @@ def _freed_by_experts_backward(cfg: RunConfig, lay: Layout, last: bool, tokens: 
     return sum(moe_memory.saved_terms(cfg, lay, tokens).values()) + (extras if last else 0.0)
 
 
+def _chunk_per_mb(cfg: RunConfig, lay: Layout, st: int, sizes: tuple[float, float, float], tokens: float) -> list[float]:
+    """Bytes each of rank `st`'s virtual stages saves per microbatch: its blocks' and its extras (on the V's bottom rank
+    the first stage's output is the second's receive slot, counted by the caller)."""
+    n, passed = lay.pp * cfg.parallelism.pp_virtual_stages, pipeline_ranks.local_links(cfg, lay, st)
+    per_mb = []
+    for s, blk in zip(pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
+        saved = _saved_by_blocks(cfg, lay, blk, s == 0, sizes, tokens)
+        per_mb.append(saved + _extras(cfg, lay, s == 0, s == n - 1, tokens, sizes[2]) - (passed and not per_mb) * sizes[2])
+    return per_mb
+
+
 def _held_by_virtual_stage(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
     """Bytes rank `st`'s virtual stages save at its peak, each its blocks and extras times the microbatches it holds:
     torch's warm-up under Interleaved1F1B; under a V schedule the most of every point of its action order (None for a
     schedule with one stage per rank)."""
-    n = lay.pp * cfg.parallelism.pp_virtual_stages
-    per_mb = []
-    for s, blk in zip(pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st), strict=True):
-        saved = _saved_by_blocks(cfg, lay, blk, s == 0, sizes, tokens)
-        per_mb.append(saved + _extras(cfg, lay, s == 0, s == n - 1, tokens, sizes[2]))
+    per_mb = _chunk_per_mb(cfg, lay, st, sizes, tokens)
     looped = pipeline_ranks.looped_held(cfg, lay, micro, st)
     if looped is not None:
         return sum(k * b for k, b in zip(looped, per_mb, strict=True))
@@ -433,7 +443,6 @@ def _worked_example(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
         "optimizer_gb_per_gpu_worked_example": optimizer / 1e9,
         "activations_gb_per_microbatch_worked_example": act_mb / 1e9,
         "activations_gb_per_microbatch_recompute_worked_example": act_mb_ac / 1e9,
-        "microbatches_in_flight": flight,
         "activations_gb_per_gpu_worked_example": activations / 1e9,
         "total_gb_per_gpu_worked_example": (weights_grads + optimizer + activations) / 1e9,
     }
@@ -450,6 +459,7 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         **example,
         "weights_gathered_during_step": keeps_weights_gathered(cfg, lay),
         "memory_stage": worst,
+        "microbatches_in_flight": pipeline_ranks.held_microbatches(cfg, lay, micro, worst),
         "weights_grads_gb_per_gpu": w["weights_grads"],
         "optimizer_gb_per_gpu": w["optimizer"],
         "activations_gb_per_microbatch": w["activations_per_microbatch"],

@@ -46,6 +46,17 @@ def in_flight(cfg: RunConfig, lay: Layout, micro: int, stage: int) -> int:
     return min(micro, lay.pp - stage)
 
 
+def held_microbatches(cfg: RunConfig, lay: Layout, micro: int, st: int) -> int:
+    """The most microbatches rank `st` holds activations of at once, its virtual stages' together (the plan's
+    "microbatches in flight"): a V schedule's largest pair of torch's action order (DeepSeek-V3 pp 16 rank 0: 32 of
+    the first stage and 1 of the last), Interleaved1F1B's warm-up, else in_flight."""
+    v = v_held(cfg, lay, micro, st)
+    if v is not None:
+        return max(a + b for a, b in v)
+    looped = looped_held(cfg, lay, micro, st)
+    return sum(looped) if looped is not None else in_flight(cfg, lay, micro, st)
+
+
 def looped_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[int] | None:
     """Interleaved1F1B: the microbatches each of rank `st`'s virtual stages (st, st + pp, ...) holds at its peak. Before
     its first backward the rank runs torch's warm-up, (v - 1) x the microbatches of a round + 2 (pp - 1 - st) forwards,
@@ -109,12 +120,23 @@ def receive_buffers(cfg: RunConfig, lay: Layout, st: int, first: bool, last: boo
     return sum((s != 0 and s - 1 not in mine) + (s != n - 1 and s + 1 not in mine) for s in mine)
 
 
+def local_links(cfg: RunConfig, lay: Layout, st: int) -> int:
+    """1 on a V schedule's bottom rank (pp - 1), whose two stages are neighbours: torch passes their tensors directly
+    (set_local_fwd_input, set_local_bwd_input) and keeps each microbatch's in the stage's receive slot until the next
+    step replaces it (DeepSeek-V3 pp 16, rank 2047: 120 outputs of stage 15 and input gradients of stage 16); else 0."""
+    if lay.pp == 1 or pipeline.SCHEDULES[cfg.parallelism.pp_schedule].style != "v":
+        return 0
+    first, second = chunk_stages(cfg, lay, st)
+    return int(second == first + 1)
+
+
 def v_held(cfg: RunConfig, lay: Layout, micro: int, st: int) -> list[tuple[int, int]] | None:
     """V schedules (DualPipeV, ZBVZeroBubble): the microbatches rank `st`'s two stages (st, 2 pp - 1 - st) hold after each
     forward, in torch's order of the rank's actions (torch.distributed.pipelining.schedules, the schedule's
-    _calculate_single_rank_operations); a backward (full, or its input half) frees its microbatch. The memory model
-    weighs each pair by its stages' bytes and keeps the largest: on DeepSeek-V3's rank 0 the last stage's logits
-    (3.2 GB a microbatch) are held for at most 1 microbatch while the first stage holds up to 32. None for other schedules."""
+    _calculate_single_rank_operations); a full backward, or the weight half of a split one, frees its microbatch (FREES).
+    The memory model weighs each pair by its stages' bytes and keeps the largest: on DeepSeek-V3's rank 0 the last
+    stage's logits (3.2 GB a microbatch) are held for at most 1 microbatch while the first stage holds up to 32. None
+    for other schedules."""
     p = cfg.parallelism
     if lay.pp == 1 or pipeline.SCHEDULES[p.pp_schedule].style != "v":
         return None
@@ -137,22 +159,65 @@ def _v_peaks(schedule: str, pp: int, micro: int, rank: int) -> tuple[tuple[int, 
 
 
 @functools.lru_cache(maxsize=1024)
-def _v_held(schedule: str, pp: int, micro: int, rank: int) -> list[tuple[int, int]]:
-    ops = _dualpipev_ops(pp, micro, rank) if schedule == "DualPipeV" else _zbv_ops(pp, micro, rank)
+def _v_held(schedule: str, pp: int, m: int, rank: int) -> list[tuple[int, int]]:
     held, out = [0, 0], []
-    for chunk, forward in ops:
-        held[chunk] += 1 if forward else -1
-        if forward:
+    for chunk, kind in v_actions(schedule, pp, m, rank):
+        held[chunk] += 1 if kind == "F" else -1 if kind in FREES else 0
+        if kind == "F":
             out.append(tuple(held))
     return out
 
 
-def _dualpipev_ops(pp: int, m: int, r: int) -> list[tuple[int, bool]]:
-    """(chunk, is forward) in ScheduleDualPipeV's order; a forward/backward overlap runs its forward first."""
-    f0, f1, b0, b1 = (0, True), (1, True), (0, False), (1, False)
-    ops = [f0] * (2 * (pp - r - 1)) + [f0, f1] * (r + 1) + [b1, f1] * (pp - r - 1)
-    ops += [f0, b1, f1, b0] * (m - 2 * pp + r + 1) + [b1, f1, b0] * (pp - r - 1)
-    return ops + [b1, b0] * (r + 1) + [b0] * (pp - r - 1)
+FREES = ("B", "W")
+"""The actions that free a microbatch's activations: a full backward, or the weight half (W) of a split one: its input
+half (I) keeps what W needs (the checkpointed blocks' inputs, the stage's output)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def v_actions(schedule: str, pp: int, m: int, rank: int) -> tuple[tuple[int, str], ...]:
+    """(chunk, kind) of rank `rank`'s actions in torch's order: F forward, B full backward, I input-gradient half, W
+    weight-gradient half. ZBVZeroBubble splits every backward; its port runs each W right after its I (torch defers
+    some in the cool-down: their held microbatches and weight-gradient inputs are not counted)."""
+    if schedule == "DualPipeV":
+        return tuple(_dualpipev_actions(pp, m, rank))
+    ops = ([(chunk, "F")] if forward else [(chunk, "I"), (chunk, "W")] for chunk, forward in _zbv_ops(pp, m, rank))
+    return tuple(op for pair in ops for op in pair)
+
+
+def _dualpipev_actions(pp: int, m: int, r: int) -> list[tuple[int, str]]:
+    """ScheduleDualPipeV._calculate_single_rank_operations: an overlapped forward/backward runs its forward first; an I
+    queues its W, which runs where torch pops the queue (steps 3, 7 and 8)."""
+    ops, queue = [], []
+
+    def add(chunk: int, kind: str, times: int = 1) -> None:
+        for _ in range(times):
+            ops.append((chunk, kind))
+            queue.extend([chunk] if kind == "I" else [])
+
+    def weight() -> None:
+        if queue:
+            ops.append((queue.pop(0), "W"))
+
+    add(0, "F", 2 * (pp - r - 1))
+    for _ in range(r + 1):
+        add(0, "F"), add(1, "F")
+    for _ in range(pp - r - 1):
+        add(1, "I"), weight(), add(1, "F")
+    for _ in range(m - 2 * pp + r + 1):
+        add(0, "F"), add(1, "B"), add(1, "F"), add(0, "B")
+    for _ in range(pp - r - 1):
+        add(1, "B"), add(1, "F"), add(0, "B")
+    split = False  # from the middle of step 6 on, every backward is input-only
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        add(1, "I" if split else "B")
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        add(0, "I" if split else "B")
+    for _ in range(pp - r - 1):
+        weight(), add(0, "I")
+    for _ in range(r + 1):
+        weight()
+    return ops
 
 
 def _zbv_ops(pp: int, m: int, r: int) -> list[tuple[int, bool]]:
