@@ -1,6 +1,6 @@
 """mode=dryrun: one CPU process plays a rank of the real layout on fake tensors and measures its memory.
 
-The ledger is checked against reality: the debug model at dp2_tp2 on 4 real gloo ranks (the same two steps,
+The ledger is checked against reality: the debug model at dp2_tp2 on 4 real gloo ranks (the same warm-up and step,
 the same ledger, on real tensors) against the dry run's rank 0 of that layout. Parameters, gradients and
 optimizer state must agree byte for byte; activations within 1 % (measured: equal). The 8B FSDP recipe's dry
 run is checked against hand-computed shard sizes.
@@ -53,7 +53,7 @@ def test_ranks_outside_the_layout_exit_2_with_nothing_written(tmp_path):
 
 
 def _real_ledger(cfg, tmp_path) -> dict:
-    """Rank 0 of 4 real gloo ranks running runner.run.dryrun.rehearse's two steps under the ledger (forked after the imports)."""
+    """Rank 0 of 4 real gloo ranks running runner.run.dryrun.rehearse's warm-up and step under the ledger (forked after the imports)."""
     tmp_path.mkdir()
     frozen = freeze.write(cfg, validate.check(cfg), tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -141,3 +141,29 @@ def test_cuda_rehearsal_of_a_cpu_cluster_exits_2_without_a_traceback(tmp_path):
     proc = run_cli("mode=dryrun", "dryrun.device=cuda", run_dir=tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "dryrun.device = cuda" in proc.stderr and "Fix: pick a CUDA cluster" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_modes_that_train_nothing_print_library_lines_and_warnings_as_a_training_console(capsys):
+    """A mode that starts no training (runner.cli) routes the root logger's lines through the runner's console (WARNING
+    and up, in its format; TorchTitan's INFO lines once printed in Hydra's `[time][HYDRA]` format) and drops the known
+    warnings, among them torch's CPU autocast notice that TorchTitan's MoE router raised on every MoE recipe's dry run;
+    both put back after the mode (a sweep's next point, a test)."""
+    import logging
+    import warnings
+
+    import torch
+
+    from runner.run import console, known_warnings
+
+    root = logging.getLogger()
+    before = root.handlers[:], root.level
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with console.routed(verbose=False), known_warnings.applied():
+            logging.getLogger().info("Building device mesh with parallelism: pp=1")
+            logging.getLogger().warning("a warning of TorchTitan's")
+            torch.autocast("cpu", dtype=torch.float32)
+        torch.autocast("cpu", dtype=torch.float32)  # outside the mode: the filter is gone again
+    assert (root.handlers, root.level) == before
+    assert capsys.readouterr().err == "WARNING: a warning of TorchTitan's\n"
+    assert [str(w.message).split(". ")[0] for w in got] == ["In CPU autocast, but the target dtype is not supported"]

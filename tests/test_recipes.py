@@ -218,7 +218,7 @@ def test_every_recipe_dry_runs_rank_0_on_cpu_or_is_refused_naming_the_cuda_rehea
     output and warnings as a user sees them), and no fork from pytest's process, whose parallel kernels hang a forked
     child's (a rank's block-mask probe). The MoE recipes' rank 0 costs most of a minute here: the CUDA tier runs them
     (MOE_RECIPES). Times (bench/README.md, "Dry run against the plan"): measured 2026-12-05 under a load of 4 to 5 on
-    2 cores, rank 0 simulated in 5 s (debug), 9 s (8B), 24 s (8B continue), 19 s (70B), 84 s (Qwen3-235B), 57 s
+    2 cores, rank 0 simulated in 5 s (debug), 9 s (8B), 21 s (8B continue), 19 s (70B), 84 s (Qwen3-235B), 57 s
     (DeepSeek-V3)."""
     point, dry_runs = RECIPE_DRYRUNS[name], request.getfixturevalue("moe_dry_runs" if name in MOE_RECIPES else "dry_runs")
     assert "Traceback" not in dry_runs.stderr and "In CPU autocast" not in dry_runs.stderr, dry_runs.stderr[-3000:]

@@ -3,9 +3,9 @@
 The rank runs the same set-up the real ranks run, with torch's fake process group of the cluster's world size:
 TorchTitan's ParallelDims and mesh, the model from its registry, the precision converters, TP/SP/FSDP/HSDP/CP/EP
 parallelize and its pipeline stage (runner.run.titan.build, on meta). It is then materialized on fake tensors
-(FakeTensorMode: building under it fails inside FSDP's set-up), and runs two training steps of the runner's own
-step parts; the second is measured by the ledger (runner.run.dryrun.ledger). The first is not representative: AdamW
-creates its state lazily and the pipeline schedule infers shapes with an extra forward/backward.
+(FakeTensorMode: building under it fails inside FSDP's set-up), warms up (warm_up: what a first step leaves, AdamW's
+lazy state and the pipeline's set-up) and runs one step of the runner's own step parts under the ledger
+(runner.run.dryrun.ledger).
 
 `python -m runner.run.dryrun.rehearse NPROC OUT FROZEN` forks NPROC real ranks that do the same (the ledger's ground
 truth); `python -m runner.run.dryrun.rehearse OUT FROZEN` under torchrun is one such rank.
@@ -235,14 +235,12 @@ def _materialize_fake(parts: list[torch.nn.Module]) -> None:
 
 
 def warm_up(cfg: RunConfig, lay: Layout, built, opt) -> None:
-    """What a first step leaves for the measured one, at the cost of one microbatch instead of every one (on fake tensors
-    most of a rank's time: Qwen3-235B's rank 0 runs 32 microbatches of full recomputation a step). The pipeline stages'
-    set-up (titan.pipeline_set_up: shape inference on one microbatch, the receive buffers of every microbatch), or
-    without a pipeline forward/backward of the first microbatch; then the clip and AdamW's first update, which makes its
-    state (a parameter the set-up gave no gradient updates from zeros: state is allocated alike whatever gradients hold).
-    The shapes of the step are all met once here, so the measured step finds torch's caches as a second step does;
-    FSDP's gathered-parameter storages are made by the measured step's first all-gather instead of re-grown from the
-    first step's (the same bytes at the same point)."""
+    """What a first step leaves for the measured one, at the cost of one microbatch instead of all (on fake tensors most
+    of a rank's time: Qwen3-235B's rank 0 runs 32 microbatches of full recomputation a step): the pipeline's own set-up
+    (titan.pipeline_set_up: shape inference, every microbatch's receive buffers) or forward/backward of the first
+    microbatch, so that torch's caches meet every shape once; the clip; AdamW's first update, which makes its state (a
+    parameter left without a gradient updates from zeros: the state is the same whatever the gradients hold). FSDP's
+    gathered-parameter storages are then made by the measured step's first all-gather: the same bytes at the same point."""
     microbatches = batches.synthetic_microbatches(cfg, lay)
     global_tokens = torch.tensor(float(cfg.training.global_batch_size * cfg.training.seq_len))
     if built.schedule is not None:
@@ -256,7 +254,7 @@ def warm_up(cfg: RunConfig, lay: Layout, built, opt) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], dict[str, Any]]:
+def _warm_up_and_step(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], dict[str, Any]]:
     """The warm-up unmeasured (warm_up: the lazy optimizer state, the pipeline's set-up), a step under the ledger."""
     t1 = time.perf_counter()
     warm_up(cfg, lay, built, opt)
@@ -271,7 +269,7 @@ def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any],
 
 
 def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str, Any]:
-    """Build this rank (the default process group is up), run two steps, return the second one's ledger."""
+    """Build this rank (the default process group is up), warm up, run a step, return its ledger."""
     # private_api: torch_fake_tensor_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -289,7 +287,7 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         opt, _ = titan.build_optimizer(cfg, built.parts)
         titan.register_optimizer_hooks(built, opt)
         build_s = time.perf_counter() - t0
-        result, times = _two_steps(cfg, lay, built, opt)
+        result, times = _warm_up_and_step(cfg, lay, built, opt)
         shards = param_shards(built.parts)
     return rank_report(lay, built, result, shards, fake=fake, build_s=build_s, t0=t0, **times)
 
@@ -371,7 +369,7 @@ def rehearse(cfg: RunConfig, lay: Layout, ranks: list[int], run_dir: Path) -> di
 
 
 def main(out_dir: str, frozen: str) -> None:
-    """Real ranks (under torchrun): the same two steps, measured by the same ledger; one JSON per rank."""
+    """Real ranks (under torchrun): the same warm-up and step, measured by the same ledger; one JSON per rank."""
     cfg = freeze.load(Path(frozen))
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     titan.init_process_group(cfg, DevicePolicy.of(cfg.cluster, cfg.distributed))
