@@ -84,7 +84,7 @@ def run(name: str, overrides: list[str], folder: Path) -> None:
         print(f"   {note}")
     for r in rep["ranks"]:
         coords = " ".join(f"{k}={v}" for k, v in r["coords"].items())
-        steps = " + ".join(f"{s:.1f}" for s in r["step_s"])
+        steps = " + ".join(f"{s:.1f}" for s in [*([r["warm_up_s"]] if "warm_up_s" in r else []), *r["step_s"]])  # warm-up first
         print(f"   rank {r['rank']} [{coords}]: wall {r['wall_s']:.1f} s (build {r['build_s']:.1f}, steps {steps})")
         for row in r["rows"]:
             plan = "-" if row["plan_gb"] is None else f"{row['plan_gb']:.2f}"

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner import modes, sweep
 from runner.config import compose, compose_errors, freeze, validate
+from runner.run import console, known_warnings
 from runner.schema import Mode
 from runner.schema.wording import count
 
@@ -50,8 +51,9 @@ def main(dcfg: DictConfig) -> float | None:
             validate.preflight(cfg, run_dir, lay)
         if cfg.optimizer.param_groups and cfg.mode not in (Mode.plan, Mode.search):
             _param_groups(cfg)
-        if cfg.mode != Mode.train:
-            return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
+        if cfg.mode != Mode.train:  # library lines and warnings as a training run's console shows them
+            with console.routed(cfg.logging.verbose), known_warnings.applied():
+                return MODES[cfg.mode](cfg, lay, dcfg, run_dir)
     except (validate.ConfigError, OmegaConfBaseException) as e:
         if sweep.multirun():
             return sweep.invalid_point(e, run_dir)

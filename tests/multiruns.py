@@ -46,6 +46,8 @@ class Multirun(Mapping):
     """Why each point that failed did: its failed.json or invalid.json and the tails of its console and rank logs."""
     error: str | None = None
     """Why the multirun failed as a whole (every point fails with it), with its stdout and stderr tails."""
+    stderr: str = ""
+    """The multirun's stderr, every point's (warnings, library log lines)."""
 
     def __getitem__(self, name: str) -> tuple[Path, str]:
         return point(self, name)
@@ -86,7 +88,7 @@ def multirun_status(names: list[str], sweep: Path, proc: subprocess.CompletedPro
     error = None
     if proc.returncode not in (0, 1) or (proc.returncode == 1 and not ranks_failed) or not any(f.is_dir() for f in folders.values()):
         error = f"multirun failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return Multirun(folders, consoles, failed, error)
+    return Multirun(folders, consoles, failed, error, proc.stderr)
 
 
 def _point_failure(folder: Path, console: str) -> str | None:

@@ -240,6 +240,17 @@ DRYRUNS |= {
     for case, (o, ranks) in PLAN_MEMORY_CASES.items()
 }
 """Both modules' dry runs, the common mode=dryrun aside."""
+RECIPE_DRYRUNS = {
+    name: "dryrun-8b" if name == "llama3_8b_fsdp8_h100" else f"recipe-{name}"  # the 8B recipe's default ranks are [0]
+    for name in sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+}
+"""Every shipped recipe's rank 0 on the CPU (tests/test_recipes.py), by its point in DRYRUNS or MOE_DRYRUNS; gpt-oss an
+invalid point (refused at validation)."""
+MOE_RECIPES = ("deepseek_v3_671b_h800x2048", "qwen3_235b_a22b_h100x1024")
+"""The recipes whose rank 0 costs most of a minute here (32 and 16 microbatches of MoE blocks with full recomputation on
+fake tensors; bench/README.md): their dry runs are the CUDA tier's (`-m cuda_rehearsal`, after the main suite)."""
+DRYRUNS |= {p: [f"recipe={n}", "dryrun.ranks=[0]"] for n, p in RECIPE_DRYRUNS.items() if n not in MOE_RECIPES and p not in DRYRUNS}
+MOE_DRYRUNS = {RECIPE_DRYRUNS[n]: [f"recipe={n}", "dryrun.ranks=[0]"] for n in MOE_RECIPES}
 
 # ---- tests/test_train.py: every layout and FP8 recipe (shared_runs) ----------------------------------------------
 

@@ -108,12 +108,19 @@ def _num(x: float | None, width: int) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:{width}.2f}"
 
 
+def _steps(r: dict[str, Any]) -> str:
+    """The CPU dry run's warm-up and measured step (runner.run.dryrun.rehearse.warm_up), or the CUDA rehearsal's steps."""
+    if "warm_up_s" in r:
+        return f"warm-up {r['warm_up_s']:.1f} s, measured step {r['step_s'][-1]:.1f} s"
+    return f"steps {', '.join(f'{s:.1f}' for s in r['step_s'])} s"
+
+
 def render_rank(r: dict[str, Any], microbatches: int) -> str:
     coords = " ".join(f"{k}={v}" for k, v in r["coords"].items())
     head = (
         f"rank {r['rank']} [{coords}]: peak {r['peak_bytes'] / GB:.2f} GB during {r['peak_phase']}; "
         f"{r['num_params_local']:,} parameters in {len(r['param_shards'])} shards; wall {r['wall_s']:.1f} s "
-        f"(build {r['build_s']:.1f} s, steps {', '.join(f'{s:.1f}' for s in r['step_s'])} s)"
+        f"(build {r['build_s']:.1f} s, {_steps(r)})"
     )
     lines = [head, f"  {'':30}{'plan GB':>10}{'measured GB':>13}{'ratio':>8}  held to"]
     for row in r["rows"]:

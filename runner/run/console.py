@@ -58,6 +58,21 @@ def route_logs(verbose: bool, console: bool) -> None:
     root.setLevel(handler.level)
 
 
+@contextmanager
+def routed(verbose: bool):
+    """route_logs on this console process for a block, then the root logger's handlers and level as they were: a mode
+    that starts no training (the dry run's TorchTitan lines, in its forked ranks too) in a process that may run more
+    commands after it (a sweep's points, a test's in-process CLI)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    route_logs(verbose, console=True)
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 class _Tee(io.TextIOBase):
     """A text stream that writes to `stream` and to the log file; everything else (isatty, fileno, encoding) is
     the stream's, so rich and the rest see the console they would see."""

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -78,6 +79,15 @@ HARMLESS = (
         "(runner.run.profiling), so no event of an earlier cycle is wanted again",
     ),
     Harmless(
+        UserWarning,
+        None,
+        r"In CPU autocast, but the target dtype is not supported\. Disabling autocast\.",
+        "TorchTitan's MoE router computes its gate under autocast to float32 (models/common/moe.py), which torch's CPU "
+        "autocast does not offer: on CPU the gate runs in its inputs' dtype, float32 at the CPU's default precision (what "
+        "TorchTitan asks for); under bf16 (the CPU dry run of a GPU recipe) its scores are bf16, tokens x experts, where "
+        "a GPU's are float32 (the CUDA rehearsal runs the GPU's autocast)",
+    ),
+    Harmless(
         None,
         "torch.distributed.elastic.agent.server.api",
         r"Received (2|Signals\.SIGINT|SIGINT) death signal, shutting down workers",
@@ -122,3 +132,17 @@ def apply(console: bool) -> None:
             logger.removeFilter(f)
         if console:
             logger.addFilter(_Drop(h.message))
+
+
+@contextmanager
+def applied():
+    """apply(True) for a block of this console process (a mode that starts no training; the dry run's forked ranks
+    inherit it), then the warning filters and the loggers' filters as they were."""
+    saved = {h.logger: logging.getLogger(h.logger).filters[:] for h in HARMLESS if h.logger is not None}
+    with warnings.catch_warnings():
+        apply(True)
+        try:
+            yield
+        finally:
+            for name, filters in saved.items():
+                logging.getLogger(name).filters[:] = filters

@@ -203,13 +203,16 @@ def substitutions(cfg) -> list[str]:
 
 
 def main(jobs_path: str) -> None:
+    from runner.config import freeze
+    from runner.run import console, known_warnings, titan
+
     jobs = json.loads(Path(jobs_path).read_text())
+    first = freeze.load(Path(jobs[0]["frozen"]))
+    known_warnings.apply(True)  # a console process, as the `python -m runner` that started it: before TorchTitan's imports
+    console.route_logs(first.logging.verbose, console=True)
     c = jobs[0]["gpu"]
     fake_cuda.install(c["capability"], c["memory_gb"], c["name"], c["devices_per_node"])
-    from runner.config import freeze
-    from runner.run import titan
-
-    titan.preload(freeze.load(Path(jobs[0]["frozen"])))
+    titan.preload(first)
     from runner.run.titan import cpu as titan_cpu
 
     titan_cpu.eager_flex_attention()

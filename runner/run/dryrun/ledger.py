@@ -51,6 +51,8 @@ CUSTOM_COLLECTIVES = {"cplib": ("flex_cp_allgather", "flex_cp_allgather_backward
 reduce-scatter): under fake tensors their fake kernel runs instead, so the op itself is the collective, on the group
 its name argument gives, its input the tensors it is given."""
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # ops of the collective namespaces that send nothing
+_DEVICE = torch.ops.prim.device.default
+"""A tensor's device, dispatched for tensors that answer it themselves (fake ones): it makes no storage."""
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -106,6 +108,7 @@ class Ledger(TorchDispatchMode):
         self.collectives: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self.in_optimizer = False
         self._fake = None
+        self._propagating = 0
 
     # --- storages -----------------------------------------------------------------------------
     def _register(self, st: torch.UntypedStorage, label: str) -> int:
@@ -158,6 +161,8 @@ class Ledger(TorchDispatchMode):
         from torch._guards import active_fake_mode
         from torch.distributed.tensor import DTensor
 
+        if func is _DEVICE or self._propagating:  # a fake tensor's `.device` (most calls); DTensor's shape propagation
+            return func(*args, **(kwargs or {}))
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars to local ops first: we see the local shards
         kwargs = kwargs or {}
@@ -222,10 +227,33 @@ class Ledger(TorchDispatchMode):
             ledger._resized(st)
 
         torch.UntypedStorage.resize_ = resize_
+        self._untracked_propagation()
         return super().__enter__()
 
+    def _untracked_propagation(self) -> None:
+        """DTensor's sharding propagation, on a cache miss, runs the op on global-shaped fake tensors to learn the
+        output's shape, in the active fake mode (the rehearsal's, under fake tensors): no memory of this rank. Without
+        this, how much of it a step counts would depend on what earlier steps left in the cache."""
+        # private_api: torch_sharding_prop_tensor_meta
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        ledger, propagate = self, self._propagate
+
+        def untracked(prop, op_schema):
+            ledger._propagating += 1
+            try:
+                return propagate(prop, op_schema)
+            finally:
+                ledger._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+
     def __exit__(self, *exc):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         torch.UntypedStorage.resize_ = self._resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
         return super().__exit__(*exc)
 
     # --- result -------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 The rank runs the same set-up the real ranks run, with torch's fake process group of the cluster's world size:
 TorchTitan's ParallelDims and mesh, the model from its registry, the precision converters, TP/SP/FSDP/HSDP/CP/EP
 parallelize and its pipeline stage (runner.run.titan.build, on meta). It is then materialized on fake tensors
-(FakeTensorMode: building under it fails inside FSDP's set-up), and runs two training steps of the runner's own
-step parts; the second is measured by the ledger (runner.run.dryrun.ledger). The first is not representative: AdamW
-creates its state lazily and the pipeline schedule infers shapes with an extra forward/backward.
+(FakeTensorMode: building under it fails inside FSDP's set-up), warms up (warm_up: what a first step leaves, AdamW's
+lazy state and the pipeline's set-up) and runs one step of the runner's own step parts under the ledger
+(runner.run.dryrun.ledger).
 
 `python -m runner.run.dryrun.rehearse NPROC OUT FROZEN` forks NPROC real ranks that do the same (the ledger's ground
 truth); `python -m runner.run.dryrun.rehearse OUT FROZEN` under torchrun is one such rank.
@@ -235,10 +235,30 @@ def _materialize_fake(parts: list[torch.nn.Module]) -> None:
         part.train()
 
 
-def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], list[float]]:
-    """Step 1 unmeasured (lazy optimizer state, pipeline shape inference), step 2 under the ledger."""
+def warm_up(cfg: RunConfig, lay: Layout, built, opt) -> None:
+    """What a first step leaves for the measured one, at the cost of one microbatch instead of all (on fake tensors most
+    of a rank's time: Qwen3-235B's rank 0 runs 32 microbatches of full recomputation a step): the pipeline's own set-up
+    (titan.pipeline_set_up: shape inference, every microbatch's receive buffers) or forward/backward of the first
+    microbatch, so that torch's caches meet every shape once; the clip; AdamW's first update, which makes its state (a
+    parameter left without a gradient updates from zeros: the state is the same whatever the gradients hold). FSDP's
+    gathered-parameter storages are then made by the measured step's first all-gather: the same bytes at the same point."""
+    microbatches = batches.synthetic_microbatches(cfg, lay)
+    global_tokens = torch.tensor(float(cfg.training.global_batch_size * cfg.training.seq_len))
+    if built.schedule is not None:
+        titan.pipeline_set_up(built, microbatches, global_tokens)
+    else:
+        step_loop.forward_backward(built, titan.loss_fn(cfg), microbatches[:1], global_tokens, _Silent())
+    for p in (p for part in built.parts for p in part.parameters() if p.requires_grad and p.grad is None):
+        p.grad = torch.zeros_like(p)
+    titan.clip_grad_norm_tensor(built.parts, cfg.training.max_norm, built.parallel_dims)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _warm_up_and_step(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The warm-up unmeasured (warm_up: the lazy optimizer state, the pipeline's set-up), a step under the ledger."""
     t1 = time.perf_counter()
-    one_step(cfg, built, opt, batches.synthetic_microbatches(cfg, lay), None)
+    warm_up(cfg, lay, built, opt)
     t2 = time.perf_counter()
     led = ledger.Ledger()
     ledger.label_state(led, built.parts, opt)
@@ -246,11 +266,11 @@ def _two_steps(cfg: RunConfig, lay: Layout, built, opt) -> tuple[dict[str, Any],
         ledger.label_pipeline(led, built.schedule)
     with ledger.fsdp_labels(led), led:
         one_step(cfg, built, opt, batches.synthetic_microbatches(cfg, lay), led)
-    return led.sweep(), [t2 - t1, time.perf_counter() - t2]
+    return led.sweep(), {"warm_up_s": t2 - t1, "step_s": [time.perf_counter() - t2]}
 
 
 def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str, Any]:
-    """Build this rank (the default process group is up), run two steps, return the second one's ledger."""
+    """Build this rank (the default process group is up), warm up, run a step, return its ledger."""
     # private_api: torch_fake_tensor_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -268,14 +288,15 @@ def measure(cfg: RunConfig, lay: Layout, run_dir: Path, fake: bool) -> dict[str,
         opt, _ = titan.build_optimizer(cfg, built.parts)
         titan.register_optimizer_hooks(built, opt)
         build_s = time.perf_counter() - t0
-        result, step_s = _two_steps(cfg, lay, built, opt)
+        result, times = _warm_up_and_step(cfg, lay, built, opt)
         shards = param_shards(built.parts)
-    return rank_report(lay, built, result, shards, fake=fake, build_s=build_s, step_s=step_s, t0=t0)
+    return rank_report(lay, built, result, shards, fake=fake, build_s=build_s, t0=t0, **times)
 
 
 def rank_report(lay: Layout, built, result: dict[str, Any], shards: list[dict[str, Any]], **timing: Any) -> dict[str, Any]:
     """What a rehearsed rank reports, on CPU and in the CUDA rehearsal alike: where it sits, its measured storages by
-    category (`result`: the ledger's sweep), its parameter shards; `timing`: fake, build_s, step_s, t0 (its start)."""
+    category (`result`: the ledger's sweep), its parameter shards; `timing`: fake, build_s, step_s (the steps run), t0
+    (its start), and on CPU warm_up_s (the unmeasured set-up before its one step)."""
     rank = dist.get_rank()
     return {
         "rank": rank,
@@ -285,6 +306,7 @@ def rank_report(lay: Layout, built, result: dict[str, Any], shards: list[dict[st
         "fake": timing["fake"],
         "build_s": timing["build_s"],
         "step_s": timing["step_s"],
+        **({"warm_up_s": timing["warm_up_s"]} if "warm_up_s" in timing else {}),
         "wall_s": time.perf_counter() - timing["t0"],
         **result,
         "categories_at_peak": ledger.by_category(result["at_peak"]),
@@ -348,7 +370,7 @@ def rehearse(cfg: RunConfig, lay: Layout, ranks: list[int], run_dir: Path) -> di
 
 
 def main(out_dir: str, frozen: str) -> None:
-    """Real ranks (under torchrun): the same two steps, measured by the same ledger; one JSON per rank."""
+    """Real ranks (under torchrun): the same warm-up and step, measured by the same ledger; one JSON per rank."""
     cfg = freeze.load(Path(frozen))
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     titan.init_process_group(cfg, DevicePolicy.of(cfg.cluster, cfg.distributed))

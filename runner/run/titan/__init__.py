@@ -40,6 +40,7 @@ from runner.run.titan.step import (
     model_inputs,
     next_token_loss,
     pipeline_eval,
+    pipeline_set_up,
     pipeline_step,
 )
 
@@ -82,6 +83,7 @@ __all__ = [
     "next_token_loss",
     "optimizers",
     "pipeline_eval",
+    "pipeline_set_up",
     "pipeline_step",
     "preload",
     "quiet_torchao",

@@ -116,6 +116,27 @@ def pipeline_step(built, microbatches, global_tokens: torch.Tensor) -> torch.Ten
     return _schedule(built, built.schedule.step, microbatches, global_tokens)
 
 
+def pipeline_set_up(built, microbatches, global_tokens: torch.Tensor) -> None:
+    """What the schedule's first step() sets up before it runs any microbatch, and nothing more (the dry run's warm-up,
+    runner.run.dryrun.rehearse): torch's stage initialization, as every schedule's `_step_microbatches` starts, on the
+    first microbatch (shape inference: one forward and backward per stage where the shapes are not declared) and the
+    receive buffers of every microbatch, which the stages keep for the following steps."""
+    # private_api: torch_schedule_step_microbatches, torch_schedule_check_inputs, torch_schedule_initialize,
+    # private_api: torch_schedule_initialize_single
+    schedule = built.schedule
+    initialize = getattr(schedule, "_initialize_stages", None) or schedule._initialize_stage
+
+    def first_only(arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True, loss_kwargs=None):
+        arg_mbs, kwarg_mbs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        initialize(arg_mbs[0], kwarg_mbs[0], None if target_mbs is None else target_mbs[0], loss_kwargs)
+
+    schedule._step_microbatches = first_only  # this object's only: the class's comes back on del
+    try:
+        _schedule(built, schedule.step, microbatches, global_tokens)
+    finally:
+        del schedule._step_microbatches
+
+
 def pipeline_eval(built, microbatches, global_tokens: torch.Tensor) -> torch.Tensor:
     """The schedule's forward-only step (`eval`, as TorchTitan's Validator runs it; call it under torch.no_grad)
     over this DP rank's batch: the loss share as pipeline_step's, on the last stage."""
