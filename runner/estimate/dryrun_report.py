@@ -10,9 +10,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from runner.estimate import memory, pipeline
+from runner.estimate import block_mask, memory, pipeline
 from runner.formats import runfiles
-from runner.schema import RunConfig
+from runner.schema import DeviceType, ExpertsPrecision, Fp8Recipe, RunConfig
 from runner.schema.layout import Layout
 
 GB = 1e9  # the plan's unit
@@ -245,3 +245,37 @@ def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[s
 
 def write(rep: dict[str, Any], run_dir: Path) -> Path:
     return runfiles.write_json(run_dir / runfiles.DRYRUN, rep)
+
+
+def substitutions(cfg: RunConfig) -> list[str]:
+    """What the CPU rehearsal (runner.run.dryrun.rehearse) runs in place of the cluster's own kernels; every one is
+    printed and recorded."""
+    out = []
+    if cfg.cluster.device == DeviceType.cuda:
+        out.append(
+            "attention: TorchTitan's causal SDPA in place of FlexAttention, which has no backward on the (CPU) fake tensors; "
+            "both save out + logsumexp"
+        )
+    if cfg.cluster.device == DeviceType.cuda and block_mask.documents(cfg):
+        out.append(
+            "packed documents: the rehearsed step attends one document per sample (SDPA takes no BlockMask); the step's "
+            "FlexAttention BlockMask is built apart, for real, and shown below"
+        )
+    if cfg.model.kv_lora_rank:  # the plan's rehearsal column counts it (runner.estimate.block_bytes._mla_cpu_math_bytes_per_token)
+        out.append(
+            "multi-head latent attention: on CPU SDPA runs its math kernel (the value head dim differs from the query/key one), "
+            "which saves fp32 q, k, v and the attention probabilities; a GPU's flash kernel saves out + logsumexp only"
+        )
+    if cfg.model.num_experts and cfg.parallelism.ep > 1:
+        out.append(
+            "MoE routing: perfectly balanced (tokens x top-k / ep to every EP rank); the real all-to-all sizes follow the "
+            "router's values, which fake tensors do not have"
+        )
+    if cfg.precision.fp8 == Fp8Recipe.blockwise:
+        out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.titan.fp8_emulation) in place of torchao's Triton kernels")
+    if cfg.precision.experts != ExpertsPrecision.high and cfg.model.num_experts:
+        out.append(
+            f"routed experts {cfg.precision.experts.value}: on the CPU dry run TorchTitan's bf16 grouped GEMM (the CPU emulation "
+            "splits tokens by expert counts, which fake tensors do not have); the CUDA rehearsal runs torchao's"
+        )
+    return out

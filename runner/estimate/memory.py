@@ -12,12 +12,7 @@ The default figures follow what TorchTitan allocates, category by category as th
   is inside a block's backward, beside FFN gradients still in param_dtype); without PP each is reduce-scattered to an fp32
   shard right after its backward (present at the peak from the second microbatch on).
 - optimizer: AdamW's two fp32 moments on the same shard; with the fp32 master shard, 12 B per parameter.
-- activations per layer and token, what TorchTitan's llama3 block saves for backward: two RMSNorms (on CPU,
-  the composite kernel saves the fp32 upcast and the normalized fp32 input, 8h B; CUDA's fused kernel saves
-  the input and rstd), the two linear inputs (param_dtype, the whole sequence after SP's all-gather),
-  q, k, v after RoPE, the attention output and its fp32 logsumexp (SDPA/flash: no scores), and the SwiGLU
-  w1, w3, silu and product outputs; per TP rank heads and FFN are / tp, norms / tp with SP. Full activation
-  checkpointing keeps each block's input; one block is recomputed at a time during backward (a temporary).
+- activations per layer and token: what a block saves for backward (runner.estimate.block_bytes).
 - temporaries: that recomputed block, or on the last stage the loss's backward (the logits and their fp32 and
   param_dtype gradients), whichever is larger. Under an FP8 recipe the block's backward also holds a converted
   Linear's float8 operands and the cast that makes the last of them (runner/estimate/predict/fp8_cost.py,
@@ -49,18 +44,25 @@ from __future__ import annotations
 from typing import Any
 
 from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ranks
+from runner.estimate.block_bytes import (
+    BYTES,
+    activation_bytes_per_layer,
+    layer_bytes_per_token,
+    moe_layer_bytes,
+    norm_bytes,
+    rope_bytes_per_position,
+    rope_tables,
+    selective_op_bytes_per_token,
+)
 from runner.estimate.predict import fp8_cost as fp8
-from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
+from runner.schema import ActivationCheckpoint, RunConfig
 from runner.schema.layout import Layout
 
-BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
 MOMENT_BYTES = 8  # Adam first and second moments in fp32
 MASTER_BYTES = 4  # FSDP2's fp32 parameter shard
 CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, per parameter
 CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
-ROPE_ENTRY_BYTES = 8  # complex64 per (position, head_dim / 2)
-ROPE_COS_SIN_BYTES = 8  # fp32 cos and sin per (position, head_dim)
 FFN_GRADS_AT_PEAK = 2  # of the FFN's 3 weights, those with a param_dtype gradient at a stage's peak without AC: w2 and w3
 # (the dry run finds 2 on the debug model, all 3 on the 405B whose activations dwarf the weights; 2 is within 2 % of both)
 LOSS_BACKWARD_BYTES = 8  # per token and vocabulary entry: the param_dtype logits, the fp32 gradient of the loss and its param_dtype cast
@@ -81,73 +83,6 @@ def _regathers_blocks(cfg: RunConfig, lay: Layout) -> bool:
     peak). keeps_weights_gathered, which prices the all-gathers, leaves dp_shard 1 out."""
     policy = cfg.parallelism.fsdp_reshard_after_forward
     return not (policy == "never" or (policy == "default" and lay.pp > 1))
-
-
-def activation_bytes_per_layer(cfg: RunConfig, lay: Layout, recompute: bool) -> float:
-    """Korthikanti's bytes per layer per microbatch, scaled to the activation dtype (the worked example's convention)."""
-    t = cfg.training
-    s, b, h, tp = t.seq_len / lay.cp, t.microbatch_size, cfg.model.dim, lay.tp
-    sp = cfg.parallelism.sequence_parallel and tp > 1
-    scale = BYTES[cfg.precision.param_dtype.value] / 2
-    if recompute:
-        per = 2 * s * b * h / (tp if sp else 1)
-    else:
-        per = s * b * h * (34 / tp if sp else 10 + 24 / tp)
-    return per * scale
-
-
-def _attention_bytes_per_token(cfg: RunConfig, tp: int) -> float:
-    """q, k, v after RoPE, the attention output and its fp32 logsumexp, per TP rank."""
-    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
-    a = m.num_heads / tp
-    if flops.is_mla(m):  # compressed kv (+ its norm's fp32 input) and the expanded q, k, v of each head
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if cfg.cluster.device == DeviceType.cpu and qk != m.v_head_dim:
-            return _mla_cpu_math_bytes_per_token(cfg, a, qk)
-        return bw * (m.kv_lora_rank + m.qk_rope_head_dim) + 8 * m.kv_lora_rank + bw * a * (2 * qk + 2 * m.v_head_dim) + 4 * a
-    hd, kv = flops.head_dim(m), m.num_kv_heads / tp
-    return bw * hd * (a + 2 * kv) + bw * hd * a + 4 * a + _qk_norm_bytes_per_token(cfg, a, kv)
-
-
-def _qk_norm_bytes_per_token(cfg: RunConfig, a: float, kv: float) -> float:
-    """Qwen3's per-head RMSNorms of q and k before RoPE (model.qk_norm), on this TP rank's heads: each saves what a
-    block's RMSNorm saves, one head wide (on CPU the composite's fp32 upcast and result, 24.7 KB a token and block over
-    qwen3_debugmodel's 16 + 8 heads, as its dry run measures; CUDA's fused kernel its input and rstd)."""
-    return _norm_bytes(cfg, flops.head_dim(cfg.model)) * (a + kv) if cfg.model.qk_norm else 0.0
-
-
-def _mla_cpu_math_bytes_per_token(cfg: RunConfig, a: float, qk: int) -> float:
-    """MLA on CPU: SDPA has no fused kernel for a value head narrower than the query's, so its math path runs (under
-    DeepSeek-V3's fp32 autocast) and saves the scaled q and k and v in fp32, the fp32 probabilities (a x seq per token)
-    and the output; the compressed kv's RMSNorm (the CPU composite) and its param_dtype output."""
-    m, bw = cfg.model, BYTES[cfg.precision.param_dtype.value]
-    seq = cfg.training.seq_len
-    return _norm_bytes(cfg, m.kv_lora_rank) + bw * m.kv_lora_rank + 4 * a * (2 * qk + m.v_head_dim + seq) + bw * a * m.v_head_dim
-
-
-def _ffn_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
-    """SwiGLU's w1, w3, silu and product outputs (an MoE block's FFN: runner.estimate.moe_memory, by term)."""
-    return 4 * BYTES[cfg.precision.param_dtype.value] * cfg.model.ffn_hidden_dim / lay.tp
-
-
-def _norm_bytes(cfg: RunConfig, width: int) -> float:
-    """One RMSNorm per token: CUDA's fused kernel saves its input and rstd; the CPU composite the fp32 upcast and result."""
-    if cfg.cluster.device == DeviceType.cuda:
-        return BYTES[cfg.precision.param_dtype.value] * width + 4
-    return 8 * width + 4
-
-
-def layer_bytes_per_token(cfg: RunConfig, lay: Layout, moe: bool = False) -> float:
-    """Bytes one transformer block saves for backward per token of the local sequence (seq_len / cp); an MoE block's
-    without its FFN (moe_layer_bytes adds it)."""
-    h, bw, tp = cfg.model.dim, BYTES[cfg.precision.param_dtype.value], lay.tp
-    norms = 2 * _norm_bytes(cfg, h) / (tp if cfg.parallelism.sequence_parallel else 1)
-    return norms + 2 * bw * h + _attention_bytes_per_token(cfg, tp) + (0 if moe else _ffn_bytes_per_token(cfg, lay))
-
-
-def moe_layer_bytes(cfg: RunConfig, lay: Layout, tokens: float) -> float:
-    """Bytes an MoE block saves for backward per microbatch of `tokens`: norms, attention and the MoE's named terms."""
-    return layer_bytes_per_token(cfg, lay, moe=True) * tokens + sum(moe_memory.saved_terms(cfg, lay, tokens).values())
 
 
 def _ffn_weight_params(cfg: RunConfig, lay: Layout, moe: bool) -> float:
@@ -184,27 +119,6 @@ def _stage_params(cfg: RunConfig, layers: tuple[int, int], first: bool, last: bo
     return layers[0] * dense_block + layers[1] * moe_block + emb + head + mtp, head
 
 
-def rope_bytes_per_position(m) -> float:
-    """One block's RoPE table per position: complex64 rotations (rotated dims / 2) or fp32 cos and sin (rotated dims
-    each); the rotated dims are the head's unless model.rope_dim says fewer (Qwen3.5's partial rotary)."""
-    rotated = m.rope_dim or (m.qk_rope_head_dim if flops.is_mla(m) else flops.head_dim(m))
-    return rotated * ROPE_COS_SIN_BYTES if m.rope_cos_sin else rotated / 2 * ROPE_ENTRY_BYTES
-
-
-def rope_tables(m, blocks: int) -> float:
-    """RoPE tables of `blocks` blocks: one per softmax-attention block; a hybrid model's Gated DeltaNet blocks have none
-    (with PP, a stage's share of the model's softmax blocks)."""
-    return blocks * flops.num_full_attention_layers(m) / m.num_layers
-
-
-def _selective_op_bytes_per_token(cfg: RunConfig, lay: Layout) -> float:
-    """What TorchTitan's SelectiveAC saves of a llama3 block beside its input: the outputs of the odd-numbered
-    matmuls (wq, wv, w1, w2; w2's before TP's reduce), the attention output and its fp32 logsumexp."""
-    m, bw, tp = cfg.model, BYTES[cfg.precision.param_dtype.value], lay.tp
-    hd, a = flops.head_dim(m), m.num_heads / tp
-    return bw * hd * (2 * a + m.num_kv_heads / tp) + 4 * a + bw * m.ffn_hidden_dim / tp + bw * m.dim
-
-
 def _saved_by_blocks(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], first: bool, sizes: tuple[float, float, float], tokens: float):
     """Bytes a stage's (dense, moe) blocks save for backward per microbatch under the AC mode. A checkpointed block
     keeps its input (on a later stage the first block's is the receive buffer, counted by the caller); a
@@ -223,7 +137,7 @@ def _saved_by_blocks(cfg: RunConfig, lay: Layout, blocks: tuple[int, int], first
         return share * inputs + (1 - share) * kept
     if flops.is_moe(cfg.model) or flops.is_mla(cfg.model):
         return inputs + kept / 2
-    return inputs + n * _selective_op_bytes_per_token(cfg, lay) * tokens
+    return inputs + n * selective_op_bytes_per_token(cfg, lay) * tokens
 
 
 def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
@@ -368,7 +282,7 @@ def _extras(cfg: RunConfig, lay: Layout, first: bool, last: bool, tokens: float,
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
     extras = 8 * tokens if first else 0  # the embedding's token ids
     if last:  # final norm, the head's input and output (the stage's output, kept for backward), the loss's fp32 log-softmax, labels
-        head_in = _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim
+        head_in = norm_bytes(cfg, m.dim) / (lay.tp if sp else 1) + bw * m.dim
         logits = bw * m.vocab_size / lay.tp if lay.pp > 1 else 0  # without PP the loss's backward frees them (a temporary)
         return extras + (head_in + logits + 4 * m.vocab_size / lay.tp + 8) * tokens + _mtp_bytes(cfg, lay, tokens)
     return extras + hidden  # the stage's output, kept for backward
@@ -384,7 +298,7 @@ def _mtp_bytes(cfg: RunConfig, lay: Layout, tokens: float) -> float:
     if not m.num_mtp_layers:
         return 0.0
     sp = cfg.parallelism.sequence_parallel and lay.tp > 1
-    norms = 3 * _norm_bytes(cfg, m.dim) / (lay.tp if sp else 1)
+    norms = 3 * norm_bytes(cfg, m.dim) / (lay.tp if sp else 1)
     per_token = norms + 3 * bw * m.dim + 4 * m.vocab_size / lay.tp + 8
     block = moe_layer_bytes(cfg, lay, tokens) if flops.is_moe(m) else layer_bytes_per_token(cfg, lay) * tokens
     return m.num_mtp_layers * (block + per_token * tokens)

@@ -29,47 +29,14 @@ import torch
 import torch.distributed as dist
 
 from runner.config import freeze
-from runner.estimate import block_mask, dryrun_report
+from runner.estimate import dryrun_report
 from runner.observe.fault_injection import Faults
 from runner.run import step_loop, titan
 from runner.run.device import DevicePolicy
 from runner.run.dryrun import batches, ledger
 from runner.run.titan import cpu as titan_cpu
-from runner.schema import DeviceType, ExpertsPrecision, Fp8Recipe, InjectConfig, RunConfig, layout
+from runner.schema import DeviceType, InjectConfig, RunConfig, layout
 from runner.schema.layout import Layout
-
-
-def substitutions(cfg: RunConfig) -> list[str]:
-    """What the rehearsal runs in place of the cluster's own kernels; every one is printed and recorded."""
-    out = []
-    if cfg.cluster.device == DeviceType.cuda:
-        out.append(
-            "attention: TorchTitan's causal SDPA in place of FlexAttention, which has no backward on the (CPU) fake tensors; "
-            "both save out + logsumexp"
-        )
-    if cfg.cluster.device == DeviceType.cuda and block_mask.documents(cfg):
-        out.append(
-            "packed documents: the rehearsed step attends one document per sample (SDPA takes no BlockMask); the step's "
-            "FlexAttention BlockMask is built apart, for real, and shown below"
-        )
-    if cfg.model.kv_lora_rank:  # the plan's rehearsal column counts it (runner.estimate.memory._mla_cpu_math_bytes_per_token)
-        out.append(
-            "multi-head latent attention: on CPU SDPA runs its math kernel (the value head dim differs from the query/key one), "
-            "which saves fp32 q, k, v and the attention probabilities; a GPU's flash kernel saves out + logsumexp only"
-        )
-    if cfg.model.num_experts and cfg.parallelism.ep > 1:
-        out.append(
-            "MoE routing: perfectly balanced (tokens x top-k / ep to every EP rank); the real all-to-all sizes follow the "
-            "router's values, which fake tensors do not have"
-        )
-    if cfg.precision.fp8 == Fp8Recipe.blockwise:
-        out.append("fp8 blockwise: the PyTorch-op emulation (runner.run.titan.fp8_emulation) in place of torchao's Triton kernels")
-    if cfg.precision.experts != ExpertsPrecision.high and cfg.model.num_experts:
-        out.append(
-            f"routed experts {cfg.precision.experts.value}: on the CPU dry run TorchTitan's bf16 grouped GEMM (the CPU emulation "
-            "splits tokens by expert counts, which fake tensors do not have); the CUDA rehearsal runs torchao's"
-        )
-    return out
 
 
 def rank_config(cfg: RunConfig, lay: Layout, device: DeviceType = DeviceType.cpu) -> RunConfig:
@@ -366,7 +333,7 @@ def rehearse(cfg: RunConfig, lay: Layout, ranks: list[int], run_dir: Path) -> di
     for r in ranks:
         out.append(in_fork(rehearse_rank, dry, lay, r, run_dir))
         print(f"rank {r}: simulated in {out[-1]['wall_s']:.1f} s", flush=True)
-    return {"substitutions": substitutions(cfg), "ranks": out, "block_mask": in_fork(batches.block_mask_probe, cfg, lay)}
+    return {"substitutions": dryrun_report.substitutions(cfg), "ranks": out, "block_mask": in_fork(batches.block_mask_probe, cfg, lay)}
 
 
 def main(out_dir: str, frozen: str) -> None:
