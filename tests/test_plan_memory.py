@@ -290,7 +290,8 @@ def test_v_schedules_hold_what_torchs_action_order_leaves_in_flight(compose):
                 peaks = pipeline_ranks._v_peaks(name, pp, m, rank)  # what the memory model weighs: the same largest sums
                 for w in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (3.2, 0.1), (0.1, 3.2)):
                     assert max(a * w[0] + b * w[1] for a, b in peaks) == max(a * w[0] + b * w[1] for a, b in held), (name, pp, m, w)
-    cfg = compose(["recipe=deepseek_v3_671b_h800x2048"])
+    # the DeepSeek-V3 recipe's DualPipeV layout until 2026-12-05 (tests/test_v_schedule_memory.py)
+    cfg = compose(["recipe=deepseek_v3_671b_h800x2048", "parallelism.pp_schedule=DualPipeV", "training.microbatch_size=1"])
     lay = layout.resolve(cfg.parallelism, cfg.cluster)
     assert max(h for h, _ in pipeline_ranks.v_held(cfg, lay, 120, 0)) == 32
     assert max(last for _, last in pipeline_ranks.v_held(cfg, lay, 120, 0)) == 1
@@ -336,9 +337,10 @@ def test_plan_shows_the_moe_terms(budget):
 
     rows = {row: (value, note) for row, value, note in plan.rows(budget(["recipe=deepseek_v3_671b_h800x2048"]))}
     value, note = rows["  MoE block, saved"]
-    # its experts run float8 rowwise (precision.experts): 4 local experts' groups padded by up to 15 rows of 16
-    assert value == "2.02 GB" and "routed_experts 1007, combine 939.6" in note and "padding 1.843, imbalance_headroom 0" in note
-    assert rows["  MoE block, transient"][1].startswith("with the temporaries: combine_backward 2819 MB")
+    # its experts run float8 rowwise (precision.experts): 4 local experts' groups padded by up to 15 rows of 16; a
+    # microbatch of 2 x 4,096 tokens
+    assert value == "4.03 GB" and "routed_experts 2013, combine 1879" in note and "padding 1.843, imbalance_headroom 0" in note
+    assert rows["  MoE block, transient"][1].startswith("with the temporaries: combine_backward 5637 MB")
     assert not any("MoE" in row for row, _, _ in plan.rows(budget(["recipe=llama3_70b_h100x1024"])))
 
 

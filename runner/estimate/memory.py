@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ranks
+from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ranks, split_backward
 from runner.estimate.block_bytes import (
     BYTES,
     activation_bytes_per_layer,
@@ -205,6 +205,11 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     temporaries = max(in_linear, loss_backward) + passed
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
+    split = _split_backward_peak(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
+    if split is not None and receive + 2 * passed + sum(split) + local * bw > activations + temporaries + weights_grads:
+        # the peak is inside the weight half of a V schedule's split backward (runner.estimate.split_backward)
+        activations, temporaries = receive + passed + split[0], passed + split[1]
+        weights_grads = local * bw + split[2]
     masks = block_mask.held_bytes(cfg, lay, micro)  # FlexAttention's BlockMask on CUDA (runner.estimate.block_mask)
     return {
         "params": local,
@@ -259,6 +264,23 @@ def _chunk_per_mb(cfg: RunConfig, lay: Layout, st: int, sizes: tuple[float, floa
         saved = _saved_by_blocks(cfg, lay, blk, s == 0, sizes, tokens)
         per_mb.append(saved + _extras(cfg, lay, s == 0, s == n - 1, tokens, sizes[2]) - (passed and not per_mb) * sizes[2])
     return per_mb
+
+
+def _split_backward_peak(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
+    """(activations beside the receive slots, temporaries, gradients) at the heaviest W of a V schedule's split backward
+    on rank `st` (runner.estimate.split_backward.peak); None without one."""
+    if not split_backward.w_points(cfg, lay, micro, st):
+        return None
+    stages, blocks = pipeline_ranks.chunk_stages(cfg, lay, st), pipeline_ranks.chunk_blocks(cfg, lay, st)
+    params = [_chunk_params(cfg, lay, s, b) for s, b in zip(stages, blocks, strict=True)]
+    return split_backward.peak(cfg, lay, micro, st, _chunk_per_mb(cfg, lay, st, sizes, tokens), params, sizes[:2], tokens)
+
+
+def _chunk_params(cfg: RunConfig, lay: Layout, s: int, blocks: tuple[int, int]) -> float:
+    """Parameters of pipeline stage `s` on one of its ranks (routed experts / ep, all / tp)."""
+    n = lay.pp * cfg.parallelism.pp_virtual_stages
+    params, _ = _stage_params(cfg, blocks, s == 0, s == n - 1)
+    return (params - blocks[1] * flops.routed_expert_params(cfg.model) * (1 - 1 / lay.ep)) / lay.tp
 
 
 def _held_by_virtual_stage(cfg: RunConfig, lay: Layout, micro: int, st: int, sizes: tuple[float, float, float], tokens: float):
