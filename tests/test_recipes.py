@@ -197,8 +197,9 @@ def test_every_recipe_in_every_mode_that_starts_no_training_exits_0_or_2_cleanly
 
 
 PLAN_GAPS = {"deepseek_v3_671b_h800x2048": "weights + gradients"}
-"""Rows of a recipe's rank 0 that the plan misses by more than their tolerance today (DeepSeek-V3: plan 14.62 GB,
-measured 15.65, 2026-12-05): left to the plan's issues, not asserted here."""
+"""Rows of a recipe's rank 0 that the plan misses by more than their tolerance on the CPU rehearsal today (DeepSeek-V3:
+plan 13.97 GB, measured 15.00, 2026-12-05; the CPU's bf16 grouped GEMMs stand in for the float8 ones, and the CUDA
+rehearsal measures 14.06, within 2 %, tests/test_cuda_rehearsal.py): not asserted here."""
 
 
 @pytest.fixture(scope="module")
