@@ -29,10 +29,10 @@ def validate(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> No
 def plan(cfg: RunConfig, lay: Layout, dcfg: DictConfig, run_dir: Path) -> float:
     """Print the step budget (one line per point in a sweep) and write plan.json + frozen.yaml; start nothing.
     Returns the objective (predicted step time or MFU) for an optimizing sweeper."""
-    from runner.estimate import memory
+    from runner.estimate import host_memory
     from runner.estimate import plan as plan_mod
 
-    device_gb = memory.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
+    device_gb = host_memory.machine_memory_gb() / lay.world_size if cfg.cluster.device.value == "cpu" else None
     budget = plan_mod.compute(cfg, lay, device_memory_gb=device_gb)
     budget["overrides"] = list(HydraConfig.get().overrides.task)
     if sweep.multirun():

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from runner.config import families, validate
-from runner.estimate import memory, plan
+from runner.estimate import host_memory, memory, plan
 from runner.schema import Mode, layout
 from tests import import_graph, in_process, text_assets
 from tests.conftest import ROOT, run_cli
@@ -242,7 +242,7 @@ def test_launch_rules(compose, tmp_path):
     big = compose(["parallelism=fsdp", "cluster.devices_per_node=64", "training.global_batch_size=128"])
     with pytest.raises(validate.ConfigError) as e:
         validate.preflight(big, tmp_path, validate.check(big))
-    per_rank = memory.cpu_rank_gb(big, validate.check(big))
+    per_rank = host_memory.cpu_rank_gb(big, validate.check(big))
     assert f"64 ranks x {per_rank:.2f} GB estimated = {64 * per_rank:.1f} GB exceeds this machine's" in str(e.value)
 
 
@@ -253,10 +253,10 @@ def test_rank_memory_estimate_of_debug_rank(compose):
     lay = validate.check(cfg)
     # 6,163,712 params x 16 B / (fsdp 2 x tp 2) + activations 6 layers x 256 x 2 x 256 x 34 / 2 x 2 + logits 3 x 256 x 2 x 2048 x 4
     want = 0.6 + (6_163_712 * 16 / 4 + 6 * 256 * 2 * 256 * 34 + 3 * 256 * 2 * 2048 * 4) / 1e9
-    assert memory.cpu_rank_gb(cfg, lay) == pytest.approx(want)
+    assert host_memory.cpu_rank_gb(cfg, lay) == pytest.approx(want)
     ac = compose(["training.activation_checkpoint=full"])
     want_ac = want - 6 * 256 * 2 * 256 * (34 - 2) / 1e9
-    assert memory.cpu_rank_gb(ac, validate.check(ac)) == pytest.approx(want_ac)
+    assert host_memory.cpu_rank_gb(ac, validate.check(ac)) == pytest.approx(want_ac)
     per_layer = memory.activation_bytes_per_layer(cfg, lay, recompute=False)
     assert per_layer == 256 * 2 * 256 * 34 / 2 * 2
     assert plan.compute(cfg, lay)["activations_gb_per_microbatch_worked_example"] == pytest.approx(

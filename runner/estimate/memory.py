@@ -1,5 +1,5 @@
-"""Memory of one device or CPU rank: the one model that planning (per GPU), validation's memory verdict
-and the CPU rank estimate share (torch-free).
+"""Memory of one device: the one model that planning (per GPU) and validation's memory verdict share (torch-free;
+a CPU rank's rough resident memory is runner.estimate.host_memory's).
 
 The default figures follow what TorchTitan allocates, category by category as the dry run's ledger
 (runner/run/dryrun/ledger.py) measures them, at the step's peak on each pipeline stage:
@@ -61,8 +61,6 @@ from runner.schema.layout import Layout
 OPTIMIZER_BYTES = 12  # fp32 master weight + Adam first and second moments
 MOMENT_BYTES = 8  # Adam first and second moments in fp32
 MASTER_BYTES = 4  # FSDP2's fp32 parameter shard
-CPU_STATE_BYTES = 16  # fp32 weight + gradient + Adam first and second moments, per parameter
-CPU_LOGIT_COPIES = 3  # fp32 logits, their softmax and the logits' gradient
 FFN_GRADS_AT_PEAK = 2  # of the FFN's 3 weights, those with a param_dtype gradient at a stage's peak without AC: w2 and w3
 # (the dry run finds 2 on the debug model, all 3 on the 405B whose activations dwarf the weights; 2 is within 2 % of both)
 LOSS_BACKWARD_BYTES = 8  # per token and vocabulary entry: the param_dtype logits, the fp32 gradient of the loss and its param_dtype cast
@@ -162,9 +160,8 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     tokens = t.microbatch_size * t.seq_len / lay.cp
     ffn_grads = 0.0
     if not _regathers_blocks(cfg, lay) and lay.pp > 1:
-        weights_grads = local * (bw + rw)
         ffn_grads = _pipelined_ffn_grads(cfg, lay, blocks, last, tokens)
-        weights_grads += ffn_grads
+        weights_grads = local * (bw + rw) + ffn_grads
     else:
         weights_grads = head / lay.tp * bw + (sharded * MASTER_BYTES if micro > 1 else 0)
     # FSDP resharding after forward: the step peaks either in the loss's backward (its temporaries) or inside the
@@ -208,8 +205,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     split = _split_backward_peak(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
     if split is not None and receive + 2 * passed + sum(split) + local * bw > activations + temporaries + weights_grads:
         # the peak is inside the weight half of a V schedule's split backward (runner.estimate.split_backward)
-        activations, temporaries = receive + passed + split[0], passed + split[1]
-        weights_grads = local * bw + split[2]
+        activations, temporaries, weights_grads = receive + passed + split[0], passed + split[1], local * bw + split[2]
     masks = block_mask.held_bytes(cfg, lay, micro)  # FlexAttention's BlockMask on CUDA (runner.estimate.block_mask)
     return {
         "params": local,
@@ -346,17 +342,6 @@ def stage_gb(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, floa
     return {k: v / 1e9 if k != "params" else v for k, v in stage(cfg, lay, micro, st).items()}
 
 
-def cpu_rank_gb(cfg: RunConfig, lay: Layout) -> float:
-    """Rough resident memory of one CPU rank, GB: process overhead, fp32 weights + grads + Adam
-    moments sharded over FSDP x TP x PP, one microbatch of activations and the fp32 logits."""
-    m, t = cfg.model, cfg.training
-    state = flops.num_params(m) * CPU_STATE_BYTES / (lay.dp_shard * lay.tp * lay.pp)
-    recompute = t.activation_checkpoint != ActivationCheckpoint.none
-    acts = m.num_layers / lay.pp * activation_bytes_per_layer(cfg, lay, recompute)
-    logits = CPU_LOGIT_COPIES * t.seq_len // lay.cp * t.microbatch_size * m.vocab_size * BYTES["float32"]
-    return cfg.cluster.rank_overhead_gb + (state + acts + logits) / 1e9
-
-
 def _worked_example(cfg: RunConfig, lay: Layout, micro: int) -> dict[str, Any]:
     """The worked example's budget convention: training-dtype weights and gradients, 12 B/param over dp_shard, Korthikanti."""
     m, p = cfg.model, cfg.parallelism
@@ -410,12 +395,3 @@ def memory(cfg: RunConfig, lay: Layout, micro: int, device_memory_gb: float | No
         "fits_memory": w["total"] <= capacity if capacity else None,
         "fits_memory_worked_example": example["total_gb_per_gpu_worked_example"] <= capacity if capacity else None,
     }
-
-
-def machine_memory_gb() -> float:
-    """Total RAM of this machine from /proc/meminfo (GB): what the ranks of a CPU cluster share."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    raise RuntimeError("MemTotal missing from /proc/meminfo")

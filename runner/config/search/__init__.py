@@ -23,7 +23,7 @@ from typing import NamedTuple
 from runner.config import validate
 from runner.config.search.space import bounds, debug_defaults, layouts, reshard_policies, schedules  # noqa: F401  (the space)
 from runner.config.validate import pipeline_rules as pipeline_rules
-from runner.estimate import flops, memory, pipeline, precision
+from runner.estimate import flops, host_memory, memory, pipeline, precision
 from runner.estimate.predict import steptime
 from runner.schema import ActivationCheckpoint, DeviceType, Fp8Recipe, ReshardPolicy, RunConfig, layout
 from runner.schema.layout import Layout, label
@@ -167,7 +167,7 @@ def capacity_gb(cfg: RunConfig, ws: int) -> float | None:
     """Memory of one device: the cluster's, or this machine's RAM shared by the ranks of a CPU cluster."""
     c = cfg.cluster
     if c.device == DeviceType.cpu and c.device_memory_gb <= 0:
-        return memory.machine_memory_gb() / ws
+        return host_memory.machine_memory_gb() / ws
     return c.device_memory_gb or None
 
 

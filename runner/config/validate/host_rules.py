@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from runner.config import slurm
-from runner.estimate import memory
+from runner.estimate import host_memory
 from runner.schema import ClusterConfig, DeviceType, RunConfig
 from runner.schema.layout import Layout
 from runner.schema.problems import Problem
@@ -71,8 +71,8 @@ def this_machine(cfg: RunConfig, lay: Layout, node: bool, out: list[Problem]) ->
             )
         )
     if c.device == DeviceType.cpu:
-        per_rank, ranks = memory.cpu_rank_gb(cfg, lay), lay.world_size // c.num_nodes
-        have = memory.machine_memory_gb()
+        per_rank, ranks = host_memory.cpu_rank_gb(cfg, lay), lay.world_size // c.num_nodes
+        have = host_memory.machine_memory_gb()
         if per_rank * ranks > have:
             out.append(
                 Problem(
