@@ -36,6 +36,7 @@ PARALLEL_MOE = [
     "training.microbatch_size=1",
 ]  # 128 tokens a step: MLA + experts cost 5x the dense FLOPs
 SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+SPLIT_BACKWARD = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]  # a weight pass after the input's
 PARALLEL_LAUNCHES = {
     1: {
         "single": ["parallelism=single"],
@@ -51,6 +52,8 @@ PARALLEL_LAUNCHES = {
         "flex_pp2": [*FLEX, *PP2],
         "flex_pp2_interleaved": [*FLEX, *LOOPED],
         **{f"pp2_{s}": (PP2 if pipeline.SCHEDULES[s].style == "single" else LOOPED) + [f"parallelism.pp_schedule={s}"] for s in SCHEDULES},
+        # split backwards under full AC: one recompute per weight pass (runner.run.titan.weight_pass)
+        **{f"pp2_{s}_ac": [*LOOPED, f"parallelism.pp_schedule={s}", "training.activation_checkpoint=full"] for s in SPLIT_BACKWARD},
     },
     4: {
         "dp2_tp2": ["parallelism=dp2_tp2"],

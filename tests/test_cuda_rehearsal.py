@@ -290,7 +290,7 @@ def test_deepseek_v3_memory_within_the_plan(rehearsed):
     plan (cluster kernels, its MoE terms and each virtual stage's own microbatches in flight) against the rehearsal on
     rank 0 (the first stage, with the embedding) and rank 1920 (the last, with the head and the loss): activations and
     the peak within 15 %, weights + gradients and optimizer state within 2 %, and both fit an H800 by both measures.
-    (The recipe's DualPipeV layout before measured 152 GB on its V's bottom rank: tests/test_v_schedule_memory.py.)"""
+    (Its DualPipeV layout measures 98.8 GB on its V's bottom rank: tests/test_v_schedule_memory.py.)"""
     _, _, rep = rehearsed["deepseek_v3_671b_fp8_experts"]
     assert [r["rank"] for r in rep["ranks"]] == [0, 1920]
     for r in rep["ranks"]:

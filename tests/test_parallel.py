@@ -23,7 +23,7 @@ import pytest
 
 from runner.estimate import pipeline
 from tests.points import PARALLEL_LAUNCHES as LAUNCHES
-from tests.points import SCHEDULES
+from tests.points import SCHEDULES, SPLIT_BACKWARD
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -115,6 +115,19 @@ def test_pipeline_schedules_give_the_same_loss(trained):
         got = trained[f"pp2_{s}"]
         assert got["schedule"] == f"Schedule{s}"
         assert [r["loss"] for r in got["rows"]] == [pytest.approx(x, abs=SCHEDULE_LOSS_ATOL) for x in base], s
+
+
+def test_a_split_backward_recomputes_a_checkpointed_block_once_per_weight_pass(trained):
+    """Under full AC, the schedules that split a stage's backward run its weight pass with one forward of each
+    checkpointed block (runner.run.titan.weight_pass): torch calls autograd once per parameter group there, and without
+    the runner's GraphExecGroup each call recomputed the block (7 forwards of a debug-model block in one weight pass,
+    measured 2026-12-05; the model's first stage, whose weight pass is a full backward, 1). The same losses and update
+    as the schedule without AC; without AC a weight pass runs no forward."""
+    for s in SPLIT_BACKWARD:
+        got, plain = trained[f"pp2_{s}_ac"], trained[f"pp2_{s}"]
+        assert got["block_forwards_per_weight_pass"] == [1] and plain["block_forwards_per_weight_pass"] == [], s
+        assert [r["loss"] for r in got["rows"]] == [pytest.approx(r["loss"], abs=SCHEDULE_LOSS_ATOL) for r in plain["rows"]], s
+        assert got["weights"]["update_sq"] == pytest.approx(plain["weights"]["update_sq"], rel=1e-9), s
 
 
 def test_flex_attention_masks_pass_through_the_pipeline_schedule(trained):

@@ -9,10 +9,11 @@ tail's first W, 15 I's deferred beside it:
 - a deferred I keeps its microbatch's checkpointed block inputs and stage output (pipeline_ranks.FREES) and, per
   weight, the gradient of the weight's op output that W multiplies (torch's `param_group["grads"]`): 3.29 GB per
   stage and microbatch there, as `weight_grad_inputs` counts it.
-- W calls autograd once per weight (its param group), each call a graph task of its own: under activation
-  checkpointing each recomputes the weight's block, and what the call does not unpack stays with the retained graph
-  until W ends. 351.6 GB for stage 16's 2 blocks x 16 weights on the CPU's kernels, 0.88 of 32 recomputed blocks
-  (debug_moe, 2 blocks x 14 weights: 0.79); the model counts RECOMPUTE_KEPT of each.
+- W calls autograd once per weight (its param group). Each call is a graph task of its own, and under activation
+  checkpointing torch recomputes the block once per graph task: 16 forwards of an MoE block per W, and what each call
+  left unread stayed until W ended (352 GB on the DeepSeek-V3 V bottom, CPU kernels). The runner runs each W inside
+  one `torch.utils.checkpoint.GraphExecGroup` (runner.run.titan.weight_pass), so W recomputes each block of its stage
+  once; what the recompute holds until W ends is RECOMPUTE_KEPT blocks' saved bytes per block of the stage.
 - W's param_dtype gradients stay beside FSDP2's reduce_dtype accumulation until the stage's next backward adds them
   (its post-backward hook runs at the stage's input, which an I reaches before W has made them).
 - the model's first stage has no input gradient: its I does nothing and its W is a full backward (no recomputes).
@@ -26,22 +27,12 @@ from runner.estimate import flops, pipeline, pipeline_ranks
 from runner.schema import ActivationCheckpoint, DeviceType, RunConfig
 from runner.schema.layout import Layout
 
-RECOMPUTE_KEPT = 0.85
-"""Share of a recomputed block that each of W's per-weight autograd calls leaves held (dry run: 0.88 DeepSeek-V3, 0.79
-debug_moe)."""
+RECOMPUTE_KEPT = 1.5
+"""What W's one recompute of a block holds at W's peak, in the block's saved bytes: the recomputed saved tensors and
+the weight gradients' temporaries beside them. Fitted to the CPU dry runs of 2026-12-05 (with the GraphExecGroup):
+DeepSeek-V3 DualPipeV rank 2047 temporaries 93.35 planned / 89.40 measured GB, debug_moe's V (SMALL_V in
+tests/test_v_schedule_memory.py) rank 7 89.3 / 86.0 MB."""
 GEMM_BYTES = 2  # the routed experts' grouped GEMMs run in bf16 (runner.estimate.moe_memory)
-
-
-def weights_per_block(cfg: RunConfig, moe: bool) -> int:
-    """Parameter tensors of one block (W's param groups): attention's projections and norms, the two block norms, the
-    FFN's three (an MoE block's router, routed experts' three, shared experts' three)."""
-    m = cfg.model
-    if flops.is_mla(m):
-        attention = 5 + 2 * (m.q_lora_rank > 0)  # wq or wq_a + q_norm + wq_b; wkv_a, kv_norm, wkv_b, wo
-    else:
-        attention = 4 * (1 + m.attention_bias) + 2 * m.qk_norm + m.attention_sinks
-    ffn = 1 + (3 + 2 * m.moe_bias) + 3 * (m.num_shared_experts > 0) if moe else 3
-    return attention + 2 + ffn
 
 
 def weight_grad_inputs(cfg: RunConfig, lay: Layout, moe: bool, tokens: float) -> float:
@@ -101,9 +92,8 @@ def peak(
     kept = RECOMPUTE_KEPT * (cfg.training.activation_checkpoint != ActivationCheckpoint.none)
     bw, rw = BYTES[cfg.precision.param_dtype.value], BYTES[cfg.precision.reduce_dtype.value]
     inputs = [weight_grad_inputs(cfg, lay, moe, tokens) for moe in (False, True)]
-    groups = [weights_per_block(cfg, moe) * size for moe, size in zip((False, True), layer, strict=True)]
     dw = [(s != 0) * (d * inputs[0] + e * inputs[1]) for s, (d, e) in zip(stages, blocks, strict=True)]
-    recompute = [(s != 0) * kept * (d * groups[0] + e * groups[1]) for s, (d, e) in zip(stages, blocks, strict=True)]
+    recompute = [(s != 0) * kept * (d * layer[0] + e * layer[1]) for s, (d, e) in zip(stages, blocks, strict=True)]
     best = (0.0, 0.0, 0.0)
     for chunk, h0, h1, q0, q1, other, reduced0, reduced1 in w_points(cfg, lay, micro, st):
         if stages[chunk] != 0:  # the first stage's W is a full backward

@@ -120,6 +120,7 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
     """Train with the runner's step loop: per-step rows, the exact step-1 norm, the weights' fingerprint, the summary."""
     data = per_rank.data_for(cfg, lay, dist.get_rank(), run_dir, policy)
     seen = _first_norm_output(built)
+    per_weight_pass = _block_forwards_per_weight_pass(built)
     before = full_weights(built.parts)
     sink, exact, init = Collect(), [], []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
@@ -131,6 +132,7 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
     return {
         "rows": sink.rows,
         "norm_output_shape": seen,
+        "block_forwards_per_weight_pass": sorted({n for got in policy.all_gather_object(per_weight_pass) for n in got}),
         "grad_norm_fp64": exact[0] if exact else None,  # None: a resumed run that starts after step 1
         "weights": fingerprint(before, full_weights(built.parts), lay, policy),
         "summary": sink.summary,
@@ -192,6 +194,34 @@ def _first_norm_output(built: titan.Built) -> list[int]:
 
     handle = blocks[0].attention_norm.register_forward_hook(hook)
     return shape
+
+
+def _block_forwards_per_weight_pass(built: titan.Built) -> list[int]:
+    """Filled during training: for each weight pass of a split backward (a stage's backward_weight_one_chunk) that ran
+    a block's forward (activation checkpointing's recompute), the most forwards one block ran in it."""
+    if built.schedule is None:
+        return []
+    found: list[int] = []
+    counts: dict[int, int] = {}
+    for part in built.parts:
+        for block in part.layers.children():  # a block's first norm runs once per forward of the block, recomputes too
+            block.attention_norm.register_forward_pre_hook(
+                lambda module, args: counts.__setitem__(id(module), counts.get(id(module), 0) + 1)
+            )
+
+    def counted(weight_pass):
+        def run(*args, **kwargs):
+            counts.clear()
+            out = weight_pass(*args, **kwargs)
+            found.extend([max(counts.values())] if counts else [])
+            return out
+
+        return run
+
+    # private_api: torch_schedule_stages, torch_schedule_stage, torch_stage_weight_pass
+    for stage in getattr(built.schedule, "_stages", None) or [built.schedule._stage]:
+        stage.backward_weight_one_chunk = counted(stage.backward_weight_one_chunk)
+    return found
 
 
 def _stages(built: titan.Built) -> list[dict[str, Any]]:

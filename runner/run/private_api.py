@@ -73,7 +73,10 @@ SCHEDULE_READERS = (
     f"{LEDGER}:label_pipeline",
     "runner/run/layout_parity.py:_stages",
     f"{CUDA_CHECKS}:stages",
+    "runner/run/titan/weight_pass.py:recompute_once",
+    "runner/run/layout_parity.py:_block_forwards_per_weight_pass",
 )
+WEIGHT_PASS = ("runner/run/titan/weight_pass.py:recompute_once", "runner/run/layout_parity.py:_block_forwards_per_weight_pass")
 FSDP_GROUP, RING = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group",
     "torch.distributed.tensor.experimental._context_parallel._attention",
@@ -234,6 +237,8 @@ PRIVATE = (
       "the stage of a single-stage schedule", instance=True),
     P("torch_stage_chunk_methods", STAGE, "PipelineStage.forward_one_chunk", TORCH, ("runner/observe/plan_check.py:StageTimer.__init__",),
       "patched on this rank's stages: plan_check.CHUNK_METHODS timed, the compute of the bubble measurement"),
+    P("torch_stage_weight_pass", STAGE, "PipelineStage.backward_weight_one_chunk", TORCH, WEIGHT_PASS,
+      "a split backward's weight pass, wrapped in one GraphExecGroup under AC (a recompute per pass, not per parameter group)"),
     P("torch_schedule_step_microbatches", SCHEDULES, "_PipelineSchedule._step_microbatches", TORCH,
       ("runner/run/titan/step.py:pipeline_set_up",),
       "patched on one schedule for the dry run's warm-up: the first step's stage set-up without running the microbatches"),

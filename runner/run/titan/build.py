@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from runner.run.device import DevicePolicy
+from runner.run.titan import weight_pass
 from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8_conversion import convert_experts, convert_precision
 from runner.run.titan.initial_weights import init_weights
@@ -91,6 +92,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     check_size(cfg.model, cfg.training.seq_len, num_params, flops_per_token)
     schedule, parts, has_first, has_last = _parallelize(cfg, lay, pd, run_dir, spec, model, device)
+    weight_pass.recompute_once(cfg, schedule)
     for part in parts if materialize else ():
         _materialize(part, mcfg, cfg, device)
     masks = _uses_flex(mcfg)
