@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import torch
 
 from runner.run.device import DevicePolicy
-from runner.run.titan import weight_pass
 from runner.run.titan.distributed import titan_configs
 from runner.run.titan.fp8_conversion import convert_experts, convert_precision
 from runner.run.titan.initial_weights import init_weights
 from runner.run.titan.model import check_size, model_spec
 from runner.run.titan.moe import use_comm_backend, use_load_balance
 from runner.run.titan.step import loss_fn
+from runner.run.titan.weight_pass import recompute_once
 from runner.schema import ActivationCheckpoint, RunConfig
 from runner.schema.layout import Layout
 
@@ -92,7 +92,7 @@ def build(cfg: RunConfig, lay: Layout, pd, run_dir: Path, device: torch.device, 
     num_params, flops_per_token = mcfg.get_nparams_and_flops(model, cfg.training.seq_len)
     check_size(cfg.model, cfg.training.seq_len, num_params, flops_per_token)
     schedule, parts, has_first, has_last = _parallelize(cfg, lay, pd, run_dir, spec, model, device)
-    weight_pass.recompute_once(cfg, schedule)
+    recompute_once(cfg, schedule)
     for part in parts if materialize else ():
         _materialize(part, mcfg, cfg, device)
     masks = _uses_flex(mcfg)
