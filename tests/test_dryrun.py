@@ -45,6 +45,24 @@ def test_ranks_outside_the_layout_are_named(compose):
     assert "dryrun.ranks = [3, 1024]: [1024] outside the layout's 1024 ranks. Fix: pick ranks in 0..1023." in str(e.value)
 
 
+def test_a_cpu_rehearsal_that_disagrees_with_the_cluster_plan_says_its_kernels_are_not_the_clusters():
+    """The DeepSeek-V3 recipe's CPU dry run of ranks 0 and 1920 (2026-12-05): the plan on the cluster's kernels fits
+    (65.42 GB), the CPU's kernels peak at 105.01 GB (MLA's math SDPA keeps fp32 attention probabilities), planned for
+    them at 79.89 and 75.99 GB. The line names the CPU's own plan and the CUDA rehearsal; a CUDA rehearsal that
+    disagrees, or a CPU one that agrees, says nothing more."""
+    ranks = [{"rows": [{"row": "total (peak)", "plan_gb": gb}]} for gb in (79.89, 75.99)]
+    fits = {"device_memory_gb": 80.0, "plan": True, "measured": False, "largest_peak_gb": 105.01}
+    rep = {"fits": fits, "plan": {"total_gb_per_gpu": 65.42}, "device": "cuda", "rehearsal": "cpu", "ranks": ranks}
+    assert dryrun_report.fit_line(rep) == (
+        "fits_memory: plan fits (65.42 GB per device, cluster kernels), dry run does not fit (largest peak 105.01 GB) in "
+        "80 GB: DISAGREE (the CPU rehearsal's kernels, planned at 79.89 GB for these ranks, are not the cluster's: "
+        "dryrun.device=cuda rehearses the cluster's kernels)"
+    )
+    assert dryrun_report.fit_line(rep | {"rehearsal": "cuda"}).endswith("in 80 GB: DISAGREE")
+    agree = rep | {"fits": fits | {"measured": True, "largest_peak_gb": 61.35}}
+    assert dryrun_report.fit_line(agree).endswith("(largest peak 61.35 GB) in 80 GB: agree")
+
+
 @pytest.mark.e2e
 def test_ranks_outside_the_layout_exit_2_with_nothing_written(tmp_path):
     proc = run_cli("mode=dryrun", "recipe=llama3_70b_h100x1024", "dryrun.ranks=[5000]", run_dir=tmp_path / "run")

@@ -206,15 +206,28 @@ def render(report: dict[str, Any]) -> str:
     lines += [render_rank(r, report["microbatches"]["rehearsed"]) for r in report["ranks"]]
     if report.get("block_mask"):
         lines.append(block_mask_line(report["block_mask"]))
-    f = report["fits"]
-    if f["device_memory_gb"]:
-        verdict = {True: "fits", False: "does not fit"}
-        lines.append(
-            f"fits_memory: plan {verdict[f['plan']]} ({report['plan']['total_gb_per_gpu']:.2f} GB per device, cluster kernels), "
-            f"dry run {verdict[f['measured']]} (largest peak {f['largest_peak_gb']:.2f} GB) in {f['device_memory_gb']:g} GB: "
-            + ("agree" if f["plan"] == f["measured"] else "DISAGREE")
-        )
+    if report["fits"]["device_memory_gb"]:
+        lines.append(fit_line(report))
     return "\n".join(lines)
+
+
+def fit_line(report: dict[str, Any]) -> str:
+    """The plan's fits_memory against the largest measured peak. Where they disagree after a CPU rehearsal of a CUDA
+    cluster, the line says what the CPU's kernels were planned at: their memory is not the cluster's (MLA's math SDPA
+    keeps fp32 attention probabilities, for one), and the CUDA rehearsal measures the cluster's kernels."""
+    f, verdict = report["fits"], {True: "fits", False: "does not fit"}
+    line = (
+        f"fits_memory: plan {verdict[f['plan']]} ({report['plan']['total_gb_per_gpu']:.2f} GB per device, cluster kernels), "
+        f"dry run {verdict[f['measured']]} (largest peak {f['largest_peak_gb']:.2f} GB) in {f['device_memory_gb']:g} GB: "
+        + ("agree" if f["plan"] == f["measured"] else "DISAGREE")
+    )
+    if f["plan"] != f["measured"] and report.get("rehearsal") == "cpu" and report["device"] == "cuda":
+        planned = max(row["plan_gb"] for r in report["ranks"] for row in r["rows"] if row["row"] == "total (peak)")
+        line += (
+            f" (the CPU rehearsal's kernels, planned at {planned:.2f} GB for these ranks, are not the cluster's: "
+            "dryrun.device=cuda rehearses the cluster's kernels)"
+        )
+    return line
 
 
 def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
@@ -231,6 +244,7 @@ def report(cfg: RunConfig, lay: Layout, budget: dict[str, Any], measured: dict[s
         "microbatches": dict(zip(("configured", "rehearsed"), microbatches(cfg, lay), strict=True)),
         "substitutions": measured["substitutions"],
         "device": cfg.cluster.device.value,
+        "rehearsal": cfg.dryrun.device.value,
         "plan": {k: budget[k] for k in ("weights_grads_gb_per_gpu", "optimizer_gb_per_gpu", "activations_gb_per_gpu", "total_gb_per_gpu")},
         "fits": {
             "device_memory_gb": capacity or None,
