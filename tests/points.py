@@ -238,6 +238,12 @@ PLAN_MEMORY_CASES = {  # name: (overrides, dry-run ranks)
     "qwen3_moe_pp": (["model=qwen3_debugmodel_moe", "parallelism=dp2_pp2", "training.global_batch_size=8"], [0, 3]),
 }
 DRYRUNS = {"dryrun-ledger": [*DRYRUN_SMALL, "dryrun.ranks=[0]"], "dryrun-8b": ["recipe=llama3_8b_fsdp8_h100"]}
+# MLA on CPU (SDPA's math path) at seq 2,048 with full AC: the peak inside an attention's backward (3 s)
+DRYRUNS["plan_memory-mla_cpu"] = [
+    *("model=debug_moe", "parallelism=ep2", "cluster=h100_node", "cluster.devices_per_node=2", "precision=bf16"),
+    *("training.seq_len=2048", "training.global_batch_size=4", "training.microbatch_size=1", "training.activation_checkpoint=full"),
+    "dryrun.ranks=[0]",
+]
 DRYRUNS |= {
     f"plan_memory-{case}": [*PLAN_MEMORY_DEBUG, *o, f"dryrun.ranks={ranks}".replace(" ", "")]
     for case, (o, ranks) in PLAN_MEMORY_CASES.items()

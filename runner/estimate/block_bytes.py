@@ -55,6 +55,21 @@ def _qk_norm_bytes_per_token(cfg: RunConfig, a: float, kv: float) -> float:
     return norm_bytes(cfg, flops.head_dim(cfg.model)) * (a + kv) if cfg.model.qk_norm else 0.0
 
 
+def attention_backward_bytes(cfg: RunConfig, lay: Layout, tokens: float, recomputed: bool) -> float:
+    """Temporaries inside an attention's backward that holds score-sized gradients: on CPU, MLA's math SDPA
+    (_mla_cpu_math_bytes_per_token) makes the gradient of its fp32 probabilities and of its scores, a x seq each per
+    token, beside the saved probabilities and, when the block was `recomputed`, what the block still holds there (its
+    norms' and attention's saved tensors: the FFN's backward came first). CPU dry runs of 2026-12-05, temporaries
+    measured / planned with this term: debug_moe at seq 2,048 0.892 / 0.902 GB (1.78 / 1.80 with microbatches of 2),
+    the DeepSeek-V3 recipe's ranks 0 and 1920 54.56 / 55.17 GB (30.48 planned without it). The fused kernels (CPU
+    flash, CUDA's) hold no score-sized tensor: 0."""
+    m = cfg.model
+    if not flops.is_mla(m) or cfg.cluster.device != DeviceType.cpu or m.qk_nope_head_dim + m.qk_rope_head_dim == m.v_head_dim:
+        return 0.0
+    grads = 2 * 4 * m.num_heads / lay.tp * cfg.training.seq_len / lay.cp * tokens
+    return grads + (layer_bytes_per_token(cfg, lay, moe=True) * tokens if recomputed else 0.0)
+
+
 def _mla_cpu_math_bytes_per_token(cfg: RunConfig, a: float, qk: int) -> float:
     """MLA on CPU: SDPA has no fused kernel for a value head narrower than the query's, so its math path runs (under
     DeepSeek-V3's fp32 autocast) and saves the scaled q and k and v in fp32, the fp32 probabilities (a x seq per token)

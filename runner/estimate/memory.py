@@ -47,6 +47,7 @@ from runner.estimate import block_mask, flops, moe_memory, pipeline, pipeline_ra
 from runner.estimate.block_bytes import (
     BYTES,
     activation_bytes_per_layer,
+    attention_backward_bytes,
     layer_bytes_per_token,
     moe_layer_bytes,
     norm_bytes,
@@ -199,7 +200,7 @@ def stage(cfg: RunConfig, lay: Layout, micro: int, st: int) -> dict[str, float]:
     if first - ffn_grads > later and first > loss_backward:
         weights_grads -= ffn_grads
     in_linear = max(recompute + (first if first - ffn_grads > later else later), in_moe)
-    temporaries = max(in_linear, loss_backward) + passed
+    temporaries = max(in_linear, loss_backward, attention_backward_bytes(cfg, lay, tokens, ac)) + passed
     if in_block is not None and in_block > temporaries:
         weights_grads, temporaries = weights_grads + in_block, in_linear
     split = _split_backward_peak(cfg, lay, micro, st, (full_layer, moe_layer, hidden), tokens)
