@@ -328,7 +328,7 @@ def test_stage_and_phase_times_come_from_the_policys_device_clock(monkeypatch, t
     policy = _ClockPolicy(_Clock("phase", [0.9], used), _Clock("timeline", [2.0, 1.0, 0.25, 0.25], used))
     mon = monitor.StepMonitor(MonitorConfig(), policy, lambda r: {}, 0, None, tmp_path)
     stage = SimpleNamespace(forward_one_chunk=lambda: None)
-    timer = plan_check.StageTimer(SimpleNamespace(_stage=stage), mon.timeline)
+    timer = plan_check.StageTimer([stage], mon.timeline)
     chunks = lambda built, mbs, tokens: [stage.forward_one_chunk() for _ in mbs] and torch.ones(())  # noqa: E731
     monkeypatch.setattr(step_loop.titan, "pipeline_step", chunks)
     loop = _loop(built=SimpleNamespace(schedule=object()), mon=mon, timer=timer, global_tokens=None)

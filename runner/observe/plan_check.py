@@ -25,14 +25,13 @@ CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one
 
 
 class StageTimer:
-    """Seconds this rank spends computing inside its pipeline stages (wrapping the stage methods the
+    """Seconds this rank spends computing inside its pipeline stages `stages` (wrapping the stage methods the
     torch.distributed.pipelining schedules call), on the policy's timeline clock (DevicePolicy.timeline_clock): CUDA
     events on CUDA, where the host clock would time the kernels' launches; the wall clock on CPU."""
 
-    def __init__(self, schedule, clock):
+    def __init__(self, stages, clock):
         self.clock, self.pending = clock, []
-        # private_api: torch_schedule_stages, torch_schedule_stage, torch_stage_chunk_methods
-        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        # private_api: torch_stage_chunk_methods
         for stage in stages:
             for name in CHUNK_METHODS:
                 if hasattr(stage, name):

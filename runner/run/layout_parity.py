@@ -218,19 +218,14 @@ def _block_forwards_per_weight_pass(built: titan.Built) -> list[int]:
 
         return run
 
-    # private_api: torch_schedule_stages, torch_schedule_stage, torch_stage_weight_pass
-    for stage in getattr(built.schedule, "_stages", None) or [built.schedule._stage]:
+    for stage in titan.pipeline_stages(built.schedule):  # private_api: torch_stage_weight_pass
         stage.backward_weight_one_chunk = counted(stage.backward_weight_one_chunk)
     return found
 
 
 def _stages(built: titan.Built) -> list[dict[str, Any]]:
     """This rank's pipeline stages: index and transformer layers held."""
-    if built.schedule is None:
-        return []
-    # private_api: torch_schedule_stages, torch_schedule_stage
-    stages = getattr(built.schedule, "_stages", None) or [built.schedule._stage]
-    return [{"index": s.stage_index, "layers": len(s.submod.layers)} for s in stages]
+    return [{"index": s.stage_index, "layers": len(s.submod.layers)} for s in titan.pipeline_stages(built.schedule)]
 
 
 def main(frozen_paths: list[str]) -> None:

@@ -68,14 +68,7 @@ FAKE_DEVICE = f"{FAKE_CUDA}:_replacements"
 """The use site of every patch the CUDA rehearsal's fake device installs (runner.run.dryrun.fake_cuda.install walks them)."""
 CUDA = "torch.cuda"
 STEP_PROBE, CUDA_CHECKS = "runner/run/dryrun/step_probe.py", "runner/run/dryrun/cuda_checks.py"
-SCHEDULE_READERS = (
-    "runner/observe/plan_check.py:StageTimer.__init__",
-    f"{LEDGER}:label_pipeline",
-    "runner/run/layout_parity.py:_stages",
-    f"{CUDA_CHECKS}:stages",
-    "runner/run/titan/weight_pass.py:recompute_once",
-    "runner/run/layout_parity.py:_block_forwards_per_weight_pass",
-)
+SCHEDULE_READERS = ("runner/run/titan/step.py:pipeline_stages",)
 WEIGHT_PASS = ("runner/run/titan/weight_pass.py:recompute_once", "runner/run/layout_parity.py:_block_forwards_per_weight_pass")
 FSDP_GROUP, RING = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group",

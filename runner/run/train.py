@@ -93,7 +93,7 @@ def build(
         sched=sched,
         loss_fn=titan.loss_fn(cfg),
         global_tokens=torch.tensor(float(t.global_batch_size * t.seq_len)),
-        timer=plan_check.StageTimer(built.schedule, mon.timeline) if built.schedule is not None else None,
+        timer=plan_check.StageTimer(titan.pipeline_stages(built.schedule), mon.timeline) if built.schedule is not None else None,
         mon=mon,
         guard=loss_guard.LossGuard(cfg.monitor.guard),
         ckpt=Checkpointer(

@@ -8,6 +8,7 @@ import weakref
 from typing import Any
 
 from runner.run.dryrun import fake_cuda
+from runner.run.titan.step import pipeline_stages
 
 
 def devices_and_dtypes(built, opt) -> dict[str, Any]:
@@ -114,14 +115,7 @@ def rng(policy) -> dict[str, Any]:
 
 
 def masks_per_stage(built, captured: list[int]) -> dict[str, Any]:
-    return {"stages": [getattr(s, "stage_index", 0) for s in stages(built)], "forwards_with_masks": list(captured)}
-
-
-def stages(built) -> list:
-    # private_api: torch_schedule_stages, torch_schedule_stage
-    if built.schedule is None:
-        return []
-    return list(getattr(built.schedule, "_stages", None) or [built.schedule._stage])
+    return {"stages": [getattr(s, "stage_index", 0) for s in pipeline_stages(built.schedule)], "forwards_with_masks": list(captured)}
 
 
 def capture_masks(built) -> list[int]:

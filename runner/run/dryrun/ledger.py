@@ -19,6 +19,8 @@ from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from runner.run.titan.step import pipeline_stages
+
 # Fine labels, least specific first: a storage keeps the most specific label it is given.
 LABELS = (
     "activation",
@@ -295,9 +297,7 @@ def label_state(ledger: Ledger, parts: list[torch.nn.Module], optimizer) -> None
 def label_pipeline(ledger: Ledger, schedule) -> None:
     """Label the pipeline stages' receive buffers, which torch's PipelineStage makes in the first step, one per
     microbatch for the stage's input and one for its output's gradient, and keeps across steps."""
-    # private_api: torch_schedule_stages, torch_schedule_stage
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
+    for stage in pipeline_stages(schedule):
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
             for info in infos:
                 ledger.label(getattr(info, "buffer", None), "activation")

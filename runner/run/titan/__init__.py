@@ -41,6 +41,7 @@ from runner.run.titan.step import (
     next_token_loss,
     pipeline_eval,
     pipeline_set_up,
+    pipeline_stages,
     pipeline_step,
 )
 
@@ -84,6 +85,7 @@ __all__ = [
     "optimizers",
     "pipeline_eval",
     "pipeline_set_up",
+    "pipeline_stages",
     "pipeline_step",
     "preload",
     "quiet_torchao",

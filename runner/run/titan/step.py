@@ -192,3 +192,11 @@ def _schedule(built, run, microbatches, global_tokens: torch.Tensor) -> torch.Te
     # read by the policy with the grad norm (DevicePolicy.read): made on the compute device, since a CPU zero would be
     # copied to the device there, a blocking copy that waits for the stage's kernels (a second host sync per step)
     return torch.zeros((), device=inputs.device)
+
+
+def pipeline_stages(schedule) -> list:
+    """This rank's stages of a torch.distributed.pipelining schedule ([] without one); torch has no public accessor."""
+    if schedule is None:
+        return []
+    # private_api: torch_schedule_stages, torch_schedule_stage
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])

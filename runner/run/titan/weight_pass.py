@@ -16,6 +16,7 @@ import functools
 
 from torch.utils.checkpoint import GraphExecGroup
 
+from runner.run.titan.step import pipeline_stages
 from runner.schema import ActivationCheckpoint, RunConfig
 
 
@@ -24,9 +25,8 @@ def recompute_once(cfg: RunConfig, schedule) -> int:
     checkpointed; the number of stages wrapped (0 without a schedule or without AC)."""
     if schedule is None or cfg.training.activation_checkpoint == ActivationCheckpoint.none:
         return 0
-    # private_api: torch_schedule_stages, torch_schedule_stage, torch_stage_weight_pass
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
+    stages = pipeline_stages(schedule)
+    for stage in stages:  # private_api: torch_stage_weight_pass
         stage.backward_weight_one_chunk = _grouped(stage.backward_weight_one_chunk)
     return len(stages)
 
