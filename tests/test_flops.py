@@ -31,6 +31,7 @@ def test_mfu_and_hfu():
     assert flops.utilisation(1000, 1.0, 1e9, None, 1e12, 2.0) == flops.Utilisation(None, 1.0, None)
     m = ModelConfig()  # debug: dim 256, 16 heads of 16, ffn 768, 6 layers
     assert flops.hfu_factor(m, ActivationCheckpoint.full, 2) == pytest.approx(4 / 3)
+    assert flops.hfu_factor(m, ActivationCheckpoint.full, 2, recomputes=2.0) == pytest.approx(5 / 3)  # a split backward: input and weight pass
     assert flops.hfu_factor(m, ActivationCheckpoint.none, 2) == 1.0
     assert flops.hfu_factor(m, ActivationCheckpoint.selective_layer, 2) == pytest.approx(1 + 3 / 6 / 3)  # blocks 1, 3, 5 of 6
     assert flops.hfu_factor(m, ActivationCheckpoint.selective_layer, 4) == pytest.approx(1 + 1 / 6 / 3)  # block 3 only

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 
 from runner.estimate import pipeline
+from tests.points import PARALLEL_COMMON, SCHEDULES, SPLIT_BACKWARD
 from tests.points import PARALLEL_LAUNCHES as LAUNCHES
-from tests.points import SCHEDULES, SPLIT_BACKWARD
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -128,6 +128,32 @@ def test_a_split_backward_recomputes_a_checkpointed_block_once_per_weight_pass(t
         assert got["block_forwards_per_weight_pass"] == [1] and plain["block_forwards_per_weight_pass"] == [], s
         assert [r["loss"] for r in got["rows"]] == [pytest.approx(r["loss"], abs=SCHEDULE_LOSS_ATOL) for r in plain["rows"]], s
         assert got["weights"]["update_sq"] == pytest.approx(plain["weights"]["update_sq"], rel=1e-9), s
+
+
+def test_hfu_counts_the_recomputes_a_split_backward_runs(trained, compose):
+    """A split backward reruns a checkpointed block in its input pass and again in its weight pass, but on the model's
+    first stage (no input gradient: its weight pass is its only backward). The forwards each stage's block ran over
+    the run, less those of the same run without AC, are the recomputes; their mean over the blocks is what HFU counts
+    (runner.estimate.split_backward.recomputes_per_backward): every backward splits under the zero-bubble schedules,
+    a quarter of them under DualPipeV with 4 microbatches on pp2. Within one forward per stage (the run has one more
+    than its steps x microbatches, with AC one more recompute on the stages after the first: left alone)."""
+    from runner.estimate import split_backward
+    from runner.run import accounting
+    from runner.schema.layout import resolve
+
+    expected = {"InterleavedZeroBubble": 11 / 6, "ZBVZeroBubble": 11 / 6, "DualPipeV": 1 + 5 / 6 / 4}
+    for s in SPLIT_BACKWARD:
+        got, plain = trained[f"pp2_{s}_ac"], trained[f"pp2_{s}"]
+        cfg = compose([*PARALLEL_COMMON, *LAUNCHES[2][f"pp2_{s}_ac"]])
+        runs = len(got["rows"]) * cfg.training.global_batch_size // cfg.training.microbatch_size
+        layers = {str(stage["index"]): stage["layers"] for rank in got["stages"] for stage in rank}
+        again = {k: (got["block_forwards_per_stage"][k] - plain["block_forwards_per_stage"][k]) / runs for k in layers}
+        assert again["0"] == pytest.approx(1.0, abs=1 / runs), s
+        measured = sum(layers[k] * again[k] for k in layers) / sum(layers.values())
+        planned = split_backward.recomputes_per_backward(cfg, resolve(cfg.parallelism, cfg.cluster))
+        assert (planned, measured) == (pytest.approx(expected[s]), pytest.approx(expected[s], abs=1 / runs)), s
+        assert [r["hfu"] / r["mfu"] for r in got["rows"]] == [pytest.approx(1 + planned / 3)] * len(got["rows"]), s
+        assert accounting.hfu_factor(cfg) == pytest.approx(1 + planned / 3), s
 
 
 def test_flex_attention_masks_pass_through_the_pipeline_schedule(trained):

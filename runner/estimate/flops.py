@@ -224,6 +224,7 @@ def recompute_fraction(m: ModelConfig, ac: ActivationCheckpoint, layer_frequency
     return (kv + q + ffn) / (2 * q + 2 * kv + 3 * ffn)
 
 
-def hfu_factor(m: ModelConfig, ac: ActivationCheckpoint, layer_frequency: int) -> float:
-    """Hardware FLOPs / model FLOPs: recomputation repeats that share of the forward (2 of 6 units)."""
-    return 1.0 + recompute_fraction(m, ac, layer_frequency) * 2.0 / 6.0
+def hfu_factor(m: ModelConfig, ac: ActivationCheckpoint, layer_frequency: int, recomputes: float = 1.0) -> float:
+    """Hardware FLOPs / model FLOPs: recomputation repeats that share of the forward (2 of 6 units), `recomputes` times
+    per backward (more than 1 under a split backward: runner.estimate.split_backward.recomputes_per_backward)."""
+    return 1.0 + recompute_fraction(m, ac, layer_frequency) * recomputes * 2.0 / 6.0

@@ -89,11 +89,15 @@ def chunk_stages(cfg: RunConfig, lay: Layout, st: int) -> list[int]:
 
 def chunk_blocks(cfg: RunConfig, lay: Layout, st: int) -> list[tuple[int, int]]:
     """(dense, moe) blocks of each of rank `st`'s virtual stages (chunk_stages' order)."""
+    per_stage = blocks_of_stages(cfg, lay)
+    return [per_stage[s] for s in chunk_stages(cfg, lay, st)]
+
+
+def blocks_of_stages(cfg: RunConfig, lay: Layout) -> tuple[tuple[int, int], ...]:
+    """(dense, moe) blocks of every pipeline stage, in stage order."""
     m, p = cfg.model, cfg.parallelism
     dense = m.num_dense_layers if flops.is_moe(m) else m.num_layers
-    split = (m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers)
-    per_stage = _blocks_per_stage(*split, dense)
-    return [per_stage[s] for s in chunk_stages(cfg, lay, st)]
+    return _blocks_per_stage(m.num_layers, lay.pp * p.pp_virtual_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers, dense)
 
 
 @functools.lru_cache(maxsize=4096)

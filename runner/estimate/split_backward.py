@@ -1,4 +1,5 @@
-"""What a V schedule's split backward holds on a rank (torch-free), for runner.estimate.memory.
+"""What a V schedule's split backward holds on a rank (torch-free), for runner.estimate.memory, and how often a
+split backward recomputes a checkpointed block (recomputes_per_backward, for HFU).
 
 torch's ScheduleZBVZeroBubble, and ScheduleDualPipeV from the middle of its step 6 on, split a stage's backward into an
 input half (I: `stage_backward_input`) and a weight half (W: `stage_backward_weight`) that runs later
@@ -101,3 +102,32 @@ def peak(
             cand = (h0 * per_mb[0] + h1 * per_mb[1], q0 * dw[0] + q1 * dw[1] + recompute[chunk], grads)
             best = max(best, cand, key=sum)
     return best
+
+
+def recomputes_per_backward(cfg: RunConfig, lay: Layout) -> float:
+    """Forwards of a checkpointed block that backward reruns per microbatch, over all the model's blocks: 1, and 2 for
+    the backwards torch splits into an input pass and a weight pass (each reruns the block: the weight pass once, under
+    runner.run.titan.weight_pass). Every backward of InterleavedZeroBubble and ZBVZeroBubble splits, DualPipeV's from the
+    middle of its step 6 on; the model's first stage has no input gradient, so its weight pass is its only backward.
+    Counted on real ranks (tests/test_parallel.py: a pp2 block's forwards over a run, per stage)."""
+    p = cfg.parallelism
+    if lay.pp == 1 or not pipeline.SCHEDULES[p.pp_schedule].zero_bubble:
+        return 1.0
+    micro = cfg.training.global_batch_size // (lay.dp * cfg.training.microbatch_size)
+    split = split_shares(p.pp_schedule, lay.pp, p.pp_virtual_stages, micro)
+    blocks = [sum(b) for b in pipeline_ranks.blocks_of_stages(cfg, lay)]
+    return 1.0 + sum(b * s for b, s in zip(blocks, split, strict=True)) / max(1, sum(blocks))
+
+
+@functools.lru_cache(maxsize=256)
+def split_shares(schedule: str, pp: int, v: int, micro: int) -> tuple[float, ...]:
+    """Per pipeline stage, the share of its microbatches' backwards split into an input and a weight pass
+    (`schedule` a zero-bubble schedule; v stages per rank)."""
+    if schedule != "DualPipeV":
+        return (0.0,) + (1.0,) * (pp * v - 1)
+    share = [0.0] * (2 * pp)
+    for rank in range(pp):
+        stages = (rank, 2 * pp - 1 - rank)
+        for chunk, kind in pipeline_ranks.v_actions(schedule, pp, micro, rank):
+            share[stages[chunk]] += (kind == "I") / micro
+    return (0.0, *share[1:])

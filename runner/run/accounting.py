@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from runner.estimate import flops
+from runner.estimate import flops, split_backward
 from runner.schema import ActivationCheckpoint, RunConfig
-from runner.schema.layout import Layout, label
+from runner.schema.layout import Layout, label, resolve
 from runner.schema.wording import count
 
 
@@ -126,11 +126,19 @@ def slow_fp8(cfg: RunConfig, acc: Accounting, pk: dict) -> str | None:
     )
 
 
+def hfu_factor(cfg: RunConfig) -> float:
+    """Hardware FLOPs / model FLOPs of a run: activation checkpointing's recomputes, twice where a split backward runs
+    them in its input and its weight pass."""
+    t = cfg.training
+    again = split_backward.recomputes_per_backward(cfg, resolve(cfg.parallelism, cfg.cluster))
+    return flops.hfu_factor(cfg.model, t.activation_checkpoint, t.ac_layer_frequency, again)
+
+
 def row(step: int, loss: float, grad_norm: float, dt: float, lr: float, cfg: RunConfig, acc: Accounting, memory_gb: float) -> dict:
     t = cfg.training
     tokens = t.global_batch_size * t.seq_len
     recomputes = t.activation_checkpoint != ActivationCheckpoint.none
-    hfu = flops.hfu_factor(cfg.model, t.activation_checkpoint, t.ac_layer_frequency) if recomputes else None
+    hfu = hfu_factor(cfg) if recomputes else None
     u = flops.utilisation(tokens, dt, acc.flops_per_token, acc.mfu_total, acc.peak_flops_total, hfu)
     out = {
         "step": step,

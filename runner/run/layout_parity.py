@@ -120,7 +120,7 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
     """Train with the runner's step loop: per-step rows, the exact step-1 norm, the weights' fingerprint, the summary."""
     data = per_rank.data_for(cfg, lay, dist.get_rank(), run_dir, policy)
     seen = _first_norm_output(built)
-    per_weight_pass = _block_forwards_per_weight_pass(built)
+    per_weight_pass, per_stage = _block_forwards(built)
     before = full_weights(built.parts)
     sink, exact, init = Collect(), [], []
     # step 1's exact norm, from the gradients the step loop itself computed, just before TorchTitan's clip
@@ -133,6 +133,7 @@ def _train(cfg: RunConfig, lay: layout.Layout, built: titan.Built, run_dir: Path
         "rows": sink.rows,
         "norm_output_shape": seen,
         "block_forwards_per_weight_pass": sorted({n for got in policy.all_gather_object(per_weight_pass) for n in got}),
+        "block_forwards_per_stage": {k: v for got in policy.all_gather_object(per_stage) for k, v in got.items()},
         "grad_norm_fp64": exact[0] if exact else None,  # None: a resumed run that starts after step 1
         "weights": fingerprint(before, full_weights(built.parts), lay, policy),
         "summary": sink.summary,
@@ -196,18 +197,27 @@ def _first_norm_output(built: titan.Built) -> list[int]:
     return shape
 
 
-def _block_forwards_per_weight_pass(built: titan.Built) -> list[int]:
+def _block_forwards(built: titan.Built) -> tuple[list[int], dict[int, int]]:
     """Filled during training: for each weight pass of a split backward (a stage's backward_weight_one_chunk) that ran
-    a block's forward (activation checkpointing's recompute), the most forwards one block ran in it."""
+    a block's forward (activation checkpointing's recompute), the most forwards one block ran in it; and per pipeline
+    stage of this rank, the forwards its first block ran in the whole run, recomputes included."""
     if built.schedule is None:
-        return []
+        return [], {}
     found: list[int] = []
     counts: dict[int, int] = {}
-    for part in built.parts:
-        for block in part.layers.children():  # a block's first norm runs once per forward of the block, recomputes too
-            block.attention_norm.register_forward_pre_hook(
-                lambda module, args: counts.__setitem__(id(module), counts.get(id(module), 0) + 1)
-            )
+    per_stage: dict[int, int] = {}
+
+    def count(module, stage: int) -> None:
+        counts[id(module)] = counts.get(id(module), 0) + 1
+        if module is firsts[stage]:
+            per_stage[stage] = per_stage.get(stage, 0) + 1
+
+    firsts = {}
+    for stage in titan.pipeline_stages(built.schedule):
+        blocks = list(stage.submod.layers.children())
+        firsts[stage.stage_index] = blocks[0].attention_norm if blocks else None
+        for block in blocks:  # a block's first norm runs once per forward of the block, recomputes too
+            block.attention_norm.register_forward_pre_hook(lambda module, args, i=stage.stage_index: count(module, i))
 
     def counted(weight_pass):
         def run(*args, **kwargs):
@@ -220,7 +230,7 @@ def _block_forwards_per_weight_pass(built: titan.Built) -> list[int]:
 
     for stage in titan.pipeline_stages(built.schedule):  # private_api: torch_stage_weight_pass
         stage.backward_weight_one_chunk = counted(stage.backward_weight_one_chunk)
-    return found
+    return found, per_stage
 
 
 def _stages(built: titan.Built) -> list[dict[str, Any]]:

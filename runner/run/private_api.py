@@ -69,7 +69,7 @@ FAKE_DEVICE = f"{FAKE_CUDA}:_replacements"
 CUDA = "torch.cuda"
 STEP_PROBE, CUDA_CHECKS = "runner/run/dryrun/step_probe.py", "runner/run/dryrun/cuda_checks.py"
 SCHEDULE_READERS = ("runner/run/titan/step.py:pipeline_stages",)
-WEIGHT_PASS = ("runner/run/titan/weight_pass.py:recompute_once", "runner/run/layout_parity.py:_block_forwards_per_weight_pass")
+WEIGHT_PASS = ("runner/run/titan/weight_pass.py:recompute_once", "runner/run/layout_parity.py:_block_forwards")
 FSDP_GROUP, RING = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group",
     "torch.distributed.tensor.experimental._context_parallel._attention",
