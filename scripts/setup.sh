@@ -6,7 +6,7 @@
 #   scripts/setup.sh --with-slurm     also Debian's slurm-wlm and munge (apt-get, as root), which the
 #                                     localhost SLURM cluster of the tests needs (scripts/slurm_local/)
 #   scripts/setup.sh --cuda-rehearsal only .venv-cuda: the CUDA build of the pinned torch from PyPI (about
-#                                     2.7 GB of download, 4.7 GB on disk), the project editable, and the
+#                                     2.7 GB of download, 5.5 GB on disk), the project editable, and the
 #                                     fake-CUDA shim built with gcc; `mode=dryrun dryrun.device=cuda` and
 #                                     `pytest -m cuda_rehearsal` run there (docs/dryrun.md)
 # TORCH_INDEX_URL: the package index of torch's CPU wheels, asked only when pip's configured index has
