@@ -135,8 +135,9 @@ def test_hfu_counts_the_recomputes_a_split_backward_runs(trained, compose):
     first stage (no input gradient: its weight pass is its only backward). The forwards each stage's block ran over
     the run, less those of the same run without AC, are the recomputes; their mean over the blocks is what HFU counts
     (runner.estimate.split_backward.recomputes_per_backward): every backward splits under the zero-bubble schedules,
-    a quarter of them under DualPipeV with 4 microbatches on pp2. Within one forward per stage (the run has one more
-    than its steps x microbatches, with AC one more recompute on the stages after the first: left alone)."""
+    a quarter of them under DualPipeV with 4 microbatches on pp2. Within one forward per stage: torch's first step
+    infers each stage's shapes with a forward of its own (PipelineStage._forward_metadata_inference) and, on the stages
+    after the first, an input-gradient backward that recomputes under AC (_backward_metadata_inference)."""
     from runner.estimate import split_backward
     from runner.run import accounting
     from runner.schema.layout import resolve
